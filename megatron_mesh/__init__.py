@@ -1,0 +1,1 @@
+"""megatron-mesh: exact 2D (mesh) context-parallel attention for Megatron-Core."""

@@ -1,0 +1,92 @@
+"""Bytes each CP rank sends for one mesh attention layer (forward and backward).
+
+Counting convention (also used by the byte counters in `comm.py`): for a collective over
+n ranks, all_gather of an m-byte input sends (n-1)*m, reduce_scatter to an m-byte output
+sends (n-1)*m, all_to_all of an M-byte input sends M*(n-1)/n (its own piece stays).
+
+Per rank (i, j) of an R x C grid, with q = s*b*hq*d (local Q or O chunk, elements),
+kv = 2*s*b*hkv*d (local K and V), l = b*hq*s (one lse / D value per query row), e = bytes
+per element of the input dtype, fp32 = 4:
+
+    forward : row all-gather Q            (C-1) * q  * e
+              column all-gather K, V      (R-1) * kv * e
+              row all-to-all partial O     (C-1) * q  * e
+              row all-to-all partial lse   (C-1) * l  * 4
+    backward: row all-gather Q, dO        (C-1) * 2q * e
+              row all-gather lse, D       (C-1) * 2l * 4
+              column all-gather K, V      (R-1) * kv * e
+              row reduce-scatter dQ       (C-1) * q  * 4
+              column reduce-scatter dK,dV (R-1) * kv * 4
+
+In elements this is DESIGN.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms;
+gradients travel in fp32, so with bf16 inputs dQ, dK, dV count twice their element size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer's problem on a CP group; `seq_len` is the whole sequence S."""
+
+    seq_len: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    def local_elements(self, cp_size: int) -> tuple[int, int, int]:
+        """(q, kv, l) element counts of one rank's share, as in the module docstring."""
+        s = self.seq_len // cp_size
+        q = s * self.batch * self.q_heads * self.head_dim
+        kv = 2 * s * self.batch * self.kv_heads * self.head_dim
+        lse = s * self.batch * self.q_heads
+        return q, kv, lse
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends, split by pass and by grid direction."""
+
+    forward_row: int
+    forward_col: int
+    backward_row: int
+    backward_col: int
+
+    @property
+    def forward(self) -> int:
+        return self.forward_row + self.forward_col
+
+    @property
+    def backward(self) -> int:
+        return self.backward_row + self.backward_col
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+def mesh_traffic(shape: AttentionShape, rows: int, cols: int) -> Traffic:
+    """Bytes sent per rank by mesh attention on a rows x cols grid (forward, backward)."""
+    q, kv, lse = shape.local_elements(rows * cols)
+    e = shape.dtype_bytes
+    return Traffic(
+        forward_row=(cols - 1) * (q * e + q * e + lse * FP32_BYTES),
+        forward_col=(rows - 1) * kv * e,
+        backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * FP32_BYTES),
+        backward_col=(rows - 1) * (kv * e + kv * FP32_BYTES),
+    )
+
+
+def mesh_shapes(cp_size: int) -> list[tuple[int, int]]:
+    """Every rows x cols factorization of cp_size, from cp_size x 1 down to 1 x cp_size."""
+    return [(cp_size // c, c) for c in range(1, cp_size + 1) if cp_size % c == 0]
+
+
+def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:
+    """The grid with the least traffic per rank; ties go to more rows (GQA-friendly)."""
+    return min(mesh_shapes(cp_size), key=lambda rc: (mesh_traffic(shape, *rc).total, -rc[0]))
