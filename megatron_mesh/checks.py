@@ -1,0 +1,55 @@
+"""Input validation for mesh attention: every check is local, so a bad call fails on
+every rank before any collective starts (no rank is left waiting)."""
+from __future__ import annotations
+
+import torch
+
+from .grid import MeshGrid
+from .kernels import BACKENDS
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: MeshGrid,
+    softmax_scale: float | None,
+    backend: str,
+) -> None:
+    """Raise ValueError naming the bad value and what is valid."""
+    if not isinstance(grid, MeshGrid):
+        raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got {type(grid).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [s, b, h, d], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name}.dtype={t.dtype} is not one of float32, bfloat16, float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; they must match")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}; they must match")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}; they must match")
+    s, b, hq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (s, b, d):
+        raise ValueError(
+            f"q shape {tuple(q.shape)} and k shape {tuple(k.shape)} must agree in s, b and d "
+            "([s, b, hq, d] vs [s, b, hkv, d])"
+        )
+    hkv = k.shape[2]
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hkv}")
+    if s < 2 or s % 2 != 0:
+        p = grid.cp_size
+        raise ValueError(
+            f"sequence length {s * p} (local {s} x CP {p}) must be divisible by 2 * CP = {2 * p} "
+            "for the zigzag layout"
+        )
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive float or None")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")

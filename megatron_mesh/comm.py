@@ -1,0 +1,99 @@
+"""The three collectives the mesh uses, along dim 0, with a per-rank byte counter.
+
+Bytes a rank sends, for a group of n ranks: all_gather of an m-byte input (n-1)*m;
+reduce_scatter to an m-byte output (n-1)*m; all_to_all of an M-byte input M*(n-1)/n.
+Groups of one rank skip the collective and send nothing.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Phase = Literal["forward", "backward"]
+Direction = Literal["row", "col"]
+
+_active: list["TrafficCounter"] = []
+
+
+class TrafficCounter:
+    """Counts the bytes this rank sends in mesh collectives while the context is open.
+
+        with TrafficCounter() as tc:
+            mesh_attention(q, k, v, grid).backward(dout)
+        tc.total_bytes, tc.bytes(phase="forward", direction="row")
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str, str]] = Counter()  # (phase, direction, op) -> bytes
+
+    def __enter__(self) -> "TrafficCounter":
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _active.remove(self)
+
+    def bytes(self, phase: Phase | None = None, direction: Direction | None = None) -> int:
+        """Bytes sent, optionally restricted to one phase and / or grid direction."""
+        return sum(
+            n for (p, d, _), n in self.counts.items()
+            if phase in (None, p) and direction in (None, d)
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes()
+
+
+def _record(phase: Phase, direction: Direction, op: str, nbytes: int) -> None:
+    for counter in _active:
+        counter.counts[(phase, direction, op)] += nbytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+) -> torch.Tensor:
+    """[m, ...] on each of n ranks -> [n * m, ...], in group-rank order."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    _record(phase, direction, "all_gather", (n - 1) * _nbytes(t))
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def reduce_scatter(
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+) -> torch.Tensor:
+    """[n * m, ...] on each rank -> this rank's [m, ...] piece of the sum over ranks."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    _record(phase, direction, "reduce_scatter", (n - 1) * _nbytes(out))
+    dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_to_all(
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+) -> torch.Tensor:
+    """[n * m, ...]: piece k goes to group rank k; returns the n pieces received, in order."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    _record(phase, direction, "all_to_all", _nbytes(t) * (n - 1) // n)
+    dist.all_to_all_single(out, t, group=group)
+    return out

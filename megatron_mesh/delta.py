@@ -1,0 +1,30 @@
+"""D = rowsum(dout * out): the only way attention backward depends on the output.
+
+The backward kernels take `out`, but only ever use it to form D. A rank that computes
+gradients for another rank's queries receives D (one fp32 value per row) instead of the
+whole output chunk, and hands the kernel a stand-in output with the same D.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """dout, out [s, b, h, d] -> D [b, h, s] in fp32."""
+    return (dout.float() * out.float()).sum(-1).permute(1, 2, 0).contiguous()
+
+
+def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor like dout [s, b, h, d] whose rowsum(dout * result) equals delta [b, h, s].
+
+    result = u * D / rowsum(dout * u) with u = dout / max|dout| (scaled so that tiny
+    gradients do not underflow); rows with dout == 0 give 0, and there D is 0 too.
+    Its norm is |D| / |dout| <= |out|, so it is as well scaled as the real output.
+    """
+    g = dout.float()
+    amax = g.abs().amax(-1, keepdim=True)
+    u = g / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    dot = (g * u).sum(-1, keepdim=True)
+    d = delta.permute(2, 0, 1).unsqueeze(-1)
+    scale = torch.where(dot > 0, d / dot.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return (u * scale).to(dout.dtype)

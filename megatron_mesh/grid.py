@@ -1,0 +1,116 @@
+"""The R x C grid over a context-parallel group and its row / column process groups.
+
+CP rank r sits at (r // C, r % C): a row holds C consecutive CP ranks, a column holds
+every C-th one. Rank (i, j) gathers Q over its row and K/V over its column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MeshGrid:
+    """This rank's place in one CP group's mesh, with the groups it talks over."""
+
+    rows: int
+    cols: int
+    cp_rank: int
+    cp_ranks: tuple[int, ...]  # global ranks of the CP group, in CP-rank order
+    cp_group: dist.ProcessGroup | None
+    row_group: dist.ProcessGroup | None
+    col_group: dist.ProcessGroup | None
+
+    @property
+    def cp_size(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def row_index(self) -> int:
+        return self.cp_rank // self.cols
+
+    @property
+    def col_index(self) -> int:
+        return self.cp_rank % self.cols
+
+    @property
+    def row_cp_ranks(self) -> list[int]:
+        """CP ranks of this rank's row: the query owners of its tile, by column index."""
+        return [self.row_index * self.cols + j for j in range(self.cols)]
+
+    @property
+    def col_cp_ranks(self) -> list[int]:
+        """CP ranks of this rank's column: the key/value owners of its tile, by row index."""
+        return [i * self.cols + self.col_index for i in range(self.rows)]
+
+    @classmethod
+    def build(cls, rows: int, cols: int, group: dist.ProcessGroup | None = None) -> "MeshGrid":
+        """Collective: the grid over `group` (default: the whole default process group).
+
+        With group=None every rank of the default group calls it. With an explicit group only
+        that group's members call it (its row and column groups are created locally).
+        """
+        if group is None:
+            grid = cls.build_many([list(range(dist.get_world_size()))], rows, cols)
+            assert grid is not None
+            return grid
+        ranks = dist.get_process_group_ranks(group)
+        check_shape(rows, cols, len(ranks))
+        cp_rank = ranks.index(dist.get_rank())
+        i, j = divmod(cp_rank, cols)
+        row = [ranks[i * cols + c] for c in range(cols)]
+        col = [ranks[r * cols + j] for r in range(rows)]
+        return cls(
+            rows, cols, cp_rank, tuple(ranks), group,
+            dist.new_group(row, use_local_synchronization=True),
+            dist.new_group(col, use_local_synchronization=True),
+        )
+
+    @classmethod
+    def build_many(
+        cls, cp_groups: Sequence[Sequence[int]], rows: int, cols: int
+    ) -> "MeshGrid | None":
+        """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
+
+        Every rank creates every CP, row and column group in the same order, as
+        torch.distributed requires; it returns the grid of the CP group holding this rank,
+        or None when no group holds it.
+        """
+        world = dist.get_world_size()
+        seen: set[int] = set()
+        for ranks in cp_groups:
+            check_shape(rows, cols, len(ranks))
+            for rank in ranks:
+                if not 0 <= rank < world or rank in seen:
+                    raise ValueError(
+                        f"CP groups {list(map(list, cp_groups))} must hold distinct ranks in "
+                        f"[0, {world}); rank {rank} is repeated or out of range"
+                    )
+                seen.add(rank)
+        me = dist.get_rank()
+        mine: MeshGrid | None = None
+        for ranks in cp_groups:
+            ranks = list(ranks)
+            cp_group = dist.new_group(ranks)
+            row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols]) for i in range(rows)]
+            col_groups = [dist.new_group(ranks[j::cols]) for j in range(cols)]
+            if me in ranks:
+                cp_rank = ranks.index(me)
+                i, j = divmod(cp_rank, cols)
+                mine = cls(rows, cols, cp_rank, tuple(ranks), cp_group, row_groups[i], col_groups[j])
+        return mine
+
+
+def check_shape(rows: int, cols: int, cp_size: int) -> None:
+    """Raise ValueError unless rows x cols is a grid of exactly cp_size ranks."""
+    for name, value in (("rows", rows), ("cols", cols)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"mesh {name}={value!r} must be a positive integer")
+    if rows * cols != cp_size:
+        valid = ", ".join(f"{r}x{cp_size // r}" for r in range(1, cp_size + 1) if cp_size % r == 0)
+        raise ValueError(
+            f"mesh shape {rows}x{cols} has {rows * cols} ranks but the CP group has {cp_size}; "
+            f"valid shapes: {valid}"
+        )

@@ -1,0 +1,112 @@
+"""Command-line arguments for choosing the context-parallel algorithm and the mesh shape.
+
+`add_mesh_args` works as Megatron-LM's `extra_args_provider`; `validate_mesh_args` checks
+the parsed arguments before anything distributed starts.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from megatron_mesh.megatron.shape import parse_mesh_shape, resolve_mesh_shape
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh")
+"""Megatron's four context-parallel algorithms (Transformer Engine) and the mesh."""
+
+__all__ = ["ALGORITHMS", "add_mesh_args", "parse_mesh_shape", "validate_mesh_args"]
+
+
+def _mesh_shape_type(text: str) -> tuple[int, int]:
+    try:
+        return parse_mesh_shape(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add --context-parallel-algo and --mesh-shape to `parser` (idempotent); returns it."""
+    if "--context-parallel-algo" in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group("mesh context parallelism")
+    group.add_argument(
+        "--context-parallel-algo",
+        dest="context_parallel_algo",
+        choices=ALGORITHMS,
+        default="p2p",
+        help="Context-parallel attention algorithm. p2p, all_gather, a2a and a2a+p2p are "
+        "Megatron's (they need Transformer Engine); mesh is the 2D mesh attention.",
+    )
+    group.add_argument(
+        "--mesh-shape",
+        dest="mesh_shape",
+        type=_mesh_shape_type,
+        default=None,
+        metavar="RxC",
+        help="Grid of the context-parallel ranks for --context-parallel-algo mesh, "
+        "R * C = --context-parallel-size. Chosen for least traffic when omitted.",
+    )
+    return parser
+
+
+def _head_counts(args: Any) -> tuple[int | None, int | None]:
+    """(num_attention_heads, num_query_groups) as Megatron-LM means them."""
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None)
+    if getattr(args, "group_query_attention", True) is False:
+        groups = None  # Megatron-LM ignores --num-query-groups without --group-query-attention
+    return heads, groups
+
+
+def _head_dim(args: Any) -> int | None:
+    kv_channels = getattr(args, "kv_channels", None)
+    if kv_channels:
+        return kv_channels
+    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    return hidden // heads if heads and hidden else None
+
+
+def validate_mesh_args(args: Any) -> tuple[int, int] | None:
+    """Check the algorithm, CP size, sequence length and mesh shape; ValueError if bad.
+
+    Returns the (R, C) mesh shape (chosen automatically and logged when --mesh-shape is
+    omitted) for the mesh with CP > 1, else None. Touches no process group.
+    """
+    algo = getattr(args, "context_parallel_algo", "p2p")
+    if algo not in ALGORITHMS:
+        raise ValueError(
+            f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
+        )
+    cp_size = getattr(args, "context_parallel_size", 1) or 1
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
+    seq_length = getattr(args, "seq_length", None)
+    if cp_size > 1 and seq_length is not None and seq_length % (2 * cp_size) != 0:
+        raise ValueError(
+            f"sequence length {seq_length} must be divisible by 2 * context-parallel size = "
+            f"{2 * cp_size}"
+        )
+    mesh_shape = getattr(args, "mesh_shape", None)
+    if algo != "mesh":
+        if mesh_shape is not None:
+            logger.warning("--mesh-shape %s is ignored: --context-parallel-algo is %s", mesh_shape, algo)
+        return None
+    heads, groups = _head_counts(args)
+    shape, automatic = resolve_mesh_shape(
+        cp_size,
+        mesh_shape,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=_head_dim(args),
+        seq_length=seq_length,
+    )
+    if cp_size == 1:
+        logger.warning(
+            "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"
+        )
+        return None
+    how = "chosen for least traffic" if automatic else "from --mesh-shape"
+    logger.info("mesh context parallelism: %dx%d grid of %d CP ranks (%s)", *shape, cp_size, how)
+    return shape

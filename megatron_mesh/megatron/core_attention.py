@@ -1,0 +1,180 @@
+"""Megatron-Core's core-attention slot filled by the mesh (or handed to Transformer Engine).
+
+`MeshDotProductAttention` has the constructor and forward of Megatron's
+`DotProductAttention` / `TEDotProductAttention`: q [sq, b, np, hn], k / v [sk, b, ng, hn]
+(this rank's zigzag share of the sequence, this TP rank's heads) -> [sq, b, np * hn].
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mesh.attention import mesh_attention
+from megatron_mesh.megatron.arguments import ALGORITHMS
+from megatron_mesh.megatron.groups import get_mesh_grid
+
+_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+
+def resolve_algorithm(
+    context_parallel_algo: str | None, cp_comm_type: str | None, config: TransformerConfig
+) -> str:
+    """The spec's algorithm, else cp_comm_type (argument, then config), else 'mesh'."""
+    configured = getattr(config, "cp_comm_type", None)
+    for algo in (context_parallel_algo, cp_comm_type, configured):
+        if algo is None or isinstance(algo, list):
+            continue
+        if algo not in ALGORITHMS:
+            raise ValueError(
+                f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
+            )
+        return algo
+    return "mesh"
+
+
+def _transformer_engine_attention() -> type | None:
+    """Megatron's TEDotProductAttention, or None when Transformer Engine is missing."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+    except ImportError:
+        return None
+    return TEDotProductAttention if HAVE_TE else None
+
+
+class MeshDotProductAttention(MegatronModule):
+    """Exact context-parallel attention over this rank's mesh grid.
+
+    With an algorithm other than 'mesh' construction returns Megatron's
+    TEDotProductAttention instead (its state dict is then exactly Transformer Engine's).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        config = kwargs.get("config", args[0] if args else None)
+        algo = resolve_algorithm(
+            kwargs.get("context_parallel_algo"), kwargs.get("cp_comm_type"), config
+        )
+        te_attention = None if algo == "mesh" else _transformer_engine_attention()
+        if te_attention is None and (algo == "mesh" or config.context_parallel_size == 1):
+            return super().__new__(cls)  # with CP == 1 every algorithm is plain attention
+        if te_attention is None:
+            raise ValueError(
+                f"context-parallel algorithm {algo!r} runs in Transformer Engine, which is not "
+                "installed: install transformer-engine[pytorch] (GPU only), or use "
+                "--context-parallel-algo mesh, which needs no Transformer Engine"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("context_parallel_algo", "backend")}
+        kwargs["cp_comm_type"] = algo
+        return te_attention(*args, **kwargs)
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        context_parallel_algo: str | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.backend = backend
+        _check_supported(config, attn_mask_type, attention_type, attention_dropout)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.grid = get_mesh_grid()
+        cp_ranks = tuple(dist.get_process_group_ranks(pg_collection.cp))
+        if config.context_parallel_size != len(cp_ranks) or self.grid.cp_ranks != cp_ranks:
+            raise ValueError(
+                f"the mesh grid covers CP ranks {list(self.grid.cp_ranks)} but this layer's "
+                f"CP group is {list(cp_ranks)} (config.context_parallel_size="
+                f"{config.context_parallel_size}); call initialize_mesh_grids() after "
+                "initialize_model_parallel() with the same context-parallel size"
+            )
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.current_max_attn_logits = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """q [sq, b, np, hn], k / v [sk, b, ng, hn] -> [sq, b, np * hn].
+
+        `attention_mask` is not read: the mask is the causal (or no) mask of
+        `attn_mask_type`, applied to the whole sequence across the CP group.
+        """
+        if packed_seq_params is not None:
+            raise ValueError("MeshDotProductAttention does not support packed sequences (thd)")
+        if attention_bias is not None:
+            raise ValueError("MeshDotProductAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type not in _MASKS:
+            raise ValueError(
+                f"MeshDotProductAttention supports attn_mask_type causal or no_mask, got {mask_type}"
+            )
+        if query.shape[0] != key.shape[0]:
+            raise ValueError(
+                f"MeshDotProductAttention needs as many queries as keys per rank (got "
+                f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
+            )
+        out = mesh_attention(
+            query,
+            key,
+            value,
+            self.grid,
+            causal=_MASKS[mask_type],
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+        )
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _check_supported(
+    config: TransformerConfig,
+    attn_mask_type: AttnMaskType,
+    attention_type: str,
+    attention_dropout: float | None,
+) -> None:
+    """ValueError for features the mesh does not implement, before any communication."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    problems = []
+    if dropout:
+        problems.append(f"attention dropout {dropout} (set attention_dropout=0.0)")
+    if attention_type != "self":
+        problems.append(f"attention_type {attention_type!r} (only 'self')")
+    if attn_mask_type not in _MASKS:
+        problems.append(f"attn_mask_type {attn_mask_type} (only causal or no_mask)")
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"sliding window {config.window_size}")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type {config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+        problems.append("qk_clip / log_max_attention_logit")
+    if getattr(config, "multi_latent_attention", False):
+        problems.append("multi-latent attention")
+    if problems:
+        raise ValueError("MeshDotProductAttention does not support: " + "; ".join(problems))

@@ -1,0 +1,108 @@
+"""The mesh grids of every context-parallel group of a Megatron-Core job.
+
+Call `initialize_mesh_grids` after `parallel_state.initialize_model_parallel`, on every
+rank. Each CP group (in CP-rank order, as parallel_state made it) becomes an R x C grid;
+a row holds C consecutive CP ranks, so that with TP inside a node the row traffic stays
+as local as it can.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_mesh.grid import MeshGrid
+from megatron_mesh.megatron.shape import resolve_mesh_shape
+
+logger = logging.getLogger(__name__)
+
+_MESH_GRID: MeshGrid | None = None
+
+__all__ = ["initialize_mesh_grids", "get_mesh_grid", "destroy_mesh_grids", "mesh_grid_is_initialized"]
+
+
+def _all_cp_groups(shape: tuple[int, int]) -> list[list[int]]:
+    """Every CP group of the job (global ranks, CP order), gathered from all ranks.
+
+    Each rank also sends its mesh shape; ranks that disagree fail together, never hang.
+    """
+    mine = (tuple(parallel_state.get_context_parallel_global_ranks()), shape)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    shapes = {s for _, s in gathered}
+    if len(shapes) != 1:
+        per_rank = ", ".join(f"rank {r}: {s[0]}x{s[1]}" for r, (_, s) in enumerate(gathered))
+        raise ValueError(f"ranks disagree on the mesh shape ({per_rank}); pass the same to all")
+    groups = sorted({ranks for ranks, _ in gathered})
+    return [list(ranks) for ranks in groups]
+
+
+def initialize_mesh_grids(
+    mesh_shape: tuple[int, int] | str | None = None,
+    *,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    seq_length: int | None = None,
+    head_dim: int | None = None,
+) -> MeshGrid | None:
+    """Collective over all ranks: build the grid of every CP group; returns this rank's.
+
+    mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the least-traffic
+    shape for the head counts (see `shape.auto_mesh_shape`). The shape is checked before
+    any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
+    """
+    global _MESH_GRID
+    if _MESH_GRID is not None:
+        raise RuntimeError("mesh grids are already initialized; call destroy_mesh_grids() first")
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "initialize_mesh_grids() needs torch.distributed and "
+            "parallel_state.initialize_model_parallel() to be initialized first"
+        )
+    cp_size = parallel_state.get_context_parallel_world_size()
+    shape, automatic = resolve_mesh_shape(
+        cp_size,
+        mesh_shape,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        head_dim=head_dim,
+        seq_length=seq_length,
+    )
+    if cp_size == 1:
+        group = parallel_state.get_context_parallel_group()
+        grid = MeshGrid(1, 1, 0, (dist.get_rank(),), group, group, group)
+    else:
+        grid = MeshGrid.build_many(_all_cp_groups(shape), rows=shape[0], cols=shape[1])
+        if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
+            raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
+    _MESH_GRID = grid
+    if dist.get_rank() == 0:
+        how = "chosen for least traffic" if automatic else "as given"
+        logger.info(
+            "mesh context parallelism: %d CP groups of %d ranks, each a %dx%d grid (%s)",
+            dist.get_world_size() // cp_size, cp_size, shape[0], shape[1], how,
+        )
+    return grid
+
+
+def mesh_grid_is_initialized() -> bool:
+    """Whether `initialize_mesh_grids` has run (and not been destroyed)."""
+    return _MESH_GRID is not None
+
+
+def get_mesh_grid() -> MeshGrid:
+    """This rank's mesh grid; RuntimeError when `initialize_mesh_grids` has not run."""
+    if _MESH_GRID is None:
+        raise RuntimeError(
+            "mesh grids are not initialized: call "
+            "megatron_mesh.megatron.initialize_mesh_grids() after "
+            "parallel_state.initialize_model_parallel()"
+        )
+    return _MESH_GRID
+
+
+def destroy_mesh_grids() -> None:
+    """Forget this rank's grid (call with parallel_state.destroy_model_parallel)."""
+    global _MESH_GRID
+    _MESH_GRID = None

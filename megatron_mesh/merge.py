@@ -1,0 +1,40 @@
+"""Log-sum-exp merging of partial attention results, in fp32."""
+from __future__ import annotations
+
+import torch
+
+
+def lse_to_sbh1(lse: torch.Tensor) -> torch.Tensor:
+    """[b, h, s] -> [s, b, h, 1], to weight outputs laid out [s, b, h, d]."""
+    return lse.permute(2, 0, 1).unsqueeze(-1)
+
+
+def merge_into(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: slice = slice(None),
+) -> None:
+    """Fold a partial (out [s', b, h, d], lse [b, h, s']) into rows `rows` of the fp32
+    accumulators out_acc [s, b, h, d] and lse_acc [b, h, s], in place.
+
+    Rows whose accumulated lse is still -inf (nothing merged yet) take the partial as is.
+    """
+    acc_o, acc_l = out_acc[rows], lse_acc[..., rows]
+    lse = lse.float()
+    new_l = torch.logaddexp(acc_l, lse)
+    safe = torch.where(torch.isinf(new_l), torch.zeros_like(new_l), new_l)
+    w_acc = lse_to_sbh1(torch.exp(acc_l - safe))
+    w_new = lse_to_sbh1(torch.exp(lse - safe))
+    acc_o.copy_(acc_o * w_acc + out.float() * w_new)
+    acc_l.copy_(new_l)
+
+
+def empty_accumulators(
+    s: int, b: int, h: int, d: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero fp32 output [s, b, h, d] and -inf lse [b, h, s] accumulators."""
+    out = torch.zeros(s, b, h, d, dtype=torch.float32, device=device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=device)
+    return out, lse

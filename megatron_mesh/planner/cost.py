@@ -1,0 +1,107 @@
+"""Time model: what a list of transfers plus the tile compute costs per pass.
+
+Per pass (forward, backward) and per GPU:
+
+    compute = pass FLOPs / P / attention TFLOP/s
+    comm(t) = bytes(t) / bandwidth of the slowest link t's groups cross
+    time    = sum(comm of exposed t) + max(compute, sum(comm of hidden t))   (overlap on)
+    time    = compute + sum(comm of all t)                                   (overlap off)
+
+A transfer is "hidden" when the method's schedule can run it while tiles compute (ring
+p2p steps, the mesh's streaming schedule); all-to-alls and up-front gathers are exposed.
+Transfers of one pass share the GPU's links one after another (their times add).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.workload import Workload
+
+PHASES = ("forward", "backward")
+
+
+class NotApplicable(ValueError):
+    """A method cannot run this workload on this cluster (e.g. heads do not divide P)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes one GPU sends in one pass over one kind of group."""
+
+    phase: str
+    group: str
+    tensors: str
+    nbytes: int
+    crosses_nodes: bool
+    hidden: bool
+
+    def seconds(self, cluster: Cluster) -> float:
+        return self.nbytes / cluster.bandwidth(self.crosses_nodes)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted traffic and time of one method (one mesh shape) for one attention layer."""
+
+    method: str
+    label: str
+    transfers: tuple[Transfer, ...]
+    compute_s: dict[str, float]
+    comm_s: dict[str, float]
+    time_s: dict[str, float]
+    mesh_shape: tuple[int, int] | None = None
+
+    def bytes(self, phase: str | None = None, group: str | None = None) -> int:
+        """Bytes one GPU sends, optionally only in `phase` and / or over `group`."""
+        return sum(
+            t.nbytes
+            for t in self.transfers
+            if (phase is None or t.phase == phase) and (group is None or t.group == group)
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes()
+
+    @property
+    def inter_node_bytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers if t.crosses_nodes)
+
+    @property
+    def total_s(self) -> float:
+        return self.time_s["forward"] + self.time_s["backward"]
+
+    @property
+    def total_comm_s(self) -> float:
+        return self.comm_s["forward"] + self.comm_s["backward"]
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A method left out of the table, and why."""
+
+    method: str
+    reason: str
+
+
+def price(
+    method: str,
+    label: str,
+    transfers: list[Transfer],
+    workload: Workload,
+    cluster: Cluster,
+    overlap: bool,
+    mesh_shape: tuple[int, int] | None = None,
+) -> Estimate:
+    """Apply the time model of the module docstring to one method's transfers."""
+    flops = {"forward": workload.forward_flops(), "backward": workload.backward_flops()}
+    compute, comm, time = {}, {}, {}
+    for phase in PHASES:
+        compute[phase] = cluster.compute_seconds(flops[phase] / cluster.gpus)
+        mine = [t for t in transfers if t.phase == phase]
+        hidden = sum(t.seconds(cluster) for t in mine if overlap and t.hidden)
+        exposed = sum(t.seconds(cluster) for t in mine if not (overlap and t.hidden))
+        comm[phase] = hidden + exposed
+        time[phase] = exposed + max(compute[phase], hidden)
+    return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape)

@@ -1,0 +1,52 @@
+"""The machine the planner prices: GPUs, nodes, link bandwidths and attention speed.
+
+Bandwidths are GB/s (10^9 bytes/s) that ONE GPU achieves when every GPU sends at once:
+`inter_node_bw` is therefore a node's NIC bandwidth divided by the GPUs that share it
+(e.g. 8 GPUs with one 400 Gb/s NIC each: about 45 GB/s achieved per GPU). The defaults
+describe an H100 SXM node (NVLink 4, 8 x 400 Gb/s) with achieved, not peak, numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_INTRA_NODE_BW = 360.0
+DEFAULT_INTER_NODE_BW = 45.0
+DEFAULT_ATTENTION_TFLOPS = 400.0
+GB = 1e9
+TFLOP = 1e12
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`gpus` CP ranks, `gpus_per_node` of them per node; rank r lives on node r // gpus_per_node."""
+
+    gpus: int
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    intra_node_bw: float = DEFAULT_INTRA_NODE_BW
+    inter_node_bw: float = DEFAULT_INTER_NODE_BW
+    attention_tflops: float = DEFAULT_ATTENTION_TFLOPS
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("intra_node_bw", "inter_node_bw", "attention_tflops"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def bandwidth(self, crosses_nodes: bool) -> float:
+        """Bytes per second one GPU sends over the slowest link a collective crosses."""
+        return (self.inter_node_bw if crosses_nodes else self.intra_node_bw) * GB
+
+    def compute_seconds(self, flops: float) -> float:
+        return flops / (self.attention_tflops * TFLOP)

@@ -1,0 +1,69 @@
+"""The attention problem the planner sizes: one layer, one sequence split over P ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mesh.traffic import AttentionShape
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BACKWARD_FLOPS_RATIO = 2.5
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sequence length S, heads, head size, batch, input dtype and causal mask of one layer."""
+
+    seq_length: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int = 1
+    dtype: str = "bf16"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
+                f"{self.num_kv_heads}"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def attention_shape(self) -> AttentionShape:
+        """The shape `megatron_mesh.traffic` counts bytes for."""
+        return AttentionShape(
+            seq_len=self.seq_length,
+            batch=self.batch,
+            q_heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype_bytes=self.dtype_bytes,
+        )
+
+    def check_cp_size(self, cp_size: int) -> None:
+        """Megatron's zigzag layout cuts the sequence into 2 * cp_size equal chunks."""
+        if cp_size < 1:
+            raise ValueError(f"the number of GPUs must be positive, got {cp_size}")
+        if self.seq_length % (2 * cp_size):
+            raise ValueError(
+                f"seq_length {self.seq_length} must be divisible by 2 * GPUs = {2 * cp_size} "
+                "(the zigzag layout splits the sequence into 2 chunks per GPU)"
+            )
+
+    def forward_flops(self) -> float:
+        """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal."""
+        flops = 4.0 * self.seq_length**2 * self.num_heads * self.head_dim * self.batch
+        return flops / 2 if self.causal else flops
+
+    def backward_flops(self) -> float:
+        """2.5 x forward: five S x S matmuls (QK^T recomputed, dV, dP, dQ, dK) against two."""
+        return BACKWARD_FLOPS_RATIO * self.forward_flops()

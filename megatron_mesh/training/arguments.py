@@ -1,0 +1,291 @@
+"""Command line of the pretraining driver: Megatron-LM's flag names, YAML configs, checks.
+
+Precedence: built-in defaults < ``--config FILE.yaml`` < flags on the command line. A YAML
+key is a flag name without the leading dashes (``num-layers`` or ``num_layers``).
+Every check here runs before any process group exists, so a bad flag exits at once with a
+message on every rank instead of leaving the others waiting in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Sequence
+
+import yaml
+
+try:
+    from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
+except ImportError:  # TEMPORARY until the megatron backend lands
+    def add_mesh_args(parser):
+        parser.add_argument("--context-parallel-algo", dest="context_parallel_algo", default="p2p",
+                            choices=("p2p", "all_gather", "a2a", "a2a+p2p", "mesh"))
+        parser.add_argument("--mesh-shape", dest="mesh_shape", default=None)
+        return parser
+
+    def validate_mesh_args(args):
+        cp = args.context_parallel_size
+        if args.seq_length % (2 * cp):
+            raise ValueError(f"--seq-length {args.seq_length} not divisible by 2*CP={2*cp}")
+        if args.context_parallel_algo != "mesh" or cp == 1:
+            return None
+        r, c = (int(x) for x in args.mesh_shape.lower().split("x"))
+        if r * c != cp:
+            raise ValueError(f"--mesh-shape {args.mesh_shape}: {r}x{c} != CP {cp}")
+        return r, c
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "SentencePieceTokenizer", "TikTokenizer")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class ConfigError(ValueError):
+    """A flag or config value that cannot work; the driver exits with its message."""
+
+
+def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
+    if kw.get("type") is bool:
+        kw.pop("type")
+        kw["action"] = argparse.BooleanOptionalAction
+    parser.add_argument(name, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags of ``python -m megatron_mesh.pretrain_gpt``; names follow Megatron-LM."""
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mesh.pretrain_gpt",
+        description="Pretrain a GPT model on megatron-core with mesh context parallelism.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
+
+    g = p.add_argument_group("model")
+    _flag(g, "--num-layers", type=int, default=2)
+    _flag(g, "--hidden-size", type=int, default=64)
+    _flag(g, "--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    _flag(g, "--num-attention-heads", type=int, default=4)
+    _flag(g, "--group-query-attention", type=bool, default=False)
+    _flag(g, "--num-query-groups", type=int, default=None,
+          help="K/V heads with --group-query-attention (default: one per attention head)")
+    _flag(g, "--kv-channels", type=int, default=None, help="head dim, default hidden / heads")
+    _flag(g, "--max-position-embeddings", type=int, default=None, help="default seq length")
+    _flag(g, "--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
+    _flag(g, "--rotary-base", type=int, default=10000)
+    _flag(g, "--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    _flag(g, "--norm-epsilon", type=float, default=1e-5)
+    _flag(g, "--swiglu", type=bool, default=False)
+    _flag(g, "--disable-bias-linear", type=bool, default=False)
+    _flag(g, "--untie-embeddings-and-output-weights", type=bool, default=False)
+    _flag(g, "--hidden-dropout", type=float, default=0.0)
+    _flag(g, "--attention-dropout", type=float, default=0.0)
+    _flag(g, "--init-method-std", type=float, default=0.02)
+    _flag(g, "--make-vocab-size-divisible-by", type=int, default=128)
+
+    g = p.add_argument_group("training")
+    _flag(g, "--seq-length", type=int, default=64)
+    _flag(g, "--micro-batch-size", type=int, default=1)
+    _flag(g, "--global-batch-size", type=int, default=None,
+          help="default micro batch size * data-parallel size")
+    _flag(g, "--train-iters", type=int, default=10)
+    _flag(g, "--exit-interval", type=int, default=None, help="stop after this iteration")
+    _flag(g, "--seed", type=int, default=1234)
+    _flag(g, "--bf16", type=bool, default=False)
+    _flag(g, "--fp16", type=bool, default=False)
+    _flag(g, "--use-distributed-optimizer", type=bool, default=False, help="GPU only")
+
+    g = p.add_argument_group("optimizer and learning rate")
+    _flag(g, "--optimizer", default="adam", choices=("adam", "sgd"))
+    _flag(g, "--lr", type=float, default=1e-3)
+    _flag(g, "--min-lr", type=float, default=0.0)
+    _flag(g, "--lr-decay-style", default="cosine", choices=LR_DECAY_STYLES)
+    _flag(g, "--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    _flag(g, "--lr-warmup-iters", type=int, default=0)
+    _flag(g, "--lr-warmup-fraction", type=float, default=None)
+    _flag(g, "--weight-decay", type=float, default=0.01)
+    _flag(g, "--adam-beta1", type=float, default=0.9)
+    _flag(g, "--adam-beta2", type=float, default=0.95)
+    _flag(g, "--adam-eps", type=float, default=1e-8)
+    _flag(g, "--sgd-momentum", type=float, default=0.9)
+    _flag(g, "--clip-grad", type=float, default=1.0)
+
+    g = p.add_argument_group("parallelism")
+    _flag(g, "--tensor-model-parallel-size", type=int, default=1)
+    _flag(g, "--pipeline-model-parallel-size", type=int, default=1)
+    _flag(g, "--context-parallel-size", type=int, default=1)
+    _flag(g, "--sequence-parallel", type=bool, default=False)
+    _flag(g, "--distributed-backend", default=None, choices=("nccl", "gloo"),
+          help="default nccl with CUDA, gloo without")
+    _flag(g, "--distributed-timeout-minutes", type=float, default=10.0,
+          help="collective timeout: a dead peer ends the job after at most this long")
+    _flag(g, "--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
+          help="auto: Transformer Engine when installed and on a GPU, else local")
+    add_mesh_args(p)
+
+    g = p.add_argument_group("data")
+    _flag(g, "--data-path", nargs="*", default=None,
+          help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: "
+               "[W1] P1 [W2] P2 ...; mock data when omitted")
+    _flag(g, "--mock-data", type=bool, default=False, help="synthetic data (default without --data-path)")
+    _flag(g, "--split", default="969,30,1")
+    _flag(g, "--data-cache-path", default=None)
+    _flag(g, "--tokenizer-type", default="NullTokenizer", choices=TOKENIZER_TYPES)
+    _flag(g, "--tokenizer-model", default=None, help="tokenizer file or HF name / directory")
+    _flag(g, "--vocab-file", default=None)
+    _flag(g, "--merge-file", default=None)
+    _flag(g, "--vocab-size", type=int, default=None, help="vocabulary of the NullTokenizer")
+    _flag(g, "--eod-mask-loss", type=bool, default=False)
+    _flag(g, "--reset-position-ids", type=bool, default=False)
+    _flag(g, "--reset-attention-mask", type=bool, default=False)
+
+    g = p.add_argument_group("checkpointing")
+    _flag(g, "--save", default=None, help="checkpoint directory")
+    _flag(g, "--load", default=None, help="resume from this checkpoint directory")
+    _flag(g, "--save-interval", type=int, default=None)
+    _flag(g, "--no-load-optim", type=bool, default=False)
+    _flag(g, "--no-load-rng", type=bool, default=False)
+    _flag(g, "--finetune", type=bool, default=False, help="load weights only, start at iteration 0")
+
+    g = p.add_argument_group("logging")
+    _flag(g, "--log-interval", type=int, default=1)
+    _flag(g, "--wandb-project", default=None)
+    _flag(g, "--wandb-exp-name", default=None)
+    _flag(g, "--wandb-save-dir", default=None)
+    return p
+
+
+def _dest(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """YAML file -> {dest: value}; unknown keys are an error naming the valid ones."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions} - {"help", "config"}
+    values = {_dest(k): v for k, v in raw.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys {unknown}; see --help for valid flags")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse flags over an optional YAML config; raises ConfigError on bad values."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**load_config(pre.config, parser))
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(args, world_size)
+    return args
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check flags against each other and the world size; fill in derived defaults."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "log_interval"):
+        if getattr(args, name) is None or getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.bf16 and args.fp16:
+        _fail("--bf16 and --fp16 are exclusive")
+    if args.pipeline_model_parallel_size != 1:
+        _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+              "this driver supports 1 (no pipeline parallelism)")
+    if not args.group_query_attention:
+        if args.num_query_groups not in (None, args.num_attention_heads):
+            _fail("--num-query-groups needs --group-query-attention")
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None or args.num_attention_heads % args.num_query_groups:
+        _fail(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+              f"{args.num_attention_heads}")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                  f"{args.num_attention_heads}; give --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+        if args.swiglu:  # keep the parameter count of the 4h MLP, as Megatron-LM does
+            args.ffn_hidden_size = int(2 * args.ffn_hidden_size / 3)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and (
+            args.max_position_embeddings < args.seq_length):
+        _fail(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length "
+              f"{args.seq_length}")
+
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if cp > 1 and args.seq_length % (2 * cp):
+        _fail(f"--seq-length {args.seq_length} is not divisible by 2 * --context-parallel-size "
+              f"= {2 * cp} (each CP rank holds two of the 2 * CP zigzag chunks)")
+    try:
+        args.mesh_grid_shape = validate_mesh_args(args)
+    except ValueError as e:
+        _fail(str(e))
+    if args.num_attention_heads % tp or args.num_query_groups % tp:
+        _fail(f"--tensor-model-parallel-size {tp} must divide the attention heads "
+              f"({args.num_attention_heads}) and query groups ({args.num_query_groups})")
+    if world_size % (tp * cp):
+        _fail(f"world size {world_size} is not divisible by tensor-parallel {tp} x "
+              f"context-parallel {cp}; launch with torchrun --nproc-per-node {tp * cp} (or a multiple)")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * cp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size {args.global_batch_size} is not divisible by micro batch "
+              f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.save_interval is not None and args.save_interval < 1:
+        _fail(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save DIR")
+    if args.load and not os.path.isdir(args.load):
+        _fail(f"--load {args.load}: no such directory")
+    _validate_data(args)
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.data_path:
+        if args.mock_data:
+            _fail("--mock-data and --data-path are exclusive")
+        prefixes = [p for p in args.data_path if not _is_number(p)]
+        for prefix in prefixes:
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                _fail(f"--data-path {prefix}: missing {', '.join(missing)} (give the prefix of a "
+                      "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
+    else:
+        args.mock_data = True
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None or args.vocab_size < 1:
+            _fail("--tokenizer-type NullTokenizer needs --vocab-size N")
+    elif args.tokenizer_type == "GPT2BPETokenizer":
+        if not (args.vocab_file and args.merge_file):
+            _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    elif not args.tokenizer_model:
+        _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
