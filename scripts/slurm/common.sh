@@ -1,0 +1,92 @@
+# Shared by the sbatch scripts in this directory (sourced, not run).
+#
+# Every setting is an environment variable with a default; set it on the sbatch line:
+#   CONFIG=configs/gpt3-2.7b.yaml CP_SIZE=8 MESH_SHAPE=2x4 sbatch scripts/slurm/<script>
+# Arguments after the script name go to the driver unchanged (they win over the defaults).
+
+set -euo pipefail
+
+# Repository root: sbatch runs a copy of the script, so take the submit directory.
+MESH_HOME=${MESH_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+cd "$MESH_HOME"
+PYTHON=${PYTHON:-python3}
+
+JOB_ID=${SLURM_JOB_ID:-local-$$}
+JOB_NAME=${SLURM_JOB_NAME:-megatron-mesh}
+NNODES=${SLURM_JOB_NUM_NODES:-1}
+
+# Parallel layout. CP_SIZE defaults to every rank not used by TP (DP = 1); MESH_SHAPE
+# empty lets the driver pick R x C near sqrt(CP) (taller for GQA) and log it.
+TP_SIZE=${TP_SIZE:-1}
+CP_SIZE=${CP_SIZE:-$(( NNODES * PROCS_PER_NODE / TP_SIZE ))}
+CP_ALGO=${CP_ALGO:-mesh}
+MESH_SHAPE=${MESH_SHAPE:-}
+
+# Training length and batch; empty means "as in the config".
+SEQ_LENGTH=${SEQ_LENGTH:-}
+MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-}
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-}
+TRAIN_ITERS=${TRAIN_ITERS:-}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+SAVE_INTERVAL=${SAVE_INTERVAL:-}
+
+# Data: Megatron indexed dataset prefix (path/to/name_text_document, without .bin/.idx);
+# empty trains on mock data. TOKENIZER_ARGS is passed as is, e.g.
+#   TOKENIZER_ARGS="--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt"
+DATA_PATH=${DATA_PATH:-}
+TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
+
+# Per-job outputs: <OUTPUT_DIR>/<job name>-<job id>/{train.log,checkpoints,wandb}.
+# Point CHECKPOINT_DIR at a fixed path to resume across jobs: it is loaded when not empty.
+OUTPUT_DIR=${OUTPUT_DIR:-$MESH_HOME/runs}
+RUN_DIR=${RUN_DIR:-$OUTPUT_DIR/$JOB_NAME-$JOB_ID}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-$RUN_DIR/checkpoints}
+WANDB_PROJECT=${WANDB_PROJECT:-}
+WANDB_EXP_NAME=${WANDB_EXP_NAME:-$JOB_NAME-$JOB_ID}
+WANDB_DIR=${WANDB_DIR:-$RUN_DIR/wandb}
+mkdir -p "$RUN_DIR" "$CHECKPOINT_DIR"
+TRAIN_LOG=$RUN_DIR/train.log
+
+# torchrun rendezvous: the first node of the allocation hosts the c10d store.
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" 2>/dev/null | head -n 1 || hostname)}
+MASTER_PORT=${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-$$} % 20000 ))}
+export MASTER_ADDR MASTER_PORT
+
+LAUNCH=(
+    "$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES" --nproc-per-node "$PROCS_PER_NODE"
+    --rdzv-id "$JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+)
+
+DRIVER_ARGS=(
+    --config "$CONFIG"
+    --tensor-model-parallel-size "$TP_SIZE"
+    --context-parallel-size "$CP_SIZE"
+    --context-parallel-algo "$CP_ALGO"
+    --log-interval "$LOG_INTERVAL"
+    --save "$CHECKPOINT_DIR"
+)
+[[ -n $MESH_SHAPE ]] && DRIVER_ARGS+=(--mesh-shape "$MESH_SHAPE")
+[[ -n $SEQ_LENGTH ]] && DRIVER_ARGS+=(--seq-length "$SEQ_LENGTH")
+[[ -n $MICRO_BATCH_SIZE ]] && DRIVER_ARGS+=(--micro-batch-size "$MICRO_BATCH_SIZE")
+[[ -n $GLOBAL_BATCH_SIZE ]] && DRIVER_ARGS+=(--global-batch-size "$GLOBAL_BATCH_SIZE")
+[[ -n $TRAIN_ITERS ]] && DRIVER_ARGS+=(--train-iters "$TRAIN_ITERS")
+[[ -n $SAVE_INTERVAL ]] && DRIVER_ARGS+=(--save-interval "$SAVE_INTERVAL")
+[[ -n $DATA_PATH ]] && DRIVER_ARGS+=(--data-path "$DATA_PATH")
+[[ -n $WANDB_PROJECT ]] && DRIVER_ARGS+=(--wandb-project "$WANDB_PROJECT"
+    --wandb-exp-name "$WANDB_EXP_NAME" --wandb-save-dir "$WANDB_DIR")
+[[ -n $(ls -A "$CHECKPOINT_DIR" 2>/dev/null) ]] && DRIVER_ARGS+=(--load "$CHECKPOINT_DIR")
+# shellcheck disable=SC2206  # word splitting of TOKENIZER_ARGS is intended
+[[ -n $TOKENIZER_ARGS ]] && DRIVER_ARGS+=($TOKENIZER_ARGS)
+
+# Run the given launcher + driver, keep a copy of its output in the run directory,
+# and record what ran.
+run_driver() {
+    {
+        echo "# job $JOB_ID on $NNODES node(s): ${SLURM_JOB_NODELIST:-$(hostname)}"
+        echo "# rendezvous $MASTER_ADDR:$MASTER_PORT"
+        printf '%q ' "$@"
+        echo
+    } | tee "$RUN_DIR/command.txt"
+    "$@" 2>&1 | tee -a "$TRAIN_LOG"
+}
