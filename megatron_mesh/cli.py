@@ -1,0 +1,140 @@
+"""`megatron-mesh` command line: `megatron-mesh plan ...` prints the planner's table."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from megatron_mesh.planner import hardware
+from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
+from megatron_mesh.planner.report import format_table, plan_to_dict
+from megatron_mesh.planner.search import Plan, plan
+from megatron_mesh.planner.workload import DTYPE_BYTES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="predict attention time and traffic per GPU of ring, all_gather, a2a, "
+        "a2a+p2p and every mesh shape, and pick the mesh shape",
+        description="Predict one attention layer's traffic and time per GPU (forward + "
+        "backward) for each context-parallel method and mesh shape.",
+    )
+    p.add_argument("--gpus", type=_positive_int, required=True,
+                   help="context-parallel size P (GPUs sharing one sequence)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=hardware.DEFAULT_GPUS_PER_NODE,
+                   help="CP ranks per node (default %(default)s)")
+    p.add_argument("--intra-node-bw", type=_positive_float, default=hardware.DEFAULT_INTRA_NODE_BW,
+                   help="achieved GB/s per GPU inside a node (default %(default)s)")
+    p.add_argument("--inter-node-bw", type=_positive_float, default=hardware.DEFAULT_INTER_NODE_BW,
+                   help="achieved GB/s per GPU between nodes, i.e. node NIC bandwidth / GPUs "
+                   "per node (default %(default)s)")
+    p.add_argument("--attention-tflops", type=_positive_float,
+                   default=hardware.DEFAULT_ATTENTION_TFLOPS,
+                   help="achieved attention TFLOP/s per GPU (default %(default)s)")
+    p.add_argument("--seq-length", type=_positive_int, required=True,
+                   help="whole sequence length S")
+    p.add_argument("--hidden-size", type=_positive_int,
+                   help="model hidden size (gives head dim = hidden / heads)")
+    p.add_argument("--num-heads", type=_positive_int, required=True, help="query heads")
+    p.add_argument("--num-kv-heads", type=_positive_int,
+                   help="key/value heads (GQA; default: --num-heads)")
+    p.add_argument("--head-dim", type=_positive_int,
+                   help="head dimension (default: hidden size / heads)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal mask (default: on)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                   help="input dtype (default %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch (default 1)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="price every transfer as exposed (compute + comm)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw predicted speedup over ring against GPU count (2 .. --gpus)")
+    p.set_defaults(command_parser=p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-mesh", description="Tools for 2D mesh context-parallel attention."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(subparsers)
+    return parser
+
+
+def _plan(args: argparse.Namespace, gpus: int) -> Plan:
+    return plan(
+        gpus,
+        seq_length=args.seq_length,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        hidden_size=args.hidden_size,
+        batch=args.batch,
+        dtype=args.dtype,
+        causal=args.causal,
+        gpus_per_node=args.gpus_per_node,
+        intra_node_bw=args.intra_node_bw,
+        inter_node_bw=args.inter_node_bw,
+        attention_tflops=args.attention_tflops,
+        overlap=args.overlap,
+    )
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.command_parser
+    if args.head_dim is None and args.hidden_size is None:
+        parser.error("give --head-dim or --hidden-size (head dim = hidden size / heads)")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot needs matplotlib: {INSTALL_HINT}")
+    try:
+        result = _plan(args, args.gpus)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(plan_to_dict(result), indent=2))
+    else:
+        print(format_table(result))
+    if args.plot:
+        plans = [_plan(args, n) for n in gpu_counts(args.gpus, args.seq_length)]
+        draw(plans, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

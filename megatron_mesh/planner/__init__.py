@@ -1,0 +1,21 @@
+"""Predicts attention traffic and time of context-parallel methods and picks a mesh shape."""
+from megatron_mesh.planner.cost import Estimate, NotApplicable, Transfer, Unavailable
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.placement import Placement, mesh_placement
+from megatron_mesh.planner.search import Plan, choose_mesh_shape, plan, search
+from megatron_mesh.planner.workload import Workload
+
+__all__ = [
+    "Cluster",
+    "Estimate",
+    "NotApplicable",
+    "Placement",
+    "Plan",
+    "Transfer",
+    "Unavailable",
+    "Workload",
+    "choose_mesh_shape",
+    "mesh_placement",
+    "plan",
+    "search",
+]

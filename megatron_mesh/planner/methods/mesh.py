@@ -1,0 +1,34 @@
+"""The R x C mesh: bytes straight from `megatron_mesh.traffic.mesh_traffic`, the contract.
+
+Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
+reduce-scatter in fp32); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter
+in fp32). The streaming schedule computes blocks while chunks arrive, so all of it counts
+as hidden when the cost model overlaps.
+"""
+from __future__ import annotations
+
+from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
+from megatron_mesh.planner.workload import Workload
+from megatron_mesh.traffic import mesh_traffic
+
+
+def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -> list[Transfer]:
+    p = cluster.gpus
+    if rows < 1 or cols < 1 or rows * cols != p:
+        raise ValueError(f"mesh shape {rows}x{cols} does not multiply to {p} GPUs")
+    traffic = mesh_traffic(workload.attention_shape(), rows, cols)
+    row_cross = crosses_nodes(consecutive_groups(p, cols), cluster)
+    col_cross = crosses_nodes(strided_groups(p, rows), cluster)
+    e = workload.dtype
+    return [
+        Transfer("forward", "row", f"Q ({e}); partial O ({e}), lse (fp32)",
+                 traffic.forward_row, row_cross, hidden=True),
+        Transfer("forward", "column", f"K,V ({e})",
+                 traffic.forward_col, col_cross, hidden=True),
+        Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ (fp32)",
+                 traffic.backward_row, row_cross, hidden=True),
+        Transfer("backward", "column", f"K,V ({e}); dK,dV (fp32)",
+                 traffic.backward_col, col_cross, hidden=True),
+    ]

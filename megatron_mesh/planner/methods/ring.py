@@ -1,0 +1,30 @@
+"""Ring attention as Megatron's cp_comm_type="p2p" runs it (Transformer Engine's KV-P2P).
+
+Forward: P-1 steps, each passes one K,V chunk to the next rank.
+Backward: K,V go around again (P-1 sends) and dK,dV travel with them, accumulating, until
+they are home (P-1 sends). All in the input dtype (TE accumulates dK,dV in it too):
+
+    forward (P-1) * kv * e       backward 2 * (P-1) * kv * e       total 3 (P-1) kv e
+
+Each step is overlapped with one block's compute, so all of it is "hidden".
+"""
+from __future__ import annotations
+
+from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.topology import crosses_nodes
+from megatron_mesh.planner.workload import Workload
+
+
+def ring_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+    p = cluster.gpus
+    shape = workload.attention_shape()
+    _, kv, _ = shape.local_elements(p)
+    step = kv * shape.dtype_bytes
+    cross = crosses_nodes([range(p)], cluster)
+    dtype = workload.dtype
+    return [
+        Transfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, hidden=True),
+        Transfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, hidden=True),
+        Transfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, hidden=True),
+    ]

@@ -1,0 +1,49 @@
+"""Ulysses, Megatron's cp_comm_type="a2a" (Transformer Engine's QKVO all-to-all).
+
+All-to-alls switch between sequence-split and head-split layouts over the P ranks:
+forward Q, K, V in and O out; backward dO in and dQ, dK, dV out, in the input dtype:
+
+    forward (2q + kv) * e * (P-1)/P       backward (2q + kv) * e * (P-1)/P
+
+Needs both head counts divisible by P. The all-to-alls sit before and after the attention
+kernel, so nothing is hidden.
+"""
+from __future__ import annotations
+
+from megatron_mesh.planner.cost import NotApplicable, Transfer
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.topology import Groups, crosses_nodes
+from megatron_mesh.planner.workload import Workload
+
+
+def check_heads(workload: Workload, size: int) -> None:
+    """All-to-all over `size` ranks splits the heads: both head counts must divide."""
+    if workload.num_heads % size or workload.num_kv_heads % size:
+        raise NotApplicable(
+            f"a2a over {size} GPUs needs num_heads ({workload.num_heads}) and num_kv_heads "
+            f"({workload.num_kv_heads}) divisible by {size}"
+        )
+
+
+def a2a_bytes(workload: Workload, size: int, cp_size: int) -> tuple[int, int]:
+    """(forward, backward) bytes one GPU sends in the all-to-alls over `size` ranks."""
+    q, kv, _ = workload.attention_shape().local_elements(cp_size)
+    per_pass = (2 * q + kv) * workload.dtype_bytes
+    sent = per_pass * (size - 1) // size
+    return sent, sent
+
+
+def a2a_pair(workload: Workload, cluster: Cluster, groups: Groups, size: int) -> list[Transfer]:
+    """The forward and backward all-to-all transfers over `groups` of `size` ranks."""
+    fwd, bwd = a2a_bytes(workload, size, cluster.gpus)
+    cross = crosses_nodes(groups, cluster)
+    dtype = workload.dtype
+    return [
+        Transfer("forward", "a2a", f"all-to-all Q,K,V in, O out ({dtype})", fwd, cross, False),
+        Transfer("backward", "a2a", f"all-to-all dO in, dQ,dK,dV out ({dtype})", bwd, cross, False),
+    ]
+
+
+def a2a_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+    check_heads(workload, cluster.gpus)
+    return a2a_pair(workload, cluster, [range(cluster.gpus)], cluster.gpus)

@@ -1,0 +1,103 @@
+"""Text table and JSON form of a `Plan`."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_mesh.planner.cost import Estimate
+from megatron_mesh.planner.search import Plan
+
+MIB = 2**20
+COLUMNS = (
+    ("method", "<"), ("fwd MiB", ">"), ("bwd MiB", ">"), ("total MiB", ">"),
+    ("inter-node MiB", ">"), ("comm ms", ">"), ("fwd ms", ">"), ("bwd ms", ">"),
+    ("total ms", ">"), ("vs ring", ">"),
+)
+
+
+def _row(plan: Plan, e: Estimate) -> list[str]:
+    mark = " *" if e is plan.best_mesh else ""
+    return [
+        e.label + mark,
+        f"{e.bytes('forward') / MIB:.1f}",
+        f"{e.bytes('backward') / MIB:.1f}",
+        f"{e.total_bytes / MIB:.1f}",
+        f"{e.inter_node_bytes / MIB:.1f}",
+        f"{e.total_comm_s * 1e3:.3f}",
+        f"{e.time_s['forward'] * 1e3:.3f}",
+        f"{e.time_s['backward'] * 1e3:.3f}",
+        f"{e.total_s * 1e3:.3f}",
+        f"{plan.speedup(e):.2f}x",
+    ]
+
+
+def format_table(plan: Plan) -> str:
+    """The whole report: configuration, chosen mesh and placement, and the method table."""
+    w, c = plan.workload, plan.cluster
+    compute = plan.ring.compute_s
+    rows = [[name for name, _ in COLUMNS]] + [_row(plan, e) for e in plan.estimates]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [
+        f"context parallelism over {c.gpus} GPUs ({c.nodes} node(s) x {c.gpus_per_node} GPUs)",
+        f"attention: S={w.seq_length}, batch {w.batch}, {w.num_heads} q / {w.num_kv_heads} kv "
+        f"heads x {w.head_dim}, {w.dtype}, {'causal' if w.causal else 'full'}",
+        f"links per GPU: intra-node {c.intra_node_bw:g} GB/s, inter-node {c.inter_node_bw:g} "
+        f"GB/s; attention {c.attention_tflops:g} TFLOP/s per GPU",
+        f"compute per GPU: forward {compute['forward'] * 1e3:.3f} ms, backward "
+        f"{compute['backward'] * 1e3:.3f} ms; overlap "
+        f"{'on: hidden transfers run under compute' if plan.overlap else 'off: compute + all transfers'}",
+        "",
+        f"best mesh: {plan.best_mesh.mesh_shape[0]} x {plan.best_mesh.mesh_shape[1]} "
+        f"(rows x cols), {plan.best_mesh.total_s * 1e3:.3f} ms per layer, "
+        f"{plan.speedup(plan.best_mesh):.2f}x over ring, "
+        f"{1 - plan.best_mesh.total_bytes / plan.ring.total_bytes:.1%} less traffic than ring",
+        *("  " + line for line in plan.placement.describe().splitlines()),
+        f"fastest overall: {plan.best.label}",
+        "",
+    ]
+    for r in rows:
+        lines.append("  ".join(
+            f"{cell:{align}{width}}" for cell, (_, align), width in zip(r, COLUMNS, widths)
+        ).rstrip())
+    for u in plan.unavailable:
+        lines.append(f"{u.method}: not applicable: {u.reason}")
+    lines.append("per layer, per GPU; traffic = bytes each GPU sends; * = best mesh")
+    return "\n".join(lines)
+
+
+def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
+    return {
+        "method": e.method,
+        "label": e.label,
+        "mesh_shape": list(e.mesh_shape) if e.mesh_shape else None,
+        "bytes": {"forward": e.bytes("forward"), "backward": e.bytes("backward"),
+                  "total": e.total_bytes, "inter_node": e.inter_node_bytes},
+        "transfers": [
+            {"phase": t.phase, "group": t.group, "tensors": t.tensors, "bytes": t.nbytes,
+             "crosses_nodes": t.crosses_nodes, "hidden": t.hidden}
+            for t in e.transfers
+        ],
+        "compute_s": dict(e.compute_s),
+        "comm_s": dict(e.comm_s),
+        "time_s": {**e.time_s, "total": e.total_s},
+        "speedup_over_ring": plan.speedup(e),
+    }
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """Everything in the table, machine-readable."""
+    pl = plan.placement
+    return {
+        "workload": vars(plan.workload).copy(),
+        "cluster": vars(plan.cluster).copy(),
+        "overlap": plan.overlap,
+        "best_mesh": {
+            "shape": list(plan.best_mesh.mesh_shape),
+            "row_nodes": pl.row_nodes,
+            "col_nodes": pl.col_nodes,
+            "rows_inside_node": pl.rows_inside_node,
+            "cols_inside_node": pl.cols_inside_node,
+        },
+        "fastest": plan.best.label,
+        "estimates": [_estimate_dict(plan, e) for e in plan.estimates],
+        "unavailable": [{"method": u.method, "reason": u.reason} for u in plan.unavailable],
+    }

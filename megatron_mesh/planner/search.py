@@ -1,0 +1,219 @@
+"""Price every method and mesh shape for one configuration and pick the best mesh."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
+from megatron_mesh.planner.hardware import (
+    DEFAULT_ATTENTION_TFLOPS,
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_INTER_NODE_BW,
+    DEFAULT_INTRA_NODE_BW,
+    Cluster,
+)
+from megatron_mesh.planner.methods import (
+    a2a_p2p_transfers,
+    a2a_sizes,
+    a2a_transfers,
+    all_gather_transfers,
+    mesh_transfers,
+    ring_transfers,
+)
+from megatron_mesh.planner.placement import Placement, mesh_placement
+from megatron_mesh.planner.workload import Workload
+from megatron_mesh.traffic import mesh_shapes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every priced method for one workload on one cluster, and the chosen mesh."""
+
+    workload: Workload
+    cluster: Cluster
+    overlap: bool
+    ring: Estimate
+    baselines: tuple[Estimate, ...]
+    meshes: tuple[Estimate, ...]
+    unavailable: tuple[Unavailable, ...]
+    best_mesh: Estimate
+    placement: Placement
+
+    @property
+    def estimates(self) -> tuple[Estimate, ...]:
+        """Table order: ring, the other baselines, then mesh shapes from P x 1 to 1 x P."""
+        return (self.ring, *self.baselines, *self.meshes)
+
+    @property
+    def best(self) -> Estimate:
+        """The fastest method overall (ties as for meshes, without the rows rule)."""
+        return min(self.estimates, key=time_key)
+
+    def speedup(self, estimate: Estimate) -> float:
+        """Predicted ring time over `estimate`'s time."""
+        return self.ring.total_s / estimate.total_s
+
+    def method(self, name: str) -> Estimate | None:
+        """The baseline called `name` ("ring", "all_gather", "a2a", "a2a+p2p"), if priced."""
+        return next((e for e in (self.ring, *self.baselines) if e.method == name), None)
+
+    def mesh(self, rows: int, cols: int) -> Estimate:
+        """The estimate of the rows x cols mesh."""
+        for e in self.meshes:
+            if e.mesh_shape == (rows, cols):
+                return e
+        raise ValueError(
+            f"mesh shape {rows}x{cols} is not a grid of {self.cluster.gpus} GPUs; valid: "
+            + ", ".join(f"{r}x{c}" for r, c in mesh_shapes(self.cluster.gpus))
+        )
+
+
+def time_key(estimate: Estimate) -> tuple[float, float, int, int]:
+    """Least time, then least communication time, inter-node bytes, bytes."""
+    return (
+        estimate.total_s,
+        estimate.total_comm_s,
+        estimate.inter_node_bytes,
+        estimate.total_bytes,
+    )
+
+
+def mesh_key(estimate: Estimate) -> tuple[float, float, int, int, int]:
+    """`time_key`, then more rows (GQA-friendly, as `traffic.best_mesh_shape`)."""
+    assert estimate.mesh_shape is not None
+    return (*time_key(estimate), -estimate.mesh_shape[0])
+
+
+def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
+    """Price ring, all_gather, a2a, a2a+p2p (best A) and every mesh shape."""
+    p = cluster.gpus
+    workload.check_cp_size(p)
+
+    def priced(method: str, label: str, transfers, shape=None) -> Estimate:
+        return price(method, label, transfers, workload, cluster, overlap, shape)
+
+    ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster))
+    baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster))]
+    unavailable = []
+    try:
+        baselines.append(priced("a2a", "a2a (Ulysses)", a2a_transfers(workload, cluster)))
+    except NotApplicable as exc:
+        unavailable.append(Unavailable("a2a", str(exc)))
+    hierarchical = [
+        priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a))
+        for a in a2a_sizes(workload, p)
+    ]
+    if hierarchical:
+        baselines.append(min(hierarchical, key=time_key))
+    else:
+        unavailable.append(Unavailable(
+            "a2a+p2p",
+            f"needs an all-to-all size 1 < A < {p} dividing {p}, num_heads "
+            f"({workload.num_heads}) and num_kv_heads ({workload.num_kv_heads})",
+        ))
+    meshes = tuple(
+        priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c), (r, c))
+        for r, c in mesh_shapes(p)
+    )
+    best_mesh = min(meshes, key=mesh_key)
+    return Plan(
+        workload=workload,
+        cluster=cluster,
+        overlap=overlap,
+        ring=ring,
+        baselines=tuple(baselines),
+        meshes=meshes,
+        unavailable=tuple(unavailable),
+        best_mesh=best_mesh,
+        placement=mesh_placement(*best_mesh.mesh_shape, cluster),
+    )
+
+
+def resolve_head_dim(num_heads: int, head_dim: int | None, hidden_size: int | None) -> int:
+    """`head_dim`, or hidden_size / num_heads when it is omitted."""
+    if head_dim is not None:
+        return head_dim
+    if hidden_size is None:
+        raise ValueError("give head_dim, or hidden_size to derive it as hidden_size / num_heads")
+    if num_heads < 1 or hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+            "give head_dim explicitly"
+        )
+    return hidden_size // num_heads
+
+
+def plan(
+    gpus: int,
+    *,
+    seq_length: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    hidden_size: int | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
+    causal: bool = True,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    intra_node_bw: float = DEFAULT_INTRA_NODE_BW,
+    inter_node_bw: float = DEFAULT_INTER_NODE_BW,
+    attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
+    overlap: bool = True,
+) -> Plan:
+    """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""
+    workload = Workload(
+        seq_length=seq_length,
+        num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        head_dim=resolve_head_dim(num_heads, head_dim, hidden_size),
+        batch=batch,
+        dtype=dtype,
+        causal=causal,
+    )
+    cluster = Cluster(
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        intra_node_bw=intra_node_bw,
+        inter_node_bw=inter_node_bw,
+        attention_tflops=attention_tflops,
+    )
+    return search(workload, cluster, overlap)
+
+
+def choose_mesh_shape(
+    cp_size: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_length: int,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    intra_node_bw: float = DEFAULT_INTRA_NODE_BW,
+    inter_node_bw: float = DEFAULT_INTER_NODE_BW,
+    attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
+    batch: int = 1,
+    dtype: str = "bf16",
+    causal: bool = True,
+    overlap: bool = True,
+) -> tuple[int, int]:
+    """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks.
+
+    `gpus_per_node` counts CP ranks per node: with tensor parallelism inside the node and
+    CP ranks strided by it, pass GPUs per node // TP.
+    """
+    chosen = plan(
+        cp_size,
+        seq_length=seq_length,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        batch=batch,
+        dtype=dtype,
+        causal=causal,
+        gpus_per_node=gpus_per_node,
+        intra_node_bw=intra_node_bw,
+        inter_node_bw=inter_node_bw,
+        attention_tflops=attention_tflops,
+        overlap=overlap,
+    )
+    assert chosen.best_mesh.mesh_shape is not None
+    return chosen.best_mesh.mesh_shape
