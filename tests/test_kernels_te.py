@@ -1,0 +1,427 @@
+"""The Transformer Engine tile kernel.
+
+Part 1 runs anywhere: the module imports without TE, and the keyword arguments built for
+each TE version are exactly ones that version's `fused_attn_fwd` / `fused_attn_bwd` accept.
+The parameter names below were read from each release's
+transformer_engine/pytorch/cpp_extensions/fused_attn.py (facts, kept as data).
+
+Part 2 needs CUDA and TE: TEFusedKernel against torch SDPA (out, lse, dq, dk, dv), and the
+"global out / lse" property that makes tile gradients exact partial sums.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from megatron_mesh.kernels import te_fused
+from megatron_mesh.kernels.te_fused import TEFusedKernel, bwd_kwargs, fwd_kwargs
+
+# ---------------------------------------------------------------- real TE signatures (data)
+
+_FWD_REQUIRED = [
+    "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
+    "q", "k", "v", "fake_dtype", "fused_attention_backend",
+]
+_BWD_REQUIRED_OLD = [
+    "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o",
+    "d_o", "fake_dtype", "dqkv_dtype", "aux_ctx_tensors", "fused_attention_backend",
+]
+_BWD_REQUIRED_NEW = [n for n in _BWD_REQUIRED_OLD if n != "dqkv_dtype"]
+
+# name -> (fwd parameters, bwd parameters, bwd required), in signature order.
+SIGNATURES = {
+    "2.1": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer",
+            "o_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "window_size", "rng_gen",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.2": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "window_size",
+            "rng_gen",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.8": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
+            "window_size", "rng_gen", "softmax_offset",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.9": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
+            "window_size", "rng_gen", "softmax_offset", "return_max_logit",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.10": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
+            "window_size", "rng_gen", "softmax_offset", "return_max_logit", "cuda_graph",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
+            "cuda_graph",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.12": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
+            "window_size", "bottom_right_diagonal", "rng_gen", "softmax_offset",
+            "return_max_logit", "cuda_graph",
+        ],
+        _BWD_REQUIRED_OLD + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
+            "bottom_right_diagonal", "deterministic", "cuda_graph",
+        ],
+        _BWD_REQUIRED_OLD,
+    ),
+    "2.15": (
+        _FWD_REQUIRED + [
+            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
+            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
+            "fast_zero_fill", "qkv_layout", "o_format", "qkv_scale_inv_format",
+            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
+            "bottom_right_diagonal", "rng_gen", "softmax_offset", "return_max_logit",
+            "cuda_graph",
+        ],
+        _BWD_REQUIRED_NEW + [
+            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
+            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
+            "o_format", "do_format", "dqkv_layout", "qkv_scale_inv_format",
+            "do_scale_inv_format", "attn_bias_type", "attn_mask_type", "softmax_type",
+            "window_size", "bottom_right_diagonal", "deterministic", "cuda_graph",
+        ],
+        _BWD_REQUIRED_NEW,
+    ),
+}
+
+# Every release read, and the signature it has (releases in between share it).
+RELEASES = {
+    "2.1.0": "2.1", "2.2.0": "2.2", "2.3.0": "2.2", "2.4.0": "2.2", "2.5.0": "2.2",
+    "2.6.0.post1": "2.2", "2.7.0": "2.2", "2.8.0": "2.8", "2.9.0": "2.9", "2.10.0": "2.10",
+    "2.11.0": "2.10", "2.12.0": "2.12", "2.13.0": "2.12", "2.14.1": "2.12", "2.15.0": "2.15",
+    "2.16.1": "2.15", "2.17.1": "2.15", "2.18.0": "2.15", "2.19.0": "2.15", "2.20.2": "2.15",
+}
+
+BACKEND = object()  # stands in for FusedAttnBackend["F16_arbitrary_seqlen"] (opaque here)
+TE_BF16 = object()  # stands in for TE's DType.kBFloat16 (opaque here)
+
+
+def _tile(sq=8, sk=4, b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16):
+    q = torch.randn(sq, b, hq, d, dtype=dtype)
+    k, v = torch.randn(2, sk, b, hkv, d, dtype=dtype)
+    return q, k, v
+
+
+def _build(version: str, causal: bool):
+    q, k, v = _tile()
+    cu_q = torch.arange(0, 3 * 8, 8, dtype=torch.int32)
+    cu_kv = torch.arange(0, 3 * 4, 4, dtype=torch.int32)
+    fwd = fwd_kwargs(version, q, k, v, cu_q, cu_kv, causal, 0.25, BACKEND)
+    aux = [torch.zeros(2, 4, 8, 1), torch.zeros(2, dtype=torch.int64)]
+    bwd = bwd_kwargs(
+        version, q, q, k, v, q, aux, cu_q, cu_kv, causal, 0.25, BACKEND, TE_BF16,
+        deterministic=True,
+    )
+    return fwd, bwd, (q, k, v, aux)
+
+
+# ---------------------------------------------------------------- part 1: no TE needed
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here"
+)
+def test_imports_without_te():
+    assert te_fused.te_version() is None
+    assert te_fused.is_available() is False
+    assert "transformer_engine" not in sys.modules
+    assert TEFusedKernel().name == "te"
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_kwargs_match_real_signature(release: str, causal: bool):
+    fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
+    fwd, bwd, _ = _build(release, causal)
+    assert set(fwd) <= set(fwd_params), set(fwd) - set(fwd_params)
+    assert set(_FWD_REQUIRED) <= set(fwd), set(_FWD_REQUIRED) - set(fwd)
+    assert set(bwd) <= set(bwd_params), set(bwd) - set(bwd_params)
+    assert set(bwd_required) <= set(bwd), set(bwd_required) - set(bwd)
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_kwargs_values(release: str):
+    sig = RELEASES[release]
+    fwd, bwd, (q, k, v, aux) = _build(release, causal=True)
+    for kw in (fwd, bwd):
+        assert kw["qkv_layout"] == "sbhd_sbhd_sbhd"
+        assert kw["attn_mask_type"] == "causal" and kw["window_size"] == (-1, 0)
+        assert kw["attn_bias_type"] == "no_bias" and kw["dropout"] == 0.0
+        assert kw["attn_scale"] == 0.25 and kw["fused_attention_backend"] is BACKEND
+        assert (kw["max_seqlen_q"], kw["max_seqlen_kv"]) == (8, 4)
+        assert kw["q"] is q and kw["k"] is k and kw["v"] is v
+        assert kw["fake_dtype"] == torch.bfloat16
+    assert fwd["is_training"] is True  # TE returns the lse only when training
+    assert bwd["aux_ctx_tensors"][0] is aux[0] and bwd["aux_ctx_tensors"][1] is aux[1]
+    assert bwd["deterministic"] is True
+    assert ("dqkv_dtype" in bwd) == (sig in ("2.1", "2.2", "2.8", "2.9", "2.10", "2.12"))
+    if "dqkv_dtype" in bwd:
+        assert bwd["dqkv_dtype"] is TE_BF16
+    assert ("softmax_type" in fwd) == ("softmax_type" in bwd) == (sig not in ("2.1", "2.2"))
+    assert fwd.get("softmax_type", "vanilla") == bwd.get("softmax_type", "vanilla") == "vanilla"
+    # 2.9+: return_max_logit=True would change what fused_attn_fwd returns
+    assert ("return_max_logit" in fwd) == (sig not in ("2.1", "2.2", "2.8"))
+    assert fwd.get("return_max_logit", False) is False
+    assert ("cuda_graph" in fwd) == ("cuda_graph" in bwd) == (sig in ("2.10", "2.12", "2.15"))
+    if sig == "2.15":  # the defaults (dqkv_layout "sbh3d") would be wrong for us
+        assert bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
+        assert bwd["o_format"] == bwd["do_format"] == fwd["o_format"] == "sbhd"
+    if "bottom_right_diagonal" in fwd:
+        assert fwd["bottom_right_diagonal"] is False and bwd["bottom_right_diagonal"] is False
+    nomask, _, _ = _build(release, causal=False)
+    assert nomask["attn_mask_type"] == "no_mask" and nomask["window_size"] == (-1, -1)
+
+
+def test_version_parsing():
+    assert te_fused.minor_version("2.10.0.dev0+g1234abc") == (2, 10)
+    assert te_fused.minor_version("2.15.0") == (2, 15)
+    fwd, bwd, _ = _build("2.15.0.dev0+gabc", causal=False)  # a dev build gets its release's
+    assert "dqkv_dtype" not in bwd and bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
+    fwd, bwd, _ = _build("2.14.1", causal=False)
+    assert "dqkv_dtype" in bwd and "dqkv_layout" not in bwd
+    for bad in ("1.13.0", "2.0.0", "not-a-version"):
+        with pytest.raises(ValueError, match="Transformer Engine"):
+            te_fused.minor_version(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_te_inputs_fall_back_to_torch(dtype):
+    """CPU tensors (and fp32 anywhere) go to the torch kernel: still exact."""
+    torch.manual_seed(0)
+    q, k, v = _tile(sq=16, sk=16, b=2, hq=4, hkv=2, d=16, dtype=dtype)
+    kern = TEFusedKernel()
+    out, lse = kern.forward(q, k, v, True, 0.3)
+    ref_out, ref_lse = _reference(q.float(), k.float(), v.float(), True, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    dout = torch.randn_like(q)
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, True, 0.3)
+    ref = _grads(lambda a, b, c: _reference(a, b, c, True, 0.3)[0],
+                 q.float(), k.float(), v.float(), dout.float())
+    for got, want in zip((dq, dk, dv), ref[1:]):
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol * 4, rtol=tol * 4)
+
+
+# ---------------------------------------------------------------- references
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[s, b, hkv, d] -> [s, b, hkv * groups, d]."""
+    return t.repeat_interleave(groups, dim=2)
+
+
+def _reference(q, k, v, causal: bool, scale: float):
+    """fp32 attention on [s, b, h, d] with GQA: (out [sq, b, hq, d], lse [b, hq, sq])."""
+    g = q.shape[2] // k.shape[2]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, _expand(k, g), _expand(v, g)))
+    scores = scale * qb @ kb.transpose(-1, -2)
+    if causal:
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ vb
+    return out.permute(2, 0, 1, 3), lse
+
+
+def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """torch SDPA on [s, b, h, d] in q's dtype (GQA by expanding K/V)."""
+    g = q.shape[2] // k.shape[2]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, _expand(k, g), _expand(v, g)))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb, kb, vb, is_causal=causal, scale=scale
+    )
+    return out.permute(2, 0, 1, 3)
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _merge(o1, l1, o2, l2):
+    """Log-sum-exp merge of two partials: o [s, b, h, d], l [b, h, s] -> fp32 (o, l)."""
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse).permute(2, 0, 1).unsqueeze(-1)
+    w2 = torch.exp(l2 - lse).permute(2, 0, 1).unsqueeze(-1)
+    return o1.float() * w1 + o2.float() * w2, lse
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _check(got, ref_fp32, ref_same_dtype, what: str):
+    """got within 2x the same-dtype SDPA error against fp32 (plus a small floor)."""
+    bound = 2 * _err(ref_same_dtype, ref_fp32) + 1e-3 * max(1.0, ref_fp32.abs().max().item())
+    assert _err(got, ref_fp32) <= bound, f"{what}: {_err(got, ref_fp32):.3e} > {bound:.3e}"
+
+
+# ---------------------------------------------------------------- part 2: CUDA + TE
+
+needs_te = pytest.mark.skipif(
+    not te_fused.is_available(),
+    reason="needs CUDA and Transformer Engine "
+    f"(CUDA {'yes' if torch.cuda.is_available() else 'no'}, TE {te_fused.te_version()})",
+)
+DTYPES = [torch.bfloat16, torch.float16]
+HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA, GQA, MQA
+
+
+def _cuda_tile(sq, sk, b, hq, hkv, d, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sq, b, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(sk, b, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(sk, b, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(sq, b, hq, d, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, dout
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal,sq,sk,d", [(True, 256, 256, 64), (False, 256, 128, 64),
+                                             (False, 128, 256, 128), (True, 128, 128, 128)])
+def test_te_matches_sdpa(dtype, heads, causal, sq, sk, d):
+    hq, hkv = heads
+    q, k, v, dout = _cuda_tile(sq, sk, 2, hq, hkv, d, dtype)
+    scale = 1.0 / math.sqrt(d)
+    kern = TEFusedKernel()
+
+    out, lse = kern.forward(q, k, v, causal, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, hq, sq) and lse.dtype == torch.float32
+    dq, dk, dv = kern.backward(dout, q, k, v, out, lse, causal, scale)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+
+    f32 = [t.float() for t in (q, k, v)]
+    ref = _grads(lambda a, b, c: _reference(a, b, c, causal, scale)[0], *f32, dout.float())
+    ref_lse = _reference(*f32, causal, scale)[1]
+    same = _grads(lambda a, b, c: _sdpa(a, b, c, causal, scale), q, k, v, dout)
+    for name, got, r, s in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref, same):
+        _check(got, r, s, name)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-3)
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_te_global_out_lse_gives_partial_sums(dtype, heads):
+    """Non-causal: two tiles over the halves of K/V, merged == one call; backward given
+    the global out / lse returns dq summands and the dk / dv halves."""
+    hq, hkv = heads
+    s, d = 256, 64
+    q, k, v, dout = _cuda_tile(s, s, 2, hq, hkv, d, dtype, seed=1)
+    scale = 0.125
+    kern = TEFusedKernel()
+    out, lse = kern.forward(q, k, v, False, scale)
+    h = s // 2
+    o1, l1 = kern.forward(q, k[:h], v[:h], False, scale)
+    o2, l2 = kern.forward(q, k[h:], v[h:], False, scale)
+    merged, merged_lse = _merge(o1, l1, o2, l2)
+    torch.testing.assert_close(merged_lse, lse, atol=2e-3, rtol=1e-3)
+
+    f32 = [t.float() for t in (q, k, v)]
+    ref = _grads(lambda a, b, c: _reference(a, b, c, False, scale)[0], *f32, dout.float())
+    same = _grads(lambda a, b, c: _sdpa(a, b, c, False, scale), q, k, v, dout)
+    _check(merged, ref[0], same[0], "merged out")
+
+    dq1, dk1, dv1 = kern.backward(dout, q, k[:h], v[:h], out, lse, False, scale)
+    dq2, dk2, dv2 = kern.backward(dout, q, k[h:], v[h:], out, lse, False, scale)
+    _check(dq1.float() + dq2.float(), ref[1], same[1], "dq partial sum")
+    _check(torch.cat([dk1, dk2]), ref[2], same[2], "dk halves")
+    _check(torch.cat([dv1, dv2]), ref[3], same[3], "dv halves")
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_te_causal_row_from_two_tiles(dtype, heads):
+    """Causal, the rows of the second half of Q: an unmasked tile against the first half of
+    K/V plus a causal tile against the second half equal the full causal attention rows."""
+    hq, hkv = heads
+    s, d = 256, 64
+    q, k, v, dout = _cuda_tile(s, s, 2, hq, hkv, d, dtype, seed=2)
+    scale = 1.0 / math.sqrt(d)
+    h = s // 2
+    kern = TEFusedKernel()
+    out, lse = kern.forward(q, k, v, True, scale)
+    q2, out2, lse2, dout2 = q[h:], out[h:], lse[:, :, h:], dout[h:].contiguous()
+
+    oa, la = kern.forward(q2, k[:h], v[:h], False, scale)
+    ob, lb = kern.forward(q2, k[h:], v[h:], True, scale)
+    merged, merged_lse = _merge(oa, la, ob, lb)
+    torch.testing.assert_close(merged_lse, lse2, atol=2e-3, rtol=1e-3)
+
+    f32 = [t.float() for t in (q, k, v)]
+    dout_rows = torch.zeros_like(dout)
+    dout_rows[h:] = dout2
+    ref = _grads(lambda a, b, c: _reference(a, b, c, True, scale)[0], *f32, dout_rows.float())
+    same = _grads(lambda a, b, c: _sdpa(a, b, c, True, scale), q, k, v, dout_rows)
+    _check(merged, ref[0][h:], same[0][h:], "merged out")
+
+    dqa, dka, dva = kern.backward(dout2, q2, k[:h], v[:h], out2, lse2, False, scale)
+    dqb, dkb, dvb = kern.backward(dout2, q2, k[h:], v[h:], out2, lse2, True, scale)
+    _check(dqa.float() + dqb.float(), ref[1][h:], same[1][h:], "dq partial sum")
+    _check(torch.cat([dka, dkb]), ref[2], same[2], "dk")
+    _check(torch.cat([dva, dvb]), ref[3], same[3], "dv")
