@@ -271,7 +271,7 @@ class TEFusedKernel:
                 f"{stats.dtype}, expected ({b}, {hq}, {sq}, 1) float32: not the "
                 f"{BACKEND} backend?"
             )
-        return out, stats.view(b, hq, sq)
+        return out, stats.reshape(b, hq, sq)
 
     def backward(
         self,
