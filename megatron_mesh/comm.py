@@ -18,6 +18,12 @@ Direction = Literal["row", "col"]
 _active: list["TrafficCounter"] = []
 
 
+def _collective(new_name: str, old_name: str):
+    """Newer torch names the single-tensor collectives *_single, older *_into_tensor /
+    *_tensor; looked up at call time."""
+    return getattr(dist, new_name, None) or getattr(dist, old_name)
+
+
 class TrafficCounter:
     """Counts the bytes this rank sends in mesh collectives while the context is open.
 
@@ -67,7 +73,7 @@ def all_gather(
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
     _record(phase, direction, "all_gather", (n - 1) * _nbytes(t))
-    dist.all_gather_into_tensor(out, t, group=group)
+    _collective("all_gather_single", "all_gather_into_tensor")(out, t, group=group)
     return out
 
 
@@ -81,7 +87,9 @@ def reduce_scatter(
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
     _record(phase, direction, "reduce_scatter", (n - 1) * _nbytes(out))
-    dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=group)
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, t, op=dist.ReduceOp.SUM, group=group
+    )
     return out
 
 

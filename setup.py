@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-mesh",
+    version="0.1.0",
+    description="Exact 2D (mesh) context-parallel attention for Megatron-Core",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_mesh", "megatron_mesh.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "packaging"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16.1", "pyyaml"],
+        "wandb": ["wandb"],
+        "te": ["transformer-engine[pytorch]>=2.8"],
+        "plot": ["matplotlib"],
+        "dev": ["pytest>=8", "megatron-core>=0.16.1", "pyyaml", "wandb"],
+    },
+    entry_points={"console_scripts": ["megatron-mesh = megatron_mesh.cli:main"]},
+)

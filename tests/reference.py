@@ -1,0 +1,121 @@
+"""Independent reference: torch SDPA on the whole sequence in one process, then sliced
+by the zigzag layout; and an independent count of the bytes torch.distributed sends."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_mesh as mm
+
+
+@dataclass(frozen=True)
+class Case:
+    seq: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype = torch.float32
+    softmax_scale: float | None = None
+    seed: int = 0
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        return (f"S={self.seq} b={self.batch} hq={self.q_heads} hkv={self.kv_heads} "
+                f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale}")
+
+
+def full_inputs(case: Case) -> dict[str, torch.Tensor]:
+    """Whole-sequence q, k, v, dout [S, b, h, d] in fp32, the same on every rank."""
+    g = torch.Generator().manual_seed(case.seed)
+    s, b, d = case.seq, case.batch, case.head_dim
+    return {
+        "q": torch.randn(s, b, case.q_heads, d, generator=g),
+        "k": torch.randn(s, b, case.kv_heads, d, generator=g),
+        "v": torch.randn(s, b, case.kv_heads, d, generator=g),
+        "dout": torch.randn(s, b, case.q_heads, d, generator=g),
+    }
+
+
+def sdpa_reference(case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """out, dq, dk, dv of torch SDPA over the whole sequence in `dtype`, returned in fp32."""
+    q, k, v = (x[n].to(dtype).permute(1, 2, 0, 3).requires_grad_() for n in ("q", "k", "v"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=case.causal, scale=case.softmax_scale, enable_gqa=True
+    )
+    out.backward(x["dout"].to(dtype).permute(1, 2, 0, 3))
+    sbhd = lambda t: t.detach().permute(2, 0, 1, 3).float()  # noqa: E731
+    return {"out": sbhd(out), "dq": sbhd(q.grad), "dk": sbhd(k.grad), "dv": sbhd(v.grad)}
+
+
+def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
+                cp_rank: int) -> dict[str, torch.Tensor]:
+    """out, dq, dk, dv of mesh_attention on this rank's zigzag share, in fp32."""
+    share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
+    q, k, v = (share[n].requires_grad_() for n in ("q", "k", "v"))
+    out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale)
+    assert out.dtype == case.dtype and out.shape == q.shape
+    out.backward(share["dout"])
+    return {"out": out.detach().float(), "dq": q.grad.float(), "dk": k.grad.float(),
+            "dv": v.grad.float()}
+
+
+def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[str]:
+    """Failures of one case: fp32 within 1e-5; bf16 / fp16 within 2x single-device SDPA's
+    error in that dtype (both against fp32 SDPA), plus a floor of a few ulps."""
+    split = lambda t: mm.zigzag_split(t, grid.cp_size)[cp_rank]  # noqa: E731
+    ref = {n: split(t) for n, t in sdpa_reference(case, x, torch.float32).items()}
+    bad = []
+    if case.dtype == torch.float32:
+        for n, t in ref.items():
+            err = (got[n] - t).abs().max().item()
+            if err > 1e-5 * max(1.0, t.abs().max().item()):
+                bad.append(f"{case} {grid.rows}x{grid.cols} {n}: max error {err:.3g} > 1e-5")
+        return bad
+    same = {n: split(t) for n, t in sdpa_reference(case, x, case.dtype).items()}
+    ulp = torch.finfo(case.dtype).eps
+    for n, t in ref.items():
+        err = (got[n] - t).abs().max().item()
+        base = (same[n] - t).abs().max().item()
+        if err > 2 * base + 2 * ulp * t.abs().max().item():
+            bad.append(f"{case} {grid.rows}x{grid.cols} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+    return bad
+
+
+@contextlib.contextmanager
+def count_sent_bytes():
+    """Count bytes this rank sends through torch.distributed's single-tensor collectives,
+    by wrapping them (the real collective still runs). Yields a one-item list."""
+    sent = [0]
+    originals = {}
+
+    def wrap(name, sent_bytes):
+        real = getattr(dist, name)
+        originals[name] = real
+
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            n = dist.get_world_size(group)
+            sent[0] += sent_bytes(args[0], args[1], n)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            wrap(name, lambda out, inp, n: (n - 1) * nbytes(inp))
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            wrap(name, lambda out, inp, n: (n - 1) * nbytes(out))
+    wrap("all_to_all_single", lambda out, inp, n: nbytes(inp) * (n - 1) // n)
+    try:
+        yield sent
+    finally:
+        for name, real in originals.items():
+            setattr(dist, name, real)

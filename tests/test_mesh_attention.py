@@ -1,0 +1,108 @@
+"""Mesh attention against whole-sequence torch SDPA, forward and backward, on gloo.
+
+One spawned process group per CP size runs every R x C factorization and many cases;
+each case also checks the bytes sent (counted on the real collectives) against
+`megatron_mesh.traffic.mesh_traffic`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_mesh as mm
+from dist_utils import run_distributed
+from reference import Case, count_sent_bytes, errors, full_inputs, mesh_result
+
+
+def cases_for(cp_size: int) -> list[Case]:
+    s = 4 * cp_size  # two rows per zigzag sub-chunk
+    return [
+        Case(s, 2, 4, 4, 16, causal=True),  # MHA
+        Case(s, 1, 4, 2, 32, causal=False, seed=1),  # GQA
+        Case(s, 2, 4, 1, 16, causal=True, softmax_scale=0.3, seed=2),  # MQA, explicit scale
+        Case(s, 1, 4, 2, 16, causal=True, dtype=torch.bfloat16, seed=3),
+        Case(s, 2, 2, 2, 16, causal=False, dtype=torch.float16, seed=4),
+    ]
+
+
+def extra_cases(cp_size: int) -> list[Case]:
+    """Larger head dims, run on one shape per CP size to keep the suite short."""
+    s = 4 * cp_size
+    return [Case(s, 1, 2, 1, 128, causal=True, seed=5), Case(s, 1, 2, 2, 64, causal=True,
+                                                             dtype=torch.bfloat16, seed=6)]
+
+
+def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[str]:
+    """Run each case on `grid`; return failure messages (exactness and bytes)."""
+    bad = []
+    for case in cases:
+        x = full_inputs(case)
+        with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
+            got = mesh_result(case, x, grid, grid.cp_rank)
+        bad += errors(case, got, grid, grid.cp_rank, x)
+        shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
+                                  case.head_dim, torch.finfo(case.dtype).bits // 8)
+        expected = mm.mesh_traffic(shape, grid.rows, grid.cols).total
+        if not sent[0] == counter.total_bytes == expected:
+            bad.append(f"{case} {grid.rows}x{grid.cols}: sent {sent[0]} B, counter "
+                       f"{counter.total_bytes} B, formula {expected} B")
+    return bad
+
+
+def cases_for_shape(cp_size: int, shape_index: int) -> list[Case]:
+    """Up to 6 ranks every shape runs every case; beyond, each shape runs the first case
+    (fp32, causal) and one more in turn, so that spawning 8 or 16 ranks on a small CPU
+    stays quick while every shape still meets several dtypes and head layouts."""
+    cases = cases_for(cp_size)
+    if shape_index == 1:
+        cases += extra_cases(cp_size)
+    if cp_size <= 6:
+        return cases
+    return [cases[0], cases[1 + shape_index % (len(cases) - 1)]]
+
+
+def all_shapes_worker(rank: int, world: int) -> list[str]:
+    bad = []
+    for idx, (rows, cols) in enumerate(mm.mesh_shapes(world)):
+        grid = mm.MeshGrid.build(rows=rows, cols=cols)
+        assert (grid.row_index, grid.col_index) == divmod(rank, cols)
+        bad += check_cases(grid, cases_for_shape(world, idx))
+    return bad
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4, 6, 8, 16])
+def test_every_mesh_shape_matches_sdpa(cp_size: int) -> None:
+    failures = sorted(set(sum(run_distributed(all_shapes_worker, cp_size), [])))
+    assert not failures, "\n".join(failures)
+
+
+def many_groups_worker(rank: int, world: int) -> list[str]:
+    """DP = 2 x CP = 4 on 8 ranks: CP groups {0,2,4,6} and {1,3,5,7} (strided, as when DP
+    is innermost), each with its own 2x2 grid and its own data."""
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    grid = mm.MeshGrid.build_many(groups, rows=2, cols=2)
+    mine = groups[rank % 2]
+    bad = []
+    if grid.cp_ranks != tuple(mine) or grid.cp_rank != mine.index(rank):
+        bad.append(f"rank {rank}: grid over {grid.cp_ranks} at {grid.cp_rank}")
+    case = Case(16, 1, 4, 2, 16, causal=True, seed=10 + rank % 2)
+    return bad + check_cases(grid, [case])
+
+
+def explicit_group_worker(rank: int, world: int) -> list[str]:
+    """MeshGrid.build over an explicit subgroup, called by that group's members only."""
+    import torch.distributed as dist
+
+    halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    grid = mm.MeshGrid.build(rows=1, cols=4, group=halves[rank // 4])
+    return check_cases(grid, [Case(16, 1, 2, 2, 16, causal=True, seed=20 + rank // 4)])
+
+
+def test_two_cp_groups_in_one_job() -> None:
+    failures = sum(run_distributed(many_groups_worker, 8), [])
+    assert not failures, "\n".join(failures)
+
+
+def test_grid_over_explicit_group() -> None:
+    failures = sum(run_distributed(explicit_group_worker, 8), [])
+    assert not failures, "\n".join(failures)
