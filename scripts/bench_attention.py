@@ -1,0 +1,155 @@
+"""Benchmark mesh attention: forward + backward time and bytes sent per rank, per mesh shape.
+
+On GPUs, one process per GPU over NCCL:
+    torchrun --nproc-per-node 8 scripts/bench_attention.py --seq-length 65536 --dtype bf16
+On a CPU, P gloo processes are spawned:
+    python scripts/bench_attention.py --cp-size 4 --seq-length 4096
+
+Prints one row per R x C shape (P x 1, Megatron's all_gather CP, included): median
+forward and backward milliseconds over --iters, bytes sent per rank as counted on the
+real collectives, the traffic formula's bytes, and traffic relative to P x 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megatron_mesh as mm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cp-size", type=int, default=None,
+                   help="ranks to spawn on a CPU (default 4); under torchrun the world size")
+    p.add_argument("--shapes", default=None, help="comma-separated RxC list (default: every factorization)")
+    p.add_argument("--seq-length", type=int, default=4096, help="whole sequence S")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "te"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+def shapes_of(args: argparse.Namespace, cp_size: int) -> list[tuple[int, int]]:
+    if args.shapes is None:
+        return mm.mesh_shapes(cp_size)
+    shapes = []
+    for text in args.shapes.split(","):
+        try:
+            rows, cols = (int(n) for n in text.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes entry {text!r} is not RxC (e.g. 2x4)") from None
+        if rows * cols != cp_size:
+            raise SystemExit(f"--shapes entry {text} does not multiply to the CP size {cp_size}")
+        shapes.append((rows, cols))
+    return shapes
+
+
+def bench_shape(args, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> dict:
+    grid = mm.MeshGrid.build(rows=rows, cols=cols)
+    s = args.seq_length // grid.cp_size
+    gen = torch.Generator(device=device).manual_seed(grid.cp_rank)
+    make = lambda h: torch.randn(s, args.batch, h, args.head_dim, generator=gen,  # noqa: E731
+                                 device=device, dtype=dtype)
+    q, k, v = make(args.heads), make(args.kv_heads), make(args.kv_heads)
+    dout = make(args.heads)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    fwd, bwd, sent = [], [], 0
+    for it in range(args.warmup + args.iters):
+        sync()
+        with mm.TrafficCounter() as counter:
+            t0 = time.perf_counter()
+            out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend)
+            sync()
+            t1 = time.perf_counter()
+            out.backward(dout)
+            sync()
+            t2 = time.perf_counter()
+        if it >= args.warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        sent = counter.total_bytes
+    shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
+                              args.head_dim, torch.finfo(dtype).bits // 8)
+    return {"rows": rows, "cols": cols, "fwd_ms": 1e3 * statistics.median(fwd),
+            "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
+            "formula": mm.mesh_traffic(shape, rows, cols).total}
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    world = dist.get_world_size()
+    rows_out = [bench_shape(args, r, c, device, dtype) for r, c in shapes_of(args, world)]
+    worst = [torch.tensor([row["sent"]], dtype=torch.float64) for row in rows_out]
+    for t in worst:  # report the most any rank sent (ranks send the same; this checks it)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return
+    base = next((row["sent"] for row in rows_out if row["cols"] == 1), None)
+    print(f"mesh attention, P={world}, S={args.seq_length}, b={args.batch}, heads={args.heads}/"
+          f"{args.kv_heads}, d={args.head_dim}, {str(dtype).removeprefix('torch.')}, "
+          f"causal={args.causal}, {device.type}, backend={args.backend}")
+    print(f"{'shape':>7} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'MiB sent/rank':>14} "
+          f"{'formula MiB':>12} {'vs Px1':>7}")
+    for row, most in zip(rows_out, worst):
+        rel = f"{row['sent'] / base:7.2f}" if base else "      -"
+        print(f"{row['rows']:>3}x{row['cols']:<3} {row['fwd_ms']:9.2f} {row['bwd_ms']:9.2f} "
+              f"{row['fwd_ms'] + row['bwd_ms']:9.2f} {most.item() / 2**20:14.3f} "
+              f"{row['formula'] / 2**20:12.3f} {rel}")
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(args, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # launched by torchrun
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        try:
+            run(args, device)
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = args.cp_size or 4
+    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
