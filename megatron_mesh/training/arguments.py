@@ -8,30 +8,14 @@ message on every rank instead of leaving the others waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Any, Sequence
 
+import torch
 import yaml
 
-try:
-    from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
-except ImportError:  # TEMPORARY until the megatron backend lands
-    def add_mesh_args(parser):
-        parser.add_argument("--context-parallel-algo", dest="context_parallel_algo", default="p2p",
-                            choices=("p2p", "all_gather", "a2a", "a2a+p2p", "mesh"))
-        parser.add_argument("--mesh-shape", dest="mesh_shape", default=None)
-        return parser
-
-    def validate_mesh_args(args):
-        cp = args.context_parallel_size
-        if args.seq_length % (2 * cp):
-            raise ValueError(f"--seq-length {args.seq_length} not divisible by 2*CP={2*cp}")
-        if args.context_parallel_algo != "mesh" or cp == 1:
-            return None
-        r, c = (int(x) for x in args.mesh_shape.lower().split("x"))
-        if r * c != cp:
-            raise ValueError(f"--mesh-shape {args.mesh_shape}: {r}x{c} != CP {cp}")
-        return r, c
+from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -233,6 +217,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.mesh_grid_shape = validate_mesh_args(args)
     except ValueError as e:
         _fail(str(e))
+    if cp > 1 and args.context_parallel_algo != "mesh" and not _have_transformer_engine():
+        _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
+              f"{cp} needs Transformer Engine, which is not installed; use "
+              "--context-parallel-algo mesh (works without it) or install transformer-engine")
+    if (args.bf16 or args.fp16) and not torch.cuda.is_available():
+        _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
     if args.num_attention_heads % tp or args.num_query_groups % tp:
         _fail(f"--tensor-model-parallel-size {tp} must divide the attention heads "
               f"({args.num_attention_heads}) and query groups ({args.num_query_groups})")
@@ -252,6 +242,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+              f"{args.lr_decay_iters} (default: --train-iters)")
     if args.save_interval is not None and args.save_interval < 1:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
@@ -289,3 +282,7 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None

@@ -1,0 +1,31 @@
+"""Pretrain a GPT model on megatron-core, with mesh context parallelism.
+
+    torchrun --nproc-per-node 8 -m megatron_mesh.pretrain_gpt --config configs/gpt3-1.3b.yaml \\
+        --context-parallel-size 8 --context-parallel-algo mesh --mesh-shape 2x4 --bf16
+
+``--help`` lists the flags; docs/training.md describes the driver.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Sequence
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+
+from megatron_mesh.training.arguments import ConfigError, parse_args  # noqa: E402
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from megatron_mesh.training.run import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

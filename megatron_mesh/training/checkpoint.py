@@ -1,0 +1,160 @@
+"""Checkpoints with megatron-core's dist_checkpointing, written atomically.
+
+    SAVE/iter_0000040/                     one complete checkpoint (dist_checkpointing format)
+    SAVE/latest_checkpointed_iteration.txt the newest complete one
+
+A checkpoint is written to ``iter_N.tmp`` and renamed when every rank has finished; only
+then does the marker move (written to a temp file and renamed). A job that dies while
+saving leaves the previous checkpoint and marker untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.model import unwrap
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class TrainState:
+    """Where training stands; consumed_samples is also the data position."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration of the newest complete checkpoint under root, or None."""
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
+def _layout() -> list[int]:
+    return [parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True)]
+
+
+def _rng_object() -> ShardedObject:
+    """This rank's RNG states, one shard per (PP, TP, DP x CP) position."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if has_cuda() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states() if has_cuda() else None,
+    }
+    offset = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank(),
+              parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject("rng_state", state, tuple(_layout()), offset, replica_id=0)
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if has_cuda() and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState,
+                   args: argparse.Namespace, *, loading: bool, with_optim: bool,
+                   with_rng: bool) -> dict[str, Any]:
+    model_sd = unwrap(model).sharded_state_dict()
+    sd: dict[str, Any] = {"model": model_sd, "layout": _layout()}
+    if with_optim:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        sd["rng_state"] = _rng_object()
+    if not loading:
+        sd["iteration"] = state.iteration
+        sd["consumed_samples"] = state.consumed_samples
+        sd["model_shape"] = {k: getattr(args, k) for k in (
+            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+            "seq_length", "ffn_hidden_size")}
+    return sd
+
+
+def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                    state: TrainState, args: argparse.Namespace) -> str:
+    """Write SAVE/iter_N atomically and point the marker at it; returns its path."""
+    final = checkpoint_dir(root, state.iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
+                        with_optim=True, with_rng=True)
+    dist_checkpointing.save(sd, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker = os.path.join(root, LATEST)
+        with open(marker + ".tmp", "w") as f:
+            f.write(f"{state.iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker + ".tmp", marker)
+    dist.barrier()
+    print_rank0(f" saved checkpoint at iteration {state.iteration} to {final}")
+    return final
+
+
+def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                    args: argparse.Namespace) -> TrainState:
+    """Restore the newest complete checkpoint under root into the live objects.
+
+    Weights always; optimizer, LR schedule, iteration and data position unless
+    --no-load-optim / --finetune; RNG unless --no-load-rng or the parallel layout changed.
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {LATEST}; nothing to resume from")
+    path = checkpoint_dir(root, iteration)
+    common = dist_checkpointing.load_common_state_dict(path)
+    with_optim = not (args.no_load_optim or args.finetune)
+    with_rng = not (args.no_load_rng or args.finetune)
+    if with_rng and list(common.get("layout", [])) != _layout():
+        print_rank0(f" checkpoint layout {common.get('layout')} (PP, TP, DPxCP) differs from "
+                    f"{_layout()}: RNG state not restored")
+        with_rng = False
+    template = _sharded_state(model, optimizer, scheduler, TrainState(), args, loading=True,
+                              with_optim=with_optim, with_rng=with_rng)
+    loaded = dist_checkpointing.load(template, path)
+    unwrap(model).load_state_dict(loaded["model"])
+    state = TrainState()
+    if with_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        state = TrainState(loaded["iteration"], loaded["consumed_samples"])
+    if with_rng:
+        _set_rng(loaded["rng_state"])
+    print_rank0(f" loaded checkpoint {path} (iteration {iteration})")
+    return state

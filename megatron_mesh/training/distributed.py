@@ -1,0 +1,98 @@
+"""Process groups: torch.distributed, megatron-core's parallel state, the mesh grids, seeds."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_mesh.training.device import has_cuda
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Start torch.distributed from torchrun's environment (a single process works too).
+
+    The timeout bounds every collective: if a peer dies without torchrun noticing (say on
+    another node), the survivors raise after ``--distributed-timeout-minutes`` and exit non-zero.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
+    if backend == "nccl":
+        if not has_cuda():
+            raise RuntimeError("--distributed-backend nccl needs CUDA; use gloo on a CPU")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    args.distributed_backend = backend
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+    )
+    args.rank = rank
+
+
+def init_model_parallel(args: argparse.Namespace) -> None:
+    """megatron-core's TP / PP / CP / DP groups, then the mesh's row and column groups."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+    )
+    args.mesh_grid = None
+    if args.context_parallel_algo == "mesh":
+        from megatron_mesh.megatron.groups import initialize_mesh_grids
+
+        args.mesh_grid = initialize_mesh_grids(
+            args.mesh_shape,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups,
+            seq_length=args.seq_length,
+            head_dim=args.kv_channels,
+        )
+
+
+def set_seed(seed: int) -> None:
+    """Same seed on every data- and context-parallel rank, as Megatron-LM does.
+
+    On a GPU megatron-core's tracker keeps a separate CUDA RNG for tensor-parallel regions.
+    On a CPU there is one generator: the tracker is switched to megatron-core's pass-through
+    tracker, so regions that fork it (attention dropout) draw from the default generator.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if has_cuda():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def destroy() -> None:
+    """Tear down in reverse order; safe to call after a partial setup."""
+    try:
+        from megatron_mesh.megatron.groups import destroy_mesh_grids
+
+        destroy_mesh_grids()
+    except ImportError:
+        pass
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank0(*msg: object) -> None:
+    if is_rank0():
+        print(*msg, flush=True)

@@ -1,0 +1,104 @@
+"""Per-interval figures: the Megatron-LM style log line and the same numbers to wandb."""
+from __future__ import annotations
+
+import argparse
+import datetime
+from dataclasses import dataclass, field
+
+from megatron_mesh.training.device import has_cuda
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last log line."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    time_sum: float = 0.0
+    grad_norms: list[float] = field(default_factory=list)
+    traffic_bytes: int = 0
+    skipped: int = 0
+
+    def add(self, loss: float, seconds: float, grad_norm: float | None, traffic: int,
+            ok: bool) -> None:
+        self.iterations += 1
+        self.loss_sum += loss
+        self.time_sum += seconds
+        self.traffic_bytes += traffic
+        self.skipped += 0 if ok else 1
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+
+
+def interval_metrics(stats: IntervalStats, args: argparse.Namespace, flops_per_iter: float,
+                     lr: float, consumed: int, peak_mem: int, traffic_known: bool) -> dict:
+    """The numbers of one log line, keyed as they go to wandb."""
+    n = max(stats.iterations, 1)
+    step_s = stats.time_sum / n
+    tokens = args.global_batch_size * args.seq_length
+    out = {
+        "lm loss": stats.loss_sum / n,
+        "learning-rate": lr,
+        "consumed-samples": consumed,
+        "throughput/step-time-ms": 1000 * step_s,
+        "throughput/tokens-per-sec": tokens / step_s if step_s > 0 else 0.0,
+        "throughput/tflops-per-gpu": flops_per_iter / step_s / args.world_size / 1e12
+        if step_s > 0 else 0.0,
+        "memory/peak-bytes": peak_mem,
+        "skipped-iterations": stats.skipped,
+    }
+    if stats.grad_norms:
+        out["grad-norm"] = stats.grad_norms[-1]
+    if traffic_known:
+        out["attention/traffic-bytes-per-rank"] = stats.traffic_bytes // n
+    return out
+
+
+def log_line(iteration: int, args: argparse.Namespace, m: dict) -> str:
+    """``iteration N/ M | ... | lm loss: X.XXXXXXE+00 | ...`` as Megatron-LM prints it, plus ours."""
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    traffic = m.get("attention/traffic-bytes-per-rank")
+    mem_kind = "GPU" if has_cuda() else "RSS"
+    parts = [
+        f" [{now}] iteration {iteration:8d}/{args.train_iters:8d}",
+        f"consumed samples: {m['consumed-samples']:12d}",
+        f"elapsed time per iteration (ms): {m['throughput/step-time-ms']:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {m['throughput/tflops-per-gpu']:.4f}",
+        f"tokens/s: {m['throughput/tokens-per-sec']:.1f}",
+        f"learning rate: {m['learning-rate']:.6E}",
+        f"global batch size: {args.global_batch_size:5d}",
+        f"lm loss: {m['lm loss']:.6E}",
+    ]
+    if "grad-norm" in m:
+        parts.append(f"grad norm: {m['grad-norm']:.3f}")
+    parts += [
+        "attention traffic per rank (MB): "
+        + ("n/a" if traffic is None else f"{traffic / 2**20:.3f}"),
+        f"peak memory {mem_kind} (MB): {m['memory/peak-bytes'] / 2**20:.1f}",
+        f"number of skipped iterations: {m['skipped-iterations']:3d}",
+    ]
+    return " | ".join(parts) + " |"
+
+
+class WandbLogger:
+    """wandb on one rank when --wandb-project is given (WANDB_MODE=offline works as usual)."""
+
+    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+        self.run = None
+        if not (enabled and args.wandb_project):
+            return
+        import wandb
+
+        config = {k: v for k, v in vars(args).items()
+                  if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                              dir=args.wandb_save_dir, config=config)
+
+    def log(self, metrics: dict, iteration: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=iteration)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None

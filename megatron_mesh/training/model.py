@@ -1,0 +1,152 @@
+"""The GPT model: TransformerConfig from flags, the layer spec for the CP algorithm, wrapping."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_mesh.training.device import has_cuda
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """Round the vocabulary up so that every tensor-parallel shard is equally sized."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=not args.disable_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        cp_comm_type=_cp_comm_type(args),
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not has_cuda(),
+    )
+
+
+def _cp_comm_type(args: argparse.Namespace) -> str | None:
+    if args.context_parallel_size == 1:
+        return None
+    return "p2p" if args.context_parallel_algo == "mesh" else args.context_parallel_algo
+
+
+def use_transformer_engine(args: argparse.Namespace) -> bool:
+    """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is there."""
+    if args.transformer_impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        te = True
+    except ImportError:
+        te = False
+    if args.transformer_impl == "transformer_engine" and not te:
+        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
+                           "installed; use --transformer-impl local")
+    return te and has_cuda()
+
+
+def layer_spec(args: argparse.Namespace):
+    """The decoder layer spec for --context-parallel-algo.
+
+    mesh: our core attention (local or TE layers). Other algorithms: Megatron's attention
+    through Transformer Engine when installed; without it, megatron-core's local spec, which
+    is plain attention and therefore CP = 1 only (arguments.py rejects CP > 1 there).
+    """
+    use_te = use_transformer_engine(args)
+    if args.context_parallel_algo == "mesh" or use_te:
+        from megatron_mesh.megatron.spec import get_gpt_layer_spec
+
+        return get_gpt_layer_spec(context_parallel_algo=args.context_parallel_algo,
+                                  use_te=use_te, normalization=args.normalization)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization=args.normalization)
+
+
+def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+    """A GPTModel on this rank's device (pipeline parallelism is not used: one stage)."""
+    config = transformer_config(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=padded_vocab_size(vocab_size, args),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+    if has_cuda():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def wrap_model(model: GPTModel, args: argparse.Namespace) -> torch.nn.Module:
+    """Data parallelism over the data-parallel-with-CP group.
+
+    GPU: megatron-core's DistributedDataParallel (and Float16Module for bf16 / fp16), whose
+    finalize step also handles sequence-parallel norms and tied embeddings. CPU: torch's
+    DistributedDataParallel (megatron-core's needs CUDA); it averages gradients over the same
+    group, which is what megatron-core's DDP does when the loss is averaged per rank.
+    """
+    config = model.config
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if has_cuda():
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(config, model) if (args.bf16 or args.fp16) else model
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.bf16 or args.fp16,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+        config.no_sync_func = wrapped.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        return wrapped
+    if torch.distributed.get_world_size(dp_cp_group) == 1:
+        return model
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_cp_group)
+    config.no_sync_func = wrapped.no_sync
+    return wrapped
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not isinstance(model, GPTModel):
+        model = model.module
+    return model

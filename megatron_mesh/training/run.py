@@ -1,0 +1,74 @@
+"""Assemble a training job from parsed flags: groups, data, model, optimizer, resume, loop."""
+from __future__ import annotations
+
+import argparse
+
+import torch.distributed as dist
+
+from megatron_mesh.megatron.cpu import megatron_on_cpu
+from megatron_mesh.training import distributed
+from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
+from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
+from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.flops import flops_per_iteration
+from megatron_mesh.training.model import build_model, padded_vocab_size, wrap_model
+from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
+from megatron_mesh.training.trainer import train
+
+
+def _banner(args: argparse.Namespace, n_params: int, vocab: int, flops: float) -> None:
+    mesh = ""
+    if args.context_parallel_algo == "mesh" and args.context_parallel_size > 1:
+        grid = args.mesh_grid
+        shape = (getattr(grid, "rows", None), getattr(grid, "cols", None)) if grid else None
+        mesh = f" mesh {shape[0]}x{shape[1]}" if shape and shape[0] else ""
+    print_rank0(
+        f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
+        f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
+        f"{args.data_parallel_size} | backend {args.distributed_backend} | "
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
+        f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
+        f"{args.num_attention_heads} (query groups {args.num_query_groups}), seq "
+        f"{args.seq_length}, vocab {vocab} | parameters on this rank {n_params:,} | "
+        f"model FLOPs per iteration {flops:.4e}\n"
+        f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
+        f"{args.data_parallel_size} x {args.num_microbatches} micro-batches | "
+        f"data: {'mock' if args.mock_data else ' '.join(args.data_path)}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as the flags say; returns the process exit code.
+
+    Without CUDA everything runs inside ``megatron_on_cpu()``: megatron-core puts a few
+    bookkeeping tensors on "cuda" (schedule counters, RoPE indices), which it keeps on the CPU.
+    """
+    with megatron_on_cpu():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    distributed.init_distributed(args)
+    try:
+        distributed.init_model_parallel(args)
+        distributed.set_seed(args.seed)
+        tokenizer = build_tokenizer(args)
+        model = build_model(args, tokenizer.vocab_size)
+        vocab = padded_vocab_size(tokenizer.vocab_size, args)
+        n_params = sum(p.numel() for p in model.parameters())
+        model = wrap_model(model, args)
+        optimizer = build_optimizer(model, args)
+        scheduler = build_scheduler(optimizer, args)
+        state = TrainState()
+        if args.load:
+            state = load_checkpoint(args.load, model, optimizer, scheduler, args)
+        dataset = build_train_dataset(args, tokenizer)
+        flops = flops_per_iteration(args, vocab)
+        _banner(args, n_params, vocab, flops)
+        data = micro_batches(dataset, args, state.consumed_samples)
+        state = train(model, optimizer, scheduler, data, state, args, flops)
+        print_rank0(f" training done at iteration {state.iteration}")
+        dist.barrier()
+    finally:
+        distributed.destroy()
+    return 0

@@ -1,0 +1,117 @@
+"""The training loop: one megatron-core forward/backward per step, then the optimizer."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_mesh.training import faults
+from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
+from megatron_mesh.training.device import peak_memory_bytes, synchronize
+from megatron_mesh.training.distributed import is_rank0, print_rank0
+from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses on this rank, its token count, and both for reporting.
+
+    megatron-core divides the sum by the count and the number of micro-batches; data-parallel
+    gradient averaging over the DP x CP group then yields the gradient of the global mean.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    count = mask.sum()
+    report = torch.stack([loss_sum.detach().clone(), count.detach().clone()])
+    return loss_sum, count.to(torch.int), {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
+    """megatron-core's forward_step_func: GPT forward on the next micro-batch."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _global_loss(reports: list[dict]) -> float:
+    """Mean token loss over the global batch (all micro-batches, DP and CP ranks)."""
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(total, group=group)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
+               data_iterator: Iterator[dict], args: argparse.Namespace) -> tuple[float, float | None, bool]:
+    """One iteration over the global batch; returns (loss, grad norm, update applied)."""
+    if hasattr(model, "zero_grad_buffer"):  # megatron-core DDP
+        model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=args.global_batch_size)
+    return _global_loss(reports), grad_norm, ok
+
+
+def _traffic_counter(args: argparse.Namespace):
+    """A byte counter of mesh collectives when the mesh runs, else None (traffic n/a)."""
+    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1:
+        return None
+    from megatron_mesh.comm import TrafficCounter
+
+    return TrafficCounter()
+
+
+def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator: Iterator[dict],
+          state: TrainState, args: argparse.Namespace, flops_per_iter: float) -> TrainState:
+    """Iterate to --train-iters (or --exit-interval), logging and saving on their intervals."""
+    wandb = WandbLogger(args, enabled=is_rank0())
+    stats = IntervalStats()
+    rank = dist.get_rank()
+    last = args.train_iters if args.exit_interval is None else min(args.train_iters,
+                                                                  args.exit_interval)
+    model.train()
+    exit_code = 1
+    try:
+        while state.iteration < last:
+            faults.maybe_fail(rank, state.iteration + 1)
+            counter = _traffic_counter(args)
+            synchronize()
+            start = time.perf_counter()
+            with counter if counter is not None else contextlib.nullcontext():
+                loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator, args)
+            synchronize()
+            seconds = time.perf_counter() - start
+            state.iteration += 1
+            state.consumed_samples += args.global_batch_size
+            stats.add(loss, seconds, grad_norm, counter.total_bytes if counter else 0, ok)
+            if state.iteration % args.log_interval == 0 or state.iteration == last:
+                lr = optimizer.param_groups[0]["lr"]
+                m = interval_metrics(stats, args, flops_per_iter, lr, state.consumed_samples,
+                                     peak_memory_bytes(), traffic_known=counter is not None)
+                print_rank0(log_line(state.iteration, args, m))
+                wandb.log(m, state.iteration)
+                stats = IntervalStats()
+            if args.save and (state.iteration == last or (
+                    args.save_interval and state.iteration % args.save_interval == 0)):
+                save_checkpoint(args.save, model, optimizer, scheduler, state, args)
+        exit_code = 0
+    finally:
+        wandb.finish(exit_code)
+    return state
