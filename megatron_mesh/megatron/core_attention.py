@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import mesh_attention
+from megatron_mesh.kernels import BACKENDS
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import get_mesh_grid
 
@@ -94,6 +95,8 @@ class MeshDotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = backend
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         if pg_collection is None:

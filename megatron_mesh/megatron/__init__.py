@@ -1,0 +1,32 @@
+"""Megatron-Core integration: CLI arguments, 2D CP groups, core attention and layer specs.
+
+The only part of megatron_mesh that imports megatron.core.
+"""
+from megatron_mesh.megatron.arguments import (
+    ALGORITHMS,
+    add_mesh_args,
+    parse_mesh_shape,
+    validate_mesh_args,
+)
+from megatron_mesh.megatron.core_attention import MeshDotProductAttention
+from megatron_mesh.megatron.groups import (
+    destroy_mesh_grids,
+    get_mesh_grid,
+    initialize_mesh_grids,
+    mesh_grid_is_initialized,
+)
+from megatron_mesh.megatron.spec import get_gpt_layer_spec, use_mesh_core_attention
+
+__all__ = [
+    "ALGORITHMS",
+    "MeshDotProductAttention",
+    "add_mesh_args",
+    "destroy_mesh_grids",
+    "get_gpt_layer_spec",
+    "get_mesh_grid",
+    "initialize_mesh_grids",
+    "mesh_grid_is_initialized",
+    "parse_mesh_shape",
+    "use_mesh_core_attention",
+    "validate_mesh_args",
+]

@@ -1,0 +1,64 @@
+"""Running megatron-core models on a machine without CUDA (gloo, fp32).
+
+A few megatron-core code paths put small tensors on the GPU even when the model lives on
+the CPU: RoPE moves its frequencies to `torch.cuda.current_device()`, its context-parallel
+slicing builds a pinned index tensor and calls `.cuda()`, the schedules create counters with
+`device="cuda"`. `megatron_on_cpu()` keeps all of these on the CPU: inside it, CUDA device
+requests become CPU ones and pinning is skipped. The computation itself is untouched. With
+CUDA available it does nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["megatron_on_cpu"]
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, (str, torch.device)) or (
+        isinstance(device, int) and not isinstance(device, bool)
+    ):
+        try:
+            return torch.device(device).type == "cuda"
+        except (RuntimeError, ValueError):
+            return False
+    return False
+
+
+class _CudaRequestsOnCpu(TorchFunctionMode):
+    """Rewrite torch calls that ask for CUDA memory into CPU ones."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Context for building and running megatron-core models without CUDA; no-op with CUDA.
+
+    Also makes `torch.cuda.current_device()` answer "cpu" (for the rest of the process),
+    since megatron-core asks it where to put RoPE frequencies and buffers.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.current_device = _cpu_current_device
+    with _CudaRequestsOnCpu():
+        yield

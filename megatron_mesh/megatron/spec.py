@@ -1,0 +1,89 @@
+"""GPT layer specs whose core attention is `MeshDotProductAttention`.
+
+The spec carries the algorithm (`params={'context_parallel_algo': ...}`), so the layer
+needs nothing else from TransformerConfig; `TransformerConfig(cp_comm_type='mesh')` also
+selects the mesh for a spec that names `MeshDotProductAttention` without params.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_mesh.megatron.arguments import ALGORITHMS
+from megatron_mesh.megatron.core_attention import MeshDotProductAttention
+
+__all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_attention"]
+
+
+def mesh_core_attention_spec(context_parallel_algo: str = "mesh", backend: str = "auto") -> ModuleSpec:
+    """The core_attention submodule spec for `context_parallel_algo`."""
+    if context_parallel_algo not in ALGORITHMS:
+        raise ValueError(
+            f"unknown context-parallel algorithm {context_parallel_algo!r}; "
+            f"valid: {', '.join(ALGORITHMS)}"
+        )
+    params: dict[str, Any] = {"context_parallel_algo": context_parallel_algo}
+    if backend != "auto":
+        params["backend"] = backend
+    return ModuleSpec(module=MeshDotProductAttention, params=params)
+
+
+def use_mesh_core_attention(spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto") -> Any:
+    """A copy of a layer or block spec with every `core_attention` submodule replaced.
+
+    Walks ModuleSpec.submodules dataclasses (self_attention of a layer, layer_specs of a
+    block); raises ValueError when the spec holds no core_attention to replace.
+    """
+    core = mesh_core_attention_spec(context_parallel_algo, backend)
+    spec, count = _replace(spec, core)
+    if count == 0:
+        raise ValueError(f"no core_attention submodule found in spec {spec!r}")
+    return spec
+
+
+def _replace(node: Any, core: ModuleSpec) -> tuple[Any, int]:
+    if isinstance(node, ModuleSpec):
+        submodules, count = _replace(node.submodules, core)
+        return (dataclasses.replace(node, submodules=submodules) if count else node), count
+    if isinstance(node, (list, tuple)):
+        parts = [_replace(item, core) for item in node]
+        return type(node)(p for p, _ in parts), sum(c for _, c in parts)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes, count = {}, 0
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            if field.name == "core_attention":
+                changes[field.name], count = core, count + 1
+                continue
+            new, n = _replace(value, core)
+            if n:
+                changes[field.name], count = new, count + n
+        return (dataclasses.replace(node, **changes) if count else node), count
+    return node, 0
+
+
+def get_gpt_layer_spec(
+    context_parallel_algo: str = "mesh", use_te: bool = False, backend: str = "auto", **kwargs: Any
+) -> ModuleSpec:
+    """Megatron's GPT layer spec (local, or Transformer Engine's with use_te) with our core attention.
+
+    kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
+    (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if kwargs.get("multi_latent_attention"):
+        raise ValueError("multi_latent_attention is not supported by MeshDotProductAttention")
+    if use_te:
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(
+                "use_te=True needs Transformer Engine (pip install transformer-engine[pytorch]); "
+                "use use_te=False for the local spec, which works with the mesh without it"
+            )
+        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    else:
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
+    return use_mesh_core_attention(layer, context_parallel_algo, backend)

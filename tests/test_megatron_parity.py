@@ -1,0 +1,361 @@
+"""A megatron-core GPTModel with mesh context parallelism matches the same model with CP = 1.
+
+One spawned job of 8 gloo ranks runs every layout in turn (spawning is the slow part):
+TP x CP x DP = 1x4x2 as 2x2, 4x1 and 1x4 grids (two CP groups, two data replicas),
+2x2x2 with the shape chosen automatically, and 1x1x8. For each, the reference is the same
+GPTModel (same weights, same TP) at CP = 1 whose core attention is torch SDPA on the whole
+sequence; the mesh run gets its batch from megatron-core's get_batch_on_this_cp_rank, its
+per-rank partial loss and gradients are summed over the CP group with all-reduces (as
+Megatron's finalize_model_grads does), and both are compared. Bad configurations are tried
+in the same job and must raise on every rank, not hang.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD = 8
+SEQ, BATCH, VOCAB = 32, 2, 64
+HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
+JOB_TIMEOUT_S = 240
+
+# (name, tp, cp, mesh shape or None for automatic)
+LAYOUTS = [
+    ("cp4_2x2", 1, 4, (2, 2)),
+    ("cp4_4x1", 1, 4, (4, 1)),
+    ("cp4_1x4", 1, 4, (1, 4)),
+    ("tp2_cp2_auto", 2, 2, None),
+    ("cp1", 1, 1, None),
+]
+
+
+# ---------------------------------------------------------------- worker (every rank)
+
+
+def _sdpa_core_attention_class():
+    """Reference core attention: torch SDPA on the whole sequence (CP = 1 only)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None):
+            super().__init__(config=config)
+            assert config.context_parallel_size == 1
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    return SDPACoreAttention
+
+
+def _config(tp: int, cp: int, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        context_parallel_size=cp, params_dtype=torch.float32,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _gpt(config, layer_spec):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def _reference_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_mesh.megatron.spec import use_mesh_core_attention
+
+    spec = use_mesh_core_attention(get_gpt_layer_local_spec())  # copy, then swap in SDPA
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention_class()
+    return spec
+
+
+def _batch(replica: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + replica)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
+        "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous(),
+    }
+
+
+def _loss_and_grads(model, batch, denominator):
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss = (per_token * batch["loss_mask"]).sum() / denominator
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def _init_parallel(tp: int, cp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron.groups import destroy_mesh_grids
+
+    destroy_mesh_grids()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, 1, context_parallel_size=cp, create_gloo_process_groups=False)
+
+
+def _expect_error(fn, *exc_types) -> str:
+    """Run fn; return the message of the expected exception ('' if none was raised)."""
+    try:
+        fn()
+    except exc_types as error:  # noqa: PERF203
+        return str(error)
+    return ""
+
+
+def _run_layout(name, tp, cp, shape, out):
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_mesh.megatron import get_gpt_layer_spec, initialize_mesh_grids
+
+    rank = dist.get_rank()
+    replica = rank // (tp * cp)  # order tp-cp-dp: the data-parallel replica of this rank
+    full = _batch(replica)
+    denominator = full["loss_mask"].sum()
+
+    _init_parallel(tp, 1)
+    torch.manual_seed(1234)
+    reference = _gpt(_config(tp, 1), _reference_spec())
+    ref_loss, ref_grads = _loss_and_grads(reference, full, denominator)
+
+    _init_parallel(tp, cp)
+    grid = initialize_mesh_grids(
+        shape, num_attention_heads=HEADS, num_query_groups=GROUPS, seq_length=SEQ
+    )
+    model = _gpt(_config(tp, cp), get_gpt_layer_spec("mesh"))
+    model.load_state_dict(reference.state_dict())
+    local = get_batch_on_this_cp_rank(dict(full))
+    loss, grads = _loss_and_grads(model, local, denominator)
+    cp_group = ps.get_context_parallel_group()
+    dist.all_reduce(loss, group=cp_group)
+    for g in grads.values():
+        dist.all_reduce(g, group=cp_group)
+
+    out[name] = {
+        "grid": (grid.rows, grid.cols, grid.cp_rank, grid.cp_ranks),
+        "row_ranks": dist.get_process_group_ranks(grid.row_group),
+        "col_ranks": dist.get_process_group_ranks(grid.col_group),
+        "megatron_cp_ranks": ps.get_context_parallel_global_ranks(),
+        "megatron_cp_rank": ps.get_context_parallel_rank(),
+        "local_seq": local["tokens"].shape[1],
+        "loss": (loss.item(), ref_loss.item()),
+        "grad_err": max(
+            ((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6)).item()
+            for n in grads
+        ),
+        "grad_abs_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
+        "grad_names": sorted(grads),
+    }
+
+
+def _bad_configurations(out):
+    """Each must raise the same clear error on every rank (a hang fails the job timeout)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron import (
+        MeshDotProductAttention,
+        get_gpt_layer_spec,
+        initialize_mesh_grids,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+
+    rank = dist.get_rank()
+    errors = {}
+    _init_parallel(1, 4)
+    errors["shape_3x1"] = _expect_error(lambda: initialize_mesh_grids((3, 1)), ValueError)
+    errors["seq_not_divisible"] = _expect_error(
+        lambda: initialize_mesh_grids((2, 2), seq_length=36), ValueError
+    )
+    disagree = (2, 2) if rank == 0 else (4, 1)
+    errors["ranks_disagree"] = _expect_error(lambda: initialize_mesh_grids(disagree), ValueError)
+    errors["model_before_grids"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh")), RuntimeError
+    )
+    initialize_mesh_grids((2, 2))
+    errors["dropout"] = _expect_error(
+        lambda: _gpt(_config(1, 4, attention_dropout=0.1), get_gpt_layer_spec("mesh")), ValueError
+    )
+    errors["p2p_without_te"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("p2p")), ValueError
+    )
+    errors["backend"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh", backend="cudnn")), ValueError
+    )
+    core_kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    errors["padding_mask"] = _expect_error(
+        lambda: MeshDotProductAttention(
+            config=_config(1, 4), layer_number=1, attn_mask_type=AttnMaskType.padding,
+            attention_type="self",
+        ),
+        ValueError,
+    )
+    # the algorithm can also come from TransformerConfig.cp_comm_type (no spec params)
+    chosen = MeshDotProductAttention(config=_config(1, 4, cp_comm_type="mesh"), **core_kwargs)
+    errors["config_cp_comm_type_mesh"] = type(chosen).__name__
+    q = torch.randn(SEQ // 4, BATCH, HEADS, HIDDEN // HEADS)
+    k = torch.randn(SEQ // 4, BATCH, GROUPS, HIDDEN // HEADS)
+    errors["packed"] = _expect_error(
+        lambda: chosen(q, k, k, None, packed_seq_params=object()), ValueError
+    )
+    # grids of an earlier CP layout, then parallel_state re-initialized with another one
+    _init_parallel(1, 2)
+    initialize_mesh_grids((2, 1))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=4, create_gloo_process_groups=False)
+    errors["stale_grid"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh")), ValueError
+    )
+    out["errors"] = errors
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    from megatron_mesh.megatron.cpu import megatron_on_cpu
+
+    out: dict = {"times": {}}
+    try:
+        with megatron_on_cpu():
+            for name, tp, cp, shape in LAYOUTS:
+                start = time.perf_counter()
+                _run_layout(name, tp, cp, shape, out)
+                out["times"][name] = time.perf_counter() - start
+            _bad_configurations(out)
+        torch.save(out, os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # import megatron-core once here and fork: the ranks skip re-importing it
+    import megatron.core.models.gpt  # noqa: F401
+
+    import megatron_mesh.megatron  # noqa: F401
+
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_worker, args=(WORLD, _free_port(), outdir), nprocs=WORLD,
+                                 join=False, start_method="fork")
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the {WORLD}-rank job did not finish in {JOB_TIMEOUT_S} s (hang?)")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------- checks (pytest process)
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in LAYOUTS])
+def test_loss_and_gradients_match_cp1(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        loss, ref_loss = r["loss"]
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5, abs_tol=1e-6), (rank, loss, ref_loss)
+        assert r["grad_abs_err"] < 1e-5 or r["grad_err"] < 1e-5, (rank, r["grad_abs_err"])
+        assert len(r["grad_names"]) > 10  # embedding, layers, output layer all checked
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in LAYOUTS])
+def test_grid_follows_megatron_cp_groups(results, name):
+    _, tp, cp, shape = next(layout for layout in LAYOUTS if layout[0] == name)
+    from megatron_mesh.traffic import AttentionShape, best_mesh_shape
+
+    head_dim = HIDDEN // HEADS
+    expected = shape or best_mesh_shape(AttentionShape(SEQ, 1, HEADS, GROUPS, head_dim, 2), cp)
+    for rank, res in enumerate(results):
+        r = res[name]
+        rows, cols, cp_rank, cp_ranks = r["grid"]
+        assert (rows, cols) == expected
+        assert list(cp_ranks) == r["megatron_cp_ranks"] and cp_rank == r["megatron_cp_rank"]
+        assert rank in cp_ranks and r["local_seq"] == SEQ // cp
+        i, j = divmod(cp_rank, cols)
+        assert r["row_ranks"] == [cp_ranks[i * cols + c] for c in range(cols)]  # consecutive
+        assert r["col_ranks"] == [cp_ranks[x * cols + j] for x in range(rows)]
+
+
+def test_two_cp_groups_get_separate_grids(results):
+    groups = {tuple(res["cp4_2x2"]["grid"][3]) for res in results}
+    assert groups == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    # the two data-parallel replicas saw different data, and each matched its own reference
+    assert results[0]["cp4_2x2"]["loss"][1] != results[4]["cp4_2x2"]["loss"][1]
+    tp_cp = {tuple(res["tp2_cp2_auto"]["grid"][3]) for res in results}
+    assert tp_cp == {(0, 2), (1, 3), (4, 6), (5, 7)}
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("shape_3x1", ["3x1", "4x1, 2x2, 1x4"]),
+        ("seq_not_divisible", ["36", "8"]),
+        ("ranks_disagree", ["rank 0: 2x2", "rank 1: 4x1"]),
+        ("model_before_grids", ["initialize_mesh_grids"]),
+        ("dropout", ["dropout", "0.1"]),
+        ("p2p_without_te", ["'p2p'", "Transformer Engine", "mesh"]),
+        ("backend", ["cudnn", "auto"]),
+        ("padding_mask", ["padding", "causal"]),
+        ("packed", ["packed"]),
+        ("stale_grid", ["CP group", "initialize_mesh_grids"]),
+    ],
+)
+def test_bad_configuration_fails_on_every_rank(results, case, words):
+    for rank, res in enumerate(results):
+        message = res["errors"][case]
+        assert message, f"rank {rank}: no error for {case}"
+        for word in words:
+            assert word in message, (rank, case, message)
+
+
+def test_report_times(results):
+    print({name: round(t, 2) for name, t in results[0]["times"].items()})
+    for name, *_ in LAYOUTS:
+        worst = max(r[name]["grad_abs_err"] for r in results)
+        loss_err = max(abs(r[name]["loss"][0] - r[name]["loss"][1]) for r in results)
+        print(f"{name}: max |dgrad| {worst:.2e}, max |dloss| {loss_err:.2e}")
+
+
+def test_mesh_selected_by_config_cp_comm_type(results):
+    assert all(r["errors"]["config_cp_comm_type_mesh"] == "MeshDotProductAttention" for r in results)
