@@ -9,6 +9,7 @@ from megatron_mesh.megatron.arguments import (
     validate_mesh_args,
 )
 from megatron_mesh.megatron.core_attention import MeshDotProductAttention
+from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.groups import (
     destroy_mesh_grids,
     get_mesh_grid,
@@ -25,6 +26,7 @@ __all__ = [
     "get_gpt_layer_spec",
     "get_mesh_grid",
     "initialize_mesh_grids",
+    "megatron_on_cpu",
     "mesh_grid_is_initialized",
     "parse_mesh_shape",
     "use_mesh_core_attention",

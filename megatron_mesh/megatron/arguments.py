@@ -79,7 +79,8 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
         raise ValueError(
             f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
         )
-    cp_size = getattr(args, "context_parallel_size", 1) or 1
+    cp_size = getattr(args, "context_parallel_size", None)
+    cp_size = 1 if cp_size is None else cp_size
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
     seq_length = getattr(args, "seq_length", None)
@@ -91,7 +92,9 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
     mesh_shape = getattr(args, "mesh_shape", None)
     if algo != "mesh":
         if mesh_shape is not None:
-            logger.warning("--mesh-shape %s is ignored: --context-parallel-algo is %s", mesh_shape, algo)
+            logger.warning(
+                "--mesh-shape %s is ignored: --context-parallel-algo is %s", mesh_shape, algo
+            )
         return None
     heads, groups = _head_counts(args)
     shape, automatic = resolve_mesh_shape(

@@ -112,7 +112,9 @@ class MeshDotProductAttention(MegatronModule):
                 "initialize_model_parallel() with the same context-parallel size"
             )
         head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
         self.current_max_attn_logits = None
 
     def forward(
@@ -137,7 +139,8 @@ class MeshDotProductAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in _MASKS:
             raise ValueError(
-                f"MeshDotProductAttention supports attn_mask_type causal or no_mask, got {mask_type}"
+                "MeshDotProductAttention supports attn_mask_type causal or no_mask, "
+                f"got {mask_type}"
             )
         if query.shape[0] != key.shape[0]:
             raise ValueError(

@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 
 _MESH_GRID: MeshGrid | None = None
 
-__all__ = ["initialize_mesh_grids", "get_mesh_grid", "destroy_mesh_grids", "mesh_grid_is_initialized"]
+__all__ = [
+    "initialize_mesh_grids", "get_mesh_grid", "destroy_mesh_grids", "mesh_grid_is_initialized",
+]
 
 
 def _all_cp_groups(shape: tuple[int, int]) -> list[list[int]]:

@@ -18,7 +18,9 @@ from megatron_mesh.megatron.core_attention import MeshDotProductAttention
 __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_attention"]
 
 
-def mesh_core_attention_spec(context_parallel_algo: str = "mesh", backend: str = "auto") -> ModuleSpec:
+def mesh_core_attention_spec(
+    context_parallel_algo: str = "mesh", backend: str = "auto"
+) -> ModuleSpec:
     """The core_attention submodule spec for `context_parallel_algo`."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
@@ -31,7 +33,9 @@ def mesh_core_attention_spec(context_parallel_algo: str = "mesh", backend: str =
     return ModuleSpec(module=MeshDotProductAttention, params=params)
 
 
-def use_mesh_core_attention(spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto") -> Any:
+def use_mesh_core_attention(
+    spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto"
+) -> Any:
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
     Walks ModuleSpec.submodules dataclasses (self_attention of a layer, layer_specs of a
@@ -68,7 +72,7 @@ def _replace(node: Any, core: ModuleSpec) -> tuple[Any, int]:
 def get_gpt_layer_spec(
     context_parallel_algo: str = "mesh", use_te: bool = False, backend: str = "auto", **kwargs: Any
 ) -> ModuleSpec:
-    """Megatron's GPT layer spec (local, or Transformer Engine's with use_te) with our core attention.
+    """Megatron's GPT layer spec (local, or TE's with use_te) with the mesh core attention.
 
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel.

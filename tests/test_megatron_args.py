@@ -1,0 +1,155 @@
+"""CLI arguments, mesh-shape validation and layer specs (one process, no process groups)."""
+from __future__ import annotations
+
+import argparse
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_mesh.megatron import ALGORITHMS, add_mesh_args, parse_mesh_shape, validate_mesh_args
+from megatron_mesh.traffic import AttentionShape, best_mesh_shape
+
+
+def _args(**overrides) -> SimpleNamespace:
+    base = dict(
+        seq_length=4096, context_parallel_size=8, context_parallel_algo="mesh", mesh_shape=None,
+        num_attention_heads=32, num_query_groups=None, hidden_size=4096,
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _megatron_like_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's two CP options, which ours must sit beside."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    return parser
+
+
+def test_add_mesh_args_parses_and_sits_beside_megatron_options():
+    parser = add_mesh_args(_megatron_like_parser())
+    assert add_mesh_args(parser) is parser  # a second call adds nothing
+    args = parser.parse_args(
+        ["--context-parallel-size", "8", "--context-parallel-algo", "mesh", "--mesh-shape", "2x4"]
+    )
+    got = (args.context_parallel_algo, args.mesh_shape, args.cp_comm_type)
+    assert got == ("mesh", (2, 4), ["p2p"])
+    defaults = parser.parse_args([])
+    assert (defaults.context_parallel_algo, defaults.mesh_shape) == ("p2p", None)
+    for algo in ALGORITHMS:
+        assert parser.parse_args(["--context-parallel-algo", algo]).context_parallel_algo == algo
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--context-parallel-algo", "ring"], ["ring", "a2a+p2p", "mesh"]),
+        (["--mesh-shape", "2by4"], ["2by4", "RxC"]),
+        (["--mesh-shape", "0x4"], ["0x4", "positive"]),
+    ],
+)
+def test_bad_flags_exit_with_message(capsys, argv, words):
+    parser = add_mesh_args(_megatron_like_parser())
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize("text, shape", [("2x4", (2, 4)), ("8X1", (8, 1)), (" 1 x 16 ", (1, 16))])
+def test_parse_mesh_shape(text, shape):
+    assert parse_mesh_shape(text) == shape
+
+
+@pytest.mark.parametrize("text", ["2x", "x4", "2*4", "-2x4", "2x0", "", "2x4x1"])
+def test_parse_mesh_shape_rejects(text):
+    with pytest.raises(ValueError, match="RxC"):
+        parse_mesh_shape(text)
+
+
+def test_validate_explicit_shape():
+    assert validate_mesh_args(_args(mesh_shape=(2, 4))) == (2, 4)
+    assert validate_mesh_args(_args(mesh_shape="4x2")) == (4, 2)  # e.g. from a YAML config
+
+
+def test_validate_automatic_shape_is_logged_and_follows_gqa(caplog):
+    with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
+        mha = validate_mesh_args(_args(context_parallel_size=16))
+    assert mha == best_mesh_shape(AttentionShape(4096, 1, 32, 32, 128, 2), 16)
+    assert f"{mha[0]}x{mha[1]}" in caplog.text and "least traffic" in caplog.text
+    gqa = validate_mesh_args(_args(context_parallel_size=16, num_query_groups=4))
+    assert gqa == best_mesh_shape(AttentionShape(4096, 1, 32, 4, 128, 2), 16)
+    assert gqa[0] > gqa[1] and gqa[0] > mha[0]  # GQA: taller tiles (more rows)
+    # Megatron-LM ignores --num-query-groups unless --group-query-attention is set
+    off = validate_mesh_args(
+        _args(context_parallel_size=16, num_query_groups=4, group_query_attention=False)
+    )
+    assert off == mha
+
+
+def test_validate_cp1_mesh_is_a_noop_that_says_so(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert validate_mesh_args(_args(context_parallel_size=1, seq_length=31)) is None
+    assert "1x1" in caplog.text and "plain attention" in caplog.text
+
+
+def test_validate_other_algorithms_return_none():
+    for algo in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+        assert validate_mesh_args(_args(context_parallel_algo=algo)) is None
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(seq_length=4100), ["4100", "16"]),
+        (dict(seq_length=4100, context_parallel_algo="p2p"), ["4100", "16"]),
+        (dict(mesh_shape=(3, 2)), ["3x2", "8x1, 4x2, 2x4, 1x8"]),
+        (dict(mesh_shape="2x2", context_parallel_size=1), ["2x2", "1x1"]),
+        (dict(context_parallel_algo="ring"), ["'ring'", "p2p, all_gather, a2a, a2a+p2p, mesh"]),
+        (dict(context_parallel_size=0), ["0", "positive"]),
+        (dict(num_query_groups=5), ["5", "32"]),
+        (dict(mesh_shape="two"), ["'two'", "RxC"]),
+    ],
+)
+def test_validate_rejects_bad_configuration(overrides, words):
+    with pytest.raises(ValueError) as info:
+        validate_mesh_args(_args(**overrides))
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_layer_spec_puts_mesh_core_attention_in_place():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_mesh.megatron import MeshDotProductAttention, get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec(normalization="RMSNorm")
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert isinstance(core, ModuleSpec) and core.module is MeshDotProductAttention
+    assert core.params == {"context_parallel_algo": "mesh"}
+    # everything else is megatron-core's local spec (RMSNorm passed through)
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert spec.submodules.input_layernorm == local.submodules.input_layernorm
+    assert spec.submodules.mlp == local.submodules.mlp
+    assert get_gpt_layer_spec("a2a").submodules.self_attention.submodules.core_attention.params == {
+        "context_parallel_algo": "a2a"
+    }
+
+
+def test_layer_spec_rejects_bad_requests():
+    import importlib.util
+
+    from megatron_mesh.megatron import get_gpt_layer_spec
+
+    with pytest.raises(ValueError, match="'ring'.*mesh"):
+        get_gpt_layer_spec("ring")
+    with pytest.raises(ValueError, match="multi_latent_attention"):
+        get_gpt_layer_spec(multi_latent_attention=True)
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ValueError, match="Transformer Engine.*use_te=False"):
+            get_gpt_layer_spec(use_te=True)
