@@ -8,6 +8,7 @@ from .grid import MeshGrid
 from .kernels import BACKENDS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCHEDULES = ("streamed", "gathered")
 
 
 def check_inputs(
@@ -17,6 +18,7 @@ def check_inputs(
     grid: MeshGrid,
     softmax_scale: float | None,
     backend: str,
+    schedule: str = "streamed",
 ) -> None:
     """Raise ValueError naming the bad value and what is valid."""
     if not isinstance(grid, MeshGrid):
@@ -53,3 +55,5 @@ def check_inputs(
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive float or None")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")

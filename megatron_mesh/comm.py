@@ -105,3 +105,47 @@ def all_to_all(
     _record(phase, direction, "all_to_all", _nbytes(t) * (n - 1) // n)
     dist.all_to_all_single(out, t, group=group)
     return out
+
+
+class Pending:
+    """Handles of collectives in flight; `wait()` returns once all have finished."""
+
+    def __init__(self, works: list) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+def all_gather_async(
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+) -> tuple[torch.Tensor, Pending]:
+    """Like `all_gather`, started in the background: read the result after `wait()`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t, Pending([])
+    t = t.contiguous()
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    _record(phase, direction, "all_gather", (n - 1) * _nbytes(t))
+    gather = _collective("all_gather_single", "all_gather_into_tensor")
+    return out, Pending([gather(out, t, group=group, async_op=True)])
+
+
+def ring_exchange(
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    next_rank: int,
+    prev_rank: int,
+    group: dist.ProcessGroup | None,
+    phase: Phase,
+    direction: Direction,
+) -> Pending:
+    """Send `send` to global rank next_rank while receiving `recv` from prev_rank."""
+    _record(phase, direction, "ring", _nbytes(send))
+    ops = [
+        dist.P2POp(dist.isend, send.contiguous(), next_rank, group=group),
+        dist.P2POp(dist.irecv, recv, prev_rank, group=group),
+    ]
+    return Pending(dist.batch_isend_irecv(ops))

@@ -45,6 +45,12 @@ class MeshGrid:
         """CP ranks of this rank's column: the key/value owners of its tile, by row index."""
         return [i * self.cols + self.col_index for i in range(self.rows)]
 
+    def col_neighbors(self) -> tuple[int, int]:
+        """Global ranks (next, previous) of this rank in its column's ring."""
+        rows, i = self.rows, self.row_index
+        at = lambda row: self.cp_ranks[row * self.cols + self.col_index]  # noqa: E731
+        return at((i + 1) % rows), at((i - 1) % rows)
+
     @classmethod
     def build(cls, rows: int, cols: int, group: dist.ProcessGroup | None = None) -> "MeshGrid":
         """Collective: the grid over `group` (default: the whole default process group).

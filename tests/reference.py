@@ -23,11 +23,13 @@ class Case:
     dtype: torch.dtype = torch.float32
     softmax_scale: float | None = None
     seed: int = 0
+    schedule: str = "streamed"
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         return (f"S={self.seq} b={self.batch} hq={self.q_heads} hkv={self.kv_heads} "
-                f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale}")
+                f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale} "
+                f"{self.schedule}")
 
 
 def full_inputs(case: Case) -> dict[str, torch.Tensor]:
@@ -58,7 +60,8 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
     """out, dq, dk, dv of mesh_attention on this rank's zigzag share, in fp32."""
     share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
     q, k, v = (share[n].requires_grad_() for n in ("q", "k", "v"))
-    out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale)
+    out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale,
+                            schedule=case.schedule)
     assert out.dtype == case.dtype and out.shape == q.shape
     out.backward(share["dout"])
     return {"out": out.detach().float(), "dq": q.grad.float(), "dk": k.grad.float(),
@@ -114,6 +117,14 @@ def count_sent_bytes():
         if hasattr(dist, name):
             wrap(name, lambda out, inp, n: (n - 1) * nbytes(out))
     wrap("all_to_all_single", lambda out, inp, n: nbytes(inp) * (n - 1) // n)
+    real_batch = dist.batch_isend_irecv
+    originals["batch_isend_irecv"] = real_batch
+
+    def counted_batch(ops):
+        sent[0] += sum(nbytes(op.tensor) for op in ops if op.op in (dist.isend, dist.send))
+        return real_batch(ops)
+
+    dist.batch_isend_irecv = counted_batch
     try:
         yield sent
     finally:

@@ -6,6 +6,8 @@ each case also checks the bytes sent (counted on the real collectives) against
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -61,12 +63,18 @@ def cases_for_shape(cp_size: int, shape_index: int) -> list[Case]:
     return [cases[0], cases[1 + shape_index % (len(cases) - 1)]]
 
 
+def both_schedules(cases: list[Case]) -> list[Case]:
+    """Each case on the streamed schedule, and in turn every other one on the gathered."""
+    return [c if i % 2 else replace(c, schedule="gathered") for i, c in enumerate(cases)] + [
+        replace(c, schedule="streamed") for i, c in enumerate(cases) if not i % 2]
+
+
 def all_shapes_worker(rank: int, world: int) -> list[str]:
     bad = []
     for idx, (rows, cols) in enumerate(mm.mesh_shapes(world)):
         grid = mm.MeshGrid.build(rows=rows, cols=cols)
         assert (grid.row_index, grid.col_index) == divmod(rank, cols)
-        bad += check_cases(grid, cases_for_shape(world, idx))
+        bad += check_cases(grid, both_schedules(cases_for_shape(world, idx)))
     return bad
 
 

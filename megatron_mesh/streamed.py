@@ -1,0 +1,86 @@
+"""The streamed schedule: K/V travel around the column ring while blocks are computed.
+
+Rank (i, j) gathers its row's Q in the background while it computes its own diagonal
+block, then, at ring step t, holds the K/V chunk of column position i - t, starts passing
+it on, and computes that chunk's C blocks (one per query chunk of the row) while the next
+chunk arrives. With the row's Q in hand, each K/V arrival unlocks C blocks and nothing else
+unlocks any, so this is the greedy order. Backward: K/V take the same ring; each chunk's
+dK/dV partial travels behind it, gaining each column member's part, and lands at its owner
+after R-1 hops. Bytes sent equal the gathered schedule's (`traffic.py`); K/V memory is two
+chunks (plus two dK/dV partials) instead of R.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .blocks import backward_block, forward_block
+from .gathered import gather_row_grads_inputs, merge_row_partials
+from .grid import MeshGrid
+from .kernels import TileKernel
+from .merge import empty_accumulators
+
+
+def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
+    """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    s, b, hq, d = q.shape
+    rows, me = grid.rows, grid.col_index
+    q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
+    accs = [empty_accumulators(s, b, hq, d, q.device) for _ in range(grid.cols)]
+    nxt, prev = grid.col_neighbors()
+    kv = torch.stack([k, v])
+    for t in range(rows):
+        y = grid.col_cp_ranks[(grid.row_index - t) % rows]
+        if t < rows - 1:
+            kv_next = torch.empty_like(kv)
+            kv_pending = comm.ring_exchange(kv, kv_next, nxt, prev, grid.col_group, "forward", "col")
+        if t == 0:  # this rank's own block needs nothing from anyone
+            forward_block(kernel, q, kv[0], kv[1], grid.cp_rank, y, causal, scale, *accs[me])
+            q_pending.wait()
+            q_row = q_row.view(grid.cols, *q.shape)
+        for j, x in enumerate(grid.row_cp_ranks):
+            if not (t == 0 and j == me):
+                forward_block(kernel, q_row[j], kv[0], kv[1], x, y, causal, scale, *accs[j])
+        if t < rows - 1:
+            kv_pending.wait()
+            kv = kv_next
+    partial_out = torch.stack([out.to(q.dtype) for out, _ in accs])
+    partial_lse = torch.stack([lse for _, lse in accs])
+    return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
+
+
+def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
+             kernel: TileKernel):
+    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype."""
+    s, b, hq, d = q.shape
+    rows = grid.rows
+    qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
+    dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
+    nxt, prev = grid.col_neighbors()
+    kv = torch.stack([k, v])
+    dkv_own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    arriving, dkv_pending = None, comm.Pending([])
+    for t in range(rows):
+        y = grid.col_cp_ranks[(grid.row_index - t) % rows]
+        if t < rows - 1:
+            kv_next = torch.empty_like(kv)
+            kv_pending = comm.ring_exchange(kv, kv_next, nxt, prev, grid.col_group, "backward", "col")
+        dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
+        for j, x in enumerate(grid.row_cp_ranks):
+            backward_block(kernel, qdo[j, 1], qdo[j, 0], outs[j], stats[j, 0], kv[0], kv[1],
+                           x, y, causal, scale, dq_part[j], dkv)
+        if t >= 1:  # pass chunk y's partial on; take the next chunk's from behind
+            dkv_pending.wait()
+            if arriving is not None:
+                dkv += arriving
+            arriving = torch.empty_like(dkv)
+            dkv_pending = comm.ring_exchange(dkv, arriving, nxt, prev, grid.col_group,
+                                             "backward", "col")
+        if t < rows - 1:
+            kv_pending.wait()
+            kv = kv_next
+    dkv_pending.wait()
+    if arriving is not None:  # this rank's own chunk, back from its R-1 hops
+        dkv_own += arriving
+    dq = comm.reduce_scatter(dq_part, grid.row_group, "backward", "row").view(s, b, hq, d)
+    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
