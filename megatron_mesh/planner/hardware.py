@@ -19,7 +19,7 @@ TFLOP = 1e12
 
 @dataclass(frozen=True)
 class Cluster:
-    """`gpus` CP ranks, `gpus_per_node` of them per node; rank r lives on node r // gpus_per_node."""
+    """`gpus` CP ranks, `gpus_per_node` per node; rank r lives on node r // gpus_per_node."""
 
     gpus: int
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE

@@ -34,6 +34,8 @@ def format_table(plan: Plan) -> str:
     """The whole report: configuration, chosen mesh and placement, and the method table."""
     w, c = plan.workload, plan.cluster
     compute = plan.ring.compute_s
+    overlap = ("on: hidden transfers run under compute" if plan.overlap
+               else "off: compute + all transfers")
     rows = [[name for name, _ in COLUMNS]] + [_row(plan, e) for e in plan.estimates]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [
@@ -43,8 +45,7 @@ def format_table(plan: Plan) -> str:
         f"links per GPU: intra-node {c.intra_node_bw:g} GB/s, inter-node {c.inter_node_bw:g} "
         f"GB/s; attention {c.attention_tflops:g} TFLOP/s per GPU",
         f"compute per GPU: forward {compute['forward'] * 1e3:.3f} ms, backward "
-        f"{compute['backward'] * 1e3:.3f} ms; overlap "
-        f"{'on: hidden transfers run under compute' if plan.overlap else 'off: compute + all transfers'}",
+        f"{compute['backward'] * 1e3:.3f} ms; overlap {overlap}",
         "",
         f"best mesh: {plan.best_mesh.mesh_shape[0]} x {plan.best_mesh.mesh_shape[1]} "
         f"(rows x cols), {plan.best_mesh.total_s * 1e3:.3f} ms per layer, "
