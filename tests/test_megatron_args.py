@@ -113,6 +113,7 @@ def test_validate_other_algorithms_return_none():
         (dict(context_parallel_size=0), ["0", "positive"]),
         (dict(num_query_groups=5), ["5", "32"]),
         (dict(mesh_shape="two"), ["'two'", "RxC"]),
+        (dict(attention_dropout=0.1), ["--attention-dropout 0.1", "--attention-dropout 0"]),
     ],
 )
 def test_validate_rejects_bad_configuration(overrides, words):

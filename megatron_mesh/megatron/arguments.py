@@ -69,7 +69,8 @@ def _head_dim(args: Any) -> int | None:
 
 
 def validate_mesh_args(args: Any) -> tuple[int, int] | None:
-    """Check the algorithm, CP size, sequence length and mesh shape; ValueError if bad.
+    """Check the algorithm, CP size, sequence length, mesh shape (and, for the mesh,
+    attention dropout and head counts); ValueError naming the bad value if bad.
 
     Returns the (R, C) mesh shape (chosen automatically and logged when --mesh-shape is
     omitted) for the mesh with CP > 1, else None. Touches no process group.
@@ -96,6 +97,12 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
                 "--mesh-shape %s is ignored: --context-parallel-algo is %s", mesh_shape, algo
             )
         return None
+    dropout = getattr(args, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ValueError(
+            f"--context-parallel-algo mesh does not implement attention dropout "
+            f"(--attention-dropout {dropout}); pass --attention-dropout 0"
+        )
     heads, groups = _head_counts(args)
     shape, automatic = resolve_mesh_shape(
         cp_size,

@@ -21,7 +21,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mesh.attention import mesh_attention
 from megatron_mesh.kernels import BACKENDS
 from megatron_mesh.megatron.arguments import ALGORITHMS
-from megatron_mesh.megatron.groups import get_mesh_grid
+from megatron_mesh.megatron.groups import (
+    get_mesh_grid,
+    mesh_grid_is_initialized,
+    single_rank_grid,
+)
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -102,8 +106,11 @@ class MeshDotProductAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
-        self.grid = get_mesh_grid()
         cp_ranks = tuple(dist.get_process_group_ranks(pg_collection.cp))
+        if len(cp_ranks) == 1 and not mesh_grid_is_initialized():
+            self.grid = single_rank_grid(pg_collection.cp)  # CP = 1 needs no setup
+        else:
+            self.grid = get_mesh_grid()
         if config.context_parallel_size != len(cp_ranks) or self.grid.cp_ranks != cp_ranks:
             raise ValueError(
                 f"the mesh grid covers CP ranks {list(self.grid.cp_ranks)} but this layer's "

@@ -72,8 +72,7 @@ def initialize_mesh_grids(
         seq_length=seq_length,
     )
     if cp_size == 1:
-        group = parallel_state.get_context_parallel_group()
-        grid = MeshGrid(1, 1, 0, (dist.get_rank(),), group, group, group)
+        grid = single_rank_grid(parallel_state.get_context_parallel_group())
     else:
         grid = MeshGrid.build_many(_all_cp_groups(shape), rows=shape[0], cols=shape[1])
         if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
@@ -86,6 +85,11 @@ def initialize_mesh_grids(
             dist.get_world_size() // cp_size, cp_size, shape[0], shape[1], how,
         )
     return grid
+
+
+def single_rank_grid(cp_group: dist.ProcessGroup) -> MeshGrid:
+    """The 1x1 grid of a CP group of one rank (plain attention); creates no group."""
+    return MeshGrid(1, 1, 0, (dist.get_rank(),), cp_group, cp_group, cp_group)
 
 
 def mesh_grid_is_initialized() -> bool:
