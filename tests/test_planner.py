@@ -67,6 +67,7 @@ MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal)
     (1, 6, 2, 8, "fp32", True),  # GQA, heads not a power of two
     (1, 4, 1, 8, "fp16", True),  # MQA
 ]
+SCHEDULES = ("gathered", "streamed")  # both must move exactly the planned bytes
 
 
 def measure_worker(rank: int, world: int) -> list[dict]:
@@ -81,15 +82,20 @@ def measure_worker(rank: int, world: int) -> list[dict]:
             q, k, v = (torch.randn(s, b, h, d, generator=g).to(DTYPES[dtype]).requires_grad_()
                        for h in (hq, hkv, hkv))
             dout = torch.randn(s, b, hq, d, generator=g).to(DTYPES[dtype])
-            with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
-                mm.mesh_attention(q, k, v, grid, causal=causal).backward(dout)
-            results.append({
-                "shape": (rows, cols),
-                "case": idx,
-                "sent": sent[0],
-                "counted": {(p, dr): counter.bytes(phase=p, direction=dr)
-                            for p in ("forward", "backward") for dr in ("row", "col")},
-            })
+            for schedule in SCHEDULES:
+                for t in (q, k, v):
+                    t.grad = None
+                with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
+                    mm.mesh_attention(q, k, v, grid, causal=causal,
+                                      schedule=schedule).backward(dout)
+                results.append({
+                    "shape": (rows, cols),
+                    "case": idx,
+                    "schedule": schedule,
+                    "sent": sent[0],
+                    "counted": {(p, dr): counter.bytes(phase=p, direction=dr)
+                                for p in ("forward", "backward") for dr in ("row", "col")},
+                })
     return results
 
 
@@ -98,19 +104,19 @@ def test_planner_bytes_equal_bytes_measured_on_gloo(world: int):
     per_rank = run_distributed(measure_worker, world)
     checked = 0
     for rank, results in enumerate(per_rank):
-        assert len(results) == len(MEASURED_SHAPES[world]) * len(MEASURED_CASES)
+        assert len(results) == len(MEASURED_SHAPES[world]) * len(MEASURED_CASES) * len(SCHEDULES)
         for r in results:
             b, hq, hkv, d, dtype, causal = MEASURED_CASES[r["case"]]
             predicted = plan(world, seq_length=4 * world, num_heads=hq, num_kv_heads=hkv,
                              head_dim=d, batch=b, dtype=dtype, causal=causal,
                              gpus_per_node=2).mesh(*r["shape"])
-            where = f"rank {rank}, {r['shape']}, case {MEASURED_CASES[r['case']]}"
+            where = f"rank {rank}, {r['shape']} {r['schedule']}, {MEASURED_CASES[r['case']]}"
             for (phase, direction), measured in r["counted"].items():
                 group = "row" if direction == "row" else "column"
                 assert measured == predicted.bytes(phase, group), (where, phase, direction)
             assert r["sent"] == predicted.total_bytes, where
             checked += 1
-    assert checked == world * len(MEASURED_SHAPES[world]) * len(MEASURED_CASES)
+    assert checked == world * len(MEASURED_SHAPES[world]) * len(MEASURED_CASES) * len(SCHEDULES)
 
 
 # ---------------------------------------------------------------- baselines
