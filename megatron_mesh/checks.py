@@ -45,8 +45,8 @@ def check_inputs(
     hkv = k.shape[2]
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hkv}")
-    if s < 2 or s % 2 != 0:
-        p = grid.cp_size
+    p = grid.cp_size
+    if s < 1 or (p > 1 and s % 2 != 0):
         raise ValueError(
             f"sequence length {s * p} (local {s} x CP {p}) must be divisible by 2 * CP = {2 * p} "
             "for the zigzag layout"

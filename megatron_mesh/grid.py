@@ -76,13 +76,18 @@ class MeshGrid:
 
     @classmethod
     def build_many(
-        cls, cp_groups: Sequence[Sequence[int]], rows: int, cols: int
+        cls,
+        cp_groups: Sequence[Sequence[int]],
+        rows: int,
+        cols: int,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> "MeshGrid | None":
         """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
 
-        Every rank creates every CP, row and column group in the same order, as
+        Every rank creates every row and column group in the same order, as
         torch.distributed requires; it returns the grid of the CP group holding this rank,
-        or None when no group holds it.
+        or None when no group holds it. `cp_group`, when every rank passes its existing CP
+        process group (Megatron's), is reused instead of creating the CP groups again.
         """
         world = dist.get_world_size()
         seen: set[int] = set()
@@ -96,16 +101,24 @@ class MeshGrid:
                     )
                 seen.add(rank)
         me = dist.get_rank()
+        if cp_group is not None:
+            held = [list(r) for r in cp_groups if me in r]
+            given = dist.get_process_group_ranks(cp_group)
+            if held != [given]:
+                raise ValueError(
+                    f"cp_group has ranks {given} but the CP group holding rank {me} in "
+                    f"cp_groups is {held[0] if held else None}"
+                )
         mine: MeshGrid | None = None
         for ranks in cp_groups:
             ranks = list(ranks)
-            cp_group = dist.new_group(ranks)
+            group = cp_group if cp_group is not None else dist.new_group(ranks)
             row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols]) for i in range(rows)]
             col_groups = [dist.new_group(ranks[j::cols]) for j in range(cols)]
             if me in ranks:
                 cp_rank = ranks.index(me)
                 i, j = divmod(cp_rank, cols)
-                mine = cls(rows, cols, cp_rank, tuple(ranks), cp_group, row_groups[i], col_groups[j])
+                mine = cls(rows, cols, cp_rank, tuple(ranks), group, row_groups[i], col_groups[j])
         return mine
 
 

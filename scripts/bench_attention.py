@@ -5,9 +5,11 @@ On GPUs, one process per GPU over NCCL:
 On a CPU, P gloo processes are spawned:
     python scripts/bench_attention.py --cp-size 4 --seq-length 4096
 
-Prints one row per R x C shape (P x 1, Megatron's all_gather CP, included): median
-forward and backward milliseconds over --iters, bytes sent per rank as counted on the
-real collectives, the traffic formula's bytes, and traffic relative to P x 1.
+Prints one row per R x C shape (P x 1, Megatron's all_gather CP, included) and schedule:
+median forward and backward milliseconds over --iters, bytes sent per rank as counted on
+the real collectives, the traffic formula's bytes, traffic relative to P x 1, and peak
+extra memory per rank (measured on CUDA; on a CPU the model of `megatron_mesh.memory`),
+with Transformer Engine's ring (two K/V buffers) as the memory reference.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatron_mesh as mm
+from megatron_mesh.memory import extra_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "te"])
+    p.add_argument("--schedules", default="streamed,gathered",
+                   help="comma-separated schedules to time (streamed, gathered)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
@@ -61,8 +66,9 @@ def shapes_of(args: argparse.Namespace, cp_size: int) -> list[tuple[int, int]]:
     return shapes
 
 
-def bench_shape(args, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> dict:
-    grid = mm.MeshGrid.build(rows=rows, cols=cols)
+def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
+                dtype: torch.dtype) -> dict:
+    rows, cols = grid.rows, grid.cols
     s = args.seq_length // grid.cp_size
     gen = torch.Generator(device=device).manual_seed(grid.cp_rank)
     make = lambda h: torch.randn(s, args.batch, h, args.head_dim, generator=gen,  # noqa: E731
@@ -78,11 +84,15 @@ def bench_shape(args, rows: int, cols: int, device: torch.device, dtype: torch.d
         dist.barrier()
 
     fwd, bwd, sent = [], [], 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_mem = torch.cuda.memory_allocated(device)
     for it in range(args.warmup + args.iters):
         sync()
         with mm.TrafficCounter() as counter:
             t0 = time.perf_counter()
-            out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend)
+            out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend,
+                                    schedule=schedule)
             sync()
             t1 = time.perf_counter()
             out.backward(dout)
@@ -92,17 +102,28 @@ def bench_shape(args, rows: int, cols: int, device: torch.device, dtype: torch.d
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
         sent = counter.total_bytes
+        del out
     shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
                               args.head_dim, torch.finfo(dtype).bits // 8)
-    return {"rows": rows, "cols": cols, "fwd_ms": 1e3 * statistics.median(fwd),
+    if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
+        kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
+        memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
+    else:
+        memory = max(extra_memory(shape, rows, cols, schedule).values())
+    return {"rows": rows, "cols": cols, "schedule": schedule, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
-            "formula": mm.mesh_traffic(shape, rows, cols).total}
+            "formula": mm.mesh_traffic(shape, rows, cols).total, "memory": memory,
+            "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     world = dist.get_world_size()
-    rows_out = [bench_shape(args, r, c, device, dtype) for r, c in shapes_of(args, world)]
+    schedules = args.schedules.split(",")
+    rows_out = []
+    for r, c in shapes_of(args, world):
+        grid = mm.MeshGrid.build(rows=r, cols=c)
+        rows_out += [bench_shape(args, grid, schedule, device, dtype) for schedule in schedules]
     worst = [torch.tensor([row["sent"]], dtype=torch.float64) for row in rows_out]
     for t in worst:  # report the most any rank sent (ranks send the same; this checks it)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -112,13 +133,18 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"mesh attention, P={world}, S={args.seq_length}, b={args.batch}, heads={args.heads}/"
           f"{args.kv_heads}, d={args.head_dim}, {str(dtype).removeprefix('torch.')}, "
           f"causal={args.causal}, {device.type}, backend={args.backend}")
-    print(f"{'shape':>7} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'MiB sent/rank':>14} "
-          f"{'formula MiB':>12} {'vs Px1':>7}")
+    mem_kind = "measured" if device.type == "cuda" else "model"
+    print(f"{'shape':>7} {'schedule':>9} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
+          f"{'MiB sent/rank':>14} {'formula MiB':>12} {'vs Px1':>7} {'extra MiB':>10} "
+          f"{'ring MiB':>9}")
     for row, most in zip(rows_out, worst):
         rel = f"{row['sent'] / base:7.2f}" if base else "      -"
-        print(f"{row['rows']:>3}x{row['cols']:<3} {row['fwd_ms']:9.2f} {row['bwd_ms']:9.2f} "
-              f"{row['fwd_ms'] + row['bwd_ms']:9.2f} {most.item() / 2**20:14.3f} "
-              f"{row['formula'] / 2**20:12.3f} {rel}")
+        print(f"{row['rows']:>3}x{row['cols']:<3} {row['schedule']:>9} {row['fwd_ms']:9.2f} "
+              f"{row['bwd_ms']:9.2f} {row['fwd_ms'] + row['bwd_ms']:9.2f} "
+              f"{most.item() / 2**20:14.3f} {row['formula'] / 2**20:12.3f} {rel} "
+              f"{row['memory'] / 2**20:10.2f} {row['ring_memory'] / 2**20:9.2f}")
+    print(f"extra MiB: peak extra memory per rank ({mem_kind}); ring MiB: Transformer Engine's "
+          "p2p ring (two K/V buffers, model)")
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

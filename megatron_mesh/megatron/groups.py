@@ -74,7 +74,10 @@ def initialize_mesh_grids(
     if cp_size == 1:
         grid = single_rank_grid(parallel_state.get_context_parallel_group())
     else:
-        grid = MeshGrid.build_many(_all_cp_groups(shape), rows=shape[0], cols=shape[1])
+        grid = MeshGrid.build_many(
+            _all_cp_groups(shape), rows=shape[0], cols=shape[1],
+            cp_group=parallel_state.get_context_parallel_group(),
+        )
         if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
     _MESH_GRID = grid

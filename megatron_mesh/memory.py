@@ -1,0 +1,47 @@
+"""Extra memory per rank of each schedule: the buffers it holds at its peak, in bytes,
+beyond the inputs, the output and what autograd saves (q, k, v, out, lse).
+
+Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input bytes:
+
+    (a group of one rank gathers nothing: its terms vanish)
+    gathered forward : C q e (row Q) + R kv e (column K/V) + 2 C (q e + 4 l) (partials
+                       sent / received) + 4 (q + l) (one fp32 accumulator)
+    streamed forward : C q e + 2 kv e (K/V in hand and arriving) + 4 C (q + l) (fp32
+                       accumulators) + 2 C (q e + 4 l)
+    gathered backward: 2 C q e + 8 C l (row Q, dO, lse, D) + (C-1) q e (output stand-ins)
+                       + R kv e + 4 C q (dQ partials) + 4 R kv (dK, dV partials)
+    streamed backward: the same with 2 kv e instead of R kv e and 4 * 3 kv (own dK, dV,
+                       the partial being built and the one arriving) instead of 4 R kv
+    ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (K/V and dK, dV in flight)
+
+Streaming bounds the K/V side by two chunks whatever R is. The Q side stays C chunks: when
+every chunk is sent once, every (Q, K/V) pair of the tile must be in memory together at
+some moment, which two buffers per side cannot give for C, R > 2.
+"""
+from __future__ import annotations
+
+from .traffic import AttentionShape
+
+FP32 = 4
+
+
+def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> dict[str, int]:
+    """{'forward': bytes, 'backward': bytes} of extra buffers for one rank ('ring' for
+    Transformer Engine's p2p ring for comparison, rows * cols = P)."""
+    q, kv, l = shape.local_elements(rows * cols)
+    e, c, r = shape.dtype_bytes, cols, rows
+    if schedule == "ring":
+        return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
+    # a group of one gathers nothing: its "gathered" buffer is the input itself
+    row_q = c * q * e if c > 1 else 0
+    col_kv = r * kv * e if r > 1 else 0
+    partials = (2 * c if c > 1 else 1) * (q * e + FP32 * l)
+    row_bwd = (2 * c * q * e + 2 * FP32 * c * l if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
+    ring_kv = 2 * kv * e if r > 1 else 0
+    if schedule == "gathered":
+        return {"forward": row_q + col_kv + partials + FP32 * (q + l),
+                "backward": row_bwd + col_kv + FP32 * r * kv}
+    if schedule == "streamed":
+        return {"forward": row_q + ring_kv + FP32 * c * (q + l) + partials,
+                "backward": row_bwd + ring_kv + (3 if r > 1 else 1) * FP32 * kv}
+    raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed, ring")
