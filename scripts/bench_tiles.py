@@ -1,0 +1,125 @@
+"""Per-tile overhead on one device: one rank's mesh tile against one kernel call.
+
+A rank of a P-rank mesh computes P rank-blocks on chunks of s = S / P tokens: with causal
+masking one diagonal block (s x s, causal) and P - 1 half blocks (s x s/2 or s/2 x s),
+merged by log-sum-exp (forward) or accumulated in fp32 (backward), exactly as
+`megatron_mesh.blocks` does inside mesh attention. The same FLOPs in one call: the s query
+rows against P * s / 2 keys (P * s without causal masking), no mask.
+
+    python scripts/bench_tiles.py --chunk 8192 --cp-size 8 --backends torch,te   # CUDA
+    python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4            # smoke run
+
+Prints milliseconds, TFLOP/s and efficiency (single-call time / tile time) per backend.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_mesh.blocks import backward_block, forward_block
+from megatron_mesh.kernels import get_kernel
+from megatron_mesh.merge import empty_accumulators
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunk", type=int, default=8192, help="tokens per rank s (even)")
+    p.add_argument("--cp-size", type=int, default=8, help="P: blocks per tile")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--backends", default="torch,te", help="comma-separated: torch, te")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    if args.chunk % 2:
+        p.error(f"--chunk {args.chunk} must be even (two zigzag halves)")
+    return args
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    """Median seconds of fn() over iters runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench(args: argparse.Namespace, backend: str) -> list[str]:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kernel = get_kernel(backend, device)
+    s, p, b, hq, hkv, d = args.chunk, args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
+    scale = d ** -0.5
+    make = lambda n, h: torch.randn(n, b, h, d, device=device, dtype=dtype)  # noqa: E731
+    x = p // 2  # a middle rank: its tile mixes lower (x > y) and upper (x < y) blocks
+    q, dout = make(s, hq), make(s, hq)
+    kv = [(make(s, hkv), make(s, hkv)) for _ in range(p)]
+    keys_single = p * s // 2 if args.causal else p * s
+    k1, v1 = make(keys_single, hkv), make(keys_single, hkv)
+
+    def tile_forward():
+        out, lse = empty_accumulators(s, b, hq, d, device)
+        for y, (k, v) in enumerate(kv):
+            forward_block(kernel, q, k, v, x, y, args.causal, scale, out, lse)
+        return out.to(dtype), lse
+
+    def single_forward():
+        return kernel.forward(q, k1, v1, False, scale)
+
+    out, lse = tile_forward()
+    out1, lse1 = single_forward()
+
+    def tile_backward():
+        dq = torch.zeros(s, b, hq, d, dtype=torch.float32, device=device)
+        for y, (k, v) in enumerate(kv):
+            dkv = torch.zeros(2, s, b, hkv, d, dtype=torch.float32, device=device)
+            backward_block(kernel, dout, q, out, lse, k, v, x, y, args.causal, scale, dq, dkv)
+
+    def single_backward():
+        kernel.backward(dout, q, k1, v1, out1, lse1, False, scale)
+
+    flops_fwd = 4 * b * hq * d * s * keys_single
+    rows = []
+    for name, tile, single, flops in (("forward", tile_forward, single_forward, flops_fwd),
+                                      ("backward", tile_backward, single_backward, 2.5 * flops_fwd)):
+        t_tile, t_one = timed(tile, device, args.iters), timed(single, device, args.iters)
+        rows.append(f"{backend:>6} {name:>9} {1e3 * t_tile:10.3f} {1e3 * t_one:10.3f} "
+                    f"{flops / t_tile / 1e12:10.2f} {flops / t_one / 1e12:10.2f} "
+                    f"{100 * t_one / t_tile:8.1f}%")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(f"one rank's tile: P={args.cp_size} blocks of {args.chunk} tokens, heads "
+          f"{args.heads}/{args.kv_heads}, d={args.head_dim}, b={args.batch}, causal={args.causal}, "
+          f"{args.device}")
+    print(f"{'kernel':>6} {'pass':>9} {'tile ms':>10} {'single ms':>10} {'tile TF/s':>10} "
+          f"{'single TF/s':>10} {'efficiency':>9}")
+    for backend in args.backends.split(","):
+        try:
+            for row in bench(args, backend):
+                print(row)
+        except ValueError as err:  # e.g. 'te' without Transformer Engine or CUDA
+            print(f"{backend:>6} skipped: {err}")
+
+
+if __name__ == "__main__":
+    main()
