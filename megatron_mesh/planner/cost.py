@@ -8,7 +8,8 @@ Per pass (forward, backward) and per GPU:
     time    = compute + sum(comm of all t)                                   (overlap off)
 
 A transfer is "hidden" when the method's schedule can run it while tiles compute (ring
-p2p steps, the mesh's streaming schedule); all-to-alls and up-front gathers are exposed.
+p2p steps, the mesh's column ring); all-to-alls, up-front gathers and final reductions are
+exposed.
 Transfers of one pass share the GPU's links one after another (their times add).
 """
 from __future__ import annotations

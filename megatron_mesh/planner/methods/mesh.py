@@ -2,8 +2,11 @@
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter in fp32); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter
-in fp32). The streaming schedule computes blocks while chunks arrive, so all of it counts
-as hidden when the cost model overlaps.
+in fp32). The default (streamed) schedule passes K/V around the column ring while blocks
+compute, dK/dV partials travelling behind, so column traffic counts as hidden; the row
+gathers run before the blocks and the partial O exchange / dQ reduce-scatter after them,
+so row traffic is exposed (the forward Q gather overlaps only the local diagonal block,
+which the model ignores).
 """
 from __future__ import annotations
 
@@ -24,11 +27,11 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
     e = workload.dtype
     return [
         Transfer("forward", "row", f"Q ({e}); partial O ({e}), lse (fp32)",
-                 traffic.forward_row, row_cross, hidden=True),
+                 traffic.forward_row, row_cross, hidden=False),
         Transfer("forward", "column", f"K,V ({e})",
                  traffic.forward_col, col_cross, hidden=True),
         Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ (fp32)",
-                 traffic.backward_row, row_cross, hidden=True),
+                 traffic.backward_row, row_cross, hidden=False),
         Transfer("backward", "column", f"K,V ({e}); dK,dV (fp32)",
                  traffic.backward_col, col_cross, hidden=True),
     ]
