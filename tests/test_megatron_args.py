@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_mesh.megatron import ALGORITHMS, add_mesh_args, parse_mesh_shape, validate_mesh_args
-from megatron_mesh.traffic import AttentionShape, best_mesh_shape
+from megatron_mesh.planner import choose_mesh_shape
 
 
 def _args(**overrides) -> SimpleNamespace:
@@ -79,11 +79,12 @@ def test_validate_explicit_shape():
 def test_validate_automatic_shape_is_logged_and_follows_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
         mha = validate_mesh_args(_args(context_parallel_size=16))
-    assert mha == best_mesh_shape(AttentionShape(4096, 1, 32, 32, 128, 2), 16)
-    assert f"{mha[0]}x{mha[1]}" in caplog.text and "least traffic" in caplog.text
+    expected = dict(num_heads=32, head_dim=128, seq_length=_args().seq_length)
+    assert mha == choose_mesh_shape(16, num_kv_heads=32, **expected)
+    assert f"{mha[0]}x{mha[1]}" in caplog.text and "planner" in caplog.text
     gqa = validate_mesh_args(_args(context_parallel_size=16, num_query_groups=4))
-    assert gqa == best_mesh_shape(AttentionShape(4096, 1, 32, 4, 128, 2), 16)
-    assert gqa[0] > gqa[1] and gqa[0] > mha[0]  # GQA: taller tiles (more rows)
+    assert gqa == choose_mesh_shape(16, num_kv_heads=4, **expected)
+    assert gqa[0] > mha[0]  # GQA: taller tiles (more rows)
     # Megatron-LM ignores --num-query-groups unless --group-query-attention is set
     off = validate_mesh_args(
         _args(context_parallel_size=16, num_query_groups=4, group_query_attention=False)

@@ -46,7 +46,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="RxC",
         help="Grid of the context-parallel ranks for --context-parallel-algo mesh, "
-        "R * C = --context-parallel-size. Chosen for least traffic when omitted.",
+        "R * C = --context-parallel-size. When omitted, the shape the planner (megatron-mesh plan) predicts fastest.",
     )
     return parser
 
@@ -117,6 +117,6 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"
         )
         return None
-    how = "chosen for least traffic" if automatic else "from --mesh-shape"
+    how = "chosen by the planner" if automatic else "from --mesh-shape"
     logger.info("mesh context parallelism: %dx%d grid of %d CP ranks (%s)", *shape, cp_size, how)
     return shape

@@ -8,6 +8,7 @@ as local as it can.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -70,6 +71,7 @@ def initialize_mesh_grids(
         num_query_groups=num_query_groups,
         head_dim=head_dim,
         seq_length=seq_length,
+        cp_ranks_per_node=_cp_ranks_per_node(),
     )
     if cp_size == 1:
         grid = single_rank_grid(parallel_state.get_context_parallel_group())
@@ -82,12 +84,19 @@ def initialize_mesh_grids(
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
     _MESH_GRID = grid
     if dist.get_rank() == 0:
-        how = "chosen for least traffic" if automatic else "as given"
+        how = "chosen by the planner" if automatic else "as given"
         logger.info(
             "mesh context parallelism: %d CP groups of %d ranks, each a %dx%d grid (%s)",
             dist.get_world_size() // cp_size, cp_size, shape[0], shape[1], how,
         )
     return grid
+
+
+def _cp_ranks_per_node() -> int | None:
+    """CP ranks sharing a node: torchrun's LOCAL_WORLD_SIZE over the TP size (None if unknown)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return max(1, local // tp) if local else None
 
 
 def single_rank_grid(cp_group: dist.ProcessGroup) -> MeshGrid:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import re
 
-from megatron_mesh.traffic import AttentionShape, best_mesh_shape, mesh_shapes
+from megatron_mesh.planner import choose_mesh_shape
+from megatron_mesh.traffic import mesh_shapes
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
@@ -55,23 +56,27 @@ def auto_mesh_shape(
     num_query_groups: int | None = None,
     head_dim: int | None = None,
     seq_length: int | None = None,
+    cp_ranks_per_node: int | None = None,
 ) -> tuple[int, int]:
-    """The least-traffic grid for cp_size ranks (more rows for GQA), as in `traffic`.
+    """The grid the planner predicts fastest for cp_size ranks (`planner.choose_mesh_shape`,
+    its default bandwidths and attention TFLOP/s; rows of consecutive CP ranks).
 
-    Sequence length and batch scale every term alike, so they do not change the choice;
-    missing head counts mean multi-head attention, a missing head_dim means 128.
+    Missing head counts mean multi-head attention, a missing head_dim means 128, a missing
+    seq_length 4096 tokens per rank; cp_ranks_per_node defaults to the planner's GPUs per
+    node (with TP inside a node, pass GPUs per node // TP).
     """
+    if cp_size == 1:
+        return 1, 1
     heads = num_attention_heads or 1
-    groups = num_query_groups or heads
-    problem = AttentionShape(
-        seq_len=seq_length or 2 * cp_size,
-        batch=1,
-        q_heads=heads,
-        kv_heads=groups,
+    node = {"gpus_per_node": cp_ranks_per_node} if cp_ranks_per_node else {}
+    return choose_mesh_shape(
+        cp_size,
+        num_heads=heads,
+        num_kv_heads=num_query_groups or heads,
         head_dim=head_dim or 128,
-        dtype_bytes=2,
+        seq_length=seq_length or 4096 * cp_size,
+        **node,
     )
-    return best_mesh_shape(problem, cp_size)
 
 
 def resolve_mesh_shape(
@@ -82,6 +87,7 @@ def resolve_mesh_shape(
     num_query_groups: int | None = None,
     head_dim: int | None = None,
     seq_length: int | None = None,
+    cp_ranks_per_node: int | None = None,
 ) -> tuple[tuple[int, int], bool]:
     """(shape, chosen_automatically) for a CP group of cp_size; ValueError when invalid."""
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
@@ -100,5 +106,6 @@ def resolve_mesh_shape(
     shape = as_mesh_shape(mesh_shape)
     if shape is not None:
         return check_mesh_shape(shape, cp_size), False
-    auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length)
+    auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length,
+                           cp_ranks_per_node)
     return auto, True
