@@ -155,3 +155,16 @@ def test_layer_spec_rejects_bad_requests():
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ValueError, match="Transformer Engine.*use_te=False"):
             get_gpt_layer_spec(use_te=True)
+
+
+def test_mesh_schedule_flag_reaches_the_core_attention_spec():
+    from megatron_mesh.megatron.spec import get_gpt_layer_spec
+
+    parser = add_mesh_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).mesh_schedule == "streamed"
+    args = parser.parse_args(["--context-parallel-algo", "mesh", "--mesh-schedule", "gathered"])
+    spec = get_gpt_layer_spec(args.context_parallel_algo, schedule=args.mesh_schedule)
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.params["schedule"] == "gathered"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mesh-schedule", "ring"])

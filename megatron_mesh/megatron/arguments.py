@@ -9,6 +9,8 @@ import argparse
 import logging
 from typing import Any
 
+from megatron_mesh.attention import DEFAULT_SCHEDULE
+from megatron_mesh.checks import SCHEDULES
 from megatron_mesh.megatron.shape import parse_mesh_shape, resolve_mesh_shape
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,8 @@ def _mesh_shape_type(text: str) -> tuple[int, int]:
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --context-parallel-algo and --mesh-shape to `parser` (idempotent); returns it."""
+    """Add --context-parallel-algo, --mesh-shape and --mesh-schedule to `parser`
+    (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
     group = parser.add_argument_group("mesh context parallelism")
@@ -46,7 +49,16 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="RxC",
         help="Grid of the context-parallel ranks for --context-parallel-algo mesh, "
-        "R * C = --context-parallel-size. When omitted, the shape the planner (megatron-mesh plan) predicts fastest.",
+        "R * C = --context-parallel-size. When omitted, the shape the planner "
+        "(megatron-mesh plan) predicts fastest.",
+    )
+    group.add_argument(
+        "--mesh-schedule",
+        dest="mesh_schedule",
+        choices=SCHEDULES,
+        default=DEFAULT_SCHEDULE,
+        help="How a mesh rank moves its tile's K/V: streamed (around the column ring, "
+        "overlapped with compute, two K/V buffers) or gathered (all at once). Same bytes.",
     )
     return parser
 

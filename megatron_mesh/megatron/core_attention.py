@@ -18,7 +18,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh.attention import mesh_attention
+from megatron_mesh.attention import DEFAULT_SCHEDULE, mesh_attention
+from megatron_mesh.checks import SCHEDULES
 from megatron_mesh.kernels import BACKENDS
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
@@ -78,7 +79,8 @@ class MeshDotProductAttention(MegatronModule):
                 "installed: install transformer-engine[pytorch] (GPU only), or use "
                 "--context-parallel-algo mesh, which needs no Transformer Engine"
             )
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("context_parallel_algo", "backend")}
+        ours = ("context_parallel_algo", "backend", "schedule")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ours}
         kwargs["cp_comm_type"] = algo
         return te_attention(*args, **kwargs)
 
@@ -94,6 +96,7 @@ class MeshDotProductAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         context_parallel_algo: str | None = None,
         backend: str = "auto",
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -102,6 +105,9 @@ class MeshDotProductAttention(MegatronModule):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = backend
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.schedule = schedule
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -162,6 +168,7 @@ class MeshDotProductAttention(MegatronModule):
             causal=_MASKS[mask_type],
             softmax_scale=self.softmax_scale,
             backend=self.backend,
+            schedule=self.schedule,
         )
         return out.reshape(out.shape[0], out.shape[1], -1)
 

@@ -19,9 +19,10 @@ __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_atte
 
 
 def mesh_core_attention_spec(
-    context_parallel_algo: str = "mesh", backend: str = "auto"
+    context_parallel_algo: str = "mesh", backend: str = "auto", schedule: str | None = None
 ) -> ModuleSpec:
-    """The core_attention submodule spec for `context_parallel_algo`."""
+    """The core_attention submodule spec for `context_parallel_algo` (mesh tile kernel
+    `backend`, mesh `schedule`: None for the default)."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
@@ -30,18 +31,21 @@ def mesh_core_attention_spec(
     params: dict[str, Any] = {"context_parallel_algo": context_parallel_algo}
     if backend != "auto":
         params["backend"] = backend
+    if schedule is not None:
+        params["schedule"] = schedule
     return ModuleSpec(module=MeshDotProductAttention, params=params)
 
 
 def use_mesh_core_attention(
-    spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto"
+    spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto",
+    schedule: str | None = None,
 ) -> Any:
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
     Walks ModuleSpec.submodules dataclasses (self_attention of a layer, layer_specs of a
     block); raises ValueError when the spec holds no core_attention to replace.
     """
-    core = mesh_core_attention_spec(context_parallel_algo, backend)
+    core = mesh_core_attention_spec(context_parallel_algo, backend, schedule)
     spec, count = _replace(spec, core)
     if count == 0:
         raise ValueError(f"no core_attention submodule found in spec {spec!r}")
@@ -70,12 +74,17 @@ def _replace(node: Any, core: ModuleSpec) -> tuple[Any, int]:
 
 
 def get_gpt_layer_spec(
-    context_parallel_algo: str = "mesh", use_te: bool = False, backend: str = "auto", **kwargs: Any
+    context_parallel_algo: str = "mesh",
+    use_te: bool = False,
+    backend: str = "auto",
+    schedule: str | None = None,
+    **kwargs: Any,
 ) -> ModuleSpec:
     """Megatron's GPT layer spec (local, or TE's with use_te) with the mesh core attention.
 
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
-    (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel.
+    (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
+    schedule the mesh schedule (streamed / gathered).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -90,4 +99,4 @@ def get_gpt_layer_spec(
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         layer = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return use_mesh_core_attention(layer, context_parallel_algo, backend)
+    return use_mesh_core_attention(layer, context_parallel_algo, backend, schedule)
