@@ -41,6 +41,8 @@ def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> 
     if schedule == "gathered":
         return {"forward": row_q + col_kv + partials + FP32 * (q + l),
                 "backward": row_bwd + col_kv + FP32 * r * kv}
+    if schedule == "streamed" and r == 1:  # one row: the streamed schedule is the gathered
+        return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed":
         return {"forward": row_q + ring_kv + FP32 * c * (q + l) + partials,
                 "backward": row_bwd + ring_kv + (3 if r > 1 else 1) * FP32 * kv}

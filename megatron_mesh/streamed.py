@@ -7,13 +7,14 @@ chunk arrives. With the row's Q in hand, each K/V arrival unlocks C blocks and n
 unlocks any, so this is the greedy order. Backward: K/V take the same ring; each chunk's
 dK/dV partial travels behind it, gaining each column member's part, and lands at its owner
 after R-1 hops. Bytes sent equal the gathered schedule's (`traffic.py`); K/V memory is two
-chunks (plus two dK/dV partials) instead of R.
+chunks (plus two dK/dV partials) instead of R. A grid of one row has no column ring: there
+this schedule is the gathered one.
 """
 from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, gathered
 from .blocks import backward_block, forward_block
 from .gathered import gather_row_grads_inputs, merge_row_partials
 from .grid import MeshGrid
@@ -23,6 +24,8 @@ from .merge import empty_accumulators
 
 def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    if grid.rows == 1:
+        return gathered.forward(q, k, v, grid, causal, scale, kernel)
     s, b, hq, d = q.shape
     rows, me = grid.rows, grid.col_index
     q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
@@ -52,6 +55,8 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
              kernel: TileKernel):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype."""
+    if grid.rows == 1:
+        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel)
     s, b, hq, d = q.shape
     rows = grid.rows
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
