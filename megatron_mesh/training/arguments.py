@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--save", default=None, help="checkpoint directory")
     _flag(g, "--load", default=None, help="resume from this checkpoint directory")
     _flag(g, "--save-interval", type=int, default=None)
+    _flag(g, "--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     _flag(g, "--no-load-optim", type=bool, default=False)
     _flag(g, "--no-load-rng", type=bool, default=False)
     _flag(g, "--finetune", type=bool, default=False, help="load weights only, start at iteration 0")
@@ -249,6 +250,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         _fail("--save-interval needs --save DIR")
+    if args.save and importlib.util.find_spec("psutil") is None:
+        _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
     if args.load and not os.path.isdir(args.load):
         _fail(f"--load {args.load}: no such directory")
     _validate_data(args)

@@ -10,11 +10,12 @@ saving leaves the previous checkpoint and marker untouched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -48,6 +49,22 @@ def latest_iteration(root: str) -> int | None:
         return None
     with open(path) as f:
         return int(f.read().strip())
+
+
+@contextlib.contextmanager
+def _host_sync_without_cuda() -> Iterator[None]:
+    """dist_checkpointing's writer calls torch.cuda.synchronize() after staging tensors in
+    host memory; with CPU tensors there is nothing to wait for, and without CUDA the call
+    raises, so it is a no-op for the duration of a save."""
+    if has_cuda():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
 
 
 def _layout() -> list[int]:
@@ -110,7 +127,8 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     dist.barrier()
     sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
                         with_optim=True, with_rng=True)
-    dist_checkpointing.save(sd, tmp)
+    with _host_sync_without_cuda():
+        dist_checkpointing.save(sd, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(final):
@@ -134,10 +152,12 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     Weights always; optimizer, LR schedule, iteration and data position unless
     --no-load-optim / --finetune; RNG unless --no-load-rng or the parallel layout changed.
     """
-    iteration = latest_iteration(root)
+    iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {LATEST}; nothing to resume from")
     path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--load {root}: no checkpoint {path}")
     common = dist_checkpointing.load_common_state_dict(path)
     with_optim = not (args.no_load_optim or args.finetune)
     with_rng = not (args.no_load_rng or args.finetune)
