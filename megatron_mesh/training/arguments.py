@@ -248,8 +248,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               f"{args.lr_decay_iters} (default: --train-iters)")
     if args.save_interval is not None and args.save_interval < 1:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
-    if args.save_interval is not None and not args.save:
-        _fail("--save-interval needs --save DIR")
     if args.save and importlib.util.find_spec("psutil") is None:
         _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
     if args.load and not os.path.isdir(args.load):
