@@ -74,7 +74,7 @@ def ensure_slurm(timeout: float = 600) -> str | None:
     return f"Slurm cannot be installed with apt-get ({' '.join(DEBIAN_PACKAGES)}): {tail}"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -129,7 +129,7 @@ class SlurmCluster:
         # munged wants its key private and its socket directory reachable by everyone.
         os.chmod(self.root, 0o755)
         os.chmod(self.root / "munge", 0o755)
-        ctld_port, d_port = _free_ports(2)
+        ctld_port, d_port = free_ports(2)
         user = "root" if os.geteuid() == 0 else os.environ.get("USER") or str(os.geteuid())
         r = self.root
         lines = [

@@ -7,13 +7,15 @@ are installed with apt-get, and the tests skip only when that is impossible.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, ensure_slurm
+from slurm_cluster import SlurmCluster, ensure_slurm, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt_mesh_cpu.sbatch"
@@ -22,7 +24,8 @@ JOB_TIMEOUT = 600
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
 LOSS = re.compile(r"lm loss: (\d\.\d{6}E[+-]\d{2})")
-THROUGHPUT = re.compile(r"tokens/s[^|:]*: *[\d.]+|TFLOP/s[^|:]*: *[\d.]+", re.IGNORECASE)
+TOKENS_PER_S = re.compile(r"tokens/s: ([\d.]+)")
+TFLOPS = re.compile(r"TFLOP/s[^|:]*: ([\d.]+)")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,10 @@ def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
         "OUTPUT_DIR": str(runs),
         "TRAIN_ITERS": str(ITERS),
         "LOG_INTERVAL": "1",
+        # Job ids restart at 1 in every test cluster: keep rendezvous ports apart.
+        "MASTER_PORT": str(free_ports(1)[0]),
+        "WANDB_PROJECT": "megatron-mesh-slurm-test",
+        "WANDB_MODE": "offline",
     }
     job = slurm.sbatch(CPU_SCRIPT, sbatch_args=(f"--output={log}", f"--chdir={REPO}"),
                        env=env, cwd=REPO)
@@ -73,12 +80,49 @@ def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
         fields = m.group(3)
         loss = LOSS.search(fields)
         assert loss and 0.0 < float(loss.group(1)) < 100.0, m.group(0)
-        assert len(THROUGHPUT.findall(fields)) == 2, f"no tokens/s and TFLOP/s in: {m.group(0)}"
+        tokens, tflops = TOKENS_PER_S.search(fields), TFLOPS.search(fields)
+        assert tokens and tflops, f"no tokens/s and TFLOP/s in: {m.group(0)}"
+        assert float(tokens.group(1)) > 0 and float(tflops.group(1)) >= 0
 
-    # The job's own directory: the command that ran and a copy of the training log.
+    # The job's own directory: the command that ran, a copy of the training log, the
+    # checkpoint saved at the end and the offline wandb run.
     run_dir = runs / f"mesh-cpu-{job}"
     command = (run_dir / "command.txt").read_text()
     assert "--context-parallel-algo mesh" in command and "--mesh-shape 2x2" in command
     assert "--rdzv-backend c10d" in command
     train_log = (run_dir / "train.log").read_text()
     assert [int(m.group(1)) for m in ITERATION.finditer(train_log)] == list(range(1, ITERS + 1))
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() \
+        == str(ITERS)
+    assert list((run_dir / "wandb").rglob("offline-run-*")), sorted(run_dir.rglob("*"))
+
+
+def _driver_args(tmp_path, **env) -> list[str]:
+    """DRIVER_ARGS as common.sh assembles them from the environment (no Slurm involved)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.update(MESH_HOME=str(REPO), OUTPUT_DIR=str(tmp_path / "runs"), SLURM_JOB_ID="41",
+                SLURM_JOB_NAME="t", PROCS_PER_NODE="8", CONFIG="configs/x.yaml")
+    base.update(env)
+    proc = subprocess.run(
+        ["bash", "-c", 'source scripts/slurm/common.sh && printf "%s\\n" "${DRIVER_ARGS[@]}"'],
+        cwd=REPO, env=base, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_script_settings_become_driver_flags(tmp_path):
+    args = _driver_args(tmp_path, SLURM_JOB_NUM_NODES="2", TP_SIZE="2")
+    assert args[args.index("--context-parallel-size") + 1] == "8"  # 2 nodes x 8 / TP 2
+    assert "--mesh-shape" not in args and "--load" not in args and "--data-path" not in args
+    assert args[args.index("--save") + 1] == str(tmp_path / "runs" / "t-41" / "checkpoints")
+
+    ckpt = tmp_path / "shared-ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
+    args = _driver_args(tmp_path, CHECKPOINT_DIR=str(ckpt), MESH_SHAPE="2x4",
+                        DATA_PATH="/data/web_text_document",
+                        TOKENIZER_ARGS="--tokenizer-type GPT2BPETokenizer")
+    assert args[args.index("--load") + 1] == str(ckpt)
+    assert args[args.index("--mesh-shape") + 1] == "2x4"
+    assert args[args.index("--data-path") + 1] == "/data/web_text_document"
+    assert args[-2:] == ["--tokenizer-type", "GPT2BPETokenizer"]

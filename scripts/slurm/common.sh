@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the sbatch scripts in this directory (sourced, not run).
 #
 # Every setting is an environment variable with a default; set it on the sbatch line:
@@ -49,7 +50,16 @@ TRAIN_LOG=$RUN_DIR/train.log
 
 # torchrun rendezvous: the first node of the allocation hosts the c10d store.
 MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" 2>/dev/null | head -n 1 || hostname)}
-MASTER_PORT=${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-$$} % 20000 ))}
+# The port follows from the job id, so every node computes the same one; when this script
+# runs on the rendezvous host and another job there holds that port, take the next free one.
+if [[ -z ${MASTER_PORT:-} ]]; then
+    MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-$$} % 20000 ))
+    if [[ $MASTER_ADDR == "$(hostname -s)" || $MASTER_ADDR == "$(hostname)" ]]; then
+        while (exec 3<>"/dev/tcp/127.0.0.1/$MASTER_PORT") 2>/dev/null; do
+            MASTER_PORT=$(( MASTER_PORT + 1 ))
+        done
+    fi
+fi
 export MASTER_ADDR MASTER_PORT
 
 LAUNCH=(
