@@ -23,16 +23,18 @@ CP_SIZE=${CP_SIZE:-$(( NNODES * PROCS_PER_NODE / TP_SIZE ))}
 CP_ALGO=${CP_ALGO:-mesh}
 MESH_SHAPE=${MESH_SHAPE:-}
 
-# Training length and batch; empty means "as in the config".
+# Training length and batch; empty means "as in the config". A SEQ_LENGTH also sets
+# --max-position-embeddings (learned position tables must cover it) unless given.
 SEQ_LENGTH=${SEQ_LENGTH:-}
+MAX_POSITION_EMBEDDINGS=${MAX_POSITION_EMBEDDINGS:-$SEQ_LENGTH}
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-}
 TRAIN_ITERS=${TRAIN_ITERS:-}
 LOG_INTERVAL=${LOG_INTERVAL:-10}
 SAVE_INTERVAL=${SAVE_INTERVAL:-}
 
-# Data: Megatron indexed dataset prefix (path/to/name_text_document, without .bin/.idx);
-# empty trains on mock data. TOKENIZER_ARGS is passed as is, e.g.
+# Data: Megatron indexed dataset prefix (path/to/name_text_document, without .bin/.idx),
+# or a blend "0.7 PREFIX_A 0.3 PREFIX_B"; empty trains on mock data. TOKENIZER_ARGS is passed as is, e.g.
 #   TOKENIZER_ARGS="--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt"
 DATA_PATH=${DATA_PATH:-}
 TOKENIZER_ARGS=${TOKENIZER_ARGS:-}
@@ -62,6 +64,9 @@ if [[ -z ${MASTER_PORT:-} ]]; then
 fi
 export MASTER_ADDR MASTER_PORT
 
+# Extra srun options, e.g. a container: SRUN_ARGS="--container-image=<image> --container-mounts=<dirs>"
+SRUN_ARGS=${SRUN_ARGS:-}
+
 LAUNCH=(
     "$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES" --nproc-per-node "$PROCS_PER_NODE"
@@ -78,11 +83,13 @@ DRIVER_ARGS=(
 )
 [[ -n $MESH_SHAPE ]] && DRIVER_ARGS+=(--mesh-shape "$MESH_SHAPE")
 [[ -n $SEQ_LENGTH ]] && DRIVER_ARGS+=(--seq-length "$SEQ_LENGTH")
+[[ -n $MAX_POSITION_EMBEDDINGS ]] && DRIVER_ARGS+=(--max-position-embeddings "$MAX_POSITION_EMBEDDINGS")
 [[ -n $MICRO_BATCH_SIZE ]] && DRIVER_ARGS+=(--micro-batch-size "$MICRO_BATCH_SIZE")
 [[ -n $GLOBAL_BATCH_SIZE ]] && DRIVER_ARGS+=(--global-batch-size "$GLOBAL_BATCH_SIZE")
 [[ -n $TRAIN_ITERS ]] && DRIVER_ARGS+=(--train-iters "$TRAIN_ITERS")
 [[ -n $SAVE_INTERVAL ]] && DRIVER_ARGS+=(--save-interval "$SAVE_INTERVAL")
-[[ -n $DATA_PATH ]] && DRIVER_ARGS+=(--data-path "$DATA_PATH")
+# shellcheck disable=SC2206  # a blend is several words
+[[ -n $DATA_PATH ]] && DRIVER_ARGS+=(--data-path $DATA_PATH)
 [[ -n $WANDB_PROJECT ]] && DRIVER_ARGS+=(--wandb-project "$WANDB_PROJECT"
     --wandb-exp-name "$WANDB_EXP_NAME" --wandb-save-dir "$WANDB_DIR")
 [[ -n $(ls -A "$CHECKPOINT_DIR" 2>/dev/null) ]] && DRIVER_ARGS+=(--load "$CHECKPOINT_DIR")
