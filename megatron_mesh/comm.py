@@ -67,13 +67,8 @@ def all_gather(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
 ) -> torch.Tensor:
     """[m, ...] on each of n ranks -> [n * m, ...], in group-rank order."""
-    n = dist.get_world_size(group)
-    if n == 1:
-        return t
-    t = t.contiguous()
-    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    _record(phase, direction, "all_gather", (n - 1) * _nbytes(t))
-    _collective("all_gather_single", "all_gather_into_tensor")(out, t, group=group)
+    out, pending = all_gather_async(t, group, phase, direction)
+    pending.wait()
     return out
 
 
