@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 DEBIAN_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "munged", "mungekey")
+BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel", "munged",
+            "mungekey")
 TERMINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
     "PREEMPTED", "BOOT_FAIL", "DEADLINE",
@@ -214,6 +215,17 @@ class SlurmCluster:
                          f"{self.daemon_logs()}")
 
     def stop(self, timeout: float = 20) -> None:
+        # Jobs still running would outlive slurmd (their slurmstepd stays): cancel them first.
+        ctld = self._procs.get("slurmctld")
+        if ctld is not None and ctld.poll() is None:
+            try:
+                self._run("scancel", "--partition=debug", check=False, timeout=10)
+                deadline = time.monotonic() + timeout
+                while (time.monotonic() < deadline
+                       and self._run("squeue", "-h", check=False, timeout=10).strip()):
+                    time.sleep(0.5)
+            except subprocess.TimeoutExpired:
+                pass
         # Compute node first, then controller, then munge; each one we started, by its pid.
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self._procs.pop(name, None)

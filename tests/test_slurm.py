@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,10 @@ def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
         "WANDB_PROJECT": "megatron-mesh-slurm-test",
         "WANDB_MODE": "offline",
     }
+    try:
+        socket.gethostbyname(slurm.node)
+    except OSError:  # the script takes MASTER_ADDR from the node list: only if it resolves
+        env["MASTER_ADDR"] = "127.0.0.1"
     job = slurm.sbatch(CPU_SCRIPT, sbatch_args=(f"--output={log}", f"--chdir={REPO}"),
                        env=env, cwd=REPO)
     info = slurm.wait(job, JOB_TIMEOUT)
