@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import random
 import shutil
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -65,6 +69,45 @@ def _host_sync_without_cuda() -> Iterator[None]:
         yield
     finally:
         torch.cuda.synchronize = original
+
+
+def _exit_with_parent() -> None:
+    """Runs in the checkpoint writer's helper process: end it when its rank process ends."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+_RESULTS_MANAGER: Any = None
+
+
+def _writer_helper_dies_with_rank() -> None:
+    """megatron-core's checkpoint writer keeps its results in a queue served by a spawned
+    multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
+    process would linger; start it ourselves, set to exit when the rank does."""
+    global _RESULTS_MANAGER
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if _RESULTS_MANAGER is not None or getattr(filesystem_async, "_results_queue", 1) is not None:
+        return
+    from multiprocessing.managers import SyncManager
+
+    _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _RESULTS_MANAGER.start(initializer=_exit_with_parent)
+    filesystem_async._results_queue = _RESULTS_MANAGER.Queue()
 
 
 def _layout() -> list[int]:
@@ -127,6 +170,7 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     dist.barrier()
     sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
                         with_optim=True, with_rng=True)
+    _writer_helper_dies_with_rank()
     with _host_sync_without_cuda():
         dist_checkpointing.save(sd, tmp)
     dist.barrier()

@@ -57,7 +57,7 @@ def build_train_dataset(args: argparse.Namespace, tokenizer: MegatronTokenizerBa
     num_samples = args.train_iters * args.global_batch_size
     cls = MockGPTDataset if args.mock_data else GPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
-        cls, [num_samples, 0, 0], lambda: True, config).build()
+        cls, [num_samples, None, None], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         raise RuntimeError(f"training data holds {0 if train is None else len(train)} samples of "
                            f"{args.seq_length} tokens; {num_samples} are needed")
