@@ -1,0 +1,105 @@
+"""Flags of megatron_mesh.pretrain_gpt: configs, overrides, and bad values exiting early."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_mesh.pretrain_gpt import main
+from megatron_mesh.training.arguments import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
+
+# GPT-3 paper, Table 2.1: n_layers, d_model, n_heads, d_head
+GPT3 = {
+    "125m": (12, 768, 12, 64), "350m": (24, 1024, 16, 64), "760m": (24, 1536, 16, 96),
+    "1.3b": (24, 2048, 24, 128), "2.7b": (32, 2560, 32, 80), "6.7b": (32, 4096, 32, 128),
+    "13b": (40, 5140, 40, 128), "175b": (96, 12288, 96, 128),
+}
+
+
+@pytest.fixture(autouse=True)
+def _world(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+
+@pytest.mark.parametrize("name", sorted(GPT3))
+def test_gpt3_configs_have_paper_shapes(name: str) -> None:
+    args = parse_args(["--config", str(ROOT / "configs" / f"gpt3-{name}.yaml"),
+                       "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
+                       "--mesh-shape", "2x2"])
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads,
+            args.kv_channels) == GPT3[name]
+    assert args.seq_length == 2048
+    assert sorted(glob.glob(str(ROOT / "configs" / "gpt3-*.yaml"))) == sorted(
+        str(ROOT / "configs" / f"gpt3-{n}.yaml") for n in GPT3)
+
+
+def test_flags_override_config() -> None:
+    args = parse_args(["--config", TINY, "--hidden-size", "32", "--no-swiglu",
+                       "--context-parallel-size", "4", "--context-parallel-algo", "mesh"])
+    assert args.hidden_size == 32 and args.swiglu is False
+    assert args.num_layers == 2  # from the config
+    assert args.data_parallel_size == 1 and args.mesh_grid_shape[0] * args.mesh_grid_shape[1] == 4
+
+
+def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--global-batch-size",
+                 "--train-iters", "--lr-decay-style", "--bf16", "--tensor-model-parallel-size",
+                 "--context-parallel-size", "--context-parallel-algo", "--mesh-shape", "--seed",
+                 "--save", "--load", "--save-interval", "--log-interval", "--wandb-project",
+                 "--wandb-exp-name", "--wandb-save-dir", "--data-path", "--tokenizer-type"):
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--context-parallel-size", "4", "--context-parallel-algo", "ring"],
+     "invalid choice: 'ring'"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "3x2"],
+     "3x2"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--seq-length", "60",
+      "--max-position-embeddings", "64"], "--seq-length 60 is not divisible by 2"),
+    (["--global-batch-size", "8", "--data-path", "/nonexistent/corpus_text_document"],
+     "--data-path /nonexistent/corpus_text_document: missing"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "p2p"],
+     "needs Transformer Engine"),
+    (["--tensor-model-parallel-size", "3"], "must divide the attention heads"),
+    (["--context-parallel-size", "8", "--context-parallel-algo", "mesh"],
+     "world size 4 is not divisible"),
+    (["--config", "missing.yaml"], "missing.yaml: no such file"),
+])
+def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
+                                             capsys: pytest.CaptureFixture) -> None:
+    try:
+        code = main(["--config", TINY, *flags])
+    except SystemExit as exit_info:  # argparse's own errors (e.g. an invalid choice)
+        code = exit_info.code
+    assert code not in (0, None)
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_bad_flags_under_torchrun_fail_fast_on_every_rank() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WORLD_SIZE", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "megatron_mesh.pretrain_gpt", "--config", TINY, "--context-parallel-size", "4",
+         "--context-parallel-algo", "mesh", "--mesh-shape", "1x2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("pretrain_gpt: error:") == 4, proc.stderr[-2000:]
+    assert "1x2" in proc.stderr
+    assert time.monotonic() - start < 100

@@ -1,0 +1,187 @@
+"""The pretraining driver end to end on CPU: torchrun, gloo, megatron-core, real data files.
+
+Runs are shared between tests (module fixtures): a CP = 1 reference, an unbroken 4-rank
+2x2 mesh run with wandb offline, a 4-rank run in which one rank dies, and the resume of it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
+ITERS = 8
+SAVE_EVERY = 4
+DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
+MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"]
+LOG_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: (\d\.\d{6}E[+-]\d\d) \|.*"
+    r"tokens/s: ([\d.]+) .*attention traffic per rank \(MB\): ([\d.]+|n/a) \|"
+)
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    def losses(self) -> dict[int, float]:
+        return {int(m[1]): float(m[3]) for m in LOG_LINE.finditer(self.output)}
+
+    def traffic(self) -> list[str]:
+        return [m[5] for m in LOG_LINE.finditer(self.output)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MEGATRON_MESH_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 240, **env: str) -> Run:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "-m", "megatron_mesh.pretrain_gpt", *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+def _build_indexed_dataset(prefix: str) -> None:
+    """Arithmetic token sequences (learnable) as a Megatron indexed dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(40, 120)
+        builder.add_document((start + step * np.arange(n)) % 255, [int(n)])
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("training")
+
+
+@pytest.fixture(scope="module")
+def data_args(work: Path) -> list[str]:
+    prefix = str(work / "arith")
+    _build_indexed_dataset(prefix)
+    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
+            "--data-cache-path", str(work / "index-cache")]
+
+
+@pytest.fixture(scope="module")
+def cp1_run(data_args: list[str]) -> Run:
+    return torchrun(1, data_args)
+
+
+@pytest.fixture(scope="module")
+def mesh_run(data_args: list[str], work: Path) -> Run:
+    return torchrun(4, [*data_args, *MESH, "--wandb-project", "mesh-tests",
+                        "--wandb-exp-name", "tiny-2x2", "--wandb-save-dir", str(work / "wandb")])
+
+
+@pytest.fixture(scope="module")
+def fault_run(data_args: list[str], work: Path) -> Run:
+    return torchrun(4, [*data_args, *MESH, "--save", str(work / "ckpt"),
+                        "--save-interval", str(SAVE_EVERY)],
+                    MEGATRON_MESH_FAULT=f"2:{DIES_AT}:kill")
+
+
+def _wandb_history(run_dir: str) -> list[dict]:
+    """History rows of an offline run, read from its .wandb transaction log.
+
+    The file is a 7-byte header then LevelDB-log records (32 KiB blocks; each chunk has a
+    crc32, a 2-byte length and a type: 1 full, 2 first, 3 middle, 4 last) of wandb Records.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending, rows = 7, b"", []
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        if room < 7:
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            pos += room
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> None:
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    assert mesh_run.returncode == 0, mesh_run.output[-3000:]
+    ref, mesh = cp1_run.losses(), mesh_run.losses()
+    assert sorted(ref) == sorted(mesh) == list(range(1, ITERS + 1))
+    for it in ref:
+        assert mesh[it] == pytest.approx(ref[it], rel=2e-5), (it, ref, mesh)
+    assert mesh[ITERS] < mesh[1] - 0.2, mesh
+    assert set(cp1_run.traffic()) == {"n/a"}
+
+
+def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
+    from megatron_mesh.traffic import AttentionShape, mesh_traffic
+
+    assert mesh_run.returncode == 0, mesh_run.output[-3000:]
+    # tiny-cpu.yaml: 2 layers, 2 micro-batches of 2 x 64 tokens, 4 heads / 2 groups of 16, fp32
+    per_layer = mesh_traffic(AttentionShape(64, 2, 4, 2, 16, dtype_bytes=4), 2, 2).total
+    expected = 2 * 2 * per_layer
+    (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
+    rows = _wandb_history(run_dir)
+    assert [r["_step"] for r in rows] == list(range(1, ITERS + 1))
+    losses = mesh_run.losses()
+    for row in rows:
+        assert row["lm loss"] == pytest.approx(losses[row["_step"]], rel=1e-6)
+        assert row["throughput/tokens-per-sec"] > 0
+        assert row["throughput/tflops-per-gpu"] > 0
+        assert row["throughput/step-time-ms"] > 0
+        assert row["memory/peak-bytes"] > 0
+        assert row["attention/traffic-bytes-per-rank"] == expected
+    assert set(mesh_run.traffic()) == {f"{expected / 2**20:.3f}"}
+
+
+def test_dead_rank_fails_job_and_resume_matches_unbroken_run(
+        fault_run: Run, mesh_run: Run, data_args: list[str], work: Path) -> None:
+    assert fault_run.returncode != 0
+    assert fault_run.seconds < 150, fault_run.seconds
+    assert f"rank 2 fails (kill) at iteration {DIES_AT}" in fault_run.output
+    ckpt = work / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVE_EVERY)
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000004", "latest_checkpointed_iteration.txt"]
+
+    resumed = torchrun(4, [*data_args, *MESH, "--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"loaded checkpoint {ckpt / 'iter_0000004'}" in resumed.output
+    unbroken, again = mesh_run.losses(), resumed.losses()
+    assert sorted(again) == list(range(SAVE_EVERY + 1, ITERS + 1))
+    for it in again:
+        assert again[it] == pytest.approx(unbroken[it], rel=1e-6), (it, unbroken, again)
