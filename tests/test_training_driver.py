@@ -25,10 +25,12 @@ ITERS = 8
 SAVE_EVERY = 4
 DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
 MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"]
-LOG_LINE = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: (\d\.\d{6}E[+-]\d\d) \|.*"
-    r"tokens/s: ([\d.]+) .*attention traffic per rank \(MB\): ([\d.]+|n/a) \|"
-)
+LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)\|$", re.MULTILINE)
+LOSS = re.compile(r"^\d\.\d{6}E[+-]\d\d$")  # Megatron-LM's "lm loss: 5.575325E+00"
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(part.strip().split(": ", 1) for part in line.split(" | ") if ": " in part)
 
 
 @dataclass
@@ -37,11 +39,19 @@ class Run:
     output: str
     seconds: float
 
+    def lines(self) -> dict[int, dict[str, str]]:
+        """Iteration -> the fields of its log line."""
+        return {int(m[1]): _fields(m[3]) for m in LOG_LINE.finditer(self.output)}
+
     def losses(self) -> dict[int, float]:
-        return {int(m[1]): float(m[3]) for m in LOG_LINE.finditer(self.output)}
+        out = {}
+        for it, fields in self.lines().items():
+            assert LOSS.match(fields["lm loss"]), fields
+            out[it] = float(fields["lm loss"])
+        return out
 
     def traffic(self) -> list[str]:
-        return [m[5] for m in LOG_LINE.finditer(self.output)]
+        return [f["attention traffic per rank (MB)"] for f in self.lines().values()]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -145,6 +155,11 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
         assert mesh[it] == pytest.approx(ref[it], rel=2e-5), (it, ref, mesh)
     assert mesh[ITERS] < mesh[1] - 0.2, mesh
     assert set(cp1_run.traffic()) == {"n/a"}
+    for fields in mesh_run.lines().values():
+        assert float(fields["tokens/s"]) > 0
+        assert float(fields["throughput per GPU (TFLOP/s/GPU)"]) > 0
+        assert float(fields["elapsed time per iteration (ms)"]) > 0
+        assert float(fields["peak memory RSS (MB)"]) > 0
 
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
