@@ -12,6 +12,7 @@ import warnings
 from typing import Sequence
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from megatron_mesh.training.arguments import ConfigError, parse_args  # noqa: E402
 

@@ -224,6 +224,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               "--context-parallel-algo mesh (works without it) or install transformer-engine")
     if (args.bf16 or args.fp16) and not torch.cuda.is_available():
         _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
+    if args.sequence_parallel and not torch.cuda.is_available():
+        _fail("--sequence-parallel needs CUDA (megatron-core's DDP reduces the norm gradients "
+              "over TP); drop it on a CPU")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
     if args.num_attention_heads % tp or args.num_query_groups % tp:
         _fail(f"--tensor-model-parallel-size {tp} must divide the attention heads "
               f"({args.num_attention_heads}) and query groups ({args.num_query_groups})")

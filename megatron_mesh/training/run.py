@@ -21,7 +21,7 @@ def _banner(args: argparse.Namespace, n_params: int, vocab: int, flops: float) -
     if args.context_parallel_algo == "mesh" and args.context_parallel_size > 1:
         grid = args.mesh_grid
         shape = (getattr(grid, "rows", None), getattr(grid, "cols", None)) if grid else None
-        mesh = f" mesh {shape[0]}x{shape[1]}" if shape and shape[0] else ""
+        mesh = f" {shape[0]}x{shape[1]}" if shape and shape[0] else ""
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
         f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
