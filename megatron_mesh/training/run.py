@@ -11,7 +11,7 @@ from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.flops import flops_per_iteration
-from megatron_mesh.training.model import build_model, padded_vocab_size, wrap_model
+from megatron_mesh.training.model import build_model, padded_vocab_size, unwrap, wrap_model
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
@@ -58,6 +58,8 @@ def _run(args: argparse.Namespace) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         model = wrap_model(model, args)
         optimizer = build_optimizer(model, args)
+        if hasattr(optimizer, "scale_loss"):  # megatron-core's: fp16 loss scaling in backward
+            unwrap(model).config.grad_scale_func = optimizer.scale_loss
         scheduler = build_scheduler(optimizer, args)
         state = TrainState()
         if args.load:
