@@ -44,7 +44,7 @@ def init_model_parallel(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
-        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     args.mesh_grid = None
     if args.context_parallel_algo == "mesh":
