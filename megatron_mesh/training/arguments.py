@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--global-batch-size", type=int, default=None,
           help="default micro batch size * data-parallel size")
     _flag(g, "--train-iters", type=int, default=10)
-    _flag(g, "--exit-interval", type=int, default=None, help="stop after this iteration")
+    _flag(g, "--exit-interval", type=int, default=None,
+          help="stop (and save) at the first iteration divisible by this")
     _flag(g, "--seed", type=int, default=1234)
     _flag(g, "--bf16", type=bool, default=False)
     _flag(g, "--fp16", type=bool, default=False)
@@ -255,8 +256,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save and importlib.util.find_spec("psutil") is None:
         _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
-    if args.load and not os.path.isdir(args.load):
-        _fail(f"--load {args.load}: no such directory")
     _validate_data(args)
 
 

@@ -195,10 +195,13 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
 
     Weights always; optimizer, LR schedule, iteration and data position unless
     --no-load-optim / --finetune; RNG unless --no-load-rng or the parallel layout changed.
+    Without any complete checkpoint under root (a first launch) training starts at 0.
     """
     iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {LATEST}; nothing to resume from")
+        print_rank0(f" no checkpoint under --load {root} ({LATEST} missing): starting from "
+                    "iteration 0")
+        return TrainState()
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--load {root}: no checkpoint {path}")

@@ -84,8 +84,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
     wandb = WandbLogger(args, enabled=is_rank0())
     stats = IntervalStats()
     rank = dist.get_rank()
-    last = args.train_iters if args.exit_interval is None else min(args.train_iters,
-                                                                  args.exit_interval)
+    last = args.train_iters
     model.train()
     exit_code = 1
     try:
@@ -108,9 +107,13 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 print_rank0(log_line(state.iteration, args, m))
                 wandb.log(m, state.iteration)
                 stats = IntervalStats()
-            if args.save and (state.iteration == last or (
+            stop = state.iteration == last or bool(
+                args.exit_interval and state.iteration % args.exit_interval == 0)
+            if args.save and (stop or (
                     args.save_interval and state.iteration % args.save_interval == 0)):
                 save_checkpoint(args.save, model, optimizer, scheduler, state, args)
+            if stop:
+                break
         exit_code = 0
     finally:
         wandb.finish(exit_code)
