@@ -114,6 +114,20 @@ def fault_run(data_args: list[str], work: Path) -> Run:
                     MEGATRON_MESH_FAULT=f"2:{DIES_AT}:kill")
 
 
+def test_data_parallel_with_cp_matches_cp1(cp1_run: Run, data_args: list[str]) -> None:
+    """DP 2 x CP 2 (mesh): the sampler splits the batch and DDP averages over DP x CP."""
+    run = torchrun(4, [*data_args, "--context-parallel-size", "2",
+                       "--context-parallel-algo", "mesh", "--train-iters", "4",
+                       "--lr-decay-iters", str(ITERS)])  # the reference's LR schedule
+    assert run.returncode == 0, run.output[-3000:]
+    assert "x DP 2" in run.output
+    ref, got = cp1_run.lines(), run.lines()
+    assert sorted(got) == [1, 2, 3, 4]
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
+
+
 def _wandb_history(run_dir: str) -> list[dict]:
     """History rows of an offline run, read from its .wandb transaction log.
 
