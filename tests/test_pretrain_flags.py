@@ -103,3 +103,15 @@ def test_bad_flags_under_torchrun_fail_fast_on_every_rank() -> None:
     assert proc.stderr.count("pretrain_gpt: error:") == 4, proc.stderr[-2000:]
     assert "1x2" in proc.stderr
     assert time.monotonic() - start < 100
+
+
+def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("context-parallel-algo: ring\ncontext-parallel-size: 4\n")
+    assert main(["--config", str(config)]) == 2
+    assert "--context-parallel-algo 'ring' (from --config): valid values are p2p" in (
+        capsys.readouterr().err)
+    config.write_text("num-layerz: 2\n")
+    assert main(["--config", str(config)]) == 2
+    assert "unknown keys ['num_layerz']" in capsys.readouterr().err

@@ -167,6 +167,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if pre.config:
         parser.set_defaults(**load_config(pre.config, parser))
     args = parser.parse_args(argv)
+    for action in parser._actions:  # argparse checks choices on the command line only
+        value = getattr(args, action.dest, None)
+        if action.choices and value is not None and value not in action.choices:
+            raise ConfigError(f"{action.option_strings[0]} {value!r} (from --config): valid "
+                              f"values are {', '.join(map(str, action.choices))}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world_size)
     return args
