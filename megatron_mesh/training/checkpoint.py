@@ -72,7 +72,7 @@ def _host_sync_without_cuda() -> Iterator[None]:
 
 
 def _exit_with_parent() -> None:
-    """Runs in the checkpoint writer's helper process: end it when its rank process ends."""
+    """Runs in the checkpoint writer's manager process: end it when its rank process ends."""
     parent = os.getppid()
     try:
         import ctypes
@@ -92,7 +92,7 @@ def _exit_with_parent() -> None:
 _RESULTS_MANAGER: Any = None
 
 
-def _writer_helper_dies_with_rank() -> None:
+def _writer_manager_exits_with_rank() -> None:
     """megatron-core's checkpoint writer keeps its results in a queue served by a spawned
     multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
     process would linger; start it ourselves, set to exit when the rank does."""
@@ -170,7 +170,7 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     dist.barrier()
     sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
                         with_optim=True, with_rng=True)
-    _writer_helper_dies_with_rank()
+    _writer_manager_exits_with_rank()
     with _host_sync_without_cuda():
         dist_checkpointing.save(sd, tmp)
     dist.barrier()
