@@ -5,6 +5,7 @@ every C-th one. Rank (i, j) gathers Q over its row and K/V over its column.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,14 +53,21 @@ class MeshGrid:
         return at((i + 1) % rows), at((i - 1) % rows)
 
     @classmethod
-    def build(cls, rows: int, cols: int, group: dist.ProcessGroup | None = None) -> "MeshGrid":
+    def build(
+        cls,
+        rows: int,
+        cols: int,
+        group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> "MeshGrid":
         """Collective: the grid over `group` (default: the whole default process group).
 
         With group=None every rank of the default group calls it. With an explicit group only
         that group's members call it (its row and column groups are created locally).
+        `timeout` bounds every collective of the new groups (torch's default when None).
         """
         if group is None:
-            grid = cls.build_many([list(range(dist.get_world_size()))], rows, cols)
+            grid = cls.build_many([list(range(dist.get_world_size()))], rows, cols, timeout=timeout)
             assert grid is not None
             return grid
         ranks = dist.get_process_group_ranks(group)
@@ -70,8 +78,8 @@ class MeshGrid:
         col = [ranks[r * cols + j] for r in range(rows)]
         return cls(
             rows, cols, cp_rank, tuple(ranks), group,
-            dist.new_group(row, use_local_synchronization=True),
-            dist.new_group(col, use_local_synchronization=True),
+            dist.new_group(row, timeout=timeout, use_local_synchronization=True),
+            dist.new_group(col, timeout=timeout, use_local_synchronization=True),
         )
 
     @classmethod
@@ -81,6 +89,7 @@ class MeshGrid:
         rows: int,
         cols: int,
         cp_group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> "MeshGrid | None":
         """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
 
@@ -88,6 +97,7 @@ class MeshGrid:
         torch.distributed requires; it returns the grid of the CP group holding this rank,
         or None when no group holds it. `cp_group`, when every rank passes its existing CP
         process group (Megatron's), is reused instead of creating the CP groups again.
+        `timeout` bounds every collective of the new groups (torch's default when None).
         """
         world = dist.get_world_size()
         seen: set[int] = set()
@@ -112,9 +122,10 @@ class MeshGrid:
         mine: MeshGrid | None = None
         for ranks in cp_groups:
             ranks = list(ranks)
-            group = cp_group if cp_group is not None else dist.new_group(ranks)
-            row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols]) for i in range(rows)]
-            col_groups = [dist.new_group(ranks[j::cols]) for j in range(cols)]
+            group = cp_group if cp_group is not None else dist.new_group(ranks, timeout=timeout)
+            row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols], timeout=timeout)
+                          for i in range(rows)]
+            col_groups = [dist.new_group(ranks[j::cols], timeout=timeout) for j in range(cols)]
             if me in ranks:
                 cp_rank = ranks.index(me)
                 i, j = divmod(cp_rank, cols)

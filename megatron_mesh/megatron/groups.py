@@ -7,6 +7,7 @@ as local as it can.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 
@@ -48,12 +49,15 @@ def initialize_mesh_grids(
     num_query_groups: int | None = None,
     seq_length: int | None = None,
     head_dim: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
     mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the least-traffic
     shape for the head counts (see `shape.auto_mesh_shape`). The shape is checked before
     any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
+    `timeout` bounds the collectives of the row and column groups (pass the job's
+    distributed timeout, as Megatron does for its own groups).
     """
     global _MESH_GRID
     if _MESH_GRID is not None:
@@ -79,6 +83,7 @@ def initialize_mesh_grids(
         grid = MeshGrid.build_many(
             _all_cp_groups(shape), rows=shape[0], cols=shape[1],
             cp_group=parallel_state.get_context_parallel_group(),
+            timeout=timeout,
         )
         if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")

@@ -56,6 +56,7 @@ def init_model_parallel(args: argparse.Namespace) -> None:
             num_query_groups=args.num_query_groups,
             seq_length=args.seq_length,
             head_dim=args.kv_channels,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         )
 
 

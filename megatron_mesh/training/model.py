@@ -87,7 +87,8 @@ def layer_spec(args: argparse.Namespace):
         from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
         return get_gpt_layer_spec(context_parallel_algo=args.context_parallel_algo,
-                                  use_te=use_te, normalization=args.normalization)
+                                  use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
+                                  normalization=args.normalization)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(normalization=args.normalization)

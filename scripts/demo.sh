@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up this checkout on a fresh machine and train the tiny GPT on a CPU with context
+# parallelism 4 as a 2 x 2 mesh (4 gloo processes), printing loss and throughput as it goes.
+# Extra arguments pass to the driver (e.g. --train-iters 200 --wandb-project demo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install torch==2.13.0
+fi
+"$PY" -m pip install -e ".[megatron,wandb]"
+export OMP_NUM_THREADS=1
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m megatron_mesh.pretrain_gpt \
+  --config configs/tiny-cpu.yaml --context-parallel-size 4 --context-parallel-algo mesh \
+  --mesh-shape 2x2 --train-iters 100 --log-interval 10 "$@"
