@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
     if kw.get("type") is bool:
         kw.pop("type")
-        kw["action"] = argparse.BooleanOptionalAction
+        # a negative flag (--no-load-optim) is a plain switch, as in Megatron-LM
+        kw["action"] = "store_true" if name.startswith("--no-") else argparse.BooleanOptionalAction
     parser.add_argument(name, **kw)
 
 
