@@ -25,10 +25,10 @@ class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, causal, scale, kernel, schedule):
+    def forward(ctx, q, k, v, grid, causal, scale, kernel, schedule, grad_dtype):
         out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, causal, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (grid, causal, scale, kernel)
+        ctx.args = (grid, causal, scale, kernel, grad_dtype)
         ctx.schedule = schedule
         return out
 
@@ -36,7 +36,7 @@ class MeshAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _SCHEDULES[ctx.schedule].backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def mesh_attention(
@@ -48,15 +48,22 @@ def mesh_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     schedule: str = DEFAULT_SCHEDULE,
+    grad_reduce_dtype: str = "fp32",
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
     q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
     2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels.
-    backend: tile kernels, 'auto' | 'torch' | 'te'; schedule: 'streamed' | 'gathered'.
+    backend: tile kernels, 'auto' | 'torch' | 'te'; schedule: 'streamed' | 'gathered';
+    grad_reduce_dtype: dQ, dK, dV travel in 'fp32' (default) or in the 'input' dtype (half the
+    gradient bytes with bf16 / fp16, like Transformer Engine's ring; each rank still sums its
+    own blocks in fp32).
     """
-    check_inputs(q, k, v, grid, softmax_scale, backend, schedule)
+    check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device)
-    return MeshAttentionFunction.apply(q, k, v, grid, bool(causal), float(scale), kernel, schedule)
+    grad_dtype = torch.float32 if grad_reduce_dtype == "fp32" else q.dtype
+    return MeshAttentionFunction.apply(
+        q, k, v, grid, bool(causal), float(scale), kernel, schedule, grad_dtype
+    )

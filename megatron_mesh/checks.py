@@ -9,6 +9,7 @@ from .kernels import BACKENDS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCHEDULES = ("streamed", "gathered")
+GRAD_REDUCE_DTYPES = ("fp32", "input")
 
 
 def check_inputs(
@@ -19,6 +20,7 @@ def check_inputs(
     softmax_scale: float | None,
     backend: str,
     schedule: str = "streamed",
+    grad_reduce_dtype: str = "fp32",
 ) -> None:
     """Raise ValueError naming the bad value and what is valid."""
     if not isinstance(grid, MeshGrid):
@@ -57,3 +59,7 @@ def check_inputs(
         raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ValueError(
+            f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}"
+        )

@@ -10,7 +10,7 @@ from megatron_mesh.planner import hardware
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_table, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan
-from megatron_mesh.planner.workload import DTYPE_BYTES
+from megatron_mesh.planner.workload import DTYPE_BYTES, MESH_GRAD_REDUCE_DTYPES
 
 
 def _positive_int(text: str) -> int:
@@ -67,6 +67,9 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                    help="input dtype (default %(default)s)")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch (default 1)")
+    p.add_argument("--mesh-grad-reduce-dtype", choices=MESH_GRAD_REDUCE_DTYPES, default="fp32",
+                   help="dtype of the mesh's dQ, dK, dV exchange: fp32, or the input dtype "
+                   "(default %(default)s)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="price every transfer as exposed (compute + comm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -100,6 +103,7 @@ def _plan(args: argparse.Namespace, gpus: int) -> Plan:
         inter_node_bw=args.inter_node_bw,
         attention_tflops=args.attention_tflops,
         overlap=args.overlap,
+        mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
     )
 
 

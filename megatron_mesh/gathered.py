@@ -57,8 +57,9 @@ def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
-             kernel: TileKernel):
-    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype."""
+             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
+    summed locally in fp32 and reduce-scattered in grad_dtype."""
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     kv_col = comm.all_gather(torch.stack([k, v]), grid.col_group, "backward", "col")
@@ -71,6 +72,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             backward_block(kernel, qdo[j, 1], qdo[j, 0], outs[j], stats[j, 0], kv_col[i, 0],
                            kv_col[i, 1], x, y, causal, scale, dq_part[j], dkv_part[i])
 
-    dq = comm.reduce_scatter(dq_part, grid.row_group, "backward", "row").view(s, b, hq, d)
-    dkv = comm.reduce_scatter(dkv_part, grid.col_group, "backward", "col").view(2, *k.shape)
+    dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
+    dq, dkv = dq.view(s, b, hq, d), dkv.view(2, *k.shape)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -53,10 +53,11 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
-             kernel: TileKernel):
-    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype."""
+             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
+    summed in fp32 and travel (dK, dV around the ring, dQ in the reduce-scatter) in grad_dtype."""
     if grid.rows == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel)
+        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
     s, b, hq, d = q.shape
     rows = grid.rows
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
@@ -78,8 +79,9 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             dkv_pending.wait()
             if arriving is not None:
                 dkv += arriving
-            arriving = torch.empty_like(dkv)
-            dkv_pending = comm.ring_exchange(dkv, arriving, nxt, prev, grid.col_group,
+            sending = dkv.to(grad_dtype)
+            arriving = torch.empty_like(sending)
+            dkv_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.col_group,
                                              "backward", "col")
         if t < rows - 1:
             kv_pending.wait()
@@ -87,5 +89,6 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     dkv_pending.wait()
     if arriving is not None:  # this rank's own chunk, back from its R-1 hops
         dkv_own += arriving
-    dq = comm.reduce_scatter(dq_part, grid.row_group, "backward", "row").view(s, b, hq, d)
+    dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
+    dq = dq.view(s, b, hq, d)
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)

@@ -18,8 +18,9 @@ per element of the input dtype, fp32 = 4:
               row reduce-scatter dQ       (C-1) * q  * 4
               column reduce-scatter dK,dV (R-1) * kv * 4
 
-In elements this is DESIGN.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms;
-gradients travel in fp32, so with bf16 inputs dQ, dK, dV count twice their element size.
+In elements this is DESIGN.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
+Gradients travel in fp32 by default, so with bf16 inputs dQ, dK, dV count twice their
+element size; with grad_reduce_dtype="input" they travel in the input dtype (grad_bytes = e).
 """
 from __future__ import annotations
 
@@ -70,15 +71,18 @@ class Traffic:
         return self.forward + self.backward
 
 
-def mesh_traffic(shape: AttentionShape, rows: int, cols: int) -> Traffic:
-    """Bytes sent per rank by mesh attention on a rows x cols grid (forward, backward)."""
+def mesh_traffic(
+    shape: AttentionShape, rows: int, cols: int, grad_bytes: int = FP32_BYTES
+) -> Traffic:
+    """Bytes sent per rank by mesh attention on a rows x cols grid (forward, backward);
+    grad_bytes: bytes per element of the dQ, dK, dV reductions (fp32 by default)."""
     q, kv, lse = shape.local_elements(rows * cols)
     e = shape.dtype_bytes
     return Traffic(
         forward_row=(cols - 1) * (q * e + q * e + lse * FP32_BYTES),
         forward_col=(rows - 1) * kv * e,
-        backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * FP32_BYTES),
-        backward_col=(rows - 1) * (kv * e + kv * FP32_BYTES),
+        backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
+        backward_col=(rows - 1) * (kv * e + kv * grad_bytes),
     )
 
 

@@ -24,12 +24,13 @@ class Case:
     softmax_scale: float | None = None
     seed: int = 0
     schedule: str = "streamed"
+    grad_reduce_dtype: str = "fp32"
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         return (f"S={self.seq} b={self.batch} hq={self.q_heads} hkv={self.kv_heads} "
                 f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale} "
-                f"{self.schedule}")
+                f"{self.schedule} grads={self.grad_reduce_dtype}")
 
 
 def full_inputs(case: Case) -> dict[str, torch.Tensor]:
@@ -61,7 +62,7 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
     share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
     q, k, v = (share[n].requires_grad_() for n in ("q", "k", "v"))
     out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale,
-                            schedule=case.schedule)
+                            schedule=case.schedule, grad_reduce_dtype=case.grad_reduce_dtype)
     assert out.dtype == case.dtype and out.shape == q.shape
     out.backward(share["dout"])
     return {"out": out.detach().float(), "dq": q.grad.float(), "dk": k.grad.float(),

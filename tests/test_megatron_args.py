@@ -157,14 +157,17 @@ def test_layer_spec_rejects_bad_requests():
             get_gpt_layer_spec(use_te=True)
 
 
-def test_mesh_schedule_flag_reaches_the_core_attention_spec():
+def test_mesh_schedule_flags_reach_the_core_attention_spec():
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     parser = add_mesh_args(argparse.ArgumentParser())
     assert parser.parse_args([]).mesh_schedule == "streamed"
-    args = parser.parse_args(["--context-parallel-algo", "mesh", "--mesh-schedule", "gathered"])
-    spec = get_gpt_layer_spec(args.context_parallel_algo, schedule=args.mesh_schedule)
+    args = parser.parse_args(["--context-parallel-algo", "mesh", "--mesh-schedule", "gathered",
+                              "--mesh-grad-reduce-dtype", "input"])
+    spec = get_gpt_layer_spec(args.context_parallel_algo, schedule=args.mesh_schedule,
+                              grad_reduce_dtype=args.mesh_grad_reduce_dtype)
     core = spec.submodules.self_attention.submodules.core_attention
     assert core.params["schedule"] == "gathered"
+    assert core.params["grad_reduce_dtype"] == "input"
     with pytest.raises(SystemExit):
         parser.parse_args(["--mesh-schedule", "ring"])

@@ -24,6 +24,7 @@ def cases_for(cp_size: int) -> list[Case]:
         Case(s, 2, 4, 1, 16, causal=True, softmax_scale=0.3, seed=2),  # MQA, explicit scale
         Case(s, 1, 4, 2, 16, causal=True, dtype=torch.bfloat16, seed=3),
         Case(s, 2, 2, 2, 16, causal=False, dtype=torch.float16, seed=4),
+        Case(s, 2, 4, 2, 32, causal=True, dtype=torch.bfloat16, seed=7, grad_reduce_dtype="input"),
     ]
 
 
@@ -44,7 +45,8 @@ def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[str]:
         bad += errors(case, got, grid, grid.cp_rank, x)
         shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
                                   case.head_dim, torch.finfo(case.dtype).bits // 8)
-        expected = mm.mesh_traffic(shape, grid.rows, grid.cols).total
+        grad_bytes = 4 if case.grad_reduce_dtype == "fp32" else shape.dtype_bytes
+        expected = mm.mesh_traffic(shape, grid.rows, grid.cols, grad_bytes).total
         if not sent[0] == counter.total_bytes == expected:
             bad.append(f"{case} {grid.rows}x{grid.cols}: sent {sent[0]} B, counter "
                        f"{counter.total_bytes} B, formula {expected} B")

@@ -63,11 +63,12 @@ def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: in
 
 # Shapes and cases measured on real collectives; S = 4P keeps two rows per zigzag chunk.
 MEASURED_SHAPES = {4: [(4, 1), (2, 2), (1, 4)], 6: [(6, 1), (3, 2), (2, 3)]}
-MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal)
-    (2, 4, 2, 16, "bf16", True),  # GQA
-    (1, 4, 4, 8, "fp32", False),  # MHA
-    (1, 6, 2, 8, "fp32", True),  # GQA, heads not a power of two
-    (1, 4, 1, 8, "fp16", True),  # MQA
+MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal, gradient exchange)
+    (2, 4, 2, 16, "bf16", True, "fp32"),  # GQA
+    (1, 4, 4, 8, "fp32", False, "fp32"),  # MHA
+    (1, 6, 2, 8, "fp32", True, "fp32"),  # GQA, heads not a power of two
+    (1, 4, 1, 8, "fp16", True, "fp32"),  # MQA
+    (1, 4, 2, 8, "bf16", True, "input"),  # gradients in bf16: half the gradient bytes
 ]
 SCHEDULES = ("gathered", "streamed")  # both must move exactly the planned bytes
 
@@ -78,7 +79,7 @@ def measure_worker(rank: int, world: int) -> list[dict]:
     results = []
     for rows, cols in MEASURED_SHAPES[world]:
         grid = mm.MeshGrid.build(rows=rows, cols=cols)
-        for idx, (b, hq, hkv, d, dtype, causal) in enumerate(MEASURED_CASES):
+        for idx, (b, hq, hkv, d, dtype, causal, grads) in enumerate(MEASURED_CASES):
             g = torch.Generator().manual_seed(100 * idx + rank)
             s = seq // world
             q, k, v = (torch.randn(s, b, h, d, generator=g).to(DTYPES[dtype]).requires_grad_()
@@ -88,8 +89,8 @@ def measure_worker(rank: int, world: int) -> list[dict]:
                 for t in (q, k, v):
                     t.grad = None
                 with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
-                    mm.mesh_attention(q, k, v, grid, causal=causal,
-                                      schedule=schedule).backward(dout)
+                    mm.mesh_attention(q, k, v, grid, causal=causal, schedule=schedule,
+                                      grad_reduce_dtype=grads).backward(dout)
                 results.append({
                     "shape": (rows, cols),
                     "case": idx,
@@ -108,10 +109,10 @@ def test_planner_bytes_equal_bytes_measured_on_gloo(world: int):
     for rank, results in enumerate(per_rank):
         assert len(results) == len(MEASURED_SHAPES[world]) * len(MEASURED_CASES) * len(SCHEDULES)
         for r in results:
-            b, hq, hkv, d, dtype, causal = MEASURED_CASES[r["case"]]
+            b, hq, hkv, d, dtype, causal, grads = MEASURED_CASES[r["case"]]
             predicted = plan(world, seq_length=4 * world, num_heads=hq, num_kv_heads=hkv,
                              head_dim=d, batch=b, dtype=dtype, causal=causal,
-                             gpus_per_node=2).mesh(*r["shape"])
+                             gpus_per_node=2, mesh_grad_reduce_dtype=grads).mesh(*r["shape"])
             where = f"rank {rank}, {r['shape']} {r['schedule']}, {MEASURED_CASES[r['case']]}"
             for (phase, direction), measured in r["counted"].items():
                 group = "row" if direction == "row" else "column"

@@ -21,6 +21,8 @@ def bad_calls(grid: mm.MeshGrid) -> dict[str, tuple]:
         "is not one of float32": (q.double(), k.double(), k.double(), {}),
         "softmax_scale=-1.0": (q, k, k, {"softmax_scale": -1.0}),
         "backend='cudnn'": (q, k, k, {"backend": "cudnn"}),
+        "schedule='ring'": (q, k, k, {"schedule": "ring"}),
+        "grad_reduce_dtype='bf16'": (q, k, k, {"grad_reduce_dtype": "bf16"}),
         "grid must be a MeshGrid": (q, k, k, {"grid": "2x1"}),
     }
 

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from megatron_mesh.attention import DEFAULT_SCHEDULE
-from megatron_mesh.checks import SCHEDULES
+from megatron_mesh.checks import GRAD_REDUCE_DTYPES, SCHEDULES
 from megatron_mesh.megatron.shape import parse_mesh_shape, resolve_mesh_shape
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def _mesh_shape_type(text: str) -> tuple[int, int]:
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --context-parallel-algo, --mesh-shape and --mesh-schedule to `parser`
-    (idempotent); returns it."""
+    """Add --context-parallel-algo, --mesh-shape, --mesh-schedule and
+    --mesh-grad-reduce-dtype to `parser` (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
     group = parser.add_argument_group("mesh context parallelism")
@@ -59,6 +59,14 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_SCHEDULE,
         help="How a mesh rank moves its tile's K/V: streamed (around the column ring, "
         "overlapped with compute, two K/V buffers) or gathered (all at once). Same bytes.",
+    )
+    group.add_argument(
+        "--mesh-grad-reduce-dtype",
+        dest="mesh_grad_reduce_dtype",
+        choices=GRAD_REDUCE_DTYPES,
+        default="fp32",
+        help="dtype in which the mesh's dQ, dK, dV partials travel: fp32, or input (bf16 / "
+        "fp16 with such inputs: half the gradient traffic, as Transformer Engine's ring).",
     )
     return parser
 

@@ -19,7 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import DEFAULT_SCHEDULE, mesh_attention
-from megatron_mesh.checks import SCHEDULES
+from megatron_mesh.checks import GRAD_REDUCE_DTYPES, SCHEDULES
 from megatron_mesh.kernels import BACKENDS
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
@@ -79,7 +79,7 @@ class MeshDotProductAttention(MegatronModule):
                 "installed: install transformer-engine[pytorch] (GPU only), or use "
                 "--context-parallel-algo mesh, which needs no Transformer Engine"
             )
-        ours = ("context_parallel_algo", "backend", "schedule")
+        ours = ("context_parallel_algo", "backend", "schedule", "grad_reduce_dtype")
         kwargs = {k: v for k, v in kwargs.items() if k not in ours}
         kwargs["cp_comm_type"] = algo
         return te_attention(*args, **kwargs)
@@ -97,6 +97,7 @@ class MeshDotProductAttention(MegatronModule):
         context_parallel_algo: str | None = None,
         backend: str = "auto",
         schedule: str = DEFAULT_SCHEDULE,
+        grad_reduce_dtype: str = "fp32",
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -108,6 +109,12 @@ class MeshDotProductAttention(MegatronModule):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         self.schedule = schedule
+        if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of "
+                f"{', '.join(GRAD_REDUCE_DTYPES)}"
+            )
+        self.grad_reduce_dtype = grad_reduce_dtype
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -169,6 +176,7 @@ class MeshDotProductAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             backend=self.backend,
             schedule=self.schedule,
+            grad_reduce_dtype=self.grad_reduce_dtype,
         )
         return out.reshape(out.shape[0], out.shape[1], -1)
 

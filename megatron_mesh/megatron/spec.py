@@ -19,10 +19,13 @@ __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_atte
 
 
 def mesh_core_attention_spec(
-    context_parallel_algo: str = "mesh", backend: str = "auto", schedule: str | None = None
+    context_parallel_algo: str = "mesh",
+    backend: str = "auto",
+    schedule: str | None = None,
+    grad_reduce_dtype: str | None = None,
 ) -> ModuleSpec:
     """The core_attention submodule spec for `context_parallel_algo` (mesh tile kernel
-    `backend`, mesh `schedule`: None for the default)."""
+    `backend`; mesh `schedule` and `grad_reduce_dtype`, None for the defaults)."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
@@ -33,19 +36,21 @@ def mesh_core_attention_spec(
         params["backend"] = backend
     if schedule is not None:
         params["schedule"] = schedule
+    if grad_reduce_dtype is not None:
+        params["grad_reduce_dtype"] = grad_reduce_dtype
     return ModuleSpec(module=MeshDotProductAttention, params=params)
 
 
 def use_mesh_core_attention(
     spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto",
-    schedule: str | None = None,
+    schedule: str | None = None, grad_reduce_dtype: str | None = None,
 ) -> Any:
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
     Walks ModuleSpec.submodules dataclasses (self_attention of a layer, layer_specs of a
     block); raises ValueError when the spec holds no core_attention to replace.
     """
-    core = mesh_core_attention_spec(context_parallel_algo, backend, schedule)
+    core = mesh_core_attention_spec(context_parallel_algo, backend, schedule, grad_reduce_dtype)
     spec, count = _replace(spec, core)
     if count == 0:
         raise ValueError(f"no core_attention submodule found in spec {spec!r}")
@@ -78,13 +83,15 @@ def get_gpt_layer_spec(
     use_te: bool = False,
     backend: str = "auto",
     schedule: str | None = None,
+    grad_reduce_dtype: str | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """Megatron's GPT layer spec (local, or TE's with use_te) with the mesh core attention.
 
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
-    schedule the mesh schedule (streamed / gathered).
+    schedule the mesh schedule (streamed / gathered), grad_reduce_dtype the dtype of the
+    gradient exchange (fp32 / input).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -99,4 +106,5 @@ def get_gpt_layer_spec(
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
         layer = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
-    return use_mesh_core_attention(layer, context_parallel_algo, backend, schedule)
+    return use_mesh_core_attention(layer, context_parallel_algo, backend, schedule,
+                                   grad_reduce_dtype)

@@ -158,6 +158,7 @@ def plan(
     inter_node_bw: float = DEFAULT_INTER_NODE_BW,
     attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
     overlap: bool = True,
+    mesh_grad_reduce_dtype: str = "fp32",
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""
     workload = Workload(
@@ -168,6 +169,7 @@ def plan(
         batch=batch,
         dtype=dtype,
         causal=causal,
+        mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
     )
     cluster = Cluster(
         gpus=gpus,

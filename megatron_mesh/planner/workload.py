@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from megatron_mesh.traffic import AttentionShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MESH_GRAD_REDUCE_DTYPES = ("fp32", "input")
 BACKWARD_FLOPS_RATIO = 2.5
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Sequence length S, heads, head size, batch, input dtype and causal mask of one layer."""
+    """Sequence length S, heads, head size, batch, input dtype and causal mask of one layer,
+    and the dtype the mesh's gradient exchange uses (mesh_attention's grad_reduce_dtype)."""
 
     seq_length: int
     num_heads: int
@@ -20,6 +22,7 @@ class Workload:
     batch: int = 1
     dtype: str = "bf16"
     causal: bool = True
+    mesh_grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
@@ -33,10 +36,20 @@ class Workload:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.mesh_grad_reduce_dtype not in MESH_GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"mesh_grad_reduce_dtype {self.mesh_grad_reduce_dtype!r} is not one of "
+                f"{', '.join(MESH_GRAD_REDUCE_DTYPES)}"
+            )
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mesh_grad_bytes(self) -> int:
+        """Bytes per element of the mesh's dQ, dK, dV exchange."""
+        return 4 if self.mesh_grad_reduce_dtype == "fp32" else self.dtype_bytes
 
     def attention_shape(self) -> AttentionShape:
         """The shape `megatron_mesh.traffic` counts bytes for."""

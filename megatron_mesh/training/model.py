@@ -88,6 +88,7 @@ def layer_spec(args: argparse.Namespace):
 
         return get_gpt_layer_spec(context_parallel_algo=args.context_parallel_algo,
                                   use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
+                                  grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
                                   normalization=args.normalization)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

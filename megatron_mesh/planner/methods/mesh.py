@@ -1,8 +1,8 @@
 """The R x C mesh: bytes straight from `megatron_mesh.traffic.mesh_traffic`, the contract.
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
-reduce-scatter in fp32); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter
-in fp32). The default (streamed) schedule passes K/V around the column ring while blocks
+reduce-scatter in fp32, or the input dtype with mesh_grad_reduce_dtype "input"); columns
+are R ranks C apart (K,V gathers, dK,dV reduce-scatter, likewise). The default (streamed) schedule passes K/V around the column ring while blocks
 compute, dK/dV partials travelling behind, so column traffic counts as hidden; the row
 gathers run before the blocks and the partial O exchange / dQ reduce-scatter after them,
 so row traffic is exposed (the forward Q gather overlaps only the local diagonal block,
@@ -21,17 +21,18 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
     p = cluster.gpus
     if rows < 1 or cols < 1 or rows * cols != p:
         raise ValueError(f"mesh shape {rows}x{cols} does not multiply to {p} GPUs")
-    traffic = mesh_traffic(workload.attention_shape(), rows, cols)
+    traffic = mesh_traffic(workload.attention_shape(), rows, cols, workload.mesh_grad_bytes)
     row_cross = crosses_nodes(consecutive_groups(p, cols), cluster)
     col_cross = crosses_nodes(strided_groups(p, rows), cluster)
     e = workload.dtype
+    g = "fp32" if workload.mesh_grad_bytes == 4 else e
     return [
         Transfer("forward", "row", f"Q ({e}); partial O ({e}), lse (fp32)",
                  traffic.forward_row, row_cross, hidden=False),
         Transfer("forward", "column", f"K,V ({e})",
                  traffic.forward_col, col_cross, hidden=True),
-        Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ (fp32)",
+        Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ ({g})",
                  traffic.backward_row, row_cross, hidden=False),
-        Transfer("backward", "column", f"K,V ({e}); dK,dV (fp32)",
+        Transfer("backward", "column", f"K,V ({e}); dK,dV ({g})",
                  traffic.backward_col, col_cross, hidden=True),
     ]
