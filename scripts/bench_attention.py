@@ -25,6 +25,8 @@ import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
+from megatron_mesh.planner import Cluster, Workload
+from megatron_mesh.planner.methods.ring import ring_transfers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "te"])
     p.add_argument("--schedules", default="streamed,gathered",
                    help="comma-separated schedules to time (streamed, gathered)")
+    p.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "input"],
+                   help="dtype the dQ, dK, dV exchange uses")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
@@ -92,7 +96,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         with mm.TrafficCounter() as counter:
             t0 = time.perf_counter()
             out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend,
-                                    schedule=schedule)
+                                    schedule=schedule, grad_reduce_dtype=args.grad_reduce_dtype)
             sync()
             t1 = time.perf_counter()
             out.backward(dout)
@@ -105,6 +109,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         del out
     shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
                               args.head_dim, torch.finfo(dtype).bits // 8)
+    grad_bytes = 4 if args.grad_reduce_dtype == "fp32" else shape.dtype_bytes
     if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
         memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
@@ -112,7 +117,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         memory = max(extra_memory(shape, rows, cols, schedule).values())
     return {"rows": rows, "cols": cols, "schedule": schedule, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
-            "formula": mm.mesh_traffic(shape, rows, cols).total, "memory": memory,
+            "formula": mm.mesh_traffic(shape, rows, cols, grad_bytes).total, "memory": memory,
             "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 
 
@@ -132,8 +137,12 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     base = next((row["sent"] for row in rows_out if row["cols"] == 1), None)
     print(f"mesh attention, P={world}, S={args.seq_length}, b={args.batch}, heads={args.heads}/"
           f"{args.kv_heads}, d={args.head_dim}, {str(dtype).removeprefix('torch.')}, "
-          f"causal={args.causal}, {device.type}, backend={args.backend}")
+          f"causal={args.causal}, {device.type}, backend={args.backend}, "
+          f"gradients exchanged in {args.grad_reduce_dtype}")
     mem_kind = "measured" if device.type == "cuda" else "model"
+    ring = ring_bytes(args, world, dtype)
+    print(f"ring (p2p, Transformer Engine's KV-P2P) for comparison: {ring / 2**20:.3f} MiB "
+          "sent per rank (planner formula 3 (P-1) kv, input dtype)")
     print(f"{'shape':>7} {'schedule':>9} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
           f"{'MiB sent/rank':>14} {'formula MiB':>12} {'vs Px1':>7} {'extra MiB':>10} "
           f"{'ring MiB':>9}")
@@ -145,6 +154,14 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
               f"{row['memory'] / 2**20:10.2f} {row['ring_memory'] / 2**20:9.2f}")
     print(f"extra MiB: peak extra memory per rank ({mem_kind}); ring MiB: Transformer Engine's "
           "p2p ring (two K/V buffers, model)")
+
+
+def ring_bytes(args: argparse.Namespace, world: int, dtype: torch.dtype) -> int:
+    """Bytes per rank of ring attention on the same problem, from the planner's model."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    workload = Workload(args.seq_length, args.heads, args.kv_heads, args.head_dim, args.batch,
+                        names[dtype], args.causal)
+    return sum(t.nbytes for t in ring_transfers(workload, Cluster(gpus=world)))
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
