@@ -8,8 +8,9 @@ On a CPU, P gloo processes are spawned:
 Prints one row per R x C shape (P x 1, Megatron's all_gather CP, included) and schedule:
 median forward and backward milliseconds over --iters, bytes sent per rank as counted on
 the real collectives, the traffic formula's bytes, traffic relative to P x 1, and peak
-extra memory per rank (measured on CUDA; on a CPU the model of `megatron_mesh.memory`),
-with Transformer Engine's ring (two K/V buffers) as the memory reference.
+extra memory per rank (measured: the CUDA allocator's peak, or on a CPU the tracked tensors
+of one more step; next to the model of `megatron_mesh.memory`), with Transformer Engine's
+ring (two K/V buffers) as the memory reference.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
+from megatron_mesh.peak_memory import CpuPeakMemory
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
 
@@ -113,11 +115,17 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
     if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
         memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
-    else:
-        memory = max(extra_memory(shape, rows, cols, schedule).values())
+    else:  # one more untimed step, its tensors tracked
+        with CpuPeakMemory() as fwd_mem:
+            out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend,
+                                    schedule=schedule, grad_reduce_dtype=args.grad_reduce_dtype)
+        with CpuPeakMemory() as bwd_mem:
+            out.backward(dout)
+        memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
     return {"rows": rows, "cols": cols, "schedule": schedule, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
             "formula": mm.mesh_traffic(shape, rows, cols, grad_bytes).total, "memory": memory,
+            "model_memory": max(extra_memory(shape, rows, cols, schedule).values()),
             "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 
 
@@ -139,21 +147,22 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
           f"{args.kv_heads}, d={args.head_dim}, {str(dtype).removeprefix('torch.')}, "
           f"causal={args.causal}, {device.type}, backend={args.backend}, "
           f"gradients exchanged in {args.grad_reduce_dtype}")
-    mem_kind = "measured" if device.type == "cuda" else "model"
+    mem_kind = "CUDA allocator" if device.type == "cuda" else "CPU tensors tracked"
     ring = ring_bytes(args, world, dtype)
     print(f"ring (p2p, Transformer Engine's KV-P2P) for comparison: {ring / 2**20:.3f} MiB "
           "sent per rank (planner formula 3 (P-1) kv, input dtype)")
     print(f"{'shape':>7} {'schedule':>9} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
           f"{'MiB sent/rank':>14} {'formula MiB':>12} {'vs Px1':>7} {'extra MiB':>10} "
-          f"{'ring MiB':>9}")
+          f"{'model MiB':>10} {'ring MiB':>9}")
     for row, most in zip(rows_out, worst):
         rel = f"{row['sent'] / base:7.2f}" if base else "      -"
         print(f"{row['rows']:>3}x{row['cols']:<3} {row['schedule']:>9} {row['fwd_ms']:9.2f} "
               f"{row['bwd_ms']:9.2f} {row['fwd_ms'] + row['bwd_ms']:9.2f} "
               f"{most.item() / 2**20:14.3f} {row['formula'] / 2**20:12.3f} {rel} "
-              f"{row['memory'] / 2**20:10.2f} {row['ring_memory'] / 2**20:9.2f}")
-    print(f"extra MiB: peak extra memory per rank ({mem_kind}); ring MiB: Transformer Engine's "
-          "p2p ring (two K/V buffers, model)")
+              f"{row['memory'] / 2**20:10.2f} {row['model_memory'] / 2**20:10.2f} "
+              f"{row['ring_memory'] / 2**20:9.2f}")
+    print(f"extra MiB: peak extra memory per rank, measured ({mem_kind}); model MiB: "
+          "megatron_mesh.memory; ring MiB: Transformer Engine's p2p ring (two K/V buffers, model)")
 
 
 def ring_bytes(args: argparse.Namespace, world: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,57 @@
+"""Measured peak memory of CPU tensors allocated inside a context (the CPU allocator keeps
+no statistics, so storages are tracked as torch's dispatcher creates them).
+
+    with CpuPeakMemory() as mem:
+        out = mesh_attention(q, k, v, grid)
+    mem.peak_bytes, mem.live_bytes
+
+A storage counts from the op that creates it until the last tensor viewing it is gone; views
+and in-place results of storages made outside the context are not counted. Work buffers
+inside a kernel that never become tensors are not seen.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CpuPeakMemory(TorchDispatchMode):
+    """Live and peak bytes of CPU storages created while the context is open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors alive]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live_bytes -= entry[0]
+            del self._live[key]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            key = t.untyped_storage().data_ptr()
+            entry = self._live.get(key)
+            if entry is None:
+                if key == 0 or key in given:  # empty, a view or an in-place result
+                    continue
+                entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
+                self.live_bytes += entry[0]
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            entry[1] += 1
+            weakref.finalize(t, self._release, key)
+        return out
