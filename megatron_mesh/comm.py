@@ -1,13 +1,14 @@
-"""The three collectives the mesh uses, along dim 0, with a per-rank byte counter.
+"""The collectives the mesh uses, along dim 0, with a per-rank byte counter.
 
 Bytes a rank sends, for a group of n ranks: all_gather of an m-byte input (n-1)*m;
-reduce_scatter to an m-byte output (n-1)*m; all_to_all of an M-byte input M*(n-1)/n.
-Groups of one rank skip the collective and send nothing.
+reduce_scatter to an m-byte output (n-1)*m; all_to_all of an M-byte input M*(n-1)/n;
+ring_exchange of an m-byte tensor m. Groups of one rank skip the collective, send nothing
+and copy nothing.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,10 +60,6 @@ def _record(phase: Phase, direction: Direction, op: str, nbytes: int) -> None:
         counter.counts[(phase, direction, op)] += nbytes
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def all_gather(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
 ) -> torch.Tensor:
@@ -70,6 +67,18 @@ def all_gather(
     out, pending = all_gather_async(t, group, phase, direction)
     pending.wait()
     return out
+
+
+def all_gather_stacked(
+    parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
+    direction: Direction,
+) -> Sequence[Sequence[torch.Tensor]]:
+    """Tensors of one shape and dtype, gathered in one collective: result[r][i] is group
+    rank r's parts[i]. A group of one gets its own parts back, uncopied."""
+    if dist.get_world_size(group) == 1:
+        return [tuple(parts)]
+    gathered = all_gather(torch.stack(list(parts)), group, phase, direction)
+    return gathered.view(-1, len(parts), *parts[0].shape)
 
 
 def reduce_scatter(
@@ -81,7 +90,7 @@ def reduce_scatter(
         return t
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    _record(phase, direction, "reduce_scatter", (n - 1) * _nbytes(out))
+    _record(phase, direction, "reduce_scatter", (n - 1) * out.nbytes)
     _collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, t, op=dist.ReduceOp.SUM, group=group
     )
@@ -97,7 +106,7 @@ def all_to_all(
         return t
     t = t.contiguous()
     out = torch.empty_like(t)
-    _record(phase, direction, "all_to_all", _nbytes(t) * (n - 1) // n)
+    _record(phase, direction, "all_to_all", t.nbytes * (n - 1) // n)
     dist.all_to_all_single(out, t, group=group)
     return out
 
@@ -123,7 +132,7 @@ def all_gather_async(
         return t, Pending([])
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    _record(phase, direction, "all_gather", (n - 1) * _nbytes(t))
+    _record(phase, direction, "all_gather", (n - 1) * t.nbytes)
     gather = _collective("all_gather_single", "all_gather_into_tensor")
     return out, Pending([gather(out, t, group=group, async_op=True)])
 
@@ -138,7 +147,7 @@ def ring_exchange(
     direction: Direction,
 ) -> Pending:
     """Send `send` to global rank next_rank while receiving `recv` from prev_rank."""
-    _record(phase, direction, "ring", _nbytes(send))
+    _record(phase, direction, "ring", send.nbytes)
     ops = [
         dist.P2POp(dist.isend, send.contiguous(), next_rank, group=group),
         dist.P2POp(dist.irecv, recv, prev_rank, group=group),

@@ -15,6 +15,8 @@ def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dt
     """Send each row member x its partial (out [s, b, hq, d], lse [b, hq, s]) and merge the
     C partials of this rank's own chunk in fp32 -> out in `dtype`, lse fp32."""
     c, s, b, hq, d = partial_out.shape
+    if c == 1:  # the only partial is already the whole row's
+        return partial_out[0], partial_lse[0]
     partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", "row")
     partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", "row")
     out_acc, lse_acc = empty_accumulators(s, b, hq, d, partial_out.device)
@@ -27,15 +29,14 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
     s, b, hq, d = q.shape
     q_row = comm.all_gather(q, grid.row_group, "forward", "row").view(grid.cols, s, b, hq, d)
-    kv_col = comm.all_gather(torch.stack([k, v]), grid.col_group, "forward", "col")
-    kv_col = kv_col.view(grid.rows, 2, *k.shape)
+    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "col")
 
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
     for j, x in enumerate(grid.row_cp_ranks):
         out_acc, lse_acc = empty_accumulators(s, b, hq, d, q.device)
         for i, y in enumerate(grid.col_cp_ranks):
-            forward_block(kernel, q_row[j], kv_col[i, 0], kv_col[i, 1], x, y, causal, scale,
+            forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, causal, scale,
                           out_acc, lse_acc)
         partial_out[j].copy_(out_acc)
         partial_lse[j].copy_(lse_acc)
@@ -43,15 +44,14 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 
 
 def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
-    """Row all-gathers of backward: Q and dO [C, s, b, hq, d] each, lse and D [C, b, hq, s]
-    each, plus x's output or a stand-in with the same D, as a function of column index."""
-    s, b, hq, d = q.shape
+    """Row all-gathers of backward, by column index j: (Q, dO) [s, b, hq, d] and (lse, D)
+    [b, hq, s] of row member j, and its output or a stand-in with the same D."""
+    qdo = comm.all_gather_stacked([q, dout], grid.row_group, "backward", "row")
+    if grid.cols == 1:  # no other rank's rows: D is not needed, the kernel forms it from out
+        return qdo, [(lse, None)], [out]
     delta = attention_delta(dout, out)
-    qdo = comm.all_gather(torch.stack([q, dout]), grid.row_group, "backward", "row")
-    qdo = qdo.view(grid.cols, 2, s, b, hq, d)
-    stats = comm.all_gather(torch.stack([lse, delta]), grid.row_group, "backward", "row")
-    stats = stats.view(grid.cols, 2, b, hq, s)
-    outs = [out if j == grid.col_index else out_with_delta(qdo[j, 1], stats[j, 1])
+    stats = comm.all_gather_stacked([lse, delta], grid.row_group, "backward", "row")
+    outs = [out if j == grid.col_index else out_with_delta(qdo[j][1], stats[j][1])
             for j in range(grid.cols)]
     return qdo, stats, outs
 
@@ -62,15 +62,14 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     summed locally in fp32 and reduce-scattered in grad_dtype."""
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
-    kv_col = comm.all_gather(torch.stack([k, v]), grid.col_group, "backward", "col")
-    kv_col = kv_col.view(grid.rows, 2, *k.shape)
+    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "col")
 
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
     dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
     for j, x in enumerate(grid.row_cp_ranks):
         for i, y in enumerate(grid.col_cp_ranks):
-            backward_block(kernel, qdo[j, 1], qdo[j, 0], outs[j], stats[j, 0], kv_col[i, 0],
-                           kv_col[i, 1], x, y, causal, scale, dq_part[j], dkv_part[i])
+            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
+                           kv_col[i][1], x, y, causal, scale, dq_part[j], dkv_part[i])
 
     dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")

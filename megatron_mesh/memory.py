@@ -3,9 +3,8 @@ beyond the inputs, the output and what autograd saves (q, k, v, out, lse).
 
 Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input bytes:
 
-    (a group of one rank gathers nothing: its terms vanish; every schedule also holds one
-    block's temporaries: 3 fp32 q-sized buffers while merging in forward, one block's
-    dq, dk, dv (q e + kv e) in backward)
+    (a group of one rank gathers nothing: its terms vanish; the forward also holds one
+    block's merge temporaries, 3 fp32 q-sized buffers)
     gathered forward : C q e (row Q) + R kv e (column K/V) + 2 C (q e + 4 l) (partials
                        sent / received) + 4 (q + l) (one fp32 accumulator)
     streamed forward : C q e + 2 kv e (K/V in hand and arriving) + 4 C (q + l) (fp32
@@ -40,13 +39,13 @@ def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> 
     partials = (2 * c if c > 1 else 1) * (q * e + FP32 * l)
     row_bwd = (2 * c * q * e + 2 * FP32 * c * l if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
     ring_kv = 2 * kv * e if r > 1 else 0
-    merge, block_grads = 3 * FP32 * q, (q + kv) * e  # one block's temporaries
+    merge = 3 * FP32 * q  # one block's merge temporaries
     if schedule == "gathered":
         return {"forward": row_q + col_kv + partials + FP32 * (q + l) + merge,
-                "backward": row_bwd + col_kv + FP32 * r * kv + block_grads}
+                "backward": row_bwd + col_kv + FP32 * r * kv}
     if schedule == "streamed" and r == 1:  # one row: the streamed schedule is the gathered
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed":
         return {"forward": row_q + ring_kv + FP32 * c * (q + l) + partials + merge,
-                "backward": row_bwd + ring_kv + (3 if r > 1 else 1) * FP32 * kv + block_grads}
+                "backward": row_bwd + ring_kv + (3 if r > 1 else 1) * FP32 * kv}
     raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed, ring")

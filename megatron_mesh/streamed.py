@@ -47,7 +47,9 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
         if t < rows - 1:
             kv_pending.wait()
             kv = kv_next
-    partial_out = torch.stack([out.to(q.dtype) for out, _ in accs])
+    partial_out = q.new_empty(grid.cols, s, b, hq, d)
+    for j, (out, _) in enumerate(accs):
+        partial_out[j].copy_(out)
     partial_lse = torch.stack([lse for _, lse in accs])
     return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
 
@@ -73,7 +75,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             kv_pending = comm.ring_exchange(kv, kv_next, nxt, prev, grid.col_group, "backward", "col")
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         for j, x in enumerate(grid.row_cp_ranks):
-            backward_block(kernel, qdo[j, 1], qdo[j, 0], outs[j], stats[j, 0], kv[0], kv[1],
+            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv[0], kv[1],
                            x, y, causal, scale, dq_part[j], dkv)
         if t >= 1:  # pass chunk y's partial on; take the next chunk's from behind
             dkv_pending.wait()
