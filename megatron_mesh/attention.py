@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 
 from . import gathered, streamed
-from .checks import SCHEDULES, check_inputs
+from .checks import DEFAULT_SCHEDULE, check_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
 
-DEFAULT_SCHEDULE = "streamed"
 _SCHEDULES = {"gathered": gathered, "streamed": streamed}
-assert set(_SCHEDULES) == set(SCHEDULES)
 
 
 class MeshAttentionFunction(torch.autograd.Function):

@@ -5,11 +5,23 @@ from __future__ import annotations
 import torch
 
 from .grid import MeshGrid
-from .kernels import BACKENDS
+from .kernels import check_backend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCHEDULES = ("streamed", "gathered")
+DEFAULT_SCHEDULE = "streamed"
 GRAD_REDUCE_DTYPES = ("fp32", "input")
+
+
+def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
+    """ValueError unless the tile backend, schedule and gradient dtype are known names."""
+    check_backend(backend)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ValueError(
+            f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}"
+        )
 
 
 def check_inputs(
@@ -19,7 +31,7 @@ def check_inputs(
     grid: MeshGrid,
     softmax_scale: float | None,
     backend: str,
-    schedule: str = "streamed",
+    schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = "fp32",
 ) -> None:
     """Raise ValueError naming the bad value and what is valid."""
@@ -55,11 +67,4 @@ def check_inputs(
         )
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive float or None")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ValueError(
-            f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}"
-        )
+    check_options(backend, schedule, grad_reduce_dtype)

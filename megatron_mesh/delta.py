@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .merge import bhs_to_sbh1
+
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """dout, out [s, b, h, d] -> D [b, h, s] in fp32."""
@@ -25,6 +27,6 @@ def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     amax = g.abs().amax(-1, keepdim=True)
     u = g / amax.clamp_min(torch.finfo(torch.float32).tiny)
     dot = (g * u).sum(-1, keepdim=True)
-    d = delta.permute(2, 0, 1).unsqueeze(-1)
+    d = bhs_to_sbh1(delta)
     scale = torch.where(dot > 0, d / dot.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     return (u * scale).to(dout.dtype)

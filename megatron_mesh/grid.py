@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from .traffic import mesh_shapes
+
 
 @dataclass(frozen=True)
 class MeshGrid:
@@ -48,9 +50,8 @@ class MeshGrid:
 
     def col_neighbors(self) -> tuple[int, int]:
         """Global ranks (next, previous) of this rank in its column's ring."""
-        rows, i = self.rows, self.row_index
-        at = lambda row: self.cp_ranks[row * self.cols + self.col_index]  # noqa: E731
-        return at((i + 1) % rows), at((i - 1) % rows)
+        col, i = column_of(self.cp_ranks, self.cols, self.col_index), self.row_index
+        return col[(i + 1) % self.rows], col[(i - 1) % self.rows]
 
     @classmethod
     def build(
@@ -74,12 +75,11 @@ class MeshGrid:
         check_shape(rows, cols, len(ranks))
         cp_rank = ranks.index(dist.get_rank())
         i, j = divmod(cp_rank, cols)
-        row = [ranks[i * cols + c] for c in range(cols)]
-        col = [ranks[r * cols + j] for r in range(rows)]
         return cls(
             rows, cols, cp_rank, tuple(ranks), group,
-            dist.new_group(row, timeout=timeout, use_local_synchronization=True),
-            dist.new_group(col, timeout=timeout, use_local_synchronization=True),
+            dist.new_group(row_of(ranks, cols, i), timeout=timeout, use_local_synchronization=True),
+            dist.new_group(column_of(ranks, cols, j), timeout=timeout,
+                           use_local_synchronization=True),
         )
 
     @classmethod
@@ -123,14 +123,25 @@ class MeshGrid:
         for ranks in cp_groups:
             ranks = list(ranks)
             group = cp_group if cp_group is not None else dist.new_group(ranks, timeout=timeout)
-            row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols], timeout=timeout)
+            row_groups = [dist.new_group(row_of(ranks, cols, i), timeout=timeout)
                           for i in range(rows)]
-            col_groups = [dist.new_group(ranks[j::cols], timeout=timeout) for j in range(cols)]
+            col_groups = [dist.new_group(column_of(ranks, cols, j), timeout=timeout)
+                          for j in range(cols)]
             if me in ranks:
                 cp_rank = ranks.index(me)
                 i, j = divmod(cp_rank, cols)
                 mine = cls(rows, cols, cp_rank, tuple(ranks), group, row_groups[i], col_groups[j])
         return mine
+
+
+def row_of(ranks: Sequence[int], cols: int, i: int) -> list[int]:
+    """Row i of a grid of `ranks` (CP order) with `cols` columns: C consecutive ranks."""
+    return list(ranks[i * cols:(i + 1) * cols])
+
+
+def column_of(ranks: Sequence[int], cols: int, j: int) -> list[int]:
+    """Column j of a grid of `ranks` (CP order) with `cols` columns: every C-th rank."""
+    return list(ranks[j::cols])
 
 
 def check_shape(rows: int, cols: int, cp_size: int) -> None:
@@ -139,7 +150,7 @@ def check_shape(rows: int, cols: int, cp_size: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mesh {name}={value!r} must be a positive integer")
     if rows * cols != cp_size:
-        valid = ", ".join(f"{r}x{cp_size // r}" for r in range(1, cp_size + 1) if cp_size % r == 0)
+        valid = ", ".join(f"{r}x{c}" for r, c in reversed(mesh_shapes(cp_size)))
         raise ValueError(
             f"mesh shape {rows}x{cols} has {rows * cols} ranks but the CP group has {cp_size}; "
             f"valid shapes: {valid}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 
-def lse_to_sbh1(lse: torch.Tensor) -> torch.Tensor:
-    """[b, h, s] -> [s, b, h, 1], to weight outputs laid out [s, b, h, d]."""
-    return lse.permute(2, 0, 1).unsqueeze(-1)
+def bhs_to_sbh1(t: torch.Tensor) -> torch.Tensor:
+    """A per-row value [b, h, s] (lse, D) -> [s, b, h, 1], to scale tensors [s, b, h, d]."""
+    return t.permute(2, 0, 1).unsqueeze(-1)
 
 
 def merge_into(
@@ -25,8 +25,8 @@ def merge_into(
     lse = lse.float()
     new_l = torch.logaddexp(acc_l, lse)
     safe = torch.where(torch.isinf(new_l), torch.zeros_like(new_l), new_l)
-    w_acc = lse_to_sbh1(torch.exp(acc_l - safe))
-    w_new = lse_to_sbh1(torch.exp(lse - safe))
+    w_acc = bhs_to_sbh1(torch.exp(acc_l - safe))
+    w_new = bhs_to_sbh1(torch.exp(lse - safe))
     acc_o.copy_(acc_o * w_acc + out.float() * w_new)
     acc_l.copy_(new_l)
 

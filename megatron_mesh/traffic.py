@@ -71,6 +71,11 @@ class Traffic:
         return self.forward + self.backward
 
 
+def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> int:
+    """Bytes per element of the gradient exchange: 'fp32', or the 'input' dtype's."""
+    return FP32_BYTES if grad_reduce_dtype == "fp32" else dtype_bytes
+
+
 def mesh_traffic(
     shape: AttentionShape, rows: int, cols: int, grad_bytes: int = FP32_BYTES
 ) -> Traffic:

@@ -29,6 +29,7 @@ from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import CpuPeakMemory
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
+from megatron_mesh.traffic import grad_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,7 +112,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         del out
     shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
                               args.head_dim, torch.finfo(dtype).bits // 8)
-    grad_bytes = 4 if args.grad_reduce_dtype == "fp32" else shape.dtype_bytes
+    gradient_bytes = grad_bytes(args.grad_reduce_dtype, shape.dtype_bytes)
     if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
         memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
@@ -124,7 +125,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
     return {"rows": rows, "cols": cols, "schedule": schedule, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
-            "formula": mm.mesh_traffic(shape, rows, cols, grad_bytes).total, "memory": memory,
+            "formula": mm.mesh_traffic(shape, rows, cols, gradient_bytes).total, "memory": memory,
             "model_memory": max(extra_memory(shape, rows, cols, schedule).values()),
             "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 

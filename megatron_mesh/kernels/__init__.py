@@ -9,13 +9,18 @@ from .torch_flash import TorchFlashKernel
 BACKENDS = ("auto", "torch", "te")
 
 
+def check_backend(backend: str) -> None:
+    """ValueError unless `backend` names a tile-kernel backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+
+
 def get_kernel(backend: str, device: torch.device) -> TileKernel:
     """The tile kernel for `backend` ('auto', 'torch' or 'te') on `device`.
 
     'auto' picks Transformer Engine on CUDA when it is installed, else torch.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    check_backend(backend)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchFlashKernel()
     from . import te_fused
@@ -31,4 +36,4 @@ def get_kernel(backend: str, device: torch.device) -> TileKernel:
     return te_fused.TEFusedKernel() if te_fused.is_available() else TorchFlashKernel()
 
 
-__all__ = ["BACKENDS", "TileKernel", "TorchFlashKernel", "get_kernel"]
+__all__ = ["BACKENDS", "TileKernel", "TorchFlashKernel", "check_backend", "get_kernel"]

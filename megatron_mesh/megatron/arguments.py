@@ -9,8 +9,7 @@ import argparse
 import logging
 from typing import Any
 
-from megatron_mesh.attention import DEFAULT_SCHEDULE
-from megatron_mesh.checks import GRAD_REDUCE_DTYPES, SCHEDULES
+from megatron_mesh.checks import DEFAULT_SCHEDULE, GRAD_REDUCE_DTYPES, SCHEDULES
 from megatron_mesh.megatron.shape import parse_mesh_shape, resolve_mesh_shape
 
 logger = logging.getLogger(__name__)

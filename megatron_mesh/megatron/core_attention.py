@@ -18,9 +18,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh.attention import DEFAULT_SCHEDULE, mesh_attention
-from megatron_mesh.checks import GRAD_REDUCE_DTYPES, SCHEDULES
-from megatron_mesh.kernels import BACKENDS
+from megatron_mesh.attention import mesh_attention
+from megatron_mesh.checks import DEFAULT_SCHEDULE, check_options
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
     get_mesh_grid,
@@ -103,17 +102,9 @@ class MeshDotProductAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+        check_options(backend, schedule, grad_reduce_dtype)
         self.backend = backend
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         self.schedule = schedule
-        if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise ValueError(
-                f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of "
-                f"{', '.join(GRAD_REDUCE_DTYPES)}"
-            )
         self.grad_reduce_dtype = grad_reduce_dtype
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         if pg_collection is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.traffic import AttentionShape
+from megatron_mesh.traffic import AttentionShape, grad_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MESH_GRAD_REDUCE_DTYPES = ("fp32", "input")
@@ -49,7 +49,7 @@ class Workload:
     @property
     def mesh_grad_bytes(self) -> int:
         """Bytes per element of the mesh's dQ, dK, dV exchange."""
-        return 4 if self.mesh_grad_reduce_dtype == "fp32" else self.dtype_bytes
+        return grad_bytes(self.mesh_grad_reduce_dtype, self.dtype_bytes)
 
     def attention_shape(self) -> AttentionShape:
         """The shape `megatron_mesh.traffic` counts bytes for."""
