@@ -59,8 +59,8 @@ def _mask(causal: bool) -> tuple[str, tuple[int, int]]:
     return ("causal", (-1, 0)) if causal else ("no_mask", (-1, -1))
 
 
-def fwd_kwargs(
-    version: str,
+def _common_kwargs(
+    ver: tuple[int, int],
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -69,17 +69,11 @@ def fwd_kwargs(
     causal: bool,
     softmax_scale: float,
     backend: Any,
-    cuda_graph: bool = False,
+    cuda_graph: bool,
 ) -> dict[str, Any]:
-    """Keyword arguments of `fused_attn_fwd` in TE `version` for one tile, no bias/dropout.
-
-    q [sq, b, hq, d], k / v [sk, b, hkv, d]; cu_seqlens_* [b + 1] int32; `backend` is
-    FusedAttnBackend["F16_arbitrary_seqlen"] of that TE.
-    """
-    ver = minor_version(version)
+    """The keyword arguments fused_attn_fwd and fused_attn_bwd share in TE `ver`."""
     mask, window = _mask(causal)
     kw: dict[str, Any] = dict(
-        is_training=True,  # only then does TE return the softmax stats (lse)
         max_seqlen_q=q.shape[0],
         max_seqlen_kv=k.shape[0],
         cu_seqlens_q=cu_seqlens_q,
@@ -98,14 +92,38 @@ def fwd_kwargs(
     )
     if ver >= (2, 8):
         kw["softmax_type"] = "vanilla"
-    if ver >= (2, 9):
-        kw["return_max_logit"] = False  # True would change the returned tuple
     if ver >= (2, 10):
         kw["cuda_graph"] = cuda_graph
     if ver >= (2, 12):
         kw["bottom_right_diagonal"] = False
     if ver >= (2, 15):
         kw["o_format"] = FORMAT
+    return kw
+
+
+def fwd_kwargs(
+    version: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    backend: Any,
+    cuda_graph: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `fused_attn_fwd` in TE `version` for one tile, no bias/dropout.
+
+    q [sq, b, hq, d], k / v [sk, b, hkv, d]; cu_seqlens_* [b + 1] int32; `backend` is
+    FusedAttnBackend["F16_arbitrary_seqlen"] of that TE.
+    """
+    ver = minor_version(version)
+    kw = _common_kwargs(ver, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, softmax_scale,
+                        backend, cuda_graph)
+    kw["is_training"] = True  # only then does TE return the softmax stats (lse)
+    if ver >= (2, 9):
+        kw["return_max_logit"] = False  # True would change the returned tuple
     return kw
 
 
@@ -132,38 +150,12 @@ def bwd_kwargs(
     dqkv_te_dtype is TE's DType of the gradients (an argument only before 2.15).
     """
     ver = minor_version(version)
-    mask, window = _mask(causal)
-    kw: dict[str, Any] = dict(
-        max_seqlen_q=q.shape[0],
-        max_seqlen_kv=k.shape[0],
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv,
-        q=q,
-        k=k,
-        v=v,
-        o=out,
-        d_o=dout,
-        fake_dtype=q.dtype,
-        aux_ctx_tensors=list(aux_ctx_tensors),
-        fused_attention_backend=backend,
-        attn_scale=softmax_scale,
-        dropout=0.0,
-        qkv_layout=QKV_LAYOUT,
-        attn_bias_type="no_bias",
-        attn_mask_type=mask,
-        window_size=window,
-        deterministic=deterministic,
-    )
+    kw = _common_kwargs(ver, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, softmax_scale,
+                        backend, cuda_graph)
+    kw.update(o=out, d_o=dout, aux_ctx_tensors=list(aux_ctx_tensors), deterministic=deterministic)
     if ver < (2, 15):
         kw["dqkv_dtype"] = dqkv_te_dtype
-    if ver >= (2, 8):
-        kw["softmax_type"] = "vanilla"
-    if ver >= (2, 10):
-        kw["cuda_graph"] = cuda_graph
-    if ver >= (2, 12):
-        kw["bottom_right_diagonal"] = False
-    if ver >= (2, 15):
-        kw["o_format"] = FORMAT
+    else:
         kw["do_format"] = FORMAT
         kw["dqkv_layout"] = QKV_LAYOUT  # its default "sbh3d" would allocate packed dQKV
     return kw
