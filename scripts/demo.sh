@@ -3,13 +3,7 @@
 # parallelism 4 as a 2 x 2 mesh (4 gloo processes), printing loss and throughput as it goes.
 # Extra arguments pass to the driver (e.g. --train-iters 200 --wandb-project demo).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install torch==2.13.0
-fi
-"$PY" -m pip install -e ".[megatron,wandb]"
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/setup.sh" megatron,wandb
 exec "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m megatron_mesh.pretrain_gpt \
   --config configs/tiny-cpu.yaml --context-parallel-size 4 --context-parallel-algo mesh \
   --mesh-shape 2x2 --train-iters 100 --log-interval 10 "$@"
