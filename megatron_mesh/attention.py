@@ -3,20 +3,34 @@
 Rank (i, j) computes the R * C rank-blocks of its tile: the Q chunks of its row against
 the K/V chunks of its column, one kernel call each (`layout.block_for`). Partial outputs
 go back to their owners and merge by log-sum-exp; backward reduces dQ over the row and
-dK, dV over the column, in fp32. Two schedules move the same bytes:
+dK, dV over the column, in fp32. The schedules move the same bytes:
   "gathered": all-gather the tile's Q and K/V, then compute (`gathered.py`);
-  "streamed": K/V travel around the column ring, overlapped with compute (`streamed.py`).
+  "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
+  "streamed_q": Q travel around the row ring, overlapped with compute (`streamed_q.py`);
+  "streamed": whichever of the two rings holds less memory for the shape (`memory.py`).
 """
 from __future__ import annotations
 
 import torch
 
-from . import gathered, streamed
+from . import gathered, streamed_kv, streamed_q
 from .checks import DEFAULT_SCHEDULE, check_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
+from .memory import streamed_schedule
+from .traffic import AttentionShape
 
-_SCHEDULES = {"gathered": gathered, "streamed": streamed}
+_SCHEDULES = {"gathered": gathered, "streamed_kv": streamed_kv, "streamed_q": streamed_q}
+
+
+def resolve_schedule(schedule: str, q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> str:
+    """The schedule that runs: "streamed" becomes the ring with less extra memory for these
+    q [s, b, hq, d] and k [s, b, hkv, d] on this grid; other names stay as they are."""
+    if schedule != "streamed":
+        return schedule
+    s, b, hq, d = q.shape
+    shape = AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size())
+    return streamed_schedule(shape, grid.rows, grid.cols)
 
 
 class MeshAttentionFunction(torch.autograd.Function):
@@ -53,7 +67,9 @@ def mesh_attention(
     q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
     2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels.
-    backend: tile kernels, 'auto' | 'torch' | 'te'; schedule: 'streamed' | 'gathered';
+    backend: tile kernels, 'auto' | 'torch' | 'te'; schedule: 'streamed' (the ring of
+    'streamed_kv' / 'streamed_q' with less memory for the shape) | 'streamed_kv' | 'streamed_q'
+    | 'gathered';
     grad_reduce_dtype: dQ, dK, dV travel in 'fp32' (default) or in the 'input' dtype (half the
     gradient bytes with bf16 / fp16, like Transformer Engine's ring; each rank still sums its
     own blocks in fp32).
@@ -63,5 +79,6 @@ def mesh_attention(
     kernel: TileKernel = get_kernel(backend, q.device)
     grad_dtype = torch.float32 if grad_reduce_dtype == "fp32" else q.dtype
     return MeshAttentionFunction.apply(
-        q, k, v, grid, bool(causal), float(scale), kernel, schedule, grad_dtype
+        q, k, v, grid, bool(causal), float(scale), kernel, resolve_schedule(schedule, q, k, grid),
+        grad_dtype,
     )

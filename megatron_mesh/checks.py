@@ -8,7 +8,7 @@ from .grid import MeshGrid
 from .kernels import check_backend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SCHEDULES = ("streamed", "gathered")
+SCHEDULES = ("streamed", "streamed_kv", "streamed_q", "gathered")
 DEFAULT_SCHEDULE = "streamed"
 GRAD_REDUCE_DTYPES = ("fp32", "input")
 

@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from megatron_mesh.checks import DEFAULT_SCHEDULE, SCHEDULES
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_table, plan_to_dict
@@ -70,6 +71,10 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh-grad-reduce-dtype", choices=MESH_GRAD_REDUCE_DTYPES, default="fp32",
                    help="dtype of the mesh's dQ, dK, dV exchange: fp32, or the input dtype "
                    "(default %(default)s)")
+    p.add_argument("--mesh-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                   help="mesh schedule: which ring's traffic overlaps compute (streamed_kv: "
+                   "column, streamed_q: row, streamed: the one it picks for the shape, "
+                   "gathered: none; default %(default)s)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="price every transfer as exposed (compute + comm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -104,6 +109,7 @@ def _plan(args: argparse.Namespace, gpus: int) -> Plan:
         attention_tflops=args.attention_tflops,
         overlap=args.overlap,
         mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
+        mesh_schedule=args.mesh_schedule,
     )
 
 

@@ -75,10 +75,9 @@ def all_gather_stacked(
 ) -> Sequence[Sequence[torch.Tensor]]:
     """Tensors of one shape and dtype, gathered in one collective: result[r][i] is group
     rank r's parts[i]. A group of one gets its own parts back, uncopied."""
-    if dist.get_world_size(group) == 1:
-        return [tuple(parts)]
-    gathered = all_gather(torch.stack(list(parts)), group, phase, direction)
-    return gathered.view(-1, len(parts), *parts[0].shape)
+    out, pending = all_gather_stacked_async(parts, group, phase, direction)
+    pending.wait()
+    return out
 
 
 def reduce_scatter(
@@ -137,19 +136,33 @@ def all_gather_async(
     return out, Pending([gather(out, t, group=group, async_op=True)])
 
 
+def all_gather_stacked_async(
+    parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
+    direction: Direction,
+) -> tuple[Sequence[Sequence[torch.Tensor]], Pending]:
+    """Like `all_gather_stacked`, started in the background: read the result after `wait()`."""
+    if dist.get_world_size(group) == 1:
+        return [tuple(parts)], Pending([])
+    out, pending = all_gather_async(torch.stack(list(parts)), group, phase, direction)
+    return out.view(-1, len(parts), *parts[0].shape), pending
+
+
 def ring_exchange(
-    send: torch.Tensor,
-    recv: torch.Tensor,
+    send: torch.Tensor | Sequence[torch.Tensor],
+    recv: torch.Tensor | Sequence[torch.Tensor],
     next_rank: int,
     prev_rank: int,
     group: dist.ProcessGroup | None,
     phase: Phase,
     direction: Direction,
 ) -> Pending:
-    """Send `send` to global rank next_rank while receiving `recv` from prev_rank."""
-    _record(phase, direction, "ring", send.nbytes)
-    ops = [
-        dist.P2POp(dist.isend, send.contiguous(), next_rank, group=group),
-        dist.P2POp(dist.irecv, recv, prev_rank, group=group),
-    ]
+    """Send `send` (a tensor or several) to global rank next_rank while receiving `recv`
+    (the same shapes) from prev_rank."""
+    sends = [send] if isinstance(send, torch.Tensor) else list(send)
+    recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
+    ops = []
+    for out_t, in_t in zip(sends, recvs, strict=True):
+        _record(phase, direction, "ring", out_t.nbytes)
+        ops.append(dist.P2POp(dist.isend, out_t.contiguous(), next_rank, group=group))
+        ops.append(dist.P2POp(dist.irecv, in_t, prev_rank, group=group))
     return Pending(dist.batch_isend_irecv(ops))

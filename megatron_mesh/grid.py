@@ -53,6 +53,11 @@ class MeshGrid:
         col, i = column_of(self.cp_ranks, self.cols, self.col_index), self.row_index
         return col[(i + 1) % self.rows], col[(i - 1) % self.rows]
 
+    def row_neighbors(self) -> tuple[int, int]:
+        """Global ranks (next, previous) of this rank in its row's ring."""
+        row, j = row_of(self.cp_ranks, self.cols, self.row_index), self.col_index
+        return row[(j + 1) % self.cols], row[(j - 1) % self.cols]
+
     @classmethod
     def build(
         cls,

@@ -7,17 +7,25 @@ Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input byt
     block's merge temporaries, 3 fp32 q-sized buffers)
     gathered forward : C q e (row Q) + R kv e (column K/V) + 2 C (q e + 4 l) (partials
                        sent / received) + 4 (q + l) (one fp32 accumulator)
-    streamed forward : C q e + 2 kv e (K/V in hand and arriving) + 4 C (q + l) (fp32
+    streamed_kv forward: C q e + 2 kv e (K/V in hand and arriving) + 4 C (q + l) (fp32
                        accumulators) + 2 C (q e + 4 l)
     gathered backward: 2 C q e + 8 C l (row Q, dO, lse, D) + (C-1) q e (output stand-ins)
                        + R kv e + 4 C q (dQ partials) + 4 R kv (dK, dV partials)
-    streamed backward: the same with 2 kv e instead of R kv e and 4 * 3 kv (own dK, dV,
-                       the partial being built and the one arriving) instead of 4 R kv
+    streamed_kv backward: the gathered one with 2 kv e instead of R kv e and 4 * 3 kv
+                       (own dK, dV, the partial being built and the one arriving) instead
+                       of 4 R kv
+    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 8 (q + l)
+                       (own and working fp32 accumulators) + 2 (q e + 4 l) (partial sent /
+                       arriving)
+    streamed_q backward: R kv e + 2 (2 q e + 8 l) (Q, dO, lse, D in hand and arriving)
+                       + q e (output stand-in) + 4 * 4 q (own, working, sent and arriving
+                       dQ; nothing sent ahead when C = 2) + 4 R kv (dK, dV partials)
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (K/V and dK, dV in flight)
 
-Streaming bounds the K/V side by two chunks whatever R is. The Q side stays C chunks: when
-every chunk is sent once, every (Q, K/V) pair of the tile must be in memory together at
-some moment, which two buffers per side cannot give for C, R > 2.
+streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
+chunks whatever C is; "streamed" takes whichever of the two holds less. Neither bounds both
+sides: when every chunk is sent once, every (Q, K/V) pair of the tile must be in memory
+together at some moment, which two buffers per side cannot give for C, R > 2.
 """
 from __future__ import annotations
 
@@ -43,9 +51,26 @@ def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> 
     if schedule == "gathered":
         return {"forward": row_q + col_kv + partials + FP32 * (q + l) + merge,
                 "backward": row_bwd + col_kv + FP32 * r * kv}
-    if schedule == "streamed" and r == 1:  # one row: the streamed schedule is the gathered
+    if schedule == "streamed_kv" and r == 1:  # no column ring: the gathered code runs
         return extra_memory(shape, rows, cols, "gathered")
-    if schedule == "streamed":
+    if schedule == "streamed_kv":
         return {"forward": row_q + ring_kv + FP32 * c * (q + l) + partials + merge,
-                "backward": row_bwd + ring_kv + (3 if r > 1 else 1) * FP32 * kv}
-    raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed, ring")
+                "backward": row_bwd + ring_kv + 3 * FP32 * kv}
+    if schedule == "streamed_q" and c == 1:  # no row ring: the gathered code runs
+        return extra_memory(shape, rows, cols, "gathered")
+    if schedule == "streamed_q":
+        ring_q = min(2, c - 1)  # the input is the first Q in hand
+        return {"forward": col_kv + ring_q * q * e + 2 * FP32 * (q + l)
+                + 2 * (q * e + FP32 * l) + merge,
+                "backward": col_kv + 2 * (2 * q * e + 2 * FP32 * l) + q * e
+                + (2 + ring_q) * FP32 * q + FP32 * r * kv}
+    raise ValueError(
+        f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
+
+
+def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> str:
+    """The ring the "streamed" schedule runs on this shape: "streamed_kv" or "streamed_q",
+    whichever holds less extra memory at its peak (forward or backward); K/V on a tie."""
+    def peak(schedule: str) -> int:
+        return max(extra_memory(shape, rows, cols, schedule).values())
+    return "streamed_q" if peak("streamed_q") < peak("streamed_kv") else "streamed_kv"

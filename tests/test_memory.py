@@ -1,12 +1,14 @@
 """Extra memory of each schedule, measured on CPU tensors, against `memory.extra_memory`:
-streaming holds two K/V chunks instead of R, and the model stays close to measurement."""
+streamed_kv holds two K/V chunks instead of R, streamed_q two Q chunks instead of C,
+"streamed" picks the one that holds less, and the model stays close to measurement."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import megatron_mesh as mm
 from dist_utils import run_distributed
-from megatron_mesh.memory import extra_memory
+from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory
 
 
@@ -23,12 +25,19 @@ def test_peak_memory_counts_live_storages() -> None:
     assert mem.peak_bytes == 3_000_000
 
 
+LOCAL = dict(s=64, b=1, hq=8, hkv=2, d=32)  # one rank's share, fp32
+
+
+def problem(world: int) -> mm.AttentionShape:
+    return mm.AttentionShape(LOCAL["s"] * world, LOCAL["b"], LOCAL["hq"], LOCAL["hkv"], LOCAL["d"], 4)
+
+
 def measure_worker(rank: int, world: int) -> dict:
-    s, b, hq, hkv, d = 64, 1, 8, 2, 32
+    s, b, hq, hkv, d = LOCAL.values()
     results = {}
     for rows, cols in mm.mesh_shapes(world):
         grid = mm.MeshGrid.build(rows=rows, cols=cols)
-        for schedule in ("gathered", "streamed"):
+        for schedule in ("gathered", "streamed_kv", "streamed_q"):
             g = torch.Generator().manual_seed(rank)
             q, k, v = (torch.randn(s, b, h, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
             dout = torch.randn(s, b, hq, d, generator=g)
@@ -36,7 +45,7 @@ def measure_worker(rank: int, world: int) -> dict:
                 out = mm.mesh_attention(q, k, v, grid, schedule=schedule)
             with CpuPeakMemory() as bwd:
                 out.backward(dout)
-            model = extra_memory(mm.AttentionShape(s * world, b, hq, hkv, d, 4), rows, cols, schedule)
+            model = extra_memory(problem(world), rows, cols, schedule)
             results[(rows, cols, schedule)] = {
                 "forward": (fwd.peak_bytes - fwd.live_bytes, model["forward"]),
                 "backward": (bwd.peak_bytes - bwd.live_bytes, model["backward"]),
@@ -44,7 +53,25 @@ def measure_worker(rank: int, world: int) -> dict:
     return results
 
 
-def test_streaming_bounds_kv_memory_and_the_model_matches() -> None:
+@pytest.mark.parametrize("q_heads,kv_heads,rows,cols,expected", [
+    (32, 32, 64, 1, "streamed_kv"),  # one column: no Q ring to run
+    (32, 32, 1, 64, "streamed_q"),  # one row: no K/V ring
+    (32, 8, 8, 8, "streamed_q"),  # GQA: K/V chunks are small, gathering them costs little
+    (32, 32, 16, 4, "streamed_kv"),  # MHA, tall: R K/V chunks would cost the most
+])
+def test_streamed_picks_the_ring_that_holds_less(q_heads, kv_heads, rows, cols, expected) -> None:
+    shape = mm.AttentionShape(131072, 1, q_heads, kv_heads, 128, 2)
+    assert streamed_schedule(shape, rows, cols) == expected
+    other = "streamed_q" if expected == "streamed_kv" else "streamed_kv"
+    mine, theirs = (extra_memory(shape, rows, cols, s) for s in (expected, other))
+    assert max(mine.values()) < max(theirs.values())
+
+
+def peak(phases: dict) -> int:
+    return max(measured for measured, _ in phases.values())
+
+
+def test_streaming_bounds_memory_and_the_model_matches() -> None:
     per_rank = run_distributed(measure_worker, 8)
     problems = []
     for rank, results in enumerate(per_rank):
@@ -54,12 +81,24 @@ def test_streaming_bounds_kv_memory_and_the_model_matches() -> None:
                     problems.append(f"rank {rank} {rows}x{cols} {schedule} {phase}: measured "
                                     f"{measured} B, model {model} B")
         for rows, cols in ((8, 1), (4, 2)):  # K/V: two chunks streamed instead of R gathered
-            streamed = results[(rows, cols, "streamed")]["backward"][0]
+            streamed = results[(rows, cols, "streamed_kv")]["backward"][0]
             gathered = results[(rows, cols, "gathered")]["backward"][0]
             if not streamed < gathered:
                 problems.append(f"rank {rank} {rows}x{cols}: streamed backward {streamed} B "
                                 f"is not below gathered {gathered} B")
-        tall = results[(8, 1, "streamed")]["backward"][0] / results[(8, 1, "gathered")]["backward"][0]
+        tall = results[(8, 1, "streamed_kv")]["backward"][0] / results[(8, 1, "gathered")]["backward"][0]
         if tall > 0.6:
-            problems.append(f"rank {rank} 8x1: streamed/gathered backward memory {tall:.2f} > 0.6")
+            problems.append(f"rank {rank} 8x1: streamed_kv/gathered backward memory {tall:.2f} > 0.6")
+        for phase in ("forward", "backward"):  # Q: two chunks streamed instead of C gathered
+            wide = results[(1, 8, "streamed_q")][phase][0] / results[(1, 8, "gathered")][phase][0]
+            if wide > 0.6:
+                problems.append(f"rank {rank} 1x8: streamed_q/gathered {phase} memory {wide:.2f} > 0.6")
+        shape = problem(8)
+        for rows, cols in mm.mesh_shapes(8):  # "streamed" runs the ring that measured less
+            chosen = streamed_schedule(shape, rows, cols)
+            other = "streamed_q" if chosen == "streamed_kv" else "streamed_kv"
+            if peak(results[(rows, cols, chosen)]) > peak(results[(rows, cols, other)]):
+                problems.append(f"rank {rank} {rows}x{cols}: streamed picks {chosen} "
+                                f"({peak(results[(rows, cols, chosen)])} B) over {other} "
+                                f"({peak(results[(rows, cols, other)])} B)")
     assert not problems, "\n".join(problems)

@@ -70,7 +70,7 @@ MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal, gradie
     (1, 4, 1, 8, "fp16", True, "fp32"),  # MQA
     (1, 4, 2, 8, "bf16", True, "input"),  # gradients in bf16: half the gradient bytes
 ]
-SCHEDULES = ("gathered", "streamed")  # both must move exactly the planned bytes
+SCHEDULES = ("gathered", "streamed_kv", "streamed_q")  # all must move exactly the planned bytes
 
 
 def measure_worker(rank: int, world: int) -> list[dict]:
@@ -308,11 +308,27 @@ def test_choose_mesh_shape_is_the_plans_best_mesh():
     (dict(inter_node_bw=0), "inter_node_bw must be a positive number, got 0"),
     (dict(gpus_per_node=0), "gpus_per_node must be a positive integer, got 0"),
     (dict(batch=0), "batch must be a positive integer, got 0"),
+    (dict(mesh_schedule="ring"), "mesh_schedule 'ring' is not one of streamed, streamed_kv"),
 ])
 def test_bad_input_names_the_value(kwargs: dict, match: str):
     args = dict(seq_length=1024, num_heads=8, head_dim=64) | kwargs
     with pytest.raises(ValueError, match=match):
         plan(8, **args)
+
+
+@pytest.mark.parametrize("schedule,rows,cols,hidden", [
+    ("streamed_kv", 4, 4, {"column"}),
+    ("streamed_q", 4, 4, {"row"}),
+    ("gathered", 4, 4, set()),
+    ("streamed", 16, 1, {"column"}),  # one column: only the K/V ring exists
+    ("streamed", 1, 16, {"row"}),
+])
+def test_the_schedules_ring_is_the_hidden_traffic(schedule: str, rows: int, cols: int,
+                                                  hidden: set[str]):
+    workload = Workload(65536, 32, 8, 128, mesh_schedule=schedule)
+    cluster = Cluster(gpus=16, gpus_per_node=8)
+    transfers = mesh_transfers(workload, cluster, rows, cols)
+    assert {t.group for t in transfers if t.hidden and t.nbytes} == hidden
 
 
 def test_unknown_mesh_shape_lists_the_valid_ones():

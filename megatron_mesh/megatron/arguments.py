@@ -56,8 +56,10 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="mesh_schedule",
         choices=SCHEDULES,
         default=DEFAULT_SCHEDULE,
-        help="How a mesh rank moves its tile's K/V: streamed (around the column ring, "
-        "overlapped with compute, two K/V buffers) or gathered (all at once). Same bytes.",
+        help="How a mesh rank moves its tile: streamed_kv (K/V around the column ring, "
+        "overlapped with compute, two K/V buffers), streamed_q (Q and partial outputs around "
+        "the row ring, two Q buffers), streamed (whichever of the two holds less memory for "
+        "the shape) or gathered (all at once). Same bytes.",
     )
     group.add_argument(
         "--mesh-grad-reduce-dtype",
@@ -130,6 +132,8 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
         num_query_groups=groups,
         head_dim=_head_dim(args),
         seq_length=seq_length,
+        schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
+        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", "fp32"),
     )
     if cp_size == 1:
         logger.warning(

@@ -14,6 +14,7 @@ import os
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_mesh.checks import DEFAULT_SCHEDULE
 from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.shape import resolve_mesh_shape
 
@@ -50,11 +51,14 @@ def initialize_mesh_grids(
     seq_length: int | None = None,
     head_dim: int | None = None,
     timeout: datetime.timedelta | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
+    grad_reduce_dtype: str = "fp32",
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
     mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the least-traffic
-    shape for the head counts (see `shape.auto_mesh_shape`). The shape is checked before
+    shape for the head counts, schedule and gradient dtype (see `shape.auto_mesh_shape`).
+    The shape is checked before
     any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
@@ -76,6 +80,8 @@ def initialize_mesh_grids(
         head_dim=head_dim,
         seq_length=seq_length,
         cp_ranks_per_node=_cp_ranks_per_node(),
+        schedule=schedule,
+        grad_reduce_dtype=grad_reduce_dtype,
     )
     if cp_size == 1:
         grid = single_rank_grid(parallel_state.get_context_parallel_group())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+from megatron_mesh.checks import DEFAULT_SCHEDULE
 from megatron_mesh.planner import choose_mesh_shape
 from megatron_mesh.traffic import mesh_shapes
 
@@ -57,13 +58,16 @@ def auto_mesh_shape(
     head_dim: int | None = None,
     seq_length: int | None = None,
     cp_ranks_per_node: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
+    grad_reduce_dtype: str = "fp32",
 ) -> tuple[int, int]:
     """The grid the planner predicts fastest for cp_size ranks (`planner.choose_mesh_shape`,
     its default bandwidths and attention TFLOP/s; rows of consecutive CP ranks).
 
     Missing head counts mean multi-head attention, a missing head_dim means 128, a missing
     seq_length 4096 tokens per rank; cp_ranks_per_node defaults to the planner's GPUs per
-    node (with TP inside a node, pass GPUs per node // TP).
+    node (with TP inside a node, pass GPUs per node // TP). schedule and grad_reduce_dtype
+    are the mesh's (they decide which traffic overlaps and how many gradient bytes travel).
     """
     if cp_size == 1:
         return 1, 1
@@ -75,6 +79,8 @@ def auto_mesh_shape(
         num_kv_heads=num_query_groups or heads,
         head_dim=head_dim or 128,
         seq_length=seq_length or 4096 * cp_size,
+        mesh_schedule=schedule,
+        mesh_grad_reduce_dtype=grad_reduce_dtype,
         **node,
     )
 
@@ -88,6 +94,8 @@ def resolve_mesh_shape(
     head_dim: int | None = None,
     seq_length: int | None = None,
     cp_ranks_per_node: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
+    grad_reduce_dtype: str = "fp32",
 ) -> tuple[tuple[int, int], bool]:
     """(shape, chosen_automatically) for a CP group of cp_size; ValueError when invalid."""
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
@@ -107,5 +115,5 @@ def resolve_mesh_shape(
     if shape is not None:
         return check_mesh_shape(shape, cp_size), False
     auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length,
-                           cp_ranks_per_node)
+                           cp_ranks_per_node, schedule, grad_reduce_dtype)
     return auto, True

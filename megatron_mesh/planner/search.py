@@ -159,6 +159,7 @@ def plan(
     attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
     overlap: bool = True,
     mesh_grad_reduce_dtype: str = "fp32",
+    mesh_schedule: str = "streamed",
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""
     workload = Workload(
@@ -170,6 +171,7 @@ def plan(
         dtype=dtype,
         causal=causal,
         mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
+        mesh_schedule=mesh_schedule,
     )
     cluster = Cluster(
         gpus=gpus,
@@ -196,6 +198,8 @@ def choose_mesh_shape(
     dtype: str = "bf16",
     causal: bool = True,
     overlap: bool = True,
+    mesh_grad_reduce_dtype: str = "fp32",
+    mesh_schedule: str = "streamed",
 ) -> tuple[int, int]:
     """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks.
 
@@ -216,6 +220,8 @@ def choose_mesh_shape(
         inter_node_bw=inter_node_bw,
         attention_tflops=attention_tflops,
         overlap=overlap,
+        mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
+        mesh_schedule=mesh_schedule,
     )
     assert chosen.best_mesh.mesh_shape is not None
     return chosen.best_mesh.mesh_shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.checks import SCHEDULES
 from megatron_mesh.traffic import AttentionShape, grad_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -13,7 +14,8 @@ BACKWARD_FLOPS_RATIO = 2.5
 @dataclass(frozen=True)
 class Workload:
     """Sequence length S, heads, head size, batch, input dtype and causal mask of one layer,
-    and the dtype the mesh's gradient exchange uses (mesh_attention's grad_reduce_dtype)."""
+    the dtype the mesh's gradient exchange uses and the mesh schedule (mesh_attention's
+    grad_reduce_dtype and schedule)."""
 
     seq_length: int
     num_heads: int
@@ -23,6 +25,7 @@ class Workload:
     dtype: str = "bf16"
     causal: bool = True
     mesh_grad_reduce_dtype: str = "fp32"
+    mesh_schedule: str = "streamed"
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
@@ -40,6 +43,10 @@ class Workload:
             raise ValueError(
                 f"mesh_grad_reduce_dtype {self.mesh_grad_reduce_dtype!r} is not one of "
                 f"{', '.join(MESH_GRAD_REDUCE_DTYPES)}"
+            )
+        if self.mesh_schedule not in SCHEDULES:
+            raise ValueError(
+                f"mesh_schedule {self.mesh_schedule!r} is not one of {', '.join(SCHEDULES)}"
             )
 
     @property

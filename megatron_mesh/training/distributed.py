@@ -57,6 +57,8 @@ def init_model_parallel(args: argparse.Namespace) -> None:
             seq_length=args.seq_length,
             head_dim=args.kv_channels,
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            schedule=args.mesh_schedule,
+            grad_reduce_dtype=args.mesh_grad_reduce_dtype,
         )
 
 

@@ -2,19 +2,29 @@
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter in fp32, or the input dtype with mesh_grad_reduce_dtype "input"); columns
-are R ranks C apart (K,V gathers, dK,dV reduce-scatter, likewise). The default (streamed) schedule passes K/V around the column ring while blocks
-compute, dK/dV partials travelling behind, so column traffic counts as hidden; the row
-gathers run before the blocks and the partial O exchange / dQ reduce-scatter after them,
-so row traffic is exposed (the forward Q gather overlaps only the local diagonal block,
-which the model ignores).
+are R ranks C apart (K,V gathers, dK,dV reduce-scatter, likewise). The streamed_kv
+schedule passes K/V around the column ring while blocks compute, dK/dV partials travelling
+behind, so column traffic counts as hidden and row traffic as exposed (the forward Q gather
+overlaps only the local diagonal block, which the model ignores); streamed_q hides the row
+the same way and exposes the column; "streamed" is whichever of the two it picks for the
+shape (`memory.streamed_schedule`); gathered hides nothing.
 """
 from __future__ import annotations
 
+from megatron_mesh.memory import streamed_schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.traffic import mesh_traffic
+
+
+def streamed_direction(workload: Workload, rows: int, cols: int) -> str | None:
+    """The grid direction whose traffic the mesh schedule overlaps with compute, or None."""
+    schedule = workload.mesh_schedule
+    if schedule == "streamed":
+        schedule = streamed_schedule(workload.attention_shape(), rows, cols)
+    return {"streamed_kv": "column", "streamed_q": "row"}.get(schedule)
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -> list[Transfer]:
@@ -26,13 +36,14 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
     col_cross = crosses_nodes(strided_groups(p, rows), cluster)
     e = workload.dtype
     g = "fp32" if workload.mesh_grad_bytes == 4 else e
+    hidden = streamed_direction(workload, rows, cols)
     return [
         Transfer("forward", "row", f"Q ({e}); partial O ({e}), lse (fp32)",
-                 traffic.forward_row, row_cross, hidden=False),
+                 traffic.forward_row, row_cross, hidden=hidden == "row"),
         Transfer("forward", "column", f"K,V ({e})",
-                 traffic.forward_col, col_cross, hidden=True),
+                 traffic.forward_col, col_cross, hidden=hidden == "column"),
         Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ ({g})",
-                 traffic.backward_row, row_cross, hidden=False),
+                 traffic.backward_row, row_cross, hidden=hidden == "row"),
         Transfer("backward", "column", f"K,V ({e}); dK,dV ({g})",
-                 traffic.backward_col, col_cross, hidden=True),
+                 traffic.backward_col, col_cross, hidden=hidden == "column"),
     ]

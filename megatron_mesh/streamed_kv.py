@@ -1,4 +1,4 @@
-"""The streamed schedule: K/V travel around the column ring while blocks are computed.
+"""The K/V-streamed schedule: K/V travel around the column ring while blocks are computed.
 
 Rank (i, j) gathers its row's Q in the background while it computes its own diagonal
 block, then, at ring step t, holds the K/V chunk of column position i - t, starts passing

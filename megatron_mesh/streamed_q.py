@@ -1,0 +1,109 @@
+"""The Q-streamed schedule: Q chunks travel around the row ring while blocks are computed.
+
+The mirror of `streamed_kv`. Rank (i, j) gathers its column's K/V in the background while
+it computes its own diagonal block, then, at ring step t, holds the Q chunk of row position
+j - t, starts passing it on, and computes that chunk's R blocks (one per K/V chunk of the
+column) while the next Q arrives. A chunk's partial output (out in the input dtype, lse in
+fp32) travels one hop behind its Q, merged by log-sum-exp at each row member, and lands at
+its owner after C-1 hops: the bytes of the all-to-all it replaces. Backward: Q, dO, lse and
+D take the same ring and dQ partials travel behind them; dK, dV are reduce-scattered over
+the column at the end. Bytes sent equal the other schedules' (`traffic.py`); Q memory is two
+chunks instead of C, K/V stays R chunks. A grid of one column has no row ring: there this
+schedule is the gathered one.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm, gathered
+from .blocks import backward_block, forward_block
+from .delta import attention_delta, out_with_delta
+from .grid import MeshGrid
+from .kernels import TileKernel
+from .merge import empty_accumulators, merge_into
+
+
+def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
+    """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    if grid.cols == 1:
+        return gathered.forward(q, k, v, grid, causal, scale, kernel)
+    s, b, hq, d = q.shape
+    cols, me = grid.cols, grid.row_index
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "col")
+    nxt, prev = grid.row_neighbors()
+    own = empty_accumulators(s, b, hq, d, q.device)
+    q_now, arriving, acc_pending = q, None, comm.Pending([])
+    for t in range(cols):
+        x = grid.row_cp_ranks[(grid.col_index - t) % cols]
+        if t < cols - 1:
+            q_next = torch.empty_like(q_now)
+            q_pending = comm.ring_exchange(q_now, q_next, nxt, prev, grid.row_group, "forward", "row")
+        acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
+        if t == 0:  # this rank's own block needs nothing from anyone
+            forward_block(kernel, q, k, v, x, grid.cp_rank, causal, scale, *acc)
+            kv_pending.wait()
+        for i, y in enumerate(grid.col_cp_ranks):
+            if not (t == 0 and i == me):
+                forward_block(kernel, q_now, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
+        if t >= 1:  # pass chunk x's partial on; take the next chunk's from behind
+            acc_pending.wait()
+            if arriving is not None:
+                merge_into(*acc, *arriving)
+            sending = (acc[0].to(q.dtype), acc[1])
+            arriving = (torch.empty_like(sending[0]), torch.empty_like(sending[1]))
+            acc_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.row_group,
+                                             "forward", "row")
+        if t < cols - 1:
+            q_pending.wait()
+            q_now = q_next
+    acc_pending.wait()
+    merge_into(*own, *arriving)  # this rank's own chunk, back from its C-1 hops
+    return own[0].to(q.dtype), own[1]
+
+
+def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
+             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
+    summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtype."""
+    if grid.cols == 1:
+        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
+    cols, me = grid.cols, grid.row_index
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
+    dout = dout.contiguous()
+    nxt, prev = grid.row_neighbors()
+    qdo, stats = torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)])
+    dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
+    arriving, dq_pending = None, comm.Pending([])
+    for t in range(cols):
+        x = grid.row_cp_ranks[(grid.col_index - t) % cols]
+        if t < cols - 1:
+            qdo_next, stats_next = torch.empty_like(qdo), torch.empty_like(stats)
+            pending = comm.ring_exchange((qdo, stats), (qdo_next, stats_next), nxt, prev,
+                                         grid.row_group, "backward", "row")
+        dq = dq_own if t == 0 else torch.zeros_like(dq_own)
+        out_x = out if t == 0 else out_with_delta(qdo[1], stats[1])
+        if t == 0:  # own block first, while the column's K/V arrive
+            backward_block(kernel, dout, q, out, lse, k, v, x, grid.cp_rank, causal, scale,
+                           dq, dkv_part[me])
+            kv_pending.wait()
+        for i, y in enumerate(grid.col_cp_ranks):
+            if not (t == 0 and i == me):
+                backward_block(kernel, qdo[1], qdo[0], out_x, stats[0], kv_col[i][0],
+                               kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
+        if t >= 1:  # pass chunk x's dQ partial on; take the next chunk's from behind
+            dq_pending.wait()
+            if arriving is not None:
+                dq += arriving
+            sending = dq.to(grad_dtype)
+            arriving = torch.empty_like(sending)
+            dq_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.row_group,
+                                            "backward", "row")
+        if t < cols - 1:
+            pending.wait()
+            qdo, stats = qdo_next, stats_next
+    dq_pending.wait()
+    dq_own += arriving  # this rank's own chunk, back from its C-1 hops
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
+    dkv = dkv.view(2, *k.shape)
+    return dq_own.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
