@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.checks import DEFAULT_SCHEDULE
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -159,7 +160,7 @@ def plan(
     attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
     overlap: bool = True,
     mesh_grad_reduce_dtype: str = "fp32",
-    mesh_schedule: str = "streamed",
+    mesh_schedule: str = DEFAULT_SCHEDULE,
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""
     workload = Workload(
@@ -199,7 +200,7 @@ def choose_mesh_shape(
     causal: bool = True,
     overlap: bool = True,
     mesh_grad_reduce_dtype: str = "fp32",
-    mesh_schedule: str = "streamed",
+    mesh_schedule: str = DEFAULT_SCHEDULE,
 ) -> tuple[int, int]:
     """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks.
 

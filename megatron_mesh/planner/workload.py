@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.checks import SCHEDULES
+from megatron_mesh.checks import DEFAULT_SCHEDULE, SCHEDULES
 from megatron_mesh.traffic import AttentionShape, grad_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -25,7 +25,7 @@ class Workload:
     dtype: str = "bf16"
     causal: bool = True
     mesh_grad_reduce_dtype: str = "fp32"
-    mesh_schedule: str = "streamed"
+    mesh_schedule: str = DEFAULT_SCHEDULE
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
