@@ -56,10 +56,9 @@ def initialize_mesh_grids(
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
-    mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the least-traffic
+    mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the planner's fastest
     shape for the head counts, schedule and gradient dtype (see `shape.auto_mesh_shape`).
-    The shape is checked before
-    any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
+    The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
     """
