@@ -36,7 +36,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     for t in range(cols):
         x = grid.row_cp_ranks[(grid.col_index - t) % cols]
         if t < cols - 1:
-            q_next = torch.empty_like(q_now)
+            q_next = torch.empty_like(q_now, memory_format=torch.contiguous_format)
             q_pending = comm.ring_exchange(q_now, q_next, nxt, prev, grid.row_group, "forward", "row")
         acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone

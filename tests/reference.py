@@ -25,12 +25,14 @@ class Case:
     seed: int = 0
     schedule: str = "streamed"
     grad_reduce_dtype: str = "fp32"
+    contiguous: bool = True  # False: q, k, v are [s, b, h, d] views of [b, s, h, d] storage
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         return (f"S={self.seq} b={self.batch} hq={self.q_heads} hkv={self.kv_heads} "
                 f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale} "
-                f"{self.schedule} grads={self.grad_reduce_dtype}")
+                f"{self.schedule} grads={self.grad_reduce_dtype}"
+                + ("" if self.contiguous else " non-contiguous"))
 
 
 def full_inputs(case: Case) -> dict[str, torch.Tensor]:
@@ -60,6 +62,8 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
                 cp_rank: int) -> dict[str, torch.Tensor]:
     """out, dq, dk, dv of mesh_attention on this rank's zigzag share, in fp32."""
     share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
+    if not case.contiguous:  # as Megatron's views of a fused QKV or a b-major layout
+        share = {n: t.transpose(0, 1).contiguous().transpose(0, 1) for n, t in share.items()}
     q, k, v = (share[n].requires_grad_() for n in ("q", "k", "v"))
     out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale,
                             schedule=case.schedule, grad_reduce_dtype=case.grad_reduce_dtype)

@@ -91,6 +91,21 @@ def test_every_mesh_shape_matches_sdpa(cp_size: int) -> None:
     assert not failures, "\n".join(failures)
 
 
+def non_contiguous_worker(rank: int, world: int) -> list[str]:
+    """Inputs that are views, not contiguous tensors: every shape and schedule of P = 4."""
+    bad = []
+    for rows, cols in mm.mesh_shapes(world):
+        grid = mm.MeshGrid.build(rows=rows, cols=cols)
+        bad += check_cases(grid, [Case(16, 2, 4, 2, 16, causal=True, seed=30, schedule=schedule,
+                                       contiguous=False) for schedule in CONCRETE_SCHEDULES])
+    return bad
+
+
+def test_non_contiguous_inputs() -> None:
+    failures = sorted(set(sum(run_distributed(non_contiguous_worker, 4), [])))
+    assert not failures, "\n".join(failures)
+
+
 def many_groups_worker(rank: int, world: int) -> list[str]:
     """DP = 2 x CP = 4 on 8 ranks: CP groups {0,2,4,6} and {1,3,5,7} (strided, as when DP
     is innermost), each with its own 2x2 grid and its own data."""
