@@ -1,4 +1,4 @@
-"""One rank-block's kernel calls, shared by the gathered and the streamed schedules."""
+"""One rank-block's kernel calls, shared by every schedule."""
 from __future__ import annotations
 
 import torch
