@@ -177,6 +177,7 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
 
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
+    from megatron_mesh.memory import streamed_schedule
     from megatron_mesh.traffic import AttentionShape, mesh_traffic
 
     assert mesh_run.returncode == 0, mesh_run.output[-3000:]
@@ -195,6 +196,9 @@ def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
         assert row["memory/peak-bytes"] > 0
         assert row["attention/traffic-bytes-per-rank"] == expected
     assert set(mesh_run.traffic()) == {f"{expected / 2**20:.3f}"}
+    # the banner names the ring the default schedule runs for this shape
+    ring = streamed_schedule(AttentionShape(64, 2, 4, 2, 16, dtype_bytes=4), 2, 2)
+    assert f"(mesh 2x2, schedule {ring} (streamed))" in mesh_run.output
 
 
 def test_dead_rank_fails_job_and_resume_matches_unbroken_run(

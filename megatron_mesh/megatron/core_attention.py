@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 from typing import Any
 
@@ -18,7 +19,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh.attention import mesh_attention
+from megatron_mesh.attention import mesh_attention, resolve_schedule
 from megatron_mesh.checks import DEFAULT_SCHEDULE, check_options
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
@@ -28,6 +29,20 @@ from megatron_mesh.megatron.groups import (
 )
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+logger = logging.getLogger(__name__)
+_logged_schedules: set[tuple] = set()
+
+
+def _log_schedule(grid, schedule: str, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Say once per process (on global rank 0) which schedule runs on which grid."""
+    ran = resolve_schedule(schedule, query, key, grid)
+    seen = (grid.rows, grid.cols, schedule, ran)
+    if seen in _logged_schedules or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _logged_schedules.add(seen)
+    how = f" (chosen for less memory by '{schedule}')" if ran != schedule else ""
+    logger.info("mesh attention: %dx%d grid, schedule %s%s", grid.rows, grid.cols, ran, how)
 
 
 def resolve_algorithm(
@@ -158,6 +173,8 @@ class MeshDotProductAttention(MegatronModule):
                 f"MeshDotProductAttention needs as many queries as keys per rank (got "
                 f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
             )
+        if self.grid.cp_size > 1:
+            _log_schedule(self.grid, self.schedule, query, key)
         out = mesh_attention(
             query,
             key,

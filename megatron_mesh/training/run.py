@@ -6,6 +6,8 @@ import argparse
 import torch.distributed as dist
 
 from megatron_mesh.megatron.cpu import megatron_on_cpu
+from megatron_mesh.memory import streamed_schedule
+from megatron_mesh.traffic import AttentionShape
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
@@ -16,12 +18,25 @@ from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
 
+def _mesh_label(args: argparse.Namespace) -> str:
+    """' RxC, schedule S' of the mesh this job runs ('' without one); for 'streamed', the
+    ring it runs on this TP rank's share of the heads."""
+    grid = args.mesh_grid
+    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1 or grid is None:
+        return ""
+    schedule = args.mesh_schedule
+    if schedule == "streamed":
+        tp = args.tensor_model_parallel_size
+        local = AttentionShape(args.seq_length, args.micro_batch_size,
+                               args.num_attention_heads // tp,
+                               max(1, (args.num_query_groups or args.num_attention_heads) // tp),
+                               args.kv_channels, 2 if args.bf16 or args.fp16 else 4)
+        schedule = f"{streamed_schedule(local, grid.rows, grid.cols)} (streamed)"
+    return f" {grid.rows}x{grid.cols}, schedule {schedule}"
+
+
 def _banner(args: argparse.Namespace, n_params: int, vocab: int, flops: float) -> None:
-    mesh = ""
-    if args.context_parallel_algo == "mesh" and args.context_parallel_size > 1:
-        grid = args.mesh_grid
-        shape = (getattr(grid, "rows", None), getattr(grid, "cols", None)) if grid else None
-        mesh = f" {shape[0]}x{shape[1]}" if shape and shape[0] else ""
+    mesh = _mesh_label(args)
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
         f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
