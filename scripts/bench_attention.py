@@ -129,7 +129,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         with CpuPeakMemory() as bwd_mem:
             out.backward(dout)
         memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
-    return {"rows": rows, "cols": cols, "schedule": ran, "fwd_ms": 1e3 * statistics.median(fwd),
+    label = f"{ran}*" if schedule == "streamed" else ran
+    return {"rows": rows, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
             "formula": mm.mesh_traffic(shape, rows, cols, gradient_bytes).total, "memory": memory,
             "model_memory": max(extra_memory(shape, rows, cols, ran).values()),
@@ -158,18 +159,19 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     ring = ring_bytes(args, world, dtype)
     print(f"ring (p2p, Transformer Engine's KV-P2P) for comparison: {ring / 2**20:.3f} MiB "
           "sent per rank (planner formula 3 (P-1) kv, input dtype)")
-    print(f"{'shape':>7} {'schedule':>11} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
+    print(f"{'shape':>7} {'schedule':>12} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
           f"{'MiB sent/rank':>14} {'formula MiB':>12} {'vs Px1':>7} {'extra MiB':>10} "
           f"{'model MiB':>10} {'ring MiB':>9}")
     for row, most in zip(rows_out, worst):
         rel = f"{row['sent'] / base:7.2f}" if base else "      -"
-        print(f"{row['rows']:>3}x{row['cols']:<3} {row['schedule']:>11} {row['fwd_ms']:9.2f} "
+        print(f"{row['rows']:>3}x{row['cols']:<3} {row['schedule']:>12} {row['fwd_ms']:9.2f} "
               f"{row['bwd_ms']:9.2f} {row['fwd_ms'] + row['bwd_ms']:9.2f} "
               f"{most.item() / 2**20:14.3f} {row['formula'] / 2**20:12.3f} {rel} "
               f"{row['memory'] / 2**20:10.2f} {row['model_memory'] / 2**20:10.2f} "
               f"{row['ring_memory'] / 2**20:9.2f}")
     print(f"extra MiB: peak extra memory per rank, measured ({mem_kind}); model MiB: "
-          "megatron_mesh.memory; ring MiB: Transformer Engine's p2p ring (two K/V buffers, model)")
+          "megatron_mesh.memory; ring MiB: Transformer Engine's p2p ring (two K/V buffers, model); "
+          "* = the ring schedule 'streamed' runs for this shape")
 
 
 def ring_bytes(args: argparse.Namespace, world: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,58 @@
+"""The benchmark scripts run end to end on a CPU and report what they claim: bytes equal to
+the formula for every shape and schedule, the ring 'streamed' picks, tile efficiencies.
+(Their timings are printed, never checked.)"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import megatron_mesh as mm
+from megatron_mesh.memory import streamed_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_attention_rows_match_the_formula_and_the_streamed_choice() -> None:
+    out = run_script("bench_attention.py", "--cp-size", "4", "--seq-length", "256", "--heads", "4",
+                     "--kv-heads", "2", "--head-dim", "16", "--iters", "1",
+                     "--schedules", "streamed,streamed_kv,streamed_q,gathered")
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+x\d+\s", line)]
+    shape = mm.AttentionShape(256, 1, 4, 2, 16, 4)
+    expected = []
+    for r, c in mm.mesh_shapes(4):
+        expected += [(f"{r}x{c}", f"{streamed_schedule(shape, r, c)}*"), (f"{r}x{c}", "streamed_kv"),
+                     (f"{r}x{c}", "streamed_q"), (f"{r}x{c}", "gathered")]
+    assert [(row[0], row[1]) for row in rows] == expected, out
+    for row in rows:  # MiB sent per rank (counted) == the formula's
+        assert row[5] == row[6], out
+    assert "ring (p2p" in out and "* = the ring schedule 'streamed' runs" in out
+
+
+def test_bench_attention_rejects_an_unknown_schedule() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention.py"),
+                           "--schedules", "streamed,ring"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--schedules entry 'ring' is not one of streamed, streamed_kv, streamed_q, gathered" \
+        in proc.stderr
+
+
+def test_bench_tiles_reports_both_passes_and_why_te_is_skipped() -> None:
+    out = run_script("bench_tiles.py", "--device", "cpu", "--chunk", "128", "--cp-size", "4",
+                     "--heads", "4", "--head-dim", "32", "--iters", "1")
+    lines = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.strip()}
+    for phase in ("forward", "backward"):
+        fields = lines[("torch", phase)]
+        assert fields[-1].endswith("%") and float(fields[-1][:-1]) > 0, out
+    assert "te skipped:" in out and "Transformer Engine" in out, out
