@@ -100,6 +100,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         torch.cuda.reset_peak_memory_stats(device)
         base_mem = torch.cuda.memory_allocated(device)
     for it in range(args.warmup + args.iters):
+        for t in (q, k, v):  # fresh gradients: no accumulation into last step's
+            t.grad = None
         sync()
         with mm.TrafficCounter() as counter:
             t0 = time.perf_counter()
@@ -123,6 +125,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
         memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
     else:  # one more untimed step, its tensors tracked
+        for t in (q, k, v):
+            t.grad = None
         with CpuPeakMemory() as fwd_mem:
             out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend,
                                     schedule=schedule, grad_reduce_dtype=args.grad_reduce_dtype)
