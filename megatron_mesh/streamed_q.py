@@ -28,7 +28,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     if grid.cols == 1:
         return gathered.forward(q, k, v, grid, causal, scale, kernel)
     s, b, hq, d = q.shape
-    cols, me = grid.cols, grid.row_index
+    cols, my_row = grid.cols, grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "col")
     nxt, prev = grid.row_neighbors()
     own = empty_accumulators(s, b, hq, d, q.device)
@@ -43,7 +43,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
             forward_block(kernel, q, k, v, x, grid.cp_rank, causal, scale, *acc)
             kv_pending.wait()
         for i, y in enumerate(grid.col_cp_ranks):
-            if not (t == 0 and i == me):
+            if not (t == 0 and i == my_row):
                 forward_block(kernel, q_now, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
         if t >= 1:  # pass chunk x's partial on; take the next chunk's from behind
             acc_pending.wait()
@@ -67,7 +67,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtype."""
     if grid.cols == 1:
         return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
-    cols, me = grid.cols, grid.row_index
+    cols, my_row = grid.cols, grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
     dout = dout.contiguous()
     nxt, prev = grid.row_neighbors()
@@ -85,10 +85,10 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
         out_x = out if t == 0 else out_with_delta(qdo[1], stats[1])
         if t == 0:  # own block first, while the column's K/V arrive
             backward_block(kernel, dout, q, out, lse, k, v, x, grid.cp_rank, causal, scale,
-                           dq, dkv_part[me])
+                           dq, dkv_part[my_row])
             kv_pending.wait()
         for i, y in enumerate(grid.col_cp_ranks):
-            if not (t == 0 and i == me):
+            if not (t == 0 and i == my_row):
                 backward_block(kernel, qdo[1], qdo[0], out_x, stats[0], kv_col[i][0],
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
         if t >= 1:  # pass chunk x's dQ partial on; take the next chunk's from behind
