@@ -14,9 +14,8 @@ Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input byt
     streamed_kv backward: the gathered one with 2 kv e instead of R kv e and 4 * 3 kv
                        (own dK, dV, the partial being built and the one arriving) instead
                        of 4 R kv
-    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 8 (q + l)
-                       (own and working fp32 accumulators) + 2 (q e + 4 l) (partial sent /
-                       arriving)
+    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 16 (q + l)
+                       (own and working fp32 accumulators, fp32 partial sent / arriving)
     streamed_q backward: R kv e + 2 (2 q e + 8 l) (Q, dO, lse, D in hand and arriving)
                        + q e (output stand-in) + 4 * 4 q (own, working, sent and arriving
                        dQ; nothing sent ahead when C = 2) + 4 R kv (dK, dV partials)
@@ -60,8 +59,7 @@ def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> 
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed_q":
         ring_q = min(2, c - 1)  # the input is the first Q in hand
-        return {"forward": col_kv + ring_q * q * e + 2 * FP32 * (q + l)
-                + 2 * (q * e + FP32 * l) + merge,
+        return {"forward": col_kv + ring_q * q * e + 4 * FP32 * (q + l) + merge,
                 "backward": col_kv + 2 * (2 * q * e + 2 * FP32 * l) + q * e
                 + (2 + ring_q) * FP32 * q + FP32 * r * kv}
     raise ValueError(

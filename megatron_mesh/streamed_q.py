@@ -3,13 +3,13 @@
 The mirror of `streamed_kv`. Rank (i, j) gathers its column's K/V in the background while
 it computes its own diagonal block, then, at ring step t, holds the Q chunk of row position
 j - t, starts passing it on, and computes that chunk's R blocks (one per K/V chunk of the
-column) while the next Q arrives. A chunk's partial output (out in the input dtype, lse in
-fp32) travels one hop behind its Q, merged by log-sum-exp at each row member, and lands at
-its owner after C-1 hops: the bytes of the all-to-all it replaces. Backward: Q, dO, lse and
-D take the same ring and dQ partials travel behind them; dK, dV are reduce-scattered over
-the column at the end. Bytes sent equal the other schedules' (`traffic.py`); Q memory is two
-chunks instead of C, K/V stays R chunks. A grid of one column has no row ring: there this
-schedule is the gathered one.
+column) while the next Q arrives. A chunk's partial output (out and lse, fp32) travels one
+hop behind its Q, merged by log-sum-exp at each row member, and lands at its owner after
+C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same ring and dQ
+partials travel behind them; dK, dV are reduce-scattered over the column at the end. Bytes
+sent equal the other schedules' except that the partial outputs travel in fp32
+(`traffic.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
+grid of one column has no row ring: there this schedule is the gathered one.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
             acc_pending.wait()
             if arriving is not None:
                 merge_into(*acc, *arriving)
-            sending = (acc[0].to(q.dtype), acc[1])
+            sending = acc  # fp32: rounding the running merge at every hop would add up
             arriving = (torch.empty_like(sending[0]), torch.empty_like(sending[1]))
             acc_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.row_group,
                                              "forward", "row")

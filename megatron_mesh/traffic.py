@@ -10,7 +10,7 @@ per element of the input dtype, fp32 = 4:
 
     forward : row all-gather Q            (C-1) * q  * e
               column all-gather K, V      (R-1) * kv * e
-              row all-to-all partial O     (C-1) * q  * e
+              row all-to-all partial O     (C-1) * q  * e   (streamed_q: fp32, below)
               row all-to-all partial lse   (C-1) * l  * 4
     backward: row all-gather Q, dO        (C-1) * 2q * e
               row all-gather lse, D       (C-1) * 2l * 4
@@ -21,6 +21,9 @@ per element of the input dtype, fp32 = 4:
 In elements this is DESIGN.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
 Gradients travel in fp32 by default, so with bf16 inputs dQ, dK, dV count twice their
 element size; with grad_reduce_dtype="input" they travel in the input dtype (grad_bytes = e).
+The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
+partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
+running merge to bf16 at every hop would lose precision as C grows.
 """
 from __future__ import annotations
 
@@ -76,15 +79,24 @@ def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> int:
     return FP32_BYTES if grad_reduce_dtype == "fp32" else dtype_bytes
 
 
+def partial_out_bytes(schedule: str, dtype_bytes: int) -> int:
+    """Bytes per element of the partial outputs a schedule sends over the row: fp32 for
+    streamed_q (merged hop by hop), the input dtype otherwise (each partial sent once)."""
+    return FP32_BYTES if schedule == "streamed_q" else dtype_bytes
+
+
 def mesh_traffic(
-    shape: AttentionShape, rows: int, cols: int, grad_bytes: int = FP32_BYTES
+    shape: AttentionShape, rows: int, cols: int, grad_bytes: int = FP32_BYTES,
+    out_bytes: int | None = None,
 ) -> Traffic:
     """Bytes sent per rank by mesh attention on a rows x cols grid (forward, backward);
-    grad_bytes: bytes per element of the dQ, dK, dV reductions (fp32 by default)."""
+    grad_bytes: bytes per element of the dQ, dK, dV reductions (fp32 by default); out_bytes:
+    of the partial outputs (the input dtype's by default; `partial_out_bytes`)."""
     q, kv, lse = shape.local_elements(rows * cols)
     e = shape.dtype_bytes
+    o = e if out_bytes is None else out_bytes
     return Traffic(
-        forward_row=(cols - 1) * (q * e + q * e + lse * FP32_BYTES),
+        forward_row=(cols - 1) * (q * e + q * o + lse * FP32_BYTES),
         forward_col=(rows - 1) * kv * e,
         backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
         backward_col=(rows - 1) * (kv * e + kv * grad_bytes),

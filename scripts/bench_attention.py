@@ -30,7 +30,7 @@ from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
-from megatron_mesh.traffic import grad_bytes
+from megatron_mesh.traffic import grad_bytes, partial_out_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,7 +136,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
     label = f"{ran}*" if schedule == "streamed" else ran
     return {"rows": rows, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
-            "formula": mm.mesh_traffic(shape, rows, cols, gradient_bytes).total, "memory": memory,
+            "formula": mm.mesh_traffic(shape, rows, cols, gradient_bytes,
+                                       partial_out_bytes(ran, shape.dtype_bytes)).total, "memory": memory,
             "model_memory": max(extra_memory(shape, rows, cols, ran).values()),
             "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 

@@ -13,7 +13,8 @@ import torch
 
 import megatron_mesh as mm
 from dist_utils import run_distributed
-from reference import Case, count_sent_bytes, errors, full_inputs, mesh_result
+from reference import (Case, count_sent_bytes, errors, expected_traffic, full_inputs, mesh_result,
+                       sdpa_reference)
 
 
 def cases_for(cp_size: int) -> list[Case]:
@@ -43,10 +44,7 @@ def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[str]:
         with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
             got = mesh_result(case, x, grid, grid.cp_rank)
         bad += errors(case, got, grid, grid.cp_rank, x)
-        shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
-                                  case.head_dim, torch.finfo(case.dtype).bits // 8)
-        grad_bytes = 4 if case.grad_reduce_dtype == "fp32" else shape.dtype_bytes
-        expected = mm.mesh_traffic(shape, grid.rows, grid.cols, grad_bytes).total
+        expected = expected_traffic(case, grid)
         if not sent[0] == counter.total_bytes == expected:
             bad.append(f"{case} {grid.rows}x{grid.cols}: sent {sent[0]} B, counter "
                        f"{counter.total_bytes} B, formula {expected} B")
@@ -103,6 +101,34 @@ def non_contiguous_worker(rank: int, world: int) -> list[str]:
 
 def test_non_contiguous_inputs() -> None:
     failures = sorted(set(sum(run_distributed(non_contiguous_worker, 4), [])))
+    assert not failures, "\n".join(failures)
+
+
+def ring_precision_worker(rank: int, world: int) -> list[str]:
+    """bf16 at a realistic chunk size: the rings merge partials hop by hop, which must not
+    lose more precision than the gathered schedule's single merge (nor exceed 2x SDPA's)."""
+    bad = []
+    for rows, cols, ring in ((1, world, "streamed_q"), (world, 1, "streamed_kv")):
+        grid = mm.MeshGrid.build(rows=rows, cols=cols)
+        worst = {}
+        for schedule in ("gathered", ring):
+            case = Case(64 * world, 1, 8, 2, 64, causal=True, dtype=torch.bfloat16, seed=40,
+                        schedule=schedule)
+            x = full_inputs(case)
+            got = mesh_result(case, x, grid, grid.cp_rank)
+            bad += errors(case, got, grid, grid.cp_rank, x)
+            ref = {n: mm.zigzag_split(t, world)[grid.cp_rank]
+                   for n, t in sdpa_reference(case, x, torch.float32).items()}
+            worst[schedule] = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
+        for n, err in worst[ring].items():
+            if err > 1.25 * worst["gathered"][n] + 1e-6:
+                bad.append(f"{rows}x{cols} {ring} {n}: error {err:.3g} > 1.25 x gathered's "
+                           f"{worst['gathered'][n]:.3g}")
+    return bad
+
+
+def test_rings_keep_the_gathered_precision_in_bf16() -> None:
+    failures = sorted(set(sum(run_distributed(ring_precision_worker, 8), [])))
     assert not failures, "\n".join(failures)
 
 

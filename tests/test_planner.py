@@ -30,7 +30,7 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.search import mesh_key
-from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.traffic import mesh_traffic, partial_out_bytes
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes
@@ -48,12 +48,16 @@ def total(transfers, phase=None) -> int:
 
 @pytest.mark.parametrize("gpus", [4, 6, 16, 64])
 @pytest.mark.parametrize("heads,kv_heads,dtype", [(8, 8, "bf16"), (32, 8, "fp32"), (6, 1, "fp16")])
-def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: int, dtype: str):
+@pytest.mark.parametrize("schedule", ["gathered", "streamed_kv", "streamed_q"])
+def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: int, dtype: str,
+                                             schedule: str):
     result = plan(gpus, seq_length=2 * gpus * 24, num_heads=heads, num_kv_heads=kv_heads,
-                  head_dim=16, batch=3, dtype=dtype, gpus_per_node=4)
+                  head_dim=16, batch=3, dtype=dtype, gpus_per_node=4, mesh_schedule=schedule)
     assert [e.mesh_shape for e in result.meshes] == mm.mesh_shapes(gpus)
+    shape = result.workload.attention_shape()
     for e in result.meshes:
-        want = mesh_traffic(result.workload.attention_shape(), *e.mesh_shape)
+        want = mesh_traffic(shape, *e.mesh_shape,
+                            out_bytes=partial_out_bytes(schedule, shape.dtype_bytes))
         assert e.bytes("forward", "row") == want.forward_row
         assert e.bytes("forward", "column") == want.forward_col
         assert e.bytes("backward", "row") == want.backward_row
@@ -112,7 +116,8 @@ def test_planner_bytes_equal_bytes_measured_on_gloo(world: int):
             b, hq, hkv, d, dtype, causal, grads = MEASURED_CASES[r["case"]]
             predicted = plan(world, seq_length=4 * world, num_heads=hq, num_kv_heads=hkv,
                              head_dim=d, batch=b, dtype=dtype, causal=causal,
-                             gpus_per_node=2, mesh_grad_reduce_dtype=grads).mesh(*r["shape"])
+                             gpus_per_node=2, mesh_grad_reduce_dtype=grads,
+                             mesh_schedule=r["schedule"]).mesh(*r["shape"])
             where = f"rank {rank}, {r['shape']} {r['schedule']}, {MEASURED_CASES[r['case']]}"
             for (phase, direction), measured in r["counted"].items():
                 group = "row" if direction == "row" else "column"
