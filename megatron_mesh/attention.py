@@ -3,7 +3,8 @@
 Rank (i, j) computes the R * C rank-blocks of its tile: the Q chunks of its row against
 the K/V chunks of its column, one kernel call each (`layout.block_for`). Partial outputs
 go back to their owners and merge by log-sum-exp; backward reduces dQ over the row and
-dK, dV over the column, in fp32. The schedules move the same bytes:
+dK, dV over the column, in fp32. The schedules move the same bytes (streamed_q: partial
+outputs in fp32):
   "gathered": all-gather the tile's Q and K/V, then compute (`gathered.py`);
   "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
   "streamed_q": Q travel around the row ring, overlapped with compute (`streamed_q.py`);

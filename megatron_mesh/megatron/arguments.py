@@ -59,7 +59,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="How a mesh rank moves its tile: streamed_kv (K/V around the column ring, "
         "overlapped with compute, two K/V buffers), streamed_q (Q and partial outputs around "
         "the row ring, two Q buffers), streamed (whichever of the two holds less memory for "
-        "the shape) or gathered (all at once). Same bytes.",
+        "the shape) or gathered (all at once). Same bytes, but for streamed_q's fp32 partial "
+        "outputs.",
     )
     group.add_argument(
         "--mesh-grad-reduce-dtype",
