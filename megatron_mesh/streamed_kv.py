@@ -20,6 +20,7 @@ from .gathered import gather_row_grads_inputs, merge_row_partials
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .merge import empty_accumulators
+from .rings import TrailingPartial, ring_steps
 
 
 def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
@@ -27,26 +28,19 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     if grid.rows == 1:
         return gathered.forward(q, k, v, grid, causal, scale, kernel)
     s, b, hq, d = q.shape
-    rows, me = grid.rows, grid.col_index
+    me = grid.col_index
     q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
     accs = [empty_accumulators(s, b, hq, d, q.device) for _ in range(grid.cols)]
-    nxt, prev = grid.col_neighbors()
-    kv = torch.stack([k, v])
-    for t in range(rows):
-        y = grid.col_cp_ranks[(grid.row_index - t) % rows]
-        if t < rows - 1:
-            kv_next = torch.empty_like(kv)
-            kv_pending = comm.ring_exchange(kv, kv_next, nxt, prev, grid.col_group, "forward", "col")
+    ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "col")
+    for t, (k_y, v_y) in ring:
+        y = grid.col_cp_ranks[(grid.row_index - t) % grid.rows]
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, kv[0], kv[1], grid.cp_rank, y, causal, scale, *accs[me])
+            forward_block(kernel, q, k_y, v_y, grid.cp_rank, y, causal, scale, *accs[me])
             q_pending.wait()
             q_row = q_row.view(grid.cols, *q.shape)
         for j, x in enumerate(grid.row_cp_ranks):
             if not (t == 0 and j == me):
-                forward_block(kernel, q_row[j], kv[0], kv[1], x, y, causal, scale, *accs[j])
-        if t < rows - 1:
-            kv_pending.wait()
-            kv = kv_next
+                forward_block(kernel, q_row[j], k_y, v_y, x, y, causal, scale, *accs[j])
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
     for j, (out, _) in enumerate(accs):
         partial_out[j].copy_(out)
@@ -61,36 +55,20 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     if grid.rows == 1:
         return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
     s, b, hq, d = q.shape
-    rows = grid.rows
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
-    nxt, prev = grid.col_neighbors()
-    kv = torch.stack([k, v])
-    dkv_own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-    arriving, dkv_pending = None, comm.Pending([])
-    for t in range(rows):
-        y = grid.col_cp_ranks[(grid.row_index - t) % rows]
-        if t < rows - 1:
-            kv_next = torch.empty_like(kv)
-            kv_pending = comm.ring_exchange(kv, kv_next, nxt, prev, grid.col_group, "backward", "col")
+    neighbors = grid.col_neighbors()
+    dkv_own = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
+    trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "col")
+    for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "col"):
+        y = grid.col_cp_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         for j, x in enumerate(grid.row_cp_ranks):
-            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv[0], kv[1],
+            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
                            x, y, causal, scale, dq_part[j], dkv)
-        if t >= 1:  # pass chunk y's partial on; take the next chunk's from behind
-            dkv_pending.wait()
-            if arriving is not None:
-                dkv += arriving
-            sending = dkv.to(grad_dtype)
-            arriving = torch.empty_like(sending)
-            dkv_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.col_group,
-                                             "backward", "col")
-        if t < rows - 1:
-            kv_pending.wait()
-            kv = kv_next
-    dkv_pending.wait()
-    if arriving is not None:  # this rank's own chunk, back from its R-1 hops
-        dkv_own += arriving
+        if t >= 1:  # chunk y's partial goes on behind its K/V
+            trailing.pass_on((dkv,), grad_dtype)
+    trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
     dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
     dq = dq.view(s, b, hq, d)
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)

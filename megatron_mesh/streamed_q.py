@@ -21,6 +21,12 @@ from .delta import attention_delta, out_with_delta
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .merge import empty_accumulators, merge_into
+from .rings import TrailingPartial, ring_steps
+
+
+def merge_partial(mine, arriving) -> None:
+    """Fold for partial outputs (out, lse): log-sum-exp merge in place (fp32)."""
+    merge_into(*mine, *arriving)
 
 
 def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
@@ -28,36 +34,24 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     if grid.cols == 1:
         return gathered.forward(q, k, v, grid, causal, scale, kernel)
     s, b, hq, d = q.shape
-    cols, my_row = grid.cols, grid.row_index
+    my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "col")
-    nxt, prev = grid.row_neighbors()
+    neighbors = grid.row_neighbors()
     own = empty_accumulators(s, b, hq, d, q.device)
-    q_now, arriving, acc_pending = q, None, comm.Pending([])
-    for t in range(cols):
-        x = grid.row_cp_ranks[(grid.col_index - t) % cols]
-        if t < cols - 1:
-            q_next = torch.empty_like(q_now, memory_format=torch.contiguous_format)
-            q_pending = comm.ring_exchange(q_now, q_next, nxt, prev, grid.row_group, "forward", "row")
+    # fp32 partials: rounding the running merge at every hop would add up
+    trailing = TrailingPartial(*neighbors, grid.row_group, "forward", "row", merge_partial)
+    for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", "row"):
+        x = grid.row_cp_ranks[(grid.col_index - t) % grid.cols]
         acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
             forward_block(kernel, q, k, v, x, grid.cp_rank, causal, scale, *acc)
             kv_pending.wait()
         for i, y in enumerate(grid.col_cp_ranks):
             if not (t == 0 and i == my_row):
-                forward_block(kernel, q_now, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
-        if t >= 1:  # pass chunk x's partial on; take the next chunk's from behind
-            acc_pending.wait()
-            if arriving is not None:
-                merge_into(*acc, *arriving)
-            sending = acc  # fp32: rounding the running merge at every hop would add up
-            arriving = (torch.empty_like(sending[0]), torch.empty_like(sending[1]))
-            acc_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.row_group,
-                                             "forward", "row")
-        if t < cols - 1:
-            q_pending.wait()
-            q_now = q_next
-    acc_pending.wait()
-    merge_into(*own, *arriving)  # this rank's own chunk, back from its C-1 hops
+                forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
+        if t >= 1:  # chunk x's partial goes on behind its Q
+            trailing.pass_on(acc)
+    trailing.land(own)  # this rank's own chunk, back from its C-1 hops
     return own[0].to(q.dtype), own[1]
 
 
@@ -67,43 +61,31 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtype."""
     if grid.cols == 1:
         return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
-    cols, my_row = grid.cols, grid.row_index
+    my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
     dout = dout.contiguous()
-    nxt, prev = grid.row_neighbors()
-    qdo, stats = torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)])
+    neighbors = grid.row_neighbors()
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
-    arriving, dq_pending = None, comm.Pending([])
-    for t in range(cols):
-        x = grid.row_cp_ranks[(grid.col_index - t) % cols]
-        if t < cols - 1:
-            qdo_next, stats_next = torch.empty_like(qdo), torch.empty_like(stats)
-            pending = comm.ring_exchange((qdo, stats), (qdo_next, stats_next), nxt, prev,
-                                         grid.row_group, "backward", "row")
+    trailing = TrailingPartial(*neighbors, grid.row_group, "backward", "row")
+    rows_in = (torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
+    ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
+    del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
+    for t, (qdo_x, stats_x) in ring:
+        x = grid.row_cp_ranks[(grid.col_index - t) % grid.cols]
         dq = dq_own if t == 0 else torch.zeros_like(dq_own)
-        out_x = out if t == 0 else out_with_delta(qdo[1], stats[1])
         if t == 0:  # own block first, while the column's K/V arrive
             backward_block(kernel, dout, q, out, lse, k, v, x, grid.cp_rank, causal, scale,
                            dq, dkv_part[my_row])
             kv_pending.wait()
+        out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
         for i, y in enumerate(grid.col_cp_ranks):
             if not (t == 0 and i == my_row):
-                backward_block(kernel, qdo[1], qdo[0], out_x, stats[0], kv_col[i][0],
+                backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
-        if t >= 1:  # pass chunk x's dQ partial on; take the next chunk's from behind
-            dq_pending.wait()
-            if arriving is not None:
-                dq += arriving
-            sending = dq.to(grad_dtype)
-            arriving = torch.empty_like(sending)
-            dq_pending = comm.ring_exchange(sending, arriving, nxt, prev, grid.row_group,
-                                            "backward", "row")
-        if t < cols - 1:
-            pending.wait()
-            qdo, stats = qdo_next, stats_next
-    dq_pending.wait()
-    dq_own += arriving  # this rank's own chunk, back from its C-1 hops
+        if t >= 1:  # chunk x's dQ partial goes on behind its Q
+            trailing.pass_on((dq,), grad_dtype)
+    trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
     dkv = dkv.view(2, *k.shape)
     return dq_own.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
