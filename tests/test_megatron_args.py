@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -37,9 +38,48 @@ def test_add_mesh_args_parses_and_sits_beside_megatron_options():
     got = (args.context_parallel_algo, args.mesh_shape, args.cp_comm_type)
     assert got == ("mesh", (2, 4), ["p2p"])
     defaults = parser.parse_args([])
-    assert (defaults.context_parallel_algo, defaults.mesh_shape) == ("p2p", None)
+    assert (defaults.context_parallel_algo, defaults.mesh_shape) == (None, None)
+    assert validate_mesh_args(defaults) is None and defaults.context_parallel_algo == "p2p"
     for algo in ALGORITHMS:
         assert parser.parse_args(["--context-parallel-algo", algo]).context_parallel_algo == algo
+
+
+@pytest.mark.parametrize(
+    "argv, algo, comm",
+    [
+        (["--cp-comm-type", "mesh"], "mesh", ["mesh"]),
+        (["--cp-comm-type", "mesh", "mesh"], "mesh", ["mesh", "mesh"]),
+        (["--context-parallel-algo", "mesh", "--cp-comm-type", "mesh"], "mesh", ["mesh"]),
+        (["--context-parallel-algo", "mesh"], "mesh", ["p2p"]),
+        (["--context-parallel-algo", "a2a"], "a2a", ["a2a"]),
+        (["--cp-comm-type", "all_gather"], "all_gather", ["all_gather"]),
+        (["--cp-comm-type", "p2p", "a2a"], None, ["p2p", "a2a"]),  # Megatron's per-layer mix
+        ([], "p2p", ["p2p"]),
+    ],
+)
+def test_cp_comm_type_mesh_equals_context_parallel_algo_mesh(argv, algo, comm):
+    from megatron_mesh.megatron.arguments import resolve_context_parallel_algo
+
+    args = add_mesh_args(_megatron_like_parser()).parse_args(argv)
+    assert resolve_context_parallel_algo(args) == algo
+    assert (args.context_parallel_algo, args.cp_comm_type) == (algo, comm)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--cp-comm-type", "mesh", "p2p"], ["mesh p2p", "cannot be mixed", "--cp-comm-type mesh"]),
+        (["--context-parallel-algo", "mesh", "--cp-comm-type", "a2a"],
+         ["--context-parallel-algo mesh", "contradicts", "--cp-comm-type a2a"]),
+        (["--cp-comm-type", "ring"], ["'ring'", "a2a+p2p", "mesh"]),
+    ],
+)
+def test_cp_comm_type_conflicts_are_named(argv, words):
+    args = add_mesh_args(_megatron_like_parser()).parse_args(argv)
+    with pytest.raises(ValueError) as info:
+        validate_mesh_args(args)
+    for word in words:
+        assert word in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +164,14 @@ def test_validate_rejects_bad_configuration(overrides, words):
         assert word in str(info.value), str(info.value)
 
 
+def _plain(spec):
+    """A submodule spec as comparable data: megatron-core 0.19 builds some as
+    functools.partial, which compares by identity."""
+    if isinstance(spec, functools.partial):
+        return spec.func, spec.args, spec.keywords
+    return spec
+
+
 def test_layer_spec_puts_mesh_core_attention_in_place():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -136,8 +184,8 @@ def test_layer_spec_puts_mesh_core_attention_in_place():
     assert core.params == {"context_parallel_algo": "mesh"}
     # everything else is megatron-core's local spec (RMSNorm passed through)
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
-    assert spec.submodules.input_layernorm == local.submodules.input_layernorm
-    assert spec.submodules.mlp == local.submodules.mlp
+    assert _plain(spec.submodules.input_layernorm) == _plain(local.submodules.input_layernorm)
+    assert _plain(spec.submodules.mlp) == _plain(local.submodules.mlp)
     assert get_gpt_layer_spec("a2a").submodules.self_attention.submodules.core_attention.params == {
         "context_parallel_algo": "a2a"
     }

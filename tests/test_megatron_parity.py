@@ -135,7 +135,7 @@ def _expect_error(fn, *exc_types) -> str:
 
 def _run_layout(name, tp, cp, shape, out):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_mesh.megatron import get_gpt_layer_spec, initialize_mesh_grids
 

@@ -49,6 +49,14 @@ def test_flags_override_config() -> None:
     assert args.data_parallel_size == 1 and args.mesh_grid_shape[0] * args.mesh_grid_shape[1] == 4
 
 
+def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
+    common = ["--config", TINY, "--context-parallel-size", "4", "--mesh-shape", "2x2"]
+    by_algo = vars(parse_args(common + ["--context-parallel-algo", "mesh"]))
+    by_comm = vars(parse_args(common + ["--cp-comm-type", "mesh"]))
+    assert by_comm.pop("cp_comm_type") == ["mesh"] and by_algo.pop("cp_comm_type") is None
+    assert by_comm == by_algo and by_comm["context_parallel_algo"] == "mesh"
+
+
 def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -56,7 +64,7 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     text = capsys.readouterr().out
     for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--global-batch-size",
                  "--train-iters", "--lr-decay-style", "--bf16", "--tensor-model-parallel-size",
-                 "--context-parallel-size", "--context-parallel-algo", "--mesh-shape", "--seed",
+                 "--context-parallel-size", "--context-parallel-algo", "--cp-comm-type", "--mesh-shape", "--seed",
                  "--save", "--load", "--save-interval", "--log-interval", "--wandb-project",
                  "--wandb-exp-name", "--wandb-save-dir", "--data-path", "--tokenizer-type"):
         assert flag in text, flag
@@ -77,6 +85,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--context-parallel-size", "8", "--context-parallel-algo", "mesh"],
      "world size 4 is not divisible"),
     (["--config", "missing.yaml"], "missing.yaml: no such file"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "p2p"], "cannot be mixed"),
+    (["--cp-comm-type", "p2p", "a2a"], "one algorithm in every layer"),
 ])
 def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
                                              capsys: pytest.CaptureFixture) -> None:

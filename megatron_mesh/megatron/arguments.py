@@ -1,7 +1,9 @@
 """Command-line arguments for choosing the context-parallel algorithm and the mesh shape.
 
 `add_mesh_args` works as Megatron-LM's `extra_args_provider`; `validate_mesh_args` checks
-the parsed arguments before anything distributed starts.
+the parsed arguments before anything distributed starts. The algorithm comes from
+`--context-parallel-algo` or from Megatron's own `--cp-comm-type` (one value, or one per
+layer); `resolve_context_parallel_algo` reconciles the two, once.
 """
 from __future__ import annotations
 
@@ -17,7 +19,16 @@ logger = logging.getLogger(__name__)
 ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh")
 """Megatron's four context-parallel algorithms (Transformer Engine) and the mesh."""
 
-__all__ = ["ALGORITHMS", "add_mesh_args", "parse_mesh_shape", "validate_mesh_args"]
+MEGATRON_DEFAULT_CP_COMM_TYPE = ["p2p"]
+"""Megatron-LM's default --cp-comm-type: not an explicit choice."""
+
+__all__ = [
+    "ALGORITHMS",
+    "add_mesh_args",
+    "parse_mesh_shape",
+    "resolve_context_parallel_algo",
+    "validate_mesh_args",
+]
 
 
 def _mesh_shape_type(text: str) -> tuple[int, int]:
@@ -37,10 +48,21 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--context-parallel-algo",
         dest="context_parallel_algo",
         choices=ALGORITHMS,
-        default="p2p",
-        help="Context-parallel attention algorithm. p2p, all_gather, a2a and a2a+p2p are "
-        "Megatron's (they need Transformer Engine); mesh is the 2D mesh attention.",
+        default=None,
+        help="Context-parallel attention algorithm (default: --cp-comm-type, else p2p). p2p, "
+        "all_gather, a2a and a2a+p2p are Megatron's (they need Transformer Engine); mesh is "
+        "the 2D mesh attention.",
     )
+    if "--cp-comm-type" not in parser._option_string_actions:  # Megatron-LM defines it
+        group.add_argument(
+            "--cp-comm-type",
+            dest="cp_comm_type",
+            nargs="+",
+            default=None,
+            metavar="ALGO",
+            help="Megatron's name for the algorithm (same values as --context-parallel-algo); "
+            "--cp-comm-type mesh equals --context-parallel-algo mesh.",
+        )
     group.add_argument(
         "--mesh-shape",
         dest="mesh_shape",
@@ -90,18 +112,57 @@ def _head_dim(args: Any) -> int | None:
     return hidden // heads if heads and hidden else None
 
 
+def _comm_types(args: Any) -> list[str] | None:
+    """--cp-comm-type as a list (None, one value, or one per layer)."""
+    value = getattr(args, "cp_comm_type", None)
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else list(value)
+
+
+def resolve_context_parallel_algo(args: Any) -> str | None:
+    """The run's algorithm from --context-parallel-algo and --cp-comm-type; ValueError when
+    they contradict or when mesh is mixed with other per-layer values.
+
+    Writes it to args.context_parallel_algo, and a Megatron algorithm chosen by
+    --context-parallel-algo to args.cp_comm_type (what Megatron reads). None only for
+    Megatron's own per-layer mix of --cp-comm-type values (no mesh among them).
+    """
+    chosen = getattr(args, "context_parallel_algo", None)
+    comm = _comm_types(args)
+    for algo in [chosen, *(comm or [])]:
+        if algo is not None and algo not in ALGORITHMS:
+            raise ValueError(
+                f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
+            )
+    if comm and "mesh" in comm and set(comm) != {"mesh"}:
+        raise ValueError(
+            f"--cp-comm-type {' '.join(comm)}: mesh cannot be mixed with other per-layer "
+            "algorithms; give --cp-comm-type mesh (every layer) or leave mesh out"
+        )
+    explicit_comm = comm is not None and comm != MEGATRON_DEFAULT_CP_COMM_TYPE
+    if chosen is not None and explicit_comm and set(comm) != {chosen}:
+        raise ValueError(
+            f"--context-parallel-algo {chosen} contradicts --cp-comm-type {' '.join(comm)}; "
+            "give one of the two flags"
+        )
+    if chosen is None:
+        chosen = "p2p" if not comm else comm[0] if len(set(comm)) == 1 else None
+    elif chosen != "mesh" and comm is not None:
+        args.cp_comm_type = [chosen]
+    args.context_parallel_algo = chosen
+    return chosen
+
+
 def validate_mesh_args(args: Any) -> tuple[int, int] | None:
     """Check the algorithm, CP size, sequence length, mesh shape (and, for the mesh,
     attention dropout and head counts); ValueError naming the bad value if bad.
 
     Returns the (R, C) mesh shape (chosen automatically and logged when --mesh-shape is
-    omitted) for the mesh with CP > 1, else None. Touches no process group.
+    omitted) for the mesh with CP > 1, else None. Resolves the algorithm first
+    (`resolve_context_parallel_algo`). Touches no process group.
     """
-    algo = getattr(args, "context_parallel_algo", "p2p")
-    if algo not in ALGORITHMS:
-        raise ValueError(
-            f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
-        )
+    algo = resolve_context_parallel_algo(args)
     cp_size = getattr(args, "context_parallel_size", None)
     cp_size = 1 if cp_size is None else cp_size
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:

@@ -225,6 +225,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.mesh_grid_shape = validate_mesh_args(args)
     except ValueError as e:
         _fail(str(e))
+    if args.context_parallel_algo is None:
+        _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
+              "every layer; give one value")
     if cp > 1 and args.context_parallel_algo != "mesh" and not _have_transformer_engine():
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "

@@ -14,12 +14,12 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
-from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank, null_tokenizer_library
 from megatron_mesh.training.device import device
 
 _LIBRARIES = {
-    "NullTokenizer": "null",
+    "NullTokenizer": None,  # megatron-core's name for it changed: compat
     "HuggingFaceTokenizer": "huggingface",
     "GPT2BPETokenizer": "megatron",
     "SentencePieceTokenizer": "sentencepiece",
@@ -29,7 +29,7 @@ _LIBRARIES = {
 
 def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizerBase:
     """megatron-core's tokenizer for --tokenizer-type (NullTokenizer: ids are tokens)."""
-    metadata = {"library": _LIBRARIES[args.tokenizer_type]}
+    metadata = {"library": _LIBRARIES[args.tokenizer_type] or null_tokenizer_library()}
     if args.tokenizer_type == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path=metadata, vocab_size=args.vocab_size)
     if args.tokenizer_type == "GPT2BPETokenizer":

@@ -1,0 +1,68 @@
+"""The megatron-core APIs that changed between 0.16.1 and 0.19.x, one function each.
+
+Every other module calls these instead of branching on the version itself. Supported:
+megatron-core 0.16.1 up to 0.19.x (SUPPORTED); each guard names the release that changed
+the API.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+__all__ = [
+    "MEGATRON_CORE_VERSION",
+    "SUPPORTED",
+    "check_supported_version",
+    "get_batch_on_this_cp_rank",
+    "null_tokenizer_library",
+]
+
+SUPPORTED = (Version("0.16.1"), Version("0.20"))
+"""[lowest, first unsupported) megatron-core versions; both ends are tested in CI."""
+
+
+def _installed_version() -> Version:
+    from megatron.core import package_info
+
+    return Version(package_info.__version__)
+
+
+MEGATRON_CORE_VERSION: Version = _installed_version()
+"""The installed megatron-core release."""
+
+_HYBRID_CP_BATCHES = Version("0.18")
+"""0.18 made get_batch_on_this_cp_rank take `is_hybrid_cp` (positional) and stopped
+defaulting its group to the CP group."""
+_NULL_TEXT_TOKENIZER = Version("0.17")
+"""0.17 renamed the NullTokenizer's metadata library 'null' to 'null-text'."""
+
+
+def check_supported_version(version: Version = MEGATRON_CORE_VERSION) -> None:
+    """RuntimeError naming the installed and the supported megatron-core versions."""
+    low, high = SUPPORTED
+    if not low <= Version(version.base_version) < high:
+        raise RuntimeError(
+            f"megatron-core {version} is not supported: megatron-mesh works with "
+            f">={low},<{high} (pip install 'megatron-core>={low},<{high}')"
+        )
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This CP rank's two zigzag chunks of every [b, s, ...] tensor of `batch`."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank as split
+
+    group = parallel_state.get_context_parallel_group()
+    if MEGATRON_CORE_VERSION >= _HYBRID_CP_BATCHES:
+        return split(batch, False, cp_group=group)
+    return split(batch, cp_group=group)
+
+
+@functools.cache
+def null_tokenizer_library() -> str:
+    """The metadata 'library' under which MegatronTokenizer builds a NullTokenizer."""
+    return "null-text" if MEGATRON_CORE_VERSION >= _NULL_TEXT_TOKENIZER else "null"
+
