@@ -8,6 +8,7 @@ from megatron_mesh.megatron.arguments import (
     parse_mesh_shape,
     validate_mesh_args,
 )
+from megatron_mesh.megatron.compat import check_supported_version
 from megatron_mesh.megatron.core_attention import MeshDotProductAttention
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.groups import (
@@ -17,6 +18,8 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
 )
 from megatron_mesh.megatron.spec import get_gpt_layer_spec, use_mesh_core_attention
+
+check_supported_version()  # before anything builds on megatron-core
 
 __all__ = [
     "ALGORITHMS",

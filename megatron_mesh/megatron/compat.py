@@ -7,6 +7,7 @@ the API.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -41,12 +42,18 @@ _NULL_TEXT_TOKENIZER = Version("0.17")
 
 
 def check_supported_version(version: Version = MEGATRON_CORE_VERSION) -> None:
-    """RuntimeError naming the installed and the supported megatron-core versions."""
+    """RuntimeError for a megatron-core older than SUPPORTED; a warning for a newer one."""
     low, high = SUPPORTED
-    if not low <= Version(version.base_version) < high:
+    release = Version(version.base_version)
+    if release < low:
         raise RuntimeError(
-            f"megatron-core {version} is not supported: megatron-mesh works with "
-            f">={low},<{high} (pip install 'megatron-core>={low},<{high}')"
+            f"megatron-core {version} is too old: megatron-mesh needs >={low},<{high} "
+            f"(pip install 'megatron-core>={low},<{high}')"
+        )
+    if release >= high:
+        warnings.warn(
+            f"megatron-core {version} is newer than megatron-mesh was tested with "
+            f"(>={low},<{high})", stacklevel=2,
         )
 
 
