@@ -8,30 +8,42 @@ outputs in fp32):
   "gathered": all-gather the tile's Q and K/V, then compute (`gathered.py`);
   "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
   "streamed_q": Q travel around the row ring, overlapped with compute (`streamed_q.py`);
-  "streamed": whichever of the two rings holds less memory for the shape (`memory.py`).
+  "streamed": whichever of the two rings holds less memory for the shape, resolved once
+  into a `plan.MeshPlan` before anything runs (`plan.resolve_plan`).
 """
 from __future__ import annotations
 
 import torch
 
 from . import gathered, streamed_kv, streamed_q
-from .checks import DEFAULT_SCHEDULE, check_inputs
+from .checks import check_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
-from .memory import streamed_schedule
+from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
 from .traffic import AttentionShape
 
-_SCHEDULES = {"gathered": gathered, "streamed_kv": streamed_kv, "streamed_q": streamed_q}
+_SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
+              Schedule.STREAMED_Q: streamed_q}
+
+
+def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> AttentionShape:
+    """The layer these local q [s, b, hq, d], k [s, b, hkv, d] are one rank's share of."""
+    s, b, hq, d = q.shape
+    return AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size())
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
+             schedule: str | Schedule = DEFAULT_SCHEDULE,
+             grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> MeshPlan:
+    """The plan that runs for these q, k on this grid (`plan.resolve_plan`)."""
+    return resolve_plan(layer_shape(q, k, grid), grid.rows, grid.cols, schedule,
+                        grad_reduce_dtype, heads=getattr(grid, "heads", 1))
 
 
 def resolve_schedule(schedule: str, q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> str:
-    """The schedule that runs: "streamed" becomes the ring with less extra memory for these
-    q [s, b, hq, d] and k [s, b, hkv, d] on this grid; other names stay as they are."""
-    if schedule != "streamed":
-        return schedule
-    s, b, hq, d = q.shape
-    shape = AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size())
-    return streamed_schedule(shape, grid.rows, grid.cols)
+    """The schedule that runs, by name: "streamed" becomes the ring with less extra memory
+    for these q [s, b, hq, d] and k [s, b, hkv, d] on this grid."""
+    return plan_for(q, k, grid, schedule).schedule.value
 
 
 class MeshAttentionFunction(torch.autograd.Function):
@@ -76,10 +88,10 @@ def mesh_attention(
     own blocks in fp32).
     """
     check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype)
+    plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device)
-    grad_dtype = torch.float32 if grad_reduce_dtype == "fp32" else q.dtype
+    grad_dtype = torch.float32 if plan.grad_dtype is GradDtype.FP32 else q.dtype
     return MeshAttentionFunction.apply(
-        q, k, v, grid, bool(causal), float(scale), kernel, resolve_schedule(schedule, q, k, grid),
-        grad_dtype,
+        q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule, grad_dtype,
     )

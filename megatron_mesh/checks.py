@@ -6,22 +6,18 @@ import torch
 
 from .grid import MeshGrid
 from .kernels import check_backend
+from .plan import DEFAULT_SCHEDULE, check_grad_dtype_name, check_schedule_name
+from .plan import GRAD_DTYPE_NAMES as GRAD_REDUCE_DTYPES  # noqa: F401 (public name)
+from .plan import SCHEDULE_NAMES as SCHEDULES  # noqa: F401 (public name)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SCHEDULES = ("streamed", "streamed_kv", "streamed_q", "gathered")
-DEFAULT_SCHEDULE = "streamed"
-GRAD_REDUCE_DTYPES = ("fp32", "input")
 
 
 def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
     """ValueError unless the tile backend, schedule and gradient dtype are known names."""
     check_backend(backend)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ValueError(
-            f"grad_reduce_dtype={grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}"
-        )
+    check_schedule_name(schedule)
+    check_grad_dtype_name(grad_reduce_dtype)
 
 
 def check_inputs(

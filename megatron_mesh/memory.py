@@ -28,14 +28,26 @@ together at some moment, which two buffers per side cannot give for C, R > 2.
 """
 from __future__ import annotations
 
+from .dtypes import FP32_BYTES as FP32
+from .plan import MeshPlan
 from .traffic import AttentionShape
 
-FP32 = 4
 
+def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
+                 schedule: str | None = None) -> dict[str, int]:
+    """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
-def extra_memory(shape: AttentionShape, rows: int, cols: int, schedule: str) -> dict[str, int]:
-    """{'forward': bytes, 'backward': bytes} of extra buffers for one rank ('ring' for
-    Transformer Engine's p2p ring for comparison, rows * cols = P)."""
+    extra_memory(shape, plan): the plan's grid and schedule; extra_memory(shape, rows, cols,
+    schedule): a schedule by name ('ring' for Transformer Engine's p2p ring for comparison,
+    rows * cols = P).
+    """
+    if isinstance(rows, MeshPlan):
+        if rows.heads != 1:
+            raise NotImplementedError(
+                f"the memory of a heads dimension (heads={rows.heads}) is not modelled")
+        rows, cols, schedule = rows.rows, rows.cols, rows.schedule.value
+    if cols is None or schedule is None:
+        raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
     q, kv, l = shape.local_elements(rows * cols)
     e, c, r = shape.dtype_bytes, cols, rows
     if schedule == "ring":

@@ -18,7 +18,7 @@ per element of the input dtype, fp32 = 4:
               row reduce-scatter dQ       (C-1) * q  * 4
               column reduce-scatter dK,dV (R-1) * kv * 4
 
-In elements this is DESIGN.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
+In elements this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
 Gradients travel in fp32 by default, so with bf16 inputs dQ, dK, dV count twice their
 element size; with grad_reduce_dtype="input" they travel in the input dtype (grad_bytes = e).
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FP32_BYTES = 4
+from .dtypes import FP32_BYTES
+from .plan import GradDtype, MeshPlan, Schedule
 
 
 @dataclass(frozen=True)
@@ -75,23 +76,37 @@ class Traffic:
 
 
 def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> int:
-    """Bytes per element of the gradient exchange: 'fp32', or the 'input' dtype's."""
-    return FP32_BYTES if grad_reduce_dtype == "fp32" else dtype_bytes
+    """Bytes per element of the gradient exchange: 'fp32', or the 'input' dtype's
+    (`GradDtype.bytes`)."""
+    return GradDtype(grad_reduce_dtype).bytes(dtype_bytes)
 
 
 def partial_out_bytes(schedule: str, dtype_bytes: int) -> int:
-    """Bytes per element of the partial outputs a schedule sends over the row: fp32 for
-    streamed_q (merged hop by hop), the input dtype otherwise (each partial sent once)."""
-    return FP32_BYTES if schedule == "streamed_q" else dtype_bytes
+    """Bytes per element of the partial outputs a schedule sends over the row
+    (`Schedule.partial_out_bytes`)."""
+    return Schedule(schedule).partial_out_bytes(dtype_bytes)
 
 
 def mesh_traffic(
-    shape: AttentionShape, rows: int, cols: int, grad_bytes: int = FP32_BYTES,
-    out_bytes: int | None = None,
+    shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
+    grad_bytes: int = FP32_BYTES, out_bytes: int | None = None,
 ) -> Traffic:
-    """Bytes sent per rank by mesh attention on a rows x cols grid (forward, backward);
-    grad_bytes: bytes per element of the dQ, dK, dV reductions (fp32 by default); out_bytes:
-    of the partial outputs (the input dtype's by default; `partial_out_bytes`)."""
+    """Bytes sent per rank by mesh attention, forward and backward.
+
+    mesh_traffic(shape, plan): the plan's grid, gradient and partial-output dtypes.
+    mesh_traffic(shape, rows, cols, grad_bytes, out_bytes): a rows x cols grid; grad_bytes:
+    bytes per element of the dQ, dK, dV reductions (fp32 by default); out_bytes: of the
+    partial outputs (the input dtype's by default; `partial_out_bytes`).
+    """
+    if isinstance(rows, MeshPlan):
+        plan = rows
+        if plan.heads != 1:
+            raise NotImplementedError(
+                f"the traffic of a heads dimension (heads={plan.heads}) is not modelled")
+        return mesh_traffic(shape, plan.rows, plan.cols, plan.grad_bytes(shape.dtype_bytes),
+                            plan.partial_out_bytes(shape.dtype_bytes))
+    if cols is None:
+        raise TypeError("mesh_traffic takes (shape, plan) or (shape, rows, cols)")
     q, kv, lse = shape.local_elements(rows * cols)
     e = shape.dtype_bytes
     o = e if out_bytes is None else out_bytes

@@ -25,12 +25,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatron_mesh as mm
-from megatron_mesh.checks import SCHEDULES
-from megatron_mesh.memory import extra_memory, streamed_schedule
+from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import CpuPeakMemory
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
-from megatron_mesh.traffic import grad_bytes, partial_out_bytes
+from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
+from megatron_mesh.plan import STREAMED, resolve_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -119,8 +119,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         del out
     shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
                               args.head_dim, torch.finfo(dtype).bits // 8)
-    ran = streamed_schedule(shape, rows, cols) if schedule == "streamed" else schedule
-    gradient_bytes = grad_bytes(args.grad_reduce_dtype, shape.dtype_bytes)
+    plan = resolve_plan(shape, rows, cols, schedule, args.grad_reduce_dtype)
+    ran = plan.schedule.value
     if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
         memory = torch.cuda.max_memory_allocated(device) - base_mem - kept
@@ -133,12 +133,11 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         with CpuPeakMemory() as bwd_mem:
             out.backward(dout)
         memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
-    label = f"{ran}*" if schedule == "streamed" else ran
+    label = f"{ran}*" if schedule == STREAMED else ran
     return {"rows": rows, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
-            "formula": mm.mesh_traffic(shape, rows, cols, gradient_bytes,
-                                       partial_out_bytes(ran, shape.dtype_bytes)).total, "memory": memory,
-            "model_memory": max(extra_memory(shape, rows, cols, ran).values()),
+            "formula": mm.mesh_traffic(shape, plan).total, "memory": memory,
+            "model_memory": max(extra_memory(shape, plan).values()),
             "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
 
 

@@ -38,17 +38,12 @@ class Case:
 def expected_traffic(case: Case, grid: mm.MeshGrid) -> int:
     """Bytes per rank `traffic.mesh_traffic` gives for the case on the grid, with the
     gradient and partial-output dtypes of the schedule that runs."""
-    from megatron_mesh.memory import streamed_schedule
-    from megatron_mesh.traffic import grad_bytes, partial_out_bytes
+    from megatron_mesh.plan import resolve_plan
 
     shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
                               case.head_dim, torch.finfo(case.dtype).bits // 8)
-    schedule = case.schedule
-    if schedule == "streamed":
-        schedule = streamed_schedule(shape, grid.rows, grid.cols)
-    return mm.mesh_traffic(shape, grid.rows, grid.cols,
-                           grad_bytes(case.grad_reduce_dtype, shape.dtype_bytes),
-                           partial_out_bytes(schedule, shape.dtype_bytes)).total
+    plan = resolve_plan(shape, grid.rows, grid.cols, case.schedule, case.grad_reduce_dtype)
+    return mm.mesh_traffic(shape, plan).total
 
 
 def full_inputs(case: Case) -> dict[str, torch.Tensor]:

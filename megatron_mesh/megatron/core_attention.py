@@ -19,7 +19,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh.attention import mesh_attention, resolve_schedule
+from megatron_mesh.attention import mesh_attention, plan_for
 from megatron_mesh.checks import DEFAULT_SCHEDULE, check_options
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
@@ -36,7 +36,7 @@ _logged_schedules: set[tuple] = set()
 
 def _log_schedule(grid, schedule: str, query: torch.Tensor, key: torch.Tensor) -> None:
     """Say once per process (on global rank 0) which schedule runs on which grid."""
-    ran = resolve_schedule(schedule, query, key, grid)
+    ran = plan_for(query, key, grid, schedule).schedule.value
     seen = (grid.rows, grid.cols, schedule, ran)
     if seen in _logged_schedules or (dist.is_initialized() and dist.get_rank() != 0):
         return

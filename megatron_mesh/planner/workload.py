@@ -3,11 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.checks import DEFAULT_SCHEDULE, SCHEDULES
-from megatron_mesh.traffic import AttentionShape, grad_bytes
+from megatron_mesh.dtypes import DTYPE_BYTES
+from megatron_mesh.plan import (
+    DEFAULT_SCHEDULE,
+    GRAD_DTYPE_NAMES,
+    SCHEDULE_NAMES,
+    GradDtype,
+    MeshPlan,
+    resolve_plan,
+)
+from megatron_mesh.traffic import AttentionShape
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-MESH_GRAD_REDUCE_DTYPES = ("fp32", "input")
+MESH_GRAD_REDUCE_DTYPES = GRAD_DTYPE_NAMES
 BACKWARD_FLOPS_RATIO = 2.5
 
 
@@ -39,14 +46,14 @@ class Workload:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        if self.mesh_grad_reduce_dtype not in MESH_GRAD_REDUCE_DTYPES:
+        if self.mesh_grad_reduce_dtype not in GRAD_DTYPE_NAMES:
             raise ValueError(
                 f"mesh_grad_reduce_dtype {self.mesh_grad_reduce_dtype!r} is not one of "
-                f"{', '.join(MESH_GRAD_REDUCE_DTYPES)}"
+                f"{', '.join(GRAD_DTYPE_NAMES)}"
             )
-        if self.mesh_schedule not in SCHEDULES:
+        if self.mesh_schedule not in SCHEDULE_NAMES:
             raise ValueError(
-                f"mesh_schedule {self.mesh_schedule!r} is not one of {', '.join(SCHEDULES)}"
+                f"mesh_schedule {self.mesh_schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}"
             )
 
     @property
@@ -56,7 +63,12 @@ class Workload:
     @property
     def mesh_grad_bytes(self) -> int:
         """Bytes per element of the mesh's dQ, dK, dV exchange."""
-        return grad_bytes(self.mesh_grad_reduce_dtype, self.dtype_bytes)
+        return GradDtype(self.mesh_grad_reduce_dtype).bytes(self.dtype_bytes)
+
+    def mesh_plan(self, rows: int, cols: int, heads: int = 1) -> MeshPlan:
+        """The plan the mesh runs on a heads x rows x cols group for this layer."""
+        return resolve_plan(self.attention_shape(), rows, cols, self.mesh_schedule,
+                            self.mesh_grad_reduce_dtype, heads=heads)
 
     def attention_shape(self) -> AttentionShape:
         """The shape `megatron_mesh.traffic` counts bytes for."""

@@ -6,7 +6,7 @@ import argparse
 import torch.distributed as dist
 
 from megatron_mesh.megatron.cpu import megatron_on_cpu
-from megatron_mesh.memory import streamed_schedule
+from megatron_mesh.plan import STREAMED, resolve_plan
 from megatron_mesh.traffic import AttentionShape
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
@@ -24,15 +24,15 @@ def _mesh_label(args: argparse.Namespace) -> str:
     grid = args.mesh_grid
     if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1 or grid is None:
         return ""
-    schedule = args.mesh_schedule
-    if schedule == "streamed":
-        tp = args.tensor_model_parallel_size
-        local = AttentionShape(args.seq_length, args.micro_batch_size,
-                               args.num_attention_heads // tp,
-                               max(1, (args.num_query_groups or args.num_attention_heads) // tp),
-                               args.kv_channels, 2 if args.bf16 or args.fp16 else 4)
-        schedule = f"{streamed_schedule(local, grid.rows, grid.cols)} (streamed)"
-    return f" {grid.rows}x{grid.cols}, schedule {schedule}"
+    tp = args.tensor_model_parallel_size
+    local = AttentionShape(args.seq_length, args.micro_batch_size,
+                           args.num_attention_heads // tp,
+                           max(1, (args.num_query_groups or args.num_attention_heads) // tp),
+                           args.kv_channels, 2 if args.bf16 or args.fp16 else 4)
+    plan = resolve_plan(local, grid.rows, grid.cols, args.mesh_schedule,
+                        args.mesh_grad_reduce_dtype)
+    how = f" ({STREAMED})" if args.mesh_schedule == STREAMED else ""
+    return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
 def _banner(args: argparse.Namespace, n_params: int, vocab: int, flops: float) -> None:

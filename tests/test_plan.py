@@ -1,0 +1,61 @@
+"""The layer's plan: validated once, "streamed" resolved once, and the byte and memory models
+reading it give the numbers of their keyword forms."""
+from __future__ import annotations
+
+import pytest
+
+import megatron_mesh as mm
+from megatron_mesh.memory import extra_memory, streamed_schedule
+from megatron_mesh.plan import GradDtype, MeshPlan, Schedule, resolve_plan
+from megatron_mesh.traffic import grad_bytes, partial_out_bytes
+
+SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),
+          mm.AttentionShape(8192, 1, 16, 1, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("schedule", ["streamed", "streamed_kv", "streamed_q", "gathered"])
+@pytest.mark.parametrize("grads", ["fp32", "input"])
+def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
+    for rows, cols in mm.mesh_shapes(8):
+        plan = resolve_plan(shape, rows, cols, schedule, grads, cp_size=8)
+        ran = streamed_schedule(shape, rows, cols) if schedule == "streamed" else schedule
+        assert plan.schedule == ran and isinstance(plan.schedule, Schedule)
+        assert plan.grad_dtype is GradDtype(grads)
+        keyword = mm.mesh_traffic(shape, rows, cols, grad_bytes(grads, shape.dtype_bytes),
+                                  partial_out_bytes(ran, shape.dtype_bytes))
+        assert mm.mesh_traffic(shape, plan) == plan.traffic(shape) == keyword
+        assert extra_memory(shape, plan) == extra_memory(shape, rows, cols, ran)
+
+
+def test_plan_is_frozen_and_names_its_shape() -> None:
+    plan = MeshPlan(rows=2, cols=4, schedule="streamed_q", grad_dtype="input")
+    assert plan.cp_size == 8 and plan.heads == 1 and plan.shape_label == "2x4"
+    assert plan.describe() == "2x4, schedule streamed_q, grads input"
+    with pytest.raises(AttributeError):
+        plan.rows = 4  # type: ignore[misc]
+    assert MeshPlan(rows=2, cols=2, heads=4).shape_label == "4x2x2"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rows=0, cols=4), "rows must be a positive integer, got 0"),
+    (dict(rows=2, cols=2.0), "cols must be a positive integer, got 2.0"),
+    (dict(rows=2, cols=2, heads=0), "heads must be a positive integer, got 0"),
+    (dict(rows=2, cols=2, schedule="streamed"), "'streamed' is not a valid Schedule"),
+    (dict(rows=2, cols=2, grad_dtype="bf16"), "'bf16' is not a valid GradDtype"),
+])
+def test_bad_plan_names_the_value(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        MeshPlan(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(schedule="ring"), "schedule='ring' is not one of streamed, streamed_kv, streamed_q, "
+     "gathered"),
+    (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype='bf16' is not one of fp32, input"),
+    (dict(cp_size=16), "mesh shape 2x4 has 8 ranks, but the CP group has 16"),
+    (dict(heads=2, cp_size=8), "mesh shape 2x2x4 has 16 ranks, but the CP group has 8"),
+])
+def test_resolve_plan_rejects_bad_input(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_plan(SHAPES[0], 2, 4, **kwargs)
