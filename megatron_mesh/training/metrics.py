@@ -63,7 +63,7 @@ def log_line(iteration: int, args: argparse.Namespace, m: dict) -> str:
         f" [{now}] iteration {iteration:8d}/{args.train_iters:8d}",
         f"consumed samples: {m['consumed-samples']:12d}",
         f"elapsed time per iteration (ms): {m['throughput/step-time-ms']:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {m['throughput/tflops-per-gpu']:.4f}",
+        f"throughput per GPU (TFLOP/s/GPU): {m['throughput/tflops-per-gpu']:.4g}",
         f"tokens/s: {m['throughput/tokens-per-sec']:.1f}",
         f"learning rate: {m['learning-rate']:.6E}",
         f"global batch size: {args.global_batch_size:5d}",
