@@ -3,29 +3,38 @@
 Megatron-LM's own `pretrain()`, data pipeline and `forward_step` (from its pretrain_gpt.py)
 run unchanged; megatron-mesh adds two things through the hooks `pretrain()` already has:
 
-- `extra_args_provider`: --context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh} and
-  --mesh-shape RxC (`megatron_mesh.megatron.add_mesh_args`);
-- the model provider: with `mesh` it checks the flags, builds the R x C grid of every
-  context-parallel group (once, after Megatron-LM has made its model-parallel groups) and
-  builds the dense GPT with the mesh core attention in the layer spec. Any other algorithm
-  is Megatron's own (--cp-comm-type) and goes to Megatron-LM's gpt_builder untouched.
+- `extra_args_provider`: --context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh},
+  --mesh-shape RxC and the other mesh flags (`megatron_mesh.megatron.add_mesh_args`);
+  Megatron's own `--cp-comm-type mesh` selects the mesh as well;
+- the layer spec: with `mesh` the flags are checked, the R x C grid of every
+  context-parallel group is built (once, after Megatron-LM has made its model-parallel
+  groups) and the core attention of the GPT layer spec becomes the mesh's. Any other
+  algorithm is Megatron's own and Megatron-LM builds the model untouched.
 
-Run it from a Megatron-LM checkout (tag core_v0.16.1) with your usual arguments:
+Two Megatron-LM generations, told apart by what they import:
+
+- core_v0.18 and later (pretrain_gpt.py builds from a config): the mesh layer spec goes
+  into GPTModelConfig.transformer_layer_spec as a callable, wrapping --spec when given, or
+  else Megatron-LM's default spec (Transformer Engine or local);
+- core_v0.16.1: a model provider around Megatron-LM's model_provider builds the dense GPT.
+
+Run it from a Megatron-LM checkout with your usual arguments:
 
     cd Megatron-LM
     torchrun --nproc-per-node 8 /path/to/megatron-mesh/examples/megatron_lm_pretrain_mesh.py \\
-        <pretrain_gpt.py arguments> --context-parallel-size 8 \\
-        --context-parallel-algo mesh --mesh-shape 2x4
+        <pretrain_gpt.py arguments> --context-parallel-size 8 --cp-comm-type mesh
 
 The checkout is found through $MEGATRON_LM_DIR, else the current directory.
 Dense GPT only: MoE, multi-token prediction, multi-latent attention, legacy models and
---spec/--yaml-cfg need the patch (patches/) or stay on Megatron's algorithms.
+--yaml-cfg (and, on core_v0.16.1, --spec) need the patch (patches/) or stay on Megatron's
+algorithms.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.abspath(os.environ.get("MEGATRON_LM_DIR", os.getcwd())))
 
@@ -42,8 +51,22 @@ from megatron_mesh.megatron import (  # noqa: E402
     get_gpt_layer_spec,
     initialize_mesh_grids,
     mesh_grid_is_initialized,
+    use_mesh_core_attention,
     validate_mesh_args,
 )
+from megatron_mesh.megatron.arguments import resolve_context_parallel_algo  # noqa: E402
+
+try:  # Megatron-LM core_v0.18 and later: pretrain() takes a config container
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.models.gpt import default_layer_spec
+except ImportError:  # core_v0.16.1
+    gpt_config_from_args = None
+
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
 def extra_args_provider(parser):
@@ -53,28 +76,29 @@ def extra_args_provider(parser):
     return add_mesh_args(parser)
 
 
-def setup_mesh(args) -> None:
+def setup_mesh(args, spec_flag_supported: bool = False) -> None:
     """Check the flags and build the mesh grids; once, on every rank (a collective)."""
     if mesh_grid_is_initialized():
         return
     unsupported = [
         flag
-        for flag, value in (
-            ("--num-experts", args.num_experts),
-            ("--mtp-num-layers", args.mtp_num_layers),
-            ("--multi-latent-attention", args.multi_latent_attention),
-            ("--use-legacy-models", args.use_legacy_models),
-            ("--spec", args.spec),
-            ("--yaml-cfg", args.yaml_cfg),
-            ("--heterogeneous-layers-config-path", args.heterogeneous_layers_config_path),
-            ("--experimental-attention-variant", args.experimental_attention_variant),
+        for flag in (
+            "--num-experts",
+            "--mtp-num-layers",
+            "--multi-latent-attention",
+            "--use-legacy-models",  # gone in core_v0.18+
+            "--yaml-cfg",
+            "--heterogeneous-layers-config-path",
+            "--experimental-attention-variant",
+            *(() if spec_flag_supported else ("--spec",)),
         )
-        if value
+        if getattr(args, flag[2:].replace("-", "_"), None)
     ]
     if unsupported:
         raise ValueError(
             "--context-parallel-algo mesh in this example builds a dense GPT; not supported "
-            f"here: {', '.join(unsupported)} (apply patches/ to Megatron-LM instead)"
+            f"here: {', '.join(unsupported)} (on Megatron-LM core_v0.16.1 apply patches/; "
+            "else keep one of Megatron's algorithms)"
         )
     args.mesh_shape = validate_mesh_args(args)
     initialize_mesh_grids(args.mesh_shape)
@@ -91,7 +115,8 @@ def mesh_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None
     spec_options = dict(qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm)
     if not use_te:
         spec_options["normalization"] = args.normalization
-    layer_spec = get_gpt_layer_spec("mesh", use_te=use_te, **spec_options)
+    layer_spec = get_gpt_layer_spec("mesh", use_te=use_te, schedule=args.mesh_schedule,
+                                    grad_reduce_dtype=args.mesh_grad_reduce_dtype, **spec_options)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -111,30 +136,57 @@ def mesh_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None
     )
 
 
+def mesh_layer_spec(args, base, model_config, vp_stage=None):
+    """GPTModelConfig.transformer_layer_spec (core_v0.18+): `base` (--spec, a ModuleSpec or
+    a callable like this one) or Megatron-LM's default spec, with the mesh core attention."""
+    setup_mesh(args, spec_flag_supported=True)
+    spec = default_layer_spec(model_config, vp_stage) if base is None else base
+    if callable(spec) and not hasattr(spec, "submodules"):
+        spec = spec(model_config, vp_stage=vp_stage)
+    return use_mesh_core_attention(spec, schedule=args.mesh_schedule,
+                                   grad_reduce_dtype=args.mesh_grad_reduce_dtype)
+
+
+def mesh_model_config(args):
+    """Megatron-LM's GPTModelConfig (core_v0.18+) with the mesh layer spec when mesh runs."""
+    config = gpt_config_from_args(args)
+    if args.context_parallel_algo == "mesh":
+        config.transformer_layer_spec = partial(mesh_layer_spec, args,
+                                                config.transformer_layer_spec)
+    return config
+
+
 def mesh_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                         pg_collection=None):
     """Megatron-LM's model_provider with the builder chosen by --context-parallel-algo."""
     args = get_args()
-    if args.context_parallel_algo == "mesh":
-        builder = mesh_gpt_builder
-    else:
-        # Megatron's own algorithms: the flag names a --cp-comm-type unless that was given.
-        if args.cp_comm_type == ["p2p"]:
-            args.cp_comm_type = [args.context_parallel_algo]
-        builder = gpt_builder
+    # mesh, or one of Megatron's algorithms (written to args.cp_comm_type for Megatron)
+    builder = mesh_gpt_builder if resolve_context_parallel_algo(args) == "mesh" else gpt_builder
     return model_provider(builder, pre_process, post_process, vp_stage, config=config,
                           pg_collection=pg_collection)
 
 
 def main() -> None:
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    if gpt_config_from_args is None:  # core_v0.16.1: pretrain() parses the flags itself
+        pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            mesh_model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_gpt.forward_step,
+            args_defaults=ARGS_DEFAULTS,
+            extra_args_provider=extra_args_provider,
+            get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+        )
+        return
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
+                                   args_defaults=ARGS_DEFAULTS)
+    validate_mesh_args(args)  # before any collective: a bad flag stops every rank alike
     pretrain(
+        pretrain_cfg_container_from_args(args, mesh_model_config(args)),
         pretrain_gpt.train_valid_test_datasets_provider,
-        mesh_model_provider,
         ModelType.encoder_or_decoder,
         pretrain_gpt.forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        extra_args_provider=extra_args_provider,
         get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
     )
 

@@ -1,8 +1,12 @@
 """Megatron-LM integration: the patch and the no-patch example against a real checkout.
 
-Set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) whose Python environment
-can import megatron.training (it needs triton, among others); skipped otherwise. The
-checkout itself is never modified: the patch is applied to an overlay of it.
+Set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1, or core_v0.18 and later
+for the no-patch example) whose Python environment can import megatron.training (it needs
+triton, six, einops and regex, among others); skipped otherwise. The checkout itself is never
+modified: the patch is applied to an overlay of it. Megatron-LM's pretrain() asserts CUDA,
+so on a CPU the model is built through Megatron-LM's own argument parsing and builders and
+trained for a step here. core_v0.18+ declares Python >= 3.12; on 3.11 the subprocesses
+give `typing` the one name it lacks, `override` (a marker decorator), from typing_extensions.
 """
 
 from __future__ import annotations
@@ -26,6 +30,24 @@ pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR,
     reason="MEGATRON_LM_DIR is not set (point it at a Megatron-LM checkout of core_v0.16.1)",
 )
+_TYPING_BACKPORT = """
+import sys, typing
+if sys.version_info < (3, 12):
+    import typing_extensions
+    typing.override = typing_extensions.override
+"""
+
+
+def _core_version(path: Path) -> tuple[int, int]:
+    """(major, minor) of the checkout's megatron/core/package_info.py."""
+    text = (path / "megatron" / "core" / "package_info.py").read_text()
+    fields = dict(line.split(" = ") for line in text.splitlines() if line[:6] in ("MAJOR ", "MINOR "))
+    return int(fields["MAJOR"]), int(fields["MINOR"])
+
+
+def _needs_patch_tag():
+    if _core_version(_checkout()) != (0, 16):
+        pytest.skip("the patch is for Megatron-LM core_v0.16.1; newer tags use the example")
 
 
 def _checkout() -> Path:
@@ -59,11 +81,13 @@ def _python(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedP
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(cwd), str(REPO), env.get("PYTHONPATH", "")) if p
     )
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
+    code = _TYPING_BACKPORT + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_patch_applies_to_the_checkout():
+    _needs_patch_tag()
     proc = subprocess.run(["bash", str(APPLY), "--check", str(_checkout())],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -78,6 +102,7 @@ def test_apply_script_rejects_a_directory_that_is_not_megatron_lm(tmp_path):
 
 
 def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
+    _needs_patch_tag()
     overlay = _overlay(_checkout(), tmp_path / "Megatron-LM")
     proc = subprocess.run(["bash", str(APPLY), str(overlay)], capture_output=True, text=True,
                           timeout=60)
@@ -113,6 +138,8 @@ def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
         print("AUTO", parse("--context-parallel-algo", "mesh").mesh_shape)
         print("A2A", parse("--context-parallel-algo", "a2a").cp_comm_type)
         print("KEEP", parse("--cp-comm-type", "all_gather").cp_comm_type)
+        comm = parse("--cp-comm-type", "mesh", "--mesh-shape", "2x2")
+        print("COMM", comm.context_parallel_algo, comm.mesh_shape)
         try:
             parse("--context-parallel-algo", "mesh", "--mesh-shape", "3x2")
         except ValueError as error:
@@ -126,6 +153,7 @@ def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
     assert "AUTO (" in out
     assert "A2A ['a2a']" in out
     assert "KEEP ['all_gather']" in out
+    assert "COMM mesh (2, 2)" in out
     assert "BAD" in out and "3x2" in out
 
 
@@ -142,8 +170,91 @@ def test_no_patch_example_imports_and_adds_the_flags():
         parser = example.extra_args_provider(argparse.ArgumentParser())
         args = parser.parse_args(["--context-parallel-algo", "mesh", "--mesh-shape", "2x4"])
         print("ARGS", args.context_parallel_algo, args.mesh_shape)
+        print("CONFIG_API", example.gpt_config_from_args is not None)
         """,
         checkout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "ARGS mesh (2, 4)" in proc.stdout
+    assert f"CONFIG_API {_core_version(checkout) >= (0, 18)}" in proc.stdout
+
+
+def test_no_patch_example_trains_the_mesh_model_like_megatron_lm_s_own():
+    """Megatron-LM parses the flags (--cp-comm-type mesh through the example's
+    extra_args_provider) and builds the GPT with its own builder twice: through the example
+    (mesh core attention) and as it would itself (local spec). Same seed, same weights:
+    one training step gives the same loss and gradients."""
+    checkout = _checkout()
+    proc = _python(
+        f"""
+        import importlib.util, os, sys
+        import torch
+        import torch.distributed as dist
+        from megatron_mesh.megatron.cpu import megatron_on_cpu
+        spec = importlib.util.spec_from_file_location("example", {str(EXAMPLE)!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+        from megatron.training import arguments, global_vars
+
+        os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+        sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+                    "--num-attention-heads", "4", "--seq-length", "64",
+                    "--max-position-embeddings", "64", "--micro-batch-size", "2",
+                    "--global-batch-size", "2", "--mock-data", "--tokenizer-type",
+                    "NullTokenizer", "--vocab-size", "255", "--attention-dropout", "0",
+                    "--hidden-dropout", "0", "--transformer-impl", "local",
+                    "--position-embedding-type", "rope", "--no-rope-fusion",
+                    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+                    "--distributed-backend", "gloo", "--cp-comm-type", "mesh"]
+        if example.gpt_config_from_args is not None:
+            args = example.parse_and_validate_args(extra_args_provider=example.extra_args_provider,
+                                                   args_defaults=example.ARGS_DEFAULTS)
+        else:
+            args = arguments.parse_args(extra_args_provider=example.extra_args_provider)
+            arguments.validate_args(args, example.ARGS_DEFAULTS)
+            global_vars.set_global_variables(args, build_tokenizer=True)
+        example.validate_mesh_args(args)  # as main() does before pretrain()
+        print("ALGO", args.context_parallel_algo, args.cp_comm_type)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+
+        def build(mesh):
+            torch.manual_seed(1234)
+            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # CPU: one RNG
+            args.context_parallel_algo = "mesh" if mesh else "p2p"
+            if example.gpt_config_from_args is None:
+                return (example.mesh_gpt_builder if mesh else example.gpt_builder)(args, True, True)
+            from megatron.core.process_groups_config import ProcessGroupCollection
+            from megatron.training.models.gpt import GPTModelBuilder
+            config = example.mesh_model_config(args)
+            pgs = ProcessGroupCollection.use_mpu_process_groups()
+            return GPTModelBuilder(config).build_model(pgs, pre_process=True, post_process=True)
+
+        with megatron_on_cpu():
+            tokens = torch.randint(0, 255, (2, 65), generator=torch.Generator().manual_seed(0))
+            positions = torch.arange(64).expand(2, 64)
+            results = []
+            for mesh in (False, True):
+                model = build(mesh)
+                core = model.decoder.layers[0].self_attention.core_attention
+                loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+                loss.backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                results.append((loss.item(), grads))
+                print("CORE", mesh, type(core).__name__, "loss %.6f" % loss.item())
+            (ref, ref_grads), (got, got_grads) = results
+            print("SAME", abs(ref - got) < 1e-6 and len(ref_grads) == len(got_grads) and all(
+                torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ref_grads, got_grads)))
+        """,
+        checkout,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-4000:]
+    print(out)
+    assert "ALGO mesh ['mesh']" in out
+    assert "CORE False DotProductAttention" in out
+    assert "CORE True MeshDotProductAttention" in out
+    assert "SAME True" in out
