@@ -80,7 +80,8 @@ def mesh_attention(
     q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
     2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels.
-    backend: tile kernels, 'auto' | 'torch' | 'te'; schedule: 'streamed' (the ring of
+    backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`);
+    schedule: 'streamed' (the ring of
     'streamed_kv' / 'streamed_q' with less memory for the shape) | 'streamed_kv' | 'streamed_q'
     | 'gathered';
     grad_reduce_dtype: dQ, dK, dV travel in 'fp32' (default) or in the 'input' dtype (half the
@@ -90,7 +91,7 @@ def mesh_attention(
     check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype)
     plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    kernel: TileKernel = get_kernel(backend, q.device)
+    kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     grad_dtype = torch.float32 if plan.grad_dtype is GradDtype.FP32 else q.dtype
     return MeshAttentionFunction.apply(
         q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule, grad_dtype,

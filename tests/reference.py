@@ -26,13 +26,37 @@ class Case:
     schedule: str = "streamed"
     grad_reduce_dtype: str = "fp32"
     contiguous: bool = True  # False: q, k, v are [s, b, h, d] views of [b, s, h, d] storage
+    layout: str = "dense"  # or a strided view of the same values: one of LAYOUTS
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         return (f"S={self.seq} b={self.batch} hq={self.q_heads} hkv={self.kv_heads} "
                 f"d={self.head_dim} causal={self.causal} {dt} scale={self.softmax_scale} "
                 f"{self.schedule} grads={self.grad_reduce_dtype}"
-                + ("" if self.contiguous else " non-contiguous"))
+                + ("" if self.contiguous else " non-contiguous")
+                + ("" if self.layout == "dense" else f" {self.layout}"))
+
+
+LAYOUTS = ("dense", "last_dim_stride_2", "transposed", "broadcast_batch")
+
+
+def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The values of t [s, b, h, d] as a view with `layout`'s strides:
+    last_dim_stride_2: every other element of a [s, b, h, 2d] tensor (x[..., ::2]);
+    transposed: a permuted view of [b, h, d, s] storage (last-dim stride s);
+    broadcast_batch: batch 0 expanded over b (stride 0; needs equal batches)."""
+    if layout == "dense":
+        return t
+    if layout == "last_dim_stride_2":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if layout == "transposed":
+        return t.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2)
+    if layout == "broadcast_batch":
+        assert torch.equal(t, t[:, :1].expand_as(t)), "broadcast_batch needs equal batches"
+        return t[:, :1].expand_as(t)
+    raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
 
 
 def expected_traffic(case: Case, grid: mm.MeshGrid) -> int:
@@ -50,12 +74,14 @@ def full_inputs(case: Case) -> dict[str, torch.Tensor]:
     """Whole-sequence q, k, v, dout [S, b, h, d] in fp32, the same on every rank."""
     g = torch.Generator().manual_seed(case.seed)
     s, b, d = case.seq, case.batch, case.head_dim
-    return {
-        "q": torch.randn(s, b, case.q_heads, d, generator=g),
-        "k": torch.randn(s, b, case.kv_heads, d, generator=g),
-        "v": torch.randn(s, b, case.kv_heads, d, generator=g),
-        "dout": torch.randn(s, b, case.q_heads, d, generator=g),
+    nb = 1 if case.layout == "broadcast_batch" else b  # equal batches, broadcast later
+    x = {
+        "q": torch.randn(s, nb, case.q_heads, d, generator=g),
+        "k": torch.randn(s, nb, case.kv_heads, d, generator=g),
+        "v": torch.randn(s, nb, case.kv_heads, d, generator=g),
+        "dout": torch.randn(s, nb, case.q_heads, d, generator=g),
     }
+    return {n: t.expand(s, b, *t.shape[2:]).contiguous() for n, t in x.items()}
 
 
 def sdpa_reference(case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -75,6 +101,7 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
     share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
     if not case.contiguous:  # as Megatron's views of a fused QKV or a b-major layout
         share = {n: t.transpose(0, 1).contiguous().transpose(0, 1) for n, t in share.items()}
+    share = {n: as_layout(t, case.layout) for n, t in share.items()}
     q, k, v = (share[n].requires_grad_() for n in ("q", "k", "v"))
     out = mm.mesh_attention(q, k, v, grid, causal=case.causal, softmax_scale=case.softmax_scale,
                             schedule=case.schedule, grad_reduce_dtype=case.grad_reduce_dtype)

@@ -13,7 +13,7 @@ import torch
 
 import megatron_mesh as mm
 from dist_utils import run_distributed
-from reference import (Case, count_sent_bytes, errors, expected_traffic, full_inputs, mesh_result,
+from reference import (LAYOUTS, Case, count_sent_bytes, errors, expected_traffic, full_inputs, mesh_result,
                        sdpa_reference)
 
 
@@ -101,6 +101,26 @@ def non_contiguous_worker(rank: int, world: int) -> list[str]:
 
 def test_non_contiguous_inputs() -> None:
     failures = sorted(set(sum(run_distributed(non_contiguous_worker, 4), [])))
+    assert not failures, "\n".join(failures)
+
+
+def strided_worker(rank: int, world: int) -> list[str]:
+    """Inputs (and dout) whose head dim has stride 2, transposed views whose head dim has
+    stride s, and broadcast (stride 0) batches: every shape and schedule, fp32 and bf16."""
+    bad = []
+    layouts = [lay for lay in LAYOUTS if lay != "dense"]
+    for rows, cols in mm.mesh_shapes(world):
+        grid = mm.MeshGrid.build(rows=rows, cols=cols)
+        for i, schedule in enumerate(CONCRETE_SCHEDULES):
+            for j, layout in enumerate(layouts):
+                dtype = torch.bfloat16 if (i + j) % 3 == 0 else torch.float32
+                bad += check_cases(grid, [Case(16, 2, 4, 2, 16, causal=bool(j % 2), dtype=dtype,
+                                               seed=50 + j, schedule=schedule, layout=layout)])
+    return bad
+
+
+def test_strided_inputs() -> None:
+    failures = sorted(set(sum(run_distributed(strided_worker, 4), [])))
     assert not failures, "\n".join(failures)
 
 

@@ -1,12 +1,15 @@
-"""Tile-kernel backends behind one interface (`base.TileKernel`)."""
+"""Tile-kernel backends behind one interface (`base.TileKernel`), and the one place that
+chooses among them (`get_kernel`)."""
 from __future__ import annotations
 
 import torch
 
+from . import cudnn
 from .base import TileKernel
+from .cudnn import CudnnKernel
 from .torch_flash import TorchFlashKernel
 
-BACKENDS = ("auto", "torch", "te")
+BACKENDS = ("auto", "torch", "cudnn", "te")
 
 
 def check_backend(backend: str) -> None:
@@ -15,25 +18,56 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
 
 
-def get_kernel(backend: str, device: torch.device) -> TileKernel:
-    """The tile kernel for `backend` ('auto', 'torch' or 'te') on `device`.
-
-    'auto' picks Transformer Engine on CUDA when it is installed, else torch.
-    """
-    check_backend(backend)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return TorchFlashKernel()
+def _te_unsupported(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why Transformer Engine cannot run these tiles, or None."""
     from . import te_fused
 
+    if device.type != "cuda" or not te_fused.is_available():
+        return (f"tensors on {device}, Transformer Engine "
+                f"{te_fused.te_version() or 'not installed'} (it needs CUDA and TE >= 2.1)")
+    if dtype is not None and dtype not in te_fused.TE_DTYPES:
+        return f"dtype {dtype}: TE's fused attention takes float16 / bfloat16"
+    return None
+
+
+def get_kernel(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> TileKernel:
+    """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim`.
+
+    'auto' picks Transformer Engine when it is installed and takes the dtype, then torch's
+    cuDNN attention when cuDNN >= 9 takes the dtype and head dim, then torch's flash /
+    memory-efficient ops (the only choice on CPU). 'te' and 'cudnn' raise ValueError, saying
+    why, where they cannot run; 'torch' runs everywhere.
+    """
+    check_backend(backend)
+    device = torch.device(device)
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TorchFlashKernel()
+    te_why = _te_unsupported(device, dtype)
+    cudnn_why = (cudnn.unsupported(device, dtype, head_dim) if dtype is not None
+                 and head_dim is not None else "dtype and head dim not given")
     if backend == "te":
-        if device.type != "cuda" or not te_fused.is_available():
-            raise ValueError(
-                f"backend='te' needs CUDA tensors and Transformer Engine (tensors on {device}, "
-                f"Transformer Engine {te_fused.te_version() or 'not installed'}); "
-                "install transformer-engine[pytorch] or use backend='torch'"
-            )
-        return te_fused.TEFusedKernel()
-    return te_fused.TEFusedKernel() if te_fused.is_available() else TorchFlashKernel()
+        if te_why:
+            raise ValueError(f"backend='te' cannot run here: {te_why}; install "
+                             "transformer-engine[pytorch] or use backend='cudnn' or 'torch'")
+        from .te_fused import TEFusedKernel
+
+        return TEFusedKernel()
+    if backend == "cudnn":
+        if cudnn_why:
+            raise ValueError(f"backend='cudnn' cannot run here: {cudnn_why}; use "
+                             "backend='torch'")
+        return CudnnKernel()
+    if te_why is None:
+        from .te_fused import TEFusedKernel
+
+        return TEFusedKernel()
+    return CudnnKernel() if cudnn_why is None else TorchFlashKernel()
 
 
-__all__ = ["BACKENDS", "TileKernel", "TorchFlashKernel", "check_backend", "get_kernel"]
+__all__ = ["BACKENDS", "CudnnKernel", "TileKernel", "TorchFlashKernel", "check_backend",
+           "get_kernel"]

@@ -48,3 +48,13 @@ class TileKernel(Protocol):
         kernel uses `out` only through D = rowsum(dout * out) (see `delta.py`).
         """
         ...
+
+
+def dense_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is dense (stride 1), else a contiguous copy.
+
+    torch's fused attention ops read the head dim as dense without checking it: a view
+    such as x[..., ::2] (stride 2) or an expanded gradient (stride 0) would be read wrong.
+    Other strides (transposed [s, b] views, broadcast batches) they handle as they are.
+    """
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()

@@ -3,30 +3,33 @@
 CPU: _scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA.
 CUDA: _scaled_dot_product_flash_attention (fp16 / bf16) or the memory-efficient op (fp32);
 K/V heads are repeated for GQA inside the kernel call, after all communication.
+Inputs of any strides: a copy is made only where the head dim is not dense.
 """
 from __future__ import annotations
 
 import torch
 
+from .base import dense_last_dim
+
 aten = torch.ops.aten
 
 
-def _bhsd(t: torch.Tensor) -> torch.Tensor:
-    """[s, b, h, d] -> [b, h, s, d] view."""
-    return t.permute(1, 2, 0, 3)
+def bhsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, h, s, d] view, its last dim made dense if it is not."""
+    return dense_last_dim(t).permute(1, 2, 0, 3)
 
 
-def _sbhd(t: torch.Tensor) -> torch.Tensor:
+def sbhd(t: torch.Tensor) -> torch.Tensor:
     """[b, h, s, d] -> [s, b, h, d] view."""
     return t.permute(2, 0, 1, 3)
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hkv, s, d] -> [b, hkv * groups, s, d]; query head h uses kv head h // groups."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _sum_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
+def sum_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hkv * groups, s, d] -> [b, hkv, s, d], summing each kv head's query group."""
     if groups == 1:
         return t
@@ -35,19 +38,23 @@ def _sum_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class TorchFlashKernel:
-    """The TileKernel of `kernels/base.py` on torch's aten attention ops."""
+    """The TileKernel of `kernels/base.py` on torch's aten attention ops.
+
+    CPU tensors take the CPU flash op; any other device (CUDA; 'meta' for checking shapes
+    without a GPU) takes the CUDA ops.
+    """
 
     name = "torch"
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float):
-        qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
+        qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 qb, kb, vb, 0.0, causal, scale=softmax_scale
             )
-            return _sbhd(out), lse
+            return sbhd(out), lse
         groups = q.shape[2] // k.shape[2]
-        kb, vb = _repeat_kv(kb, groups), _repeat_kv(vb, groups)
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq = q.shape[0]
         if q.dtype in (torch.float16, torch.bfloat16):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(
@@ -57,30 +64,32 @@ class TorchFlashKernel:
             out, lse, *_ = aten._scaled_dot_product_efficient_attention(
                 qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
             )
-        return _sbhd(out), lse[..., :sq].contiguous()
+        return sbhd(out), lse[..., :sq].contiguous()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
-        qb, kb, vb, ob, dob = _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), _bhsd(dout)
+        qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
         lse = lse.contiguous()
         if q.device.type == "cpu":
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dob, qb, kb, vb, ob, lse, 0.0, causal, scale=softmax_scale
             )
-            return _sbhd(dq), _sbhd(dk), _sbhd(dv)
+            return sbhd(dq), sbhd(dk), sbhd(dv)
         groups = q.shape[2] // k.shape[2]
-        kb, vb = _repeat_kv(kb, groups), _repeat_kv(vb, groups)
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq, sk = q.shape[0], k.shape[0]
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
         if q.dtype in (torch.float16, torch.bfloat16):
+            # Dense (not varlen) call without dropout: the cumulative lengths and the philox
+            # seed / offset are undefined tensors (None), as the op's autograd passes them.
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                dob, qb, kb, vb, ob, lse, none, none, sq, sk, 0.0, causal, none, none,
+                dob, qb, kb, vb, ob, lse, None, None, sq, sk, 0.0, causal, None, None,
                 scale=softmax_scale,
             )
         else:
             pad = -sq % 32  # the memory-efficient op keeps lse padded to 32 rows
             lse = torch.nn.functional.pad(lse, (0, pad))
+            unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                dob, qb, kb, vb, None, ob, lse, none, none, 0.0, [True, True, True, False],
+                dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
                 causal, scale=softmax_scale,
             )
-        return _sbhd(dq), _sbhd(_sum_kv_grad(dk, groups)), _sbhd(_sum_kv_grad(dv, groups))
+        return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
