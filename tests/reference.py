@@ -48,7 +48,7 @@ def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "dense":
         return t
     if layout == "last_dim_stride_2":
-        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])
         wide[..., ::2] = t
         return wide[..., ::2]
     if layout == "transposed":
