@@ -2,7 +2,10 @@
 
 One spawned job of 8 gloo ranks runs every layout in turn (spawning is the slow part):
 TP x CP x DP = 1x4x2 as 2x2, 4x1 and 1x4 grids (two CP groups, two data replicas),
-2x2x2 with the shape chosen automatically, and 1x1x8. For each, the reference is the same
+2x2x2 with the shape chosen automatically, and 1x1x8; then Megatron's features: selective
+recomputation (core attention re-run in backward) on 1x4x2, full recomputation on 2x2x2.
+(Sequence parallelism needs Transformer Engine or Apex norms: megatron-core's torch norms
+refuse it, so it is not testable on a CPU.) For each, the reference is the same
 GPTModel (same weights, same TP) at CP = 1 whose core attention is torch SDPA on the whole
 sequence; the mesh run gets its batch from megatron-core's get_batch_on_this_cp_rank, its
 per-rank partial loss and gradients are summed over the CP group with all-reduces (as
@@ -31,13 +34,17 @@ HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
 JOB_TIMEOUT_S = 240
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
-# (name, tp, cp, mesh shape or None for automatic)
+# (name, tp, cp, mesh shape or None for automatic, TransformerConfig features)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
 LAYOUTS = [
-    ("cp4_2x2", 1, 4, (2, 2)),
-    ("cp4_4x1", 1, 4, (4, 1)),
-    ("cp4_1x4", 1, 4, (1, 4)),
-    ("tp2_cp2_auto", 2, 2, None),
-    ("cp1", 1, 1, None),
+    ("cp4_2x2", 1, 4, (2, 2), {}),
+    ("cp4_4x1", 1, 4, (4, 1), {}),
+    ("cp4_1x4", 1, 4, (1, 4), {}),
+    ("tp2_cp2_auto", 2, 2, None, {}),
+    ("cp1", 1, 1, None, {}),
+    ("cp4_2x2_recompute_selective", 1, 4, (2, 2), dict(recompute_granularity="selective")),
+    ("tp2_cp2_recompute_full", 2, 2, (2, 1), FULL_RECOMPUTE),
 ]
 
 
@@ -105,11 +112,19 @@ def _batch(replica: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _loss_and_grads(model, batch, denominator):
-    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss = (per_token * batch["loss_mask"]).sum() / denominator
+def _loss_and_grads(model, batch, denominator, traffic=None):
+    from megatron_mesh.comm import TrafficCounter
+
+    traffic = {} if traffic is None else traffic
+    with TrafficCounter() as forward:
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = (per_token * batch["loss_mask"]).sum() / denominator
     model.zero_grad(set_to_none=True)
-    loss.backward()
+    with TrafficCounter() as backward:
+        loss.backward()
+    traffic.update(forward=forward.total_bytes, backward=backward.total_bytes,
+                   backward_phases=(backward.bytes(phase="forward"),
+                                    backward.bytes(phase="backward")))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return loss.detach(), grads
 
@@ -133,7 +148,7 @@ def _expect_error(fn, *exc_types) -> str:
     return ""
 
 
-def _run_layout(name, tp, cp, shape, out):
+def _run_layout(name, tp, cp, shape, features, out):
     from megatron.core import parallel_state as ps
     from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
 
@@ -153,10 +168,11 @@ def _run_layout(name, tp, cp, shape, out):
     grid = initialize_mesh_grids(
         shape, num_attention_heads=HEADS, num_query_groups=GROUPS, seq_length=SEQ
     )
-    model = _gpt(_config(tp, cp), get_gpt_layer_spec("mesh"))
+    model = _gpt(_config(tp, cp, **features), get_gpt_layer_spec("mesh"))
     model.load_state_dict(reference.state_dict())
     local = get_batch_on_this_cp_rank(dict(full))
-    loss, grads = _loss_and_grads(model, local, denominator)
+    traffic = {}
+    loss, grads = _loss_and_grads(model, local, denominator, traffic)
     cp_group = ps.get_context_parallel_group()
     dist.all_reduce(loss, group=cp_group)
     for g in grads.values():
@@ -176,6 +192,7 @@ def _run_layout(name, tp, cp, shape, out):
         ),
         "grad_abs_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
         "grad_names": sorted(grads),
+        "traffic": traffic,
     }
 
 
@@ -254,9 +271,9 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     out: dict = {"times": {}}
     try:
         with megatron_on_cpu():
-            for name, tp, cp, shape in LAYOUTS:
+            for name, tp, cp, shape, features in LAYOUTS:
                 start = time.perf_counter()
-                _run_layout(name, tp, cp, shape, out)
+                _run_layout(name, tp, cp, shape, features, out)
                 out["times"][name] = time.perf_counter() - start
             _bad_configurations(out)
         torch.save(out, os.path.join(outdir, f"{rank}.pt"))
@@ -309,7 +326,7 @@ def test_loss_and_gradients_match_cp1(results, name):
 
 @pytest.mark.parametrize("name", [n for n, *_ in LAYOUTS])
 def test_grid_follows_megatron_cp_groups(results, name):
-    _, tp, cp, shape = next(layout for layout in LAYOUTS if layout[0] == name)
+    _, tp, cp, shape, _ = next(layout for layout in LAYOUTS if layout[0] == name)
     from megatron_mesh.traffic import AttentionShape, best_mesh_shape
 
     head_dim = HIDDEN // HEADS
@@ -323,6 +340,17 @@ def test_grid_follows_megatron_cp_groups(results, name):
         i, j = divmod(cp_rank, cols)
         assert r["row_ranks"] == [cp_ranks[i * cols + c] for c in range(cols)]  # consecutive
         assert r["col_ranks"] == [cp_ranks[x * cols + j] for x in range(rows)]
+
+
+def test_selective_recompute_reruns_the_mesh_forward_once_and_counts_it_once(results):
+    """Selective recomputation re-runs core attention in backward: its communication is
+    real and counted once more as forward traffic; nothing else changes or doubles."""
+    for rank, res in enumerate(results):
+        plain = res["cp4_2x2"]["traffic"]
+        again = res["cp4_2x2_recompute_selective"]["traffic"]
+        assert plain["forward"] > 0 and plain["backward_phases"] == (0, plain["backward"])
+        assert again["forward"] == plain["forward"], rank
+        assert again["backward_phases"] == (plain["forward"], plain["backward"]), rank
 
 
 def test_two_cp_groups_get_separate_grids(results):

@@ -57,6 +57,17 @@ def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
     assert by_comm == by_algo and by_comm["context_parallel_algo"] == "mesh"
 
 
+def test_recompute_flags_reach_the_transformer_config() -> None:
+    from megatron_mesh.training.model import transformer_config
+
+    common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
+    full = transformer_config(parse_args(common + ["--recompute-granularity", "full"]))
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == (
+        "full", "uniform", 1)
+    selective = transformer_config(parse_args(common + ["--recompute-granularity", "selective"]))
+    assert selective.recompute_granularity == "selective"
+
+
 def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -87,6 +98,10 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--config", "missing.yaml"], "missing.yaml: no such file"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "p2p"], "cannot be mixed"),
     (["--cp-comm-type", "p2p", "a2a"], "one algorithm in every layer"),
+    (["--pipeline-model-parallel-size", "2"], "examples/megatron_lm_pretrain_mesh.py"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer needs CUDA"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "Transformer Engine or Apex"),
+    (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
 ])
 def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
                                              capsys: pytest.CaptureFixture) -> None:

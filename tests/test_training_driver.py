@@ -115,9 +115,10 @@ def fault_run(data_args: list[str], work: Path) -> Run:
 
 
 def test_data_parallel_with_cp_matches_cp1(cp1_run: Run, data_args: list[str]) -> None:
-    """DP 2 x CP 2 (mesh): the sampler splits the batch and DDP averages over DP x CP."""
-    run = torchrun(4, [*data_args, "--context-parallel-size", "2",
-                       "--context-parallel-algo", "mesh", "--train-iters", "4",
+    """DP 2 x CP 2 (mesh, chosen by Megatron's --cp-comm-type, with selective
+    recomputation): the sampler splits the batch and DDP averages over DP x CP."""
+    run = torchrun(4, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+                       "--recompute-granularity", "selective", "--train-iters", "4",
                        "--lr-decay-iters", str(ITERS)])  # the reference's LR schedule
     assert run.returncode == 0, run.output[-3000:]
     assert "x DP 2" in run.output

@@ -189,6 +189,42 @@ class MeshDotProductAttention(MegatronModule):
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
+class MeshDotProductAttentionInTEState(MeshDotProductAttention):
+    """The mesh in place of Transformer Engine's attention, keeping TE's state-dict shape.
+
+    TE's attention saves an `_extra_state` (its FP8 metadata: an empty uint8 tensor without
+    FP8, else pickled bytes); this class keeps whatever was loaded there and saves it back
+    unchanged, so a TE checkpoint loads strictly into a mesh run and back without losing or
+    inventing state. In the dist-checkpoint format neither contributes anything (TE's
+    attention returns no sharded state for vanilla softmax); loading such a checkpoint
+    leaves the extra state at "no FP8 metadata" instead of reporting a missing key.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._te_extra_state: Any = torch.empty(0, dtype=torch.uint8)
+
+    def get_extra_state(self) -> Any:
+        return self._te_extra_state
+
+    def set_extra_state(self, state: Any) -> None:
+        self._te_extra_state = state
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        return {}
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list, unexpected_keys: list,
+                              error_msgs: list) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:  # a dist checkpoint: none stored
+            missing_keys.remove(key)
+            self._te_extra_state = torch.empty(0, dtype=torch.uint8)
+
+
 def _check_supported(
     config: TransformerConfig,
     attn_mask_type: AttnMaskType,

@@ -10,10 +10,14 @@ import dataclasses
 import importlib.util
 from typing import Any
 
+import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mesh.megatron.arguments import ALGORITHMS
-from megatron_mesh.megatron.core_attention import MeshDotProductAttention
+from megatron_mesh.megatron.core_attention import (
+    MeshDotProductAttention,
+    MeshDotProductAttentionInTEState,
+)
 
 __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_attention"]
 
@@ -48,7 +52,9 @@ def use_mesh_core_attention(
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
     Walks ModuleSpec.submodules dataclasses (self_attention of a layer, layer_specs of a
-    block); raises ValueError when the spec holds no core_attention to replace.
+    block); raises ValueError when the spec holds no core_attention to replace. A core
+    attention with extra state (Transformer Engine's) becomes
+    MeshDotProductAttentionInTEState, so checkpoints keep their keys.
     """
     core = mesh_core_attention_spec(context_parallel_algo, backend, schedule, grad_reduce_dtype)
     spec, count = _replace(spec, core)
@@ -69,13 +75,27 @@ def _replace(node: Any, core: ModuleSpec) -> tuple[Any, int]:
         for field in dataclasses.fields(node):
             value = getattr(node, field.name)
             if field.name == "core_attention":
-                changes[field.name], count = core, count + 1
+                changes[field.name], count = _in_place_of(value, core), count + 1
                 continue
             new, n = _replace(value, core)
             if n:
                 changes[field.name], count = new, count + n
         return (dataclasses.replace(node, **changes) if count else node), count
     return node, 0
+
+
+def _has_extra_state(module: Any) -> bool:
+    """Whether a module class (or ModuleSpec) saves an `_extra_state` in its state dict."""
+    module = module.module if isinstance(module, ModuleSpec) else module
+    method = getattr(module, "get_extra_state", torch.nn.Module.get_extra_state)
+    return method is not torch.nn.Module.get_extra_state
+
+
+def _in_place_of(replaced: Any, core: ModuleSpec) -> ModuleSpec:
+    """`core`, as the class that keeps `replaced`'s extra state when it has one."""
+    if _has_extra_state(replaced):
+        return dataclasses.replace(core, module=MeshDotProductAttentionInTEState)
+    return core
 
 
 def get_gpt_layer_spec(

@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--bf16", type=bool, default=False)
     _flag(g, "--fp16", type=bool, default=False)
     _flag(g, "--use-distributed-optimizer", type=bool, default=False, help="GPU only")
+    _flag(g, "--recompute-granularity", default=None, choices=("full", "selective"),
+          help="selective: recompute core attention (the mesh re-runs its forward, "
+               "communication included) in backward; full: whole layers")
+    _flag(g, "--recompute-method", default=None, choices=("uniform", "block"),
+          help="with --recompute-granularity full (default uniform)")
+    _flag(g, "--recompute-num-layers", type=int, default=None,
+          help="with --recompute-granularity full (default 1)")
 
     g = p.add_argument_group("optimizer and learning rate")
     _flag(g, "--optimizer", default="adam", choices=("adam", "sgd"))
@@ -193,7 +200,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail("--bf16 and --fp16 are exclusive")
     if args.pipeline_model_parallel_size != 1:
         _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-              "this driver supports 1 (no pipeline parallelism)")
+              "this driver supports 1 (no pipeline parallelism); for pipeline parallelism "
+              "run Megatron-LM with examples/megatron_lm_pretrain_mesh.py (GPU)")
+    if args.recompute_granularity == "full":
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    elif args.recompute_method or args.recompute_num_layers:
+        _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
     if not args.group_query_attention:
         if args.num_query_groups not in (None, args.num_attention_heads):
             _fail("--num-query-groups needs --group-query-attention")
@@ -235,8 +248,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if (args.bf16 or args.fp16) and not torch.cuda.is_available():
         _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
     if args.sequence_parallel and not torch.cuda.is_available():
-        _fail("--sequence-parallel needs CUDA (megatron-core's DDP reduces the norm gradients "
-              "over TP); drop it on a CPU")
+        _fail("--sequence-parallel needs CUDA: its layer norms come from Transformer Engine or "
+              "Apex (megatron-core's torch norms refuse it) and megatron-core's DDP reduces their "
+              "gradients over TP; drop it on a CPU (the mesh runs the same with or without it)")
+    if args.use_distributed_optimizer and not torch.cuda.is_available():
+        _fail("--use-distributed-optimizer needs CUDA (megatron-core's DDP grad buffers); "
+              "on a CPU drop it: the driver's optimizer then keeps full state on each rank")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.num_attention_heads % tp or args.num_query_groups % tp:

@@ -51,6 +51,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         use_cpu_initialization=not has_cuda(),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
 
 
