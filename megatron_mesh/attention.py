@@ -1,4 +1,7 @@
-"""Mesh attention: exact attention over a CP group laid out as an R x C grid.
+"""Mesh attention: exact attention over a CP group laid out as an A x R x C grid.
+
+With A > 1 an all-to-all over the heads group first gives each rank 1/A of the heads for
+A times the tokens (`heads.py`); the R x C mesh then runs on those.
 
 Rank (i, j) computes the R * C rank-blocks of its tile: the Q chunks of its row against
 the K/V chunks of its column, one kernel call each (`layout.block_for`). Partial outputs
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gathered, streamed_kv, streamed_q
+from . import gathered, heads, streamed_kv, streamed_q
 from .checks import check_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
@@ -37,7 +40,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> MeshPlan:
     """The plan that runs for these q, k on this grid (`plan.resolve_plan`)."""
     return resolve_plan(layer_shape(q, k, grid), grid.rows, grid.cols, schedule,
-                        grad_reduce_dtype, heads=getattr(grid, "heads", 1))
+                        grad_reduce_dtype, heads=grid.heads)
 
 
 def resolve_schedule(schedule: str, q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> str:
@@ -79,7 +82,8 @@ def mesh_attention(
 
     q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
     2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
-    Only the hkv heads travel; GQA / MQA are handled inside the tile kernels.
+    Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
+    dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
     backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`);
     schedule: 'streamed' (the ring of
     'streamed_kv' / 'streamed_q' with less memory for the shape) | 'streamed_kv' | 'streamed_q'
@@ -93,6 +97,9 @@ def mesh_attention(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     grad_dtype = torch.float32 if plan.grad_dtype is GradDtype.FP32 else q.dtype
-    return MeshAttentionFunction.apply(
+    if grid.heads > 1:
+        q, k, v = heads.scatter_heads(q, k, v, grid)
+    out = MeshAttentionFunction.apply(
         q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule, grad_dtype,
     )
+    return heads.gather_heads(out, grid) if grid.heads > 1 else out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .grid import MeshGrid
+from .heads import check_heads
 from .kernels import check_backend
 from .plan import DEFAULT_SCHEDULE, check_grad_dtype_name, check_schedule_name
 from .plan import GRAD_DTYPE_NAMES as GRAD_REDUCE_DTYPES  # noqa: F401 (public name)
@@ -55,6 +56,7 @@ def check_inputs(
     hkv = k.shape[2]
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hkv}")
+    check_heads(grid.heads, hq, hkv)
     p = grid.cp_size
     if s < 1 or (p > 1 and s % 2 != 0):
         raise ValueError(

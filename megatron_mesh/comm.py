@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 Phase = Literal["forward", "backward"]
-Direction = Literal["row", "col"]
+Direction = Literal["row", "col", "heads"]
 
 _active: list["TrafficCounter"] = []
 

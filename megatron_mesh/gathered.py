@@ -33,9 +33,9 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
-    for j, x in enumerate(grid.row_cp_ranks):
+    for j, x in enumerate(grid.row_mesh_ranks):
         out_acc, lse_acc = empty_accumulators(s, b, hq, d, q.device)
-        for i, y in enumerate(grid.col_cp_ranks):
+        for i, y in enumerate(grid.col_mesh_ranks):
             forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, causal, scale,
                           out_acc, lse_acc)
         partial_out[j].copy_(out_acc)
@@ -66,8 +66,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
 
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
     dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
-    for j, x in enumerate(grid.row_cp_ranks):
-        for i, y in enumerate(grid.col_cp_ranks):
+    for j, x in enumerate(grid.row_mesh_ranks):
+        for i, y in enumerate(grid.col_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
                            kv_col[i][1], x, y, causal, scale, dq_part[j], dkv_part[i])
 

@@ -1,7 +1,14 @@
-"""The R x C grid over a context-parallel group and its row / column process groups.
+"""The A x R x C grid over a context-parallel group and the process groups it talks over.
 
-CP rank r sits at (r // C, r % C): a row holds C consecutive CP ranks, a column holds
-every C-th one. Rank (i, j) gathers Q over its row and K/V over its column.
+CP rank r has head index a = r % A and mesh rank m = r // A: the A consecutive CP ranks of
+one mesh rank share an all-to-all (heads) group, and the P / A ranks with the same head
+index form an R x C mesh, in which mesh rank m sits at (m // C, m % C). A row holds C
+consecutive mesh ranks, a column every C-th one; rank (i, j) gathers Q over its row and
+K/V over its column. With A = 1 (the default) mesh ranks are CP ranks.
+
+The groups come from one `torch.distributed.device_mesh.DeviceMesh` per CP group, with
+named dims "kv" (the R ranks of a column, which pass K/V), "q" (the C ranks of a row, which
+pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all).
 """
 from __future__ import annotations
 
@@ -9,54 +16,83 @@ import datetime
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from .traffic import mesh_shapes
+from .traffic import grid_shapes
 
 
 @dataclass(frozen=True)
 class MeshGrid:
-    """This rank's place in one CP group's mesh, with the groups it talks over."""
+    """This rank's place in one CP group's grid, with the groups it talks over."""
 
     rows: int
     cols: int
     cp_rank: int
     cp_ranks: tuple[int, ...]  # global ranks of the CP group, in CP-rank order
-    cp_group: dist.ProcessGroup | None
     row_group: dist.ProcessGroup | None
     col_group: dist.ProcessGroup | None
+    heads: int = 1
+    heads_group: dist.ProcessGroup | None = None
+    device_mesh: DeviceMesh | None = None  # dims ("kv", "q") or ("kv", "q", "heads")
 
     @property
     def cp_size(self) -> int:
+        return self.heads * self.rows * self.cols
+
+    @property
+    def mesh_size(self) -> int:
+        """Ranks of the R x C mesh: P / A."""
         return self.rows * self.cols
 
     @property
+    def head_index(self) -> int:
+        """Which 1/A of the heads this rank computes (its place in the heads group)."""
+        return self.cp_rank % self.heads
+
+    @property
+    def mesh_rank(self) -> int:
+        """This rank's place in the R x C mesh: its zigzag position after the all-to-all."""
+        return self.cp_rank // self.heads
+
+    @property
     def row_index(self) -> int:
-        return self.cp_rank // self.cols
+        return self.mesh_rank // self.cols
 
     @property
     def col_index(self) -> int:
-        return self.cp_rank % self.cols
+        return self.mesh_rank % self.cols
 
     @property
-    def row_cp_ranks(self) -> list[int]:
-        """CP ranks of this rank's row: the query owners of its tile, by column index."""
+    def mesh_ranks(self) -> list[int]:
+        """Global ranks of this rank's mesh, by mesh rank."""
+        return list(self.cp_ranks[self.head_index::self.heads])
+
+    @property
+    def row_mesh_ranks(self) -> list[int]:
+        """Mesh ranks of this rank's row: the query owners of its tile, by column index."""
         return [self.row_index * self.cols + j for j in range(self.cols)]
 
     @property
-    def col_cp_ranks(self) -> list[int]:
-        """CP ranks of this rank's column: the key/value owners of its tile, by row index."""
+    def col_mesh_ranks(self) -> list[int]:
+        """Mesh ranks of this rank's column: the key/value owners of its tile, by row index."""
         return [i * self.cols + self.col_index for i in range(self.rows)]
 
     def col_neighbors(self) -> tuple[int, int]:
         """Global ranks (next, previous) of this rank in its column's ring."""
-        col, i = column_of(self.cp_ranks, self.cols, self.col_index), self.row_index
+        col, i = column_of(self.mesh_ranks, self.cols, self.col_index), self.row_index
         return col[(i + 1) % self.rows], col[(i - 1) % self.rows]
 
     def row_neighbors(self) -> tuple[int, int]:
         """Global ranks (next, previous) of this rank in its row's ring."""
-        row, j = row_of(self.cp_ranks, self.cols, self.row_index), self.col_index
+        row, j = row_of(self.mesh_ranks, self.cols, self.row_index), self.col_index
         return row[(j + 1) % self.cols], row[(j - 1) % self.cols]
+
+    @property
+    def shape_text(self) -> str:
+        """'AxRxC' ('RxC' when A = 1), as the flags write it."""
+        return shape_text(self.heads, self.rows, self.cols)
 
     @classmethod
     def build(
@@ -65,27 +101,28 @@ class MeshGrid:
         cols: int,
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
+        heads: int = 1,
     ) -> "MeshGrid":
         """Collective: the grid over `group` (default: the whole default process group).
 
-        With group=None every rank of the default group calls it. With an explicit group only
-        that group's members call it (its row and column groups are created locally).
-        `timeout` bounds every collective of the new groups (torch's default when None).
+        heads x rows x cols must equal the group's size. With group=None every rank of the
+        default group calls it. With an explicit group only that group's members call it (its
+        groups are created locally). `timeout` bounds every collective of the new groups
+        (torch's default when None).
         """
         if group is None:
-            grid = cls.build_many([list(range(dist.get_world_size()))], rows, cols, timeout=timeout)
+            grid = cls.build_many([list(range(dist.get_world_size()))], rows, cols,
+                                  timeout=timeout, heads=heads)
             assert grid is not None
             return grid
         ranks = dist.get_process_group_ranks(group)
-        check_shape(rows, cols, len(ranks))
+        check_shape(rows, cols, len(ranks), heads)
         cp_rank = ranks.index(dist.get_rank())
-        i, j = divmod(cp_rank, cols)
-        return cls(
-            rows, cols, cp_rank, tuple(ranks), group,
-            dist.new_group(row_of(ranks, cols, i), timeout=timeout, use_local_synchronization=True),
-            dist.new_group(column_of(ranks, cols, j), timeout=timeout,
-                           use_local_synchronization=True),
-        )
+        mine = [next(g for g in dim if dist.get_rank() in g)
+                for dim in dim_groups(ranks, rows, cols, heads)[:3 if heads > 1 else 2]]
+        new = [dist.new_group(g, timeout=timeout, use_local_synchronization=True) for g in mine]
+        return cls(rows, cols, cp_rank, tuple(ranks), new[1], new[0], heads,
+                   new[2] if heads > 1 else None)
 
     @classmethod
     def build_many(
@@ -95,19 +132,20 @@ class MeshGrid:
         cols: int,
         cp_group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
+        heads: int = 1,
     ) -> "MeshGrid | None":
         """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
 
-        Every rank creates every row and column group in the same order, as
-        torch.distributed requires; it returns the grid of the CP group holding this rank,
-        or None when no group holds it. `cp_group`, when every rank passes its existing CP
-        process group (Megatron's), is reused instead of creating the CP groups again.
-        `timeout` bounds every collective of the new groups (torch's default when None).
+        Every rank builds every CP group's DeviceMesh in the same order, as torch.distributed
+        requires; it returns the grid of the CP group holding this rank, or None when no group
+        holds it. `cp_group`, when every rank passes its existing CP process group
+        (Megatron's), is checked against the CP group holding this rank. `timeout` bounds every
+        collective of the new groups (torch's default when None).
         """
         world = dist.get_world_size()
         seen: set[int] = set()
         for ranks in cp_groups:
-            check_shape(rows, cols, len(ranks))
+            check_shape(rows, cols, len(ranks), heads)
             for rank in ranks:
                 if not 0 <= rank < world or rank in seen:
                     raise ValueError(
@@ -126,37 +164,62 @@ class MeshGrid:
                 )
         mine: MeshGrid | None = None
         for ranks in cp_groups:
-            ranks = list(ranks)
-            group = cp_group if cp_group is not None else dist.new_group(ranks, timeout=timeout)
-            row_groups = [dist.new_group(row_of(ranks, cols, i), timeout=timeout)
-                          for i in range(rows)]
-            col_groups = [dist.new_group(column_of(ranks, cols, j), timeout=timeout)
-                          for j in range(cols)]
+            mesh = grid_device_mesh(ranks, rows, cols, heads, timeout)
             if me in ranks:
-                cp_rank = ranks.index(me)
-                i, j = divmod(cp_rank, cols)
-                mine = cls(rows, cols, cp_rank, tuple(ranks), group, row_groups[i], col_groups[j])
+                mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), mesh.get_group("q"),
+                           mesh.get_group("kv"), heads,
+                           mesh.get_group("heads") if heads > 1 else None, mesh)
         return mine
 
 
+def grid_device_mesh(ranks: Sequence[int], rows: int, cols: int, heads: int,
+                     timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """Collective over ALL ranks: the DeviceMesh [R, C, A] (dims "kv", "q", "heads"; no
+    "heads" dim when A = 1) of one CP group's global ranks in CP order."""
+    sizes = (rows, cols, heads) if heads > 1 else (rows, cols)
+    names = ("kv", "q", "heads")[:len(sizes)]
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    override = None
+    if timeout is not None:
+        options = (dist.ProcessGroupNCCL.Options() if device == "cuda"
+                   else dist.ProcessGroupGloo._Options())
+        options._timeout = timeout
+        override = ((None, options),) * len(sizes)
+    return DeviceMesh(device, torch.tensor(list(ranks)).view(sizes), mesh_dim_names=names,
+                      backend_override=override)
+
+
+def dim_groups(ranks: Sequence[int], rows: int, cols: int,
+               heads: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The groups of each dim of the grid over `ranks` (CP order): (columns, rows, heads)."""
+    grid = torch.tensor(list(ranks)).view(rows, cols, heads)
+    along = lambda dim: grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()  # noqa: E731
+    return along(0), along(1), along(2)
+
+
 def row_of(ranks: Sequence[int], cols: int, i: int) -> list[int]:
-    """Row i of a grid of `ranks` (CP order) with `cols` columns: C consecutive ranks."""
+    """Row i of a mesh of `ranks` (mesh order) with `cols` columns: C consecutive ranks."""
     return list(ranks[i * cols:(i + 1) * cols])
 
 
 def column_of(ranks: Sequence[int], cols: int, j: int) -> list[int]:
-    """Column j of a grid of `ranks` (CP order) with `cols` columns: every C-th rank."""
+    """Column j of a mesh of `ranks` (mesh order) with `cols` columns: every C-th rank."""
     return list(ranks[j::cols])
 
 
-def check_shape(rows: int, cols: int, cp_size: int) -> None:
-    """Raise ValueError unless rows x cols is a grid of exactly cp_size ranks."""
-    for name, value in (("rows", rows), ("cols", cols)):
+def shape_text(heads: int, rows: int, cols: int) -> str:
+    """'AxRxC', or 'RxC' when A = 1."""
+    return f"{heads}x{rows}x{cols}" if heads > 1 else f"{rows}x{cols}"
+
+
+def check_shape(rows: int, cols: int, cp_size: int, heads: int = 1) -> None:
+    """Raise ValueError unless heads x rows x cols is a grid of exactly cp_size ranks."""
+    for name, value in (("heads", heads), ("rows", rows), ("cols", cols)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mesh {name}={value!r} must be a positive integer")
-    if rows * cols != cp_size:
-        valid = ", ".join(f"{r}x{c}" for r, c in reversed(mesh_shapes(cp_size)))
+    if heads * rows * cols != cp_size:
+        valid = ", ".join(shape_text(*arc) for arc in sorted(grid_shapes(cp_size)))
         raise ValueError(
-            f"mesh shape {rows}x{cols} has {rows * cols} ranks but the CP group has {cp_size}; "
-            f"valid shapes: {valid}"
+            f"grid {shape_text(heads, rows, cols)} (heads x rows x cols) has "
+            f"{heads * rows * cols} ranks but the CP group has {cp_size}; valid shapes: {valid}"
         )

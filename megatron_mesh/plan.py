@@ -158,7 +158,7 @@ def resolve_plan(
 ) -> MeshPlan:
     """The one place a layer's plan is decided, from user spellings: validates the names,
     resolves "streamed" for `shape` (the layer as one rank's attention sees it: its heads,
-    the whole sequence S) and checks heads * rows * cols against cp_size when given."""
+    the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks heads * rows * cols against cp_size when given."""
     if not isinstance(grad_reduce_dtype, GradDtype):
         check_grad_dtype_name(grad_reduce_dtype)
     if not isinstance(schedule, Schedule):
@@ -166,4 +166,7 @@ def resolve_plan(
     plan = MeshPlan(rows=rows, cols=cols, heads=heads, grad_dtype=GradDtype(grad_reduce_dtype))
     if cp_size is not None:
         plan.check_cp_size(cp_size)
+    if heads > 1:  # the mesh runs on 1/A of the heads over the whole sequence
+        from .traffic import heads_shape
+        shape = heads_shape(shape, heads)
     return replace(plan, schedule=resolve_schedule_name(schedule, shape, rows, cols))

@@ -33,12 +33,12 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     accs = [empty_accumulators(s, b, hq, d, q.device) for _ in range(grid.cols)]
     ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "col")
     for t, (k_y, v_y) in ring:
-        y = grid.col_cp_ranks[(grid.row_index - t) % grid.rows]
+        y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k_y, v_y, grid.cp_rank, y, causal, scale, *accs[me])
+            forward_block(kernel, q, k_y, v_y, grid.mesh_rank, y, causal, scale, *accs[me])
             q_pending.wait()
             q_row = q_row.view(grid.cols, *q.shape)
-        for j, x in enumerate(grid.row_cp_ranks):
+        for j, x in enumerate(grid.row_mesh_ranks):
             if not (t == 0 and j == me):
                 forward_block(kernel, q_row[j], k_y, v_y, x, y, causal, scale, *accs[j])
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
@@ -61,9 +61,9 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     dkv_own = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
     trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "col")
     for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "col"):
-        y = grid.col_cp_ranks[(grid.row_index - t) % grid.rows]
+        y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
-        for j, x in enumerate(grid.row_cp_ranks):
+        for j, x in enumerate(grid.row_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
                            x, y, causal, scale, dq_part[j], dkv)
         if t >= 1:  # chunk y's partial goes on behind its K/V

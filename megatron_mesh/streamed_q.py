@@ -41,12 +41,12 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     # fp32 partials: rounding the running merge at every hop would add up
     trailing = TrailingPartial(*neighbors, grid.row_group, "forward", "row", merge_partial)
     for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", "row"):
-        x = grid.row_cp_ranks[(grid.col_index - t) % grid.cols]
+        x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k, v, x, grid.cp_rank, causal, scale, *acc)
+            forward_block(kernel, q, k, v, x, grid.mesh_rank, causal, scale, *acc)
             kv_pending.wait()
-        for i, y in enumerate(grid.col_cp_ranks):
+        for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
                 forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
         if t >= 1:  # chunk x's partial goes on behind its Q
@@ -72,14 +72,14 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
     del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
     for t, (qdo_x, stats_x) in ring:
-        x = grid.row_cp_ranks[(grid.col_index - t) % grid.cols]
+        x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         dq = dq_own if t == 0 else torch.zeros_like(dq_own)
         if t == 0:  # own block first, while the column's K/V arrive
-            backward_block(kernel, dout, q, out, lse, k, v, x, grid.cp_rank, causal, scale,
+            backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, causal, scale,
                            dq, dkv_part[my_row])
             kv_pending.wait()
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
-        for i, y in enumerate(grid.col_cp_ranks):
+        for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])

@@ -24,9 +24,20 @@ element size; with grad_reduce_dtype="input" they travel in the input dtype (gra
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
 partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
 running merge to bf16 at every hop would lose precision as C grows.
+
+With a heads dimension (A x R x C = P, `heads.py`), each rank first sends and receives an
+all-to-all over its A-rank heads group, in the input dtype, (A-1)/A of each tensor:
+
+    forward : Q, K, V in, O out           (A-1)/A * (2q + f kv) * e
+    backward: dO in, dQ, dK, dV out       (A-1)/A * (2q + f kv) * e
+
+and then runs the R x C mesh over P/A ranks with the same q and f kv elements per rank,
+where f = A / gcd(A, hkv) counts K/V heads repeated so that each head slice has its own
+(`heads.kv_repeats`). Corners: A = 1 is the mesh; (A, P/A, 1) is a2a+p2p; (P, 1, 1) is a2a.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .dtypes import FP32_BYTES
@@ -61,14 +72,16 @@ class Traffic:
     forward_col: int
     backward_row: int
     backward_col: int
+    forward_heads: int = 0
+    backward_heads: int = 0
 
     @property
     def forward(self) -> int:
-        return self.forward_row + self.forward_col
+        return self.forward_row + self.forward_col + self.forward_heads
 
     @property
     def backward(self) -> int:
-        return self.backward_row + self.backward_col
+        return self.backward_row + self.backward_col + self.backward_heads
 
     @property
     def total(self) -> int:
@@ -93,17 +106,16 @@ def mesh_traffic(
 ) -> Traffic:
     """Bytes sent per rank by mesh attention, forward and backward.
 
-    mesh_traffic(shape, plan): the plan's grid, gradient and partial-output dtypes.
+    mesh_traffic(shape, plan): the plan's grid (with its heads all-to-all, `grid_traffic`),
+    gradient and partial-output dtypes.
     mesh_traffic(shape, rows, cols, grad_bytes, out_bytes): a rows x cols grid; grad_bytes:
     bytes per element of the dQ, dK, dV reductions (fp32 by default); out_bytes: of the
     partial outputs (the input dtype's by default; `partial_out_bytes`).
     """
     if isinstance(rows, MeshPlan):
         plan = rows
-        if plan.heads != 1:
-            raise NotImplementedError(
-                f"the traffic of a heads dimension (heads={plan.heads}) is not modelled")
-        return mesh_traffic(shape, plan.rows, plan.cols, plan.grad_bytes(shape.dtype_bytes),
+        return grid_traffic(shape, plan.heads, plan.rows, plan.cols,
+                            plan.grad_bytes(shape.dtype_bytes),
                             plan.partial_out_bytes(shape.dtype_bytes))
     if cols is None:
         raise TypeError("mesh_traffic takes (shape, plan) or (shape, rows, cols)")
@@ -116,6 +128,37 @@ def mesh_traffic(
         backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
         backward_col=(rows - 1) * (kv * e + kv * grad_bytes),
     )
+
+
+def heads_shape(shape: AttentionShape, heads: int) -> AttentionShape:
+    """The problem the R x C mesh solves after the all-to-all: 1/A of the query heads and
+    lcm(A, hkv)/A K/V heads (repeated when A does not divide hkv), the whole sequence."""
+    kv_heads = shape.kv_heads * heads // math.gcd(heads, shape.kv_heads)
+    return AttentionShape(shape.seq_len, shape.batch, shape.q_heads // heads, kv_heads // heads,
+                          shape.head_dim, shape.dtype_bytes)
+
+
+def grid_traffic(
+    shape: AttentionShape, heads: int, rows: int, cols: int, grad_bytes: int = FP32_BYTES,
+    out_bytes: int | None = None,
+) -> Traffic:
+    """Bytes sent per rank on a heads x rows x cols grid: the all-to-all of Q, K, V, O (and
+    their gradients) over A ranks plus `mesh_traffic` of the R x C mesh on `heads_shape`."""
+    if heads == 1:
+        return mesh_traffic(shape, rows, cols, grad_bytes, out_bytes)
+    inner = heads_shape(shape, heads)
+    mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes)
+    q, kv, _ = inner.local_elements(rows * cols)
+    a2a = (2 * q + kv) * shape.dtype_bytes * (heads - 1) // heads
+    return Traffic(mesh.forward_row, mesh.forward_col, mesh.backward_row, mesh.backward_col,
+                   forward_heads=a2a, backward_heads=a2a)
+
+
+def grid_shapes(cp_size: int) -> list[tuple[int, int, int]]:
+    """Every heads x rows x cols factorization of cp_size: A ascending, then as
+    `mesh_shapes` (P/A x 1 down to 1 x P/A)."""
+    return [(a, r, c) for a in range(1, cp_size + 1) if cp_size % a == 0
+            for r, c in mesh_shapes(cp_size // a)]
 
 
 def mesh_shapes(cp_size: int) -> list[tuple[int, int]]:

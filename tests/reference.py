@@ -66,7 +66,8 @@ def expected_traffic(case: Case, grid: mm.MeshGrid) -> int:
 
     shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
                               case.head_dim, torch.finfo(case.dtype).bits // 8)
-    plan = resolve_plan(shape, grid.rows, grid.cols, case.schedule, case.grad_reduce_dtype)
+    plan = resolve_plan(shape, grid.rows, grid.cols, case.schedule, case.grad_reduce_dtype,
+                        heads=grid.heads)
     return mm.mesh_traffic(shape, plan).total
 
 
@@ -121,7 +122,7 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         for n, t in ref.items():
             err = (got[n] - t).abs().max().item()
             if err > 1e-5 * max(1.0, t.abs().max().item()):
-                bad.append(f"{case} {grid.rows}x{grid.cols} {n}: max error {err:.3g} > 1e-5")
+                bad.append(f"{case} {grid.shape_text} {n}: max error {err:.3g} > 1e-5")
         return bad
     same = {n: split(t) for n, t in sdpa_reference(case, x, case.dtype).items()}
     ulp = torch.finfo(case.dtype).eps
@@ -129,7 +130,7 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         err = (got[n] - t).abs().max().item()
         base = (same[n] - t).abs().max().item()
         if err > 2 * base + 2 * ulp * t.abs().max().item():
-            bad.append(f"{case} {grid.rows}x{grid.cols} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+            bad.append(f"{case} {grid.shape_text} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
     return bad
 
 

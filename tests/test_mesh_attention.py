@@ -46,7 +46,7 @@ def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[str]:
         bad += errors(case, got, grid, grid.cp_rank, x)
         expected = expected_traffic(case, grid)
         if not sent[0] == counter.total_bytes == expected:
-            bad.append(f"{case} {grid.rows}x{grid.cols}: sent {sent[0]} B, counter "
+            bad.append(f"{case} {grid.shape_text}: sent {sent[0]} B, counter "
                        f"{counter.total_bytes} B, formula {expected} B")
     return bad
 

@@ -1,0 +1,102 @@
+"""The heads dimension: an all-to-all over the A ranks of a heads group (Ulysses).
+
+CP rank r = m * A + a holds Megatron's zigzag sub-chunks r and 2P-1-r of 2P, all heads.
+After the all-to-all it holds 1/A of the heads (slice a) for the tokens of the A ranks of
+mesh rank m: their first sub-chunks mA .. mA+A-1 are super-chunk m of 2P/A, in order,
+and their second sub-chunks 2P-1-mA .. 2P-A-mA are super-chunk 2P/A-1-m, in reverse
+order. Laid out as [super-chunk m, super-chunk 2P/A-1-m], that is the zigzag of P/A
+super-ranks, so the R x C mesh runs unchanged on the rank's mesh (`MeshGrid.mesh_ranks`).
+The output goes back by the inverse all-to-all; in backward the gradients take the
+mirror path. Bytes per rank: an all-to-all of an M-byte input sends M (A-1)/A.
+
+GQA / MQA: head slice a of hq query heads needs the K/V heads of its queries. When A
+divides hkv each slice takes hkv/A of them; otherwise the K/V heads are repeated
+A / gcd(A, hkv) times (to lcm(A, hkv) heads) just before the all-to-all, which is the
+first collective that needs them, and the repeated bytes travel (`kv_repeats`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import comm
+from .grid import MeshGrid
+
+
+def kv_repeats(heads: int, kv_heads: int) -> int:
+    """How many times each K/V head is repeated so that A slices get whole heads:
+    A / gcd(A, hkv) (1 when A divides hkv)."""
+    return heads // math.gcd(heads, kv_heads)
+
+
+def check_heads(heads: int, q_heads: int, kv_heads: int) -> None:
+    """ValueError unless A divides the query heads (then lcm(A, hkv) divides them too)."""
+    if q_heads % heads != 0:
+        valid = [a for a in range(1, q_heads + 1) if q_heads % a == 0]
+        raise ValueError(
+            f"heads={heads} (the all-to-all size) must divide the {q_heads} query heads "
+            f"({kv_heads} K/V heads); valid sizes: {', '.join(map(str, valid))}"
+        )
+
+
+def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
+    """[s, b, h, d] (zigzag of P, all heads) -> [A s, b, h/A, d] (zigzag of P/A, head
+    slice `grid.head_index`)."""
+    s, b, h, d = x.shape
+    a = grid.heads
+    send = x.reshape(s, b, a, h // a, d).permute(2, 0, 1, 3, 4)  # piece a' goes to rank a'
+    recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': rank a''s tokens
+    halves = recv.view(a, 2, s // 2, b, h // a, d)
+    return torch.cat([halves[:, 0].reshape(-1, b, h // a, d),
+                      halves.flip(0)[:, 1].reshape(-1, b, h // a, d)])
+
+
+def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
+    """Inverse of `heads_to_sequence`: [A s, b, h/A, d] -> [s, b, h, d]."""
+    a = grid.heads
+    s2, b, hs, d = y.shape
+    first, second = y.view(2, a, s2 // (2 * a), b, hs, d)
+    send = torch.stack([first, second.flip(0)], dim=1).view(a, -1, b, hs, d)
+    recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': head slice a'
+    return recv.permute(1, 2, 0, 3, 4).reshape(-1, b, a * hs, d)
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """`heads_to_sequence` forward, its inverse on the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return heads_to_sequence(x, grid, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sequence_to_heads(grad, ctx.grid, "backward"), None
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """`sequence_to_heads` forward, its inverse on the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, y, grid):
+        ctx.grid = grid
+        return sequence_to_heads(y, grid, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_sequence(grad, ctx.grid, "backward"), None
+
+
+def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid):
+    """q [s, b, hq, d], k / v [s, b, hkv, d] -> this rank's head slice over its mesh rank's
+    tokens: [A s, b, hq/A, d] and [A s, b, lcm(A, hkv)/A, d]; differentiable."""
+    repeats = kv_repeats(grid.heads, k.shape[2])
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    return tuple(HeadsToSequence.apply(t, grid) for t in (q, k, v))
+
+
+def gather_heads(out: torch.Tensor, grid: MeshGrid) -> torch.Tensor:
+    """The mesh's output [A s, b, hq/A, d] back to this rank's tokens [s, b, hq, d]."""
+    return SequenceToHeads.apply(out, grid)
