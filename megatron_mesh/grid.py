@@ -164,29 +164,46 @@ class MeshGrid:
                 )
         mine: MeshGrid | None = None
         for ranks in cp_groups:
-            mesh = grid_device_mesh(ranks, rows, cols, heads, timeout)
+            mesh, groups = grid_device_mesh(ranks, rows, cols, heads, timeout)
             if me in ranks:
-                mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), mesh.get_group("q"),
-                           mesh.get_group("kv"), heads,
-                           mesh.get_group("heads") if heads > 1 else None, mesh)
+                mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), groups["q"],
+                           groups["kv"], heads, groups.get("heads"), mesh)
         return mine
 
 
-def grid_device_mesh(ranks: Sequence[int], rows: int, cols: int, heads: int,
-                     timeout: datetime.timedelta | None = None) -> DeviceMesh:
-    """Collective over ALL ranks: the DeviceMesh [R, C, A] (dims "kv", "q", "heads"; no
-    "heads" dim when A = 1) of one CP group's global ranks in CP order."""
-    sizes = (rows, cols, heads) if heads > 1 else (rows, cols)
-    names = ("kv", "q", "heads")[:len(sizes)]
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    override = None
-    if timeout is not None:
-        options = (dist.ProcessGroupNCCL.Options() if device == "cuda"
-                   else dist.ProcessGroupGloo._Options())
-        options._timeout = timeout
-        override = ((None, options),) * len(sizes)
-    return DeviceMesh(device, torch.tensor(list(ranks)).view(sizes), mesh_dim_names=names,
-                      backend_override=override)
+DIM_NAMES = ("kv", "q", "heads")
+
+
+def grid_device_mesh(
+    ranks: Sequence[int], rows: int, cols: int, heads: int,
+    timeout: datetime.timedelta | None = None,
+) -> tuple[DeviceMesh | None, dict[str, dist.ProcessGroup]]:
+    """Collective over ALL ranks: the DeviceMesh of one CP group (global ranks, CP order)
+    over its dims of more than one rank, of "kv" (R), "q" (C) and "heads" (A), and this
+    rank's group of each dim ("heads" only when A > 1). A dim of one rank gets a group of
+    this rank alone, created locally; no rank outside the CP group creates one."""
+    sizes = dict(zip(DIM_NAMES, (rows, cols, heads)))
+    names = tuple(n for n, size in sizes.items() if size > 1)
+    mesh = None
+    if names:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        override = None
+        if timeout is not None:
+            options = (dist.ProcessGroupNCCL.Options() if device == "cuda"
+                       else dist.ProcessGroupGloo._Options())
+            options._timeout = timeout
+            override = ((None, options),) * len(names)
+        layout = torch.tensor(list(ranks)).view(rows, cols, heads).squeeze()
+        mesh = DeviceMesh(device, layout.view([sizes[n] for n in names]), mesh_dim_names=names,
+                          backend_override=override)
+    me = dist.get_rank()
+    if me not in ranks:
+        return mesh, {}
+    groups = {n: mesh.get_group(n) for n in names}
+    for n in ("kv", "q") + (("heads",) if heads > 1 else ()):
+        if n not in groups:
+            groups[n] = dist.new_group([me], timeout=timeout, use_local_synchronization=True)
+    return mesh, groups
 
 
 def dim_groups(ranks: Sequence[int], rows: int, cols: int,
