@@ -27,6 +27,7 @@ class Case:
     grad_reduce_dtype: str = "fp32"
     contiguous: bool = True  # False: q, k, v are [s, b, h, d] views of [b, s, h, d] storage
     layout: str = "dense"  # or a strided view of the same values: one of LAYOUTS
+    device: str = "cpu"  # where mesh_attention runs ("cuda": the rank's current GPU)
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
@@ -85,21 +86,26 @@ def full_inputs(case: Case) -> dict[str, torch.Tensor]:
     return {n: t.expand(s, b, *t.shape[2:]).contiguous() for n, t in x.items()}
 
 
-def sdpa_reference(case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """out, dq, dk, dv of torch SDPA over the whole sequence in `dtype`, returned in fp32."""
-    q, k, v = (x[n].to(dtype).permute(1, 2, 0, 3).requires_grad_() for n in ("q", "k", "v"))
+def sdpa_reference(case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """out, dq, dk, dv of torch SDPA over the whole sequence in `dtype` on `device`, returned
+    in fp32 (fp64 if dtype is) on the CPU."""
+    q, k, v = (x[n].to(device, dtype).permute(1, 2, 0, 3).requires_grad_()
+               for n in ("q", "k", "v"))
     out = F.scaled_dot_product_attention(
         q, k, v, is_causal=case.causal, scale=case.softmax_scale, enable_gqa=True
     )
-    out.backward(x["dout"].to(dtype).permute(1, 2, 0, 3))
-    sbhd = lambda t: t.detach().permute(2, 0, 1, 3).float()  # noqa: E731
+    out.backward(x["dout"].to(device, dtype).permute(1, 2, 0, 3))
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    sbhd = lambda t: t.detach().permute(2, 0, 1, 3).to("cpu", wide)  # noqa: E731
     return {"out": sbhd(out), "dq": sbhd(q.grad), "dk": sbhd(k.grad), "dv": sbhd(v.grad)}
 
 
 def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
                 cp_rank: int) -> dict[str, torch.Tensor]:
     """out, dq, dk, dv of mesh_attention on this rank's zigzag share, in fp32."""
-    share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.dtype) for n, t in x.items()}
+    share = {n: mm.zigzag_split(t, grid.cp_size)[cp_rank].to(case.device, case.dtype)
+             for n, t in x.items()}
     if not case.contiguous:  # as Megatron's views of a fused QKV or a b-major layout
         share = {n: t.transpose(0, 1).contiguous().transpose(0, 1) for n, t in share.items()}
     share = {n: as_layout(t, case.layout) for n, t in share.items()}
@@ -108,8 +114,8 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
                             schedule=case.schedule, grad_reduce_dtype=case.grad_reduce_dtype)
     assert out.dtype == case.dtype and out.shape == q.shape
     out.backward(share["dout"])
-    return {"out": out.detach().float(), "dq": q.grad.float(), "dk": k.grad.float(),
-            "dv": v.grad.float()}
+    return {"out": out.detach().to("cpu", torch.float32), "dq": q.grad.to("cpu", torch.float32),
+            "dk": k.grad.to("cpu", torch.float32), "dv": v.grad.to("cpu", torch.float32)}
 
 
 def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[str]:

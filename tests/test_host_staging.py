@@ -1,0 +1,148 @@
+"""Mesh attention with its collectives staged through host memory (tests/host_staging.py),
+the layer that lets several ranks share one GPU over gloo.
+
+CPU: every schedule on 2x1, 1x2 (P = 2) and 2x2 (P = 4) through the staging layer stays
+exact against whole-sequence SDPA, and the staged collectives really ran.
+GPU (`gpu` marker): the same on one CUDA device shared by 2 and 4 ranks, fp32 / bf16 /
+fp16, MHA / GQA / MQA, against SDPA in fp64 to 2x the error SDPA itself makes on that GPU
+in that dtype; and each schedule's peak CUDA memory against `megatron_mesh.memory`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import megatron_mesh as mm
+import host_staging
+from megatron_mesh.memory import extra_memory
+from megatron_mesh.plan import resolve_plan
+from dist_utils import run_distributed
+from reference import Case, errors, full_inputs, mesh_result, sdpa_reference
+
+SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
+SHAPES = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
+
+
+def cpu_worker(rank: int, world: int) -> list[str]:
+    bad = []
+    with host_staging.staged_through_host():
+        for rows, cols in SHAPES[world]:
+            grid = mm.MeshGrid.build(rows=rows, cols=cols)
+            for i, schedule in enumerate(SCHEDULES):
+                case = Case(4 * world, 2, 4, (4, 2, 1)[i], 16, causal=bool(i % 2 == 0),
+                            dtype=(torch.float32, torch.bfloat16)[i % 2], seed=60 + i,
+                            schedule=schedule)
+                x = full_inputs(case)
+                bad += errors(case, mesh_result(case, x, grid, grid.cp_rank), grid,
+                              grid.cp_rank, x)
+    staged = host_staging.staged_calls
+    if not staged["batch_isend_irecv"] or not sum(staged[n] for n in host_staging.GATHER_LIKE):
+        bad.append(f"rank {rank}: the collectives were not staged: {dict(staged)}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_schedules_through_host_staging_stay_exact(world: int) -> None:
+    failures = sorted(set(sum(run_distributed(cpu_worker, world), [])))
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------- GPU
+
+def gpu_cases(world: int) -> list[Case]:
+    s = 64 * world
+    heads = ((8, 8), (8, 2), (8, 1))
+    return [Case(s, 2, hq, hkv, 64, causal=causal, dtype=dtype, seed=70 + i, schedule=schedule,
+                 device="cuda")
+            for i, (schedule, dtype, (hq, hkv), causal) in enumerate(
+                (sch, dt, hd, c) for sch in SCHEDULES
+                for dt in (torch.float32, torch.bfloat16, torch.float16)
+                for hd in heads for c in (True, False))
+            if i % 3 == 0 or dtype != torch.float32]
+
+
+def gpu_errors(case: Case, got: dict, grid: mm.MeshGrid, x: dict) -> list[str]:
+    """Within 2x the error of SDPA in case.dtype on this GPU, both against SDPA in fp64."""
+    split = lambda t: mm.zigzag_split(t, grid.cp_size)[grid.cp_rank]  # noqa: E731
+    ref = {n: split(t) for n, t in sdpa_reference(case, x, torch.float64).items()}
+    same = {n: split(t) for n, t in sdpa_reference(case, x, case.dtype, "cuda").items()}
+    ulp = torch.finfo(case.dtype).eps
+    bad = []
+    for n, want in ref.items():
+        err = (got[n].double() - want).abs().max().item()
+        base = (same[n].double() - want).abs().max().item()
+        if err > 2 * base + 2 * ulp * want.abs().max().item():
+            bad.append(f"{case} {grid.rows}x{grid.cols} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+    return bad
+
+
+def gpu_worker(rank: int, world: int) -> list[str]:
+    torch.cuda.set_device(0)  # every rank on the one GPU
+    bad = []
+    with host_staging.staged_through_host():
+        for rows, cols in SHAPES[world]:
+            grid = mm.MeshGrid.build(rows=rows, cols=cols)
+            for case in gpu_cases(world):
+                x = full_inputs(case)
+                bad += gpu_errors(case, mesh_result(case, x, grid, grid.cp_rank), grid, x)
+    return bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_ranks_sharing_one_gpu_match_sdpa_fp64(world: int) -> None:
+    failures = sorted(set(sum(run_distributed(gpu_worker, world), [])))
+    assert not failures, "\n".join(failures)
+
+
+def memory_worker(rank: int, world: int) -> list[dict]:
+    """Peak CUDA memory of one forward + backward per schedule, less what autograd keeps
+    (q, k, v, out, lse) and dout, against the memory model's peak."""
+    torch.cuda.set_device(0)
+    rows_out = []
+    seq, b, hq, hkv, d, dtype = 8192, 1, 16, 16, 128, torch.bfloat16
+    shape = mm.AttentionShape(seq, b, hq, hkv, d, 2)
+    with host_staging.staged_through_host():
+        for rows, cols in SHAPES[world]:
+            grid = mm.MeshGrid.build(rows=rows, cols=cols)
+            for schedule in SCHEDULES:
+                s = seq // world
+                make = lambda h: torch.randn(s, b, h, d, device="cuda", dtype=dtype)  # noqa: E731
+                q, k, v = (make(h).requires_grad_() for h in (hq, hkv, hkv))
+                dout = make(hq)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                out = mm.mesh_attention(q, k, v, grid, schedule=schedule)
+                out.backward(dout)
+                torch.cuda.synchronize()
+                kept = out.nbytes + 4 * b * hq * s  # out and fp32 lse, saved for backward
+                measured = torch.cuda.max_memory_allocated() - base - kept
+                plan = resolve_plan(shape, rows, cols, schedule, "fp32")
+                model = max(extra_memory(shape, plan).values())
+                rows_out.append({"shape": f"{rows}x{cols}", "schedule": schedule, "rank": rank,
+                                 "measured_bytes": measured, "model_bytes": model})
+                del out, q, k, v, dout
+    return rows_out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_peak_memory_of_each_schedule_vs_model(world: int) -> None:
+    """Rows are appended as JSON lines to $MESH_GPU_MEMORY_REPORT when it is set."""
+    rows = sum(run_distributed(memory_worker, world), [])
+    report = os.environ.get("MESH_GPU_MEMORY_REPORT")
+    if report:
+        with open(report, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    worst = {}
+    for row in rows:
+        key = (row["shape"], row["schedule"])
+        worst[key] = max(worst.get(key, 0), row["measured_bytes"]), row["model_bytes"]
+    over = [f"{shape} {sch}: measured {m / 2**20:.1f} MiB > 1.5 x model {mod / 2**20:.1f} MiB"
+            for (shape, sch), (m, mod) in worst.items() if m > 1.5 * mod + 2**20]
+    assert not over, "\n".join(over)
