@@ -6,14 +6,17 @@ merged by log-sum-exp (forward) or accumulated in fp32 (backward), exactly as
 `megatron_mesh.blocks` does inside mesh attention. The same FLOPs in one call: the s query
 rows against P * s / 2 keys (P * s without causal masking), no mask.
 
-    python scripts/bench_tiles.py --chunk 8192 --cp-size 8 --backends torch,te   # CUDA
-    python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4            # smoke run
+    python scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8    # CUDA, every backend
+    python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4   # smoke run (CPU)
 
-Prints milliseconds, TFLOP/s and efficiency (single-call time / tile time) per backend.
+Prints milliseconds, TFLOP/s, efficiency (single-call time / tile time) and, on CUDA, the
+peak memory of each pass, per chunk size and backend (torch, cudnn, te; one that cannot
+run here says why). --json appends the rows to a file, one JSON object a line.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -28,7 +31,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chunk", type=int, default=8192, help="tokens per rank s (even)")
+    p.add_argument("--chunk", default="8192", help="tokens per rank s (even; comma-separated list)")
     p.add_argument("--cp-size", type=int, default=8, help="P: blocks per tile")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
@@ -36,13 +39,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--backends", default="torch,te", help="comma-separated: torch, te")
+    p.add_argument("--backends", default="torch,cudnn,te", help="comma-separated: torch, cudnn, te")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", default=None, help="append one JSON object per row to this file")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
-    if args.chunk % 2:
-        p.error(f"--chunk {args.chunk} must be even (two zigzag halves)")
+    try:
+        args.chunks = [int(c) for c in args.chunk.split(",")]
+    except ValueError:
+        p.error(f"--chunk {args.chunk!r} must be even integers, comma-separated")
+    if any(c <= 0 or c % 2 for c in args.chunks):
+        p.error(f"--chunk {args.chunk} must be positive and even (two zigzag halves)")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     return args
 
 
@@ -61,11 +71,23 @@ def timed(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench(args: argparse.Namespace, backend: str) -> list[str]:
+def peak_bytes(fn, device: torch.device) -> int | None:
+    """Peak CUDA memory above what was allocated before fn() (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    kernel = get_kernel(backend, device)
-    s, p, b, hq, hkv, d = args.chunk, args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
+    kernel = get_kernel(backend, device, dtype, args.head_dim)
+    p, b, hq, hkv, d = args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
     scale = d ** -0.5
     make = lambda n, h: torch.randn(n, b, h, d, device=device, dtype=dtype)  # noqa: E731
     x = p // 2  # a middle rank: its tile mixes lower (x > y) and upper (x < y) blocks
@@ -95,30 +117,61 @@ def bench(args: argparse.Namespace, backend: str) -> list[str]:
     def single_backward():
         kernel.backward(dout, q, k1, v1, out1, lse1, False, scale)
 
+    def tile_both():
+        tile_forward()
+        tile_backward()
+
+    def single_both():
+        single_forward()
+        single_backward()
+
     flops_fwd = 4 * b * hq * d * s * keys_single
     rows = []
     for name, tile, single, flops in (("forward", tile_forward, single_forward, flops_fwd),
-                                      ("backward", tile_backward, single_backward, 2.5 * flops_fwd)):
+                                      ("backward", tile_backward, single_backward, 2.5 * flops_fwd),
+                                      ("fwd+bwd", tile_both, single_both, 3.5 * flops_fwd)):
         t_tile, t_one = timed(tile, device, args.iters), timed(single, device, args.iters)
-        rows.append(f"{backend:>6} {name:>9} {1e3 * t_tile:10.3f} {1e3 * t_one:10.3f} "
-                    f"{flops / t_tile / 1e12:10.2f} {flops / t_one / 1e12:10.2f} "
-                    f"{100 * t_one / t_tile:8.1f}%")
+        rows.append({"backend": kernel.name, "chunk": s, "pass": name, "tile_ms": 1e3 * t_tile,
+                     "single_ms": 1e3 * t_one, "tile_tflops": flops / t_tile / 1e12,
+                     "single_tflops": flops / t_one / 1e12, "efficiency": t_one / t_tile,
+                     "tile_peak_bytes": peak_bytes(tile, device),
+                     "single_peak_bytes": peak_bytes(single, device),
+                     "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                     else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
+                     "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal})
     return rows
+
+
+def format_row(row: dict) -> str:
+    mib = lambda n: "-" if n is None else f"{n / 2**20:.0f}"  # noqa: E731
+    return (f"{row['backend']:>6} {row['chunk']:>6} {row['pass']:>9} {row['tile_ms']:10.3f} "
+            f"{row['single_ms']:10.3f} {row['tile_tflops']:10.2f} {row['single_tflops']:10.2f} "
+            f"{100 * row['efficiency']:9.1f}% {mib(row['tile_peak_bytes']):>9} "
+            f"{mib(row['single_peak_bytes']):>9}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    where = (f"CUDA ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda")
+             else "CPU (not a GPU measurement)")
     print(f"one rank's tile: P={args.cp_size} blocks of {args.chunk} tokens, heads "
           f"{args.heads}/{args.kv_heads}, d={args.head_dim}, b={args.batch}, causal={args.causal}, "
-          f"{args.device}")
-    print(f"{'kernel':>6} {'pass':>9} {'tile ms':>10} {'single ms':>10} {'tile TF/s':>10} "
-          f"{'single TF/s':>10} {'efficiency':>9}")
-    for backend in args.backends.split(","):
-        try:
-            for row in bench(args, backend):
-                print(row)
-        except ValueError as err:  # e.g. 'te' without Transformer Engine or CUDA
-            print(f"{backend:>6} skipped: {err}")
+          f"{where}")
+    print(f"{'kernel':>6} {'chunk':>6} {'pass':>9} {'tile ms':>10} {'single ms':>10} "
+          f"{'tile TF/s':>10} {'single TF/s':>10} {'efficiency':>10} {'tile MiB':>9} "
+          f"{'single MiB':>9}")
+    for s in args.chunks:
+        for backend in args.backends.split(","):
+            try:
+                rows = bench(args, backend, s)
+            except ValueError as err:  # e.g. 'te' without Transformer Engine or CUDA
+                print(f"{backend:>6} {s:>6} skipped: {err}")
+                continue
+            for row in rows:
+                print(format_row(row))
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the formula for every shape and schedule, the ring 'streamed' picks, tile effici
 (Their timings are printed, never checked.)"""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -48,11 +49,19 @@ def test_bench_attention_rejects_an_unknown_schedule() -> None:
         in proc.stderr
 
 
-def test_bench_tiles_reports_both_passes_and_why_te_is_skipped() -> None:
-    out = run_script("bench_tiles.py", "--device", "cpu", "--chunk", "128", "--cp-size", "4",
-                     "--heads", "4", "--head-dim", "32", "--iters", "1")
-    lines = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.strip()}
-    for phase in ("forward", "backward"):
-        fields = lines[("torch", phase)]
-        assert fields[-1].endswith("%") and float(fields[-1][:-1]) > 0, out
-    assert "te skipped:" in out and "Transformer Engine" in out, out
+def test_bench_tiles_reports_every_pass_and_why_cudnn_and_te_are_skipped(tmp_path) -> None:
+    report = tmp_path / "tiles.json"
+    out = run_script("bench_tiles.py", "--device", "cpu", "--chunk", "128,64", "--cp-size", "4",
+                     "--heads", "4", "--head-dim", "32", "--iters", "1", "--json", str(report))
+    assert "CPU (not a GPU measurement)" in out, out
+    lines = {tuple(line.split()[:3]): line.split() for line in out.splitlines() if line.strip()}
+    for chunk in ("128", "64"):
+        for phase in ("forward", "backward", "fwd+bwd"):
+            fields = lines[("torch", chunk, phase)]
+            assert fields[-3].endswith("%") and float(fields[-3][:-1]) > 0, out
+    assert "te    128 skipped:" in out and "Transformer Engine" in out, out
+    assert "cudnn    128 skipped:" in out and "needs CUDA" in out, out
+    rows = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(r["chunk"], r["pass"]) for r in rows] == [
+        (c, p) for c in (128, 64) for p in ("forward", "backward", "fwd+bwd")]
+    assert all(r["backend"] == "torch" and r["device"] == "cpu" for r in rows)
