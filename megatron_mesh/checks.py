@@ -14,6 +14,17 @@ from .plan import SCHEDULE_NAMES as SCHEDULES  # noqa: F401 (public name)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_zigzag_divisible(seq_length: int, cp_size: int, what: str = "sequence length",
+                           ranks: str = "CP", single_rank: bool = False) -> None:
+    """ValueError unless the zigzag layout can cut seq_length into 2 * cp_size equal chunks
+    (the one home of this check; `what` and `ranks` name the caller's flags). A group of
+    one rank splits nothing and passes, unless `single_rank` asks for the two chunks anyway."""
+    if (cp_size > 1 or single_rank) and (seq_length < 1 or seq_length % (2 * cp_size)):
+        raise ValueError(
+            f"{what} {seq_length} must be divisible by 2 * {ranks} = {2 * cp_size} (the zigzag "
+            f"layout gives each of the {cp_size} ranks 2 of {2 * cp_size} equal chunks)")
+
+
 def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
     """ValueError unless the tile backend, schedule and gradient dtype are known names."""
     check_backend(backend)
@@ -57,12 +68,9 @@ def check_inputs(
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hkv}")
     check_heads(grid.heads, hq, hkv)
-    p = grid.cp_size
-    if s < 1 or (p > 1 and s % 2 != 0):
-        raise ValueError(
-            f"sequence length {s * p} (local {s} x CP {p}) must be divisible by 2 * CP = {2 * p} "
-            "for the zigzag layout"
-        )
+    if s < 1:
+        raise ValueError(f"q has local sequence length {s}; it must be positive")
+    check_zigzag_divisible(s * grid.cp_size, grid.cp_size)
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive float or None")
     check_options(backend, schedule, grad_reduce_dtype)

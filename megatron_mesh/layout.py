@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_zigzag_divisible
+
 
 def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     """The two sub-chunk indices (of 2 * cp_size) held by `cp_rank`."""
@@ -18,11 +20,8 @@ def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
     """Split a whole sequence (along `dim`) into the cp_size per-rank zigzag shares."""
-    length = full.shape[dim]
-    if length % (2 * cp_size) != 0:
-        raise ValueError(
-            f"sequence length {length} must be divisible by 2 * cp_size = {2 * cp_size}"
-        )
+    check_zigzag_divisible(full.shape[dim], cp_size, ranks="cp_size",
+                           single_rank=True)
     sub = full.chunk(2 * cp_size, dim=dim)
     pairs = (zigzag_chunks(cp_size, rank) for rank in range(cp_size))
     return [torch.cat([sub[a], sub[b]], dim=dim) for a, b in pairs]

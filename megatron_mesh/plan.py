@@ -104,6 +104,11 @@ class MeshPlan:
         return self.heads * self.rows * self.cols
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols) of the mesh each head group runs."""
+        return self.rows, self.cols
+
+    @property
     def shape_label(self) -> str:
         """'RxC', or 'AxRxC' with a heads dimension."""
         return f"{self.rows}x{self.cols}" if self.heads == 1 else \

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -17,7 +19,19 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")
 from megatron_mesh.training.arguments import ConfigError, parse_args  # noqa: E402
 
 
+def _log_to_stdout() -> None:
+    """megatron_mesh's INFO lines (the mesh shape chosen, the grid built) on global rank 0."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(" %(message)s"))
+    logger = logging.getLogger("megatron_mesh")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _log_to_stdout()
     try:
         args = parse_args(argv)
     except ConfigError as e:

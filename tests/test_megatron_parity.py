@@ -261,6 +261,34 @@ def _bad_configurations(out):
     out["errors"] = errors
 
 
+def _shape_decided_once(out):
+    """Megatron-LM's path: the shape validate_mesh_args logs is the grid initialize_mesh_grids
+    builds, chosen by the planner (from the flags, or again from the model's head counts) and
+    given. MQA with 2 CP ranks per node, where the planner's default node of 8 picks 4x1."""
+    import argparse
+
+    from megatron_mesh.megatron import initialize_mesh_grids, validate_mesh_args
+
+    model = dict(num_attention_heads=HEADS, num_query_groups=1, seq_length=2 * SEQ,
+                 head_dim=HIDDEN // HEADS)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it on nodes of two ranks
+    try:
+        args = argparse.Namespace(
+            context_parallel_algo="mesh", cp_comm_type=None, mesh_shape=None,
+            context_parallel_size=4, tensor_model_parallel_size=1, group_query_attention=True,
+            kv_channels=model["head_dim"], attention_dropout=0.0,
+            **{k: v for k, v in model.items() if k != "head_dim"})
+        logged = validate_mesh_args(args)
+        built = {}
+        for how, shape in (("planner", None), ("given", logged)):
+            _init_parallel(1, 4)
+            grid = initialize_mesh_grids(shape, **model)
+            built[how] = (grid.rows, grid.cols)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    out["shape_once"] = {"logged": logged, **built}
+
+
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -276,6 +304,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
                 _run_layout(name, tp, cp, shape, features, out)
                 out["times"][name] = time.perf_counter() - start
             _bad_configurations(out)
+            _shape_decided_once(out)
         torch.save(out, os.path.join(outdir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -385,6 +414,15 @@ def test_bad_configuration_fails_on_every_rank(results, case, words):
         assert message, f"rank {rank}: no error for {case}"
         for word in words:
             assert word in message, (rank, case, message)
+
+
+def test_logged_shape_is_the_built_shape(results):
+    from megatron_mesh.megatron.shape import auto_mesh_shape
+
+    for res in results:
+        assert res["shape_once"] == {"logged": (2, 2), "planner": (2, 2), "given": (2, 2)}
+    # without the launcher's node size the planner would have said otherwise
+    assert auto_mesh_shape(4, HEADS, 1, HIDDEN // HEADS, 2 * SEQ) == (4, 1)
 
 
 def test_report_times(results):

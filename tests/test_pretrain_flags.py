@@ -87,7 +87,7 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "3x2"],
      "3x2"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--seq-length", "60",
-      "--max-position-embeddings", "64"], "--seq-length 60 is not divisible by 2"),
+      "--max-position-embeddings", "64"], "--seq-length 60 must be divisible by 2"),
     (["--global-batch-size", "8", "--data-path", "/nonexistent/corpus_text_document"],
      "--data-path /nonexistent/corpus_text_document: missing"),
     (["--context-parallel-size", "2", "--context-parallel-algo", "p2p"],

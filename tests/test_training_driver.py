@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -69,6 +70,30 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, **env: str) -> R
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True,
                           timeout=timeout)
     return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+def torchrun_nodes(nodes: int, nproc: int, args: list[str], timeout: float = 240) -> Run:
+    """One torchrun agent per "node", all on this machine (static rendezvous): each worker
+    sees LOCAL_WORLD_SIZE = nproc, as on a cluster of `nodes` nodes."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--nproc-per-node", str(nproc), "-m", "megatron_mesh.pretrain_gpt", *args],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(nodes)]
+    outputs, codes = [], []
+    for agent in agents:
+        try:
+            outputs.append(agent.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            outputs.append(agent.communicate()[0])
+        codes.append(agent.returncode)
+    return Run(max(codes, key=abs), "\n".join(outputs), time.monotonic() - start)
 
 
 def _build_indexed_dataset(prefix: str) -> None:
@@ -200,6 +225,28 @@ def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
     # the banner names the ring the default schedule runs for this shape
     ring = streamed_schedule(AttentionShape(64, 2, 4, 2, 16, dtype_bytes=4), 2, 2)
     assert f"(mesh 2x2, schedule {ring} (streamed))" in mesh_run.output
+
+
+def _logged_shapes(output: str) -> list[str]:
+    """Every mesh shape the job names: the flag check's log line, the group builder's and
+    the banner's."""
+    return (re.findall(r"mesh context parallelism: (\d+x\d+) grid", output)
+            + re.findall(r"\(mesh (\d+x\d+), schedule", output))
+
+
+def test_logged_shape_is_the_built_shape(mesh_run: Run, data_args: list[str]) -> None:
+    """Given (--mesh-shape 2x2) and chosen by the planner on two nodes of two ranks, with
+    MQA: for 2 CP ranks per node the planner picks 2x2 (its default node of 8 GPUs: 4x1)."""
+    from megatron_mesh.megatron.shape import auto_mesh_shape
+
+    assert "2x2 grid of 4 CP ranks (as given)" in mesh_run.output
+    assert _logged_shapes(mesh_run.output) == ["2x2"] * 3
+    assert auto_mesh_shape(4, 4, 1, 16, 64) == (4, 1)
+    run = torchrun_nodes(2, 2, [*data_args, "--train-iters", "3", "--num-query-groups", "1",
+                                "--context-parallel-size", "4", "--context-parallel-algo", "mesh"])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "2x2 grid of 4 CP ranks (chosen by the planner for 2 CP ranks per node)" in run.output
+    assert _logged_shapes(run.output) == ["2x2"] * 3
 
 
 def test_dead_rank_fails_job_and_resume_matches_unbroken_run(

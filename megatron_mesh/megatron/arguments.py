@@ -11,8 +11,19 @@ import argparse
 import logging
 from typing import Any
 
-from megatron_mesh.checks import DEFAULT_SCHEDULE, GRAD_REDUCE_DTYPES, SCHEDULES
-from megatron_mesh.megatron.shape import parse_mesh_shape, resolve_mesh_shape
+from megatron_mesh.checks import check_zigzag_divisible
+from megatron_mesh.megatron.shape import (
+    cp_ranks_per_node,
+    describe_mesh_shape,
+    parse_mesh_shape,
+    resolve_mesh_shape,
+)
+from megatron_mesh.plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    GRAD_DTYPE_NAMES,
+    SCHEDULE_NAMES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +87,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--mesh-schedule",
         dest="mesh_schedule",
-        choices=SCHEDULES,
+        choices=SCHEDULE_NAMES,
         default=DEFAULT_SCHEDULE,
         help="How a mesh rank moves its tile: streamed_kv (K/V around the column ring, "
         "overlapped with compute, two K/V buffers), streamed_q (Q and partial outputs around "
@@ -87,8 +98,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--mesh-grad-reduce-dtype",
         dest="mesh_grad_reduce_dtype",
-        choices=GRAD_REDUCE_DTYPES,
-        default="fp32",
+        choices=GRAD_DTYPE_NAMES,
+        default=DEFAULT_GRAD_DTYPE,
         help="dtype in which the mesh's dQ, dK, dV partials travel: fp32, or input (bf16 / "
         "fp16 with such inputs: half the gradient traffic, as Transformer Engine's ring).",
     )
@@ -168,11 +179,8 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
     seq_length = getattr(args, "seq_length", None)
-    if cp_size > 1 and seq_length is not None and seq_length % (2 * cp_size) != 0:
-        raise ValueError(
-            f"sequence length {seq_length} must be divisible by 2 * context-parallel size = "
-            f"{2 * cp_size}"
-        )
+    if seq_length is not None:
+        check_zigzag_divisible(seq_length, cp_size, "--seq-length", "--context-parallel-size")
     mesh_shape = getattr(args, "mesh_shape", None)
     if algo != "mesh":
         if mesh_shape is not None:
@@ -187,6 +195,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
             f"(--attention-dropout {dropout}); pass --attention-dropout 0"
         )
     heads, groups = _head_counts(args)
+    per_node = cp_ranks_per_node(getattr(args, "tensor_model_parallel_size", None) or 1)
     shape, automatic = resolve_mesh_shape(
         cp_size,
         mesh_shape,
@@ -195,13 +204,13 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
         head_dim=_head_dim(args),
         seq_length=seq_length,
         schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
-        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", "fp32"),
+        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE),
+        cp_ranks_per_node=per_node,
     )
     if cp_size == 1:
         logger.warning(
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"
         )
         return None
-    how = "chosen by the planner" if automatic else "from --mesh-shape"
-    logger.info("mesh context parallelism: %dx%d grid of %d CP ranks (%s)", *shape, cp_size, how)
+    logger.info(describe_mesh_shape(shape, cp_size, automatic, per_node))
     return shape

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_mesh.checks import DEFAULT_SCHEDULE
 from megatron_mesh.grid import MeshGrid
-from megatron_mesh.megatron.shape import resolve_mesh_shape
+from megatron_mesh.megatron.shape import cp_ranks_per_node, describe_mesh_shape, resolve_mesh_shape
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +51,14 @@ def initialize_mesh_grids(
     head_dim: int | None = None,
     timeout: datetime.timedelta | None = None,
     schedule: str = DEFAULT_SCHEDULE,
-    grad_reduce_dtype: str = "fp32",
+    grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
     mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the planner's fastest
-    shape for the head counts, schedule and gradient dtype (see `shape.auto_mesh_shape`).
+    shape for the head counts, schedule and gradient dtype and the launcher's ranks per
+    node (`shape.resolve_mesh_shape`, the function `validate_mesh_args` calls with the same
+    values); pass the shape `validate_mesh_args` returned to build exactly what it logged.
     The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
@@ -71,6 +72,7 @@ def initialize_mesh_grids(
             "parallel_state.initialize_model_parallel() to be initialized first"
         )
     cp_size = parallel_state.get_context_parallel_world_size()
+    per_node = cp_ranks_per_node(parallel_state.get_tensor_model_parallel_world_size())
     shape, automatic = resolve_mesh_shape(
         cp_size,
         mesh_shape,
@@ -78,7 +80,7 @@ def initialize_mesh_grids(
         num_query_groups=num_query_groups,
         head_dim=head_dim,
         seq_length=seq_length,
-        cp_ranks_per_node=_cp_ranks_per_node(),
+        cp_ranks_per_node=per_node,
         schedule=schedule,
         grad_reduce_dtype=grad_reduce_dtype,
     )
@@ -93,20 +95,10 @@ def initialize_mesh_grids(
         if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
     _MESH_GRID = grid
-    if dist.get_rank() == 0:
-        how = "chosen by the planner" if automatic else "as given"
-        logger.info(
-            "mesh context parallelism: %d CP groups of %d ranks, each a %dx%d grid (%s)",
-            dist.get_world_size() // cp_size, cp_size, shape[0], shape[1], how,
-        )
+    if dist.get_rank() == 0:  # names the grid built, not the request
+        built = describe_mesh_shape((grid.rows, grid.cols), cp_size, automatic, per_node)
+        logger.info("%s, built for %d CP groups", built, dist.get_world_size() // cp_size)
     return grid
-
-
-def _cp_ranks_per_node() -> int | None:
-    """CP ranks sharing a node: torchrun's LOCAL_WORLD_SIZE over the TP size (None if unknown)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return max(1, local // tp) if local else None
 
 
 def single_rank_grid(cp_group: dist.ProcessGroup) -> MeshGrid:

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from megatron_mesh.checks import DEFAULT_SCHEDULE
+from megatron_mesh.plan import DEFAULT_SCHEDULE, MeshPlan
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -43,6 +44,13 @@ class Plan:
     def estimates(self) -> tuple[Estimate, ...]:
         """Table order: ring, the other baselines, then mesh shapes from P x 1 to 1 x P."""
         return (self.ring, *self.baselines, *self.meshes)
+
+    @property
+    def mesh_plan(self) -> MeshPlan:
+        """The plan of the fastest mesh: its shape, the schedule it runs and its gradient
+        dtype (`Workload.mesh_plan`)."""
+        assert self.best_mesh.mesh_shape is not None
+        return self.workload.mesh_plan(*self.best_mesh.mesh_shape)
 
     @property
     def best(self) -> Estimate:
@@ -184,45 +192,12 @@ def plan(
     return search(workload, cluster, overlap)
 
 
-def choose_mesh_shape(
-    cp_size: int,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    seq_length: int,
-    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-    intra_node_bw: float = DEFAULT_INTRA_NODE_BW,
-    inter_node_bw: float = DEFAULT_INTER_NODE_BW,
-    attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
-    batch: int = 1,
-    dtype: str = "bf16",
-    causal: bool = True,
-    overlap: bool = True,
-    mesh_grad_reduce_dtype: str = "fp32",
-    mesh_schedule: str = DEFAULT_SCHEDULE,
-) -> tuple[int, int]:
-    """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks.
+def choose_mesh_shape(cp_size: int, **keywords: Any) -> tuple[int, int]:
+    """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks; the
+    keywords are `plan`'s (num_heads, num_kv_heads, head_dim, seq_length, gpus_per_node, ...).
 
     `gpus_per_node` counts CP ranks per node: with tensor parallelism inside the node and
-    CP ranks strided by it, pass GPUs per node // TP.
+    CP ranks strided by it, pass GPUs per node // TP. With objects: `search(workload,
+    cluster).mesh_plan`.
     """
-    chosen = plan(
-        cp_size,
-        seq_length=seq_length,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        batch=batch,
-        dtype=dtype,
-        causal=causal,
-        gpus_per_node=gpus_per_node,
-        intra_node_bw=intra_node_bw,
-        inter_node_bw=inter_node_bw,
-        attention_tflops=attention_tflops,
-        overlap=overlap,
-        mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
-        mesh_schedule=mesh_schedule,
-    )
-    assert chosen.best_mesh.mesh_shape is not None
-    return chosen.best_mesh.mesh_shape
+    return plan(cp_size, **keywords).mesh_plan.shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.checks import check_zigzag_divisible
 from megatron_mesh.dtypes import DTYPE_BYTES
 from megatron_mesh.plan import (
     DEFAULT_SCHEDULE,
@@ -85,11 +86,8 @@ class Workload:
         """Megatron's zigzag layout cuts the sequence into 2 * cp_size equal chunks."""
         if cp_size < 1:
             raise ValueError(f"the number of GPUs must be positive, got {cp_size}")
-        if self.seq_length % (2 * cp_size):
-            raise ValueError(
-                f"seq_length {self.seq_length} must be divisible by 2 * GPUs = {2 * cp_size} "
-                "(the zigzag layout splits the sequence into 2 chunks per GPU)"
-            )
+        check_zigzag_divisible(self.seq_length, cp_size, "seq_length", "GPUs",
+                               single_rank=True)
 
     def forward_flops(self) -> float:
         """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal."""

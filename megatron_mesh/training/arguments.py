@@ -231,13 +231,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               f"{args.seq_length}")
 
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if cp > 1 and args.seq_length % (2 * cp):
-        _fail(f"--seq-length {args.seq_length} is not divisible by 2 * --context-parallel-size "
-              f"= {2 * cp} (each CP rank holds two of the 2 * CP zigzag chunks)")
-    try:
+    try:  # the mesh shape is decided here, once; the grids are built from it
         args.mesh_grid_shape = validate_mesh_args(args)
     except ValueError as e:
         _fail(str(e))
+    if args.mesh_grid_shape is not None:
+        args.mesh_shape = args.mesh_grid_shape
     if args.context_parallel_algo is None:
         _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
               "every layer; give one value")
