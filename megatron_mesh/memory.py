@@ -48,31 +48,31 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
         rows, cols, schedule = rows.rows, rows.cols, rows.schedule.value
     if cols is None or schedule is None:
         raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
-    q, kv, l = shape.local_elements(rows * cols)
+    q, kv, lse = shape.local_elements(rows * cols)
     e, c, r = shape.dtype_bytes, cols, rows
     if schedule == "ring":
         return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
     # a group of one gathers nothing: its "gathered" buffer is the input itself
     row_q = c * q * e if c > 1 else 0
     col_kv = r * kv * e if r > 1 else 0
-    partials = (2 * c if c > 1 else 1) * (q * e + FP32 * l)
-    row_bwd = (2 * c * q * e + 2 * FP32 * c * l if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
+    partials = (2 * c if c > 1 else 1) * (q * e + FP32 * lse)
+    row_bwd = (2 * c * q * e + 2 * FP32 * c * lse if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
     ring_kv = 2 * kv * e if r > 1 else 0
     merge = 3 * FP32 * q  # one block's merge temporaries
     if schedule == "gathered":
-        return {"forward": row_q + col_kv + partials + FP32 * (q + l) + merge,
+        return {"forward": row_q + col_kv + partials + FP32 * (q + lse) + merge,
                 "backward": row_bwd + col_kv + FP32 * r * kv}
     if schedule == "streamed_kv" and r == 1:  # no column ring: the gathered code runs
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed_kv":
-        return {"forward": row_q + ring_kv + FP32 * c * (q + l) + partials + merge,
+        return {"forward": row_q + ring_kv + FP32 * c * (q + lse) + partials + merge,
                 "backward": row_bwd + ring_kv + 3 * FP32 * kv}
     if schedule == "streamed_q" and c == 1:  # no row ring: the gathered code runs
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed_q":
         ring_q = min(2, c - 1)  # the input is the first Q in hand
-        return {"forward": col_kv + ring_q * q * e + 4 * FP32 * (q + l) + merge,
-                "backward": col_kv + 2 * (2 * q * e + 2 * FP32 * l) + q * e
+        return {"forward": col_kv + ring_q * q * e + 4 * FP32 * (q + lse) + merge,
+                "backward": col_kv + 2 * (2 * q * e + 2 * FP32 * lse) + q * e
                 + (2 + ring_q) * FP32 * q + FP32 * r * kv}
     raise ValueError(
         f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-
 from typing import TYPE_CHECKING
 
 from .dtypes import FP32_BYTES
@@ -163,7 +162,8 @@ def resolve_plan(
 ) -> MeshPlan:
     """The one place a layer's plan is decided, from user spellings: validates the names,
     resolves "streamed" for `shape` (the layer as one rank's attention sees it: its heads,
-    the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks heads * rows * cols against cp_size when given."""
+    the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks
+    heads * rows * cols against cp_size when given."""
     if not isinstance(grad_reduce_dtype, GradDtype):
         check_grad_dtype_name(grad_reduce_dtype)
     if not isinstance(schedule, Schedule):

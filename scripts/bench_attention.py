@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import CpuPeakMemory
-from megatron_mesh.planner import Cluster, Workload
-from megatron_mesh.planner.methods.ring import ring_transfers
 from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
 from megatron_mesh.plan import STREAMED, resolve_plan
+from megatron_mesh.planner import Cluster, Workload
+from megatron_mesh.planner.methods.ring import ring_transfers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

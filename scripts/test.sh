@@ -4,6 +4,7 @@
 # (scripts/test_mcore019.sh; MCORE019=0 skips that leg).
 set -euo pipefail
 source "$(dirname "$0")/setup.sh" dev
+"$PY" -m ruff check .  # lint and import order (pyproject.toml)
 "$PY" -m pytest -q "$@"
 if [[ $# -eq 0 && ${MCORE019:-1} != 0 ]]; then
   bash scripts/test_mcore019.sh

@@ -1,11 +1,47 @@
-"""Markers: `gpu` tests need a CUDA device and are skipped, saying so, without one."""
+"""Test tiers and the `gpu` marker.
+
+Tiers, one marker each (``pytest -m unit``, ``-m distributed``, ``-m system``):
+  unit         fast, in this process: models, checks, flags, kernels on small tensors;
+  distributed  spawns gloo ranks or torchrun jobs on this machine;
+  system       needs outside parts: a Slurm cluster, Megatron-LM checkouts.
+A test file's tier is set below (a test may name another tier itself). `gpu` tests need a
+CUDA device and are skipped, saying so, without one.
+"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+TIERS = ("unit", "distributed", "system")
+SYSTEM_FILES = {"test_slurm.py", "test_megatron_lm.py"}
+DISTRIBUTED_FILES = {
+    "test_benchmarks.py", "test_checkpoint_interchange.py", "test_heads.py",
+    "test_host_staging.py", "test_megatron_parity.py", "test_memory.py",
+    "test_mesh_attention.py", "test_planner.py", "test_training_driver.py",
+    "test_validation.py",
+}
+# spawned one-offs in otherwise fast files
+DISTRIBUTED_TESTS = {"test_bad_flags_under_torchrun_fail_fast_on_every_rank"}
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The item's own tier marker, else its file's tier."""
+    for tier in TIERS:
+        if item.get_closest_marker(tier) is not None:
+            return tier
+    name = Path(str(item.fspath)).name
+    if name in SYSTEM_FILES:
+        return "system"
+    if name in DISTRIBUTED_FILES or item.originalname in DISTRIBUTED_TESTS:
+        return "distributed"
+    return "unit"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: no CUDA device (run scripts/gpu_check.sh on one)")

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
-from dist_utils import run_distributed
 from megatron_mesh.traffic import grid_shapes
+
+from dist_utils import run_distributed
 from reference import Case
 from test_mesh_attention import CONCRETE_SCHEDULES, check_cases
 

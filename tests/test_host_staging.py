@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-import host_staging
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.plan import resolve_plan
+
+import host_staging
 from dist_utils import run_distributed
 from reference import Case, errors, full_inputs, mesh_result, sdpa_reference
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_mesh.kernels import CudnnKernel, TorchFlashKernel, get_kernel
 from megatron_mesh.kernels import cudnn as cudnn_kernel
+
 from reference import LAYOUTS, as_layout
 
 GPU = torch.device("cuda")

@@ -150,9 +150,9 @@ def _expect_error(fn, *exc_types) -> str:
 
 def _run_layout(name, tp, cp, shape, features, out):
     from megatron.core import parallel_state as ps
-    from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
 
     from megatron_mesh.megatron import get_gpt_layer_spec, initialize_mesh_grids
+    from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
 
     rank = dist.get_rank()
     replica = rank // (tp * cp)  # order tp-cp-dp: the data-parallel replica of this rank
@@ -199,13 +199,13 @@ def _run_layout(name, tp, cp, shape, features, out):
 def _bad_configurations(out):
     """Each must raise the same clear error on every rank (a hang fails the job timeout)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_mesh.megatron import (
         MeshDotProductAttention,
         get_gpt_layer_spec,
         initialize_mesh_grids,
     )
-    from megatron.core.transformer.enums import AttnMaskType
 
     rank = dist.get_rank()
     errors = {}

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from dist_utils import run_distributed
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory
+
+from dist_utils import run_distributed
 
 
 def test_peak_memory_counts_live_storages() -> None:

@@ -12,9 +12,18 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+
 from dist_utils import run_distributed
-from reference import (LAYOUTS, Case, count_sent_bytes, errors, expected_traffic, full_inputs, mesh_result,
-                       sdpa_reference)
+from reference import (
+    LAYOUTS,
+    Case,
+    count_sent_bytes,
+    errors,
+    expected_traffic,
+    full_inputs,
+    mesh_result,
+    sdpa_reference,
+)
 
 
 def cases_for(cp_size: int) -> list[Case]:

@@ -75,7 +75,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     text = capsys.readouterr().out
     for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--global-batch-size",
                  "--train-iters", "--lr-decay-style", "--bf16", "--tensor-model-parallel-size",
-                 "--context-parallel-size", "--context-parallel-algo", "--cp-comm-type", "--mesh-shape", "--seed",
+                 "--context-parallel-size", "--context-parallel-algo", "--cp-comm-type",
+                 "--mesh-shape", "--seed",
                  "--save", "--load", "--save-interval", "--log-interval", "--wandb-project",
                  "--wandb-exp-name", "--wandb-save-dir", "--data-path", "--tokenizer-type"):
         assert flag in text, flag

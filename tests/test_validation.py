@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import megatron_mesh as mm
+
 from dist_utils import run_distributed
 
 

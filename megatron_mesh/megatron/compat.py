@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
 
 import torch
 from packaging.version import Version

@@ -59,7 +59,8 @@ def initialize_mesh_grids(
     shape for the head counts, schedule and gradient dtype and the launcher's ranks per
     node (`shape.resolve_mesh_shape`, the function `validate_mesh_args` calls with the same
     values); pass the shape `validate_mesh_args` returned to build exactly what it logged.
-    The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain attention) and nothing is created.
+    The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain
+    attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
     """

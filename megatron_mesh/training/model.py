@@ -129,8 +129,11 @@ def wrap_model(model: GPTModel, args: argparse.Namespace) -> torch.nn.Module:
     config = model.config
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if has_cuda():
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.transformer.module import Float16Module
 
         module = Float16Module(config, model) if (args.bf16 or args.fp16) else model

@@ -12,11 +12,11 @@ nothing.
 """
 from __future__ import annotations
 
+from megatron_mesh.plan import GradDtype, Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.plan import GradDtype, Schedule
 from megatron_mesh.traffic import mesh_traffic
 
 
