@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .traffic import grid_shapes
+from .plan import shape_text
+from .traffic import shapes_text
 
 
 @dataclass(frozen=True)
@@ -224,18 +225,13 @@ def column_of(ranks: Sequence[int], cols: int, j: int) -> list[int]:
     return list(ranks[j::cols])
 
 
-def shape_text(heads: int, rows: int, cols: int) -> str:
-    """'AxRxC', or 'RxC' when A = 1."""
-    return f"{heads}x{rows}x{cols}" if heads > 1 else f"{rows}x{cols}"
-
-
 def check_shape(rows: int, cols: int, cp_size: int, heads: int = 1) -> None:
     """Raise ValueError unless heads x rows x cols is a grid of exactly cp_size ranks."""
     for name, value in (("heads", heads), ("rows", rows), ("cols", cols)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"mesh {name}={value!r} must be a positive integer")
     if heads * rows * cols != cp_size:
-        valid = ", ".join(shape_text(*arc) for arc in sorted(grid_shapes(cp_size)))
+        valid = shapes_text(cp_size, heads=True)
         raise ValueError(
             f"grid {shape_text(heads, rows, cols)} (heads x rows x cols) has "
             f"{heads * rows * cols} ranks but the CP group has {cp_size}; valid shapes: {valid}"

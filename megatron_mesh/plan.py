@@ -63,6 +63,11 @@ GRAD_DTYPE_NAMES = tuple(g.value for g in GradDtype)
 DEFAULT_GRAD_DTYPE = GradDtype.FP32.value
 
 
+def shape_text(heads: int, rows: int, cols: int) -> str:
+    """'AxRxC', or 'RxC' when A = 1, as the flags write a shape."""
+    return f"{heads}x{rows}x{cols}" if heads > 1 else f"{rows}x{cols}"
+
+
 def _one_of(name: str, value: object, valid: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in valid:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(valid)}")
@@ -110,8 +115,7 @@ class MeshPlan:
     @property
     def shape_label(self) -> str:
         """'RxC', or 'AxRxC' with a heads dimension."""
-        return f"{self.rows}x{self.cols}" if self.heads == 1 else \
-            f"{self.heads}x{self.rows}x{self.cols}"
+        return shape_text(self.heads, self.rows, self.cols)
 
     def check_cp_size(self, cp_size: int) -> None:
         """ValueError unless heads * rows * cols == cp_size."""

@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from .dtypes import FP32_BYTES
-from .plan import GradDtype, MeshPlan, Schedule
+from .plan import GradDtype, MeshPlan, Schedule, shape_text
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,14 @@ def grid_shapes(cp_size: int) -> list[tuple[int, int, int]]:
 def mesh_shapes(cp_size: int) -> list[tuple[int, int]]:
     """Every rows x cols factorization of cp_size, from cp_size x 1 down to 1 x cp_size."""
     return [(cp_size // c, c) for c in range(1, cp_size + 1) if cp_size % c == 0]
+
+
+def shapes_text(cp_size: int, heads: bool = False) -> str:
+    """The valid shapes of a CP group, in one order everywhere: '4x1, 2x2, 1x4' for 4
+    (`mesh_shapes`); with heads, every 'AxRxC' of `grid_shapes` ('RxC' when A = 1)."""
+    if not heads:
+        return ", ".join(f"{r}x{c}" for r, c in mesh_shapes(cp_size))
+    return ", ".join(shape_text(a, r, c) for a, r, c in grid_shapes(cp_size))
 
 
 def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:

@@ -34,7 +34,7 @@ def worker(rank: int, world: int) -> list[str]:
         mm.MeshGrid.build(rows=3, cols=1)
         problems.append("3x1 on 2 ranks was accepted")
     except ValueError as e:
-        if "3x1" not in str(e) or "valid shapes: 1x2, 2x1" not in str(e):
+        if "3x1" not in str(e) or "valid shapes: 2x1, 1x2" not in str(e):
             problems.append(f"unclear grid error: {e}")
     try:
         mm.MeshGrid.build_many([[0, 1], [1, 0]], rows=2, cols=1)

@@ -8,7 +8,7 @@ from typing import Mapping
 from megatron_mesh.checks import check_zigzag_divisible
 from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.traffic import mesh_shapes
+from megatron_mesh.traffic import shapes_text
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
@@ -40,7 +40,7 @@ def as_mesh_shape(value: object) -> tuple[int, int] | None:
 
 def valid_shapes_text(cp_size: int) -> str:
     """'4x1, 2x2, 1x4' for cp_size 4."""
-    return ", ".join(f"{r}x{c}" for r, c in mesh_shapes(cp_size))
+    return shapes_text(cp_size)
 
 
 def check_mesh_shape(shape: tuple[int, int], cp_size: int) -> tuple[int, int]:

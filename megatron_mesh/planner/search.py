@@ -23,7 +23,7 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import mesh_shapes
+from megatron_mesh.traffic import mesh_shapes, shapes_text
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Plan:
                 return e
         raise ValueError(
             f"mesh shape {rows}x{cols} is not a grid of {self.cluster.gpus} GPUs; valid: "
-            + ", ".join(f"{r}x{c}" for r, c in mesh_shapes(self.cluster.gpus))
+            + shapes_text(self.cluster.gpus)
         )
 
 

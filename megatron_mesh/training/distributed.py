@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_mesh.grid import MeshGrid
 from megatron_mesh.training.device import has_cuda
 
 
@@ -38,28 +39,29 @@ def init_distributed(args: argparse.Namespace) -> None:
     args.rank = rank
 
 
-def init_model_parallel(args: argparse.Namespace) -> None:
-    """megatron-core's TP / PP / CP / DP groups, then the mesh's row and column groups."""
+def init_model_parallel(args: argparse.Namespace) -> MeshGrid | None:
+    """megatron-core's TP / PP / CP / DP groups, then the mesh's groups built from the shape
+    the flag check decided (args.mesh_shape); returns this rank's grid (None without one)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    args.mesh_grid = None
-    if args.context_parallel_algo == "mesh":
-        from megatron_mesh.megatron.groups import initialize_mesh_grids
+    if args.context_parallel_algo != "mesh":
+        return None
+    from megatron_mesh.megatron.groups import initialize_mesh_grids
 
-        args.mesh_grid = initialize_mesh_grids(
-            args.mesh_shape,
-            num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups,
-            seq_length=args.seq_length,
-            head_dim=args.kv_channels,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-            schedule=args.mesh_schedule,
-            grad_reduce_dtype=args.mesh_grad_reduce_dtype,
-        )
+    return initialize_mesh_grids(
+        args.mesh_shape,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+        head_dim=args.kv_channels,
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        schedule=args.mesh_schedule,
+        grad_reduce_dtype=args.mesh_grad_reduce_dtype,
+    )
 
 
 def set_seed(seed: int) -> None:

@@ -5,6 +5,7 @@ import argparse
 
 import torch.distributed as dist
 
+from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.plan import STREAMED, resolve_plan
 from megatron_mesh.traffic import AttentionShape
@@ -18,10 +19,9 @@ from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
 
-def _mesh_label(args: argparse.Namespace) -> str:
-    """' RxC, schedule S' of the mesh this job runs ('' without one); for 'streamed', the
+def _mesh_label(args: argparse.Namespace, grid: MeshGrid | None) -> str:
+    """' RxC, schedule S' of the grid this job built ('' without one); for 'streamed', the
     ring it runs on this TP rank's share of the heads."""
-    grid = args.mesh_grid
     if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1 or grid is None:
         return ""
     tp = args.tensor_model_parallel_size
@@ -30,13 +30,14 @@ def _mesh_label(args: argparse.Namespace) -> str:
                            max(1, (args.num_query_groups or args.num_attention_heads) // tp),
                            args.kv_channels, 2 if args.bf16 or args.fp16 else 4)
     plan = resolve_plan(local, grid.rows, grid.cols, args.mesh_schedule,
-                        args.mesh_grad_reduce_dtype)
+                        args.mesh_grad_reduce_dtype, heads=grid.heads)
     how = f" ({STREAMED})" if args.mesh_schedule == STREAMED else ""
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
-def _banner(args: argparse.Namespace, n_params: int, vocab: int, flops: float) -> None:
-    mesh = _mesh_label(args)
+def _banner(args: argparse.Namespace, grid: MeshGrid | None, n_params: int, vocab: int,
+            flops: float) -> None:
+    mesh = _mesh_label(args, grid)
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
         f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     distributed.init_distributed(args)
     try:
-        distributed.init_model_parallel(args)
+        grid = distributed.init_model_parallel(args)  # runtime state, not on args
         distributed.set_seed(args.seed)
         tokenizer = build_tokenizer(args)
         model = build_model(args, tokenizer.vocab_size)
@@ -81,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
             state = load_checkpoint(args.load, model, optimizer, scheduler, args)
         dataset = build_train_dataset(args, tokenizer)
         flops = flops_per_iteration(args, vocab)
-        _banner(args, n_params, vocab, flops)
+        _banner(args, grid, n_params, vocab, flops)
         data = micro_batches(dataset, args, state.consumed_samples)
         state = train(model, optimizer, scheduler, data, state, args, flops)
         print_rank0(f" training done at iteration {state.iteration}")
