@@ -21,11 +21,11 @@ from megatron_mesh.training.arguments import ConfigError, parse_args  # noqa: E4
 
 def _log_to_stdout() -> None:
     """megatron_mesh's INFO lines (the mesh shape chosen, the grid built) on global rank 0."""
-    if os.environ.get("RANK", "0") != "0":
+    logger = logging.getLogger("megatron_mesh")
+    if os.environ.get("RANK", "0") != "0" or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(" %(message)s"))
-    logger = logging.getLogger("megatron_mesh")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
