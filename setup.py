@@ -10,11 +10,12 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1", "pyyaml", "psutil"],
+        "megatron": ["megatron-core>=0.16.1,<0.20", "pyyaml", "psutil"],
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]>=2.8"],
         "plot": ["matplotlib"],
-        "dev": ["pytest>=8", "ruff>=0.6", "megatron-core>=0.16.1", "pyyaml", "psutil", "wandb", "matplotlib"],
+        "dev": ["pytest>=8", "ruff>=0.6", "megatron-core>=0.16.1,<0.20", "pyyaml", "psutil", "wandb",
+                "matplotlib"],
     },
     entry_points={"console_scripts": ["megatron-mesh = megatron_mesh.cli:main"]},
 )

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The Megatron parts of the suite on megatron-core 0.19.x: core attention, groups, layer
-# specs, arguments, driver parity and resume (arguments go to pytest). Creates, once, a
-# second environment in .venv-mcore019/ (ignored by git) on top of the first one's packages
-# (torch, wandb, pytest; see setup.sh): megatron-core 0.19.2 with what it needs beyond them,
-# numpy<2.4 and triton. Its wheel says Python >= 3.12 but imports on 3.11, hence
-# --ignore-requires-python.
+# specs, arguments, driver parity and resume, checkpoint interchange (arguments go to
+# pytest). Creates, once, a second environment in .venv-mcore019/ (ignored by git) on top
+# of the first one's packages (torch, wandb, pytest; see setup.sh): megatron-core 0.19.2
+# with what it needs beyond them, numpy<2.4 and triton. Its wheel says Python >= 3.12 but
+# imports on 3.11, hence --ignore-requires-python.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
 MCORE=megatron-core==0.19.2
-TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_training_driver.py)
+TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_training_driver.py
+       tests/test_checkpoint_interchange.py)
 if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
   "$VENV/bin/pip" install "numpy<2.4" triton
