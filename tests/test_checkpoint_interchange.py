@@ -9,6 +9,7 @@ attention holds no parameters; what Transformer Engine's attention adds, `_extra
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
@@ -51,6 +52,19 @@ def _gpt(layer_spec):
     return GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
+def _te_state_mesh_spec():
+    """The mesh layer spec with the core attention that keeps TE's `_extra_state` (what
+    use_mesh_core_attention picks on the TE spec; built here on the local spec)."""
+    from megatron_mesh.megatron import use_mesh_core_attention
+    from megatron_mesh.megatron.core_attention import MeshDotProductAttentionInTEState
+
+    spec = use_mesh_core_attention(_local_spec())
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = dataclasses.replace(attention.core_attention,
+                                                   module=MeshDotProductAttentionInTEState)
+    return spec
+
+
 def _local_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -87,16 +101,11 @@ def _same_weights(a, b) -> bool:
 
 def test_dist_checkpoint_moves_between_megatron_attention_and_the_mesh(megatron_world, tmp_path):
     from megatron_mesh.megatron import MeshDotProductAttention, use_mesh_core_attention
-    from megatron_mesh.megatron.core_attention import MeshDotProductAttentionInTEState
-    from megatron_mesh.megatron.spec import mesh_core_attention_spec
 
     torch.manual_seed(1)
     megatron = _gpt(_local_spec())
     mesh = _gpt(use_mesh_core_attention(_local_spec()))
-    te_state_spec = use_mesh_core_attention(_local_spec())
-    te_state_spec.submodules.self_attention.submodules.core_attention = dataclasses_replace(
-        mesh_core_attention_spec(), MeshDotProductAttentionInTEState)
-    mesh_te = _gpt(te_state_spec)
+    mesh_te = _gpt(_te_state_mesh_spec())
     assert type(mesh.decoder.layers[0].self_attention.core_attention) is MeshDotProductAttention
     # the same sharded keys in all three: the core attention adds none, as TE's does not
     keys = [set(m.sharded_state_dict()) for m in (megatron, mesh, mesh_te)]
@@ -112,22 +121,12 @@ def test_dist_checkpoint_moves_between_megatron_attention_and_the_mesh(megatron_
     assert _same_weights(mesh, megatron) and _same_weights(megatron, mesh)
 
 
-def dataclasses_replace(spec, module):
-    import dataclasses
-
-    return dataclasses.replace(spec, module=module)
-
-
 def test_torch_state_dict_keeps_transformer_engine_extra_state(megatron_world):
     """TE's attention saves `_extra_state`: an empty uint8 tensor without FP8, pickled
     bytes with it. The mesh in its place loads either strictly and saves it back as is."""
     from megatron_mesh.megatron import use_mesh_core_attention
-    from megatron_mesh.megatron.core_attention import MeshDotProductAttentionInTEState
-    from megatron_mesh.megatron.spec import mesh_core_attention_spec
 
-    spec = use_mesh_core_attention(_local_spec())
-    spec.submodules.self_attention.submodules.core_attention = dataclasses_replace(
-        mesh_core_attention_spec(), MeshDotProductAttentionInTEState)
+    spec = _te_state_mesh_spec()
     torch.manual_seed(2)
     mesh = _gpt(spec)
     state = mesh.state_dict()

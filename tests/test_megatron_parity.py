@@ -228,7 +228,7 @@ def _bad_configurations(out):
             lambda: _gpt(_config(1, 4), get_gpt_layer_spec("p2p")), ValueError
         )
     errors["backend"] = _expect_error(
-        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh", backend="cudnn")), ValueError
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh", backend="flash3")), ValueError
     )
     core_kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     errors["padding_mask"] = _expect_error(
@@ -400,7 +400,7 @@ def test_two_cp_groups_get_separate_grids(results):
         ("model_before_grids", ["initialize_mesh_grids"]),
         ("dropout", ["dropout", "0.1"]),
         ("p2p_without_te", ["'p2p'", "Transformer Engine", "mesh"]),
-        ("backend", ["cudnn", "auto"]),
+        ("backend", ["flash3", "auto"]),
         ("padding_mask", ["padding", "causal"]),
         ("packed", ["packed"]),
         ("stale_grid", ["CP group", "initialize_mesh_grids"]),

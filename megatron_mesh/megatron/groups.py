@@ -104,7 +104,8 @@ def initialize_mesh_grids(
 
 def single_rank_grid(cp_group: dist.ProcessGroup) -> MeshGrid:
     """The 1x1 grid of a CP group of one rank (plain attention); creates no group."""
-    return MeshGrid(1, 1, 0, (dist.get_rank(),), cp_group, cp_group, cp_group)
+    return MeshGrid(rows=1, cols=1, cp_rank=0, cp_ranks=(dist.get_rank(),), row_group=cp_group,
+                    col_group=cp_group, heads=1, heads_group=cp_group)
 
 
 def mesh_grid_is_initialized() -> bool:
