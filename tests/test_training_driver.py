@@ -186,6 +186,25 @@ def _wandb_history(run_dir: str) -> list[dict]:
     return rows
 
 
+def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
+        cp1_run: Run, data_args: list[str]) -> None:
+    """Without TE, CP = 1 runs the mesh tile kernel (one fused call over the sequence), not
+    megatron-core's local attention with its S x S scores; both give the same losses."""
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    assert "| attention mesh tile kernel |" in cp1_run.output
+    local = torchrun(1, [*data_args, "--attention-backend", "local", "--train-iters", "4",
+                         "--lr-decay-iters", str(ITERS)])
+    assert local.returncode == 0, local.output[-3000:]
+    assert "| attention megatron-core local (unfused) |" in local.output
+    ref, got = cp1_run.losses(), local.losses()
+    assert sorted(got) == [1, 2, 3, 4]
+    for it, loss in got.items():
+        assert loss == pytest.approx(ref[it], rel=2e-5)
+    bad = torchrun(1, [*data_args, "--attention-backend", "local", *MESH])
+    assert "exitcode: 2" in bad.output and "--attention-backend local with " \
+        "--context-parallel-size 4" in bad.output, bad.output[-2000:]
+
+
 def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> None:
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
     assert mesh_run.returncode == 0, mesh_run.output[-3000:]

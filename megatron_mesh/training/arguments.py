@@ -28,6 +28,9 @@ class ConfigError(ValueError):
     """A flag or config value that cannot work; the driver exits with its message."""
 
 
+ATTENTION_BACKENDS = ("auto", "flash", "local")
+
+
 def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
     if kw.get("type") is bool:
         kw.pop("type")
@@ -113,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
           help="collective timeout: a dead peer ends the job after at most this long")
     _flag(g, "--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
           help="auto: Transformer Engine when installed and on a GPU, else local")
+    _flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+          help="core attention: auto = Transformer Engine's with TE layers, else the mesh's "
+               "fused tile kernel (flash / cuDNN; at CP = 1 one call over the sequence); "
+               "flash = the mesh tile kernel also with TE layers at CP = 1; local = "
+               "megatron-core's local layers, unfused attention (S x S scores; CP = 1 only)")
     add_mesh_args(p)
 
     g = p.add_argument_group("data")
@@ -244,6 +252,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "
               "--context-parallel-algo mesh (works without it) or install transformer-engine")
+    if args.attention_backend == "local" and cp > 1:
+        _fail(f"--attention-backend local with --context-parallel-size {cp}: megatron-core's "
+              "local attention has no context parallelism; use --attention-backend auto or flash")
     if (args.bf16 or args.fp16) and not torch.cuda.is_available():
         _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
     if args.sequence_parallel and not torch.cuda.is_available():

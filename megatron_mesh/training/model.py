@@ -78,24 +78,41 @@ def use_transformer_engine(args: argparse.Namespace) -> bool:
     return te and has_cuda()
 
 
-def layer_spec(args: argparse.Namespace):
-    """The decoder layer spec for --context-parallel-algo.
+def attention_algo(args: argparse.Namespace, use_te: bool) -> str | None:
+    """The core attention the layers use: a context-parallel algorithm of our spec's
+    `MeshDotProductAttention` ('mesh' or one of TE's), or None for megatron-core's local
+    (unfused, S x S scores) attention.
 
-    mesh: our core attention (local or TE layers). Other algorithms: Megatron's attention
-    through Transformer Engine when installed; without it, megatron-core's local spec, which
-    is plain attention and therefore CP = 1 only (arguments.py rejects CP > 1 there).
+    --attention-backend local asks for the latter; 'auto' for TE's attention with TE layers,
+    else the mesh tile kernel; 'flash' for the mesh tile kernel also with TE layers at CP = 1.
+    At CP = 1 the mesh is a 1 x 1 grid: one fused call over the whole sequence, whatever the
+    algorithm's name; without TE, CP > 1 runs only the mesh (arguments.py).
     """
+    if args.attention_backend == "local":
+        return None
+    algo = args.context_parallel_algo
+    if algo == "mesh" or not use_te:
+        return "mesh"
+    if args.attention_backend == "flash" and args.context_parallel_size == 1:
+        return "mesh"
+    return algo
+
+
+def layer_spec(args: argparse.Namespace):
+    """The decoder layer spec: Megatron's GPT layer (TE or local) with the core attention
+    `attention_algo` chooses."""
     use_te = use_transformer_engine(args)
-    if args.context_parallel_algo == "mesh" or use_te:
-        from megatron_mesh.megatron.spec import get_gpt_layer_spec
+    algo = attention_algo(args, use_te)
+    if algo is None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_spec(context_parallel_algo=args.context_parallel_algo,
-                                  use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
-                                  grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
-                                  normalization=args.normalization)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        return get_gpt_layer_local_spec(normalization=args.normalization)
+    from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+    return get_gpt_layer_spec(context_parallel_algo=algo,
+                              use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
+                              grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
+                              normalization=args.normalization)
 
 
 def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:

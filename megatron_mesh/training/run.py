@@ -14,7 +14,8 @@ from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.flops import flops_per_iteration
-from megatron_mesh.training.model import build_model, padded_vocab_size, unwrap, wrap_model
+from megatron_mesh.training.model import (attention_algo, build_model, padded_vocab_size,
+                                          unwrap, use_transformer_engine, wrap_model)
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
@@ -35,13 +36,22 @@ def _mesh_label(args: argparse.Namespace, grid: MeshGrid | None) -> str:
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
+def _attention_label(args: argparse.Namespace) -> str:
+    """Which core attention the layers run (`model.attention_algo`)."""
+    algo = attention_algo(args, use_transformer_engine(args))
+    if algo is None:
+        return "megatron-core local (unfused)"
+    return "mesh tile kernel" if algo == "mesh" else f"Transformer Engine ({algo})"
+
+
 def _banner(args: argparse.Namespace, grid: MeshGrid | None, n_params: int, vocab: int,
             flops: float) -> None:
     mesh = _mesh_label(args, grid)
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
         f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
-        f"{args.data_parallel_size} | backend {args.distributed_backend} | "
+        f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
+        f"{_attention_label(args)} | "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
         f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
         f"{args.num_attention_heads} (query groups {args.num_query_groups}), seq "
