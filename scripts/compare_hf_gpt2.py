@@ -27,7 +27,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"iteration\s+(\d+)/.*?tokens/s: ([0-9.]+).*?peak memory (?:GPU|RSS) \(MB\): "
                   r"([0-9.]+)")
-VOCAB = 50257
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4, help="micro-batch = global batch (one rank)")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary (GPT-2's by default)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--json", default=None, help="write the results to this file")
@@ -56,7 +56,7 @@ def ours(args: argparse.Namespace, cuda: bool) -> dict:
            "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
            "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--log-interval", "1",
-           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab),
            "--hidden-dropout", "0", "--attention-dropout", "0", *(["--bf16"] if cuda else [])]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                WANDB_MODE="disabled")
@@ -75,7 +75,7 @@ def hugging_face(args: argparse.Namespace, device: torch.device) -> dict:
     """GPT2LMHeadModel, SDPA attention, AdamW; bf16 autocast on a GPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, n_embd=args.hidden,
+    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0, attn_implementation="sdpa")
     model = GPT2LMHeadModel(config).to(device)
@@ -85,7 +85,7 @@ def hugging_face(args: argparse.Namespace, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (args.iters, args.batch, args.seq), generator=gen)
+    tokens = torch.randint(0, args.vocab, (args.iters, args.batch, args.seq), generator=gen)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     rates = []

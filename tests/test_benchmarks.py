@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megatron_mesh as mm
 from megatron_mesh.memory import streamed_schedule
 
@@ -65,3 +67,24 @@ def test_bench_tiles_reports_every_pass_and_why_cudnn_and_te_are_skipped(tmp_pat
     assert [(r["chunk"], r["pass"]) for r in rows] == [
         (c, p) for c in (128, 64) for p in ("forward", "backward", "fwd+bwd")]
     assert all(r["backend"] == "torch" and r["device"] == "cpu" for r in rows)
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no CUDA GPU on this machine" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_driver_vs_hugging_face_gpt2_on_cpu(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    report = tmp_path / "hf.json"
+    out = run_script("compare_hf_gpt2.py", "--layers", "2", "--hidden", "64", "--heads", "4",
+                     "--seq", "64", "--batch", "2", "--vocab", "256", "--iters", "3",
+                     "--warmup", "1", "--json", str(report))
+    assert "CPU run" in out, out
+    rows = json.loads(report.read_text())["results"]
+    assert len(rows) == 2 and rows["megatron-mesh driver"]["attention"] == "mesh tile kernel"
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_mib"] > 0 for r in rows.values())
