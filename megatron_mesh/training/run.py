@@ -14,8 +14,14 @@ from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.flops import flops_per_iteration
-from megatron_mesh.training.model import (attention_algo, build_model, padded_vocab_size,
-                                          unwrap, use_transformer_engine, wrap_model)
+from megatron_mesh.training.model import (
+    attention_algo,
+    build_model,
+    padded_vocab_size,
+    unwrap,
+    use_transformer_engine,
+    wrap_model,
+)
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
