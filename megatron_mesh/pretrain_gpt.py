@@ -37,9 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 2
+    from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run
+    from megatron_mesh.training.stopping import NonFiniteError
 
-    return run(args)
+    try:
+        return run(args)
+    except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
+        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except NonFiniteError as e:
+        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

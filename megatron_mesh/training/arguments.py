@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
+from megatron_mesh.training import validation
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--wandb-project", default=None)
     _flag(g, "--wandb-exp-name", default=None)
     _flag(g, "--wandb-save-dir", default=None)
+    validation.add_fault_tolerance_args(p)
     return p
 
 
@@ -204,6 +206,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                  "pipeline_model_parallel_size", "context_parallel_size", "log_interval"):
         if getattr(args, name) is None or getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    try:
+        validation.validate_inputs(args, world_size)
+    except ValueError as e:
+        _fail(str(e))
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
     if args.pipeline_model_parallel_size != 1:
@@ -305,6 +311,11 @@ def _validate_data(args: argparse.Namespace) -> None:
             if missing:
                 _fail(f"--data-path {prefix}: missing {', '.join(missing)} (give the prefix of a "
                       "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
+        vocab = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
+        try:
+            validation.check_data_files(prefixes, vocab)
+        except ValueError as e:
+            _fail(str(e))
     else:
         args.mock_data = True
     if args.tokenizer_type == "NullTokenizer":

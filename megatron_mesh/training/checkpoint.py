@@ -5,12 +5,15 @@
 
 A checkpoint is written to ``iter_N.tmp`` and renamed when every rank has finished; only
 then does the marker move (written to a temp file and renamed). A job that dies while
-saving leaves the previous checkpoint and marker untouched.
+saving leaves the previous checkpoint and marker untouched; the next save removes the
+unfinished ``iter_N.tmp`` it left. Every checkpoint carries a manifest of its files' checksums
+(checksums.py), checked before anything is loaded.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import multiprocessing
 import os
 import random
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_mesh.training.checksums import CheckpointError, verify_manifest, write_manifest
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
@@ -46,13 +50,43 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def complete_iterations(root: str) -> list[int]:
+    """Iterations of the iter_N folders under root that hold a checkpoint, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(root, "iter_*")):
+        name = os.path.basename(path)
+        if name[5:].isdigit() and os.path.isfile(os.path.join(path, "metadata.json")):
+            found.append(int(name[5:]))
+    return sorted(found)
+
+
+def _older(root: str, below: int | None = None) -> str:
+    """What to load instead: the complete checkpoints under root (below an iteration)."""
+    its = [i for i in complete_iterations(root) if below is None or i < below]
+    if not its:
+        return "no other complete checkpoint is there (start afresh without --load)"
+    return (f"load an older one with --ckpt-step N (complete here: "
+            f"{', '.join(map(str, its))})")
+
+
 def latest_iteration(root: str) -> int | None:
-    """The iteration of the newest complete checkpoint under root, or None."""
+    """The iteration of the newest complete checkpoint under root, or None without any.
+
+    Raises CheckpointError when the marker cannot be read or there are checkpoints but no
+    marker (never a silent start from iteration 0 next to saved work)."""
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
+        if complete_iterations(root):
+            raise CheckpointError(f"--load {root}: {LATEST} is missing but checkpoints are "
+                                  f"there; {_older(root)}")
         return None
-    with open(path) as f:
-        return int(f.read().strip())
+    try:
+        with open(path) as f:
+            text = f.read()
+        return int(text.strip())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"--load {root}: marker {LATEST} is unreadable or truncated "
+                              f"({e}); {_older(root)}") from None
 
 
 @contextlib.contextmanager
@@ -165,7 +199,10 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in glob.glob(os.path.join(root, "iter_*.tmp")):
+            if stale != tmp:
+                print(f" removing {stale}: an unfinished save of an earlier run", flush=True)
+            shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
@@ -174,6 +211,7 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     with _host_sync_without_cuda():
         dist_checkpointing.save(sd, tmp)
     dist.barrier()
+    write_manifest(tmp)  # collective: its gather also waits for every rank's files
     if dist.get_rank() == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -204,7 +242,13 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
         return TrainState()
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"--load {root}: no checkpoint {path}")
+        raise CheckpointError(f"--load {root}: no checkpoint {path}; {_older(root)}")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        what = "is empty" if not os.listdir(path) else "is not a complete checkpoint"
+        raise CheckpointError(f"checkpoint {path} {what}; {_older(root, iteration)}")
+    if not verify_manifest(path, _older(root, iteration)):
+        print_rank0(f" checkpoint {path} has no checksums (saved by an older version): "
+                    "loading it unverified")
     common = dist_checkpointing.load_common_state_dict(path)
     with_optim = not (args.no_load_optim or args.finetune)
     with_rng = not (args.no_load_rng or args.finetune)

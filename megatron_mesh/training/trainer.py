@@ -17,6 +17,7 @@ from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import is_rank0, print_rank0
 from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
+from megatron_mesh.training.stopping import ExitConditions, check_finite
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -80,8 +81,10 @@ def _traffic_counter(args: argparse.Namespace):
 
 def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator: Iterator[dict],
           state: TrainState, args: argparse.Namespace, flops_per_iter: float) -> TrainState:
-    """Iterate to --train-iters (or --exit-interval), logging and saving on their intervals."""
+    """Iterate to --train-iters (or --exit-interval, a signal, the time limit), logging and
+    saving on their intervals; a NaN / Inf loss or grad norm raises before anything is saved."""
     wandb = WandbLogger(args, enabled=is_rank0())
+    exits = ExitConditions(args)
     stats = IntervalStats()
     rank = dist.get_rank()
     last = args.train_iters
@@ -99,6 +102,8 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             seconds = time.perf_counter() - start
             state.iteration += 1
             state.consumed_samples += args.global_batch_size
+            if args.check_for_nan_in_loss_and_grad:
+                check_finite(state.iteration, loss, grad_norm)
             stats.add(loss, seconds, grad_norm, counter.total_bytes if counter else 0, ok)
             if state.iteration % args.log_interval == 0 or state.iteration == last:
                 lr = optimizer.param_groups[0]["lr"]
@@ -109,6 +114,10 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 stats = IntervalStats()
             stop = state.iteration == last or bool(
                 args.exit_interval and state.iteration % args.exit_interval == 0)
+            reason = exits.reason()
+            if reason:
+                print_rank0(f" {reason}: saving and exiting after iteration {state.iteration}")
+                stop = True
             if args.save and (stop or (
                     args.save_interval and state.iteration % args.save_interval == 0)):
                 save_checkpoint(args.save, model, optimizer, scheduler, state, args)
@@ -116,5 +125,6 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 break
         exit_code = 0
     finally:
+        exits.restore()
         wandb.finish(exit_code)
     return state

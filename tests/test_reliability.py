@@ -1,0 +1,173 @@
+"""Faults injected into the driver: corrupted and half-written checkpoints, a diverging run,
+SIGTERM, and bad inputs. Each asserts the exit status, the message and that nothing saved
+is lost. Runs are single-rank driver processes on mock data (the checks are rank-local or use
+the same collectives at any world size); bad flags run in-process, before any group exists.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_mesh.pretrain_gpt import main
+from test_training_driver import TINY, Run, _build_indexed_dataset, _env
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """One driver process (world size 1, its own port): its output is all there is to read."""
+    return ([sys.executable, "-m", "megatron_mesh.pretrain_gpt", *args],
+            _env(MASTER_PORT=_free_port(), WORLD_SIZE="1", RANK="0"))
+
+
+def driver(args: list[str]) -> Run:
+    cmd, env = _command(args)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A job that saved iterations 2 and 4."""
+    root = tmp_path_factory.mktemp("ckpt") / "save"
+    run = driver([*QUICK, "--save", str(root), "--save-interval", "2"])
+    assert run.returncode == 0, run.output[-3000:]
+    assert (root / "iter_0000004" / "checksums.json").is_file()
+    return root
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupted_and_half_written_checkpoints_are_refused(saved: Path, tmp_path: Path) -> None:
+    root = _copy(saved, tmp_path / "ckpt")
+    (distcp,) = sorted((root / "iter_0000004").glob("*.distcp"))[:1]
+    with open(distcp, "r+b") as f:  # 4 KiB of 0xFF in the middle of a tensor file
+        f.seek(os.path.getsize(distcp) // 2)
+        f.write(b"\xff" * 4096)
+    run = driver([*QUICK, "--train-iters", "6", "--load", str(root)])
+    assert run.returncode != 0
+    assert "Traceback" not in run.output
+    assert (f"checkpoint {root / 'iter_0000004'}: file {distcp.name} is corrupted" in run.output
+            and "--ckpt-step N (complete here: 2)" in run.output), run.output[-2000:]
+    # the marker cut short, an empty iter_ folder, a stale .tmp left by a crash
+    (root / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\x00")
+    (root / "iter_0000005").mkdir()
+    (root / "iter_0000006.tmp").mkdir()
+    run = driver([*QUICK, "--train-iters", "6", "--load", str(root)])
+    assert run.returncode != 0 and "Traceback" not in run.output
+    assert "latest_checkpointed_iteration.txt is unreadable or truncated" in run.output
+    run = driver([*QUICK, "--train-iters", "6", "--load", str(root), "--ckpt-step", "5"])
+    assert run.returncode != 0 and "Traceback" not in run.output
+    assert f"checkpoint {root / 'iter_0000005'} is empty; load an older one" in run.output
+    # the older, intact checkpoint loads and the next save removes the stale folder
+    run = driver([*QUICK, "--train-iters", "6", "--load", str(root), "--ckpt-step", "2",
+                       "--save", str(root), "--save-interval", "3"])
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"loaded checkpoint {root / 'iter_0000002'}" in run.output
+    assert "unfinished save of an earlier run" in run.output
+    assert not (root / "iter_0000006.tmp").exists() and (root / "iter_0000006").is_dir()
+
+
+def test_nan_loss_stops_every_rank_unsaved(tmp_path: Path) -> None:
+    root = tmp_path / "save"
+    run = driver([*QUICK, "--train-iters", "8", "--lr", "1e6", "--lr-warmup-iters", "0",
+                       "--save", str(root), "--save-interval", "1"])
+    assert run.returncode != 0
+    assert "Traceback" not in run.output
+    line = next(ln for ln in run.output.splitlines() if "is nan" in ln or "is inf" in ln)
+    it = int(line.split("iteration ")[1].split(":")[0])
+    assert "lm loss is" in line or "grad norm is" in line, line
+    saved = sorted(p.name for p in root.glob("iter_*"))
+    assert saved == [f"iter_{i:07d}" for i in range(1, it)], (saved, line)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
+    root = tmp_path / "save"
+    cmd, env = _command([*QUICK, "--train-iters", "100000", "--save", str(root),
+                         "--exit-signal-handler"])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "iteration        3/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-2000:]
+    assert "SIGTERM received: saving and exiting after iteration" in output
+    stopped = int(output.split("exiting after iteration ")[1].split()[0])
+    assert stopped >= 3
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+
+
+def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
+    _build_indexed_dataset(str(prefix))
+    if bad_ids:
+        ids = np.memmap(str(prefix) + ".bin", dtype=np.int32, mode="r+")
+        ids[5] = 255  # tiny-cpu.yaml's vocabulary is 255
+        ids.flush()
+    return str(prefix)
+
+
+def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    empty = tmp_path / "empty"
+    empty.with_suffix(".bin").write_bytes(b"")
+    empty.with_suffix(".idx").write_bytes(b"")
+    garbage = tmp_path / "garbage"
+    garbage.with_suffix(".bin").write_bytes(os.urandom(256))
+    garbage.with_suffix(".idx").write_bytes(os.urandom(256))
+    good = _dataset(tmp_path / "good")
+    bad_ids = _dataset(tmp_path / "bad_ids", bad_ids=True)
+    cases = [
+        (["--save", str(a_file)], f"--save {a_file}: {a_file} is a file"),
+        (["--save", str(a_file / "ckpt")], "is a file, not a folder"),
+        (["--load", str(tmp_path / "nowhere")], "no such folder"),
+        (["--kv-channels", "0"], "--kv-channels 0: must be a positive integer"),
+        (["--global-batch-size", "0"], "--global-batch-size 0: must be a positive integer"),
+        (["--exit-interval", "-3"], "--exit-interval -3: must be a positive integer"),
+        (["--lr", "nan"], "--lr nan: must be a finite number"),
+        (["--lr", "-1"], "--lr -1.0: must be a finite number in [0.0, inf]"),
+        (["--adam-beta1", "1.0"], "--adam-beta1 1.0: must be a finite number in [0.0, 1.0)"),
+        (["--adam-beta2", "-0.1"], "--adam-beta2 -0.1"),
+        (["--seq-length", str(2**40), "--max-position-embeddings", str(2**40)],
+         "GiB per rank"),
+        (["--data-path", good, "--split", "1,x"], "--split 1,x: expected up to three"),
+        (["--data-path", good, "--split", "1,2,3,4"], "--split 1,2,3,4"),
+        (["--data-path", str(empty)], f"{empty}.idx is not a Megatron index (empty file)"),
+        (["--data-path", str(garbage)], f"{garbage}.idx is not a Megatron index (bad header)"),
+        (["--data-path", bad_ids], "token id 255"),
+        (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0"),
+    ]
+    problems = []
+    for flags, message in cases:
+        code = main([*QUICK, *flags])
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if code != 2 or message not in err or len(lines) != 1:
+            problems.append(f"{flags}: exit {code}, {err!r}")
+    assert not problems, "\n".join(problems)
