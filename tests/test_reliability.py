@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_training_driver import TINY, Run, _build_indexed_dataset, _env
 
 from megatron_mesh.pretrain_gpt import main
-from test_training_driver import TINY, Run, _build_indexed_dataset, _env
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
@@ -60,6 +60,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.distributed
 def test_corrupted_and_half_written_checkpoints_are_refused(saved: Path, tmp_path: Path) -> None:
     root = _copy(saved, tmp_path / "ckpt")
     (distcp,) = sorted((root / "iter_0000004").glob("*.distcp"))[:1]
@@ -90,6 +91,7 @@ def test_corrupted_and_half_written_checkpoints_are_refused(saved: Path, tmp_pat
     assert not (root / "iter_0000006.tmp").exists() and (root / "iter_0000006").is_dir()
 
 
+@pytest.mark.distributed
 def test_nan_loss_stops_every_rank_unsaved(tmp_path: Path) -> None:
     root = tmp_path / "save"
     run = driver([*QUICK, "--train-iters", "8", "--lr", "1e6", "--lr-warmup-iters", "0",
@@ -103,6 +105,7 @@ def test_nan_loss_stops_every_rank_unsaved(tmp_path: Path) -> None:
     assert saved == [f"iter_{i:07d}" for i in range(1, it)], (saved, line)
 
 
+@pytest.mark.distributed
 def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     root = tmp_path / "save"
     cmd, env = _command([*QUICK, "--train-iters", "100000", "--save", str(root),
