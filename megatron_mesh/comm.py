@@ -7,8 +7,9 @@ and copy nothing.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,34 @@ Phase = Literal["forward", "backward"]
 Direction = Literal["row", "col", "heads"]
 
 _active: list["TrafficCounter"] = []
+_links: list["LinkModel"] = []  # the emulated links in force, if any (innermost last)
+
+
+class LinkModel(Protocol):
+    """Emulated links (`megatron_mesh.emulation`): when would a transfer started now end?"""
+
+    def reserve(self, op: str, sends: Mapping[int, int], group_ranks: Sequence[int]) -> float:
+        """`sends`: global rank -> bytes this rank sends it (for a collective, over the
+        ranks `group_ranks`); returns the time.monotonic() at which the links are done."""
+        ...
+
+
+def _done_at(op: str, group: dist.ProcessGroup | None, nbytes: int,
+             peer: int | None = None) -> float | None:
+    """When the emulated links finish this rank's sends of `nbytes` to `peer` (a global
+    rank) or, for a collective, to every other member of `group`; None without them."""
+    if not _links:
+        return None
+    ranks = (dist.get_process_group_ranks(group) if group is not None
+             else list(range(dist.get_world_size())))
+    me = dist.get_rank()
+    sends = {peer: nbytes} if peer is not None else {r: nbytes for r in ranks if r != me}
+    return _links[-1].reserve(op, sends, ranks)
+
+
+def _wait_until(done_at: float | None) -> None:
+    if done_at is not None:
+        time.sleep(max(0.0, done_at - time.monotonic()))
 
 
 def _collective(new_name: str, old_name: str):
@@ -90,9 +119,11 @@ def reduce_scatter(
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
     _record(phase, direction, "reduce_scatter", (n - 1) * out.nbytes)
+    done_at = _done_at("reduce_scatter", group, out.nbytes)
     _collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, t, op=dist.ReduceOp.SUM, group=group
     )
+    _wait_until(done_at)
     return out
 
 
@@ -106,20 +137,26 @@ def all_to_all(
     t = t.contiguous()
     out = torch.empty_like(t)
     _record(phase, direction, "all_to_all", t.nbytes * (n - 1) // n)
+    done_at = _done_at("all_to_all", group, t.nbytes // n)
     dist.all_to_all_single(out, t, group=group)
+    _wait_until(done_at)
     return out
 
 
 class Pending:
-    """Handles of collectives in flight; `wait()` returns once all have finished."""
+    """Handles of collectives in flight; `wait()` returns once all have finished (and,
+    under emulated links, not before the links would have carried the bytes)."""
 
-    def __init__(self, works: list) -> None:
+    def __init__(self, works: list, done_at: float | None = None) -> None:
         self.works = [w for w in works if w is not None]
+        self.done_at = done_at
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
         self.works = []
+        _wait_until(self.done_at)
+        self.done_at = None
 
 
 def all_gather_async(
@@ -132,8 +169,9 @@ def all_gather_async(
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
     _record(phase, direction, "all_gather", (n - 1) * t.nbytes)
+    done_at = _done_at("all_gather", group, t.nbytes)
     gather = _collective("all_gather_single", "all_gather_into_tensor")
-    return out, Pending([gather(out, t, group=group, async_op=True)])
+    return out, Pending([gather(out, t, group=group, async_op=True)], done_at)
 
 
 def all_gather_stacked_async(
@@ -165,4 +203,5 @@ def ring_exchange(
         _record(phase, direction, "ring", out_t.nbytes)
         ops.append(dist.P2POp(dist.isend, out_t.contiguous(), next_rank, group=group))
         ops.append(dist.P2POp(dist.irecv, in_t, prev_rank, group=group))
-    return Pending(dist.batch_isend_irecv(ops))
+    done_at = _done_at("ring", group, sum(t.nbytes for t in sends), next_rank)
+    return Pending(dist.batch_isend_irecv(ops), done_at)

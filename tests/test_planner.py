@@ -229,16 +229,25 @@ def test_flops_and_time_model_by_hand():
     over, serial = plan(p, **kw), plan(p, overlap=False, **kw)
     compute_f = w.forward_flops() / p / (tflops * 1e12)
     comm_f = over.ring.bytes("forward") / (bw * 1e9)  # 16 GPUs on 2 nodes: the ring crosses
-    assert over.ring.time_s["forward"] == pytest.approx(max(compute_f, comm_f))
+    # a ring of 16: the first block's compute, then 15 steps of max(block, hop)
+    assert over.ring.time_s["forward"] == pytest.approx(
+        compute_f / p + (p - 1) * max(compute_f / p, comm_f / (p - 1)))
+    comm_b = over.ring.bytes("backward") / (bw * 1e9)  # K,V and dK,dV; the last dK,dV hop after
+    compute_b = 2.5 * compute_f
+    assert over.ring.time_s["backward"] == pytest.approx(
+        compute_b / p + (p - 1) * max(compute_b / p, comm_b / (p - 1)) + comm_b / 2 / (p - 1))
     assert serial.ring.time_s["forward"] == pytest.approx(compute_f + comm_f)
     ag = over.method("all_gather")  # exposed even with overlap
     assert ag.time_s["forward"] == pytest.approx(compute_f + ag.bytes("forward") / (bw * 1e9))
     m = over.mesh(4, 4)  # rows of 4 inside a node (exposed), columns across nodes (ring)
     row_s = m.bytes("forward", "row") / (over.cluster.intra_node_bw * 1e9)
     col_s = m.bytes("forward", "column") / (bw * 1e9)
-    assert m.time_s["forward"] == pytest.approx(row_s + max(compute_f, col_s))
-    assert [t.hidden for t in m.transfers if t.group == "row"] == [False, False]
-    assert [t.hidden for t in m.transfers if t.group == "column"] == [True, True]
+    # a column ring of 4 (streamed_kv), K,V only in the forward: nothing trails
+    assert m.time_s["forward"] == pytest.approx(
+        row_s + compute_f / 4 + 3 * max(compute_f / 4, col_s / 3))
+    assert [t.hidden for t in m.transfers if t.group == "row"] == [False] * 4
+    assert [t.hidden for t in m.transfers if t.group == "column"] == [True] * 3
+    assert [t.trailing for t in m.transfers if t.group == "column"] == [False, False, True]
     assert over.speedup(m) == pytest.approx(over.ring.total_s / m.total_s)
 
 

@@ -4,12 +4,17 @@ Per pass (forward, backward) and per GPU:
 
     compute = pass FLOPs / P / attention TFLOP/s
     comm(t) = bytes(t) / bandwidth of the slowest link t's groups cross
-    time    = sum(comm of exposed t) + max(compute, sum(comm of hidden t))   (overlap on)
+    time    = sum(comm of exposed t) + ring                                  (overlap on)
+    ring    = w + (n-1) max(w, h / (n-1)) + r / (n-1)
     time    = compute + sum(comm of all t)                                   (overlap off)
 
-A transfer is "hidden" when the method's schedule can run it while tiles compute (ring
-p2p steps, the mesh's column ring); all-to-alls, up-front gathers and final reductions are
-exposed.
+A transfer is "hidden" when the method's schedule runs it while tiles compute, as a ring of
+n members (ring p2p steps, the mesh's column or row ring): the ring takes n steps of
+w = compute / n each, and the chunk for step t + 1 travels during step t, so the n - 1 hops
+of the hidden transfers (h seconds in all) overlap n - 1 of the n steps, not all of the
+compute. A partial that trails its chunk (dK, dV of the ring's backward, the mesh's
+partial outputs and gradients) leaves after its last block: its last hop (r / (n-1) of its
+r seconds) is exposed. All-to-alls, up-front gathers and final reductions are exposed.
 Transfers of one pass share the GPU's links one after another (their times add).
 """
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Transfer:
     nbytes: int
     crosses_nodes: bool
     hidden: bool
+    ring_size: int = 0  # hidden transfers: the members n of the ring that carries them
+    trailing: bool = False  # a partial one hop behind its chunk: the last hop is exposed
 
     def seconds(self, cluster: Cluster) -> float:
         return self.nbytes / cluster.bandwidth(self.crosses_nodes)
@@ -101,8 +108,19 @@ def price(
     for phase in PHASES:
         compute[phase] = cluster.compute_seconds(flops[phase] / cluster.gpus)
         mine = [t for t in transfers if t.phase == phase]
-        hidden = sum(t.seconds(cluster) for t in mine if overlap and t.hidden)
+        hidden = [t for t in mine if overlap and t.hidden]
         exposed = sum(t.seconds(cluster) for t in mine if not (overlap and t.hidden))
-        comm[phase] = hidden + exposed
-        time[phase] = exposed + max(compute[phase], hidden)
+        comm[phase] = exposed + sum(t.seconds(cluster) for t in hidden)
+        time[phase] = exposed + ring_seconds(hidden, compute[phase], cluster)
     return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape)
+
+
+def ring_seconds(hidden: list[Transfer], compute: float, cluster: Cluster) -> float:
+    """The pass's compute with its hidden transfers pipelined under it (module docstring)."""
+    h = sum(t.seconds(cluster) for t in hidden)
+    n = max((t.ring_size for t in hidden), default=0)
+    if n < 2:
+        return max(compute, h)
+    trailing = sum(t.seconds(cluster) for t in hidden if t.trailing)
+    w = compute / n
+    return w + (n - 1) * max(w, h / (n - 1)) + trailing / (n - 1)

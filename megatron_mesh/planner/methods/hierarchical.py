@@ -40,7 +40,8 @@ def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> li
     dtype = workload.dtype
     sent = (ring_size - 1) * step
     return transfers + [
-        Transfer("forward", "ring", f"K,V ({dtype})", sent, cross, hidden=True),
-        Transfer("backward", "ring", f"K,V ({dtype})", sent, cross, hidden=True),
-        Transfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, hidden=True),
+        Transfer("forward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        Transfer("backward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        Transfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, True, ring_size,
+                 trailing=True),
     ]

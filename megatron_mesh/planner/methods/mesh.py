@@ -37,13 +37,28 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
     g = "fp32" if plan.grad_dtype is GradDtype.FP32 else e
     hidden = plan.schedule.hidden_direction
     o = "fp32" if plan.schedule is Schedule.STREAMED_Q else e
+    q, kv, l = workload.attention_shape().local_elements(p)
+    # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail
+    # their chunks; the rest of each direction's bytes are the chunks themselves
+    grad = plan.grad_bytes(workload.dtype_bytes)
+    out_part = (cols - 1) * (q * plan.partial_out_bytes(workload.dtype_bytes) + 4 * l)
+    dq_part = (cols - 1) * q * grad
+    dkv_part = (rows - 1) * kv * grad
+
+    def row(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
+        return Transfer(phase, "row", tensors, nbytes, row_cross, hidden == "row", cols,
+                        trailing)
+
+    def column(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
+        return Transfer(phase, "column", tensors, nbytes, col_cross, hidden == "column", rows,
+                        trailing)
+
     return [
-        Transfer("forward", "row", f"Q ({e}); partial O ({o}), lse (fp32)",
-                 traffic.forward_row, row_cross, hidden=hidden == "row"),
-        Transfer("forward", "column", f"K,V ({e})",
-                 traffic.forward_col, col_cross, hidden=hidden == "column"),
-        Transfer("backward", "row", f"Q,dO ({e}), lse,D (fp32); dQ ({g})",
-                 traffic.backward_row, row_cross, hidden=hidden == "row"),
-        Transfer("backward", "column", f"K,V ({e}); dK,dV ({g})",
-                 traffic.backward_col, col_cross, hidden=hidden == "column"),
+        row("forward", f"Q ({e})", traffic.forward_row - out_part),
+        row("forward", f"partial O ({o}), lse (fp32)", out_part, trailing=True),
+        column("forward", f"K,V ({e})", traffic.forward_col),
+        row("backward", f"Q,dO ({e}), lse,D (fp32)", traffic.backward_row - dq_part),
+        row("backward", f"dQ ({g})", dq_part, trailing=True),
+        column("backward", f"K,V ({e})", traffic.backward_col - dkv_part),
+        column("backward", f"dK,dV ({g})", dkv_part, trailing=True),
     ]

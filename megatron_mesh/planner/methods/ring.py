@@ -6,7 +6,8 @@ they are home (P-1 sends). All in the input dtype (TE accumulates dK,dV in it to
 
     forward (P-1) * kv * e       backward 2 * (P-1) * kv * e       total 3 (P-1) kv e
 
-Each step is overlapped with one block's compute, so all of it is "hidden".
+Each step is overlapped with one block's compute, so all of it is "hidden" (a ring of P;
+dK,dV trail their K,V).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def ring_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
     cross = crosses_nodes([range(p)], cluster)
     dtype = workload.dtype
     return [
-        Transfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, hidden=True),
-        Transfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, hidden=True),
-        Transfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, hidden=True),
+        Transfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
+        Transfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
+        Transfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, True, p,
+                 trailing=True),
     ]

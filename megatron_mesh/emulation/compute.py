@@ -1,0 +1,51 @@
+"""A tile kernel whose compute is emulated: it sleeps for the tile's modelled time.
+
+The interface of `megatron_mesh.kernels.base.TileKernel`; the results are zeros of the right
+shapes and dtypes (out [sq, b, hq, d], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
+every schedule runs its real communication and merging around tiles that cost what the
+planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), backward
+`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_mesh.planner.workload import BACKWARD_FLOPS_RATIO
+
+
+def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
+    """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]."""
+    sq, b, hq, d = q.shape
+    flops = 4.0 * sq * k.shape[0] * hq * d * b
+    return flops / 2 if causal else flops
+
+
+class EmulatedKernel:
+    """TileKernel that sleeps `flops / flops_rate` seconds per call (EMULATED compute)."""
+
+    name = "emulated"
+
+    def __init__(self, flops_rate: float) -> None:
+        if not flops_rate > 0:
+            raise ValueError(f"flops_rate must be a positive number, got {flops_rate!r}")
+        self.flops_rate = flops_rate
+        self.seconds = 0.0  # emulated compute time slept so far
+
+    def _compute(self, flops: float) -> None:
+        seconds = flops / self.flops_rate
+        self.seconds += seconds
+        time.sleep(seconds)
+
+    def forward(self, q, k, v, causal: bool, softmax_scale: float):
+        self._compute(tile_flops(q, k, causal))
+        sq, b, hq, _ = q.shape
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
+        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal))
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.zeros(k.shape, dtype=k.dtype, device=k.device),
+                torch.zeros(v.shape, dtype=v.dtype, device=v.device))

@@ -1,0 +1,331 @@
+"""Time every context-parallel method on an EMULATED cluster and compare with the planner.
+
+P ranks run on this machine as N nodes x G GPUs. Links are shaped at the collectives
+(`megatron_mesh.emulation.ShapedLinks`: NVLink inside a node, one NIC per GPU across nodes),
+compute is emulated (`EmulatedKernel`: each tile sleeps for the planner's compute time), both
+the modelled cluster's numbers played --slowdown times slower. The real schedules, real gloo
+collectives and real bytes run around them. For each method: forward + backward time per
+layer (median and spread of --repeats), the planner's prediction for the same emulated
+cluster, their ratio, speedup over ring measured and predicted, and peak extra memory per
+rank (measured on CPU tensors, and the model of `megatron_mesh.memory`).
+
+    python scripts/bench_cluster.py                       # P = 8 and 16, two nodes, 4 workloads
+    python scripts/bench_cluster.py --cp-sizes 4 --seq-lengths 4096 --repeats 2 --json out.json
+
+Methods: ring (P x 1, K/V streamed: Transformer Engine's p2p), all_gather (P x 1 gathered),
+every 2D mesh shape with the schedule "streamed" picks, and the best 2D shape with each
+schedule. Gradients of ring and all_gather travel in the input dtype, as Transformer Engine's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megatron_mesh as mm
+from megatron_mesh.attention import MeshAttentionFunction
+from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
+from megatron_mesh.memory import extra_memory, streamed_schedule
+from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.planner import Cluster, Workload, search
+from megatron_mesh.planner.cost import Estimate, price
+from megatron_mesh.planner.methods import mesh_transfers
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Method:
+    """One timed configuration: a grid shape and a schedule (ring and all_gather are P x 1)."""
+
+    label: str
+    rows: int
+    cols: int
+    schedule: str  # what runs: streamed_kv, streamed_q or gathered
+    grad_reduce_dtype: str  # "input" for ring / all_gather (as TE), "fp32" for the mesh
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cp-sizes", default="8,16", help="comma-separated P (default 8,16)")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes; G = P / nodes")
+    p.add_argument("--seq-lengths", default="16384,65536", help="comma-separated S")
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", default="32,8", help="comma-separated kv heads (MHA, GQA)")
+    p.add_argument("--head-dim", type=int, default=4,
+                   help="head dim of the real tensors (small: compute is emulated, and "
+                   "bytes and FLOPs both scale with it, so their ratio does not)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--slowdown", type=float, default=500.0,
+                   help="play the modelled cluster this many times slower (default 500)")
+    p.add_argument("--intra-node-bw", type=float, default=360.0, help="modelled GB/s per GPU")
+    p.add_argument("--inter-node-bw", type=float, default=45.0, help="modelled GB/s per GPU")
+    p.add_argument("--attention-tflops", type=float, default=400.0, help="modelled per GPU")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--overlap", action="store_true",
+                   help="also time each method with compute off and with compute 8x longer, "
+                   "and report the fraction of communication hidden")
+    p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--plot", default=None, help="measured vs predicted PNG (needs matplotlib)")
+    args = p.parse_args(argv)
+    try:
+        args.cp_sizes = [int(n) for n in args.cp_sizes.split(",")]
+        args.seq_lengths = [int(n) for n in args.seq_lengths.split(",")]
+        args.kv_heads = [int(n) for n in args.kv_heads.split(",")]
+    except ValueError as exc:
+        p.error(f"--cp-sizes, --seq-lengths and --kv-heads take comma-separated integers ({exc})")
+    for n in args.cp_sizes:
+        if n < 2 or n % args.nodes:
+            p.error(f"--cp-sizes entry {n} must be at least 2 and divisible by --nodes {args.nodes}")
+        for s in args.seq_lengths:
+            if s % (2 * n):
+                p.error(f"--seq-lengths entry {s} must be divisible by 2 * P = {2 * n}")
+    for h in args.kv_heads:
+        if h < 1 or args.heads % h:
+            p.error(f"--kv-heads entry {h} must divide --heads {args.heads}")
+    for name in ("repeats", "slowdown"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def emulation_for(args: argparse.Namespace, cp_size: int) -> Emulation:
+    modelled = Cluster(gpus=cp_size, gpus_per_node=cp_size // args.nodes,
+                       intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+                       attention_tflops=args.attention_tflops)
+    return Emulation(modelled, args.slowdown)
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    return [Workload(seq_length=s, num_heads=args.heads, num_kv_heads=h, head_dim=args.head_dim,
+                     dtype=args.dtype) for s in args.seq_lengths for h in args.kv_heads]
+
+
+def methods_for(workload: Workload, cluster: Cluster) -> list[Method]:
+    """ring, all_gather, every 2D shape with 'streamed', the planner's best with each schedule."""
+    p = cluster.gpus
+    shape = workload.attention_shape()
+    out = [Method("ring", p, 1, "streamed_kv", "input"),
+           Method("all_gather", p, 1, "gathered", "input")]
+    for r, c in mm.mesh_shapes(p)[1:]:
+        ran = streamed_schedule(shape, r, c)
+        out.append(Method(f"mesh {r}x{c} {ran}", r, c, ran, "fp32"))
+    best = search(workload, cluster).best_mesh.mesh_shape
+    for schedule in ("streamed_kv", "streamed_q", "gathered"):
+        degenerate = (schedule == "streamed_kv" and best[0] == 1) or (
+            schedule == "streamed_q" and best[1] == 1)  # no such ring: the gathered code runs
+        if best[0] != p and not degenerate and all(
+                (m.rows, m.schedule) != (best[0], schedule) for m in out[2:]):
+            out.append(Method(f"mesh {best[0]}x{best[1]} {schedule}", *best, schedule, "fp32"))
+    return out
+
+
+def predict(method: Method, workload: Workload, cluster: Cluster) -> Estimate:
+    """The planner's estimate of `method` on `cluster` (the emulated one)."""
+    plan = search(workload, cluster)
+    if method.label == "ring":
+        return plan.ring
+    if method.label == "all_gather":
+        found = plan.method("all_gather")
+        assert found is not None
+        return found
+    w = replace(workload, mesh_schedule=method.schedule)
+    return price("mesh", method.label, mesh_transfers(w, cluster, method.rows, method.cols), w,
+                 cluster, True, (method.rows, method.cols))
+
+
+def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation: Emulation,
+                repeats: int, warmup: int, compute_scale: float = 1.0) -> dict:
+    """Median / min / max seconds of forward + backward over `repeats` (every rank's clock
+    runs from a barrier to a barrier, so it is the slowest rank's time), with the emulated
+    compute and link seconds of this rank."""
+    w, dtype = workload, DTYPES[workload.dtype]
+    s = w.seq_length // grid.cp_size
+    gen = torch.Generator().manual_seed(grid.cp_rank)
+    q, k, v = (torch.randn(s, w.batch, h, w.head_dim, generator=gen, dtype=dtype).requires_grad_()
+               for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
+    dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, generator=gen, dtype=dtype)
+    rate = emulation.flops_rate / compute_scale if compute_scale else float("inf")
+    grad_dtype = torch.float32 if method.grad_reduce_dtype == "fp32" else dtype
+    times, compute, links = [], 0.0, {}
+    for it in range(warmup + repeats):
+        kernel = EmulatedKernel(rate)
+        q.grad = k.grad = v.grad = None
+        dist.barrier()
+        with ShapedLinks(emulation, dist.get_rank()) as shaped:
+            t0 = time.perf_counter()
+            out = MeshAttentionFunction.apply(q, k, v, grid, w.causal, w.head_dim ** -0.5, kernel,
+                                              method.schedule, grad_dtype)
+            out.backward(dout)
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+        if it >= warmup:
+            times.append(elapsed)
+        compute, links = kernel.seconds, dict(shaped.seconds)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "compute_s": compute, "link_s": links}
+
+
+def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int:
+    """Peak extra bytes of one forward + backward (CPU tensors tracked), no shaping."""
+    w, dtype = workload, DTYPES[workload.dtype]
+    s = w.seq_length // grid.cp_size
+    q, k, v = (torch.randn(s, w.batch, h, w.head_dim, dtype=dtype).requires_grad_()
+               for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
+    dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, dtype=dtype)
+    kernel = EmulatedKernel(float("inf"))
+    grad_dtype = torch.float32 if method.grad_reduce_dtype == "fp32" else dtype
+    with CpuPeakMemory() as fwd:
+        out = MeshAttentionFunction.apply(q, k, v, grid, True, 1.0, kernel, method.schedule,
+                                          grad_dtype)
+    with CpuPeakMemory() as bwd:
+        out.backward(dout)
+    return max(fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes)
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """Every workload and method on this P; rows (rank 0's view) for the report."""
+    emulation = emulation_for(args, world)
+    cluster = emulation.cluster
+    grids: dict[tuple[int, int], mm.MeshGrid] = {}
+    rows = []
+    for workload in workloads(args):
+        for method in methods_for(workload, cluster):
+            shape = (method.rows, method.cols)
+            if shape not in grids:
+                grids[shape] = mm.MeshGrid.build(rows=method.rows, cols=method.cols)
+            grid = grids[shape]
+            row = {"P": world, "nodes": args.nodes, "S": workload.seq_length,
+                   "heads": workload.num_heads, "kv_heads": workload.num_kv_heads,
+                   "method": method.label, "shape": list(shape), "schedule": method.schedule}
+            row.update(time_method(method, grid, workload, emulation, args.repeats, args.warmup))
+            est = predict(method, workload, cluster)
+            row.update(predicted_s=est.total_s, predicted_comm_s=est.total_comm_s,
+                       predicted_compute_s=sum(est.compute_s.values()))
+            if args.overlap:
+                off = time_method(method, grid, workload, emulation, args.repeats, args.warmup, 0.0)
+                heavy = time_method(method, grid, workload, emulation, args.repeats, args.warmup, 8.0)
+                row.update(comm_only_s=off["median_s"], heavy_s=heavy["median_s"],
+                           heavy_compute_s=heavy["compute_s"])
+            attention = workload.attention_shape()
+            row.update(memory=measure_memory(method, grid, workload),
+                       model_memory=max(extra_memory(attention, *shape, method.schedule).values()),
+                       te_ring_memory=max(extra_memory(attention, *shape, "ring").values()))
+            rows.append(row)
+    return rows
+
+
+def hidden_fraction(comm_only: float, compute: float, measured: float) -> float:
+    """Share of the communication time that ran under compute: (compute + comm - measured)
+    / comm, with comm the time measured with compute off."""
+    return (compute + comm_only - measured) / comm_only if comm_only > 0 else 0.0
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = []
+    for key in dict.fromkeys((r["P"], r["S"], r["kv_heads"]) for r in rows):
+        case = [r for r in rows if (r["P"], r["S"], r["kv_heads"]) == key]
+        p, s, kv = key
+        ring = next(r for r in case if r["method"] == "ring")
+        lines += ["", emulation_for(args, p).describe(),
+                  f"P={p} ({args.nodes} x {p // args.nodes}), S={s}, heads {case[0]['heads']}/{kv} "
+                  f"x {args.head_dim} (real tensors), {args.dtype}, causal; EMULATED compute and "
+                  f"links; {args.repeats} repeats",
+                  f"{'method':<24} {'measured ms':>11} {'spread':>7} {'predicted':>9} "
+                  f"{'ratio':>6} {'vs ring':>7} {'pred vs ring':>12} {'extra MiB':>9} "
+                  f"{'model MiB':>9}" + ("  hidden  heavy/compute" if args.overlap else "")]
+        measured_rank = sorted(case, key=lambda r: r["median_s"])
+        for r in case:
+            spread = (r["max_s"] - r["min_s"]) / r["median_s"]
+            line = (f"{r['method']:<24} {r['median_s'] * 1e3:11.1f} {spread:7.1%} "
+                    f"{r['predicted_s'] * 1e3:9.1f} {r['median_s'] / r['predicted_s']:6.2f} "
+                    f"{ring['median_s'] / r['median_s']:6.2f}x "
+                    f"{ring['predicted_s'] / r['predicted_s']:11.2f}x "
+                    f"{r['memory'] / MIB:9.2f} {r['model_memory'] / MIB:9.2f}")
+            if args.overlap:
+                hidden = hidden_fraction(r["comm_only_s"], r["compute_s"], r["median_s"])
+                line += (f"  {hidden:6.0%}  {r['heavy_s'] / r['heavy_compute_s']:13.2f}")
+            lines.append(line)
+        lines.append("fastest measured: " + ", ".join(r["method"] for r in measured_rank[:3])
+                     + "; planner: " + ", ".join(
+                         r["method"] for r in sorted(case, key=lambda r: r["predicted_s"])[:3]))
+    lines += ["", "measured = median forward + backward per layer, EMULATED (shaped links, "
+              "sleeping tile kernel); spread = (max - min) / median; predicted = planner for the "
+              "same emulated cluster; ratio = measured / predicted; extra MiB = peak extra memory "
+              "per rank, measured on CPU tensors; model MiB = megatron_mesh.memory"]
+    if args.overlap:
+        lines.append("hidden = share of communication (measured with compute off) that ran under "
+                     "compute; heavy/compute = time with compute 8x longer over that compute")
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for method in dict.fromkeys(r["method"].split(" ")[0] for r in rows):
+        mine = [r for r in rows if r["method"].split(" ")[0] == method]
+        ax.scatter([r["predicted_s"] * 1e3 for r in mine], [r["median_s"] * 1e3 for r in mine],
+                   label=method)
+    top = max(max(r["predicted_s"], r["median_s"]) for r in rows) * 1e3 * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle="--", label="measured = predicted")
+    ax.set_xlabel("planner prediction, ms (emulated cluster)")
+    ax.set_ylabel("measured, ms (EMULATED links and compute)")
+    ax.set_title("attention fwd + bwd per layer, emulated cluster", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = run_rank(rank, world, args)
+        if rank == 0:
+            torch.save(rows, os.path.join(outdir, "rows.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    args = parse_args(argv)
+    rows = []
+    for world in args.cp_sizes:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with tempfile.TemporaryDirectory() as outdir:
+            mp.spawn(_spawned, args=(world, port, outdir, args), nprocs=world, join=True)
+            rows += torch.load(os.path.join(outdir, "rows.pt"), weights_only=False)
+    print(report(rows, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+    if args.plot:
+        draw(rows, args.plot)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

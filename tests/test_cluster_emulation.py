@@ -1,0 +1,107 @@
+"""The emulated cluster: shaped links hold a transfer for at least bytes / rate of the link
+it crosses (NIC across nodes, NVLink inside one), the emulated kernel sleeps for the
+planner's compute time, and the cluster bench produces its rows on P = 4 as two nodes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megatron_mesh import comm
+from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
+from megatron_mesh.planner import Cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELLED = Cluster(gpus=4, gpus_per_node=2, intra_node_bw=360.0, inter_node_bw=45.0)
+SLOWDOWN = 1500.0  # intra-node 240 MB/s, inter-node 30 MB/s
+MB = 3_000_000  # bytes per transfer: 0.1 s through an emulated NIC, 12.5 ms over NVLink
+
+
+def transfer_worker(rank: int, world: int) -> dict:
+    emulation = Emulation(MODELLED, SLOWDOWN)
+    t = torch.ones(MB // 4)
+    times = {}
+    # ranks 0, 1 on node 0 and 2, 3 on node 1: the ring 0 -> 1 -> 2 -> 3 -> 0 has two
+    # inter-node hops (1 -> 2, 3 -> 0) and two inside nodes
+    recv = torch.empty_like(t)
+    dist.barrier()
+    start = time.monotonic()
+    with ShapedLinks(emulation, rank):
+        comm.ring_exchange(t, recv, (rank + 1) % world, (rank - 1) % world, None, "forward",
+                           "row").wait()
+    times["ring"] = time.monotonic() - start
+    assert torch.equal(recv, t)  # the real bytes moved
+    gather_start = time.monotonic()
+    with ShapedLinks(emulation, rank):
+        comm.all_gather(torch.ones(MB // 4 // 3), None, "forward", "row")
+    times["all_gather"] = time.monotonic() - gather_start
+    return times
+
+
+def test_shaped_links_hold_each_transfer_for_bytes_over_rate() -> None:
+    emulation = Emulation(MODELLED, SLOWDOWN)
+    per_rank = run_distributed(transfer_worker, 4)
+    for rank, times in enumerate(per_rank):
+        crosses = rank in (1, 3)  # sends to the other node
+        rate = emulation.inter_node_rate if crosses else emulation.intra_node_rate
+        assert times["ring"] >= MB / rate, (rank, times)
+        if crosses:  # the NIC is 8x slower than NVLink, and far slower than loopback
+            assert times["ring"] > 2 * MB / emulation.intra_node_rate, (rank, times)
+        # an all-gather over both nodes runs as a ring at the NIC's rate: 3 pieces of MB / 3
+        assert times["all_gather"] >= MB / emulation.inter_node_rate, (rank, times)
+
+
+def test_emulated_kernel_sleeps_the_planner_compute_time() -> None:
+    kernel = EmulatedKernel(flops_rate=4e11)  # a 400 TFLOP/s GPU played 1000x slower
+    q, k = torch.zeros(512, 1, 32, 8), torch.zeros(512, 1, 8, 8)
+    start = time.monotonic()
+    out, lse = kernel.forward(q, k, k, True, 1.0)
+    elapsed = time.monotonic() - start
+    expected = 4 * 512 * 512 * 32 * 8 / 2 / 4e11  # causal: half the 4 sq sk hq d FLOPs
+    assert elapsed >= expected and kernel.seconds == pytest.approx(expected)
+    assert out.shape == q.shape and lse.shape == (1, 32, 512) and lse.dtype == torch.float32
+    dq, dk, dv = kernel.backward(out, q, k, k, out, lse, True, 1.0)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    assert kernel.seconds == pytest.approx(3.5 * expected)  # backward: 2.5x forward
+    with pytest.raises(ValueError, match="flops_rate must be a positive number, got 0"):
+        EmulatedKernel(0)
+
+
+def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
+         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4", "--repeats", "1",
+         "--warmup", "0", "--slowdown", "2000", "--json", str(out_json)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out_json.read_text())["rows"]
+    methods = [r["method"] for r in rows]
+    assert methods[:2] == ["ring", "all_gather"] and any(m.startswith("mesh 2x2") for m in methods)
+    for r in rows:
+        # the emulated compute and links are part of the measured time
+        assert r["median_s"] >= r["compute_s"] > 0, r
+        assert r["median_s"] >= max(r["link_s"].values()) > 0, r
+        assert r["predicted_s"] > 0 and r["memory"] > 0 and r["model_memory"] > 0, r
+    assert "EMULATED" in proc.stdout and "fastest measured" in proc.stdout
+
+
+def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_cluster
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    with pytest.raises(SystemExit) as exc:
+        bench_cluster.parse_args(["--cp-sizes", "6", "--nodes", "4"])
+    assert exc.value.code == 2
+    assert "--cp-sizes entry 6 must be at least 2 and divisible by --nodes 4" in capsys.readouterr().err
