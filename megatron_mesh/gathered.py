@@ -40,6 +40,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
                           out_acc, lse_acc)
         partial_out[j].copy_(out_acc)
         partial_lse[j].copy_(lse_acc)
+    del q_row, kv_col, out_acc, lse_acc  # used up: the merge does not hold them
     return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
 
 
@@ -70,7 +71,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
         for i, y in enumerate(grid.col_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
                            kv_col[i][1], x, y, causal, scale, dq_part[j], dkv_part[i])
-
+    del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
     dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
     dq, dkv = dq.view(s, b, hq, d), dkv.view(2, *k.shape)

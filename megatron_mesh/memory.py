@@ -3,22 +3,24 @@ beyond the inputs, the output and what autograd saves (q, k, v, out, lse).
 
 Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input bytes:
 
-    (a group of one rank gathers nothing: its terms vanish; the forward also holds one
-    block's merge temporaries, 3 fp32 q-sized buffers)
-    gathered forward : C q e (row Q) + R kv e (column K/V) + 2 C (q e + 4 l) (partials
-                       sent / received) + 4 (q + l) (one fp32 accumulator)
-    streamed_kv forward: C q e + 2 kv e (K/V in hand and arriving) + 4 C (q + l) (fp32
-                       accumulators) + 2 C (q e + 4 l)
+    (a group of one rank gathers nothing: its terms vanish; A = 4 (q + l), one fp32
+    accumulator pair; M = 3 * 4 q, one block's merge temporaries; O = q e + 4 l, one partial
+    output with its lse; X = 2 C O, the partials sent and received, O when C = 1)
+    gathered forward : max(C q e (row Q) + R kv e (column K/V) + C O (the partials) + A + M,
+                       X): the gathered chunks are dropped before the partials travel
+    streamed_kv forward: max(C q e + 2 kv e (K/V in hand and arriving) + C A (accumulators)
+                       + M, C (A + O) (accumulators copied into the partials), X)
     gathered backward: 2 C q e + 8 C l (row Q, dO, lse, D) + (C-1) q e (output stand-ins)
                        + R kv e + 4 C q (dQ partials) + 4 R kv (dK, dV partials)
     streamed_kv backward: the gathered one with 2 kv e instead of R kv e and 4 * 3 kv
                        (own dK, dV, the partial being built and the one arriving) instead
                        of 4 R kv
-    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 16 (q + l)
-                       (own and working fp32 accumulators, fp32 partial sent / arriving)
-    streamed_q backward: R kv e + 2 (2 q e + 8 l) (Q, dO, lse, D in hand and arriving)
-                       + q e (output stand-in) + 4 * 4 q (own, working, sent and arriving
-                       dQ; nothing sent ahead when C = 2) + 4 R kv (dK, dV partials)
+    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 4 A + M
+                       (own and working accumulators, fp32 partial sent / arriving; C = 2:
+                       max(2 A + M, 3 A), the one partial leaves after the last block)
+    streamed_q backward: R kv e + 2 (2 q e + 8 l) (Q, dO, lse, D in hand and arriving; one
+                       set when C = 2) + q e (output stand-in) + 4 * 4 q (own, working,
+                       sent and arriving dQ; nothing sent ahead when C = 2) + 4 R kv (dK, dV)
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (K/V and dK, dV in flight)
 
 streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
@@ -55,24 +57,29 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     # a group of one gathers nothing: its "gathered" buffer is the input itself
     row_q = c * q * e if c > 1 else 0
     col_kv = r * kv * e if r > 1 else 0
-    partials = (2 * c if c > 1 else 1) * (q * e + FP32 * lse)
+    partial = q * e + FP32 * lse  # one partial output and its lse
+    exchange = 2 * c * partial if c > 1 else partial  # partials sent and received
     row_bwd = (2 * c * q * e + 2 * FP32 * c * lse if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
     ring_kv = 2 * kv * e if r > 1 else 0
+    acc = FP32 * (q + lse)  # one fp32 accumulator pair
     merge = 3 * FP32 * q  # one block's merge temporaries
     if schedule == "gathered":
-        return {"forward": row_q + col_kv + partials + FP32 * (q + lse) + merge,
+        return {"forward": max(row_q + col_kv + c * partial + acc + merge, exchange),
                 "backward": row_bwd + col_kv + FP32 * r * kv}
     if schedule == "streamed_kv" and r == 1:  # no column ring: the gathered code runs
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed_kv":
-        return {"forward": row_q + ring_kv + FP32 * c * (q + lse) + partials + merge,
+        return {"forward": max(row_q + ring_kv + c * acc + merge, c * (acc + partial), exchange),
                 "backward": row_bwd + ring_kv + 3 * FP32 * kv}
     if schedule == "streamed_q" and c == 1:  # no row ring: the gathered code runs
         return extra_memory(shape, rows, cols, "gathered")
     if schedule == "streamed_q":
         ring_q = min(2, c - 1)  # the input is the first Q in hand
-        return {"forward": col_kv + ring_q * q * e + 4 * FP32 * (q + lse) + merge,
-                "backward": col_kv + 2 * (2 * q * e + 2 * FP32 * lse) + q * e
+        # own and working accumulators, the partial sent and the one arriving (C = 2: the
+        # one partial goes out after the last block)
+        accs = 4 * acc + merge if c > 2 else max(2 * acc + merge, 3 * acc)
+        return {"forward": col_kv + ring_q * q * e + accs,
+                "backward": col_kv + ring_q * (2 * q * e + 2 * FP32 * lse) + q * e
                 + (2 + ring_q) * FP32 * q + FP32 * r * kv}
     raise ValueError(
         f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")

@@ -41,10 +41,14 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
         for j, x in enumerate(grid.row_mesh_ranks):
             if not (t == 0 and j == me):
                 forward_block(kernel, q_row[j], k_y, v_y, x, y, causal, scale, *accs[j])
+    del q_row, k_y, v_y  # the row's Q and the last K/V chunk: used up
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
-    for j, (out, _) in enumerate(accs):
+    partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
+    for j in range(grid.cols):  # each fp32 accumulator goes as soon as it is copied
+        (out, lse), accs[j] = accs[j], None
         partial_out[j].copy_(out)
-    partial_lse = torch.stack([lse for _, lse in accs])
+        partial_lse[j].copy_(lse)
+    del out, lse
     return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
 
 
@@ -68,6 +72,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
                            x, y, causal, scale, dq_part[j], dkv)
         if t >= 1:  # chunk y's partial goes on behind its K/V
             trailing.pass_on((dkv,), grad_dtype)
+    del qdo, stats, outs, k_y, v_y, dkv  # the row's inputs and the last K/V chunk: used up
     trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
     dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
     dq = dq.view(s, b, hq, d)

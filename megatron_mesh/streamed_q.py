@@ -51,6 +51,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
                 forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
         if t >= 1:  # chunk x's partial goes on behind its Q
             trailing.pass_on(acc)
+    del kv_col, q_x, acc  # the column's K/V and the last Q chunk: used up
     trailing.land(own)  # this rank's own chunk, back from its C-1 hops
     return own[0].to(q.dtype), own[1]
 
@@ -85,6 +86,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
         if t >= 1:  # chunk x's dQ partial goes on behind its Q
             trailing.pass_on((dq,), grad_dtype)
+    del kv_col, qdo_x, stats_x, out_x, dq  # used up: the reduce-scatter does not hold them
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
     dkv = dkv.view(2, *k.shape)

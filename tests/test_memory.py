@@ -75,12 +75,13 @@ def peak(phases: dict) -> int:
 def test_streaming_bounds_memory_and_the_model_matches() -> None:
     per_rank = run_distributed(measure_worker, 8)
     problems = []
+    for key, phases in per_rank[0].items():  # the model is the peak of the rank that holds most
+        for phase, (_, model) in phases.items():
+            worst = max(results[key][phase][0] for results in per_rank)
+            if not 0.9 * model <= worst <= 1.1 * model:
+                problems.append(f"{key[0]}x{key[1]} {key[2]} {phase}: measured {worst} B on the "
+                                f"rank holding most, model {model} B ({worst / model:.2f})")
     for rank, results in enumerate(per_rank):
-        for (rows, cols, schedule), phases in results.items():
-            for phase, (measured, model) in phases.items():
-                if not 0.75 * model <= measured <= 1.25 * model:
-                    problems.append(f"rank {rank} {rows}x{cols} {schedule} {phase}: measured "
-                                    f"{measured} B, model {model} B")
         for rows, cols in ((8, 1), (4, 2)):  # K/V: two chunks streamed instead of R gathered
             streamed = results[(rows, cols, "streamed_kv")]["backward"][0]
             gathered = results[(rows, cols, "gathered")]["backward"][0]
@@ -96,9 +97,9 @@ def test_streaming_bounds_memory_and_the_model_matches() -> None:
                 problems.append(f"rank {rank} 1x8: streamed_q/gathered {phase} memory {wide:.2f} > 0.6")
         shape = problem(8)
         for rows, cols in mm.mesh_shapes(8):  # "streamed" runs the ring that measured less
-            chosen = streamed_schedule(shape, rows, cols)
+            chosen = streamed_schedule(shape, rows, cols)  # (a tie within 5% may go either way)
             other = "streamed_q" if chosen == "streamed_kv" else "streamed_kv"
-            if peak(results[(rows, cols, chosen)]) > peak(results[(rows, cols, other)]):
+            if peak(results[(rows, cols, chosen)]) > 1.05 * peak(results[(rows, cols, other)]):
                 problems.append(f"rank {rank} {rows}x{cols}: streamed picks {chosen} "
                                 f"({peak(results[(rows, cols, chosen)])} B) over {other} "
                                 f"({peak(results[(rows, cols, other)])} B)")
