@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cp-sizes, --seq-lengths and --kv-heads take comma-separated integers ({exc})")
     for n in args.cp_sizes:
         if n < 2 or n % args.nodes:
-            p.error(f"--cp-sizes entry {n} must be at least 2 and divisible by --nodes {args.nodes}")
+            p.error(f"--cp-sizes entry {n} must be at least 2 and divisible by --nodes "
+                    f"{args.nodes}")
         for s in args.seq_lengths:
             if s % (2 * n):
                 p.error(f"--seq-lengths entry {s} must be divisible by 2 * P = {2 * n}")
@@ -215,8 +216,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             row.update(predicted_s=est.total_s, predicted_comm_s=est.total_comm_s,
                        predicted_compute_s=sum(est.compute_s.values()))
             if args.overlap:
-                off = time_method(method, grid, workload, emulation, args.repeats, args.warmup, 0.0)
-                heavy = time_method(method, grid, workload, emulation, args.repeats, args.warmup, 8.0)
+                timed = (method, grid, workload, emulation, args.repeats, args.warmup)
+                off, heavy = time_method(*timed, 0.0), time_method(*timed, 8.0)
                 row.update(comm_only_s=off["median_s"], heavy_s=heavy["median_s"],
                            heavy_compute_s=heavy["compute_s"])
             attention = workload.attention_shape()
@@ -284,7 +285,8 @@ def draw(rows: list[dict], path: str) -> None:
         ax.scatter([r["predicted_s"] * 1e3 for r in mine], [r["median_s"] * 1e3 for r in mine],
                    label=method)
     top = max(max(r["predicted_s"], r["median_s"]) for r in rows) * 1e3 * 1.1
-    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle="--", label="measured = predicted")
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle="--",
+            label="measured = predicted")
     ax.set_xlabel("planner prediction, ms (emulated cluster)")
     ax.set_ylabel("measured, ms (EMULATED links and compute)")
     ax.set_title("attention fwd + bwd per layer, emulated cluster", fontsize=9)

@@ -80,7 +80,8 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
-         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4", "--repeats", "1",
+         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
+         "--repeats", "1",
          "--warmup", "0", "--slowdown", "2000", "--json", str(out_json)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -104,4 +105,5 @@ def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         bench_cluster.parse_args(["--cp-sizes", "6", "--nodes", "4"])
     assert exc.value.code == 2
-    assert "--cp-sizes entry 6 must be at least 2 and divisible by --nodes 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--cp-sizes entry 6 must be at least 2 and divisible by --nodes 4" in err
