@@ -17,7 +17,7 @@ import torch
 TIERS = ("unit", "distributed", "system")
 SYSTEM_FILES = {"test_slurm.py", "test_megatron_lm.py"}
 DISTRIBUTED_FILES = {
-    "test_benchmarks.py", "test_checkpoint_interchange.py", "test_heads.py",
+    "test_benchmarks.py", "test_checkpoint_interchange.py", "test_cluster_emulation.py", "test_heads.py",
     "test_host_staging.py", "test_megatron_parity.py", "test_memory.py",
     "test_mesh_attention.py", "test_planner.py", "test_training_driver.py",
     "test_validation.py",

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
 from megatron_mesh import comm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.planner import Cluster
+
+from dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELLED = Cluster(gpus=4, gpus_per_node=2, intra_node_bw=360.0, inter_node_bw=45.0)

@@ -37,11 +37,11 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
     g = "fp32" if plan.grad_dtype is GradDtype.FP32 else e
     hidden = plan.schedule.hidden_direction
     o = "fp32" if plan.schedule is Schedule.STREAMED_Q else e
-    q, kv, l = workload.attention_shape().local_elements(p)
+    q, kv, rows_lse = workload.attention_shape().local_elements(p)
     # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail
     # their chunks; the rest of each direction's bytes are the chunks themselves
     grad = plan.grad_bytes(workload.dtype_bytes)
-    out_part = (cols - 1) * (q * plan.partial_out_bytes(workload.dtype_bytes) + 4 * l)
+    out_part = (cols - 1) * (q * plan.partial_out_bytes(workload.dtype_bytes) + 4 * rows_lse)
     dq_part = (cols - 1) * q * grad
     dkv_part = (rows - 1) * kv * grad
 
