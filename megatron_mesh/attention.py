@@ -92,7 +92,7 @@ def mesh_attention(
     gradient bytes with bf16 / fp16, like Transformer Engine's ring; each rank still sums its
     own blocks in fp32).
     """
-    check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype)
+    check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
     plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])

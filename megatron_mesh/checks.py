@@ -2,6 +2,8 @@
 every rank before any collective starts (no rank is left waiting)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .grid import MeshGrid
@@ -41,6 +43,7 @@ def check_inputs(
     backend: str,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = "fp32",
+    causal: bool = True,
 ) -> None:
     """Raise ValueError naming the bad value and what is valid."""
     if not isinstance(grid, MeshGrid):
@@ -50,6 +53,8 @@ def check_inputs(
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [s, b, h, d], got shape {tuple(t.shape)}")
+        if t.is_meta:
+            raise ValueError(f"{name} is a meta tensor (no data); pass tensors on a CPU or CUDA device")
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={t.dtype} is not one of float32, bfloat16, float16")
     if not (q.dtype == k.dtype == v.dtype):
@@ -71,6 +76,10 @@ def check_inputs(
     if s < 1:
         raise ValueError(f"q has local sequence length {s}; it must be positive")
     check_zigzag_divisible(s * grid.cp_size, grid.cp_size)
-    if softmax_scale is not None and not softmax_scale > 0:
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive float or None")
+    if softmax_scale is not None and (
+            isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or not softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite float or None")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be True or False")
     check_options(backend, schedule, grad_reduce_dtype)
