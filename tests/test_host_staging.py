@@ -120,7 +120,8 @@ def memory_worker(rank: int, world: int) -> list[dict]:
                 out = mm.mesh_attention(q, k, v, grid, schedule=schedule)
                 out.backward(dout)
                 torch.cuda.synchronize()
-                kept = out.nbytes + 4 * b * hq * s  # out and fp32 lse, saved for backward
+                # as scripts/bench_attention.py: less out, dq, dk, dv and the fp32 lse
+                kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * b * hq * s
                 measured = torch.cuda.max_memory_allocated() - base - kept
                 plan = resolve_plan(shape, rows, cols, schedule, "fp32")
                 model = max(extra_memory(shape, plan).values())
