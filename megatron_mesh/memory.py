@@ -86,8 +86,13 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 
 
 def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> str:
-    """The ring the "streamed" schedule runs on this shape: "streamed_kv" or "streamed_q",
-    whichever holds less extra memory at its peak (forward or backward); K/V on a tie."""
+    """The ring the "streamed" schedule runs on this shape: the only ring when the grid has
+    one (streamed_kv on a single column, streamed_q on a single row: the other would run the
+    gathered code and overlap nothing), else "streamed_kv" or "streamed_q", whichever holds
+    less extra memory at its peak (forward or backward); K/V on a tie."""
+    if cols == 1 or rows == 1:
+        return "streamed_kv" if cols == 1 else "streamed_q"
+
     def peak(schedule: str) -> int:
         return max(extra_memory(shape, rows, cols, schedule).values())
     return "streamed_q" if peak("streamed_q") < peak("streamed_kv") else "streamed_kv"

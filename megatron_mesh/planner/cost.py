@@ -59,6 +59,12 @@ class Estimate:
     comm_s: dict[str, float]
     time_s: dict[str, float]
     mesh_shape: tuple[int, int] | None = None
+    heads: int = 1  # the all-to-all size A of a heads x rows x cols mesh
+
+    @property
+    def grid_shape(self) -> tuple[int, int, int] | None:
+        """(A, R, C) of a mesh estimate, None for the other methods."""
+        return None if self.mesh_shape is None else (self.heads, *self.mesh_shape)
 
     def bytes(self, phase: str | None = None, group: str | None = None) -> int:
         """Bytes one GPU sends, optionally only in `phase` and / or over `group`."""
@@ -101,6 +107,7 @@ def price(
     cluster: Cluster,
     overlap: bool,
     mesh_shape: tuple[int, int] | None = None,
+    heads: int = 1,
 ) -> Estimate:
     """Apply the time model of the module docstring to one method's transfers."""
     flops = {"forward": workload.forward_flops(), "backward": workload.backward_flops()}
@@ -112,7 +119,7 @@ def price(
         exposed = sum(t.seconds(cluster) for t in mine if not (overlap and t.hidden))
         comm[phase] = exposed + sum(t.seconds(cluster) for t in hidden)
         time[phase] = exposed + ring_seconds(hidden, compute[phase], cluster)
-    return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape)
+    return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape, heads)
 
 
 def ring_seconds(hidden: list[Transfer], compute: float, cluster: Cluster) -> float:

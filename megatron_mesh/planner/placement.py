@@ -1,10 +1,11 @@
-"""Where a mesh's rows and columns land on nodes (CP rank r sits at (r // C, r % C))."""
+"""Where a grid's heads groups, rows and columns land on nodes (CP rank r = m A + a: heads
+group of the A consecutive ranks of mesh rank m, which sits at (m // C, m % C))."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.grid import dim_groups
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.topology import consecutive_groups, strided_groups
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class Placement:
     nodes: int
     row_nodes: int
     col_nodes: int
+    heads: int = 1
+    heads_nodes: int = 1
 
     @property
     def rows_inside_node(self) -> bool:
@@ -27,24 +30,30 @@ class Placement:
         return self.col_nodes == 1
 
     def describe(self) -> str:
-        """Two lines for people: what travels where."""
+        """Two lines (three with heads) for people: what travels where."""
         row = _where(self.row_nodes)
         col = _where(self.col_nodes)
-        return (
-            f"rows: {self.cols} consecutive CP ranks each (Q, dO, lse, D gathers, partial O "
+        a2a = (f"heads: all-to-all over {self.heads} consecutive CP ranks "
+               f"{_where(self.heads_nodes)}\n" if self.heads > 1 else "")
+        ranks = f"CP ranks {self.heads} apart" if self.heads > 1 else "consecutive CP ranks"
+        return a2a + (
+            f"rows: {self.cols} {ranks} each (Q, dO, lse, D gathers, partial O "
             f"exchange, dQ reduce-scatter) {row}\n"
-            f"columns: {self.rows} CP ranks {self.cols} apart (K,V gathers, dK,dV "
+            f"columns: {self.rows} CP ranks {self.cols * self.heads} apart (K,V gathers, dK,dV "
             f"reduce-scatter) {col}"
         )
 
 
-def mesh_placement(rows: int, cols: int, cluster: Cluster) -> Placement:
-    """The placement of a rows x cols grid over `cluster` (most nodes any group spans)."""
+def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1) -> Placement:
+    """The placement of a heads x rows x cols grid over `cluster` (most nodes any group
+    spans)."""
     p = cluster.gpus
-    if rows * cols != p:
-        raise ValueError(f"mesh shape {rows}x{cols} does not multiply to {p} GPUs")
+    if heads * rows * cols != p:
+        raise ValueError(f"mesh shape {heads}x{rows}x{cols} (heads x rows x cols) does not "
+                         f"multiply to {p} GPUs")
+    col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)
 
-    def span(groups: list[range]) -> int:
+    def span(groups: list[list[int]]) -> int:
         return max(len({cluster.node_of(r) for r in g}) for g in groups)
 
     return Placement(
@@ -52,8 +61,10 @@ def mesh_placement(rows: int, cols: int, cluster: Cluster) -> Placement:
         cols=cols,
         gpus_per_node=cluster.gpus_per_node,
         nodes=cluster.nodes,
-        row_nodes=span(consecutive_groups(p, cols)),
-        col_nodes=span(strided_groups(p, rows)),
+        row_nodes=span(row_groups),
+        col_nodes=span(col_groups),
+        heads=heads,
+        heads_nodes=span(heads_groups),
     )
 
 

@@ -15,7 +15,7 @@ COLUMNS = (
 
 
 def _row(plan: Plan, e: Estimate) -> list[str]:
-    mark = " *" if e is plan.best_mesh else ""
+    mark = (" *" if e is plan.best_mesh else "") + (" +" if e is plan.best_grid else "")
     return [
         e.label + mark,
         f"{e.bytes('forward') / MIB:.1f}",
@@ -52,6 +52,7 @@ def format_table(plan: Plan) -> str:
         f"{plan.speedup(plan.best_mesh):.2f}x over ring, "
         f"{1 - plan.best_mesh.total_bytes / plan.ring.total_bytes:.1%} less traffic than ring",
         *("  " + line for line in plan.placement.describe().splitlines()),
+        *_grid_lines(plan),
         f"fastest overall: {plan.best.label}",
         "",
     ]
@@ -61,8 +62,22 @@ def format_table(plan: Plan) -> str:
         ).rstrip())
     for u in plan.unavailable:
         lines.append(f"{u.method}: not applicable: {u.reason}")
-    lines.append("per layer, per GPU; traffic = bytes each GPU sends; * = best mesh")
+    lines.append("per layer, per GPU; traffic = bytes each GPU sends; * = best 2D mesh; "
+                 "+ = best heads x rows x cols (the choice)")
     return "\n".join(lines)
+
+
+def _grid_lines(plan: Plan) -> list[str]:
+    """The heads x rows x cols choice and its placement, when it is not the 2D mesh."""
+    g = plan.best_grid
+    if g is None or g is plan.best_mesh or plan.grid_placement is None:
+        return []
+    a, r, c = g.grid_shape
+    return [
+        f"best heads x rows x cols: {a} x {r} x {c}, {g.total_s * 1e3:.3f} ms per layer, "
+        f"{plan.speedup(g):.2f}x over ring (the choice)",
+        *("  " + line for line in plan.grid_placement.describe().splitlines()),
+    ]
 
 
 def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
@@ -70,6 +85,7 @@ def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
         "method": e.method,
         "label": e.label,
         "mesh_shape": list(e.mesh_shape) if e.mesh_shape else None,
+        "grid_shape": list(e.grid_shape) if e.grid_shape else None,
         "bytes": {"forward": e.bytes("forward"), "backward": e.bytes("backward"),
                   "total": e.total_bytes, "inter_node": e.inter_node_bytes},
         "transfers": [
@@ -98,6 +114,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "rows_inside_node": pl.rows_inside_node,
             "cols_inside_node": pl.cols_inside_node,
         },
+        "best_grid": list(plan.best_grid.grid_shape) if plan.best_grid else None,
         "fastest": plan.best.label,
         "estimates": [_estimate_dict(plan, e) for e in plan.estimates],
         "unavailable": [{"method": u.method, "reason": u.reason} for u in plan.unavailable],

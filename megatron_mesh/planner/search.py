@@ -23,7 +23,7 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import mesh_shapes, shapes_text
+from megatron_mesh.traffic import grid_shapes, mesh_shapes, shapes_text
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,15 @@ class Plan:
     unavailable: tuple[Unavailable, ...]
     best_mesh: Estimate
     placement: Placement
+    grids: tuple[Estimate, ...] = ()  # heads x rows x cols with heads > 1
+    best_grid: Estimate | None = None  # the fastest of meshes and grids: the choice
+    grid_placement: Placement | None = None
 
     @property
     def estimates(self) -> tuple[Estimate, ...]:
-        """Table order: ring, the other baselines, then mesh shapes from P x 1 to 1 x P."""
-        return (self.ring, *self.baselines, *self.meshes)
+        """Table order: ring, the other baselines, mesh shapes from P x 1 to 1 x P, then
+        heads x rows x cols grids by heads."""
+        return (self.ring, *self.baselines, *self.meshes, *self.grids)
 
     @property
     def mesh_plan(self) -> MeshPlan:
@@ -92,13 +96,26 @@ def mesh_key(estimate: Estimate) -> tuple[float, float, int, int, int]:
     return (*time_key(estimate), -estimate.mesh_shape[0])
 
 
+def grid_key(estimate: Estimate) -> tuple[float, float, int, int, int, int]:
+    """`time_key`, then fewer heads (fewer collectives), then more rows."""
+    assert estimate.mesh_shape is not None
+    return (*time_key(estimate), estimate.heads, -estimate.mesh_shape[0])
+
+
+def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
+    """Every all-to-all size A > 1 of a heads x rows x cols grid: A divides P and the query
+    heads (K/V heads are repeated where A exceeds them)."""
+    return [a for a in range(2, cp_size + 1) if cp_size % a == 0 and workload.num_heads % a == 0]
+
+
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
-    """Price ring, all_gather, a2a, a2a+p2p (best A) and every mesh shape."""
+    """Price ring, all_gather, a2a, a2a+p2p (best A), every mesh shape and every
+    heads x rows x cols grid; the choice is the fastest mesh or grid."""
     p = cluster.gpus
     workload.check_cp_size(p)
 
-    def priced(method: str, label: str, transfers, shape=None) -> Estimate:
-        return price(method, label, transfers, workload, cluster, overlap, shape)
+    def priced(method: str, label: str, transfers, shape=None, heads=1) -> Estimate:
+        return price(method, label, transfers, workload, cluster, overlap, shape, heads)
 
     ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster))
     baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster))]
@@ -124,6 +141,12 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         for r, c in mesh_shapes(p)
     )
     best_mesh = min(meshes, key=mesh_key)
+    sizes = heads_sizes(workload, p)
+    grids = tuple(
+        priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a), (r, c), a)
+        for a, r, c in grid_shapes(p) if a in sizes
+    )
+    best_grid = min(meshes + grids, key=grid_key)
     return Plan(
         workload=workload,
         cluster=cluster,
@@ -134,6 +157,9 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         unavailable=tuple(unavailable),
         best_mesh=best_mesh,
         placement=mesh_placement(*best_mesh.mesh_shape, cluster),
+        grids=grids,
+        best_grid=best_grid,
+        grid_placement=mesh_placement(*best_grid.mesh_shape, cluster, best_grid.heads),
     )
 
 
@@ -201,3 +227,11 @@ def choose_mesh_shape(cp_size: int, **keywords: Any) -> tuple[int, int]:
     cluster).mesh_plan`.
     """
     return plan(cp_size, **keywords).mesh_plan.shape
+
+
+def choose_grid_shape(cp_size: int, **keywords: Any) -> tuple[int, int, int]:
+    """(heads, rows, cols) of the fastest predicted grid for a CP group of `cp_size` ranks,
+    heads = 1 included (the 2D meshes); the keywords are `plan`'s."""
+    chosen = plan(cp_size, **keywords).best_grid
+    assert chosen is not None and chosen.grid_shape is not None
+    return chosen.grid_shape

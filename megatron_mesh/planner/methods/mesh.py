@@ -9,35 +9,43 @@ overlaps only the local diagonal block, which the model ignores); streamed_q hid
 the same way and exposes the column (and sends its partial O in fp32); "streamed" is
 whichever of the two the plan resolved it to (`Workload.mesh_plan`); gathered hides
 nothing.
+
+With a heads dimension A (A x R x C = P), the all-to-all over A consecutive CP ranks comes
+first (exposed, like Ulysses'), and the R x C mesh runs over the P/A ranks that share a head
+slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
 """
 from __future__ import annotations
 
+from megatron_mesh.grid import dim_groups
 from megatron_mesh.plan import GradDtype, Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
+from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.traffic import heads_shape, mesh_traffic
 
 
-def schedule_run(workload: Workload, rows: int, cols: int) -> str:
+def schedule_run(workload: Workload, rows: int, cols: int, heads: int = 1) -> str:
     """The schedule that runs on this shape: "streamed" resolved to its ring."""
-    return workload.mesh_plan(rows, cols).schedule.value
+    return workload.mesh_plan(rows, cols, heads).schedule.value
 
 
-def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -> list[Transfer]:
+def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
+                   heads: int = 1) -> list[Transfer]:
     p = cluster.gpus
-    if rows < 1 or cols < 1 or rows * cols != p:
-        raise ValueError(f"mesh shape {rows}x{cols} does not multiply to {p} GPUs")
-    plan = workload.mesh_plan(rows, cols)
+    if rows < 1 or cols < 1 or heads < 1 or heads * rows * cols != p:
+        raise ValueError(f"mesh shape {heads}x{rows}x{cols} (heads x rows x cols) does not "
+                         f"multiply to {p} GPUs")
+    plan = workload.mesh_plan(rows, cols, heads)
     traffic = mesh_traffic(workload.attention_shape(), plan)
-    row_cross = crosses_nodes(consecutive_groups(p, cols), cluster)
-    col_cross = crosses_nodes(strided_groups(p, rows), cluster)
+    col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)
+    row_cross = crosses_nodes(row_groups, cluster)
+    col_cross = crosses_nodes(col_groups, cluster)
     e = workload.dtype
     g = "fp32" if plan.grad_dtype is GradDtype.FP32 else e
     hidden = plan.schedule.hidden_direction
     o = "fp32" if plan.schedule is Schedule.STREAMED_Q else e
-    q, kv, rows_lse = workload.attention_shape().local_elements(p)
+    q, kv, rows_lse = heads_shape(workload.attention_shape(), heads).local_elements(rows * cols)
     # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail
     # their chunks; the rest of each direction's bytes are the chunks themselves
     grad = plan.grad_bytes(workload.dtype_bytes)
@@ -53,7 +61,13 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int) -
         return Transfer(phase, "column", tensors, nbytes, col_cross, hidden == "column", rows,
                         trailing)
 
-    return [
+    a2a = [] if heads == 1 else [
+        Transfer("forward", "a2a", f"all-to-all Q,K,V in, O out ({e})", traffic.forward_heads,
+                 crosses_nodes(heads_groups, cluster), hidden=False),
+        Transfer("backward", "a2a", f"all-to-all dO in, dQ,dK,dV out ({e})",
+                 traffic.backward_heads, crosses_nodes(heads_groups, cluster), hidden=False),
+    ]
+    return a2a + [
         row("forward", f"Q ({e})", traffic.forward_row - out_part),
         row("forward", f"partial O ({o}), lse (fp32)", out_part, trailing=True),
         column("forward", f"K,V ({e})", traffic.forward_col),
