@@ -44,9 +44,8 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     rows * cols = P).
     """
     if isinstance(rows, MeshPlan):
-        if rows.heads != 1:
-            raise NotImplementedError(
-                f"the memory of a heads dimension (heads={rows.heads}) is not modelled")
+        if rows.heads > 1:
+            return heads_extra_memory(shape, rows)
         rows, cols, schedule = rows.rows, rows.cols, rows.schedule.value
     if cols is None or schedule is None:
         raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
@@ -83,6 +82,19 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
                 + (2 + ring_q) * FP32 * q + FP32 * r * kv}
     raise ValueError(
         f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
+
+
+def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
+    """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads,
+    plus one set of all-to-all buffers for Q, K, V (q + f kv elements, f = repeated K/V
+    heads)."""
+    from .traffic import heads_shape
+
+    inner = heads_shape(shape, plan.heads)
+    mesh = extra_memory(inner, plan.rows, plan.cols, plan.schedule.value)
+    q, kv, _ = inner.local_elements(plan.rows * plan.cols)
+    layout = (q + kv) * shape.dtype_bytes
+    return {phase: n + layout for phase, n in mesh.items()}
 
 
 def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> str:

@@ -5,7 +5,9 @@ On GPUs, one process per GPU over NCCL:
 On a CPU, P gloo processes are spawned:
     python scripts/bench_attention.py --cp-size 4 --seq-length 4096
 
-Prints one row per R x C shape (P x 1, Megatron's all_gather CP, included) and schedule:
+Prints one row per shape, R x C or A x R x C with an all-to-all over A ranks first (P x 1,
+Megatron's all_gather CP, A x P/A x 1, its a2a+p2p, and P x 1 x 1, its a2a, included;
+--shapes picks some, e.g. 2x4,2x2x2) and schedule:
 median forward and backward milliseconds over --iters, bytes sent per rank as counted on
 the real collectives, the traffic formula's bytes, traffic relative to P x 1, and peak
 extra memory per rank (measured: the CUDA allocator's peak, or on a CPU the tracked tensors
@@ -31,6 +33,7 @@ from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
 from megatron_mesh.plan import STREAMED, resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
+from megatron_mesh.traffic import grid_shapes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,18 +66,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def shapes_of(args: argparse.Namespace, cp_size: int) -> list[tuple[int, int]]:
+def shapes_of(args: argparse.Namespace, cp_size: int) -> list[tuple[int, int, int]]:
+    """(heads, rows, cols) of --shapes ('RxC' or 'AxRxC'), default every factorization whose
+    heads divide the query heads."""
     if args.shapes is None:
-        return mm.mesh_shapes(cp_size)
+        return [s for s in grid_shapes(cp_size) if args.heads % s[0] == 0]
     shapes = []
     for text in args.shapes.split(","):
         try:
-            rows, cols = (int(n) for n in text.lower().split("x"))
+            sizes = [int(n) for n in text.lower().split("x")]
         except ValueError:
-            raise SystemExit(f"--shapes entry {text!r} is not RxC (e.g. 2x4)") from None
-        if rows * cols != cp_size:
+            sizes = []
+        if len(sizes) not in (2, 3):
+            raise SystemExit(f"--shapes entry {text!r} is not RxC or AxRxC (e.g. 2x4, 2x2x2)")
+        heads, rows, cols = ([1] + sizes)[-3:]
+        if heads * rows * cols != cp_size:
             raise SystemExit(f"--shapes entry {text} does not multiply to the CP size {cp_size}")
-        shapes.append((rows, cols))
+        if args.heads % heads:
+            raise SystemExit(f"--shapes entry {text}: heads {heads} must divide --heads "
+                             f"{args.heads}")
+        shapes.append((heads, rows, cols))
     return shapes
 
 
@@ -119,7 +130,7 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
         del out
     shape = mm.AttentionShape(args.seq_length, args.batch, args.heads, args.kv_heads,
                               args.head_dim, torch.finfo(dtype).bits // 8)
-    plan = resolve_plan(shape, rows, cols, schedule, args.grad_reduce_dtype)
+    plan = resolve_plan(shape, rows, cols, schedule, args.grad_reduce_dtype, heads=grid.heads)
     ran = plan.schedule.value
     if device.type == "cuda":  # less what autograd keeps (q, k, v, out, lse) and dout
         kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * q.numel() // args.head_dim
@@ -134,11 +145,11 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
             out.backward(dout)
         memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
     label = f"{ran}*" if schedule == STREAMED else ran
-    return {"rows": rows, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
+    return {"shape": grid.shape_text, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,
             "formula": mm.mesh_traffic(shape, plan).total, "memory": memory,
             "model_memory": max(extra_memory(shape, plan).values()),
-            "ring_memory": max(extra_memory(shape, rows, cols, "ring").values())}
+            "ring_memory": max(extra_memory(shape, grid.cp_size, 1, "ring").values())}
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
@@ -146,15 +157,15 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     world = dist.get_world_size()
     schedules = args.schedules.split(",")
     rows_out = []
-    for r, c in shapes_of(args, world):
-        grid = mm.MeshGrid.build(rows=r, cols=c)
+    for a, r, c in shapes_of(args, world):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
         rows_out += [bench_shape(args, grid, schedule, device, dtype) for schedule in schedules]
     worst = [torch.tensor([row["sent"]], dtype=torch.float64) for row in rows_out]
     for t in worst:  # report the most any rank sent (ranks send the same; this checks it)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:
         return
-    base = next((row["sent"] for row in rows_out if row["cols"] == 1), None)
+    base = next((row["sent"] for row in rows_out if row["shape"] == f"{world}x1"), None)
     print(f"mesh attention, P={world}, S={args.seq_length}, b={args.batch}, heads={args.heads}/"
           f"{args.kv_heads}, d={args.head_dim}, {str(dtype).removeprefix('torch.')}, "
           f"causal={args.causal}, {device.type}, backend={args.backend}, "
@@ -163,12 +174,12 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     ring = ring_bytes(args, world, dtype)
     print(f"ring (p2p, Transformer Engine's KV-P2P) for comparison: {ring / 2**20:.3f} MiB "
           "sent per rank (planner formula 3 (P-1) kv, input dtype)")
-    print(f"{'shape':>7} {'schedule':>12} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
+    print(f"{'shape':>8} {'schedule':>12} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} "
           f"{'MiB sent/rank':>14} {'formula MiB':>12} {'vs Px1':>7} {'extra MiB':>10} "
           f"{'model MiB':>10} {'ring MiB':>9}")
     for row, most in zip(rows_out, worst):
         rel = f"{row['sent'] / base:7.2f}" if base else "      -"
-        print(f"{row['rows']:>3}x{row['cols']:<3} {row['schedule']:>12} {row['fwd_ms']:9.2f} "
+        print(f"{row['shape']:>8} {row['schedule']:>12} {row['fwd_ms']:9.2f} "
               f"{row['bwd_ms']:9.2f} {row['fwd_ms'] + row['bwd_ms']:9.2f} "
               f"{most.item() / 2**20:14.3f} {row['formula'] / 2**20:12.3f} {rel} "
               f"{row['memory'] / 2**20:10.2f} {row['model_memory'] / 2**20:10.2f} "
