@@ -40,6 +40,12 @@ def megatron_world():
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+        # destroy_model_parallel leaves some group globals set (megatron-core 0.16.1:
+        # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP); a process forked later would free that
+        # group on its first initialize_model_parallel and wait forever on threads it lacks
+        for name, value in list(vars(ps).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(ps, name, None)
 
 
 def _gpt(layer_spec):
