@@ -6,7 +6,8 @@ A times the tokens (`heads.py`); the R x C mesh then runs on those.
 Rank (i, j) computes the R * C rank-blocks of its tile: the Q chunks of its row against
 the K/V chunks of its column, one kernel call each (`layout.block_for`). Partial outputs
 go back to their owners and merge by log-sum-exp; backward reduces dQ over the row and
-dK, dV over the column, in fp32. The schedules move the same bytes (streamed_q: partial
+dK, dV over the column, in the dtypes of `plan.GradDtype` (by default dQ in fp32, dK, dV in
+the input dtype). The schedules move the same bytes (streamed_q: partial
 outputs in fp32):
   "gathered": all-gather the tile's Q and K/V, then compute (`gathered.py`);
   "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
@@ -20,6 +21,7 @@ import torch
 
 from . import gathered, heads, streamed_kv, streamed_q
 from .checks import check_inputs
+from .dtypes import GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
 from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
@@ -43,6 +45,13 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
                         grad_reduce_dtype, heads=grid.heads)
 
 
+def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
+    """The torch dtypes of the dQ and dK, dV exchanges of `grads` for inputs of `dtype`."""
+    grads = GradDtype(grads)
+    return GradDtypes(torch.float32 if grads.dq_in_fp32 else dtype,
+                      torch.float32 if grads.dkv_in_fp32 else dtype)
+
+
 def resolve_schedule(schedule: str, q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> str:
     """The schedule that runs, by name: "streamed" becomes the ring with less extra memory
     for these q [s, b, hq, d] and k [s, b, hkv, d] on this grid."""
@@ -53,10 +62,10 @@ class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, causal, scale, kernel, schedule, grad_dtype):
+    def forward(ctx, q, k, v, grid, causal, scale, kernel, schedule, grads):
         out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, causal, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (grid, causal, scale, kernel, grad_dtype)
+        ctx.args = (grid, causal, scale, kernel, grads)
         ctx.schedule = schedule
         return out
 
@@ -74,9 +83,9 @@ def mesh_attention(
     grid: MeshGrid,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | TileKernel = "auto",
     schedule: str = DEFAULT_SCHEDULE,
-    grad_reduce_dtype: str = "fp32",
+    grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -84,22 +93,23 @@ def mesh_attention(
     2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
     dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
-    backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`);
+    backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`), or a
+    `TileKernel` object;
     schedule: 'streamed' (the ring of
     'streamed_kv' / 'streamed_q' with less memory for the shape) | 'streamed_kv' | 'streamed_q'
     | 'gathered';
-    grad_reduce_dtype: dQ, dK, dV travel in 'fp32' (default) or in the 'input' dtype (half the
-    gradient bytes with bf16 / fp16, like Transformer Engine's ring; each rank still sums its
-    own blocks in fp32).
+    grad_reduce_dtype: the dtypes the gradient partials travel in: 'mixed' (default: dK, dV in
+    the input dtype, as Transformer Engine's ring sends them, dQ in fp32), 'fp32' (all) or
+    'input' (all in the input dtype); each rank sums its own blocks in fp32 either way.
     """
     check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
     plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
-    grad_dtype = torch.float32 if plan.grad_dtype is GradDtype.FP32 else q.dtype
     if grid.heads > 1:
         q, k, v = heads.scatter_heads(q, k, v, grid)
     out = MeshAttentionFunction.apply(
-        q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule, grad_dtype,
+        q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule,
+        grad_dtypes(plan.grad_dtype, q.dtype),
     )
     return heads.gather_heads(out, grid) if grid.heads > 1 else out

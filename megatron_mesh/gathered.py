@@ -6,6 +6,7 @@ import torch
 from . import comm
 from .blocks import backward_block, forward_block
 from .delta import attention_delta, out_with_delta
+from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .merge import empty_accumulators, merge_into
@@ -58,9 +59,9 @@ def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
-             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+             kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
-    summed locally in fp32 and reduce-scattered in grad_dtype."""
+    summed locally in fp32 and reduce-scattered in grad_dtypes (dq, dkv)."""
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "col")
@@ -72,7 +73,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
                            kv_col[i][1], x, y, causal, scale, dq_part[j], dkv_part[i])
     del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
-    dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
+    dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")
     dq, dkv = dq.view(s, b, hq, d), dkv.view(2, *k.shape)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -44,23 +44,41 @@ class Schedule(str, enum.Enum):
 
 
 class GradDtype(str, enum.Enum):
-    """The dtype dQ, dK, dV travel in: fp32, or the input dtype (half the bytes in bf16)."""
+    """The dtypes the gradient partials travel in: dQ over the row, dK / dV over the column.
+
+    Every rank sums its own blocks in fp32 either way; this is only the exchange. "mixed"
+    sends dK / dV in the input dtype, as Transformer Engine's ring does over its P - 1 hops,
+    and keeps dQ (summed over the C members of a row, which a ring never exchanges) in fp32.
+    """
 
     FP32 = "fp32"
     INPUT = "input"
+    MIXED = "mixed"
 
     def __str__(self) -> str:
         return self.value
 
-    def bytes(self, dtype_bytes: int) -> int:
-        """Bytes per element of the gradient exchange for inputs of dtype_bytes."""
-        return FP32_BYTES if self is GradDtype.FP32 else dtype_bytes
+    @property
+    def dq_in_fp32(self) -> bool:
+        return self is not GradDtype.INPUT
+
+    @property
+    def dkv_in_fp32(self) -> bool:
+        return self is GradDtype.FP32
+
+    def dq_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the dQ exchange for inputs of dtype_bytes."""
+        return FP32_BYTES if self.dq_in_fp32 else dtype_bytes
+
+    def dkv_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the dK, dV exchange for inputs of dtype_bytes."""
+        return FP32_BYTES if self.dkv_in_fp32 else dtype_bytes
 
 
 SCHEDULE_NAMES = (STREAMED,) + tuple(s.value for s in Schedule)  # what users may write
 DEFAULT_SCHEDULE = STREAMED
 GRAD_DTYPE_NAMES = tuple(g.value for g in GradDtype)
-DEFAULT_GRAD_DTYPE = GradDtype.FP32.value
+DEFAULT_GRAD_DTYPE = GradDtype.MIXED.value
 
 
 def shape_text(heads: int, rows: int, cols: int) -> str:
@@ -91,7 +109,7 @@ class MeshPlan:
     rows: int
     cols: int
     schedule: Schedule = Schedule.GATHERED
-    grad_dtype: GradDtype = GradDtype.FP32
+    grad_dtype: GradDtype = GradDtype.MIXED
     heads: int = 1
 
     def __post_init__(self) -> None:
@@ -124,9 +142,13 @@ class MeshPlan:
                 f"mesh shape {self.shape_label} has {self.cp_size} ranks, but the CP group has "
                 f"{cp_size}; heads x rows x cols must equal the CP size")
 
-    def grad_bytes(self, dtype_bytes: int) -> int:
-        """Bytes per element of the dQ, dK, dV exchange."""
-        return self.grad_dtype.bytes(dtype_bytes)
+    def dq_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the dQ exchange over the row."""
+        return self.grad_dtype.dq_bytes(dtype_bytes)
+
+    def dkv_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the dK, dV exchange over the column."""
+        return self.grad_dtype.dkv_bytes(dtype_bytes)
 
     def partial_out_bytes(self, dtype_bytes: int) -> int:
         """Bytes per element of the partial outputs sent over the row."""

@@ -16,6 +16,7 @@ import torch
 
 from . import comm, gathered
 from .blocks import backward_block, forward_block
+from .dtypes import FP32_GRADS, GradDtypes
 from .gathered import gather_row_grads_inputs, merge_row_partials
 from .grid import MeshGrid
 from .kernels import TileKernel
@@ -53,11 +54,11 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
-             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+             kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
-    summed in fp32 and travel (dK, dV around the ring, dQ in the reduce-scatter) in grad_dtype."""
+    summed in fp32 and travel (dK, dV around the ring, dQ in the reduce-scatter) in grad_dtypes."""
     if grid.rows == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
+        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtypes)
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
@@ -71,9 +72,9 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
                            x, y, causal, scale, dq_part[j], dkv)
         if t >= 1:  # chunk y's partial goes on behind its K/V
-            trailing.pass_on((dkv,), grad_dtype)
+            trailing.pass_on((dkv,), grad_dtypes.dkv)
     del qdo, stats, outs, k_y, v_y, dkv  # the row's inputs and the last K/V chunk: used up
     trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
-    dq = comm.reduce_scatter(dq_part.to(grad_dtype), grid.row_group, "backward", "row")
+    dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
     dq = dq.view(s, b, hq, d)
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)

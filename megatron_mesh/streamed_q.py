@@ -18,6 +18,7 @@ import torch
 from . import comm, gathered
 from .blocks import backward_block, forward_block
 from .delta import attention_delta, out_with_delta
+from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .merge import empty_accumulators, merge_into
@@ -57,11 +58,11 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
-             kernel: TileKernel, grad_dtype: torch.dtype = torch.float32):
+             kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
-    summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtype."""
+    summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
     if grid.cols == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtype)
+        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtypes)
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
     dout = dout.contiguous()
@@ -85,9 +86,9 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
         if t >= 1:  # chunk x's dQ partial goes on behind its Q
-            trailing.pass_on((dq,), grad_dtype)
+            trailing.pass_on((dq,), grad_dtypes.dq)
     del kv_col, qdo_x, stats_x, out_x, dq  # used up: the reduce-scatter does not hold them
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtype), grid.col_group, "backward", "col")
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")
     dkv = dkv.view(2, *k.shape)
     return dq_own.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

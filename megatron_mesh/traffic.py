@@ -16,11 +16,12 @@ per element of the input dtype, fp32 = 4:
               row all-gather lse, D       (C-1) * 2l * 4
               column all-gather K, V      (R-1) * kv * e
               row reduce-scatter dQ       (C-1) * q  * 4
-              column reduce-scatter dK,dV (R-1) * kv * 4
+              column reduce-scatter dK,dV (R-1) * kv * e   (fp32: * 4)
 
 In elements this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
-Gradients travel in fp32 by default, so with bf16 inputs dQ, dK, dV count twice their
-element size; with grad_reduce_dtype="input" they travel in the input dtype (grad_bytes = e).
+By default (grad_reduce_dtype="mixed") dK, dV travel in the input dtype, as in Transformer
+Engine's ring, and dQ in fp32 (twice its element size with bf16 inputs); "fp32" sends both in
+fp32, "input" both in the input dtype (`plan.GradDtype`).
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
 partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
 running merge to bf16 at every hop would lose precision as C grows.
@@ -88,10 +89,10 @@ class Traffic:
         return self.forward + self.backward
 
 
-def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> int:
-    """Bytes per element of the gradient exchange: 'fp32', or the 'input' dtype's
-    (`GradDtype.bytes`)."""
-    return GradDtype(grad_reduce_dtype).bytes(dtype_bytes)
+def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> tuple[int, int]:
+    """Bytes per element of the (dQ, dK / dV) exchanges for a `GradDtype` name."""
+    grads = GradDtype(grad_reduce_dtype)
+    return grads.dq_bytes(dtype_bytes), grads.dkv_bytes(dtype_bytes)
 
 
 def partial_out_bytes(schedule: str, dtype_bytes: int) -> int:
@@ -103,30 +104,34 @@ def partial_out_bytes(schedule: str, dtype_bytes: int) -> int:
 def mesh_traffic(
     shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
     grad_bytes: int = FP32_BYTES, out_bytes: int | None = None,
+    dkv_grad_bytes: int | None = None,
 ) -> Traffic:
     """Bytes sent per rank by mesh attention, forward and backward.
 
     mesh_traffic(shape, plan): the plan's grid (with its heads all-to-all, `grid_traffic`),
     gradient and partial-output dtypes.
-    mesh_traffic(shape, rows, cols, grad_bytes, out_bytes): a rows x cols grid; grad_bytes:
-    bytes per element of the dQ, dK, dV reductions (fp32 by default); out_bytes: of the
-    partial outputs (the input dtype's by default; `partial_out_bytes`).
+    mesh_traffic(shape, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes): a rows x cols
+    grid; grad_bytes: bytes per element of the dQ reduction (fp32 by default), dkv_grad_bytes
+    of the dK, dV reduction (grad_bytes when None); out_bytes: of the partial outputs (the
+    input dtype's by default; `partial_out_bytes`).
     """
     if isinstance(rows, MeshPlan):
         plan = rows
         return grid_traffic(shape, plan.heads, plan.rows, plan.cols,
-                            plan.grad_bytes(shape.dtype_bytes),
-                            plan.partial_out_bytes(shape.dtype_bytes))
+                            plan.dq_bytes(shape.dtype_bytes),
+                            plan.partial_out_bytes(shape.dtype_bytes),
+                            plan.dkv_bytes(shape.dtype_bytes))
     if cols is None:
         raise TypeError("mesh_traffic takes (shape, plan) or (shape, rows, cols)")
     q, kv, lse = shape.local_elements(rows * cols)
     e = shape.dtype_bytes
     o = e if out_bytes is None else out_bytes
+    g_kv = grad_bytes if dkv_grad_bytes is None else dkv_grad_bytes
     return Traffic(
         forward_row=(cols - 1) * (q * e + q * o + lse * FP32_BYTES),
         forward_col=(rows - 1) * kv * e,
         backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
-        backward_col=(rows - 1) * (kv * e + kv * grad_bytes),
+        backward_col=(rows - 1) * (kv * e + kv * g_kv),
     )
 
 
@@ -140,14 +145,14 @@ def heads_shape(shape: AttentionShape, heads: int) -> AttentionShape:
 
 def grid_traffic(
     shape: AttentionShape, heads: int, rows: int, cols: int, grad_bytes: int = FP32_BYTES,
-    out_bytes: int | None = None,
+    out_bytes: int | None = None, dkv_grad_bytes: int | None = None,
 ) -> Traffic:
     """Bytes sent per rank on a heads x rows x cols grid: the all-to-all of Q, K, V, O (and
     their gradients) over A ranks plus `mesh_traffic` of the R x C mesh on `heads_shape`."""
     if heads == 1:
-        return mesh_traffic(shape, rows, cols, grad_bytes, out_bytes)
+        return mesh_traffic(shape, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     inner = heads_shape(shape, heads)
-    mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes)
+    mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     q, kv, _ = inner.local_elements(rows * cols)
     a2a = (2 * q + kv) * shape.dtype_bytes * (heads - 1) // heads
     return Traffic(mesh.forward_row, mesh.forward_col, mesh.backward_row, mesh.backward_col,

@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, resolve_plan
 from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
-from megatron_mesh.plan import STREAMED, resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
 from megatron_mesh.traffic import grid_shapes
@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedules", default="streamed_kv,streamed_q,gathered",
                    help="comma-separated schedules to time (streamed_kv, streamed_q, gathered; "
                    "streamed runs the one of the two rings it picks for the shape)")
-    p.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "input"],
-                   help="dtype the dQ, dK, dV exchange uses")
+    p.add_argument("--grad-reduce-dtype", default=DEFAULT_GRAD_DTYPE, choices=GRAD_DTYPE_NAMES,
+                   help="dtypes of the dQ and dK, dV exchanges (default %(default)s: dQ fp32, dK, dV "
+                   "in the input dtype)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)

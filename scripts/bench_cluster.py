@@ -13,8 +13,11 @@ rank (measured on CPU tensors, and the model of `megatron_mesh.memory`).
     python scripts/bench_cluster.py --cp-sizes 4 --seq-lengths 4096 --repeats 2 --json out.json
 
 Methods: ring (P x 1, K/V streamed: Transformer Engine's p2p), all_gather (P x 1 gathered),
-every 2D mesh shape with the schedule "streamed" picks, and the best 2D shape with each
-schedule. Gradients of ring and all_gather travel in the input dtype, as Transformer Engine's.
+a2a (Ulysses, P x 1 x 1) where the heads allow it, a2a+p2p (A x P/A x 1) for every A the
+heads allow, every 2D mesh shape with the schedule "streamed" picks, the best 2D shape with
+each schedule, and the planner's heads x rows x cols choice. Gradients of Transformer
+Engine's methods travel in the input dtype, as Transformer Engine's; the mesh's in the
+default exchange.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatron_mesh as mm
-from megatron_mesh.attention import MeshAttentionFunction
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
@@ -46,13 +49,19 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Method:
-    """One timed configuration: a grid shape and a schedule (ring and all_gather are P x 1)."""
+    """One timed configuration: a heads x rows x cols grid and a schedule (ring and
+    all_gather are 1 x P x 1, a2a P x 1 x 1, a2a+p2p A x P/A x 1)."""
 
     label: str
     rows: int
     cols: int
     schedule: str  # what runs: streamed_kv, streamed_q or gathered
-    grad_reduce_dtype: str  # "input" for ring / all_gather (as TE), "fp32" for the mesh
+    grad_reduce_dtype: str  # "input" for TE's methods, the default exchange for the mesh
+    heads: int = 1
+
+    @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        return self.heads, self.rows, self.cols
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,21 +124,31 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def methods_for(workload: Workload, cluster: Cluster) -> list[Method]:
-    """ring, all_gather, every 2D shape with 'streamed', the planner's best with each schedule."""
+    """ring, all_gather, a2a and every a2a+p2p the heads allow, every 2D shape with
+    'streamed', the planner's best 2D shape with each schedule and its best grid."""
     p = cluster.gpus
     shape = workload.attention_shape()
     out = [Method("ring", p, 1, "streamed_kv", "input"),
            Method("all_gather", p, 1, "gathered", "input")]
+    heads, kv_heads = workload.num_heads, workload.num_kv_heads
+    for a in (a for a in range(2, p + 1) if p % a == 0 and heads % a == 0 and kv_heads % a == 0):
+        label = "a2a" if a == p else f"a2a+p2p {a}x{p // a}"
+        out.append(Method(label, p // a, 1, "gathered" if a == p else "streamed_kv", "input", a))
     for r, c in mm.mesh_shapes(p)[1:]:
         ran = streamed_schedule(shape, r, c)
-        out.append(Method(f"mesh {r}x{c} {ran}", r, c, ran, "fp32"))
+        out.append(Method(f"mesh {r}x{c} {ran}", r, c, ran, DEFAULT_GRAD_DTYPE))
     best = search(workload, cluster).best_mesh.mesh_shape
     for schedule in ("streamed_kv", "streamed_q", "gathered"):
         degenerate = (schedule == "streamed_kv" and best[0] == 1) or (
             schedule == "streamed_q" and best[1] == 1)  # no such ring: the gathered code runs
         if best[0] != p and not degenerate and all(
                 (m.rows, m.schedule) != (best[0], schedule) for m in out[2:]):
-            out.append(Method(f"mesh {best[0]}x{best[1]} {schedule}", *best, schedule, "fp32"))
+            out.append(Method(f"mesh {best[0]}x{best[1]} {schedule}", *best, schedule,
+                              DEFAULT_GRAD_DTYPE))
+    a, r, c = search(workload, cluster).best_grid.grid_shape
+    if a > 1 and all(m.grid_shape != (a, r, c) for m in out):
+        ran = workload.mesh_plan(r, c, a).schedule.value
+        out.append(Method(f"mesh {a}x{r}x{c} {ran}", r, c, ran, DEFAULT_GRAD_DTYPE, a))
     return out
 
 
@@ -142,9 +161,11 @@ def predict(method: Method, workload: Workload, cluster: Cluster) -> Estimate:
         found = plan.method("all_gather")
         assert found is not None
         return found
-    w = replace(workload, mesh_schedule=method.schedule)
-    return price("mesh", method.label, mesh_transfers(w, cluster, method.rows, method.cols), w,
-                 cluster, True, (method.rows, method.cols))
+    w = replace(workload, mesh_schedule=method.schedule,
+                mesh_grad_reduce_dtype=method.grad_reduce_dtype)
+    transfers = mesh_transfers(w, cluster, method.rows, method.cols, method.heads)
+    return price("mesh", method.label, transfers, w, cluster, True, (method.rows, method.cols),
+                 method.heads)
 
 
 def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation: Emulation,
@@ -159,7 +180,6 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, generator=gen, dtype=dtype)
     rate = emulation.flops_rate / compute_scale if compute_scale else float("inf")
-    grad_dtype = torch.float32 if method.grad_reduce_dtype == "fp32" else dtype
     times, compute, links = [], 0.0, {}
     for it in range(warmup + repeats):
         kernel = EmulatedKernel(rate)
@@ -167,8 +187,8 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
         dist.barrier()
         with ShapedLinks(emulation, dist.get_rank()) as shaped:
             t0 = time.perf_counter()
-            out = MeshAttentionFunction.apply(q, k, v, grid, w.causal, w.head_dim ** -0.5, kernel,
-                                              method.schedule, grad_dtype)
+            out = mm.mesh_attention(q, k, v, grid, w.causal, w.head_dim ** -0.5, kernel,
+                                    method.schedule, method.grad_reduce_dtype)
             out.backward(dout)
             dist.barrier()
             elapsed = time.perf_counter() - t0
@@ -187,10 +207,9 @@ def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, dtype=dtype)
     kernel = EmulatedKernel(float("inf"))
-    grad_dtype = torch.float32 if method.grad_reduce_dtype == "fp32" else dtype
     with CpuPeakMemory() as fwd:
-        out = MeshAttentionFunction.apply(q, k, v, grid, True, 1.0, kernel, method.schedule,
-                                          grad_dtype)
+        out = mm.mesh_attention(q, k, v, grid, True, 1.0, kernel, method.schedule,
+                                method.grad_reduce_dtype)
     with CpuPeakMemory() as bwd:
         out.backward(dout)
     return max(fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes)
@@ -200,13 +219,14 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     """Every workload and method on this P; rows (rank 0's view) for the report."""
     emulation = emulation_for(args, world)
     cluster = emulation.cluster
-    grids: dict[tuple[int, int], mm.MeshGrid] = {}
+    grids: dict[tuple[int, int, int], mm.MeshGrid] = {}
     rows = []
     for workload in workloads(args):
         for method in methods_for(workload, cluster):
-            shape = (method.rows, method.cols)
+            shape = method.grid_shape
             if shape not in grids:
-                grids[shape] = mm.MeshGrid.build(rows=method.rows, cols=method.cols)
+                grids[shape] = mm.MeshGrid.build(rows=method.rows, cols=method.cols,
+                                                 heads=method.heads)
             grid = grids[shape]
             row = {"P": world, "nodes": args.nodes, "S": workload.seq_length,
                    "heads": workload.num_heads, "kv_heads": workload.num_kv_heads,
@@ -221,9 +241,11 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 row.update(comm_only_s=off["median_s"], heavy_s=heavy["median_s"],
                            heavy_compute_s=heavy["compute_s"])
             attention = workload.attention_shape()
+            plan = resolve_plan(attention, method.rows, method.cols, method.schedule,
+                                method.grad_reduce_dtype, heads=method.heads)
             row.update(memory=measure_memory(method, grid, workload),
-                       model_memory=max(extra_memory(attention, *shape, method.schedule).values()),
-                       te_ring_memory=max(extra_memory(attention, *shape, "ring").values()))
+                       model_memory=max(extra_memory(attention, plan).values()),
+                       te_ring_memory=max(extra_memory(attention, world, 1, "ring").values()))
             rows.append(row)
     return rows
 

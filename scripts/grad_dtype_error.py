@@ -1,15 +1,15 @@
-"""Error of the gradient exchange dtypes in bf16: ring vs mesh, fp32 vs input-dtype exchange.
+"""Error of the gradient exchange dtypes in bf16: ring vs mesh; fp32, input-dtype and mixed.
 
     python scripts/grad_dtype_error.py --cp-sizes 8,16
 
 For each CP size P, spawns P gloo processes and runs, on the same bf16 inputs, the ring
 (P x 1, K/V streamed, dK / dV partials rounded to bf16 at each of the P-1 hops, as
-Transformer Engine's ring does) and the other mesh shapes with dQ, dK, dV exchanged in fp32
-and in bf16. Prints, per tensor, the worst error over ranks against fp32 SDPA on the whole
-sequence, divided by the error of bf16 SDPA on one device (1.0 = as exact as single-device
-bf16 attention). The error is relative RMS (||got - ref|| / ||ref|| over the rank's share):
-the largest single error is set by the final rounding to bf16 and hides what the exchange
-adds.
+Transformer Engine's ring does) and the other mesh shapes with dQ, dK, dV exchanged in fp32,
+in bf16, and mixed (dK, dV in bf16, dQ in fp32). Prints, per tensor, the worst error over
+ranks against fp32 SDPA on the whole sequence, divided by the error of bf16 SDPA on one
+device (1.0 = as exact as single-device bf16 attention). The error is relative RMS
+(||got - ref|| / ||ref|| over the rank's share): the largest single error is set by the final
+rounding to bf16 and hides what the exchange adds.
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def sdpa(x: dict, dtype: torch.dtype) -> dict:
 
 
 def runs(p: int) -> list[tuple[int, int, str]]:
-    """(rows, cols, gradient exchange): the ring, then every other shape in both dtypes."""
+    """(rows, cols, gradient exchange): the ring, then every other shape in every exchange."""
     meshes = [(r, c) for r, c in mm.mesh_shapes(p) if c > 1]
-    return [(p, 1, "input")] + [(r, c, g) for r, c in meshes for g in ("fp32", "input")]
+    return [(p, 1, "input")] + [(r, c, g) for r, c in meshes for g in ("fp32", "input", "mixed")]
 
 
 def rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:

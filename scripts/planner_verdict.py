@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES
 from megatron_mesh.planner.verdict import LLAMA_GQA, MQA, gpt3_models, summary_table, verdicts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -20,8 +21,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grad-reduce-dtype", choices=("fp32", "input"), default="fp32",
-                   help="the mesh's dQ, dK, dV exchange dtype (fp32 is the default)")
+    p.add_argument("--grad-reduce-dtype", choices=GRAD_DTYPE_NAMES, default=DEFAULT_GRAD_DTYPE,
+                   help="dtypes of the mesh's dQ and dK, dV exchanges (default %(default)s)")
     args = p.parse_args()
     rows = verdicts(gpt3_models(CONFIGS) + [LLAMA_GQA, MQA], args.grad_reduce_dtype)
     print(f"planner model, bf16, causal, batch 1, mesh gradients in {args.grad_reduce_dtype}: "

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Case:
     softmax_scale: float | None = None
     seed: int = 0
     schedule: str = "streamed"
-    grad_reduce_dtype: str = "fp32"
+    grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE
     contiguous: bool = True  # False: q, k, v are [s, b, h, d] views of [b, s, h, d] storage
     layout: str = "dense"  # or a strided view of the same values: one of LAYOUTS
     device: str = "cpu"  # where mesh_attention runs ("cuda": the rank's current GPU)

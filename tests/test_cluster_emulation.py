@@ -89,6 +89,8 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
     rows = json.loads(out_json.read_text())["rows"]
     methods = [r["method"] for r in rows]
     assert methods[:2] == ["ring", "all_gather"] and any(m.startswith("mesh 2x2") for m in methods)
+    assert "a2a+p2p 2x2" in methods  # heads x rows x cols corners run too (a2a: 2 K/V heads < 4)
+    assert {tuple(r["shape"]) for r in rows if r["method"] == "a2a+p2p 2x2"} == {(2, 2, 1)}
     for r in rows:
         # the emulated compute and links are part of the measured time
         assert r["median_s"] >= r["compute_s"] > 0, r

@@ -15,15 +15,16 @@ SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("schedule", ["streamed", "streamed_kv", "streamed_q", "gathered"])
-@pytest.mark.parametrize("grads", ["fp32", "input"])
+@pytest.mark.parametrize("grads", ["fp32", "input", "mixed"])
 def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
     for rows, cols in mm.mesh_shapes(8):
         plan = resolve_plan(shape, rows, cols, schedule, grads, cp_size=8)
         ran = streamed_schedule(shape, rows, cols) if schedule == "streamed" else schedule
         assert plan.schedule == ran and isinstance(plan.schedule, Schedule)
         assert plan.grad_dtype is GradDtype(grads)
-        keyword = mm.mesh_traffic(shape, rows, cols, grad_bytes(grads, shape.dtype_bytes),
-                                  partial_out_bytes(ran, shape.dtype_bytes))
+        dq_bytes, dkv_bytes = grad_bytes(grads, shape.dtype_bytes)
+        keyword = mm.mesh_traffic(shape, rows, cols, dq_bytes,
+                                  partial_out_bytes(ran, shape.dtype_bytes), dkv_bytes)
         assert mm.mesh_traffic(shape, plan) == plan.traffic(shape) == keyword
         assert extra_memory(shape, plan) == extra_memory(shape, rows, cols, ran)
 
@@ -52,7 +53,7 @@ def test_bad_plan_names_the_value(kwargs, message) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(schedule="ring"), "schedule='ring' is not one of streamed, streamed_kv, streamed_q, "
      "gathered"),
-    (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype='bf16' is not one of fp32, input"),
+    (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype='bf16' is not one of fp32, input, mixed"),
     (dict(cp_size=16), "mesh shape 2x4 has 8 ranks, but the CP group has 16"),
     (dict(heads=2, cp_size=8), "mesh shape 2x2x4 has 16 ranks, but the CP group has 8"),
 ])

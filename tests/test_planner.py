@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import (
     Cluster,
     NotApplicable,
@@ -30,7 +31,7 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.search import mesh_key
-from megatron_mesh.traffic import mesh_traffic, partial_out_bytes
+from megatron_mesh.traffic import grad_bytes, mesh_traffic, partial_out_bytes
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes
@@ -56,8 +57,9 @@ def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: in
     assert [e.mesh_shape for e in result.meshes] == mm.mesh_shapes(gpus)
     shape = result.workload.attention_shape()
     for e in result.meshes:
-        want = mesh_traffic(shape, *e.mesh_shape,
-                            out_bytes=partial_out_bytes(schedule, shape.dtype_bytes))
+        dq_bytes, dkv_bytes = grad_bytes(DEFAULT_GRAD_DTYPE, shape.dtype_bytes)
+        want = mesh_traffic(shape, *e.mesh_shape, dq_bytes,
+                            partial_out_bytes(schedule, shape.dtype_bytes), dkv_bytes)
         assert e.bytes("forward", "row") == want.forward_row
         assert e.bytes("forward", "column") == want.forward_col
         assert e.bytes("backward", "row") == want.backward_row
@@ -71,7 +73,7 @@ MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal, gradie
     (2, 4, 2, 16, "bf16", True, "fp32"),  # GQA
     (1, 4, 4, 8, "fp32", False, "fp32"),  # MHA
     (1, 6, 2, 8, "fp32", True, "fp32"),  # GQA, heads not a power of two
-    (1, 4, 1, 8, "fp16", True, "fp32"),  # MQA
+    (1, 4, 1, 8, "fp16", True, "mixed"),  # MQA, dK, dV in fp16, dQ in fp32
     (1, 4, 2, 8, "bf16", True, "input"),  # gradients in bf16: half the gradient bytes
 ]
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")  # all must move exactly the planned bytes
@@ -162,9 +164,12 @@ def test_all_gather_is_the_p_by_1_mesh_up_to_the_gradient_dtype():
     ag32 = all_gather_transfers(w32, cluster)
     for phase in ("forward", "backward"):
         assert total(ag32, phase) == total(mesh32, phase)
-    w16 = gqa(dtype="bf16")
+    w16 = gqa(dtype="bf16")  # default exchange: dK, dV in bf16 as all_gather's, no dQ on P x 1
+    assert total(mesh_transfers(w16, cluster, p, 1)) == total(all_gather_transfers(w16, cluster))
+    w16_fp32 = replace(w16, mesh_grad_reduce_dtype="fp32")
     _, kv = elements(w16, p)
-    gap = total(mesh_transfers(w16, cluster, p, 1)) - total(all_gather_transfers(w16, cluster))
+    gap = (total(mesh_transfers(w16_fp32, cluster, p, 1))
+           - total(all_gather_transfers(w16_fp32, cluster)))
     assert gap == (p - 1) * kv * (4 - 2)  # dK,dV reduce-scattered in fp32 vs bf16
     assert not any(x.hidden for x in ag32)
 
@@ -280,7 +285,7 @@ def test_partial_node_rows_count_as_crossing():
 def test_best_mesh_is_the_fastest_and_ties_go_to_less_communication():
     result = plan(64, seq_length=131072, num_heads=32, num_kv_heads=8, head_dim=128)
     assert result.best_mesh.total_s == min(e.total_s for e in result.meshes)
-    assert result.best_mesh.mesh_shape == (16, 4)  # rows of 4 on NVLink, K/V ring hidden
+    assert result.best_mesh.mesh_shape == (32, 2)  # rows of 2 on NVLink, K/V ring hidden
     assert result.placement.rows_inside_node and not result.placement.cols_inside_node
     assert result.best.label == "a2a+p2p (4x16)"
     a, b = result.mesh(16, 4), result.mesh(8, 8)
@@ -301,7 +306,8 @@ def test_gqa_prefers_taller_tiles():
     """Fast compute, one node: time is traffic / bandwidth, and GQA makes K/V cheap to move."""
     kw = dict(seq_length=65536, head_dim=128, gpus_per_node=16, attention_tflops=1e6)
     assert choose_mesh_shape(16, num_heads=32, num_kv_heads=32, **kw) == (4, 4)
-    assert choose_mesh_shape(16, num_heads=32, num_kv_heads=4, **kw) == (8, 2)
+    # dK, dV in bf16 (the default exchange) and 4 K/V heads: the tallest grid, no dQ traffic
+    assert choose_mesh_shape(16, num_heads=32, num_kv_heads=4, **kw) == (16, 1)
 
 
 def test_choose_mesh_shape_is_the_plans_best_mesh():
@@ -367,11 +373,11 @@ def test_cli_plan_table_end_to_end():
     done = run_cli(*PLAN_ARGS)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "best mesh: 16 x 4 (rows x cols)" in out
-    assert "rows: 4 consecutive CP ranks" in out and "stay inside a node" in out
-    assert "columns: 16 CP ranks 4 apart" in out and "span 8 nodes" in out
+    assert "best mesh: 32 x 2 (rows x cols)" in out
+    assert "rows: 2 consecutive CP ranks" in out and "stay inside a node" in out
+    assert "columns: 32 CP ranks 2 apart" in out and "span 8 nodes" in out
     assert "fastest overall: a2a+p2p (4x16)" in out
-    for label in ["ring (p2p)", "all_gather", "a2a+p2p (4x16)", "mesh 64x1", "mesh 16x4 *",
+    for label in ["ring (p2p)", "all_gather", "a2a+p2p (4x16)", "mesh 64x1", "mesh 32x2 *",
                   "mesh 8x8", "mesh 1x64"]:
         assert f"\n{label} " in out, label
     assert "a2a: not applicable: a2a over 64 GPUs needs num_heads (32) and num_kv_heads (8)" in out

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import Cluster, Workload, choose_grid_shape, plan
 from megatron_mesh.planner.methods import (
     a2a_p2p_transfers,
@@ -23,10 +24,11 @@ def total(transfers) -> int:
     return sum(t.nbytes for t in transfers)
 
 
+@pytest.mark.parametrize("grads", ["mixed", "input"])  # dK, dV in the input dtype, as TE's
 @pytest.mark.parametrize("p", [4, 8, 16])
-def test_corners_equal_the_methods_they_contain(p: int) -> None:
+def test_corners_equal_the_methods_they_contain(p: int, grads: str) -> None:
     w = Workload(seq_length=64 * p, num_heads=16, num_kv_heads=16, head_dim=64,
-                 mesh_grad_reduce_dtype="input", mesh_schedule="streamed")
+                 mesh_grad_reduce_dtype=grads, mesh_schedule="streamed")
     c = Cluster(gpus=p, gpus_per_node=4)
     assert total(mesh_transfers(w, c, p, 1, 1)) == total(ring_transfers(w, c))
     assert total(mesh_transfers(w, c, p, 1, 1)) == total(all_gather_transfers(w, c))
@@ -34,7 +36,7 @@ def test_corners_equal_the_methods_they_contain(p: int) -> None:
     for a in (2, p // 2):
         assert total(mesh_transfers(w, c, p // a, 1, a)) == total(a2a_p2p_transfers(w, c, a))
     pl = plan(p, seq_length=64 * p, num_heads=16, head_dim=64, gpus_per_node=4,
-              mesh_grad_reduce_dtype="input")
+              mesh_grad_reduce_dtype=grads)
     for name in ("ring", "a2a"):  # equal bytes and the same overlap: equal time
         corner = next(g for g in pl.meshes + pl.grids
                       if g.grid_shape == ((1, p, 1) if name == "ring" else (p, 1, 1)))
@@ -50,9 +52,10 @@ def test_heads_need_only_divide_the_query_heads() -> None:
 
 def test_choice_never_slower_than_any_method() -> None:
     """GPT-3 sizes from configs/, GQA 64/8 and MQA 32/1, P = 8 ... 256, S = 32K ... 1M,
-    1 and 8 GPUs per node, with gradients exchanged in the input dtype as Transformer
-    Engine's methods do (like with like)."""
-    rows = verdicts(gpt3_models(CONFIGS) + [LLAMA_GQA, MQA], "input")
+    1 and 8 GPUs per node, with the default gradient exchange: dK, dV in the input dtype as
+    Transformer Engine's methods send them (like with like), dQ in fp32."""
+    assert DEFAULT_GRAD_DTYPE == "mixed"
+    rows = verdicts(gpt3_models(CONFIGS) + [LLAMA_GQA, MQA])
     assert len(rows) == 10 * 6 * 3 * 2
     slower = [(v.model.name, v.cp_size, v.seq_length, v.gpus_per_node, m, v.speedup_over(m))
               for v in rows for m in METHODS

@@ -16,10 +16,10 @@ from megatron_mesh.megatron import validate_mesh_args
 from megatron_mesh.megatron.shape import cp_ranks_per_node, resolve_mesh_shape
 from megatron_mesh.training.arguments import parse_args
 
-# CP 16, 32 query / 8 KV heads, 2048 tokens per rank, TP 2 inside nodes of 8 GPUs: with the
+# CP 16, 32 query / 8 KV heads, 1024 tokens per rank, TP 2 inside nodes of 8 GPUs: with the
 # planner's default 8 CP ranks per node the choice is 2x8, but a node holds 8 / 2 = 4 CP ranks
-# and for those the planner picks 8x2 (once the log said 2x8 and the job built 8x2).
-CASE = dict(tp=2, cp=16, heads=32, groups=8, head_dim=128, seq=2048 * 16)
+# and for those the planner picks 4x4 (once the log said one and the job built the other).
+CASE = dict(tp=2, cp=16, heads=32, groups=8, head_dim=128, seq=1024 * 16)
 
 
 def _megatron_args(**over) -> argparse.Namespace:
@@ -53,15 +53,15 @@ def test_megatron_path_logs_the_shape_it_builds(monkeypatch, caplog) -> None:
     assert per_node == 4 and _built(per_node=None) == (2, 8)  # the two used to disagree
     with caplog.at_level(logging.INFO, logger="megatron_mesh"):
         shape = validate_mesh_args(_megatron_args())
-    assert shape == _built(per_node=per_node) == (8, 2)
-    assert "8x2 grid of 16 CP ranks (chosen by the planner for 4 CP ranks per node)" in caplog.text
+    assert shape == _built(per_node=per_node) == (4, 4)
+    assert "4x4 grid of 16 CP ranks (chosen by the planner for 4 CP ranks per node)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_mesh"):
         assert validate_mesh_args(_megatron_args(mesh_shape="2x8")) == _built("2x8") == (2, 8)
     assert "2x8 grid of 16 CP ranks (as given)" in caplog.text
 
 
-@pytest.mark.parametrize("local, expected", [("8", (8, 2)), ("16", (2, 8))])
+@pytest.mark.parametrize("local, expected", [("8", (4, 4)), ("16", (2, 8))])
 def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) -> None:
     monkeypatch.setenv("WORLD_SIZE", "32")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
@@ -73,4 +73,4 @@ def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) ->
     # the groups are built from args.mesh_shape: a given shape, never chosen again
     assert args.mesh_shape == args.mesh_grid_shape == expected
     assert _built(args.mesh_shape) == _built(per_node=cp_ranks_per_node(2)) == expected
-    assert parse_args(flags + ["--mesh-shape", "4x4"]).mesh_shape == (4, 4)
+    assert parse_args(flags + ["--mesh-shape", "8x2"]).mesh_shape == (8, 2)

@@ -12,10 +12,17 @@ from .torch_flash import TorchFlashKernel
 BACKENDS = ("auto", "torch", "cudnn", "te")
 
 
-def check_backend(backend: str) -> None:
-    """ValueError unless `backend` names a tile-kernel backend."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+def is_kernel(backend: object) -> bool:
+    """Whether `backend` is a tile kernel object (a `TileKernel`) rather than a name."""
+    return callable(getattr(backend, "forward", None)) and callable(
+        getattr(backend, "backward", None))
+
+
+def check_backend(backend: str | TileKernel) -> None:
+    """ValueError unless `backend` names a tile-kernel backend or is a `TileKernel`."""
+    if not is_kernel(backend) and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)} "
+                         "(or a TileKernel object)")
 
 
 def _te_unsupported(device: torch.device, dtype: torch.dtype | None) -> str | None:
@@ -31,7 +38,7 @@ def _te_unsupported(device: torch.device, dtype: torch.dtype | None) -> str | No
 
 
 def get_kernel(
-    backend: str,
+    backend: str | TileKernel,
     device: torch.device,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
@@ -41,9 +48,12 @@ def get_kernel(
     'auto' picks Transformer Engine when it is installed and takes the dtype, then torch's
     cuDNN attention when cuDNN >= 9 takes the dtype and head dim, then torch's flash /
     memory-efficient ops (the only choice on CPU). 'te' and 'cudnn' raise ValueError, saying
-    why, where they cannot run; 'torch' runs everywhere.
+    why, where they cannot run; 'torch' runs everywhere. A `TileKernel` object (e.g. the
+    emulated one of `megatron_mesh.emulation`) is returned as it is.
     """
     check_backend(backend)
+    if is_kernel(backend):
+        return backend
     device = torch.device(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchFlashKernel()
@@ -70,4 +80,4 @@ def get_kernel(
 
 
 __all__ = ["BACKENDS", "CudnnKernel", "TileKernel", "TorchFlashKernel", "check_backend",
-           "get_kernel"]
+           "get_kernel", "is_kernel"]

@@ -100,8 +100,9 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="mesh_grad_reduce_dtype",
         choices=GRAD_DTYPE_NAMES,
         default=DEFAULT_GRAD_DTYPE,
-        help="dtype in which the mesh's dQ, dK, dV partials travel: fp32, or input (bf16 / "
-        "fp16 with such inputs: half the gradient traffic, as Transformer Engine's ring).",
+        help="dtypes in which the mesh's gradient partials travel: mixed (dK, dV in the input "
+        "dtype, as Transformer Engine's ring sends them, dQ in fp32), fp32 (all), or input "
+        "(all in bf16 / fp16 with such inputs).",
     )
     return parser
 

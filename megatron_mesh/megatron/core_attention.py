@@ -27,6 +27,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -111,7 +112,7 @@ class MeshDotProductAttention(MegatronModule):
         context_parallel_algo: str | None = None,
         backend: str = "auto",
         schedule: str = DEFAULT_SCHEDULE,
-        grad_reduce_dtype: str = "fp32",
+        grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_mesh.plan import DEFAULT_SCHEDULE, MeshPlan
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, MeshPlan
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -193,7 +193,7 @@ def plan(
     inter_node_bw: float = DEFAULT_INTER_NODE_BW,
     attention_tflops: float = DEFAULT_ATTENTION_TFLOPS,
     overlap: bool = True,
-    mesh_grad_reduce_dtype: str = "fp32",
+    mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     mesh_schedule: str = DEFAULT_SCHEDULE,
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner.search import Plan, plan
 
 
@@ -67,7 +68,7 @@ class Verdict:
 METHODS = ("ring", "all_gather", "a2a", "a2a+p2p", "mesh")
 
 
-def verdicts(models: list[Model], grad_reduce_dtype: str = "fp32") -> list[Verdict]:
+def verdicts(models: list[Model], grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> list[Verdict]:
     """Plan every case of the table for `models` with the mesh's gradient dtype."""
     out = []
     for model in models:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from megatron_mesh.checks import check_zigzag_divisible
 from megatron_mesh.dtypes import DTYPE_BYTES
 from megatron_mesh.plan import (
+    DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
-    GradDtype,
     MeshPlan,
     resolve_plan,
 )
@@ -32,7 +32,7 @@ class Workload:
     batch: int = 1
     dtype: str = "bf16"
     causal: bool = True
-    mesh_grad_reduce_dtype: str = "fp32"
+    mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE
     mesh_schedule: str = DEFAULT_SCHEDULE
 
     def __post_init__(self) -> None:
@@ -60,11 +60,6 @@ class Workload:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
-
-    @property
-    def mesh_grad_bytes(self) -> int:
-        """Bytes per element of the mesh's dQ, dK, dV exchange."""
-        return GradDtype(self.mesh_grad_reduce_dtype).bytes(self.dtype_bytes)
 
     def mesh_plan(self, rows: int, cols: int, heads: int = 1) -> MeshPlan:
         """The plan the mesh runs on a heads x rows x cols group for this layer."""

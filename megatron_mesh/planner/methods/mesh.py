@@ -1,8 +1,8 @@
 """The R x C mesh: bytes straight from `megatron_mesh.traffic.mesh_traffic`, the contract.
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
-reduce-scatter in fp32, or the input dtype with mesh_grad_reduce_dtype "input"); columns
-are R ranks C apart (K,V gathers, dK,dV reduce-scatter, likewise). The streamed_kv
+reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
+gradients in the dtypes of mesh_grad_reduce_dtype (`plan.GradDtype`). The streamed_kv
 schedule passes K/V around the column ring while blocks compute, dK/dV partials travelling
 behind, so column traffic counts as hidden and row traffic as exposed (the forward Q gather
 overlaps only the local diagonal block, which the model ignores); streamed_q hides the row
@@ -17,7 +17,7 @@ slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
 from __future__ import annotations
 
 from megatron_mesh.grid import dim_groups
-from megatron_mesh.plan import GradDtype, Schedule
+from megatron_mesh.plan import Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import crosses_nodes
@@ -42,16 +42,16 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     row_cross = crosses_nodes(row_groups, cluster)
     col_cross = crosses_nodes(col_groups, cluster)
     e = workload.dtype
-    g = "fp32" if plan.grad_dtype is GradDtype.FP32 else e
+    g_q = "fp32" if plan.grad_dtype.dq_in_fp32 else e
+    g_kv = "fp32" if plan.grad_dtype.dkv_in_fp32 else e
     hidden = plan.schedule.hidden_direction
     o = "fp32" if plan.schedule is Schedule.STREAMED_Q else e
     q, kv, rows_lse = heads_shape(workload.attention_shape(), heads).local_elements(rows * cols)
     # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail
     # their chunks; the rest of each direction's bytes are the chunks themselves
-    grad = plan.grad_bytes(workload.dtype_bytes)
     out_part = (cols - 1) * (q * plan.partial_out_bytes(workload.dtype_bytes) + 4 * rows_lse)
-    dq_part = (cols - 1) * q * grad
-    dkv_part = (rows - 1) * kv * grad
+    dq_part = (cols - 1) * q * plan.dq_bytes(workload.dtype_bytes)
+    dkv_part = (rows - 1) * kv * plan.dkv_bytes(workload.dtype_bytes)
 
     def row(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
         return Transfer(phase, "row", tensors, nbytes, row_cross, hidden == "row", cols,
@@ -72,7 +72,7 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
         row("forward", f"partial O ({o}), lse (fp32)", out_part, trailing=True),
         column("forward", f"K,V ({e})", traffic.forward_col),
         row("backward", f"Q,dO ({e}), lse,D (fp32)", traffic.backward_row - dq_part),
-        row("backward", f"dQ ({g})", dq_part, trailing=True),
+        row("backward", f"dQ ({g_q})", dq_part, trailing=True),
         column("backward", f"K,V ({e})", traffic.backward_col - dkv_part),
-        column("backward", f"dK,dV ({g})", dkv_part, trailing=True),
+        column("backward", f"dK,dV ({g_kv})", dkv_part, trailing=True),
     ]

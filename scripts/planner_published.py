@@ -1,0 +1,91 @@
+"""The planner's tables against the published figures (docs/planner.md), from the model.
+
+    python scripts/planner_published.py
+
+Prices the configurations docs/planner.md compares with the Mesh-Attention and ATTENTION2D
+abstracts (bf16, causal, batch 1, head dim 128) and prints the markdown tables: the best 2D
+mesh against ring (traffic cut, times, speedup with and without overlap), a2a+p2p's speedup
+and the heads x rows x cols choice's. Every number is the planner's model, not a measurement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mesh.planner import plan
+
+K = 1024
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    intra_node_bw: float
+    inter_node_bw: float
+    attention_tflops: float
+
+
+H100 = Hardware("H100", 8, 360, 45, 400)
+A100 = Hardware("A100", 8, 200, 25, 180)
+A100_X4 = Hardware("A100 x 4", 4, 200, 25, 180)
+H100_X1 = Hardware("H100 x 1", 1, 360, 45, 400)
+
+HEADER = ("| cluster | heads q/kv | S | mesh | traffic cut | ring ms | mesh ms | speedup | "
+          "no overlap | a2a+p2p | heads x mesh |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def row(hw: Hardware, gpus: int, heads: int, kv_heads: int, seq: int) -> str:
+    options = dict(seq_length=seq, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                   gpus_per_node=hw.gpus_per_node, intra_node_bw=hw.intra_node_bw,
+                   inter_node_bw=hw.inter_node_bw, attention_tflops=hw.attention_tflops)
+    p = plan(gpus, **options)
+    flat = plan(gpus, overlap=False, **options)
+    mesh, ring = p.best_mesh, p.ring
+    a2a_p2p = p.method("a2a+p2p")
+    a2a_text = f"{p.speedup(a2a_p2p):.2f}x {a2a_p2p.label.split()[-1]}" if a2a_p2p else "n/a"
+    grid = p.best_grid
+    nodes = gpus // hw.gpus_per_node
+    length = f"{seq // K // K}M" if seq >= K * K else f"{seq // K}K"
+    return (f"| {hw.name}, {nodes} nodes | {heads}/{kv_heads} | {length} | "
+            f"{mesh.mesh_shape[0]}x{mesh.mesh_shape[1]} | "
+            f"{100 * (1 - mesh.total_bytes / ring.total_bytes):.1f}% | {1e3 * ring.total_s:.0f} | "
+            f"{1e3 * mesh.total_s:.0f} | **{p.speedup(mesh):.2f}x** | "
+            f"{flat.speedup(flat.best_mesh):.2f}x | {a2a_text} | "
+            f"{'x'.join(map(str, grid.grid_shape))} {p.speedup(grid):.2f}x |")
+
+
+def traffic_cut(heads: int, kv_heads: int, dtype: str, grads: str) -> str:
+    """Least-traffic 2D mesh against ring on 256 GPUs (hardware-free)."""
+    p = plan(256, seq_length=256 * K, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+             dtype=dtype, mesh_grad_reduce_dtype=grads)
+    least = min(p.meshes, key=lambda e: e.total_bytes)
+    cut = 1 - least.total_bytes / p.ring.total_bytes
+    return f"{100 * cut:.1f}% ({least.mesh_shape[0]}x{least.mesh_shape[1]})"
+
+
+def main() -> None:
+    print("planner model (not measurements): bf16, causal, batch 1, head dim 128\n")
+    print("Mesh-Attention, 256 GPUs:\n")
+    print(HEADER)
+    for hw, heads, kv, seqs in ((H100, 32, 32, (256, 512, 1024, 2048)),
+                                (H100, 32, 8, (256, 512, 1024)),
+                                (A100, 32, 32, (256, 512, 1024)),
+                                (A100, 32, 8, (256, 512))):
+        for s in seqs:
+            print(row(hw, 256, heads, kv, s * K))
+    print("\ntraffic, least-traffic mesh against ring, 256 GPUs, 32 query heads:\n")
+    print("| exchange | g=1 (MHA) | 2 | 4 | 8 |\n|---|---|---|---|---|")
+    for label, dtype, grads in (("bf16, gradients mixed (default)", "bf16", "mixed"),
+                                ("bf16, gradients fp32", "bf16", "fp32"),
+                                ("fp32", "fp32", "fp32")):
+        cells = " | ".join(traffic_cut(32, 32 // g, dtype, grads) for g in (1, 2, 4, 8))
+        print(f"| {label} | {cells} |")
+    print("\nATTENTION2D, 64 GPUs, 96 heads x 128, MHA:\n")
+    print(HEADER)
+    for hw in (A100_X4, H100_X1):
+        for s in (32, 64, 128, 256, 512):
+            print(row(hw, 64, 96, 96, s * K))
+
+
+if __name__ == "__main__":
+    main()
