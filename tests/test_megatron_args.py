@@ -186,9 +186,23 @@ def test_layer_spec_puts_mesh_core_attention_in_place():
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
     assert _plain(spec.submodules.input_layernorm) == _plain(local.submodules.input_layernorm)
     assert _plain(spec.submodules.mlp) == _plain(local.submodules.mlp)
-    assert get_gpt_layer_spec("a2a").submodules.self_attention.submodules.core_attention.params == {
-        "context_parallel_algo": "a2a"
-    }
+
+
+@pytest.mark.parametrize("algo", ["p2p", "all_gather", "a2a", "a2a+p2p"])
+def test_the_spec_chooses_the_core_attention_class(algo):
+    """One decision, in the spec: the mesh's class for 'mesh', Transformer Engine's attention
+    (with cp_comm_type) for the others where it is installed; no class swaps itself."""
+    from megatron_mesh.megatron import MeshDotProductAttention, get_gpt_layer_spec
+    from megatron_mesh.megatron.core_attention import transformer_engine_attention
+
+    assert "__new__" not in vars(MeshDotProductAttention)
+    core = get_gpt_layer_spec(algo).submodules.self_attention.submodules.core_attention
+    te_attention = transformer_engine_attention()
+    if te_attention is None:  # plain attention at CP = 1, a named error at CP > 1
+        assert core.module is MeshDotProductAttention
+        assert core.params == {"context_parallel_algo": algo}
+    else:
+        assert core.module is te_attention and core.params == {"cp_comm_type": algo}
 
 
 def test_layer_spec_rejects_bad_requests():

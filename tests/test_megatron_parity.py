@@ -205,6 +205,7 @@ def _run_layout(name, tp, cp, shape, features, out):
         ),
         "grad_abs_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
         "grad_names": sorted(grads),
+        "core_class": type(model.decoder.layers[0].self_attention.core_attention).__name__,
         "traffic": traffic,
     }
 
@@ -254,6 +255,10 @@ def _bad_configurations(out):
     # the algorithm can also come from TransformerConfig.cp_comm_type (no spec params)
     chosen = MeshDotProductAttention(config=_config(1, 4, cp_comm_type="mesh"), **core_kwargs)
     errors["config_cp_comm_type_mesh"] = type(chosen).__name__
+    errors["mesh_class_asked_for_a2a"] = _expect_error(
+        lambda: MeshDotProductAttention(config=_config(1, 4, cp_comm_type="a2a"), **core_kwargs),
+        ValueError,
+    )
     q = torch.randn(SEQ // 4, BATCH, HEADS, HIDDEN // HEADS)
     k = torch.randn(SEQ // 4, BATCH, GROUPS, HIDDEN // HEADS)
     errors["packed"] = _expect_error(
@@ -365,6 +370,7 @@ def test_loss_and_gradients_match_cp1(results, name):
         assert math.isclose(loss, ref_loss, rel_tol=1e-5, abs_tol=1e-6), (rank, loss, ref_loss)
         assert r["grad_abs_err"] < 1e-5 or r["grad_err"] < 1e-5, (rank, r["grad_abs_err"])
         assert len(r["grad_names"]) > 10  # embedding, layers, output layer all checked
+        assert r["core_class"] == "MeshDotProductAttention"  # the spec's class, as built
 
 
 @pytest.mark.parametrize("name", [n for n, *_ in LAYOUTS])
@@ -418,6 +424,7 @@ def test_two_cp_groups_get_separate_grids(results):
         ("padding_mask", ["padding", "causal"]),
         ("packed", ["packed"]),
         ("stale_grid", ["CP group", "initialize_mesh_grids"]),
+        ("mesh_class_asked_for_a2a", ["'a2a'", "Transformer Engine"]),
     ],
 )
 def test_bad_configuration_fails_on_every_rank(results, case, words):

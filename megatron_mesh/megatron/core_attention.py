@@ -62,7 +62,7 @@ def resolve_algorithm(
     return "mesh"
 
 
-def _transformer_engine_attention() -> type | None:
+def transformer_engine_attention() -> type | None:
     """Megatron's TEDotProductAttention, or None when Transformer Engine is missing."""
     if importlib.util.find_spec("transformer_engine") is None:
         return None
@@ -76,28 +76,11 @@ def _transformer_engine_attention() -> type | None:
 class MeshDotProductAttention(MegatronModule):
     """Exact context-parallel attention over this rank's mesh grid.
 
-    With an algorithm other than 'mesh' construction returns Megatron's
-    TEDotProductAttention instead (its state dict is then exactly Transformer Engine's).
+    The spec chooses this class for the 'mesh' algorithm (`spec.mesh_core_attention_spec`;
+    Transformer Engine's attention for the others). With CP = 1 every algorithm is plain
+    attention, so this class also runs any algorithm there; with CP > 1 it runs only 'mesh'
+    and names the fix otherwise.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        config = kwargs.get("config", args[0] if args else None)
-        algo = resolve_algorithm(
-            kwargs.get("context_parallel_algo"), kwargs.get("cp_comm_type"), config
-        )
-        te_attention = None if algo == "mesh" else _transformer_engine_attention()
-        if te_attention is None and (algo == "mesh" or config.context_parallel_size == 1):
-            return super().__new__(cls)  # with CP == 1 every algorithm is plain attention
-        if te_attention is None:
-            raise ValueError(
-                f"context-parallel algorithm {algo!r} runs in Transformer Engine, which is not "
-                "installed: install transformer-engine[pytorch] (GPU only), or use "
-                "--context-parallel-algo mesh, which needs no Transformer Engine"
-            )
-        ours = ("context_parallel_algo", "backend", "schedule", "grad_reduce_dtype")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ours}
-        kwargs["cp_comm_type"] = algo
-        return te_attention(*args, **kwargs)
 
     def __init__(
         self,
@@ -115,6 +98,8 @@ class MeshDotProductAttention(MegatronModule):
         grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     ) -> None:
         super().__init__(config=config)
+        self.context_parallel_algo = resolve_algorithm(context_parallel_algo, cp_comm_type, config)
+        _check_algorithm(self.context_parallel_algo, config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -224,6 +209,24 @@ class MeshDotProductAttentionInTEState(MeshDotProductAttention):
         if key not in state_dict and key in missing_keys:  # a dist checkpoint: none stored
             missing_keys.remove(key)
             self._te_extra_state = torch.empty(0, dtype=torch.uint8)
+
+
+def _check_algorithm(algo: str, config: TransformerConfig) -> None:
+    """ValueError unless this class can run `algo`: 'mesh', or any algorithm at CP = 1."""
+    if algo == "mesh" or config.context_parallel_size == 1:
+        return
+    if transformer_engine_attention() is None:
+        raise ValueError(
+            f"context-parallel algorithm {algo!r} runs in Transformer Engine, which is not "
+            "installed: install transformer-engine[pytorch] (GPU only), or use "
+            "--context-parallel-algo mesh, which needs no Transformer Engine"
+        )
+    raise ValueError(
+        f"MeshDotProductAttention runs the 'mesh' algorithm, but {algo!r} was asked for "
+        "(spec params or TransformerConfig.cp_comm_type); build the layer spec with "
+        f"get_gpt_layer_spec({algo!r}) or mesh_core_attention_spec({algo!r}), which choose "
+        "Transformer Engine's attention for it"
+    )
 
 
 def _check_supported(

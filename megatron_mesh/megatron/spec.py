@@ -1,8 +1,12 @@
-"""GPT layer specs whose core attention is `MeshDotProductAttention`.
+"""GPT layer specs whose core attention runs the chosen context-parallel algorithm.
 
-The spec carries the algorithm (`params={'context_parallel_algo': ...}`), so the layer
-needs nothing else from TransformerConfig; `TransformerConfig(cp_comm_type='mesh')` also
-selects the mesh for a spec that names `MeshDotProductAttention` without params.
+The spec chooses the class, once: `MeshDotProductAttention` for 'mesh' (carrying the
+algorithm in `params={'context_parallel_algo': ...}`, so the layer needs nothing else from
+TransformerConfig), Megatron's `TEDotProductAttention` with `cp_comm_type` for the others.
+Without Transformer Engine the others keep `MeshDotProductAttention`, which is plain
+attention at CP = 1 and names the missing package at CP > 1.
+`TransformerConfig(cp_comm_type='mesh')` also selects the mesh for a spec that names
+`MeshDotProductAttention` without params.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.core_attention import (
     MeshDotProductAttention,
     MeshDotProductAttentionInTEState,
+    transformer_engine_attention,
 )
 
 __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_attention"]
@@ -28,13 +33,17 @@ def mesh_core_attention_spec(
     schedule: str | None = None,
     grad_reduce_dtype: str | None = None,
 ) -> ModuleSpec:
-    """The core_attention submodule spec for `context_parallel_algo` (mesh tile kernel
-    `backend`; mesh `schedule` and `grad_reduce_dtype`, None for the defaults)."""
+    """The core_attention submodule spec for `context_parallel_algo`: the mesh (tile kernel
+    `backend`; `schedule` and `grad_reduce_dtype`, None for the defaults) or, for another
+    algorithm, Transformer Engine's attention when it is installed."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
             f"valid: {', '.join(ALGORITHMS)}"
         )
+    te_attention = transformer_engine_attention() if context_parallel_algo != "mesh" else None
+    if te_attention is not None:
+        return ModuleSpec(module=te_attention, params={"cp_comm_type": context_parallel_algo})
     params: dict[str, Any] = {"context_parallel_algo": context_parallel_algo}
     if backend != "auto":
         params["backend"] = backend
@@ -92,8 +101,8 @@ def _has_extra_state(module: Any) -> bool:
 
 
 def _in_place_of(replaced: Any, core: ModuleSpec) -> ModuleSpec:
-    """`core`, as the class that keeps `replaced`'s extra state when it has one."""
-    if _has_extra_state(replaced):
+    """`core`, as the mesh class that keeps `replaced`'s extra state when it has one."""
+    if core.module is MeshDotProductAttention and _has_extra_state(replaced):
         return dataclasses.replace(core, module=MeshDotProductAttentionInTEState)
     return core
 
