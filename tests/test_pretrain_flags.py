@@ -1,6 +1,7 @@
 """Flags of megatron_mesh.pretrain_gpt: configs, overrides, and bad values exiting early."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -46,14 +47,16 @@ def test_flags_override_config() -> None:
                        "--context-parallel-size", "4", "--context-parallel-algo", "mesh"])
     assert args.hidden_size == 32 and args.swiglu is False
     assert args.num_layers == 2  # from the config
-    assert args.data_parallel_size == 1 and args.mesh_grid_shape[0] * args.mesh_grid_shape[1] == 4
+    assert args.data_parallel_size == 1 and args.mesh_shape[0] * args.mesh_shape[1] == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):  # decided once, read everywhere
+        args.mesh_shape = (4, 1)
 
 
 def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
     common = ["--config", TINY, "--context-parallel-size", "4", "--mesh-shape", "2x2"]
     by_algo = vars(parse_args(common + ["--context-parallel-algo", "mesh"]))
     by_comm = vars(parse_args(common + ["--cp-comm-type", "mesh"]))
-    assert by_comm.pop("cp_comm_type") == ["mesh"] and by_algo.pop("cp_comm_type") is None
+    assert by_comm.pop("cp_comm_type") == ("mesh",) and by_algo.pop("cp_comm_type") is None
     assert by_comm == by_algo and by_comm["context_parallel_algo"] == "mesh"
 
 

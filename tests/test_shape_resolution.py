@@ -71,6 +71,6 @@ def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) ->
              "--context-parallel-size", "16", "--context-parallel-algo", "mesh"]
     args = parse_args(flags)
     # the groups are built from args.mesh_shape: a given shape, never chosen again
-    assert args.mesh_shape == args.mesh_grid_shape == expected
+    assert args.mesh_shape == expected
     assert _built(args.mesh_shape) == _built(per_node=cp_ranks_per_node(2)) == expected
     assert parse_args(flags + ["--mesh-shape", "8x2"]).mesh_shape == (8, 2)

@@ -17,6 +17,8 @@ import yaml
 
 from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
 from megatron_mesh.training import validation
+from megatron_mesh.training.config import config_class, freeze
+from megatron_mesh.training.device import has_cuda
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+TrainingConfig = config_class(build_parser())  # the frozen, typed flags (config.py)
+
+
 def _dest(key: str) -> str:
     return key.strip().lstrip("-").replace("-", "_")
 
@@ -178,8 +183,9 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     return values
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse flags over an optional YAML config; raises ConfigError on bad values."""
+def parse_args(argv: Sequence[str] | None = None) -> TrainingConfig:
+    """Parse flags over an optional YAML config, check them and derive the rest, once; the
+    result is frozen. Raises ConfigError on bad values."""
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
@@ -192,7 +198,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                               f"values are {', '.join(map(str, action.choices))}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world_size)
-    return args
+    return freeze(args, TrainingConfig)
 
 
 def _fail(msg: str) -> None:
@@ -212,6 +218,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(str(e))
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
+    args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
+    if args.distributed_backend == "nccl" and not has_cuda():
+        _fail("--distributed-backend nccl needs CUDA; use gloo on a CPU")
     if args.pipeline_model_parallel_size != 1:
         _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
               "this driver supports 1 (no pipeline parallelism); for pipeline parallelism "
@@ -245,12 +254,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               f"{args.seq_length}")
 
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    try:  # the mesh shape is decided here, once; the grids are built from it
-        args.mesh_grid_shape = validate_mesh_args(args)
+    try:  # the mesh shape is decided here, once; the grids are built from args.mesh_shape
+        shape = validate_mesh_args(args)
     except ValueError as e:
         _fail(str(e))
-    if args.mesh_grid_shape is not None:
-        args.mesh_shape = args.mesh_grid_shape
+    if shape is not None:
+        args.mesh_shape = shape
     if args.context_parallel_algo is None:
         _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
               "every layer; give one value")

@@ -11,7 +11,6 @@ unfinished ``iter_N.tmp`` it left. Every checkpoint carries a manifest of its fi
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import multiprocessing
@@ -22,7 +21,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -34,6 +33,9 @@ from megatron_mesh.training.checksums import CheckpointError, verify_manifest, w
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -175,7 +177,7 @@ def _set_rng(state: dict[str, Any]) -> None:
 
 
 def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state: TrainState,
-                   args: argparse.Namespace, *, loading: bool, with_optim: bool,
+                   args: TrainingConfig, *, loading: bool, with_optim: bool,
                    with_rng: bool) -> dict[str, Any]:
     model_sd = unwrap(model).sharded_state_dict()
     sd: dict[str, Any] = {"model": model_sd, "layout": _layout()}
@@ -194,7 +196,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
 
 
 def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                    state: TrainState, args: argparse.Namespace) -> str:
+                    state: TrainState, args: TrainingConfig) -> str:
     """Write SAVE/iter_N atomically and point the marker at it; returns its path."""
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
@@ -228,7 +230,7 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
 
 
 def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                    args: argparse.Namespace) -> TrainState:
+                    args: TrainingConfig) -> TrainState:
     """Restore the newest complete checkpoint under root into the live objects.
 
     Weights always; optimizer, LR schedule, iteration and data position unless

@@ -5,8 +5,7 @@ the number of samples consumed; a resumed run starts its iterator there.
 """
 from __future__ import annotations
 
-import argparse
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -18,6 +17,9 @@ from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank, null_tokenizer_library
 from megatron_mesh.training.device import device
 
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
+
 _LIBRARIES = {
     "NullTokenizer": None,  # megatron-core's name for it changed: compat
     "HuggingFaceTokenizer": "huggingface",
@@ -27,7 +29,7 @@ _LIBRARIES = {
 }
 
 
-def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizerBase:
+def build_tokenizer(args: TrainingConfig) -> MegatronTokenizerBase:
     """megatron-core's tokenizer for --tokenizer-type (NullTokenizer: ids are tokens)."""
     metadata = {"library": _LIBRARIES[args.tokenizer_type] or null_tokenizer_library()}
     if args.tokenizer_type == "NullTokenizer":
@@ -40,7 +42,7 @@ def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizerBase:
                                              metadata_path=metadata)
 
 
-def build_train_dataset(args: argparse.Namespace, tokenizer: MegatronTokenizerBase) -> GPTDataset:
+def build_train_dataset(args: TrainingConfig, tokenizer: MegatronTokenizerBase) -> GPTDataset:
     """The training split: GPTDataset over --data-path, or MockGPTDataset without one."""
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -64,7 +66,7 @@ def build_train_dataset(args: argparse.Namespace, tokenizer: MegatronTokenizerBa
     return train
 
 
-def micro_batches(dataset: GPTDataset, args: argparse.Namespace,
+def micro_batches(dataset: GPTDataset, args: TrainingConfig,
                   consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches from ``consumed_samples`` on, already split for CP.
 

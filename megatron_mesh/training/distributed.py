@@ -1,10 +1,10 @@
 """Process groups: torch.distributed, megatron-core's parallel state, the mesh grids, seeds."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import random
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,8 +14,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_mesh.grid import MeshGrid
 from megatron_mesh.training.device import has_cuda
 
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
-def init_distributed(args: argparse.Namespace) -> None:
+
+def init_distributed(args: TrainingConfig) -> None:
     """Start torch.distributed from torchrun's environment (a single process works too).
 
     The timeout bounds every collective: if a peer dies without torchrun noticing (say on
@@ -25,21 +28,17 @@ def init_distributed(args: argparse.Namespace) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
+    backend = args.distributed_backend  # resolved by the flag check (nccl needs CUDA)
     if backend == "nccl":
-        if not has_cuda():
-            raise RuntimeError("--distributed-backend nccl needs CUDA; use gloo on a CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    args.distributed_backend = backend
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
     )
-    args.rank = rank
 
 
-def init_model_parallel(args: argparse.Namespace) -> MeshGrid | None:
+def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
     """megatron-core's TP / PP / CP / DP groups, then the mesh's groups built from the shape
     the flag check decided (args.mesh_shape); returns this rank's grid (None without one)."""
     parallel_state.initialize_model_parallel(

@@ -1,10 +1,13 @@
 """Model FLOPs of one training iteration (the formula is in docs/training.md)."""
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 
-def flops_per_token_forward(args: argparse.Namespace, vocab_size: int) -> float:
+def flops_per_token_forward(args: TrainingConfig, vocab_size: int) -> float:
     """Forward FLOPs per token: matmuls count 2 per multiply-add; causal attention is halved."""
     h, s, d = args.hidden_size, args.seq_length, args.kv_channels
     q_width = args.num_attention_heads * d
@@ -19,7 +22,7 @@ def flops_per_token_forward(args: argparse.Namespace, vocab_size: int) -> float:
     return args.num_layers * per_layer + 2 * h * vocab_size  # + logits
 
 
-def flops_per_iteration(args: argparse.Namespace, vocab_size: int) -> float:
+def flops_per_iteration(args: TrainingConfig, vocab_size: int) -> float:
     """Forward + backward (2x forward) over one global batch."""
     tokens = args.global_batch_size * args.seq_length
     return 3 * tokens * flops_per_token_forward(args, vocab_size)

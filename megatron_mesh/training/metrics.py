@@ -1,11 +1,15 @@
 """Per-interval figures: the Megatron-LM style log line and the same numbers to wandb."""
 from __future__ import annotations
 
-import argparse
 import datetime
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 
 @dataclass
@@ -30,7 +34,7 @@ class IntervalStats:
             self.grad_norms.append(grad_norm)
 
 
-def interval_metrics(stats: IntervalStats, args: argparse.Namespace, flops_per_iter: float,
+def interval_metrics(stats: IntervalStats, args: TrainingConfig, flops_per_iter: float,
                      lr: float, consumed: int, peak_mem: int, traffic_known: bool) -> dict:
     """The numbers of one log line, keyed as they go to wandb."""
     n = max(stats.iterations, 1)
@@ -54,7 +58,7 @@ def interval_metrics(stats: IntervalStats, args: argparse.Namespace, flops_per_i
     return out
 
 
-def log_line(iteration: int, args: argparse.Namespace, m: dict) -> str:
+def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
     """``iteration N/ M | ... | lm loss: X.XXXXXXE+00 | ...`` as Megatron-LM prints it, plus ours."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     traffic = m.get("attention/traffic-bytes-per-rank")
@@ -83,13 +87,13 @@ def log_line(iteration: int, args: argparse.Namespace, m: dict) -> str:
 class WandbLogger:
     """wandb on one rank when --wandb-project is given (WANDB_MODE=offline works as usual)."""
 
-    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+    def __init__(self, args: TrainingConfig, enabled: bool) -> None:
         self.run = None
         if not (enabled and args.wandb_project):
             return
         import wandb
 
-        config = {k: v for k, v in vars(args).items()
+        config = {k: v for k, v in as_dict(args).items()
                   if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
         self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
                               dir=args.wandb_save_dir, config=config)

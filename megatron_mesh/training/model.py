@@ -1,7 +1,7 @@
 """The GPT model: TransformerConfig from flags, the layer spec for the CP algorithm, wrapping."""
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,14 +11,17 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_mesh.training.device import has_cuda
 
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
-def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+
+def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:
     """Round the vocabulary up so that every tensor-parallel shard is equally sized."""
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+def transformer_config(args: TrainingConfig) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -57,13 +60,13 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def _cp_comm_type(args: argparse.Namespace) -> str | None:
+def _cp_comm_type(args: TrainingConfig) -> str | None:
     if args.context_parallel_size == 1:
         return None
     return "p2p" if args.context_parallel_algo == "mesh" else args.context_parallel_algo
 
 
-def use_transformer_engine(args: argparse.Namespace) -> bool:
+def use_transformer_engine(args: TrainingConfig) -> bool:
     """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is there."""
     if args.transformer_impl == "local":
         return False
@@ -78,7 +81,7 @@ def use_transformer_engine(args: argparse.Namespace) -> bool:
     return te and has_cuda()
 
 
-def attention_algo(args: argparse.Namespace, use_te: bool) -> str | None:
+def attention_algo(args: TrainingConfig, use_te: bool) -> str | None:
     """The core attention the layers use: a context-parallel algorithm of our spec's
     `MeshDotProductAttention` ('mesh' or one of TE's), or None for megatron-core's local
     (unfused, S x S scores) attention.
@@ -98,7 +101,7 @@ def attention_algo(args: argparse.Namespace, use_te: bool) -> str | None:
     return algo
 
 
-def layer_spec(args: argparse.Namespace):
+def layer_spec(args: TrainingConfig):
     """The decoder layer spec: Megatron's GPT layer (TE or local) with the core attention
     `attention_algo` chooses."""
     use_te = use_transformer_engine(args)
@@ -115,7 +118,7 @@ def layer_spec(args: argparse.Namespace):
                               normalization=args.normalization)
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
     """A GPTModel on this rank's device (pipeline parallelism is not used: one stage)."""
     config = transformer_config(args)
     model = GPTModel(
@@ -135,7 +138,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     return model
 
 
-def wrap_model(model: GPTModel, args: argparse.Namespace) -> torch.nn.Module:
+def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     """Data parallelism over the data-parallel-with-CP group.
 
     GPU: megatron-core's DistributedDataParallel (and Float16Module for bf16 / fp16), whose

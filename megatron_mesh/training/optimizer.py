@@ -7,10 +7,9 @@ sharded state dict for dist_checkpointing.
 """
 from __future__ import annotations
 
-import argparse
 import math
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from megatron_mesh.training.device import has_cuda
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -38,7 +40,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 class TorchOptimizer:
     """A torch optimizer with megatron-core's optimizer interface, for CPU runs."""
 
-    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    def __init__(self, model: torch.nn.Module, args: TrainingConfig) -> None:
         groups = _param_groups(model, args.weight_decay)
         if args.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
@@ -117,7 +119,7 @@ class TorchOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace):
+def build_optimizer(model: torch.nn.Module, args: TrainingConfig):
     """megatron-core's optimizer on a GPU, TorchOptimizer on a CPU."""
     if not has_cuda():
         return TorchOptimizer(model, args)
@@ -133,7 +135,7 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace):
     return get_megatron_optimizer(config, [model])
 
 
-def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+def build_scheduler(optimizer: Any, args: TrainingConfig) -> OptimizerParamScheduler:
     """megatron-core's LR / weight-decay schedule, counted in samples as Megatron-LM does."""
     gbs = args.global_batch_size
     return OptimizerParamScheduler(

@@ -1,7 +1,7 @@
 """Assemble a training job from parsed flags: groups, data, model, optimizer, resume, loop."""
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -25,8 +25,11 @@ from megatron_mesh.training.model import (
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
 
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
-def _mesh_label(args: argparse.Namespace, grid: MeshGrid | None) -> str:
+
+def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     """' RxC, schedule S' of the grid this job built ('' without one); for 'streamed', the
     ring it runs on this TP rank's share of the heads."""
     if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1 or grid is None:
@@ -42,7 +45,7 @@ def _mesh_label(args: argparse.Namespace, grid: MeshGrid | None) -> str:
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
-def _attention_label(args: argparse.Namespace) -> str:
+def _attention_label(args: TrainingConfig) -> str:
     """Which core attention the layers run (`model.attention_algo`)."""
     algo = attention_algo(args, use_transformer_engine(args))
     if algo is None:
@@ -50,7 +53,7 @@ def _attention_label(args: argparse.Namespace) -> str:
     return "mesh tile kernel" if algo == "mesh" else f"Transformer Engine ({algo})"
 
 
-def _banner(args: argparse.Namespace, grid: MeshGrid | None, n_params: int, vocab: int,
+def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
             flops: float) -> None:
     mesh = _mesh_label(args, grid)
     print_rank0(
@@ -69,7 +72,7 @@ def _banner(args: argparse.Namespace, grid: MeshGrid | None, n_params: int, voca
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: TrainingConfig) -> int:
     """Train as the flags say; returns the process exit code.
 
     Without CUDA everything runs inside ``megatron_on_cpu()``: megatron-core puts a few
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: TrainingConfig) -> int:
     distributed.init_distributed(args)
     try:
         grid = distributed.init_model_parallel(args)  # runtime state, not on args

@@ -10,15 +10,18 @@ without a collective.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_mesh.training.device import device
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 JOB_START = time.monotonic()  # import time of the driver: the clock --exit-duration-in-mins reads
 
@@ -42,7 +45,7 @@ def check_finite(iteration: int, loss: float, grad_norm: float | None) -> None:
 class ExitConditions:
     """The signal flag and the time limit, agreed on by every rank at the end of an iteration."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: TrainingConfig) -> None:
         self.signal_name = args.exit_signal if args.exit_signal_handler else None
         self.deadline = (JOB_START + 60 * args.exit_duration_in_mins
                          if args.exit_duration_in_mins else None)

@@ -1,11 +1,10 @@
 """The training loop: one megatron-core forward/backward per step, then the optimizer."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from functools import partial
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,9 @@ from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import is_rank0, print_rank0
 from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
 from megatron_mesh.training.stopping import ExitConditions, check_finite
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -50,7 +52,7 @@ def _global_loss(reports: list[dict]) -> float:
 
 
 def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
-               data_iterator: Iterator[dict], args: argparse.Namespace) -> tuple[float, float | None, bool]:
+               data_iterator: Iterator[dict], args: TrainingConfig) -> tuple[float, float | None, bool]:
     """One iteration over the global batch; returns (loss, grad norm, update applied)."""
     if hasattr(model, "zero_grad_buffer"):  # megatron-core DDP
         model.zero_grad_buffer()
@@ -70,7 +72,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
     return _global_loss(reports), grad_norm, ok
 
 
-def _traffic_counter(args: argparse.Namespace):
+def _traffic_counter(args: TrainingConfig):
     """A byte counter of mesh collectives when the mesh runs, else None (traffic n/a)."""
     if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1:
         return None
@@ -80,7 +82,7 @@ def _traffic_counter(args: argparse.Namespace):
 
 
 def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator: Iterator[dict],
-          state: TrainState, args: argparse.Namespace, flops_per_iter: float) -> TrainState:
+          state: TrainState, args: TrainingConfig, flops_per_iter: float) -> TrainState:
     """Iterate to --train-iters (or --exit-interval, a signal, the time limit), logging and
     saving on their intervals; a NaN / Inf loss or grad norm raises before anything is saved."""
     wandb = WandbLogger(args, enabled=is_rank0())
