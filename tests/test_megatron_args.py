@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_mesh.megatron import ALGORITHMS, add_mesh_args, parse_mesh_shape, validate_mesh_args
-from megatron_mesh.planner import choose_mesh_shape
+from megatron_mesh.planner import choose_grid_shape, choose_mesh_shape
 
 
 def _args(**overrides) -> SimpleNamespace:
@@ -37,8 +37,11 @@ def test_add_mesh_args_parses_and_sits_beside_megatron_options():
     )
     got = (args.context_parallel_algo, args.mesh_shape, args.cp_comm_type)
     assert got == ("mesh", (2, 4), ["p2p"])
+    three = parser.parse_args(["--mesh-shape", "2x2x2", "--mesh-heads", "2"])
+    assert (three.mesh_shape, three.mesh_heads) == ((2, 2, 2), 2)
     defaults = parser.parse_args([])
     assert (defaults.context_parallel_algo, defaults.mesh_shape) == (None, None)
+    assert defaults.mesh_heads is None
     assert validate_mesh_args(defaults) is None and defaults.context_parallel_algo == "p2p"
     for algo in ALGORITHMS:
         assert parser.parse_args(["--context-parallel-algo", algo]).context_parallel_algo == algo
@@ -100,31 +103,57 @@ def test_bad_flags_exit_with_message(capsys, argv, words):
         assert word in err, err
 
 
-@pytest.mark.parametrize("text, shape", [("2x4", (2, 4)), ("8X1", (8, 1)), (" 1 x 16 ", (1, 16))])
+@pytest.mark.parametrize("text, shape", [("2x4", (2, 4)), ("8X1", (8, 1)), (" 1 x 16 ", (1, 16)),
+                                         ("2x4x1", (2, 4, 1)), ("4 x 1 X 2", (4, 1, 2))])
 def test_parse_mesh_shape(text, shape):
     assert parse_mesh_shape(text) == shape
 
 
-@pytest.mark.parametrize("text", ["2x", "x4", "2*4", "-2x4", "2x0", "", "2x4x1"])
+@pytest.mark.parametrize("text", ["2x", "x4", "2*4", "-2x4", "2x0", "", "2x4x1x1", "0x2x2"])
 def test_parse_mesh_shape_rejects(text):
-    with pytest.raises(ValueError, match="RxC"):
+    with pytest.raises(ValueError, match="RxC or AxRxC"):
         parse_mesh_shape(text)
 
 
 def test_validate_explicit_shape():
-    assert validate_mesh_args(_args(mesh_shape=(2, 4))) == (2, 4)
-    assert validate_mesh_args(_args(mesh_shape="4x2")) == (4, 2)  # e.g. from a YAML config
+    """The grid is always (A, R, C); RxC means A = 1 unless --mesh-heads says otherwise."""
+    assert validate_mesh_args(_args(mesh_shape=(2, 4))) == (1, 2, 4)
+    assert validate_mesh_args(_args(mesh_shape="4x2")) == (1, 4, 2)  # e.g. from a YAML config
+    args = _args(mesh_shape="2x2", mesh_heads=2)
+    assert validate_mesh_args(args) == (2, 2, 2) and args.mesh_heads == 2
+    assert validate_mesh_args(_args(mesh_shape="2x4x1", mesh_heads=2)) == (2, 4, 1)
+    args = _args(mesh_shape=(4, 1, 2))
+    assert validate_mesh_args(args) == (4, 1, 2) and args.mesh_heads == 4
+    # GQA with 4 K/V heads and A = 8 > 4: K/V heads are repeated, so A only has to divide
+    # the 32 query heads
+    assert validate_mesh_args(_args(mesh_shape="8x1x1", num_query_groups=4)) == (8, 1, 1)
+
+
+def test_validate_mesh_heads_alone_lets_the_planner_pick_rows_and_cols(caplog):
+    expected = dict(num_heads=32, head_dim=128, seq_length=4096, num_kv_heads=32)
+    with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
+        shape = validate_mesh_args(_args(context_parallel_size=16, mesh_heads=2))
+    assert shape[0] == 2 and shape[1] * shape[2] == 8
+    assert f"{shape[0]}x{shape[1]}x{shape[2]} grid (heads x rows x cols) of 16 CP ranks" in (
+        caplog.text)
+    # --mesh-heads 1 is the planner's best 2D mesh
+    flat = validate_mesh_args(_args(context_parallel_size=16, mesh_heads=1))
+    assert flat == (1, *choose_mesh_shape(16, **expected))
 
 
 def test_validate_automatic_shape_is_logged_and_follows_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
         mha = validate_mesh_args(_args(context_parallel_size=16))
     expected = dict(num_heads=32, head_dim=128, seq_length=_args().seq_length)
-    assert mha == choose_mesh_shape(16, num_kv_heads=32, **expected)
-    assert f"{mha[0]}x{mha[1]}" in caplog.text and "planner" in caplog.text
+    assert mha == choose_grid_shape(16, num_kv_heads=32, **expected) == (4, 2, 2)
+    assert "4x2x2 grid (heads x rows x cols)" in caplog.text and "planner" in caplog.text
     gqa = validate_mesh_args(_args(context_parallel_size=16, num_query_groups=4))
-    assert gqa == choose_mesh_shape(16, num_kv_heads=4, **expected)
-    assert gqa[0] > mha[0]  # GQA: taller tiles (more rows)
+    assert gqa == choose_grid_shape(16, num_kv_heads=4, **expected) == (4, 4, 1)
+    assert gqa[1] > mha[1]  # GQA: taller tiles (more rows)
+    # with TP 4 a rank holds 8 query heads: the planner only offers A dividing them
+    tp4 = validate_mesh_args(_args(context_parallel_size=16, tensor_model_parallel_size=4,
+                                   num_attention_heads=8, num_query_groups=4))
+    assert 8 % tp4[0] == 0 and tp4[0] <= 2
     # Megatron-LM ignores --num-query-groups unless --group-query-attention is set
     off = validate_mesh_args(
         _args(context_parallel_size=16, num_query_groups=4, group_query_attention=False)
@@ -154,6 +183,16 @@ def test_validate_other_algorithms_return_none():
         (dict(context_parallel_size=0), ["0", "positive"]),
         (dict(num_query_groups=5), ["5", "32"]),
         (dict(mesh_shape="two"), ["'two'", "RxC"]),
+        (dict(mesh_shape="2x2x1"), ["2x2x1", "4 ranks", "8", "2x4x1, 2x2x2, 2x1x4"]),
+        (dict(mesh_shape="3x1x1"), ["3x1x1", "8x1, 4x2", "8x1x1"]),
+        (dict(mesh_heads=3), ["--mesh-heads 3", "32 query heads", "valid: 1, 2, 4, 8"]),
+        (dict(mesh_heads=16, context_parallel_size=16, num_attention_heads=16,
+              tensor_model_parallel_size=2),
+         ["--mesh-heads 16", "8 query heads", "tensor parallelism 2", "valid: 1, 2, 4, 8"]),
+        (dict(mesh_shape="2x2x2", mesh_heads=4), ["--mesh-heads 4", "2x2x2", "4x2x2"]),
+        (dict(mesh_shape="2x2", mesh_heads=4), ["4x2x2", "16 ranks", "4x2x1, 4x1x2"]),
+        (dict(mesh_shape="2x2", mesh_heads=0), ["--mesh-heads 0", "positive"]),
+        (dict(tensor_model_parallel_size=3), ["tensor-parallel size 3", "32"]),
         (dict(attention_dropout=0.1), ["--attention-dropout 0.1", "--attention-dropout 0"]),
     ],
 )

@@ -47,9 +47,23 @@ def test_flags_override_config() -> None:
                        "--context-parallel-size", "4", "--context-parallel-algo", "mesh"])
     assert args.hidden_size == 32 and args.swiglu is False
     assert args.num_layers == 2  # from the config
-    assert args.data_parallel_size == 1 and args.mesh_shape[0] * args.mesh_shape[1] == 4
+    heads, rows, cols = args.mesh_shape
+    assert args.data_parallel_size == 1 and heads * rows * cols == 4
     with pytest.raises(dataclasses.FrozenInstanceError):  # decided once, read everywhere
-        args.mesh_shape = (4, 1)
+        args.mesh_shape = (1, 4, 1)
+
+
+@pytest.mark.parametrize("flags, shape", [
+    (["--mesh-shape", "2x2x1"], (2, 2, 1)),
+    (["--mesh-shape", "2x1", "--mesh-heads", "2"], (2, 2, 1)),
+    (["--mesh-shape", "1x2x2", "--mesh-heads", "1"], (1, 2, 2)),
+    (["--mesh-shape", "2x2"], (1, 2, 2)),
+])
+def test_mesh_heads_and_3d_shapes(flags: list[str], shape: tuple[int, int, int]) -> None:
+    """The grid the groups are built from (args.mesh_shape) is the flag check's (A, R, C)."""
+    args = parse_args(["--config", TINY, "--context-parallel-size", "4",
+                       "--context-parallel-algo", "mesh", *flags])
+    assert args.mesh_shape == shape and args.mesh_heads == shape[0]
 
 
 def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
@@ -79,7 +93,7 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--global-batch-size",
                  "--train-iters", "--lr-decay-style", "--bf16", "--tensor-model-parallel-size",
                  "--context-parallel-size", "--context-parallel-algo", "--cp-comm-type",
-                 "--mesh-shape", "--seed",
+                 "--mesh-shape", "--mesh-heads", "--seed",
                  "--save", "--load", "--save-interval", "--log-interval", "--wandb-project",
                  "--wandb-exp-name", "--wandb-save-dir", "--data-path", "--tokenizer-type"):
         assert flag in text, flag
@@ -97,6 +111,18 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--context-parallel-size", "2", "--context-parallel-algo", "p2p"],
      "needs Transformer Engine"),
     (["--tensor-model-parallel-size", "3"], "must divide the attention heads"),
+    # tiny-cpu.yaml: 4 attention heads, 2 query groups
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+      "--context-parallel-algo", "mesh", "--mesh-heads", "4"],
+     "--mesh-heads 4 (the heads all-to-all size) must divide the context-parallel size 2 and "
+     "the 2 query heads (1 K/V heads) per rank after tensor parallelism 2; valid: 1, 2"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2x2"],
+     "mesh shape 2x2x2 has 8 ranks but the context-parallel size is 4; valid shapes: 2x2x1, "
+     "2x1x2"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2x1",
+      "--mesh-heads", "4"], "--mesh-heads 4 disagrees with --mesh-shape 2x2x1"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2x"],
+     "must be written RxC or AxRxC"),
     (["--context-parallel-size", "8", "--context-parallel-algo", "mesh"],
      "world size 4 is not divisible"),
     (["--config", "missing.yaml"], "missing.yaml: no such file"),

@@ -16,14 +16,16 @@ from megatron_mesh.megatron import validate_mesh_args
 from megatron_mesh.megatron.shape import cp_ranks_per_node, resolve_mesh_shape
 from megatron_mesh.training.arguments import parse_args
 
-# CP 16, 32 query / 8 KV heads, 1024 tokens per rank, TP 2 inside nodes of 8 GPUs: with the
-# planner's default 8 CP ranks per node the choice is 2x8, but a node holds 8 / 2 = 4 CP ranks
-# and for those the planner picks 4x4 (once the log said one and the job built the other).
+# CP 16, 32 query / 8 KV heads, 1024 tokens per rank, TP 2 inside nodes of 8 GPUs. For the 2D
+# mesh (--mesh-heads 1) with the planner's default 8 CP ranks per node the choice is 2x8, but a
+# node holds 8 / 2 = 4 CP ranks and for those the planner picks 4x4 (once the log said one and
+# the job built the other). With the heads dimension open it picks 4x4x1 (A = 4 divides the
+# 16 query heads of a TP rank).
 CASE = dict(tp=2, cp=16, heads=32, groups=8, head_dim=128, seq=1024 * 16)
 
 
 def _megatron_args(**over) -> argparse.Namespace:
-    args = dict(context_parallel_algo="mesh", cp_comm_type=None, mesh_shape=None,
+    args = dict(context_parallel_algo="mesh", cp_comm_type=None, mesh_shape=None, mesh_heads=1,
                 context_parallel_size=CASE["cp"], tensor_model_parallel_size=CASE["tp"],
                 num_attention_heads=CASE["heads"], num_query_groups=CASE["groups"],
                 group_query_attention=True, kv_channels=CASE["head_dim"],
@@ -32,12 +34,13 @@ def _megatron_args(**over) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def _built(mesh_shape=None, per_node: int | None = None) -> tuple[int, int]:
+def _built(mesh_shape=None, per_node: int | None = None,
+           mesh_heads: int | None = 1) -> tuple[int, int, int]:
     """What initialize_mesh_grids builds for CASE: its own resolution."""
     return resolve_mesh_shape(
-        CASE["cp"], mesh_shape, num_attention_heads=CASE["heads"],
+        CASE["cp"], mesh_shape, mesh_heads=mesh_heads, num_attention_heads=CASE["heads"],
         num_query_groups=CASE["groups"], head_dim=CASE["head_dim"], seq_length=CASE["seq"],
-        cp_ranks_per_node=per_node)[0]
+        tensor_parallel_size=CASE["tp"], cp_ranks_per_node=per_node)[0]
 
 
 def test_ranks_per_node_come_from_the_launcher() -> None:
@@ -50,27 +53,37 @@ def test_ranks_per_node_come_from_the_launcher() -> None:
 def test_megatron_path_logs_the_shape_it_builds(monkeypatch, caplog) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     per_node = cp_ranks_per_node(CASE["tp"])
-    assert per_node == 4 and _built(per_node=None) == (2, 8)  # the two used to disagree
+    assert per_node == 4 and _built(per_node=None) == (1, 2, 8)  # the two used to disagree
     with caplog.at_level(logging.INFO, logger="megatron_mesh"):
         shape = validate_mesh_args(_megatron_args())
-    assert shape == _built(per_node=per_node) == (4, 4)
+    assert shape == _built(per_node=per_node) == (1, 4, 4)
     assert "4x4 grid of 16 CP ranks (chosen by the planner for 4 CP ranks per node)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_mesh"):
-        assert validate_mesh_args(_megatron_args(mesh_shape="2x8")) == _built("2x8") == (2, 8)
+        assert validate_mesh_args(_megatron_args(mesh_shape="2x8")) == _built("2x8") == (1, 2, 8)
     assert "2x8 grid of 16 CP ranks (as given)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_mesh"):
+        shape = validate_mesh_args(_megatron_args(mesh_heads=None))
+    assert shape == _built(per_node=per_node, mesh_heads=None) == (4, 4, 1)
+    assert ("4x4x1 grid (heads x rows x cols) of 16 CP ranks (chosen by the planner for 4 CP "
+            "ranks per node)") in caplog.text
 
 
-@pytest.mark.parametrize("local, expected", [("8", (4, 4)), ("16", (2, 8))])
+@pytest.mark.parametrize("local, expected", [("8", (1, 4, 4)), ("16", (1, 2, 8))])
 def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) -> None:
     monkeypatch.setenv("WORLD_SIZE", "32")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     flags = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32",
              "--group-query-attention", "--num-query-groups", "8", "--seq-length",
              str(CASE["seq"]), "--vocab-size", "255", "--tensor-model-parallel-size", "2",
-             "--context-parallel-size", "16", "--context-parallel-algo", "mesh"]
+             "--context-parallel-size", "16", "--context-parallel-algo", "mesh",
+             "--mesh-heads", "1"]
     args = parse_args(flags)
     # the groups are built from args.mesh_shape: a given shape, never chosen again
     assert args.mesh_shape == expected
     assert _built(args.mesh_shape) == _built(per_node=cp_ranks_per_node(2)) == expected
-    assert parse_args(flags + ["--mesh-shape", "8x2"]).mesh_shape == (8, 2)
+    assert parse_args(flags + ["--mesh-shape", "8x2"]).mesh_shape == (1, 8, 2)
+    auto = parse_args(flags[:-2])  # heads open: the planner's 3D choice, stored as built
+    assert auto.mesh_shape == _built(per_node=cp_ranks_per_node(2), mesh_heads=None) == (4, 4, 1)
+    assert auto.mesh_heads == 4

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-def _mesh_shape_type(text: str) -> tuple[int, int]:
+def _mesh_shape_type(text: str) -> tuple[int, ...]:
     try:
         return parse_mesh_shape(text)
     except ValueError as error:
@@ -50,7 +50,7 @@ def _mesh_shape_type(text: str) -> tuple[int, int]:
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --context-parallel-algo, --mesh-shape, --mesh-schedule and
+    """Add --context-parallel-algo, --mesh-shape, --mesh-heads, --mesh-schedule and
     --mesh-grad-reduce-dtype to `parser` (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
@@ -79,10 +79,23 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="mesh_shape",
         type=_mesh_shape_type,
         default=None,
-        metavar="RxC",
-        help="Grid of the context-parallel ranks for --context-parallel-algo mesh, "
-        "R * C = --context-parallel-size. When omitted, the shape the planner "
-        "(megatron-mesh plan) predicts fastest.",
+        metavar="[A]xRxC",
+        help="Grid of the context-parallel ranks for --context-parallel-algo mesh: RxC (the "
+        "2D mesh) or AxRxC (an all-to-all over A consecutive CP ranks, each then holding 1/A "
+        "of the heads, and an R x C mesh over the ranks of one head slice); A * R * C = "
+        "--context-parallel-size. When omitted, the grid the planner (megatron-mesh plan) "
+        "predicts fastest.",
+    )
+    group.add_argument(
+        "--mesh-heads",
+        dest="mesh_heads",
+        type=int,
+        default=None,
+        metavar="A",
+        help="All-to-all (head-parallel) size A of the mesh grid: must divide the CP size and "
+        "the attention heads per TP rank (K/V heads are repeated where A exceeds them); with "
+        "--mesh-shape RxC the grid is AxRxC; alone, the planner picks R x C for it. When "
+        "omitted with --mesh-shape RxC, 1; with neither flag, the planner's choice.",
     )
     group.add_argument(
         "--mesh-schedule",
@@ -166,13 +179,15 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     return chosen
 
 
-def validate_mesh_args(args: Any) -> tuple[int, int] | None:
-    """Check the algorithm, CP size, sequence length, mesh shape (and, for the mesh,
-    attention dropout and head counts); ValueError naming the bad value if bad.
+def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
+    """Check the algorithm, CP size, sequence length, mesh shape and heads (and, for the
+    mesh, attention dropout and head counts after TP); ValueError naming the bad value if
+    bad.
 
-    Returns the (R, C) mesh shape (chosen automatically and logged when --mesh-shape is
-    omitted) for the mesh with CP > 1, else None. Resolves the algorithm first
-    (`resolve_context_parallel_algo`). Touches no process group.
+    Returns the (A, R, C) grid (what --mesh-shape / --mesh-heads leave open chosen by the
+    planner; logged either way) for the mesh with CP > 1, else None; sets args.mesh_heads
+    to its A. Resolves the algorithm first (`resolve_context_parallel_algo`). Touches no
+    process group.
     """
     algo = resolve_context_parallel_algo(args)
     cp_size = getattr(args, "context_parallel_size", None)
@@ -183,11 +198,12 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
     if seq_length is not None:
         check_zigzag_divisible(seq_length, cp_size, "--seq-length", "--context-parallel-size")
     mesh_shape = getattr(args, "mesh_shape", None)
+    mesh_heads = getattr(args, "mesh_heads", None)
     if algo != "mesh":
-        if mesh_shape is not None:
-            logger.warning(
-                "--mesh-shape %s is ignored: --context-parallel-algo is %s", mesh_shape, algo
-            )
+        for flag, value in (("--mesh-shape", mesh_shape), ("--mesh-heads", mesh_heads)):
+            if value is not None:
+                logger.warning("%s %s is ignored: --context-parallel-algo is %s", flag, value,
+                               algo)
         return None
     dropout = getattr(args, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
@@ -196,10 +212,13 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
             f"(--attention-dropout {dropout}); pass --attention-dropout 0"
         )
     heads, groups = _head_counts(args)
-    per_node = cp_ranks_per_node(getattr(args, "tensor_model_parallel_size", None) or 1)
+    tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
+    per_node = cp_ranks_per_node(tp_size)
     shape, automatic = resolve_mesh_shape(
         cp_size,
         mesh_shape,
+        mesh_heads=mesh_heads,
+        tensor_parallel_size=tp_size,
         num_attention_heads=heads,
         num_query_groups=groups,
         head_dim=_head_dim(args),
@@ -213,5 +232,6 @@ def validate_mesh_args(args: Any) -> tuple[int, int] | None:
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"
         )
         return None
+    args.mesh_heads = shape[0]
     logger.info(describe_mesh_shape(shape, cp_size, automatic, per_node))
     return shape

@@ -27,6 +27,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
+from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
@@ -38,12 +39,12 @@ _logged_schedules: set[tuple] = set()
 def _log_schedule(grid, schedule: str, query: torch.Tensor, key: torch.Tensor) -> None:
     """Say once per process (on global rank 0) which schedule runs on which grid."""
     ran = plan_for(query, key, grid, schedule).schedule.value
-    seen = (grid.rows, grid.cols, schedule, ran)
+    seen = (grid.shape_text, schedule, ran)
     if seen in _logged_schedules or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _logged_schedules.add(seen)
     how = f" (chosen for less memory by '{schedule}')" if ran != schedule else ""
-    logger.info("mesh attention: %dx%d grid, schedule %s%s", grid.rows, grid.cols, ran, how)
+    logger.info("mesh attention: %s grid, schedule %s%s", grid.shape_text, ran, how)
 
 
 def resolve_algorithm(
@@ -123,6 +124,10 @@ class MeshDotProductAttention(MegatronModule):
                 f"{config.context_parallel_size}); call initialize_mesh_grids() after "
                 "initialize_model_parallel() with the same context-parallel size"
             )
+        tp_size = dist.get_world_size(pg_collection.tp)
+        check_mesh_heads(self.grid.heads, self.grid.cp_size,
+                         *local_head_counts(config.num_attention_heads, config.num_query_groups,
+                                            tp_size), tp_size)
         head_dim = config.kv_channels
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -1,9 +1,10 @@
 """The mesh grids of every context-parallel group of a Megatron-Core job.
 
 Call `initialize_mesh_grids` after `parallel_state.initialize_model_parallel`, on every
-rank. Each CP group (in CP-rank order, as parallel_state made it) becomes an R x C grid;
-a row holds C consecutive CP ranks, so that with TP inside a node the row traffic stays
-as local as it can.
+rank. Each CP group (in CP-rank order, as parallel_state made it) becomes an A x R x C grid:
+an all-to-all over A consecutive CP ranks (A = 1 for the 2D mesh), then an R x C mesh whose
+rows hold C consecutive mesh ranks, so that with TP inside a node the all-to-all and the
+row traffic stay as local as they can.
 """
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mesh.grid import MeshGrid
-from megatron_mesh.megatron.shape import cp_ranks_per_node, describe_mesh_shape, resolve_mesh_shape
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
+from megatron_mesh.megatron.shape import (
+    GridShape,
+    cp_ranks_per_node,
+    describe_mesh_shape,
+    resolve_mesh_shape,
+)
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +32,7 @@ __all__ = [
 ]
 
 
-def _all_cp_groups(shape: tuple[int, int]) -> list[list[int]]:
+def _all_cp_groups(shape: GridShape) -> list[list[int]]:
     """Every CP group of the job (global ranks, CP order), gathered from all ranks.
 
     Each rank also sends its mesh shape; ranks that disagree fail together, never hang.
@@ -36,15 +42,16 @@ def _all_cp_groups(shape: tuple[int, int]) -> list[list[int]]:
     dist.all_gather_object(gathered, mine)
     shapes = {s for _, s in gathered}
     if len(shapes) != 1:
-        per_rank = ", ".join(f"rank {r}: {s[0]}x{s[1]}" for r, (_, s) in enumerate(gathered))
+        per_rank = ", ".join(f"rank {r}: {shape_text(*s)}" for r, (_, s) in enumerate(gathered))
         raise ValueError(f"ranks disagree on the mesh shape ({per_rank}); pass the same to all")
     groups = sorted({ranks for ranks, _ in gathered})
     return [list(ranks) for ranks in groups]
 
 
 def initialize_mesh_grids(
-    mesh_shape: tuple[int, int] | str | None = None,
+    mesh_shape: tuple[int, ...] | str | None = None,
     *,
+    mesh_heads: int | None = None,
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     seq_length: int | None = None,
@@ -55,10 +62,12 @@ def initialize_mesh_grids(
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
-    mesh_shape (R, C) or 'RxC' must have R * C == CP size; None picks the planner's fastest
-    shape for the head counts, schedule and gradient dtype and the launcher's ranks per
-    node (`shape.resolve_mesh_shape`, the function `validate_mesh_args` calls with the same
-    values); pass the shape `validate_mesh_args` returned to build exactly what it logged.
+    mesh_shape (A, R, C) / 'AxRxC', or (R, C) / 'RxC' with heads mesh_heads (default 1),
+    must have A * R * C == CP size, and A must divide this TP rank's query heads; what is
+    not given, the planner chooses for the head counts after TP, schedule, gradient dtype
+    and the launcher's ranks per node (`shape.resolve_mesh_shape`, the function
+    `validate_mesh_args` calls with the same values); pass the shape `validate_mesh_args`
+    returned to build exactly what it logged.
     The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain
     attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
@@ -73,10 +82,13 @@ def initialize_mesh_grids(
             "parallel_state.initialize_model_parallel() to be initialized first"
         )
     cp_size = parallel_state.get_context_parallel_world_size()
-    per_node = cp_ranks_per_node(parallel_state.get_tensor_model_parallel_world_size())
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    per_node = cp_ranks_per_node(tp_size)
     shape, automatic = resolve_mesh_shape(
         cp_size,
         mesh_shape,
+        mesh_heads=mesh_heads,
+        tensor_parallel_size=tp_size,
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         head_dim=head_dim,
@@ -89,7 +101,7 @@ def initialize_mesh_grids(
         grid = single_rank_grid(parallel_state.get_context_parallel_group())
     else:
         grid = MeshGrid.build_many(
-            _all_cp_groups(shape), rows=shape[0], cols=shape[1],
+            _all_cp_groups(shape), heads=shape[0], rows=shape[1], cols=shape[2],
             cp_group=parallel_state.get_context_parallel_group(),
             timeout=timeout,
         )
@@ -97,7 +109,8 @@ def initialize_mesh_grids(
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
     _MESH_GRID = grid
     if dist.get_rank() == 0:  # names the grid built, not the request
-        built = describe_mesh_shape((grid.rows, grid.cols), cp_size, automatic, per_node)
+        built = describe_mesh_shape((grid.heads, grid.rows, grid.cols), cp_size, automatic,
+                                    per_node)
         logger.info("%s, built for %d CP groups", built, dist.get_world_size() // cp_size)
     return grid
 

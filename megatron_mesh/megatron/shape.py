@@ -1,4 +1,9 @@
-"""Choosing and checking the R x C mesh shape of a context-parallel group."""
+"""Choosing and checking the heads x rows x cols grid of a context-parallel group.
+
+A shape is written 'RxC' (the 2D mesh, heads A = 1) or 'AxRxC' (an all-to-all over A
+consecutive CP ranks, then the R x C mesh over the ranks sharing a head slice); it is
+resolved once, to (A, R, C), by `resolve_mesh_shape`.
+"""
 from __future__ import annotations
 
 import os
@@ -6,52 +11,118 @@ import re
 from typing import Mapping
 
 from megatron_mesh.checks import check_zigzag_divisible
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
+from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.traffic import shapes_text
+from megatron_mesh.planner.search import grid_key
+from megatron_mesh.traffic import mesh_shapes, shapes_text
 
-_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
+
+GridShape = tuple[int, int, int]
+"""(heads, rows, cols): A x R x C = the CP size."""
 
 
-def parse_mesh_shape(text: str) -> tuple[int, int]:
-    """'RxC' (e.g. '2x4') -> (R, C); ValueError for anything else."""
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """'RxC' (e.g. '2x4') -> (R, C); 'AxRxC' (e.g. '2x2x1') -> (A, R, C); ValueError else."""
     match = _SHAPE_RE.match(text) if isinstance(text, str) else None
-    if match is None or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+    if match is None or any(int(g) < 1 for g in match.groups() if g is not None):
         raise ValueError(
-            f"mesh shape {text!r} must be written RxC with positive integers, e.g. '2x4'"
+            f"mesh shape {text!r} must be written RxC or AxRxC (heads x rows x cols) with "
+            "positive integers, e.g. '2x4' or '2x2x2'"
         )
-    return int(match.group(1)), int(match.group(2))
+    return tuple(int(g) for g in match.groups() if g is not None)
 
 
-def as_mesh_shape(value: object) -> tuple[int, int] | None:
-    """A mesh shape given as None, 'RxC' or a pair of ints -> (R, C) or None."""
+def as_mesh_shape(value: object) -> tuple[int, ...] | None:
+    """A mesh shape given as None, 'RxC', 'AxRxC' or a pair / triple of ints -> the ints
+    as written ((R, C) or (A, R, C)), or None."""
     if value is None:
         return None
     if isinstance(value, str):
         return parse_mesh_shape(value)
     if (
         isinstance(value, (tuple, list))
-        and len(value) == 2
+        and len(value) in (2, 3)
         and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
     ):
-        return int(value[0]), int(value[1])
-    raise ValueError(f"mesh shape {value!r} must be 'RxC' or a pair of positive integers")
+        return tuple(int(v) for v in value)
+    raise ValueError(
+        f"mesh shape {value!r} must be 'RxC', 'AxRxC' or a pair / triple of positive integers"
+    )
 
 
-def valid_shapes_text(cp_size: int) -> str:
-    """'4x1, 2x2, 1x4' for cp_size 4."""
-    return shapes_text(cp_size)
+def valid_shapes_text(cp_size: int, heads: int | None = None) -> str:
+    """'4x1, 2x2, 1x4' for cp_size 4; with heads A, the 'AxRxC' of that A; with
+    heads=0, every 'AxRxC'."""
+    if heads is None or heads == 1:
+        return shapes_text(cp_size)
+    if heads == 0:
+        return shapes_text(cp_size, heads=True)
+    return ", ".join(f"{heads}x{r}x{c}" for r, c in mesh_shapes(cp_size // heads))
 
 
-def check_mesh_shape(shape: tuple[int, int], cp_size: int) -> tuple[int, int]:
-    """Raise ValueError unless R * C == cp_size; returns the shape."""
-    rows, cols = shape
-    if rows * cols != cp_size:
+def check_mesh_shape(shape: GridShape, cp_size: int) -> GridShape:
+    """Raise ValueError unless A * R * C == cp_size; returns the shape."""
+    heads, rows, cols = shape
+    if heads * rows * cols != cp_size:
         raise ValueError(
-            f"mesh shape {rows}x{cols} has {rows * cols} ranks but the context-parallel size "
-            f"is {cp_size}; valid shapes: {valid_shapes_text(cp_size)}"
+            f"mesh shape {shape_text(heads, rows, cols)} has {heads * rows * cols} ranks but "
+            f"the context-parallel size is {cp_size}; valid shapes: "
+            f"{valid_shapes_text(cp_size, heads if cp_size % heads == 0 else 0)}"
         )
     return shape
+
+
+def local_head_counts(num_attention_heads: int | None, num_query_groups: int | None,
+                      tensor_parallel_size: int = 1) -> tuple[int | None, int | None]:
+    """(query heads, K/V heads) of one TP rank, the heads its attention sees; (None, None)
+    when the model's head count is not known. ValueError unless TP divides both."""
+    if num_attention_heads is None:
+        return None, None
+    groups = num_query_groups or num_attention_heads
+    if num_attention_heads % tensor_parallel_size or groups % tensor_parallel_size:
+        raise ValueError(
+            f"tensor-parallel size {tensor_parallel_size} must divide the attention heads "
+            f"({num_attention_heads}) and query groups ({groups})"
+        )
+    return num_attention_heads // tensor_parallel_size, groups // tensor_parallel_size
+
+
+def check_mesh_heads(heads: int, cp_size: int, q_heads: int | None, kv_heads: int | None,
+                     tensor_parallel_size: int = 1) -> None:
+    """ValueError unless the all-to-all size A divides the CP size and this TP rank's query
+    heads (its K/V heads are then repeated to lcm(A, hkv) where A exceeds them)."""
+    fits = [a for a in range(1, cp_size + 1)
+            if cp_size % a == 0 and (q_heads is None or q_heads % a == 0)]
+    if heads in fits:
+        return
+    after_tp = f" after tensor parallelism {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    model = ("" if q_heads is None else
+             f" and the {q_heads} query heads ({kv_heads} K/V heads) per rank{after_tp}")
+    raise ValueError(
+        f"--mesh-heads {heads} (the heads all-to-all size) must divide the context-parallel "
+        f"size {cp_size}{model}; valid: {', '.join(map(str, fits))}"
+    )
+
+
+def combine_shape(mesh_shape: object, mesh_heads: int | None) -> tuple[GridShape | None, int | None]:
+    """--mesh-shape and --mesh-heads as one request: (the full (A, R, C) or None, the heads A
+    asked for or None). ValueError when an 'AxRxC' shape disagrees with --mesh-heads."""
+    if mesh_heads is not None and (not isinstance(mesh_heads, int)
+                                   or isinstance(mesh_heads, bool) or mesh_heads < 1):
+        raise ValueError(f"--mesh-heads {mesh_heads!r} must be a positive integer")
+    shape = as_mesh_shape(mesh_shape)
+    if shape is None:
+        return None, mesh_heads
+    if len(shape) == 2:
+        return ((mesh_heads or 1), *shape), mesh_heads
+    if mesh_heads is not None and mesh_heads != shape[0]:
+        raise ValueError(
+            f"--mesh-heads {mesh_heads} disagrees with --mesh-shape {shape_text(*shape)} (heads "
+            f"{shape[0]}); give --mesh-shape {shape_text(mesh_heads, *shape[1:])} or "
+            f"--mesh-heads {shape[0]}, or one of the two flags"
+        )
+    return shape, shape[0]
 
 
 def cp_ranks_per_node(tensor_parallel_size: int = 1,
@@ -76,7 +147,8 @@ def mesh_workload(
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
 ) -> Workload:
-    """The layer the planner sizes when choosing a mesh shape for Megatron's flags.
+    """The layer the planner sizes when choosing a mesh shape for Megatron's flags: the
+    heads one TP rank's attention sees (`local_head_counts`).
 
     Missing head counts mean multi-head attention, a missing head_dim means 128, a missing
     seq_length 4096 tokens per rank. schedule and grad_reduce_dtype are the mesh's (they
@@ -97,37 +169,57 @@ def auto_mesh_shape(
     cp_ranks_per_node: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
-) -> tuple[int, int]:
-    """The grid the planner predicts fastest for cp_size ranks (`planner.search` of
-    `mesh_workload` on the default cluster, rows of consecutive CP ranks).
+    *,
+    mesh_heads: int | None = None,
+    tensor_parallel_size: int = 1,
+) -> GridShape:
+    """The (A, R, C) grid the planner predicts fastest for cp_size ranks (`planner.search`
+    of `mesh_workload` on the default cluster: the best of every 2D mesh and every heads x
+    rows x cols grid whose A divides a TP rank's query heads); with mesh_heads, the best
+    R x C for that A.
 
     cp_ranks_per_node defaults to the planner's GPUs per node (with TP inside a node, pass
     GPUs per node // TP; `cp_ranks_per_node()` reads it from the launcher).
     """
     if cp_size == 1:
-        return 1, 1
-    workload = mesh_workload(cp_size, num_attention_heads, num_query_groups, head_dim,
+        return 1, 1, 1
+    q_heads, kv_heads = local_head_counts(num_attention_heads, num_query_groups,
+                                          tensor_parallel_size)
+    workload = mesh_workload(cp_size, q_heads or mesh_heads, kv_heads or mesh_heads, head_dim,
                              seq_length, schedule, grad_reduce_dtype)
     node = {"gpus_per_node": cp_ranks_per_node} if cp_ranks_per_node else {}
-    return search(workload, Cluster(gpus=cp_size, **node)).mesh_plan.shape
+    plan = search(workload, Cluster(gpus=cp_size, **node))
+    if mesh_heads is None:
+        chosen = plan.best_grid
+    else:
+        chosen = min((e for e in plan.meshes + plan.grids if e.heads == mesh_heads),
+                     key=grid_key)
+    assert chosen is not None and chosen.grid_shape is not None
+    return chosen.grid_shape
 
 
 def resolve_mesh_shape(
     cp_size: int,
     mesh_shape: object = None,
     *,
+    mesh_heads: int | None = None,
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     head_dim: int | None = None,
     seq_length: int | None = None,
+    tensor_parallel_size: int = 1,
     cp_ranks_per_node: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
-) -> tuple[tuple[int, int], bool]:
-    """(shape, chosen_automatically) for a CP group of cp_size; ValueError when invalid.
+) -> tuple[GridShape, bool]:
+    """((A, R, C), chosen_automatically) for a CP group of cp_size; ValueError when invalid.
 
-    A pure function of its arguments: the flag check and the group builder call it with
-    the same values (`cp_ranks_per_node()` for the node size), so they cannot disagree.
+    mesh_shape: None, 'RxC' / (R, C) (heads from mesh_heads, else 1) or 'AxRxC' /
+    (A, R, C); mesh_heads: the all-to-all size A, or None. What is not given, the planner
+    chooses (`auto_mesh_shape`). A must divide the query heads of one TP rank (num heads /
+    tensor_parallel_size). A pure function of its arguments: the flag check and the group
+    builder call it with the same values (`cp_ranks_per_node()` for the node size), so they
+    cannot disagree.
     """
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
@@ -139,21 +231,31 @@ def resolve_mesh_shape(
                 f"num_query_groups={num_query_groups} must divide "
                 f"num_attention_heads={num_attention_heads}"
             )
-    shape = as_mesh_shape(mesh_shape)
+    q_heads, kv_heads = local_head_counts(num_attention_heads, num_query_groups,
+                                          tensor_parallel_size)
+    shape, heads = combine_shape(mesh_shape, mesh_heads)
     if shape is not None:
-        return check_mesh_shape(shape, cp_size), False
+        check_mesh_shape(shape, cp_size)
+    if heads is not None:
+        check_mesh_heads(heads, cp_size, q_heads, kv_heads, tensor_parallel_size)
+    if shape is not None:
+        return shape, False
     auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length,
-                           cp_ranks_per_node, schedule, grad_reduce_dtype)
+                           cp_ranks_per_node, schedule, grad_reduce_dtype, mesh_heads=heads,
+                           tensor_parallel_size=tensor_parallel_size)
     return auto, True
 
 
-def describe_mesh_shape(shape: tuple[int, int], cp_size: int, automatic: bool,
+def describe_mesh_shape(shape: GridShape, cp_size: int, automatic: bool,
                         ranks_per_node: int | None = None) -> str:
-    """The log line naming the shape a job builds, e.g. 'mesh context parallelism: 2x8 grid
-    of 16 CP ranks (chosen by the planner for 4 CP ranks per node)'."""
+    """The log line naming the shape a job builds, e.g. 'mesh context parallelism: 2x2x4
+    grid (heads x rows x cols) of 16 CP ranks (chosen by the planner for 4 CP ranks per
+    node)'; a 2D mesh reads '4x4 grid of 16 CP ranks'."""
     if automatic:
         node = f"{ranks_per_node} CP ranks per node" if ranks_per_node else "the default node"
         how = f"chosen by the planner for {node}"
     else:
         how = "as given"
-    return f"mesh context parallelism: {shape[0]}x{shape[1]} grid of {cp_size} CP ranks ({how})"
+    dims = " (heads x rows x cols)" if shape[0] > 1 else ""
+    return (f"mesh context parallelism: {shape_text(*shape)} grid{dims} of {cp_size} CP ranks "
+            f"({how})")

@@ -5,6 +5,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megatron_mesh.plan import shape_text
 from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
 
@@ -84,6 +85,21 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
     return " | ".join(parts) + " |"
 
 
+def mesh_grid_label(args: TrainingConfig) -> str | None:
+    """'AxRxC' ('RxC' with A = 1) of the grid the flag check decided; None without a mesh."""
+    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1:
+        return None
+    return shape_text(*args.mesh_shape)
+
+
+def run_name(args: TrainingConfig, label: str | None) -> str | None:
+    """--wandb-exp-name, else for a mesh run 'mesh-AxRxC-tpT-dpD' (None: wandb names it)."""
+    if args.wandb_exp_name or not label:
+        return args.wandb_exp_name
+    return (f"mesh-{label}-tp{args.tensor_model_parallel_size}-"
+            f"dp{args.data_parallel_size}")
+
+
 class WandbLogger:
     """wandb on one rank when --wandb-project is given (WANDB_MODE=offline works as usual)."""
 
@@ -95,7 +111,10 @@ class WandbLogger:
 
         config = {k: v for k, v in as_dict(args).items()
                   if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
-        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+        label = mesh_grid_label(args)
+        if label:
+            config["mesh_grid"] = label
+        self.run = wandb.init(project=args.wandb_project, name=run_name(args, label),
                               dir=args.wandb_save_dir, config=config)
 
     def log(self, metrics: dict, iteration: int) -> None:
