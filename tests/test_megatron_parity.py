@@ -1,8 +1,10 @@
 """A megatron-core GPTModel with mesh context parallelism matches the same model with CP = 1.
 
 One spawned job of 8 gloo ranks runs every layout in turn (spawning is the slow part):
-TP x CP x DP = 1x4x2 as 2x2, 4x1 and 1x4 grids (two CP groups, two data replicas),
-2x2x2 with the shape chosen automatically, and 1x1x8; then Megatron's features: selective
+TP x CP x DP = 1x4x2 as 2x2, 4x1 and 1x4 grids (two CP groups, two data replicas) and as
+heads x rows x cols grids 2x2x1 and 4x1x1 (an all-to-all over 2 or 4 CP ranks; with 2 K/V
+heads, A = 4 repeats them), 2x2x2 with the shape chosen automatically and as 2x1x1 (a TP rank
+holds 2 query heads and 1 K/V head), and 1x1x8; then Megatron's features: selective
 recomputation (core attention re-run in backward) on 1x4x2, full recomputation on 2x2x2.
 (Sequence parallelism needs Transformer Engine or Apex norms: megatron-core's torch norms
 refuse it, so it is not testable on a CPU.) For each, the reference is the same
@@ -34,14 +36,17 @@ HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
 JOB_TIMEOUT_S = 240
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
-# (name, tp, cp, mesh shape or None for automatic, TransformerConfig features)
+# (name, tp, cp, grid (R, C) / (A, R, C) or None for automatic, TransformerConfig features)
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
 LAYOUTS = [
     ("cp4_2x2", 1, 4, (2, 2), {}),
     ("cp4_4x1", 1, 4, (4, 1), {}),
     ("cp4_1x4", 1, 4, (1, 4), {}),
+    ("cp4_2x2x1", 1, 4, (2, 2, 1), {}),
+    ("cp4_4x1x1", 1, 4, (4, 1, 1), {}),
     ("tp2_cp2_auto", 2, 2, None, {}),
+    ("tp2_cp2_2x1x1", 2, 2, (2, 1, 1), {}),
     ("cp1", 1, 1, None, {}),
     ("cp4_2x2_recompute_selective", 1, 4, (2, 2), dict(recompute_granularity="selective")),
     ("tp2_cp2_recompute_full", 2, 2, (2, 1), FULL_RECOMPUTE),
@@ -123,6 +128,7 @@ def _loss_and_grads(model, batch, denominator, traffic=None):
     with TrafficCounter() as backward:
         loss.backward()
     traffic.update(forward=forward.total_bytes, backward=backward.total_bytes,
+                   heads=forward.bytes(direction="heads") + backward.bytes(direction="heads"),
                    backward_phases=(backward.bytes(phase="forward"),
                                     backward.bytes(phase="backward")))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -192,9 +198,11 @@ def _run_layout(name, tp, cp, shape, features, out):
         dist.all_reduce(g, group=cp_group)
 
     out[name] = {
-        "grid": (grid.rows, grid.cols, grid.cp_rank, grid.cp_ranks),
+        "grid": (grid.heads, grid.rows, grid.cols, grid.cp_rank, grid.cp_ranks),
         "row_ranks": dist.get_process_group_ranks(grid.row_group),
         "col_ranks": dist.get_process_group_ranks(grid.col_group),
+        "heads_ranks": (dist.get_process_group_ranks(grid.heads_group)
+                        if grid.heads > 1 else None),
         "megatron_cp_ranks": ps.get_context_parallel_global_ranks(),
         "megatron_cp_rank": ps.get_context_parallel_rank(),
         "local_seq": local["tokens"].shape[1],
@@ -264,6 +272,16 @@ def _bad_configurations(out):
     errors["packed"] = _expect_error(
         lambda: chosen(q, k, k, None, packed_seq_params=object()), ValueError
     )
+    model = dict(num_attention_heads=HEADS, num_query_groups=GROUPS)
+    _init_parallel(2, 4)  # TP 2: 2 query heads per rank, but A = 4
+    errors["heads_after_tp"] = _expect_error(
+        lambda: initialize_mesh_grids((4, 1, 1), **model), ValueError)
+    errors["heads_disagree"] = _expect_error(
+        lambda: initialize_mesh_grids("2x2x1", mesh_heads=4, **model), ValueError)
+    _init_parallel(2, 4)  # a grid built without head counts: the layer checks A itself
+    initialize_mesh_grids((4, 1, 1))
+    errors["layer_heads_after_tp"] = _expect_error(
+        lambda: _gpt(_config(2, 4), get_gpt_layer_spec("mesh")), ValueError)
     _init_parallel(1, 1)  # no initialize_mesh_grids(): CP = 1 needs none
     if not HAVE_TE:
         plain = MeshDotProductAttention(config=_config(1, 1), cp_comm_type="p2p", **core_kwargs)
@@ -301,7 +319,7 @@ def _shape_decided_once(out):
         for how, shape in (("planner", None), ("given", logged)):
             _init_parallel(1, 4)
             grid = initialize_mesh_grids(shape, **model)
-            built[how] = (grid.rows, grid.cols)
+            built[how] = (grid.heads, grid.rows, grid.cols)
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     out["shape_once"] = {"logged": logged, **built}
@@ -376,19 +394,23 @@ def test_loss_and_gradients_match_cp1(results, name):
 @pytest.mark.parametrize("name", [n for n, *_ in LAYOUTS])
 def test_grid_follows_megatron_cp_groups(results, name):
     _, tp, cp, shape, _ = next(layout for layout in LAYOUTS if layout[0] == name)
-    from megatron_mesh.traffic import AttentionShape, best_mesh_shape
+    from megatron_mesh.megatron.shape import resolve_mesh_shape
 
-    head_dim = HIDDEN // HEADS
-    expected = shape or best_mesh_shape(AttentionShape(SEQ, 1, HEADS, GROUPS, head_dim, 2), cp)
+    expected = resolve_mesh_shape(cp, shape, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                                  seq_length=SEQ, tensor_parallel_size=tp)[0]
     for rank, res in enumerate(results):
         r = res[name]
-        rows, cols, cp_rank, cp_ranks = r["grid"]
-        assert (rows, cols) == expected
+        heads, rows, cols, cp_rank, cp_ranks = r["grid"]
+        assert (heads, rows, cols) == expected
         assert list(cp_ranks) == r["megatron_cp_ranks"] and cp_rank == r["megatron_cp_rank"]
         assert rank in cp_ranks and r["local_seq"] == SEQ // cp
-        i, j = divmod(cp_rank, cols)
-        assert r["row_ranks"] == [cp_ranks[i * cols + c] for c in range(cols)]  # consecutive
-        assert r["col_ranks"] == [cp_ranks[x * cols + j] for x in range(rows)]
+        # A consecutive CP ranks share an all-to-all; the mesh is every A-th CP rank
+        mesh, (i, j) = cp_ranks[cp_rank % heads::heads], divmod(cp_rank // heads, cols)
+        first = cp_rank - cp_rank % heads
+        assert r["heads_ranks"] == (list(cp_ranks[first:first + heads]) if heads > 1 else None)
+        assert (r["traffic"]["heads"] > 0) == (heads > 1)  # the all-to-all ran, or did not
+        assert r["row_ranks"] == [mesh[i * cols + c] for c in range(cols)]  # consecutive
+        assert r["col_ranks"] == [mesh[x * cols + j] for x in range(rows)]
 
 
 def test_selective_recompute_reruns_the_mesh_forward_once_and_counts_it_once(results):
@@ -403,11 +425,11 @@ def test_selective_recompute_reruns_the_mesh_forward_once_and_counts_it_once(res
 
 
 def test_two_cp_groups_get_separate_grids(results):
-    groups = {tuple(res["cp4_2x2"]["grid"][3]) for res in results}
+    groups = {tuple(res["cp4_2x2"]["grid"][4]) for res in results}
     assert groups == {(0, 1, 2, 3), (4, 5, 6, 7)}
     # the two data-parallel replicas saw different data, and each matched its own reference
     assert results[0]["cp4_2x2"]["loss"][1] != results[4]["cp4_2x2"]["loss"][1]
-    tp_cp = {tuple(res["tp2_cp2_auto"]["grid"][3]) for res in results}
+    tp_cp = {tuple(res["tp2_cp2_auto"]["grid"][4]) for res in results}
     assert tp_cp == {(0, 2), (1, 3), (4, 6), (5, 7)}
 
 
@@ -425,6 +447,10 @@ def test_two_cp_groups_get_separate_grids(results):
         ("packed", ["packed"]),
         ("stale_grid", ["CP group", "initialize_mesh_grids"]),
         ("mesh_class_asked_for_a2a", ["'a2a'", "Transformer Engine"]),
+        ("heads_after_tp", ["--mesh-heads 4", "2 query heads (1 K/V heads) per rank after "
+                            "tensor parallelism 2", "valid: 1, 2"]),
+        ("heads_disagree", ["--mesh-heads 4 disagrees with --mesh-shape 2x2x1"]),
+        ("layer_heads_after_tp", ["--mesh-heads 4", "tensor parallelism 2", "valid: 1, 2"]),
     ],
 )
 def test_bad_configuration_fails_on_every_rank(results, case, words):
@@ -441,9 +467,10 @@ def test_logged_shape_is_the_built_shape(results):
     from megatron_mesh.megatron.shape import auto_mesh_shape
 
     for res in results:
-        assert res["shape_once"] == {"logged": (2, 2), "planner": (2, 2), "given": (2, 2)}
+        assert res["shape_once"] == {"logged": (1, 2, 2), "planner": (1, 2, 2),
+                                     "given": (1, 2, 2)}
     # without the launcher's node size the planner would have said otherwise
-    assert auto_mesh_shape(4, HEADS, 1, HIDDEN // HEADS, 2 * SEQ) == (4, 1)
+    assert auto_mesh_shape(4, HEADS, 1, HIDDEN // HEADS, 2 * SEQ) == (1, 4, 1)
 
 
 def test_report_times(results):
