@@ -154,8 +154,8 @@ def test_data_parallel_with_cp_matches_cp1(cp1_run: Run, data_args: list[str]) -
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
-def _wandb_history(run_dir: str) -> list[dict]:
-    """History rows of an offline run, read from its .wandb transaction log.
+def _wandb_records(run_dir: str) -> list:
+    """The wandb Records of an offline run, read from its .wandb transaction log.
 
     The file is a 7-byte header then LevelDB-log records (32 KiB blocks; each chunk has a
     crc32, a 2-byte length and a type: 1 full, 2 first, 3 middle, 4 last) of wandb Records.
@@ -165,7 +165,7 @@ def _wandb_history(run_dir: str) -> list[dict]:
     (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
     data = Path(path).read_bytes()
     assert data[:4] == b":W&B"
-    pos, pending, rows = 7, b"", []
+    pos, pending, records = 7, b"", []
     while pos + 7 <= len(data):
         room = 32768 - pos % 32768
         if room < 7:
@@ -180,10 +180,24 @@ def _wandb_history(run_dir: str) -> list[dict]:
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(pending)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+            records.append(record)
+    return records
+
+
+def _wandb_history(run_dir: str) -> list[dict]:
+    """History rows of an offline run."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json)
+             for item in record.history.item}
+            for record in _wandb_records(run_dir)
+            if record.WhichOneof("record_type") == "history"]
+
+
+def _wandb_run(run_dir: str) -> tuple[str, dict]:
+    """(display name, config) of an offline run."""
+    (run,) = [r.run for r in _wandb_records(run_dir) if r.WhichOneof("record_type") == "run"]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    return run.display_name, {k: v.get("value", v) if isinstance(v, dict) else v
+                              for k, v in config.items()}
 
 
 def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
@@ -249,23 +263,39 @@ def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
 def _logged_shapes(output: str) -> list[str]:
     """Every mesh shape the job names: the flag check's log line, the group builder's and
     the banner's."""
-    return (re.findall(r"mesh context parallelism: (\d+x\d+) grid", output)
-            + re.findall(r"\(mesh (\d+x\d+), schedule", output))
+    return (re.findall(r"mesh context parallelism: (\d+(?:x\d+)+) grid", output)
+            + re.findall(r"\(mesh (\d+(?:x\d+)+), schedule", output))
 
 
-def test_logged_shape_is_the_built_shape(mesh_run: Run, data_args: list[str]) -> None:
-    """Given (--mesh-shape 2x2) and chosen by the planner on two nodes of two ranks, with
-    MQA: for 2 CP ranks per node the planner picks 2x2 (its default node of 8 GPUs: 4x1)."""
+def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
+        cp1_run: Run, mesh_run: Run, data_args: list[str], work: Path) -> None:
+    """Given (--mesh-shape 2x2) and chosen by the planner on two nodes of two ranks: for 2 CP
+    ranks per node the planner picks heads x rows x cols 2x2x1 (an all-to-all inside each
+    node, a 2 x 1 mesh across them; for its default node of 8 GPUs it would pick 4x1x1).
+    The flag check's log line, the group builder's, the banner and wandb name the grid built,
+    and its losses match CP = 1."""
     from megatron_mesh.megatron.shape import auto_mesh_shape
 
     assert "2x2 grid of 4 CP ranks (as given)" in mesh_run.output
     assert _logged_shapes(mesh_run.output) == ["2x2"] * 3
-    assert auto_mesh_shape(4, 4, 1, 16, 64) == (4, 1)
-    run = torchrun_nodes(2, 2, [*data_args, "--train-iters", "3", "--num-query-groups", "1",
-                                "--context-parallel-size", "4", "--context-parallel-algo", "mesh"])
+    assert auto_mesh_shape(4, 4, 2, 16, 64) == (4, 1, 1)
+    run = torchrun_nodes(2, 2, [*data_args, "--train-iters", "3", "--lr-decay-iters", str(ITERS),
+                                "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
+                                "--wandb-project", "mesh-tests",
+                                "--wandb-save-dir", str(work / "wandb-3d")])
     assert run.returncode == 0, run.output[-3000:]
-    assert "2x2 grid of 4 CP ranks (chosen by the planner for 2 CP ranks per node)" in run.output
-    assert _logged_shapes(run.output) == ["2x2"] * 3
+    assert ("2x2x1 grid (heads x rows x cols) of 4 CP ranks (chosen by the planner for 2 CP "
+            "ranks per node)") in run.output
+    assert _logged_shapes(run.output) == ["2x2x1"] * 3
+    ref, got = cp1_run.losses(), run.losses()
+    assert sorted(got) == [1, 2, 3]
+    for it, loss in got.items():
+        assert loss == pytest.approx(ref[it], rel=2e-5), (it, ref, got)
+    (run_dir,) = glob.glob(str(work / "wandb-3d" / "wandb" / "offline-run-*"))
+    name, config = _wandb_run(run_dir)
+    assert name == "mesh-2x2x1-tp1-dp1"
+    assert config["mesh_grid"] == "2x2x1" and config["mesh_heads"] == 2
+    assert config["mesh_shape"] == [2, 2, 1]
 
 
 def test_dead_rank_fails_job_and_resume_matches_unbroken_run(
