@@ -136,6 +136,8 @@ def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
         args = parse("--context-parallel-algo", "mesh", "--mesh-shape", "2x2")
         print("MESH", args.context_parallel_algo, args.mesh_shape)
         print("AUTO", parse("--context-parallel-algo", "mesh").mesh_shape)
+        print("HEADS", parse("--context-parallel-algo", "mesh", "--mesh-heads", "2").mesh_shape)
+        print("GRID", parse("--cp-comm-type", "mesh", "--mesh-shape", "2x1x2").mesh_shape)
         print("A2A", parse("--context-parallel-algo", "a2a").cp_comm_type)
         print("KEEP", parse("--cp-comm-type", "all_gather").cp_comm_type)
         comm = parse("--cp-comm-type", "mesh", "--mesh-shape", "2x2")
@@ -149,11 +151,12 @@ def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-4000:]
-    assert "MESH mesh (2, 2)" in out
+    assert "MESH mesh (1, 2, 2)" in out
     assert "AUTO (" in out
+    assert "HEADS (2, " in out and "GRID (2, 1, 2)" in out
     assert "A2A ['a2a']" in out
     assert "KEEP ['all_gather']" in out
-    assert "COMM mesh (2, 2)" in out
+    assert "COMM mesh (1, 2, 2)" in out
     assert "BAD" in out and "3x2" in out
 
 
