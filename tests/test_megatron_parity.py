@@ -298,31 +298,33 @@ def _bad_configurations(out):
 
 
 def _shape_decided_once(out):
-    """Megatron-LM's path: the shape validate_mesh_args logs is the grid initialize_mesh_grids
+    """Megatron-LM's path: the grid validate_mesh_args logs is the grid initialize_mesh_grids
     builds, chosen by the planner (from the flags, or again from the model's head counts) and
-    given. MQA with 2 CP ranks per node, where the planner's default node of 8 picks 4x1."""
+    given, with 2 CP ranks per node: MQA, where the planner's default node of 8 picks 1x4x1,
+    and GQA (2 K/V heads), where it picks the heads x rows x cols grid 2x2x1."""
     import argparse
 
     from megatron_mesh.megatron import initialize_mesh_grids, validate_mesh_args
 
-    model = dict(num_attention_heads=HEADS, num_query_groups=1, seq_length=2 * SEQ,
-                 head_dim=HIDDEN // HEADS)
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it on nodes of two ranks
     try:
-        args = argparse.Namespace(
-            context_parallel_algo="mesh", cp_comm_type=None, mesh_shape=None,
-            context_parallel_size=4, tensor_model_parallel_size=1, group_query_attention=True,
-            kv_channels=model["head_dim"], attention_dropout=0.0,
-            **{k: v for k, v in model.items() if k != "head_dim"})
-        logged = validate_mesh_args(args)
-        built = {}
-        for how, shape in (("planner", None), ("given", logged)):
-            _init_parallel(1, 4)
-            grid = initialize_mesh_grids(shape, **model)
-            built[how] = (grid.heads, grid.rows, grid.cols)
+        for groups in (1, GROUPS):
+            model = dict(num_attention_heads=HEADS, num_query_groups=groups,
+                         seq_length=2 * SEQ, head_dim=HIDDEN // HEADS)
+            args = argparse.Namespace(
+                context_parallel_algo="mesh", cp_comm_type=None, mesh_shape=None,
+                mesh_heads=None, context_parallel_size=4, tensor_model_parallel_size=1,
+                group_query_attention=True, kv_channels=model["head_dim"],
+                attention_dropout=0.0, **{k: v for k, v in model.items() if k != "head_dim"})
+            logged = validate_mesh_args(args)
+            built = {}
+            for how, shape in (("planner", None), ("given", logged)):
+                _init_parallel(1, 4)
+                grid = initialize_mesh_grids(shape, **model)
+                built[how] = (grid.heads, grid.rows, grid.cols)
+            out[f"shape_once_{groups}"] = {"logged": logged, **built}
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
-    out["shape_once"] = {"logged": logged, **built}
 
 
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
@@ -467,8 +469,10 @@ def test_logged_shape_is_the_built_shape(results):
     from megatron_mesh.megatron.shape import auto_mesh_shape
 
     for res in results:
-        assert res["shape_once"] == {"logged": (1, 2, 2), "planner": (1, 2, 2),
-                                     "given": (1, 2, 2)}
+        assert res["shape_once_1"] == {"logged": (1, 2, 2), "planner": (1, 2, 2),
+                                       "given": (1, 2, 2)}
+        assert res[f"shape_once_{GROUPS}"] == {"logged": (2, 2, 1), "planner": (2, 2, 1),
+                                               "given": (2, 2, 1)}
     # without the launcher's node size the planner would have said otherwise
     assert auto_mesh_shape(4, HEADS, 1, HIDDEN // HEADS, 2 * SEQ) == (1, 4, 1)
 
