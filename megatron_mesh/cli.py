@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,24 +17,45 @@ from megatron_mesh.planner.search import Plan, plan
 from megatron_mesh.planner.workload import DTYPE_BYTES, MESH_GRAD_REDUCE_DTYPES
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+# Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
+# 100 TB/s per GPU (two orders of magnitude past any GPU made).
+MAX_SEQ_LENGTH = 2**31
+MAX_TFLOPS = 100_000.0
+MAX_GB_PER_S = 100_000.0
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+def _int_in(low: int, high: int | None = None):
+    """argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} is absurd: at most {high}")
+        return value
+    return parse
+
+
+def _positive_float(high: float):
+    """argparse type: a finite number in (0, high]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} is absurd: at most {high:g}")
+        return value
+    return parse
+
+
+_positive_int = _int_in(1)
 
 
 def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,19 +66,19 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Predict one attention layer's traffic and time per GPU (forward + "
         "backward) for each context-parallel method and mesh shape.",
     )
-    p.add_argument("--gpus", type=_positive_int, required=True,
-                   help="context-parallel size P (GPUs sharing one sequence)")
+    p.add_argument("--gpus", type=_int_in(2), required=True,
+                   help="context-parallel size P >= 2 (GPUs sharing one sequence)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=hardware.DEFAULT_GPUS_PER_NODE,
                    help="CP ranks per node (default %(default)s)")
-    p.add_argument("--intra-node-bw", type=_positive_float, default=hardware.DEFAULT_INTRA_NODE_BW,
+    p.add_argument("--intra-node-bw", type=_positive_float(MAX_GB_PER_S), default=hardware.DEFAULT_INTRA_NODE_BW,
                    help="achieved GB/s per GPU inside a node (default %(default)s)")
-    p.add_argument("--inter-node-bw", type=_positive_float, default=hardware.DEFAULT_INTER_NODE_BW,
+    p.add_argument("--inter-node-bw", type=_positive_float(MAX_GB_PER_S), default=hardware.DEFAULT_INTER_NODE_BW,
                    help="achieved GB/s per GPU between nodes, i.e. node NIC bandwidth / GPUs "
                    "per node (default %(default)s)")
-    p.add_argument("--attention-tflops", type=_positive_float,
+    p.add_argument("--attention-tflops", type=_positive_float(MAX_TFLOPS),
                    default=hardware.DEFAULT_ATTENTION_TFLOPS,
                    help="achieved attention TFLOP/s per GPU (default %(default)s)")
-    p.add_argument("--seq-length", type=_positive_int, required=True,
+    p.add_argument("--seq-length", type=_int_in(1, MAX_SEQ_LENGTH), required=True,
                    help="whole sequence length S")
     p.add_argument("--hidden-size", type=_positive_int,
                    help="model hidden size (gives head dim = hidden / heads)")
@@ -116,15 +139,35 @@ def _plan(args: argparse.Namespace, gpus: int) -> Plan:
     )
 
 
+def _fills_nodes(gpus: int, gpus_per_node: int) -> bool:
+    """One partial node, or whole nodes."""
+    return gpus <= gpus_per_node or gpus % gpus_per_node == 0
+
+
+def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error(f"--plot needs matplotlib: {INSTALL_HINT}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"--plot {path}: folder {folder} does not exist; create it or name another")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"--plot {path}: folder {folder} is not writable")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.command_parser
     if args.head_dim is None and args.hidden_size is None:
         parser.error("give --head-dim or --hidden-size (head dim = hidden size / heads)")
+    if not _fills_nodes(args.gpus, args.gpus_per_node):
+        fits = [n * args.gpus_per_node for n in (args.gpus // args.gpus_per_node,
+                                                 args.gpus // args.gpus_per_node + 1)]
+        parser.error(f"--gpus-per-node {args.gpus_per_node} does not divide --gpus {args.gpus}: "
+                     f"give whole nodes (e.g. --gpus {fits[0]} or {fits[1]}) or another "
+                     "--gpus-per-node")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--plot needs matplotlib: {INSTALL_HINT}")
+        _check_plot_path(parser, args.plot)
     try:
         result = _plan(args, args.gpus)
     except ValueError as exc:
@@ -134,7 +177,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_table(result))
     if args.plot:
-        plans = [_plan(args, n) for n in gpu_counts(args.gpus, args.seq_length)]
+        plans = [_plan(args, n) for n in gpu_counts(args.gpus, args.seq_length)
+                 if _fills_nodes(n, args.gpus_per_node)]
         draw(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

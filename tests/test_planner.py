@@ -407,11 +407,21 @@ def test_main_in_process_and_no_overlap(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--gpus", "0"], "argument --gpus: '0' is not a positive integer"),
+    (["--gpus", "0"], "argument --gpus: '0' is not an integer >= 2"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--seq-length", "1000"], "seq_length 1000 must be divisible by 2 * GPUs = 128"),
     (["--inter-node-bw", "-3"], "argument --inter-node-bw: '-3' is not a positive number"),
     (["--num-kv-heads", "5"], "num_heads 32 must be a multiple of num_kv_heads 5"),
+    (["--gpus", "1"], "argument --gpus: '1' is not an integer >= 2"),
+    (["--gpus-per-node", "3"], "--gpus-per-node 3 does not divide --gpus 64: give whole nodes "
+                               "(e.g. --gpus 63 or 66)"),
+    (["--seq-length", "1e400"], "argument --seq-length: '1e400' is not a positive integer"),
+    (["--seq-length", "4294967296"], "'4294967296' is absurd: at most 2147483648"),
+    (["--attention-tflops", "inf"], "argument --attention-tflops: 'inf' is not a positive"),
+    (["--attention-tflops", "nan"], "argument --attention-tflops: 'nan' is not a positive"),
+    (["--attention-tflops", "1e12"], "'1e12' is absurd: at most 100000"),
+    (["--intra-node-bw", "inf"], "argument --intra-node-bw: 'inf' is not a positive number"),
+    (["--plot", "no-such-folder/x.png"], "no-such-folder does not exist; create it"),
 ])
 def test_cli_bad_values_are_named(args: list[str], message: str, capsys):
     from megatron_mesh.cli import main
@@ -419,7 +429,9 @@ def test_cli_bad_values_are_named(args: list[str], message: str, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(PLAN_ARGS + args)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before any plan is printed
+    assert message in err.splitlines()[-1] and "Traceback" not in err
 
 
 def test_cli_bad_value_exits_2_from_the_shell():
