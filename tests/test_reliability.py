@@ -133,6 +133,18 @@ def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
     return str(prefix)
 
 
+def _long_dataset(prefix: Path, tokens: int, bad_at: int) -> str:
+    """One document of `tokens` int32 ids, all 7 but one 255 (out of vocabulary) at `bad_at`."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    ids = np.full(tokens, 7, dtype=np.int32)
+    ids[bad_at] = 255
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    builder.add_document(ids, [tokens])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
 def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -146,6 +158,10 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
     garbage.with_suffix(".idx").write_bytes(os.urandom(256))
     good = _dataset(tmp_path / "good")
     bad_ids = _dataset(tmp_path / "bad_ids", bad_ids=True)
+    deep_bad_id = _long_dataset(tmp_path / "deep", 20 << 20, (20 << 20) - 3)  # at 80 MiB
+    noise_bin = _dataset(tmp_path / "noise_bin")  # a good index over random bytes
+    size = os.path.getsize(noise_bin + ".bin")
+    Path(noise_bin + ".bin").write_bytes(os.urandom(size))
     cases = [
         (["--save", str(a_file)], f"--save {a_file}: {a_file} is a file"),
         (["--save", str(a_file / "ckpt")], "is a file, not a folder"),
@@ -164,6 +180,10 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         (["--data-path", str(empty)], f"{empty}.idx is not a Megatron index (empty file)"),
         (["--data-path", str(garbage)], f"{garbage}.idx is not a Megatron index (bad header)"),
         (["--data-path", bad_ids], "token id 255"),
+        (["--data-path", deep_bad_id], f"token id 255 in {deep_bad_id}.bin is outside the "
+                                       "vocabulary of 255 (ids 0 .. 254"),
+        (["--data-path", noise_bin], "is outside the vocabulary of 255"),
+        (["--data-path", str(tmp_path / "absent")], "absent"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0"),
     ]
     problems = []

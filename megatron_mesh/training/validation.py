@@ -20,7 +20,7 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 _INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                  6: np.float64, 7: np.float32, 8: np.uint16}
-_SCAN_BYTES = 64 << 20  # token ids checked up front in each .bin (the loader checks the rest)
+_SCAN_CHUNK_BYTES = 64 << 20  # the whole .bin is scanned for token ids, this much at a time
 
 
 def add_fault_tolerance_args(parser: argparse.ArgumentParser) -> None:
@@ -131,8 +131,9 @@ def check_folders(args: argparse.Namespace) -> None:
 
 
 def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
-    """PREFIX.idx / .bin: a readable Megatron index, a .bin of the size it says, and (for
-    the first 64 MiB) token ids below the vocabulary size."""
+    """PREFIX.idx / .bin: a readable Megatron index, a .bin of the size it says, and token
+    ids in [0, vocab_size) through the whole .bin (one pass at memory speed, see
+    docs/reliability.md)."""
     for prefix in prefixes:
         idx, bin_ = prefix + ".idx", prefix + ".bin"
         try:
@@ -146,12 +147,26 @@ def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
             _fail(f"--data-path {prefix}: {bin_} has {size} bytes but {idx} lists {tokens} "
                   f"tokens of {np.dtype(dtype).itemsize} bytes; the pair does not belong together")
         if vocab_size is not None:
-            count = min(tokens, _SCAN_BYTES // np.dtype(dtype).itemsize)
-            ids = np.memmap(bin_, dtype=dtype, mode="r", shape=(count,))
-            top = int(ids.max())
-            if top >= vocab_size or int(ids.min()) < 0:
-                _fail(f"--data-path {prefix}: token id {top} in {bin_} is outside the "
-                      f"vocabulary of {vocab_size} (--vocab-size / tokenizer)")
+            low, high = _token_id_range(bin_, np.dtype(dtype), tokens, vocab_size)
+            bad = high if high >= vocab_size else low
+            if high >= vocab_size or low < 0:
+                _fail(f"--data-path {prefix}: token id {bad} in {bin_} is outside the "
+                      f"vocabulary of {vocab_size} (ids 0 .. {vocab_size - 1}; --vocab-size / "
+                      "tokenizer)")
+
+
+def _token_id_range(bin_: str, dtype: np.dtype, tokens: int, vocab_size: int) -> tuple[int, int]:
+    """(min, max) token id of a whole .bin, read in chunks through a memmap; skipped (0, 0)
+    when the dtype cannot hold an id outside [0, vocab_size)."""
+    if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+        return 0, 0
+    ids = np.memmap(bin_, dtype=dtype, mode="r", shape=(tokens,))
+    step = max(1, _SCAN_CHUNK_BYTES // dtype.itemsize)
+    low, high = 0, 0
+    for start in range(0, tokens, step):
+        chunk = ids[start:start + step]
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    return low, high
 
 
 def _read_index(path: str) -> tuple[Any, int]:
