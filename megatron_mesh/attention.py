@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import gathered, heads, streamed_kv, streamed_q
-from .checks import check_inputs
+from .checks import check_inputs, check_same_shapes
 from .dtypes import GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel
@@ -103,6 +103,7 @@ def mesh_attention(
     'input' (all in the input dtype); each rank sums its own blocks in fp32 either way.
     """
     check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
+    check_same_shapes(q, k, grid)
     plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])

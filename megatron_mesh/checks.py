@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .grid import MeshGrid
 from .heads import check_heads
@@ -83,3 +84,48 @@ def check_inputs(
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False")
     check_options(backend, schedule, grad_reduce_dtype)
+
+
+_AGREED: set[tuple] = set()  # (grid ranks and shape, this rank's signature) already agreed
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """q [s, b, hq, d] and k [s, b, hkv, d] as numbers: (s, b, hq, hkv, d, dtype index)."""
+    s, b, hq, d = q.shape
+    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype))
+
+
+def _signature_text(sig: tuple[int, ...]) -> str:
+    s, b, hq, hkv, d, dtype = sig
+    return f"q [{s}, {b}, {hq}, {d}] k/v [{s}, {b}, {hkv}, {d}] {str(DTYPES[dtype])[6:]}"
+
+
+def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[n, 6] signatures of this rank's part -> [group size * n, 6] over `group`."""
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, rows, group=group)
+    return torch.cat(parts)
+
+
+def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> None:
+    """ValueError on every rank of the grid unless all its ranks pass the same q / k shapes
+    and dtype. Collective over the grid, but only the first time this rank sees a shape: the
+    signatures are gathered over the row, then the rows' over the column, then the meshes'
+    over the heads group, so every rank holds all P of them (three small all_gathers)."""
+    sig = _signature(q, k)
+    key = (grid.cp_ranks, grid.heads, grid.rows, grid.cols, sig)
+    if key in _AGREED or grid.cp_size == 1:
+        return
+    device = q.device if q.is_cuda else torch.device("cpu")
+    every = torch.tensor([sig], dtype=torch.int64, device=device)
+    for group in (grid.row_group, grid.col_group, grid.heads_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            every = _gather_signatures(every, group)
+    others = sorted({tuple(row) for row in every.tolist()} - {sig})
+    if others:
+        raise ValueError(
+            f"ranks of one {grid.shape_text} grid pass different shapes to mesh_attention: "
+            f"{_signature_text(sig)} here (CP rank {grid.cp_rank}), "
+            + "; ".join(_signature_text(o) for o in others) + " on another; every rank of "
+            "a CP group must pass the same shapes and dtype")
+    _AGREED.add(key)

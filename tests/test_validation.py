@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh import checks
 
 from dist_utils import run_distributed
 
@@ -57,9 +58,50 @@ def worker(rank: int, world: int) -> list[str]:
                 problems.append(f"message {str(e)!r} does not say {expected!r}")
     q = torch.randn(4, 1, 2, 16, requires_grad=True)
     mm.mesh_attention(q, q, q, grid).sum().backward()  # collectives still line up
+    return problems + shape_disagreements(rank, grid, [])
+
+
+def shape_disagreements(rank: int, grid: mm.MeshGrid, odd_ranks: list[int]) -> list[str]:
+    """Ranks in `odd_ranks` pass s = 8, the others s = 4: every rank must raise naming both;
+    then equal shapes run, and the shape check's gather runs once per new shape, not per call."""
+    odd = rank in odd_ranks if odd_ranks else rank == 1
+    q = torch.randn(8 if odd else 4, 1, 4, 16)
+    problems = []
+    try:
+        mm.mesh_attention(q, q, q, grid)
+        problems.append(f"rank {rank}: different shapes were accepted")
+    except ValueError as e:
+        for text in ("q [4, 1, 4, 16] k/v [4, 1, 4, 16] float32", "q [8, 1, 4, 16]",
+                     f"{grid.shape_text} grid pass different shapes"):
+            if text not in str(e):
+                problems.append(f"rank {rank}: {str(e)!r} does not say {text!r}")
+    gathers = []
+    real = checks._gather_signatures
+    checks._gather_signatures = lambda *a: gathers.append(1) or real(*a)
+    try:
+        for s in (4, 4, 4, 8, 8, 4):
+            q = torch.randn(s, 1, 4, 16, requires_grad=True)
+            mm.mesh_attention(q, q, q, grid).sum().backward()
+    finally:
+        checks._gather_signatures = real
+    per_shape = sum(1 for n in (grid.rows, grid.cols, grid.heads) if n > 1)
+    if len(gathers) != 2 * per_shape:  # s = 4 and s = 8, once each (s = 4 failed before)
+        problems.append(f"rank {rank}: {len(gathers)} shape gathers for 2 new shapes")
     return problems
+
+
+def worker4(rank: int, world: int) -> list[str]:
+    """Only one rank disagrees: in a 2x2 mesh the row and column of the odd rank see it
+    directly, the rank diagonal to it only through the second gather."""
+    problems = shape_disagreements(rank, mm.MeshGrid.build(rows=2, cols=2), [2])
+    return problems + shape_disagreements(rank, mm.MeshGrid.build(rows=2, cols=1, heads=2), [3])
 
 
 def test_bad_input_fails_before_any_collective() -> None:
     problems = sum(run_distributed(worker, 2), [])
+    assert not problems, "\n".join(problems)
+
+
+def test_different_shapes_on_ranks_of_one_grid_fail_on_every_rank() -> None:
+    problems = sum(run_distributed(worker4, 4), [])
     assert not problems, "\n".join(problems)
