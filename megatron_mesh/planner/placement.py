@@ -36,12 +36,13 @@ class Placement:
         a2a = (f"heads: all-to-all over {self.heads} consecutive CP ranks "
                f"{_where(self.heads_nodes)}\n" if self.heads > 1 else "")
         ranks = f"CP ranks {self.heads} apart" if self.heads > 1 else "consecutive CP ranks"
-        return a2a + (
-            f"rows: {self.cols} {ranks} each (Q, dO, lse, D gathers, partial O "
-            f"exchange, dQ reduce-scatter) {row}\n"
-            f"columns: {self.rows} CP ranks {self.cols * self.heads} apart (K,V gathers, dK,dV "
-            f"reduce-scatter) {col}"
-        )
+        rows = (f"rows: {self.cols} {ranks} each (Q, dO, lse, D gathers, partial O "
+                f"exchange, dQ reduce-scatter) {row}\n" if self.cols > 1
+                else "rows: one rank each (no row traffic)\n")
+        cols = (f"columns: {self.rows} CP ranks {self.cols * self.heads} apart (K,V gathers, "
+                f"dK,dV reduce-scatter) {col}" if self.rows > 1
+                else "columns: one rank each (no column traffic)")
+        return a2a + rows + cols
 
 
 def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1) -> Placement:
