@@ -69,10 +69,11 @@ def test_every_heads_shape_matches_sdpa(cp_size: int, per_shape: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_every_heads_shape_at_sixteen() -> None:
-    """Every A > 1 factorization of P = 16, one case each (fp32 MHA, exactness and bytes)."""
-    shapes = [s for s in grid_shapes(16) if s[0] > 1]
-    failures = sorted(set(sum(run_distributed(heads_worker, 16, shapes, 0), [])))
+def test_every_grid_at_sixteen() -> None:
+    """Every heads x rows x cols factorization of P = 16 (the 2D meshes, A = 1, included),
+    in one spawn of 16 ranks: the fp32 MHA case and one more in turn, each on a schedule
+    in turn (exactness and bytes)."""
+    failures = sorted(set(sum(run_distributed(heads_worker, 16, grid_shapes(16), 1), [])))
     assert not failures, "\n".join(failures)
 
 

@@ -92,7 +92,7 @@ def all_shapes_worker(rank: int, world: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("cp_size", [1, 2, 4, 6, 8, 16])
+@pytest.mark.parametrize("cp_size", [1, 2, 4, 6, 8])  # P = 16: test_heads.py, every grid
 def test_every_mesh_shape_matches_sdpa(cp_size: int) -> None:
     failures = sorted(set(sum(run_distributed(all_shapes_worker, cp_size), [])))
     assert not failures, "\n".join(failures)
@@ -143,7 +143,7 @@ def ring_precision_worker(rank: int, world: int) -> list[str]:
         grid = mm.MeshGrid.build(rows=rows, cols=cols)
         worst = {}
         for schedule in ("gathered", ring):
-            case = Case(64 * world, 1, 8, 2, 64, causal=True, dtype=torch.bfloat16, seed=40,
+            case = Case(64 * world, 1, 4, 2, 64, causal=True, dtype=torch.bfloat16, seed=40,
                         schedule=schedule, grad_reduce_dtype="fp32")
             x = full_inputs(case)
             got = mesh_result(case, x, grid, grid.cp_rank)
