@@ -66,6 +66,20 @@ def test_mesh_heads_and_3d_shapes(flags: list[str], shape: tuple[int, int, int])
     assert args.mesh_shape == shape and args.mesh_heads == shape[0]
 
 
+def test_backend_is_decided_with_the_flags(monkeypatch) -> None:
+    import torch
+
+    from megatron_mesh.training.arguments import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    args = parse_args(["--config", TINY])
+    assert args.distributed_backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():  # refused up front, not after torchrun started ranks
+        with pytest.raises(ConfigError, match="--distributed-backend nccl needs CUDA"):
+            parse_args(["--config", TINY, "--distributed-backend", "nccl"])
+
+
 def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
     common = ["--config", TINY, "--context-parallel-size", "4", "--mesh-shape", "2x2"]
     by_algo = vars(parse_args(common + ["--context-parallel-algo", "mesh"]))
