@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Megatron parts of the suite on megatron-core 0.19.x: core attention, groups, layer
-# specs, arguments, driver parity and resume, checkpoint interchange (arguments go to
-# pytest). Creates, once, a second environment in .venv-mcore019/ (ignored by git) on top
+# specs, arguments, parity with CP = 1 (megatron-core and the driver), checkpoint
+# interchange (arguments go to pytest). Creates, once, a second environment in .venv-mcore019/ (ignored by git) on top
 # of the first one's packages (torch, wandb, pytest; see setup.sh): megatron-core 0.19.2
 # with what it needs beyond them, numpy<2.4 and triton. Its wheel says Python >= 3.12 but
 # imports on 3.11, hence --ignore-requires-python.
@@ -9,8 +9,11 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
 MCORE=megatron-core==0.19.2
-TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_training_driver.py
-       tests/test_checkpoint_interchange.py)
+TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_checkpoint_interchange.py
+       # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid
+       "tests/test_training_driver.py::test_mesh_2x2_matches_cp1_and_loss_falls"
+       "tests/test_training_driver.py::test_mesh_traffic_and_wandb_series"
+       "tests/test_training_driver.py::test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built")
 if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
   "$VENV/bin/pip" install "numpy<2.4" triton
