@@ -6,6 +6,7 @@ the same collectives at any world size); bad flags run in-process, before any gr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,7 +51,14 @@ def saved(tmp_path_factory) -> Path:
     run = driver([*QUICK, "--save", str(root), "--save-interval", "2"])
     assert run.returncode == 0, run.output[-3000:]
     assert (root / "iter_0000004" / "checksums.json").is_file()
+    (root.parent / "output.txt").write_text(run.output)
     return root
+
+
+def _losses(output: str) -> dict[int, str]:
+    """Iteration -> lm loss as the driver logs it."""
+    found = re.findall(r"iteration\s+(\d+)/\s*\d+\s*\|.*?lm loss: (\S+)", output)
+    return {int(it): loss for it, loss in found}
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -122,6 +130,22 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     stopped = int(output.split("exiting after iteration ")[1].split()[0])
     assert stopped >= 3
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+
+
+@pytest.mark.distributed
+def test_exit_duration_saves_and_resume_continues_exactly(saved: Path, tmp_path: Path) -> None:
+    """--exit-duration-in-mins already past at the first iteration's end: the job saves
+    iteration 1 and exits 0; resumed, iterations 2-4 log the losses of the unbroken run."""
+    root = tmp_path / "save"
+    run = driver([*QUICK, "--save", str(root), "--exit-duration-in-mins", "0.001"])
+    assert run.returncode == 0, run.output[-2000:]
+    assert "--exit-duration-in-mins reached: saving and exiting after iteration 1" in run.output
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    resumed = driver([*QUICK, "--load", str(root), "--save", str(root)])
+    assert resumed.returncode == 0, resumed.output[-2000:]
+    unbroken = _losses((saved.parent / "output.txt").read_text())
+    assert _losses(run.output) == {1: unbroken[1]}
+    assert _losses(resumed.output) == {i: unbroken[i] for i in (2, 3, 4)}
 
 
 def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:

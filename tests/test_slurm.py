@@ -12,15 +12,16 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, ensure_slurm, free_ports
+from slurm_cluster import TERMINAL_STATES, SlurmCluster, ensure_slurm, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt_mesh_cpu.sbatch"
-ITERS = 3
+ITERS = 100  # the time-limited job must still be training when Slurm warns it
 JOB_TIMEOUT = 600
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
@@ -52,9 +53,9 @@ def test_cluster_allocates_and_runs_steps(slurm, tmp_path):
     assert "step 0 of 1" in text
 
 
-def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
-    log = tmp_path / "job.out"
-    runs = tmp_path / "runs"
+def _submit(slurm, root: Path, *sbatch_args: str) -> tuple[int, Path, Path]:
+    """The CPU script as a job of ITERS iterations: (job id, its log, its output folder)."""
+    log, runs = root / "job.out", root / "runs"
     env = {
         "PYTHON": sys.executable,
         "MESH_HOME": str(REPO),
@@ -70,14 +71,31 @@ def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
         socket.gethostbyname(slurm.node)
     except OSError:  # the script takes MASTER_ADDR from the node list: only if it resolves
         env["MASTER_ADDR"] = "127.0.0.1"
-    job = slurm.sbatch(CPU_SCRIPT, sbatch_args=(f"--output={log}", f"--chdir={REPO}"),
-                       env=env, cwd=REPO)
+    job = slurm.sbatch(CPU_SCRIPT, sbatch_args=(f"--output={log}", f"--chdir={REPO}",
+                                                *sbatch_args), env=env, cwd=REPO)
+    return job, log, runs
+
+
+def _losses(text: str) -> dict[int, str]:
+    """Iteration -> lm loss as logged (6 significant decimals)."""
+    return {int(m.group(1)): LOSS.search(m.group(3)).group(1)
+            for m in (ITERATION.search(ln) for ln in text.splitlines()) if m}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory) -> tuple[int, str, Path]:
+    """One job of ITERS iterations that nothing stops: (job id, its log text, output folder)."""
+    job, log, runs = _submit(slurm, tmp_path_factory.mktemp("uninterrupted"))
     info = slurm.wait(job, JOB_TIMEOUT)
     text = log.read_text() if log.exists() else "(no job log)"
     assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", (
         f"job {job} ended {info.get('JobState')} {info.get('ExitCode')}\n{text[-4000:]}"
     )
+    return job, text, runs
 
+
+def test_cpu_sbatch_trains_tiny_gpt_with_mesh(uninterrupted):
+    job, text, runs = uninterrupted
     lines = [m for m in (ITERATION.search(ln) for ln in text.splitlines()) if m]
     assert [int(m.group(1)) for m in lines] == list(range(1, ITERS + 1)), text[-4000:]
     for m in lines:
@@ -100,6 +118,36 @@ def test_cpu_sbatch_trains_tiny_gpt_with_mesh(slurm, tmp_path):
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() \
         == str(ITERS)
     assert list((run_dir / "wandb").rglob("offline-run-*")), sorted(run_dir.rglob("*"))
+    assert "--exit-signal-handler --exit-signal SIGUSR1" in command
+
+
+def test_time_limit_saves_requeues_and_losses_continue(slurm, uninterrupted, tmp_path):
+    """A two-minute job warned 115 s before its limit (Slurm's `--signal=B:USR1@115`, sent at
+    Slurm's next time-limit check, 5 to about 35 s in): the ranks save after their
+    iteration, the job requeues itself and its next start goes on from the checkpoint, with
+    the losses of the uninterrupted job, digit for digit."""
+    job, log, runs = _submit(slurm, tmp_path, "--time=2", "--signal=B:USR1@115")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while (info := slurm.job_info(job))["JobState"] not in TERMINAL_STATES:
+        assert time.monotonic() < deadline, f"job {job} still {info['JobState']}"
+        if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for two minutes; the test cluster starts it now,
+            # with time enough to finish (else each start would be warned again).
+            slurm._run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10",
+                       check=False)
+        time.sleep(1.0)
+    text = log.read_text() if log.exists() else "(no job log)"
+    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", text[-4000:]
+    assert int(info["Restarts"]) >= 1, text[-4000:]
+    stops = [int(n) for n in re.findall(r"SIGUSR1 received: saving and exiting after "
+                                        r"iteration (\d+)", text)]
+    assert stops and 0 < stops[0] < ITERS, text[-4000:]
+    assert text.count("requeued to go on from the checkpoint") == len(stops)
+    assert f"loaded checkpoint {runs / f'mesh-cpu-{job}' / 'checkpoints' / f'iter_{stops[0]:07d}'}" \
+        in text, text[-4000:]
+    got, want = _losses(text), _losses(uninterrupted[1])
+    assert sorted(got) == list(range(1, ITERS + 1)), text[-4000:]  # no iteration lost or repeated
+    assert got == want
 
 
 def _driver_args(tmp_path, **env) -> list[str]:

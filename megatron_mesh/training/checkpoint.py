@@ -128,6 +128,21 @@ def _exit_with_parent() -> None:
 _RESULTS_MANAGER: Any = None
 
 
+@contextlib.contextmanager
+def _handled_signals_ignored():
+    """A signal this rank handles (--exit-signal: Slurm delivers it to every process of the
+    job step) is ignored by the processes started inside: they inherit SIG_IGN, where a
+    handler would reset to the default action (exit) in the new program."""
+    handled = [s for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+               if callable(signal.getsignal(s))]
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in handled}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _writer_manager_exits_with_rank() -> None:
     """megatron-core's checkpoint writer keeps its results in a queue served by a spawned
     multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
@@ -142,7 +157,8 @@ def _writer_manager_exits_with_rank() -> None:
     from multiprocessing.managers import SyncManager
 
     _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    _RESULTS_MANAGER.start(initializer=_exit_with_parent)
+    with _handled_signals_ignored():
+        _RESULTS_MANAGER.start(initializer=_exit_with_parent)
     filesystem_async._results_queue = _RESULTS_MANAGER.Queue()
 
 

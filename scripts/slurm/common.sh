@@ -67,8 +67,17 @@ export MASTER_ADDR MASTER_PORT
 # Extra srun options, e.g. a container: SRUN_ARGS="--container-image=<image> --container-mounts=<dirs>"
 SRUN_ARGS=${SRUN_ARGS:-}
 
+# Time limit: `#SBATCH --signal=B:USR1@SECONDS` warns this batch shell; run_driver passes
+# EXIT_SIGNAL on to every rank through srun (again every 2 s until they stop, since a rank
+# still starting up ignores it), the driver saves after its current iteration and exits 0,
+# and the job requeues itself (`#SBATCH --requeue`): the next start loads that checkpoint.
+# torchrun ignores EXIT_SIGNAL (inherited SIG_IGN), so only the ranks act on it.
+TIME_LIMIT_SIGNAL=${TIME_LIMIT_SIGNAL:-USR1}
+EXIT_SIGNAL=${EXIT_SIGNAL:-SIGUSR1}
+IGNORE_EXIT_SIGNAL=(bash -c "trap '' ${EXIT_SIGNAL#SIG}; exec \"\$@\"" launcher)
+
 LAUNCH=(
-    "$PYTHON" -m torch.distributed.run
+    "${IGNORE_EXIT_SIGNAL[@]}" "$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES" --nproc-per-node "$PROCS_PER_NODE"
     --rdzv-id "$JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
 )
@@ -80,6 +89,7 @@ DRIVER_ARGS=(
     --context-parallel-algo "$CP_ALGO"
     --log-interval "$LOG_INTERVAL"
     --save "$CHECKPOINT_DIR"
+    --exit-signal-handler --exit-signal "$EXIT_SIGNAL"
 )
 [[ -n $MESH_SHAPE ]] && DRIVER_ARGS+=(--mesh-shape "$MESH_SHAPE")
 [[ -n $SEQ_LENGTH ]] && DRIVER_ARGS+=(--seq-length "$SEQ_LENGTH")
@@ -96,14 +106,33 @@ DRIVER_ARGS=(
 # shellcheck disable=SC2206  # word splitting of TOKENIZER_ARGS is intended
 [[ -n $TOKENIZER_ARGS ]] && DRIVER_ARGS+=($TOKENIZER_ARGS)
 
-# Run the given launcher + driver, keep a copy of its output in the run directory,
-# and record what ran.
+# Run the given launcher + driver (an srun), keep a copy of its output in the run directory,
+# record what ran, and requeue the job when the time limit stopped it (see EXIT_SIGNAL).
+TIME_UP=0
 run_driver() {
     {
-        echo "# job $JOB_ID on $NNODES node(s): ${SLURM_JOB_NODELIST:-$(hostname)}"
+        echo "# job $JOB_ID on $NNODES node(s): ${SLURM_JOB_NODELIST:-$(hostname)}" \
+            "(start ${SLURM_RESTART_COUNT:-0})"
         echo "# rendezvous $MASTER_ADDR:$MASTER_PORT"
         printf '%q ' "$@"
         echo
     } | tee "$RUN_DIR/command.txt"
-    "$@" 2>&1 | tee -a "$TRAIN_LOG"
+    local log_start pid status=0
+    log_start=$(stat -c %s "$TRAIN_LOG" 2>/dev/null || echo 0)
+    trap 'TIME_UP=1' "$TIME_LIMIT_SIGNAL"
+    "$@" > >(tee -a "$TRAIN_LOG") 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        if (( TIME_UP )); then
+            kill -s "$EXIT_SIGNAL" "$pid" 2>/dev/null || true
+        fi
+        sleep 2 & wait $! || true  # a trapped signal ends the wait at once
+    done
+    wait "$pid" || status=$?
+    if (( TIME_UP && status == 0 )) && [[ -n ${SLURM_JOB_ID:-} ]] \
+        && grep -q "$EXIT_SIGNAL received: saving" <(tail -c +$(( log_start + 1 )) "$TRAIN_LOG"); then
+        echo "# time limit near: saved; requeued to go on from the checkpoint" | tee -a "$TRAIN_LOG"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return "$status"
 }
