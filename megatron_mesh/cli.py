@@ -16,7 +16,6 @@ from megatron_mesh.planner.report import format_table, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan
 from megatron_mesh.planner.workload import DTYPE_BYTES, MESH_GRAD_REDUCE_DTYPES
 
-
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).
 MAX_SEQ_LENGTH = 2**31
@@ -70,9 +69,11 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="context-parallel size P >= 2 (GPUs sharing one sequence)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=hardware.DEFAULT_GPUS_PER_NODE,
                    help="CP ranks per node (default %(default)s)")
-    p.add_argument("--intra-node-bw", type=_positive_float(MAX_GB_PER_S), default=hardware.DEFAULT_INTRA_NODE_BW,
+    p.add_argument("--intra-node-bw", type=_positive_float(MAX_GB_PER_S),
+                   default=hardware.DEFAULT_INTRA_NODE_BW,
                    help="achieved GB/s per GPU inside a node (default %(default)s)")
-    p.add_argument("--inter-node-bw", type=_positive_float(MAX_GB_PER_S), default=hardware.DEFAULT_INTER_NODE_BW,
+    p.add_argument("--inter-node-bw", type=_positive_float(MAX_GB_PER_S),
+                   default=hardware.DEFAULT_INTER_NODE_BW,
                    help="achieved GB/s per GPU between nodes, i.e. node NIC bandwidth / GPUs "
                    "per node (default %(default)s)")
     p.add_argument("--attention-tflops", type=_positive_float(MAX_TFLOPS),
