@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Literal, Mapping, Protocol, Sequence
+from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,16 @@ def _record(phase: Phase, direction: Direction, op: str, nbytes: int) -> None:
         counter.counts[(phase, direction, op)] += nbytes
 
 
+def _blocking(op: str, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+              sent: int, per_link: int, run: Callable[[], object]) -> None:
+    """Count `sent` bytes of `op`, run it, and (under emulated links) return no sooner than
+    the links would carry `per_link` bytes."""
+    _record(phase, direction, op, sent)
+    done_at = _done_at(op, group, per_link)
+    run()
+    _wait_until(done_at)
+
+
 def all_gather(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
 ) -> torch.Tensor:
@@ -118,12 +128,9 @@ def reduce_scatter(
         return t
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    _record(phase, direction, "reduce_scatter", (n - 1) * out.nbytes)
-    done_at = _done_at("reduce_scatter", group, out.nbytes)
-    _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-        out, t, op=dist.ReduceOp.SUM, group=group
-    )
-    _wait_until(done_at)
+    reduce = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+    _blocking("reduce_scatter", group, phase, direction, (n - 1) * out.nbytes, out.nbytes,
+              lambda: reduce(out, t, op=dist.ReduceOp.SUM, group=group))
     return out
 
 
@@ -136,10 +143,8 @@ def all_to_all(
         return t
     t = t.contiguous()
     out = torch.empty_like(t)
-    _record(phase, direction, "all_to_all", t.nbytes * (n - 1) // n)
-    done_at = _done_at("all_to_all", group, t.nbytes // n)
-    dist.all_to_all_single(out, t, group=group)
-    _wait_until(done_at)
+    _blocking("all_to_all", group, phase, direction, t.nbytes * (n - 1) // n, t.nbytes // n,
+              lambda: dist.all_to_all_single(out, t, group=group))
     return out
 
 

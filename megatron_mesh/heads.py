@@ -62,30 +62,17 @@ def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> tor
     return recv.permute(1, 2, 0, 3, 4).reshape(-1, b, a * hs, d)
 
 
-class HeadsToSequence(torch.autograd.Function):
-    """`heads_to_sequence` forward, its inverse on the gradient in backward."""
+class _Relayout(torch.autograd.Function):
+    """`there(x)` in forward; its inverse `back` on the gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return heads_to_sequence(x, grid, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.grid, "backward"), None
-
-
-class SequenceToHeads(torch.autograd.Function):
-    """`sequence_to_heads` forward, its inverse on the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, y, grid):
-        ctx.grid = grid
-        return sequence_to_heads(y, grid, "forward")
+    def forward(ctx, x, grid, there, back):
+        ctx.grid, ctx.back = grid, back
+        return there(x, grid, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.grid, "backward"), None
+        return ctx.back(grad, ctx.grid, "backward"), None, None, None
 
 
 def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid):
@@ -94,9 +81,9 @@ def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshG
     repeats = kv_repeats(grid.heads, k.shape[2])
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-    return tuple(HeadsToSequence.apply(t, grid) for t in (q, k, v))
+    return tuple(_Relayout.apply(t, grid, heads_to_sequence, sequence_to_heads) for t in (q, k, v))
 
 
 def gather_heads(out: torch.Tensor, grid: MeshGrid) -> torch.Tensor:
     """The mesh's output [A s, b, hq/A, d] back to this rank's tokens [s, b, hq, d]."""
-    return SequenceToHeads.apply(out, grid)
+    return _Relayout.apply(out, grid, sequence_to_heads, heads_to_sequence)
