@@ -99,6 +99,14 @@ def test_recompute_flags_reach_the_transformer_config() -> None:
     assert selective.recompute_granularity == "selective"
 
 
+def test_pipeline_stages_share_the_world() -> None:
+    """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches."""
+    args = parse_args(["--config", TINY, "--pipeline-model-parallel-size", "2",
+                       "--context-parallel-size", "2", "--cp-comm-type", "mesh"])
+    assert (args.pipeline_model_parallel_size, args.data_parallel_size,
+            args.num_microbatches) == (2, 1, 2)
+
+
 def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -106,7 +114,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     text = capsys.readouterr().out
     for flag in ("--num-layers", "--seq-length", "--micro-batch-size", "--global-batch-size",
                  "--train-iters", "--lr-decay-style", "--bf16", "--tensor-model-parallel-size",
-                 "--context-parallel-size", "--context-parallel-algo", "--cp-comm-type",
+                 "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--context-parallel-algo", "--cp-comm-type",
                  "--mesh-shape", "--mesh-heads", "--seed",
                  "--save", "--load", "--save-interval", "--log-interval", "--wandb-project",
                  "--wandb-exp-name", "--wandb-save-dir", "--data-path", "--tokenizer-type"):
@@ -142,7 +151,12 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--config", "missing.yaml"], "missing.yaml: no such file"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "p2p"], "cannot be mixed"),
     (["--cp-comm-type", "p2p", "a2a"], "one algorithm in every layer"),
-    (["--pipeline-model-parallel-size", "2"], "examples/megatron_lm_pretrain_mesh.py"),
+    (["--pipeline-model-parallel-size", "3"], "--num-layers 2 is not divisible by "
+     "--pipeline-model-parallel-size 3: every stage holds the same number of layers; use a "
+     "divisor of 2 (1, 2)"),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "4",
+      "--cp-comm-type", "mesh"], "world size 4 is not divisible by tensor-parallel 1 x "
+     "context-parallel 4 x pipeline-parallel 2; launch with torchrun --nproc-per-node 8"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer needs CUDA"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "Transformer Engine or Apex"),
     (["--recompute-num-layers", "2"], "need --recompute-granularity full"),

@@ -221,10 +221,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
     if args.distributed_backend == "nccl" and not has_cuda():
         _fail("--distributed-backend nccl needs CUDA; use gloo on a CPU")
-    if args.pipeline_model_parallel_size != 1:
-        _fail(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-              "this driver supports 1 (no pipeline parallelism); for pipeline parallelism "
-              "run Megatron-LM with examples/megatron_lm_pretrain_mesh.py (GPU)")
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+              f"{pp}: every stage holds the same number of layers; use a divisor of "
+              f"{args.num_layers} ({', '.join(str(d) for d in _divisors(args.num_layers))})")
     if args.recompute_granularity == "full":
         args.recompute_method = args.recompute_method or "uniform"
         args.recompute_num_layers = args.recompute_num_layers or 1
@@ -284,11 +285,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % tp or args.num_query_groups % tp:
         _fail(f"--tensor-model-parallel-size {tp} must divide the attention heads "
               f"({args.num_attention_heads}) and query groups ({args.num_query_groups})")
-    if world_size % (tp * cp):
+    if world_size % (tp * cp * pp):
         _fail(f"world size {world_size} is not divisible by tensor-parallel {tp} x "
-              f"context-parallel {cp}; launch with torchrun --nproc-per-node {tp * cp} (or a multiple)")
+              f"context-parallel {cp} x pipeline-parallel {pp}; launch with torchrun "
+              f"--nproc-per-node {tp * cp * pp} (or a multiple)")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * cp)
+    args.data_parallel_size = world_size // (tp * cp * pp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -335,6 +337,10 @@ def _validate_data(args: argparse.Namespace) -> None:
             _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     elif not args.tokenizer_model:
         _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _is_number(text: str) -> bool:

@@ -16,6 +16,7 @@ from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 
 from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank, null_tokenizer_library
 from megatron_mesh.training.device import device
+from megatron_mesh.training.pipeline import batch_keys
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -73,8 +74,10 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     Global batch k holds samples [k * GBS, (k + 1) * GBS); micro-batch m of data-parallel
     rank d takes the ``micro_batch_size`` samples from k * GBS + (m * DP + d) * mbs. All TP
     and CP ranks of a replica read the same samples; get_batch_on_this_cp_rank then keeps
-    this CP rank's two zigzag chunks.
+    this CP rank's two zigzag chunks. Each pipeline stage gets only the fields it reads
+    (`pipeline.batch_keys`); a middle stage reads no samples.
     """
+    keys = batch_keys()
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     dp_rank = parallel_state.get_data_parallel_rank()
     start = consumed_samples + dp_rank * mbs
@@ -82,8 +85,8 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     while True:
         for m in range(args.num_microbatches):
             first = start + m * dp * mbs
-            samples = [dataset[i] for i in range(first, first + mbs)]
+            samples = [dataset[i] for i in range(first, first + mbs)] if keys else []
             batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(dev)
-                     for k in ("tokens", "labels", "loss_mask", "position_ids")}
+                     for k in keys}
             yield get_batch_on_this_cp_rank(batch)
         start += args.global_batch_size

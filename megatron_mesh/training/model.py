@@ -119,15 +119,17 @@ def layer_spec(args: TrainingConfig):
 
 
 def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
-    """A GPTModel on this rank's device (pipeline parallelism is not used: one stage)."""
+    """This rank's pipeline stage of the GPTModel, on its device: num_layers / PP layers,
+    the embedding on the first stage, the output layer and loss on the last (with tied
+    embeddings the last stage holds a copy of the word embeddings, `param.shared`)."""
     config = transformer_config(args)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),
         vocab_size=padded_vocab_size(vocab_size, args),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
@@ -144,7 +146,8 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     GPU: megatron-core's DistributedDataParallel (and Float16Module for bf16 / fp16), whose
     finalize step also handles sequence-parallel norms and tied embeddings. CPU: torch's
     DistributedDataParallel (megatron-core's needs CUDA); it averages gradients over the same
-    group, which is what megatron-core's DDP does when the loss is averaged per rank.
+    group, which is what megatron-core's DDP does when the loss is averaged per rank; with
+    pipeline stages, `pipeline.finalize_grads` does it after the last micro-batch instead.
     """
     config = model.config
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -166,6 +169,11 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
         config.no_sync_func = wrapped.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         return wrapped
+    if args.pipeline_model_parallel_size > 1:  # 1F1B: one reduction after all micro-batches
+        from megatron_mesh.training.pipeline import finalize_grads
+
+        config.finalize_model_grads_func = finalize_grads
+        return model
     if torch.distributed.get_world_size(dp_cp_group) == 1:
         return model
     wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_cp_group)

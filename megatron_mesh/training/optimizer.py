@@ -20,6 +20,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_mesh.training.device import has_cuda
 
@@ -61,14 +62,16 @@ class TorchOptimizer:
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """L2 norm of the full gradient: TP shards summed, TP duplicates counted once."""
+        """L2 norm of the full gradient: TP shards and pipeline stages summed, TP duplicates
+        and the last stage's copy of tied embeddings (`param.shared`) counted once."""
         sq = torch.zeros((), dtype=torch.float64)
         for p in self.parameters():
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            if (p.grad is not None and param_is_not_tensor_parallel_duplicate(p)
+                    and param_is_not_shared(p)):
                 sq += p.grad.detach().double().pow(2).sum()
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        if dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(sq, group=tp_group)
+        mp_group = parallel_state.get_model_parallel_group()  # TP x PP
+        if dist.get_world_size(mp_group) > 1:
+            dist.all_reduce(sq, group=mp_group)
         return math.sqrt(sq.item())
 
     @torch.no_grad()

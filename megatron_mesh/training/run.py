@@ -57,7 +57,8 @@ def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: i
             flops: float) -> None:
     mesh = _mesh_label(args, grid)
     print_rank0(
-        f" world {args.world_size} = TP {args.tensor_model_parallel_size} x CP "
+        f" world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+        f"{args.pipeline_model_parallel_size} x CP "
         f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
         f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
         f"{_attention_label(args)} | "

@@ -16,6 +16,7 @@ from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import is_rank0, print_rank0
 from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
+from megatron_mesh.training.pipeline import report_to_all_stages
 from megatron_mesh.training.stopping import ExitConditions, check_finite
 
 if TYPE_CHECKING:
@@ -37,17 +38,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
-    """megatron-core's forward_step_func: GPT forward on the next micro-batch."""
+    """megatron-core's forward_step_func: GPT forward on the next micro-batch (the fields
+    this pipeline stage reads; a later stage's input comes from the previous stage)."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    output = model(batch.get("tokens"), batch.get("position_ids"), None,
+                   labels=batch.get("labels"))
+    return output, partial(loss_func, batch.get("loss_mask"))
 
 
 def _global_loss(reports: list[dict]) -> float:
-    """Mean token loss over the global batch (all micro-batches, DP and CP ranks)."""
-    total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
+    """Mean token loss over the global batch (all micro-batches, DP and CP ranks), on every
+    rank: only the last pipeline stage has reports."""
+    total = torch.zeros(2, dtype=torch.float64)
+    if reports:
+        total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dist.all_reduce(total, group=group)
+    total = report_to_all_stages(total)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
