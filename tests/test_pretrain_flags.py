@@ -100,11 +100,15 @@ def test_recompute_flags_reach_the_transformer_config() -> None:
 
 
 def test_pipeline_stages_share_the_world() -> None:
-    """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches."""
+    """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches, and
+    the default wandb run name says PP."""
+    from megatron_mesh.training.metrics import run_name
+
     args = parse_args(["--config", TINY, "--pipeline-model-parallel-size", "2",
                        "--context-parallel-size", "2", "--cp-comm-type", "mesh"])
     assert (args.pipeline_model_parallel_size, args.data_parallel_size,
             args.num_microbatches) == (2, 1, 2)
+    assert run_name(args, "1x2") == "mesh-1x2-tp1-pp2-dp1"
 
 
 def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:

@@ -93,11 +93,13 @@ def mesh_grid_label(args: TrainingConfig) -> str | None:
 
 
 def run_name(args: TrainingConfig, label: str | None) -> str | None:
-    """--wandb-exp-name, else for a mesh run 'mesh-AxRxC-tpT-dpD' (None: wandb names it)."""
+    """--wandb-exp-name, else for a mesh run 'mesh-AxRxC-tpT-dpD' ('-ppP' before '-dp' with
+    pipeline stages; None: wandb names it)."""
     if args.wandb_exp_name or not label:
         return args.wandb_exp_name
+    pp = args.pipeline_model_parallel_size
     return (f"mesh-{label}-tp{args.tensor_model_parallel_size}-"
-            f"dp{args.data_parallel_size}")
+            f"{f'pp{pp}-' if pp > 1 else ''}dp{args.data_parallel_size}")
 
 
 class WandbLogger:
