@@ -156,27 +156,17 @@ def test_data_parallel_with_cp_matches_cp1(cp1_run: Run, data_args: list[str]) -
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
-def _saved_layer_offsets(checkpoint: str) -> dict[str, set[int]]:
-    """Tensor name -> the layer offsets (dim 0 of the stacked decoder layers) saved for it."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    return {name: {chunk.offsets[0] for chunk in meta.chunks}
-            for name, meta in metadata.items() if hasattr(meta, "chunks")}
-
-
 def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], work: Path) -> None:
     """PP 2 x CP 2 (mesh) from CP = 1's checkpoint of iteration 4 (each stage loads its
     layers; a pipeline run initializes its stages differently from one stage, as Megatron-LM
     does, so the two start from the same weights this way): megatron-core's 1F1B schedule
     over 2 micro-batches, tied embeddings on both stages, loss and grad norm (reduced over
-    the stages) match CP = 1, and each stage saves its layers."""
+    the stages) match CP = 1."""
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
-    save = work / "pp2-cp2-ckpt"
     run = torchrun(4, [*data_args, "--pipeline-model-parallel-size", "2",
                        "--context-parallel-size", "2", "--cp-comm-type", "mesh",
                        "--mesh-shape", "1x2", "--load", str(work / "cp1-ckpt"),
-                       "--ckpt-step", str(SAVE_EVERY), "--save", str(save)])
+                       "--ckpt-step", str(SAVE_EVERY)])
     assert run.returncode == 0, run.output[-3000:]
     assert "world 4 = TP 1 x PP 2 x CP 2 (mesh 1x2, schedule" in run.output
     assert "parameters on this rank 61,440" in run.output  # rank 0: embedding and layer 1
@@ -185,10 +175,6 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
     for it, fields in got.items():
         assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
-    offsets = _saved_layer_offsets(str(save / f"iter_{ITERS:07d}"))
-    assert offsets["decoder.layers.self_attention.linear_qkv.weight"] == {0, 1}
-    assert offsets["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"] == {0, 1}
-    assert "decoder.final_layernorm.weight" in offsets  # the last stage's
 
 
 def _wandb_records(run_dir: str) -> list:
