@@ -22,4 +22,5 @@ if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
 fi
 "$VENV/bin/python" -c "import megatron.core as m; print('megatron-core', m.__version__)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile \
+  "${TESTS[@]}" "$@"
