@@ -16,6 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron_mesh.training.model import unwrap
+
 __all__ = ["batch_keys", "finalize_grads", "report_to_all_stages"]
 
 _FIRST_STAGE_KEYS = ("tokens", "position_ids")
@@ -44,21 +46,17 @@ def report_to_all_stages(total: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup,
-                          average: bool) -> None:
-    """Sum (or average) tensors over `group` in one collective."""
+def _average_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Average tensors over `group` in one collective."""
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    if average:
-        flat /= dist.get_world_size(group)
+    flat /= dist.get_world_size(group)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
 
 
 def _tied_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
     """The word embeddings a first / last stage shares with the other (None if untied)."""
-    from megatron_mesh.training.model import unwrap
-
     gpt = unwrap(chunk)
     if not gpt.share_embeddings_and_output_weights:
         return None
@@ -81,7 +79,7 @@ def finalize_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None
     for chunk in model:
         grads = [p.grad for p in chunk.parameters() if p.grad is not None]
         if grads and dist.get_world_size(dp_cp) > 1:
-            _all_reduce_coalesced(grads, dp_cp, average=True)
+            _average_coalesced(grads, dp_cp)
         weight = _tied_embedding_weight(chunk)
         if (weight is not None and weight.grad is not None and embedding is not None
                 and parallel_state.is_rank_in_embedding_group()
