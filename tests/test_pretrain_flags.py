@@ -161,7 +161,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "4",
       "--cp-comm-type", "mesh"], "world size 4 is not divisible by tensor-parallel 1 x "
      "context-parallel 4 x pipeline-parallel 2; launch with torchrun --nproc-per-node 8"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer needs CUDA"),
+    (["--use-distributed-optimizer", "--optimizer", "sgd"], "--use-distributed-optimizer with "
+     "--optimizer sgd on a CPU: megatron-core's distributed optimizer over torch's optimizers"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "Transformer Engine or Apex"),
     (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
 ])

@@ -177,6 +177,36 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
+def test_distributed_optimizer_with_mesh_matches_cp1_and_resumes_on_fewer_ranks(
+        cp1_run: Run, data_args: list[str], work: Path) -> None:
+    """DP 2 x CP 2 (mesh) with megatron-core's DDP grad buffers and DistributedOptimizer on
+    gloo: Adam state sharded over the 4 DP x CP ranks, loss and grad norm match CP = 1; its
+    checkpoint of iteration 4 resumes on DP 1 x CP 2 (the optimizer state resharded over 2
+    ranks) and iterations 5..8 match CP = 1 too (Adam's moments and step restored)."""
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    save = work / "distopt-ckpt"
+    flags = [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+             "--use-distributed-optimizer"]
+    run = torchrun(4, [*flags, "--save", str(save), "--exit-interval", str(SAVE_EVERY)])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "x DP 2" in run.output
+    shard = re.search(r"distributed optimizer: adam state of ([\d,]+) of ([\d,]+) parameters "
+                      r"on this rank \(sharded over DP x CP 4\)", run.output)
+    assert shard, run.output[-3000:]
+    held, total = (int(g.replace(",", "")) for g in shard.groups())
+    assert total // 4 <= held < total // 2, (held, total)
+    resumed = torchrun(2, [*flags, "--load", str(save)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"loaded checkpoint {save / 'iter_0000004'}" in resumed.output
+    assert "sharded over DP x CP 2" in resumed.output
+    ref = cp1_run.lines()
+    got = {**run.lines(), **resumed.lines()}
+    assert sorted(got) == list(range(1, ITERS + 1))
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
+
+
 def _wandb_records(run_dir: str) -> list:
     """The wandb Records of an offline run, read from its .wandb transaction log.
 

@@ -33,6 +33,11 @@ def _is_cuda(device: Any) -> bool:
     return False
 
 
+def _cuda_type_name(name: str) -> str:
+    """'torch.FloatTensor' -> 'torch.cuda.FloatTensor': the name of the same dtype on CUDA."""
+    return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+
+
 class _CudaRequestsOnCpu(TorchFunctionMode):
     """Rewrite torch calls that ask for CUDA memory into CPU ones."""
 
@@ -40,6 +45,8 @@ class _CudaRequestsOnCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(func(*args))
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if _is_cuda(kwargs.get("device")):

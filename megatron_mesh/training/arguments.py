@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--seed", type=int, default=1234)
     _flag(g, "--bf16", type=bool, default=False)
     _flag(g, "--fp16", type=bool, default=False)
-    _flag(g, "--use-distributed-optimizer", type=bool, default=False, help="GPU only")
+    _flag(g, "--use-distributed-optimizer", type=bool, default=False,
+          help="shard the optimizer state (and fp32 main weights) over DP x CP: megatron-core's "
+               "DistributedOptimizer, also on a CPU (Adam)")
     _flag(g, "--recompute-granularity", default=None, choices=("full", "selective"),
           help="selective: recompute core attention (the mesh re-runs its forward, "
                "communication included) in backward; full: whole layers")
@@ -277,9 +279,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail("--sequence-parallel needs CUDA: its layer norms come from Transformer Engine or "
               "Apex (megatron-core's torch norms refuse it) and megatron-core's DDP reduces their "
               "gradients over TP; drop it on a CPU (the mesh runs the same with or without it)")
-    if args.use_distributed_optimizer and not torch.cuda.is_available():
-        _fail("--use-distributed-optimizer needs CUDA (megatron-core's DDP grad buffers); "
-              "on a CPU drop it: the driver's optimizer then keeps full state on each rank")
+    if args.use_distributed_optimizer and args.optimizer != "adam" and not has_cuda():
+        _fail(f"--use-distributed-optimizer with --optimizer {args.optimizer} on a CPU: "
+              "megatron-core's distributed optimizer over torch's optimizers (no Transformer "
+              "Engine / Apex) keeps and checkpoints Adam's state only; use --optimizer adam, or "
+              "drop --use-distributed-optimizer")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.num_attention_heads % tp or args.num_query_groups % tp:

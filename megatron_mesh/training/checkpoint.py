@@ -33,6 +33,7 @@ from megatron_mesh.training.checksums import CheckpointError, verify_manifest, w
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
+from megatron_mesh.training.optimizer import OPTIMIZER_CHECKPOINT_METADATA
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -198,7 +199,8 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     model_sd = unwrap(model).sharded_state_dict()
     sd: dict[str, Any] = {"model": model_sd, "layout": _layout()}
     if with_optim:
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                                       metadata=OPTIMIZER_CHECKPOINT_METADATA)
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         sd["rng_state"] = _rng_object()

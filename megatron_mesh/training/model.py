@@ -140,18 +140,27 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
     return model
 
 
+def megatron_ddp(args: TrainingConfig) -> bool:
+    """Whether gradients live in megatron-core's DDP grad buffers and megatron-core's optimizer
+    steps: always on a GPU; on a CPU for the distributed optimizer (which shards those
+    buffers), run there inside `megatron_on_cpu()`."""
+    return has_cuda() or args.use_distributed_optimizer
+
+
 def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     """Data parallelism over the data-parallel-with-CP group.
 
-    GPU: megatron-core's DistributedDataParallel (and Float16Module for bf16 / fp16), whose
-    finalize step also handles sequence-parallel norms and tied embeddings. CPU: torch's
-    DistributedDataParallel (megatron-core's needs CUDA); it averages gradients over the same
-    group, which is what megatron-core's DDP does when the loss is averaged per rank; with
-    pipeline stages, `pipeline.finalize_grads` does it after the last micro-batch instead.
+    `megatron_ddp`: megatron-core's DistributedDataParallel (and Float16Module for bf16 /
+    fp16), whose finalize step also handles sequence-parallel norms and tied embeddings; with
+    the distributed optimizer it reduce-scatters the gradients and all-gathers the updated
+    parameters (gloo does both on a CPU). Otherwise (CPU): torch's DistributedDataParallel; it
+    averages gradients over the same group, which is what megatron-core's DDP does when the
+    loss is averaged per rank; with pipeline stages, `pipeline.finalize_grads` does it after
+    the last micro-batch instead.
     """
     config = model.config
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if has_cuda():
+    if megatron_ddp(args):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,

@@ -1,8 +1,9 @@
 """Optimizer and learning-rate schedule.
 
-GPU: megatron-core's get_megatron_optimizer (fp32 main weights for bf16 / fp16, optionally
-the distributed optimizer). CPU: a torch optimizer in ``TorchOptimizer``, which adds what the
-loop needs from a megatron-core optimizer: tensor-parallel aware gradient clipping and a
+GPU, and CPU with --use-distributed-optimizer: megatron-core's get_megatron_optimizer (fp32
+main weights for bf16 / fp16, optionally the distributed optimizer, whose Adam state is
+sharded over DP x CP). CPU otherwise: a torch optimizer in ``TorchOptimizer``, which adds what
+the loop needs from a megatron-core optimizer: tensor-parallel aware gradient clipping and a
 sharded state dict for dist_checkpointing.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.model import megatron_ddp
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -36,6 +39,28 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
             (decay if p.dim() > 1 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
             {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+
+
+# The distributed optimizer saves its state per parameter, in the parameter's shape (gathered
+# over DP x CP from the shards), as Megatron-LM's --dist-ckpt-optim-fully-reshardable does:
+# a checkpoint then loads into any other TP / PP / DP x CP layout.
+OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state a torch Adam(W) / SGD creates at its first step (zero moments, step 0)
+    where it is missing, so that a checkpoint can load into it before any step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            else:
+                state["momentum_buffer"] = torch.zeros_like(p)
 
 
 class TorchOptimizer:
@@ -88,24 +113,12 @@ class TorchOptimizer:
         self.optimizer.step()
         return True, norm, None
 
-    def _init_state(self) -> None:
-        """Create empty state (as after zero steps) so that a checkpoint can load into it."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state[p]
-                if state:
-                    continue
-                if isinstance(self.optimizer, torch.optim.AdamW):
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                else:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
-        """Optimizer state sharded like the parameters it belongs to."""
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict:
+        """Optimizer state sharded like the parameters it belongs to (`metadata` is for the
+        distributed optimizer's format; this state is always laid out like the model's)."""
         if is_loading:
-            self._init_state()
+            init_state(self.optimizer)
         state = self.optimizer.state_dict()
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.parameters())
@@ -122,9 +135,56 @@ class TorchOptimizer:
         self.optimizer.load_state_dict(state)
 
 
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron-core optimizer (one per chained optimizer)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+class MegatronOptimizerOnCpu:
+    """megatron-core's (distributed) optimizer over torch's Adam, as it runs without Transformer
+    Engine or Apex, with three things its checkpoint loading needs there:
+
+    - state before the first step: its `state_dict()` reads torch Adam's per-parameter step,
+      which exists only after a step (a job that resumes has taken none);
+    - no autograd while loading: with fp32 parameters its main parameters are views of the
+      model's, which it overwrites in place;
+    - the step itself: it restores torch Adam's per-parameter step from its param groups and
+      then overwrites it with the value in the loading template; it is set again from them.
+
+    Everything else is megatron-core's optimizer itself.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.megatron_optimizer = optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.megatron_optimizer, name)
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return _torch_optimizers(self.megatron_optimizer)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict:
+        if is_loading:
+            for optimizer in self._torch_optimizers():
+                init_state(optimizer)
+        return self.megatron_optimizer.sharded_state_dict(
+            model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.megatron_optimizer.load_state_dict(state)
+        for optimizer in self._torch_optimizers():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if "step" in group and "step" in optimizer.state[p]:
+                        optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
 def build_optimizer(model: torch.nn.Module, args: TrainingConfig):
-    """megatron-core's optimizer on a GPU, TorchOptimizer on a CPU."""
-    if not has_cuda():
+    """megatron-core's optimizer over its DDP's grad buffers (`model.megatron_ddp`), else
+    TorchOptimizer."""
+    if not megatron_ddp(args):
         return TorchOptimizer(model, args)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -135,7 +195,19 @@ def build_optimizer(model: torch.nn.Module, args: TrainingConfig):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, [model])
+    if args.use_distributed_optimizer:
+        print_rank0(f" distributed optimizer: {args.optimizer} state of "
+                    f"{_state_numel(optimizer):,} of {sum(p.numel() for p in model.parameters()):,} "
+                    f"parameters on this rank (sharded over DP x CP "
+                    f"{args.data_parallel_size * args.context_parallel_size})")
+    return optimizer if has_cuda() else MegatronOptimizerOnCpu(optimizer)
+
+
+def _state_numel(optimizer: Any) -> int:
+    """Elements this rank's optimizer steps: its shard of the parameters."""
+    return sum(p.numel() for o in _torch_optimizers(optimizer)
+               for g in o.param_groups for p in g["params"])
 
 
 def build_scheduler(optimizer: Any, args: TrainingConfig) -> OptimizerParamScheduler:
