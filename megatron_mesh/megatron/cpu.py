@@ -4,12 +4,13 @@ A few megatron-core code paths put small tensors on the GPU even when the model 
 the CPU: RoPE moves its frequencies to `torch.cuda.current_device()`, its context-parallel
 slicing builds a pinned index tensor and calls `.cuda()`, the schedules create counters with
 `device="cuda"`, activation recomputation saves and restores the CUDA generator's state,
-the dist-checkpoint writer synchronizes CUDA after staging tensors in host memory.
+the dist-checkpoint writer synchronizes CUDA after staging tensors in host memory, the
+distributed optimizer sorts parameters by `Tensor.type()` ('torch.cuda.FloatTensor', ...).
 `megatron_on_cpu()` keeps all of these on the CPU: inside it, CUDA device requests become CPU
-ones, pinning is skipped, CUDA synchronization has nothing to wait for, and the CUDA
-generator's state is empty (recomputation still saves
-and restores the CPU generator, the one a CPU run draws from). The computation itself is
-untouched. With CUDA available it does nothing.
+ones, pinning is skipped, CUDA synchronization has nothing to wait for, `Tensor.type()` names
+the CUDA type of the tensor's dtype, and the CUDA generator's state is empty (recomputation
+still saves and restores the CPU generator, the one a CPU run draws from). The computation
+itself is untouched. With CUDA available it does nothing.
 """
 from __future__ import annotations
 
@@ -72,10 +73,12 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 def megatron_on_cpu() -> Iterator[None]:
     """Context for building and running megatron-core models without CUDA; no-op with CUDA.
 
-    Also makes `torch.cuda.current_device()` answer "cpu", `torch.cuda.synchronize()` a no-op
-    and megatron-core's CUDA generator state empty (for the rest of the process): megatron-core
-    asks the first where to put RoPE frequencies and buffers, its checkpoint writer calls the
-    second, and it saves the third around recomputed activations.
+    Also makes `torch.cuda.current_device()` answer "cpu", `torch.cuda.current_stream()` the
+    CPU's (no-op) stream, `torch.cuda.synchronize()` a no-op and megatron-core's CUDA
+    generator state empty (for the rest of the process): megatron-core asks the first where to
+    put RoPE frequencies and buffers, its DDP (0.19) waits on the second's events before a
+    gradient reduction, its checkpoint writer calls the third, and it saves the last around
+    recomputed activations.
     """
     if torch.cuda.is_available():
         yield
@@ -83,6 +86,7 @@ def megatron_on_cpu() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = _cpu_current_device
+    torch.cuda.current_stream = torch.cpu.current_stream
     torch.cuda.synchronize = _nothing
     megatron_random._get_cuda_rng_state = _no_cuda_rng_state
     megatron_random._set_cuda_rng_state = _nothing
