@@ -1,7 +1,8 @@
 """The pretraining driver end to end on CPU: torchrun, gloo, megatron-core, real data files.
 
 Runs are shared between tests (module fixtures): a CP = 1 reference, an unbroken 4-rank
-2x2 mesh run with wandb offline, a 4-rank run in which one rank dies, and the resume of it.
+2x2 mesh run with wandb offline, a 4-rank run in which one rank dies, and the resume of it,
+a DP 2 x CP 2 run with the distributed optimizer.
 """
 from __future__ import annotations
 
@@ -141,16 +142,49 @@ def fault_run(data_args: list[str], work: Path) -> Run:
                     MEGATRON_MESH_FAULT=f"2:{DIES_AT}:kill")
 
 
-def test_data_parallel_with_cp_matches_cp1(cp1_run: Run, data_args: list[str]) -> None:
-    """DP 2 x CP 2 (mesh, chosen by Megatron's --cp-comm-type, with selective
-    recomputation): the sampler splits the batch and DDP averages over DP x CP."""
-    run = torchrun(4, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
-                       "--recompute-granularity", "selective", "--train-iters", "4",
-                       "--lr-decay-iters", str(ITERS)])  # the reference's LR schedule
-    assert run.returncode == 0, run.output[-3000:]
-    assert "x DP 2" in run.output
-    ref, got = cp1_run.lines(), run.lines()
+@pytest.fixture(scope="module")
+def distopt_run(data_args: list[str], work: Path) -> Run:
+    """DP 2 x CP 2 (mesh, chosen by Megatron's --cp-comm-type) with selective recomputation
+    and the distributed optimizer: iterations 1..4 of the reference's LR schedule, saved."""
+    return torchrun(4, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+                        "--recompute-granularity", "selective", "--use-distributed-optimizer",
+                        "--exit-interval", str(SAVE_EVERY), "--save", str(work / "distopt-ckpt")])
+
+
+def test_data_parallel_with_cp_and_distributed_optimizer_matches_cp1(
+        cp1_run: Run, distopt_run: Run) -> None:
+    """DP 2 x CP 2: the sampler splits the batch; megatron-core's DDP grad buffers and
+    DistributedOptimizer on gloo reduce-scatter the gradients over DP x CP, each rank steps
+    Adam on a quarter of the parameters, and loss and grad norm match CP = 1."""
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    assert distopt_run.returncode == 0, distopt_run.output[-3000:]
+    assert "x DP 2" in distopt_run.output
+    shard = re.search(r"distributed optimizer: adam state of ([\d,]+) of ([\d,]+) parameters "
+                      r"on this rank \(sharded over DP x CP 4\)", distopt_run.output)
+    assert shard, distopt_run.output[-3000:]
+    held, total = (int(g.replace(",", "")) for g in shard.groups())
+    assert total // 4 <= held < total // 2, (held, total)
+    ref, got = cp1_run.lines(), distopt_run.lines()
     assert sorted(got) == [1, 2, 3, 4]
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
+
+
+def test_distributed_optimizer_resumes_on_fewer_ranks(
+        cp1_run: Run, distopt_run: Run, data_args: list[str], work: Path) -> None:
+    """The DP 2 x CP 2 distributed-optimizer checkpoint of iteration 4 resumes on DP 1 x CP 2
+    (optimizer state resharded from 4 ranks to 2): iterations 5..8 match CP = 1, so Adam's
+    moments and step came back."""
+    assert distopt_run.returncode == 0, distopt_run.output[-3000:]
+    save = work / "distopt-ckpt"
+    resumed = torchrun(2, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+                           "--use-distributed-optimizer", "--load", str(save)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"loaded checkpoint {save / 'iter_0000004'}" in resumed.output
+    assert "sharded over DP x CP 2" in resumed.output
+    ref, got = cp1_run.lines(), resumed.lines()
+    assert sorted(got) == list(range(SAVE_EVERY + 1, ITERS + 1))
     for it, fields in got.items():
         assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
@@ -172,36 +206,6 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
     assert "parameters on this rank 61,440" in run.output  # rank 0: embedding and layer 1
     ref, got = cp1_run.lines(), run.lines()
     assert sorted(got) == list(range(SAVE_EVERY + 1, ITERS + 1))
-    for it, fields in got.items():
-        assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
-        assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
-
-
-def test_distributed_optimizer_with_mesh_matches_cp1_and_resumes_on_fewer_ranks(
-        cp1_run: Run, data_args: list[str], work: Path) -> None:
-    """DP 2 x CP 2 (mesh) with megatron-core's DDP grad buffers and DistributedOptimizer on
-    gloo: Adam state sharded over the 4 DP x CP ranks, loss and grad norm match CP = 1; its
-    checkpoint of iteration 4 resumes on DP 1 x CP 2 (the optimizer state resharded over 2
-    ranks) and iterations 5..8 match CP = 1 too (Adam's moments and step restored)."""
-    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
-    save = work / "distopt-ckpt"
-    flags = [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
-             "--use-distributed-optimizer"]
-    run = torchrun(4, [*flags, "--save", str(save), "--exit-interval", str(SAVE_EVERY)])
-    assert run.returncode == 0, run.output[-3000:]
-    assert "x DP 2" in run.output
-    shard = re.search(r"distributed optimizer: adam state of ([\d,]+) of ([\d,]+) parameters "
-                      r"on this rank \(sharded over DP x CP 4\)", run.output)
-    assert shard, run.output[-3000:]
-    held, total = (int(g.replace(",", "")) for g in shard.groups())
-    assert total // 4 <= held < total // 2, (held, total)
-    resumed = torchrun(2, [*flags, "--load", str(save)])
-    assert resumed.returncode == 0, resumed.output[-3000:]
-    assert f"loaded checkpoint {save / 'iter_0000004'}" in resumed.output
-    assert "sharded over DP x CP 2" in resumed.output
-    ref = cp1_run.lines()
-    got = {**run.lines(), **resumed.lines()}
-    assert sorted(got) == list(range(1, ITERS + 1))
     for it, fields in got.items():
         assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
