@@ -208,6 +208,31 @@ def test_a2a_p2p_is_a2a_inside_node_and_ring_across():
         a2a_p2p_transfers(w, Cluster(gpus=p), 16)
 
 
+def test_an_all_to_all_across_nodes_sends_its_node_parts_over_nvlink_meanwhile():
+    """Ulysses over 8 ranks on two nodes of 4: each rank sends 4 of its 7 parts off the
+    node through its NIC while the other 3 cross NVLink; the pass takes the slower of the
+    two, and only the 4/7 count as inter-node bytes."""
+    w = gqa(seq=8192, heads=32, kv_heads=8)
+    cluster = Cluster(gpus=8, gpus_per_node=4, intra_node_bw=360, inter_node_bw=45)
+    fwd, bwd = a2a_transfers(w, cluster)
+    assert fwd.crosses_nodes and fwd.off_node_share == pytest.approx(4 / 7)
+    off, on = fwd.nbytes * 4 / 7, fwd.nbytes * 3 / 7
+    nic, nvlink = cluster.bandwidth(True), cluster.bandwidth(False)
+    assert fwd.seconds(cluster) == pytest.approx(max(off / nic, on / nvlink))
+    assert fwd.seconds(cluster) < fwd.nbytes / nic
+    result = plan(8, seq_length=w.seq_length, num_heads=w.num_heads,
+                  num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, batch=w.batch,
+                  gpus_per_node=4)
+    estimate = result.method("a2a")
+    assert estimate.inter_node_bytes == round(fwd.nbytes * 4 / 7) + round(bwd.nbytes * 4 / 7)
+    # the same all-to-all inside one node of 8: no NIC share, NVLink for all of it
+    inside, _ = a2a_transfers(w, Cluster(gpus=8, gpus_per_node=8))
+    assert not inside.crosses_nodes and inside.off_node_share == 0
+    # and the heads corner of the grid search prices it the same way
+    grid = next(e for e in result.grids if e.grid_shape == (8, 1, 1))
+    assert grid.total_s == pytest.approx(estimate.total_s)
+
+
 def test_mesh_cuts_traffic_like_the_design_formula():
     """MHA, P = 64, 8 x 8, all fp32: 5 (C-1) q + 3 (R-1) kv + lse terms vs 3 (P-1) kv."""
     w = Workload(seq_length=64 * 64, num_heads=16, num_kv_heads=16, head_dim=64, dtype="fp32")

@@ -4,6 +4,7 @@ Per pass (forward, backward) and per GPU:
 
     compute = pass FLOPs / P / attention TFLOP/s
     comm(t) = bytes(t) / bandwidth of the slowest link t's groups cross
+              (all-to-all: max(off-node bytes / NIC, on-node bytes / intra-node link))
     time    = sum(comm of exposed t) + ring                                  (overlap on)
     ring    = w + (n-1) max(w, h / (n-1)) + r / (n-1)
     time    = compute + sum(comm of all t)                                   (overlap off)
@@ -43,9 +44,23 @@ class Transfer:
     hidden: bool
     ring_size: int = 0  # hidden transfers: the members n of the ring that carries them
     trailing: bool = False  # a partial one hop behind its chunk: the last hop is exposed
+    # an all-to-all: the share of its bytes that leaves the node through the NIC while the
+    # rest moves over the intra-node links at the same time; None: every byte takes the
+    # slowest link of the group (rings, gathers, reductions)
+    off_node_share: float | None = None
+
+    @property
+    def inter_node_nbytes(self) -> int:
+        """The bytes that leave the node."""
+        if not self.crosses_nodes:
+            return 0
+        return self.nbytes if self.off_node_share is None else round(self.nbytes * self.off_node_share)
 
     def seconds(self, cluster: Cluster) -> float:
-        return self.nbytes / cluster.bandwidth(self.crosses_nodes)
+        if self.off_node_share is None:
+            return self.nbytes / cluster.bandwidth(self.crosses_nodes)
+        return max(self.nbytes * self.off_node_share / cluster.bandwidth(True),
+                   self.nbytes * (1 - self.off_node_share) / cluster.bandwidth(False))
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ class Estimate:
 
     @property
     def inter_node_bytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers if t.crosses_nodes)
+        return sum(t.inter_node_nbytes for t in self.transfers)
 
     @property
     def total_s(self) -> float:

@@ -90,7 +90,8 @@ def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
                   "total": e.total_bytes, "inter_node": e.inter_node_bytes},
         "transfers": [
             {"phase": t.phase, "group": t.group, "tensors": t.tensors, "bytes": t.nbytes,
-             "crosses_nodes": t.crosses_nodes, "hidden": t.hidden}
+             "crosses_nodes": t.crosses_nodes, "off_node_share": t.off_node_share,
+             "hidden": t.hidden}
             for t in e.transfers
         ],
         "compute_s": dict(e.compute_s),

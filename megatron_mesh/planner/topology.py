@@ -6,6 +6,7 @@ of its groups lies inside one node.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from megatron_mesh.planner.hardware import Cluster
@@ -29,6 +30,19 @@ def strided_groups(size: int, group_size: int) -> list[range]:
 def crosses_nodes(groups: Groups, cluster: Cluster) -> bool:
     """True if any group holds ranks of two different nodes."""
     return any(len({cluster.node_of(r) for r in group}) > 1 for group in groups)
+
+
+def off_node_share(groups: Groups, cluster: Cluster) -> float:
+    """An all-to-all sends equal parts to every other member of its group: the largest share
+    of a member's bytes that leaves its node (0 for groups inside one node)."""
+    worst = 0.0
+    for group in groups:
+        n = len(group)
+        if n < 2:
+            continue
+        per_node = Counter(cluster.node_of(r) for r in group)
+        worst = max(worst, (n - min(per_node.values())) / (n - 1))
+    return worst
 
 
 def _check_divides(size: int, group_size: int) -> None:

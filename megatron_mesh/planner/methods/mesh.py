@@ -20,6 +20,7 @@ from megatron_mesh.grid import dim_groups
 from megatron_mesh.plan import Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.traffic import heads_shape, mesh_traffic
@@ -61,12 +62,8 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
         return Transfer(phase, "column", tensors, nbytes, col_cross, hidden == "column", rows,
                         trailing)
 
-    a2a = [] if heads == 1 else [
-        Transfer("forward", "a2a", f"all-to-all Q,K,V in, O out ({e})", traffic.forward_heads,
-                 crosses_nodes(heads_groups, cluster), hidden=False),
-        Transfer("backward", "a2a", f"all-to-all dO in, dQ,dK,dV out ({e})",
-                 traffic.backward_heads, crosses_nodes(heads_groups, cluster), hidden=False),
-    ]
+    a2a = [] if heads == 1 else all_to_all_pair(traffic.forward_heads, traffic.backward_heads,
+                                                 e, heads_groups, cluster)
     return a2a + [
         row("forward", f"Q ({e})", traffic.forward_row - out_part),
         row("forward", f"partial O ({o}), lse (fp32)", out_part, trailing=True),
