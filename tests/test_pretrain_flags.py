@@ -163,8 +163,10 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
      "context-parallel 4 x pipeline-parallel 2; launch with torchrun --nproc-per-node 8"),
     (["--use-distributed-optimizer", "--optimizer", "sgd"], "--use-distributed-optimizer with "
      "--optimizer sgd on a CPU: megatron-core's distributed optimizer over torch's optimizers"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "Transformer Engine or Apex"),
     (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"],
+     "--sequence-parallel: the 63 tokens per context-parallel rank (--seq-length 63 / CP 1) are "
+     "not divisible by --tensor-model-parallel-size 2"),
 ])
 def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
                                              capsys: pytest.CaptureFixture) -> None:

@@ -190,6 +190,46 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
+def _checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict:
+    """Every tensor of a dist-checkpoint as one full (unsharded) tensor, read in this process."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(scratch))
+    return {k: v for k, v in torch.load(scratch, weights_only=False).items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def test_sequence_parallel_tp2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str],
+                                                    work: Path) -> None:
+    """TP 2 x CP 2 (mesh) with --sequence-parallel on gloo: activations between the layers
+    are [s / (CP x TP), b, h] (reduce-scatter / all-gather around the linears), the norms
+    are torch's with their weights marked sequence-parallel, whose gradients megatron-core's
+    finalize_model_grads sums over TP. Loss and grad norm match CP = 1, and after 4 steps
+    every weight and Adam moment does too (a norm gradient not summed over TP moves the norm
+    weights by ~1e-3 here)."""
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    save = work / "tp2-sp-ckpt"
+    run = torchrun(4, [*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+                       "--exit-interval", str(SAVE_EVERY), "--save", str(save)])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "world 4 = TP 2 x PP 1 x CP 2" in run.output
+    ref, got = cp1_run.lines(), run.lines()
+    assert sorted(got) == [1, 2, 3, 4]
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(ref[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
+    name = f"iter_{SAVE_EVERY:07d}"
+    expected = _checkpoint_tensors(work / "cp1-ckpt" / name, work / "cp1-iter4.pt")
+    saved = _checkpoint_tensors(save / name, work / "tp2-sp-iter4.pt")
+    assert sorted(saved) == sorted(expected)
+    assert "decoder.final_layernorm.weight" in saved
+    for key, tensor in expected.items():
+        diff = (saved[key] - tensor).abs().max().item()
+        assert diff < 1e-5, (key, diff)
+
+
 def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], work: Path) -> None:
     """PP 2 x CP 2 (mesh) from CP = 1's checkpoint of iteration 4 (each stage loads its
     layers; a pipeline run initializes its stages differently from one stage, as Megatron-LM

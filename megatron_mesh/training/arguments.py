@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--tensor-model-parallel-size", type=int, default=1)
     _flag(g, "--pipeline-model-parallel-size", type=int, default=1)
     _flag(g, "--context-parallel-size", type=int, default=1)
-    _flag(g, "--sequence-parallel", type=bool, default=False)
+    _flag(g, "--sequence-parallel", type=bool, default=False,
+          help="with TP > 1: activations outside the linears sharded over TP along the sequence")
     _flag(g, "--distributed-backend", default=None, choices=("nccl", "gloo"),
           help="default nccl with CUDA, gloo without")
     _flag(g, "--distributed-timeout-minutes", type=float, default=10.0,
@@ -275,10 +276,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               "local attention has no context parallelism; use --attention-backend auto or flash")
     if (args.bf16 or args.fp16) and not torch.cuda.is_available():
         _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
-    if args.sequence_parallel and not torch.cuda.is_available():
-        _fail("--sequence-parallel needs CUDA: its layer norms come from Transformer Engine or "
-              "Apex (megatron-core's torch norms refuse it) and megatron-core's DDP reduces their "
-              "gradients over TP; drop it on a CPU (the mesh runs the same with or without it)")
     if args.use_distributed_optimizer and args.optimizer != "adam" and not has_cuda():
         _fail(f"--use-distributed-optimizer with --optimizer {args.optimizer} on a CPU: "
               "megatron-core's distributed optimizer over torch's optimizers (no Transformer "
@@ -286,6 +283,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               "drop --use-distributed-optimizer")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
+        _fail(f"--sequence-parallel: the {args.seq_length // cp} tokens per context-parallel rank "
+              f"(--seq-length {args.seq_length} / CP {cp}) are not divisible by "
+              f"--tensor-model-parallel-size {tp}; use a sequence length divisible by CP x TP = "
+              f"{cp * tp} (or drop --sequence-parallel)")
     if args.num_attention_heads % tp or args.num_query_groups % tp:
         _fail(f"--tensor-model-parallel-size {tp} must divide the attention heads "
               f"({args.num_attention_heads}) and query groups ({args.num_query_groups})")

@@ -123,9 +123,14 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
     the embedding on the first stage, the output layer and loss on the last (with tied
     embeddings the last stage holds a copy of the word embeddings, `param.shared`)."""
     config = transformer_config(args)
+    spec = layer_spec(args)
+    if args.sequence_parallel and not use_transformer_engine(args):
+        from megatron_mesh.megatron.norm import sequence_parallel_block_spec
+
+        spec = sequence_parallel_block_spec(spec, config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -143,8 +148,9 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
 def megatron_ddp(args: TrainingConfig) -> bool:
     """Whether gradients live in megatron-core's DDP grad buffers and megatron-core's optimizer
     steps: always on a GPU; on a CPU for the distributed optimizer (which shards those
-    buffers), run there inside `megatron_on_cpu()`."""
-    return has_cuda() or args.use_distributed_optimizer
+    buffers) and for sequence parallelism (whose norm gradients its finalize step sums over
+    TP), run there inside `megatron_on_cpu()`."""
+    return has_cuda() or args.use_distributed_optimizer or args.sequence_parallel
 
 
 def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
