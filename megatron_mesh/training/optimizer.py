@@ -1,8 +1,9 @@
 """Optimizer and learning-rate schedule.
 
-GPU, and CPU with --use-distributed-optimizer: megatron-core's get_megatron_optimizer (fp32
-main weights for bf16 / fp16, optionally the distributed optimizer, whose Adam state is
-sharded over DP x CP). CPU otherwise: a torch optimizer in ``TorchOptimizer``, which adds what
+GPU, and CPU with --use-distributed-optimizer or --sequence-parallel (`model.megatron_ddp`):
+megatron-core's get_megatron_optimizer (fp32 main weights for bf16 / fp16, optionally the
+distributed optimizer, whose Adam state is sharded over DP x CP); on a CPU inside
+``MegatronOptimizerOnCpu``. CPU otherwise: a torch optimizer in ``TorchOptimizer``, which adds what
 the loop needs from a megatron-core optimizer: tensor-parallel aware gradient clipping and a
 sharded state dict for dist_checkpointing.
 """
@@ -41,9 +42,11 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
             {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
 
 
-# The distributed optimizer saves its state per parameter, in the parameter's shape (gathered
-# over DP x CP from the shards), as Megatron-LM's --dist-ckpt-optim-fully-reshardable does:
-# a checkpoint then loads into any other TP / PP / DP x CP layout.
+# The distributed optimizer saves its state as its DP x CP shards of the grad buffers
+# (Megatron-LM's default, "dp_reshardable"): a checkpoint loads with another DP x CP size,
+# not another TP or PP size. ("fully_reshardable", per parameter, cannot load into
+# megatron-core's optimizer over torch's Adam: its loader drops Adam's step, which that
+# optimizer then asks for.)
 OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -141,8 +144,8 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 class MegatronOptimizerOnCpu:
-    """megatron-core's (distributed) optimizer over torch's Adam, as it runs without Transformer
-    Engine or Apex, with three things its checkpoint loading needs there:
+    """megatron-core's optimizer over torch's Adam, as it runs without Transformer Engine or
+    Apex, with three things loading a distributed-optimizer checkpoint needs there:
 
     - state before the first step: its `state_dict()` reads torch Adam's per-parameter step,
       which exists only after a step (a job that resumes has taken none);
@@ -160,13 +163,10 @@ class MegatronOptimizerOnCpu:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.megatron_optimizer, name)
 
-    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
-        return _torch_optimizers(self.megatron_optimizer)
-
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: dict | None = None) -> dict:
         if is_loading:
-            for optimizer in self._torch_optimizers():
+            for optimizer in _torch_optimizers(self.megatron_optimizer):
                 init_state(optimizer)
         return self.megatron_optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
@@ -174,10 +174,10 @@ class MegatronOptimizerOnCpu:
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
             self.megatron_optimizer.load_state_dict(state)
-        for optimizer in self._torch_optimizers():
+        for optimizer in _torch_optimizers(self.megatron_optimizer):
             for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if "step" in group and "step" in optimizer.state[p]:
+                for p in group["params"] if "step" in group else ():
+                    if "step" in optimizer.state[p]:
                         optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
