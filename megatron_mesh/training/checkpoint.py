@@ -147,7 +147,9 @@ def _handled_signals_ignored():
 def _writer_manager_exits_with_rank() -> None:
     """megatron-core's checkpoint writer keeps its results in a queue served by a spawned
     multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
-    process would linger; start it ourselves, set to exit when the rank does."""
+    process would linger; start it ourselves, set to exit when the rank does. Forked, as
+    megatron-core forks its writer processes: a spawned one re-imports the driver and
+    megatron-core first (several seconds per rank at the first save)."""
     global _RESULTS_MANAGER
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -157,7 +159,7 @@ def _writer_manager_exits_with_rank() -> None:
         return
     from multiprocessing.managers import SyncManager
 
-    _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
     with _handled_signals_ignored():
         _RESULTS_MANAGER.start(initializer=_exit_with_parent)
     filesystem_async._results_queue = _RESULTS_MANAGER.Queue()
