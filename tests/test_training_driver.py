@@ -190,6 +190,43 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
+def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
+        cp1_run: Run, distopt_run: Run, data_args: list[str], work: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each optimizer lays out its checkpoint state its own way (torch's, megatron-core's, the
+    distributed optimizer's DP x CP shards): the saved kind is checked on load, before any
+    tensor is read, with an error that says which flags resume it or --no-load-optim."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_mesh.training.arguments import parse_args
+    from megatron_mesh.training.checksums import CheckpointError
+    from megatron_mesh.training.optimizer import check_saved_optimizer
+
+    assert cp1_run.returncode == 0 and distopt_run.returncode == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch_args = parse_args(data_args)
+    distopt_args = parse_args([*data_args, "--use-distributed-optimizer"])
+    sp_args = parse_args([*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    name = f"iter_{SAVE_EVERY:07d}"
+    torch_saved = dist_checkpointing.load_common_state_dict(str(work / "cp1-ckpt" / name))
+    distopt_saved = dist_checkpointing.load_common_state_dict(str(work / "distopt-ckpt" / name))
+    check_saved_optimizer(torch_saved, [1, 2, 2], "ckpt", torch_args)
+    check_saved_optimizer(distopt_saved, [1, 1, 2], "ckpt", distopt_args)  # DP x CP reshards
+    with pytest.raises(CheckpointError, match="holds torch optimizer state .* this run's "
+                       "optimizer is megatron-core distributed's: resume on a CPU without "
+                       "--use-distributed-optimizer or --sequence-parallel, or load the "
+                       "weights only with --no-load-optim"):
+        check_saved_optimizer(torch_saved, [1, 1, 4], "ckpt", distopt_args)
+    with pytest.raises(CheckpointError, match="holds megatron-core distributed optimizer state "
+                       r"\(saved with --use-distributed-optimizer\); this run's optimizer is "
+                       "megatron-core's"):
+        check_saved_optimizer(distopt_saved, [1, 2, 2], "ckpt", sp_args)
+    with pytest.raises(CheckpointError, match="saved with PP 1 x TP 1 and loads only with "
+                       "those .* this run has PP 1 x TP 2"):
+        check_saved_optimizer(distopt_saved, [1, 2, 2], "ckpt", parse_args(
+            [*data_args, "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"]))
+
+
 def _checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict:
     """Every tensor of a dist-checkpoint as one full (unsharded) tensor, read in this process."""
     import torch

@@ -33,7 +33,11 @@ from megatron_mesh.training.checksums import CheckpointError, verify_manifest, w
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
-from megatron_mesh.training.optimizer import OPTIMIZER_CHECKPOINT_METADATA
+from megatron_mesh.training.optimizer import (
+    OPTIMIZER_CHECKPOINT_METADATA,
+    check_saved_optimizer,
+    optimizer_kind,
+)
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -207,6 +211,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     if with_rng:
         sd["rng_state"] = _rng_object()
     if not loading:
+        sd["optimizer_kind"] = optimizer_kind(args)
         sd["iteration"] = state.iteration
         sd["consumed_samples"] = state.consumed_samples
         sd["model_shape"] = {k: getattr(args, k) for k in (
@@ -274,6 +279,8 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     common = dist_checkpointing.load_common_state_dict(path)
     with_optim = not (args.no_load_optim or args.finetune)
     with_rng = not (args.no_load_rng or args.finetune)
+    if with_optim:
+        check_saved_optimizer(common, _layout(), path, args)
     if with_rng and list(common.get("layout", [])) != _layout():
         print_rank0(f" checkpoint layout {common.get('layout')} (PP, TP, DPxCP) differs from "
                     f"{_layout()}: RNG state not restored")

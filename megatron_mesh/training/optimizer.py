@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_mesh.training.checksums import CheckpointError
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import megatron_ddp
@@ -48,6 +49,42 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 # megatron-core's optimizer over torch's Adam: its loader drops Adam's step, which that
 # optimizer then asks for.)
 OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def optimizer_kind(args: TrainingConfig) -> str:
+    """The optimizer whose state a checkpoint of this run holds; each kind lays it out its
+    own way, so a checkpoint's optimizer state loads only into the same kind."""
+    if args.use_distributed_optimizer:
+        return "megatron-core distributed"
+    return "megatron-core" if megatron_ddp(args) else "torch"
+
+
+_KIND_FLAGS = {"megatron-core distributed": "with --use-distributed-optimizer",
+               "megatron-core": "with --sequence-parallel (on a CPU) or on a GPU",
+               "torch": "on a CPU without --use-distributed-optimizer or --sequence-parallel"}
+
+
+def check_saved_optimizer(common: dict[str, Any], layout: list[int], path: str,
+                          args: TrainingConfig) -> None:
+    """Raise CheckpointError, naming what to do instead, when the optimizer state of the checkpoint
+    at `path` (its common state dict) cannot load into this run's optimizer: another kind,
+    or the distributed optimizer's shards under another TP or PP size. `layout` is this run's
+    [PP, TP, DP x CP]."""
+    saved, kind = common.get("optimizer_kind"), optimizer_kind(args)
+    if saved is None:  # saved before the kind was recorded
+        return
+    if saved != kind:
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved} optimizer state (saved {_KIND_FLAGS[saved]}); this "
+            f"run's optimizer is {kind}'s: resume {_KIND_FLAGS[saved]}, or load the weights only "
+            "with --no-load-optim")
+    saved_layout = list(common.get("layout", layout))
+    if kind == "megatron-core distributed" and saved_layout[:2] != layout[:2]:
+        raise CheckpointError(
+            f"checkpoint {path}: the distributed optimizer's state was saved with PP "
+            f"{saved_layout[0]} x TP {saved_layout[1]} and loads only with those (any DP x CP); "
+            f"this run has PP {layout[0]} x TP {layout[1]}: use the saved sizes, or load the "
+            "weights only with --no-load-optim")
 
 
 def init_state(optimizer: torch.optim.Optimizer) -> None:
