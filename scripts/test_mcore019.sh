@@ -18,6 +18,7 @@ TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_chec
        "tests/test_training_driver.py::test_pipeline_2_x_mesh_2_matches_cp1"
        "tests/test_training_driver.py::test_data_parallel_with_cp_and_distributed_optimizer_matches_cp1"
        "tests/test_training_driver.py::test_distributed_optimizer_resumes_on_fewer_ranks"
+       "tests/test_training_driver.py::test_optimizer_state_of_another_kind_or_tp_is_refused_by_name"
        "tests/test_training_driver.py::test_sequence_parallel_tp2_x_mesh_2_matches_cp1")
 if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
