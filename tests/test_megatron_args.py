@@ -145,8 +145,8 @@ def test_validate_automatic_shape_is_logged_and_follows_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
         mha = validate_mesh_args(_args(context_parallel_size=16))
     expected = dict(num_heads=32, head_dim=128, seq_length=_args().seq_length)
-    assert mha == choose_grid_shape(16, num_kv_heads=32, **expected) == (4, 2, 2)
-    assert "4x2x2 grid (heads x rows x cols)" in caplog.text and "planner" in caplog.text
+    assert mha == choose_grid_shape(16, num_kv_heads=32, **expected) == (16, 1, 1)
+    assert "16x1x1 grid (heads x rows x cols)" in caplog.text and "planner" in caplog.text
     gqa = validate_mesh_args(_args(context_parallel_size=16, num_query_groups=4))
     assert gqa == choose_grid_shape(16, num_kv_heads=4, **expected) == (4, 4, 1)
     assert gqa[1] > mha[1]  # GQA: taller tiles (more rows)

@@ -301,7 +301,8 @@ def _shape_decided_once(out):
     """Megatron-LM's path: the grid validate_mesh_args logs is the grid initialize_mesh_grids
     builds, chosen by the planner (from the flags, or again from the model's head counts) and
     given, with 2 CP ranks per node: MQA, where the planner's default node of 8 picks 1x4x1,
-    and GQA (2 K/V heads), where it picks the heads x rows x cols grid 2x2x1."""
+    and GQA (2 K/V heads), where it picks the heads x rows x cols grid 4x1x1 (Ulysses over
+    the 4 ranks, its 2 K/V heads repeated)."""
     import argparse
 
     from megatron_mesh.megatron import initialize_mesh_grids, validate_mesh_args
@@ -471,8 +472,8 @@ def test_logged_shape_is_the_built_shape(results):
     for res in results:
         assert res["shape_once_1"] == {"logged": (1, 2, 2), "planner": (1, 2, 2),
                                        "given": (1, 2, 2)}
-        assert res[f"shape_once_{GROUPS}"] == {"logged": (2, 2, 1), "planner": (2, 2, 1),
-                                               "given": (2, 2, 1)}
+        assert res[f"shape_once_{GROUPS}"] == {"logged": (4, 1, 1), "planner": (4, 1, 1),
+                                               "given": (4, 1, 1)}
     # without the launcher's node size the planner would have said otherwise
     assert auto_mesh_shape(4, HEADS, 1, HIDDEN // HEADS, 2 * SEQ) == (1, 4, 1)
 

@@ -403,33 +403,34 @@ def _logged_shapes(output: str) -> list[str]:
 
 def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
         cp1_run: Run, mesh_run: Run, data_args: list[str], work: Path) -> None:
-    """Given (--mesh-shape 2x2) and chosen by the planner on two nodes of two ranks: for 2 CP
-    ranks per node the planner picks heads x rows x cols 2x2x1 (an all-to-all inside each
-    node, a 2 x 1 mesh across them; for its default node of 8 GPUs it would pick 4x1x1).
-    The flag check's log line, the group builder's, the banner and wandb name the grid built,
-    and its losses match CP = 1."""
+    """Given (--mesh-shape 2x2) and chosen by the planner on two nodes of two ranks (the
+    planner's grid for 2 CP ranks per node, read from the launcher: a heads x rows x cols
+    grid, A = 4 here, which repeats the model's 2 K/V heads): the flag check's log line, the
+    group builder's, the banner and wandb name the grid built, and its losses match CP = 1."""
     from megatron_mesh.megatron.shape import auto_mesh_shape
 
     assert "2x2 grid of 4 CP ranks (as given)" in mesh_run.output
     assert _logged_shapes(mesh_run.output) == ["2x2"] * 3
-    assert auto_mesh_shape(4, 4, 2, 16, 64) == (4, 1, 1)
+    chosen = auto_mesh_shape(4, 4, 2, 16, 64, cp_ranks_per_node=2)
+    grid = "x".join(map(str, chosen))
+    assert chosen[0] > 1, chosen  # the case covers a heads dimension
     run = torchrun_nodes(2, 2, [*data_args, "--train-iters", "3", "--lr-decay-iters", str(ITERS),
                                 "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
                                 "--wandb-project", "mesh-tests",
                                 "--wandb-save-dir", str(work / "wandb-3d")])
     assert run.returncode == 0, run.output[-3000:]
-    assert ("2x2x1 grid (heads x rows x cols) of 4 CP ranks (chosen by the planner for 2 CP "
+    assert (f"{grid} grid (heads x rows x cols) of 4 CP ranks (chosen by the planner for 2 CP "
             "ranks per node)") in run.output
-    assert _logged_shapes(run.output) == ["2x2x1"] * 3
+    assert _logged_shapes(run.output) == [grid] * 3
     ref, got = cp1_run.losses(), run.losses()
     assert sorted(got) == [1, 2, 3]
     for it, loss in got.items():
         assert loss == pytest.approx(ref[it], rel=2e-5), (it, ref, got)
     (run_dir,) = glob.glob(str(work / "wandb-3d" / "wandb" / "offline-run-*"))
     name, config = _wandb_run(run_dir)
-    assert name == "mesh-2x2x1-tp1-dp1"
-    assert config["mesh_grid"] == "2x2x1" and config["mesh_heads"] == 2
-    assert config["mesh_shape"] == [2, 2, 1]
+    assert name == f"mesh-{grid}-tp1-dp1"
+    assert config["mesh_grid"] == grid and config["mesh_heads"] == chosen[0]
+    assert config["mesh_shape"] == list(chosen)
 
 
 def test_dead_rank_fails_job_and_resume_matches_unbroken_run(
