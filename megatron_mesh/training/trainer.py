@@ -13,7 +13,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mesh.training import faults
 from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
-from megatron_mesh.training.device import peak_memory_bytes, synchronize
+from megatron_mesh.training.device import device, peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import is_rank0, print_rank0
 from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
 from megatron_mesh.training.pipeline import report_to_all_stages
@@ -49,7 +49,7 @@ def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
 def _global_loss(reports: list[dict]) -> float:
     """Mean token loss over the global batch (all micro-batches, DP and CP ranks), on every
     rank: only the last pipeline stage has reports."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=device())  # NCCL reduces device tensors
     if reports:
         total = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
