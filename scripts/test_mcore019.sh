@@ -26,9 +26,10 @@ if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "$VENV/bin/pip" install --no-deps --ignore-requires-python "$MCORE"
 fi
 if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then  # a given venv without the test workers
-  "$VENV/bin/pip" install pytest-xdist
+  "$VENV/bin/pip" install "pytest-xdist>=3.6"
 fi
 "$VENV/bin/python" -c "import megatron.core as m; print('megatron-core', m.__version__)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder \
   "${TESTS[@]}" "$@"

@@ -39,7 +39,24 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+# Start order for several workers (scripts/test.sh shares files out, in this order, two files
+# queued per worker): the two longest files first, one per worker, each followed by quick
+# unit files, so that the other worker takes the rest meanwhile; then the next longest.
+LONGEST_FIRST = ("test_training_driver.py", "test_reliability.py")
+LONG_NEXT = ("test_slurm.py", "test_mesh_attention.py", "test_heads.py")
+
+
+def _start_rank(item: pytest.Item) -> int:
+    name = Path(str(item.fspath)).name
+    if name in LONGEST_FIRST:
+        return LONGEST_FIRST.index(name)
+    if name in LONG_NEXT:
+        return 3 + LONG_NEXT.index(name)
+    return 2 if name not in DISTRIBUTED_FILES | SYSTEM_FILES else 3 + len(LONG_NEXT)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_start_rank)  # stable: a file's tests keep their order
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(item)))
     if torch.cuda.is_available():
