@@ -2,7 +2,7 @@
 
 Tiers, one marker each (``pytest -m unit``, ``-m distributed``, ``-m system``):
   unit         fast, in this process: models, checks, flags, kernels on small tensors;
-  distributed  spawns gloo ranks or torchrun jobs on this machine;
+  distributed  forks gloo ranks or driver jobs on this machine (tests/preloaded.py);
   system       needs outside parts: a Slurm cluster, Megatron-LM checkouts.
 A test file's tier is set below (a test may name another tier itself). `gpu` tests need a
 CUDA device and are skipped, saying so, without one.
@@ -23,7 +23,7 @@ DISTRIBUTED_FILES = {
     "test_validation.py",
 }
 # spawned one-offs in otherwise fast files
-DISTRIBUTED_TESTS = {"test_bad_flags_under_torchrun_fail_fast_on_every_rank"}
+DISTRIBUTED_TESTS = {"test_bad_flags_fail_fast_on_every_rank"}
 
 
 def tier_of(item: pytest.Item) -> str:

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned processes and collect each rank's result."""
+"""Run a function on N gloo ranks in processes forked from a preloaded server (tests/preloaded.py)
+and collect each rank's result."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from preloaded import context
 
 
 def free_port() -> int:
@@ -31,5 +33,7 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
 def run_distributed(fn: Callable, world: int, *args: Any) -> list[Any]:
     """fn(rank, world, *args) on `world` gloo ranks; returns the per-rank return values."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world, join=True)
+        context()  # the server's preload list, set before it starts
+        mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world,
+                           join=True, start_method="forkserver")
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world)]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from preloaded import context
 
 WORLD = 8
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -359,14 +360,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # import megatron-core once here and fork: the ranks skip re-importing it
-    import megatron.core.models.gpt  # noqa: F401
-
-    import megatron_mesh.megatron  # noqa: F401
-
+    context()  # ranks forked from the preloaded server: megatron-core is imported there once
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_worker, args=(WORLD, _free_port(), outdir), nprocs=WORLD,
-                                 join=False, start_method="fork")
+                                 join=False, start_method="forkserver")
         deadline = time.monotonic() + JOB_TIMEOUT_S
         try:
             while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):

@@ -8,14 +8,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_training_driver import TINY, Run, _build_indexed_dataset, _env
+from preloaded import Job, Run, job_env
+from test_training_driver import TINY, _build_indexed_dataset
 
 from megatron_mesh.pretrain_gpt import main
 
@@ -23,25 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
 
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def _command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+def start_driver(args: list[str]) -> Job:
     """One driver process (world size 1, its own port): its output is all there is to read."""
-    return ([sys.executable, "-m", "megatron_mesh.pretrain_gpt", *args],
-            _env(MASTER_PORT=_free_port(), WORLD_SIZE="1", RANK="0"))
+    return Job(args, job_env())
 
 
 def driver(args: list[str]) -> Run:
-    cmd, env = _command(args)
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+    return start_driver(args).wait(timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +102,15 @@ def test_nan_loss_stops_every_rank_unsaved(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_sigterm_saves_and_exits_cleanly(tmp_path: Path) -> None:
     root = tmp_path / "save"
-    cmd, env = _command([*QUICK, "--train-iters", "100000", "--save", str(root),
-                         "--exit-signal-handler"])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
+    job = start_driver([*QUICK, "--train-iters", "100000", "--save", str(root),
+                        "--exit-signal-handler"])
+    for line in job.follow(timeout=120):
         if "iteration        3/" in line:
-            proc.send_signal(signal.SIGTERM)
+            os.kill(job.pid, signal.SIGTERM)
             break
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, output[-2000:]
+    run = job.wait(timeout=120)
+    output = run.output
+    assert run.returncode == 0, output[-2000:]
     assert "SIGTERM received: saving and exiting after iteration" in output
     stopped = int(output.split("exiting after iteration ")[1].split()[0])
     assert stopped >= 3

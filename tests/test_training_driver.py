@@ -1,4 +1,5 @@
-"""The pretraining driver end to end on CPU: torchrun, gloo, megatron-core, real data files.
+"""The pretraining driver end to end on CPU: gloo, megatron-core, real data files; each job's
+ranks are forked from a preloaded process with the environment torchrun gives (tests/preloaded.py).
 
 Runs are shared between tests (module fixtures): a CP = 1 reference, an unbroken 4-rank
 2x2 mesh run with wandb offline, a 4-rank run in which one rank dies, and the resume of it,
@@ -10,16 +11,12 @@ import glob
 import json
 import os
 import re
-import socket
 import struct
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from preloaded import Run, launch, launch_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -27,74 +24,6 @@ ITERS = 8
 SAVE_EVERY = 4
 DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
 MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"]
-LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)\|$", re.MULTILINE)
-LOSS = re.compile(r"^\d\.\d{6}E[+-]\d\d$")  # Megatron-LM's "lm loss: 5.575325E+00"
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(part.strip().split(": ", 1) for part in line.split(" | ") if ": " in part)
-
-
-@dataclass
-class Run:
-    returncode: int
-    output: str
-    seconds: float
-
-    def lines(self) -> dict[int, dict[str, str]]:
-        """Iteration -> the fields of its log line."""
-        return {int(m[1]): _fields(m[3]) for m in LOG_LINE.finditer(self.output)}
-
-    def losses(self) -> dict[int, float]:
-        out = {}
-        for it, fields in self.lines().items():
-            assert LOSS.match(fields["lm loss"]), fields
-            out[it] = float(fields["lm loss"])
-        return out
-
-    def traffic(self) -> list[str]:
-        return [f["attention traffic per rank (MB)"] for f in self.lines().values()]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MEGATRON_MESH_FAULT", None)
-    env.update(extra)
-    return env
-
-
-def torchrun(nproc: int, args: list[str], timeout: float = 240, **env: str) -> Run:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "megatron_mesh.pretrain_gpt", *args]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-    return Run(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
-
-
-def torchrun_nodes(nodes: int, nproc: int, args: list[str], timeout: float = 240) -> Run:
-    """One torchrun agent per "node", all on this machine (static rendezvous): each worker
-    sees LOCAL_WORLD_SIZE = nproc, as on a cluster of `nodes` nodes."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    start = time.monotonic()
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank",
-         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "--nproc-per-node", str(nproc), "-m", "megatron_mesh.pretrain_gpt", *args],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in range(nodes)]
-    outputs, codes = [], []
-    for agent in agents:
-        try:
-            outputs.append(agent.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            outputs.append(agent.communicate()[0])
-        codes.append(agent.returncode)
-    return Run(max(codes, key=abs), "\n".join(outputs), time.monotonic() - start)
 
 
 def _build_indexed_dataset(prefix: str) -> None:
@@ -125,19 +54,19 @@ def data_args(work: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def cp1_run(data_args: list[str], work: Path) -> Run:
     """The CP = 1 reference; its checkpoint of iteration 4 starts the pipeline run."""
-    return torchrun(1, [*data_args, "--save", str(work / "cp1-ckpt"),
+    return launch(1, [*data_args, "--save", str(work / "cp1-ckpt"),
                         "--save-interval", str(SAVE_EVERY)])
 
 
 @pytest.fixture(scope="module")
 def mesh_run(data_args: list[str], work: Path) -> Run:
-    return torchrun(4, [*data_args, *MESH, "--wandb-project", "mesh-tests",
+    return launch(4, [*data_args, *MESH, "--wandb-project", "mesh-tests",
                         "--wandb-exp-name", "tiny-2x2", "--wandb-save-dir", str(work / "wandb")])
 
 
 @pytest.fixture(scope="module")
 def fault_run(data_args: list[str], work: Path) -> Run:
-    return torchrun(4, [*data_args, *MESH, "--save", str(work / "ckpt"),
+    return launch(4, [*data_args, *MESH, "--save", str(work / "ckpt"),
                         "--save-interval", str(SAVE_EVERY)],
                     MEGATRON_MESH_FAULT=f"2:{DIES_AT}:kill")
 
@@ -146,7 +75,7 @@ def fault_run(data_args: list[str], work: Path) -> Run:
 def distopt_run(data_args: list[str], work: Path) -> Run:
     """DP 2 x CP 2 (mesh, chosen by Megatron's --cp-comm-type) with selective recomputation
     and the distributed optimizer: iterations 1..4 of the reference's LR schedule, saved."""
-    return torchrun(4, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+    return launch(4, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
                         "--recompute-granularity", "selective", "--use-distributed-optimizer",
                         "--exit-interval", str(SAVE_EVERY), "--save", str(work / "distopt-ckpt")])
 
@@ -178,7 +107,7 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
     moments and step came back."""
     assert distopt_run.returncode == 0, distopt_run.output[-3000:]
     save = work / "distopt-ckpt"
-    resumed = torchrun(2, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
+    resumed = launch(2, [*data_args, "--context-parallel-size", "2", "--cp-comm-type", "mesh",
                            "--use-distributed-optimizer", "--load", str(save)])
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"loaded checkpoint {save / 'iter_0000004'}" in resumed.output
@@ -247,7 +176,7 @@ def test_sequence_parallel_tp2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: lis
     weights by ~1e-3 here)."""
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
     save = work / "tp2-sp-ckpt"
-    run = torchrun(4, [*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    run = launch(4, [*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                        "--context-parallel-size", "2", "--cp-comm-type", "mesh",
                        "--exit-interval", str(SAVE_EVERY), "--save", str(save)])
     assert run.returncode == 0, run.output[-3000:]
@@ -274,7 +203,7 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
     over 2 micro-batches, tied embeddings on both stages, loss and grad norm (reduced over
     the stages) match CP = 1."""
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
-    run = torchrun(4, [*data_args, "--pipeline-model-parallel-size", "2",
+    run = launch(4, [*data_args, "--pipeline-model-parallel-size", "2",
                        "--context-parallel-size", "2", "--cp-comm-type", "mesh",
                        "--mesh-shape", "1x2", "--load", str(work / "cp1-ckpt"),
                        "--ckpt-step", str(SAVE_EVERY)])
@@ -340,7 +269,7 @@ def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
     megatron-core's local attention with its S x S scores; both give the same losses."""
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
     assert "| attention mesh tile kernel |" in cp1_run.output
-    local = torchrun(1, [*data_args, "--attention-backend", "local", "--train-iters", "4",
+    local = launch(1, [*data_args, "--attention-backend", "local", "--train-iters", "4",
                          "--lr-decay-iters", str(ITERS)])
     assert local.returncode == 0, local.output[-3000:]
     assert "| attention megatron-core local (unfused) |" in local.output
@@ -348,8 +277,8 @@ def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
     assert sorted(got) == [1, 2, 3, 4]
     for it, loss in got.items():
         assert loss == pytest.approx(ref[it], rel=2e-5)
-    bad = torchrun(1, [*data_args, "--attention-backend", "local", *MESH])
-    assert "exitcode: 2" in bad.output and "--attention-backend local with " \
+    bad = launch(1, [*data_args, "--attention-backend", "local", *MESH])
+    assert bad.returncode == 2 and "--attention-backend local with " \
         "--context-parallel-size 4" in bad.output, bad.output[-2000:]
 
 
@@ -414,7 +343,7 @@ def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
     chosen = auto_mesh_shape(4, 4, 2, 16, 64, cp_ranks_per_node=2)
     grid = "x".join(map(str, chosen))
     assert chosen[0] > 1, chosen  # the case covers a heads dimension
-    run = torchrun_nodes(2, 2, [*data_args, "--train-iters", "3", "--lr-decay-iters", str(ITERS),
+    run = launch_nodes(2, 2, [*data_args, "--train-iters", "3", "--lr-decay-iters", str(ITERS),
                                 "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
                                 "--wandb-project", "mesh-tests",
                                 "--wandb-save-dir", str(work / "wandb-3d")])
@@ -443,7 +372,7 @@ def test_dead_rank_fails_job_and_resume_matches_unbroken_run(
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "iter_0000004", "latest_checkpointed_iteration.txt"]
 
-    resumed = torchrun(4, [*data_args, *MESH, "--load", str(ckpt)])
+    resumed = launch(4, [*data_args, *MESH, "--load", str(ckpt)])
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"loaded checkpoint {ckpt / 'iter_0000004'}" in resumed.output
     unbroken, again = mesh_run.losses(), resumed.losses()
