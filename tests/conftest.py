@@ -42,8 +42,9 @@ def tier_of(item: pytest.Item) -> str:
 # Start order for several workers (scripts/test.sh shares files out, in this order, two files
 # queued per worker): the two longest files first, one per worker, each followed by quick
 # unit files, so that the other worker takes the rest meanwhile; then the next longest.
-LONGEST_FIRST = ("test_training_driver.py", "test_reliability.py")
-LONG_NEXT = ("test_slurm.py", "test_mesh_attention.py", "test_heads.py")
+LONGEST_FIRST = ("test_slurm.py", "test_benchmarks.py")
+LONG_NEXT = ("test_training_driver.py", "test_reliability.py", "test_megatron_parity.py",
+             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py")
 
 
 def _start_rank(item: pytest.Item) -> int:
