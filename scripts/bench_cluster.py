@@ -22,6 +22,7 @@ default exchange.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -45,6 +46,7 @@ from megatron_mesh.planner.methods import mesh_transfers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
+FLOOR_BOUND = 0.8  # floor / prediction from which a row is bound by this machine
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="also time each method with compute off and with compute 8x longer, "
                    "and report the fraction of communication hidden")
+    p.add_argument("--floor", action="store_true",
+                   help="also time each method with links unshaped and compute off: what this "
+                   "machine itself takes (Python, gloo moving the real bytes), below which no "
+                   "measurement can go; rows whose floor is 0.8 of the prediction or more are "
+                   "marked bound by this machine")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--plot", default=None, help="measured vs predicted PNG (needs matplotlib)")
     args = p.parse_args(argv)
@@ -169,10 +176,11 @@ def predict(method: Method, workload: Workload, cluster: Cluster) -> Estimate:
 
 
 def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation: Emulation,
-                repeats: int, warmup: int, compute_scale: float = 1.0) -> dict:
+                repeats: int, warmup: int, compute_scale: float = 1.0, shaped: bool = True) -> dict:
     """Median / min / max seconds of forward + backward over `repeats` (every rank's clock
     runs from a barrier to a barrier, so it is the slowest rank's time), with the emulated
-    compute and link seconds of this rank."""
+    compute and link seconds of this rank; compute_scale 0: no compute; shaped False: links
+    as fast as this machine moves the bytes."""
     w, dtype = workload, DTYPES[workload.dtype]
     s = w.seq_length // grid.cp_size
     gen = torch.Generator().manual_seed(grid.cp_rank)
@@ -185,7 +193,8 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
         kernel = EmulatedKernel(rate)
         q.grad = k.grad = v.grad = None
         dist.barrier()
-        with ShapedLinks(emulation, dist.get_rank()) as shaped:
+        links_here = ShapedLinks(emulation, dist.get_rank())
+        with links_here if shaped else contextlib.nullcontext():
             t0 = time.perf_counter()
             out = mm.mesh_attention(q, k, v, grid, w.causal, w.head_dim ** -0.5, kernel,
                                     method.schedule, method.grad_reduce_dtype)
@@ -194,7 +203,7 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
             elapsed = time.perf_counter() - t0
         if it >= warmup:
             times.append(elapsed)
-        compute, links = kernel.seconds, dict(shaped.seconds)
+        compute, links = kernel.seconds, dict(links_here.seconds)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "compute_s": compute, "link_s": links}
 
@@ -240,6 +249,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 off, heavy = time_method(*timed, 0.0), time_method(*timed, 8.0)
                 row.update(comm_only_s=off["median_s"], heavy_s=heavy["median_s"],
                            heavy_compute_s=heavy["compute_s"])
+            if args.floor:
+                floor = time_method(method, grid, workload, emulation, args.repeats, args.warmup,
+                                    0.0, shaped=False)
+                row.update(floor_s=floor["median_s"])
             attention = workload.attention_shape()
             plan = resolve_plan(attention, method.rows, method.cols, method.schedule,
                                 method.grad_reduce_dtype, heads=method.heads)
@@ -268,7 +281,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
                   f"links; {args.repeats} repeats",
                   f"{'method':<24} {'measured ms':>11} {'spread':>7} {'predicted':>9} "
                   f"{'ratio':>6} {'vs ring':>7} {'pred vs ring':>12} {'extra MiB':>9} "
-                  f"{'model MiB':>9}" + ("  hidden  heavy/compute" if args.overlap else "")]
+                  f"{'model MiB':>9}" + ("  hidden  heavy/compute" if args.overlap else "")
+                  + ("  floor ms  floor/pred" if args.floor else "")]
         measured_rank = sorted(case, key=lambda r: r["median_s"])
         for r in case:
             spread = (r["max_s"] - r["min_s"]) / r["median_s"]
@@ -280,6 +294,10 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
             if args.overlap:
                 hidden = hidden_fraction(r["comm_only_s"], r["compute_s"], r["median_s"])
                 line += (f"  {hidden:6.0%}  {r['heavy_s'] / r['heavy_compute_s']:13.2f}")
+            if args.floor:
+                bound = r["floor_s"] / r["predicted_s"]
+                line += (f"  {r['floor_s'] * 1e3:8.1f}  {bound:10.2f}"
+                         + (" bound by this machine" if bound >= FLOOR_BOUND else ""))
             lines.append(line)
         lines.append("fastest measured: " + ", ".join(r["method"] for r in measured_rank[:3])
                      + "; planner: " + ", ".join(
@@ -288,6 +306,10 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
               "sleeping tile kernel); spread = (max - min) / median; predicted = planner for the "
               "same emulated cluster; ratio = measured / predicted; extra MiB = peak extra memory "
               "per rank, measured on CPU tensors; model MiB = megatron_mesh.memory"]
+    if args.floor:
+        lines.append(f"floor = median time with links unshaped and compute off (this machine "
+                     f"alone); a row whose floor is {FLOOR_BOUND} of its prediction or more is "
+                     f"bound by this machine, not by the emulated cluster")
     if args.overlap:
         lines.append("hidden = share of communication (measured with compute off) that ran under "
                      "compute; heavy/compute = time with compute 8x longer over that compute")

@@ -83,7 +83,7 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
          "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
          "--repeats", "1",
-         "--warmup", "0", "--slowdown", "2000", "--json", str(out_json)],
+         "--warmup", "0", "--slowdown", "2000", "--floor", "--json", str(out_json)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out_json.read_text())["rows"]
@@ -96,7 +96,9 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
         assert r["median_s"] >= r["compute_s"] > 0, r
         assert r["median_s"] >= max(r["link_s"].values()) > 0, r
         assert r["predicted_s"] > 0 and r["memory"] > 0 and r["model_memory"] > 0, r
+        assert r["floor_s"] > 0, r  # this machine alone: links unshaped, compute off
     assert "EMULATED" in proc.stdout and "fastest measured" in proc.stdout
+    assert "floor = median time with links unshaped and compute off" in proc.stdout
 
 
 def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
