@@ -184,10 +184,20 @@ def all_gather_stacked_async(
     direction: Direction,
 ) -> tuple[Sequence[Sequence[torch.Tensor]], Pending]:
     """Like `all_gather_stacked`, started in the background: read the result after `wait()`."""
-    if dist.get_world_size(group) == 1:
+    n = dist.get_world_size(group)
+    if n == 1:
         return [tuple(parts)], Pending([])
-    out, pending = all_gather_async(torch.stack(list(parts)), group, phase, direction)
-    return out.view(-1, len(parts), *parts[0].shape), pending
+    # this rank's parts are written straight into its slot of the result, which is the
+    # collective's input: no stacked copy of them is made (nor held while the gather runs)
+    out = parts[0].new_empty((n, len(parts), *parts[0].shape))
+    mine = out[dist.get_rank(group)]
+    for slot, part in zip(mine, parts):
+        slot.copy_(part)
+    _record(phase, direction, "all_gather", (n - 1) * mine.nbytes)
+    done_at = _done_at("all_gather", group, mine.nbytes)
+    gather = _collective("all_gather_single", "all_gather_into_tensor")
+    return out, Pending([gather(out.view(-1), mine.view(-1), group=group, async_op=True)],
+                        done_at)
 
 
 def ring_exchange(

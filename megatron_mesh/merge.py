@@ -20,15 +20,20 @@ def merge_into(
     accumulators out_acc [s, b, h, d] and lse_acc [b, h, s], in place.
 
     Rows whose accumulated lse is still -inf (nothing merged yet) take the partial as is.
+    In place, one weight at a time: the temporaries are two [b, h, s'] fp32 tensors (the new
+    lse and one weight), none of the size of the output.
     """
     acc_o, acc_l = out_acc[rows], lse_acc[..., rows]
     lse = lse.float()
     new_l = torch.logaddexp(acc_l, lse)
-    safe = torch.where(torch.isinf(new_l), torch.zeros_like(new_l), new_l)
-    w_acc = bhs_to_sbh1(torch.exp(acc_l - safe))
-    w_new = bhs_to_sbh1(torch.exp(lse - safe))
-    acc_o.copy_(acc_o * w_acc + out.float() * w_new)
+    acc_o.mul_(bhs_to_sbh1(weight(acc_l, new_l)))
+    acc_o.addcmul_(out, bhs_to_sbh1(weight(lse, new_l)))
     acc_l.copy_(new_l)
+
+
+def weight(lse: torch.Tensor, new_lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse - new_lse) [b, h, s], 0 where both are -inf (no partial merged there yet)."""
+    return torch.sub(lse, new_lse).exp_().nan_to_num_(nan=0.0)
 
 
 def empty_accumulators(

@@ -68,6 +68,7 @@ class TrailingPartial:
         self.pending.wait()
         if self.arriving is not None:
             self.fold(partial, self.arriving)
+            self.arriving = None  # folded: gone before the next one is allocated
         sending = partial if dtype is None else (partial[0].to(dtype), *partial[1:])
         self.arriving = tuple(torch.empty_like(t) for t in sending)
         self.pending = comm.ring_exchange(sending, self.arriving, *self.ring)

@@ -71,9 +71,10 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
         for j, x in enumerate(grid.row_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
                            x, y, causal, scale, dq_part[j], dkv)
-        if t >= 1:  # chunk y's partial goes on behind its K/V
+        if t >= 1:  # chunk y's partial goes on behind its K/V (the send holds what it needs)
             trailing.pass_on((dkv,), grad_dtypes.dkv)
-    del qdo, stats, outs, k_y, v_y, dkv  # the row's inputs and the last K/V chunk: used up
+        dkv = None  # not held while the next one is zeroed
+    del qdo, stats, outs, k_y, v_y  # the row's inputs and the last K/V chunk: used up
     trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
     dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
     dq = dq.view(s, b, hq, d)

@@ -50,9 +50,10 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
         for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
                 forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
-        if t >= 1:  # chunk x's partial goes on behind its Q
+        if t >= 1:  # chunk x's partial goes on behind its Q (the send holds it)
             trailing.pass_on(acc)
-    del kv_col, q_x, acc  # the column's K/V and the last Q chunk: used up
+        acc = None  # not held while the next one is made
+    del kv_col, q_x  # the column's K/V and the last Q chunk: used up
     trailing.land(own)  # this rank's own chunk, back from its C-1 hops
     return own[0].to(q.dtype), own[1]
 
@@ -66,11 +67,12 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
     dout = dout.contiguous()
+    # D's temporary comes and goes before the gradient buffers are made
+    rows_in = (torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
     neighbors = grid.row_neighbors()
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
     trailing = TrailingPartial(*neighbors, grid.row_group, "backward", "row")
-    rows_in = (torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
     ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
     del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
     for t, (qdo_x, stats_x) in ring:
@@ -85,9 +87,10 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
             if not (t == 0 and i == my_row):
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
                                kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
-        if t >= 1:  # chunk x's dQ partial goes on behind its Q
+        if t >= 1:  # chunk x's dQ partial goes on behind its Q (the send holds what it needs)
             trailing.pass_on((dq,), grad_dtypes.dq)
-    del kv_col, qdo_x, stats_x, out_x, dq  # used up: the reduce-scatter does not hold them
+        dq = out_x = None  # not held while the next step's are made
+    del kv_col, qdo_x, stats_x  # used up: the reduce-scatter does not hold them
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")
     dkv = dkv.view(2, *k.shape)
