@@ -1,27 +1,45 @@
-"""Extra memory per rank of each schedule: the buffers it holds at its peak, in bytes,
-beyond the inputs, the output and what autograd saves (q, k, v, out, lse).
+"""Extra memory per rank of each schedule: the most bytes it holds at once, beyond the
+inputs and the pass's result (out in forward; dq, dk, dv in backward). What autograd keeps
+for backward beyond the inputs and out (the lse; with a heads dimension the relaid Q, K, V
+and the mesh's output) counts as extra.
 
-Element counts as in `traffic.py` (q, kv, l for one rank's share), e = input bytes:
+Bytes of one rank's chunk (element counts as in `traffic.py`: q, kv, l), e = input bytes,
+g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `plan.GradDtype`):
 
-    (a group of one rank gathers nothing: its terms vanish; A = 4 (q + l), one fp32
-    accumulator pair; M = 3 * 4 q, one block's merge temporaries; O = q e + 4 l, one partial
-    output with its lse; X = 2 C O, the partials sent and received, O when C = 1)
-    gathered forward : max(C q e (row Q) + R kv e (column K/V) + C O (the partials) + A + M,
-                       X): the gathered chunks are dropped before the partials travel
-    streamed_kv forward: max(C q e + 2 kv e (K/V in hand and arriving) + C A (accumulators)
-                       + M, C (A + O) (accumulators copied into the partials), X)
-    gathered backward: 2 C q e + 8 C l (row Q, dO, lse, D) + (C-1) q e (output stand-ins)
-                       + R kv e + 4 C q (dQ partials) + 4 R kv (dK, dV partials)
-    streamed_kv backward: the gathered one with 2 kv e instead of R kv e and 4 * 3 kv
-                       (own dK, dV, the partial being built and the one arriving) instead
-                       of 4 R kv
-    streamed_q forward : R kv e + 2 q e (Q in hand and arriving; q e when C = 2) + 4 A + M
-                       (own and working accumulators, fp32 partial sent / arriving; C = 2:
-                       max(2 A + M, 3 A), the one partial leaves after the last block)
-    streamed_q backward: R kv e + 2 (2 q e + 8 l) (Q, dO, lse, D in hand and arriving; one
-                       set when C = 2) + q e (output stand-in) + 4 * 4 q (own, working,
-                       sent and arriving dQ; nothing sent ahead when C = 2) + 4 R kv (dK, dV)
-    ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (K/V and dK, dV in flight)
+    Q = q e, KV = kv e, L = 4 l (lse, D: fp32), FQ = 4 q, FKV = 4 kv (fp32 partials)
+    acc = FQ + L: one fp32 accumulator pair (output, lse)
+    block forward = Q + 3 L: one block's output and lse, and the merge's new lse and one
+        weight (the merge works in place: nothing of the output's size)
+    block backward = Q + KV (dq, dk, dv of the diagonal block); off the diagonal, where
+        every streamed step is, a block has half its query rows or half its keys:
+        max(Q/2 + KV, Q + KV/2)
+    merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
+
+    gathered forward : C Q (row's Q; none when C = 1) + R KV (column's K/V; none when R = 1)
+                       + C (Q + L) (the partials) + acc + block; or the merge
+    streamed_kv fwd  : C Q + C acc + min(2, R-1) KV (K/V in hand and arriving) + block;
+                       C acc + C (Q + L) (accumulators copied into the partials); the merge
+    streamed_q fwd   : R KV + min(2, C-1) Q + 4 acc (own, the one being built, the one in
+                       flight, the one arriving) + block; C = 2: max(2 acc + block, 3 acc)
+    gathered backward: rows + R KV + C FQ (dQ partials) + R FKV (dK, dV partials) + block,
+                       rows = 2 C Q + 2 C L (Q, dO, lse, D of the row) + (C-1) Q (stand-in
+                       outputs), none when C = 1
+    streamed_kv bwd  : rows + C FQ + min(2, R-1) KV + 2 FKV (own and the one being built)
+                       + 2 kv g_kv (in flight and arriving) + block off the diagonal; R = 2:
+                       2 FKV + max(block, (1 + [g_kv < 4]) kv g_kv) (sent after the blocks)
+    streamed_q bwd   : R KV + R FKV + 2 (2 Q + 2 L) ((Q, dO), (lse, D) in hand and arriving)
+                       + 2 FQ + 2 q g_q + step; step = max(Q + block off the diagonal,
+                       FQ + [e < 4] Q + 3 L) (the stand-in output with its block, or while
+                       it is made: u, its rows' max, norm and scale); C = 2: the own block with the ring's input and first arrival
+                       (2 (2 Q + 2 L) + FQ + diagonal block), or one step with one Q
+                       in hand and the dQ partial sent after it
+    each minus the result: Q forward, Q + KV backward
+    ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
+                       ring, K/V and dK, dV in flight; a model for comparison)
+
+A heads x R x C grid (`heads_extra_memory`) adds, on the mesh of its 1/A of the heads: the
+relaid Q, K, V (Q + KV', KV' with the repeated K/V heads), which autograd keeps, and the
+all-to-all buffers of the output (forward) or dO (backward).
 
 streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
 chunks whatever C is; "streamed" takes whichever of the two holds less. Neither bounds both
@@ -30,71 +48,153 @@ together at some moment, which two buffers per side cannot give for C, R > 2.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .dtypes import FP32_BYTES as FP32
-from .plan import MeshPlan
+from .plan import GradDtype, MeshPlan
 from .traffic import AttentionShape
 
 
-def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
-                 schedule: str | None = None) -> dict[str, int]:
-    """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
+@dataclass(frozen=True)
+class _Chunk:
+    """Bytes of one rank's chunk and of the buffers built from it (see the module docstring)."""
 
-    extra_memory(shape, plan): the plan's grid and schedule; extra_memory(shape, rows, cols,
-    schedule): a schedule by name ('ring' for Transformer Engine's p2p ring for comparison,
-    rows * cols = P).
-    """
-    if isinstance(rows, MeshPlan):
-        if rows.heads > 1:
-            return heads_extra_memory(shape, rows)
-        rows, cols, schedule = rows.rows, rows.cols, rows.schedule.value
-    if cols is None or schedule is None:
-        raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
-    q, kv, lse = shape.local_elements(rows * cols)
-    e, c, r = shape.dtype_bytes, cols, rows
-    if schedule == "ring":
-        return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
-    # a group of one gathers nothing: its "gathered" buffer is the input itself
-    row_q = c * q * e if c > 1 else 0
-    col_kv = r * kv * e if r > 1 else 0
-    partial = q * e + FP32 * lse  # one partial output and its lse
-    exchange = 2 * c * partial if c > 1 else partial  # partials sent and received
-    row_bwd = (2 * c * q * e + 2 * FP32 * c * lse if c > 1 else 0) + (c - 1) * q * e + FP32 * c * q
-    ring_kv = 2 * kv * e if r > 1 else 0
-    acc = FP32 * (q + lse)  # one fp32 accumulator pair
-    merge = 3 * FP32 * q  # one block's merge temporaries
-    if schedule == "gathered":
-        return {"forward": max(row_q + col_kv + c * partial + acc + merge, exchange),
-                "backward": row_bwd + col_kv + FP32 * r * kv}
-    if schedule == "streamed_kv" and r == 1:  # no column ring: the gathered code runs
-        return extra_memory(shape, rows, cols, "gathered")
+    q: int  # Q
+    kv: int  # KV
+    lse: int  # L
+    fq: int  # FQ
+    fkv: int  # FKV
+    e: int
+    dq_exchange: int  # q g_q
+    dkv_exchange: int  # kv g_kv
+
+    @classmethod
+    def of(cls, shape: AttentionShape, cp_size: int, grads: GradDtype) -> "_Chunk":
+        q, kv, lse = shape.local_elements(cp_size)
+        e = shape.dtype_bytes
+        return cls(q * e, kv * e, FP32 * lse, FP32 * q, FP32 * kv, e,
+                   q * grads.dq_bytes(e), kv * grads.dkv_bytes(e))
+
+    @property
+    def acc(self) -> int:
+        return self.fq + self.lse
+
+    @property
+    def block_forward(self) -> int:
+        return self.q + 3 * self.lse
+
+    @property
+    def block_backward(self) -> int:
+        return self.q + self.kv
+
+    @property
+    def block_backward_off_diagonal(self) -> int:
+        return max(self.q // 2 + self.kv, self.q + self.kv // 2)
+
+    @property
+    def result(self) -> dict[str, int]:
+        return {"forward": self.q, "backward": self.q + self.kv}
+
+    def merge(self, c: int) -> int:
+        """The row's partials merged at their owner (none when C = 1)."""
+        if c == 1:
+            return 0
+        return 2 * c * (self.q + self.lse) + self.acc + max(2 * self.lse,
+                                                             self.q if self.e < FP32 else 0)
+
+
+def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
+    """The most bytes held at once in each pass, the result included."""
+    row_q = c * m.q if c > 1 else 0
+    col_kv = r * m.kv if r > 1 else 0
+    rows = 2 * c * (m.q + m.lse) + (c - 1) * m.q if c > 1 else 0
+    if schedule == "gathered" or (schedule == "streamed_kv" and r == 1) or (
+            schedule == "streamed_q" and c == 1):  # no ring to run: the gathered code runs
+        return {"forward": max(row_q + col_kv + c * (m.q + m.lse) + m.acc + m.block_forward,
+                               m.merge(c)),
+                "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}
     if schedule == "streamed_kv":
-        return {"forward": max(row_q + ring_kv + c * acc + merge, c * (acc + partial), exchange),
-                "backward": row_bwd + ring_kv + 3 * FP32 * kv}
-    if schedule == "streamed_q" and c == 1:  # no row ring: the gathered code runs
-        return extra_memory(shape, rows, cols, "gathered")
+        ring_kv = min(2, r - 1) * m.kv
+        if r > 2:
+            partials = 2 * m.fkv + 2 * m.dkv_exchange + m.block_backward_off_diagonal
+        else:  # the one partial is sent after its blocks
+            sent = (1 + (m.dkv_exchange < m.fkv)) * m.dkv_exchange
+            partials = 2 * m.fkv + max(m.block_backward_off_diagonal, sent)
+        return {"forward": max(row_q + c * m.acc + ring_kv + m.block_forward,
+                               c * (m.acc + m.q + m.lse), m.merge(c)),
+                "backward": rows + c * m.fq + ring_kv + partials}
     if schedule == "streamed_q":
-        ring_q = min(2, c - 1)  # the input is the first Q in hand
-        # own and working accumulators, the partial sent and the one arriving (C = 2: the
-        # one partial goes out after the last block)
-        accs = 4 * acc + merge if c > 2 else max(2 * acc + merge, 3 * acc)
-        return {"forward": col_kv + ring_q * q * e + accs,
-                "backward": col_kv + ring_q * (2 * q * e + 2 * FP32 * lse) + q * e
-                + (2 + ring_q) * FP32 * q + FP32 * r * kv}
+        ring_q = min(2, c - 1) * m.q
+        if c > 2:
+            accs = 4 * m.acc + m.block_forward
+        else:  # the one partial is sent after its blocks
+            accs = max(2 * m.acc + m.block_forward, 3 * m.acc)
+        chunk = 2 * m.q + 2 * m.lse  # (Q, dO) and (lse, D)
+        stand_in = max(m.q + m.block_backward_off_diagonal,
+                       m.fq + (m.q if m.e < FP32 else 0) + 3 * m.lse)
+        if c > 2:
+            steps = 2 * chunk + 2 * m.fq + 2 * m.dq_exchange + stand_in
+        else:
+            sent = (1 + (m.dq_exchange < m.fq)) * m.dq_exchange + m.q
+            steps = max(2 * chunk + m.fq + m.block_backward,
+                        chunk + 2 * m.fq + max(stand_in, sent))
+        return {"forward": col_kv + ring_q + accs,
+                "backward": col_kv + r * m.fkv + steps}
     raise ValueError(
         f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
 
 
+def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
+                 schedule: str | None = None,
+                 grad_dtype: GradDtype | str = GradDtype.MIXED) -> dict[str, int]:
+    """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
+
+    extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
+    extra_memory(shape, rows, cols, schedule[, grad_dtype]): a schedule by name ('ring' for
+    Transformer Engine's p2p ring for comparison, rows * cols = P).
+    """
+    if isinstance(rows, MeshPlan):
+        if rows.heads > 1:
+            return heads_extra_memory(shape, rows)
+        rows, cols, schedule, grad_dtype = (rows.rows, rows.cols, rows.schedule.value,
+                                            rows.grad_dtype)
+    if cols is None or schedule is None:
+        raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
+    if schedule == "ring":
+        _, kv, _ = shape.local_elements(rows * cols)
+        e = shape.dtype_bytes
+        return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
+    m = _Chunk.of(shape, rows * cols, GradDtype(grad_dtype))
+    peaks = _peaks(m, rows, cols, schedule)
+    return {phase: peaks[phase] - m.result[phase] for phase in peaks}
+
+
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
-    """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads,
-    plus one set of all-to-all buffers for Q, K, V (q + f kv elements, f = repeated K/V
-    heads)."""
+    """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
+    (`traffic.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
+    or, after it, the output's all-to-all (mesh output and lse, sent, received and laid
+    out: 4 Q + L, 3 Q + L where a slice is one head and the layout is a view);
+    backward: the mesh's, held while dO is relaid (Q), or the gradients relaid back one at
+    a time (Q + KV' and 3 Q)."""
+    from .heads import kv_repeats
     from .traffic import heads_shape
 
     inner = heads_shape(shape, plan.heads)
-    mesh = extra_memory(inner, plan.rows, plan.cols, plan.schedule.value)
-    q, kv, _ = inner.local_elements(plan.rows * plan.cols)
-    layout = (q + kv) * shape.dtype_bytes
-    return {phase: n + layout for phase, n in mesh.items()}
+    m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
+    mesh = _peaks(m, plan.rows, plan.cols, plan.schedule.value)
+    relaid = m.q + m.kv
+    outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
+    repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0
+    # relaying Q, K, V out (one at a time: sent, received and laid out, 3 x its size, the
+    # repeated K/V heads held meanwhile), the mesh, or the output's all-to-all (the mesh's
+    # output and lse, sent, received and laid out: a view when each slice is one head)
+    gather = (3 + (inner.q_heads > 1)) * m.q + m.lse
+    forward = max(repeated + max(3 * m.q, m.q + 2 * m.kv), relaid + mesh["forward"],
+                  relaid + gather)
+    grads = m.q + m.kv  # the mesh's dq, dk, dv, relaid back one at a time
+    backward = max(mesh["backward"] + m.q, grads + 3 * m.q)
+    return {"forward": forward - outer.result["forward"],
+            "backward": backward - outer.result["backward"]}
 
 
 def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> str:

@@ -7,10 +7,15 @@ no statistics, so storages are tracked as torch's dispatcher creates them).
 
 A storage counts from the op that creates it until the last tensor viewing it is gone; views
 and in-place results of storages made outside the context are not counted. Work buffers
-inside a kernel that never become tensors are not seen.
+inside a kernel that never become tensors are not seen. A collective's buffers are let go by
+the backend's own thread just after the collective ends: before an allocation counts as a
+new peak, that thread is given a millisecond to do so (else the peak would depend on how
+the two threads were scheduled).
 """
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -27,15 +32,17 @@ class CpuPeakMemory(TorchDispatchMode):
         self._live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors alive]
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._lock = threading.Lock()  # tensors may die on a collective's thread
 
     def _release(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live_bytes -= entry[0]
-            del self._live[key]
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.live_bytes -= entry[0]
+                del self._live[key]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         out = func(*args, **(kwargs or {}))
@@ -45,13 +52,16 @@ class CpuPeakMemory(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             key = t.untyped_storage().data_ptr()
-            entry = self._live.get(key)
-            if entry is None:
-                if key == 0 or key in given:  # empty, a view or an in-place result
-                    continue
-                entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
-                self.live_bytes += entry[0]
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            entry[1] += 1
+            with self._lock:
+                entry = self._live.get(key)
+                if entry is None:
+                    if key == 0 or key in given:  # empty, a view or an in-place result
+                        continue
+                    entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
+                    self.live_bytes += entry[0]
+                entry[1] += 1
             weakref.finalize(t, self._release, key)
+        if self.live_bytes > self.peak_bytes:
+            time.sleep(0.001)  # let a collective's thread drop what it has finished with
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out

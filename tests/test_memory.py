@@ -1,4 +1,5 @@
-"""Extra memory of each schedule, measured on CPU tensors, against `memory.extra_memory`:
+"""Extra memory of each schedule, measured on CPU tensors, against `memory.extra_memory`
+(every R x C shape and every heads x rows x cols grid, fp32 and bf16 with a small head dim):
 streamed_kv holds two K/V chunks instead of R, streamed_q two Q chunks instead of C,
 "streamed" picks the one that holds less, and the model stays close to measurement."""
 from __future__ import annotations
@@ -9,6 +10,8 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.plan import MeshPlan
+from megatron_mesh.traffic import grid_shapes
 
 from dist_utils import run_distributed
 
@@ -26,31 +29,53 @@ def test_peak_memory_counts_live_storages() -> None:
     assert mem.peak_bytes == 3_000_000
 
 
-LOCAL = dict(s=64, b=1, hq=8, hkv=2, d=32)  # one rank's share, fp32
+# one rank's share: fp32 with GQA 8/2, and bf16 with d = 4, where the fp32 lse and
+# softmax statistics weigh as much as the chunks themselves
+SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
+         "bf16 d4": dict(s=128, b=1, hq=16, hkv=4, d=4, dtype=torch.bfloat16)}
+SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
 
 
-def problem(world: int) -> mm.AttentionShape:
-    return mm.AttentionShape(LOCAL["s"] * world, LOCAL["b"], LOCAL["hq"], LOCAL["hkv"], LOCAL["d"], 4)
+def problem(size: str, world: int) -> mm.AttentionShape:
+    s, b, hq, hkv, d, dtype = SIZES[size].values()
+    return mm.AttentionShape(s * world, b, hq, hkv, d, dtype.itemsize)
+
+
+def cases(world: int) -> list[tuple[str, int, int, int, str]]:
+    """(size, heads, rows, cols, schedule): every R x C shape with each schedule (those
+    without their ring run the gathered code) and every heads grid A > 1 with each schedule
+    that has its ring."""
+    out = []
+    for size in SIZES:
+        for a, r, c in grid_shapes(world):
+            for schedule in SCHEDULES:
+                ringless = (schedule == "streamed_kv" and r == 1) or (
+                    schedule == "streamed_q" and c == 1)
+                if a == 1 or not ringless:
+                    out.append((size, a, r, c, schedule))
+    return out
 
 
 def measure_worker(rank: int, world: int) -> dict:
-    s, b, hq, hkv, d = LOCAL.values()
-    results = {}
-    for rows, cols in mm.mesh_shapes(world):
-        grid = mm.MeshGrid.build(rows=rows, cols=cols)
-        for schedule in ("gathered", "streamed_kv", "streamed_q"):
-            g = torch.Generator().manual_seed(rank)
-            q, k, v = (torch.randn(s, b, h, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
-            dout = torch.randn(s, b, hq, d, generator=g)
-            with CpuPeakMemory() as fwd:
-                out = mm.mesh_attention(q, k, v, grid, schedule=schedule)
-            with CpuPeakMemory() as bwd:
-                out.backward(dout)
-            model = extra_memory(problem(world), rows, cols, schedule)
-            results[(rows, cols, schedule)] = {
-                "forward": (fwd.peak_bytes - fwd.live_bytes, model["forward"]),
-                "backward": (bwd.peak_bytes - bwd.live_bytes, model["backward"]),
-            }
+    results, grids = {}, {}
+    for size, a, rows, cols, schedule in cases(world):
+        s, b, hq, hkv, d, dtype = SIZES[size].values()
+        if (a, rows, cols) not in grids:
+            grids[a, rows, cols] = mm.MeshGrid.build(rows=rows, cols=cols, heads=a)
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(s, b, h, d, generator=g).to(dtype).requires_grad_()
+                   for h in (hq, hkv, hkv))
+        dout = torch.randn(s, b, hq, d, generator=g).to(dtype)
+        with CpuPeakMemory() as fwd:
+            out = mm.mesh_attention(q, k, v, grids[a, rows, cols], schedule=schedule)
+        with CpuPeakMemory() as bwd:
+            out.backward(dout)
+        plan = MeshPlan(rows, cols, schedule, heads=a)
+        model = extra_memory(problem(size, world), plan)
+        results[(size, a, rows, cols, schedule)] = {
+            "forward": (fwd.peak_bytes - fwd.live_bytes, model["forward"]),
+            "backward": (bwd.peak_bytes - bwd.live_bytes, model["backward"]),
+        }
     return results
 
 
@@ -79,9 +104,11 @@ def test_streaming_bounds_memory_and_the_model_matches() -> None:
         for phase, (_, model) in phases.items():
             worst = max(results[key][phase][0] for results in per_rank)
             if not 0.9 * model <= worst <= 1.1 * model:
-                problems.append(f"{key[0]}x{key[1]} {key[2]} {phase}: measured {worst} B on the "
-                                f"rank holding most, model {model} B ({worst / model:.2f})")
-    for rank, results in enumerate(per_rank):
+                size, a, r, c, schedule = key
+                problems.append(f"{size} {a}x{r}x{c} {schedule} {phase}: measured {worst} B on "
+                                f"the rank holding most, model {model} B ({worst / model:.2f})")
+    for rank, everything in enumerate(per_rank):
+        results = {key[2:]: v for key, v in everything.items() if key[:2] == ("fp32", 1)}
         for rows, cols in ((8, 1), (4, 2)):  # K/V: two chunks streamed instead of R gathered
             streamed = results[(rows, cols, "streamed_kv")]["backward"][0]
             gathered = results[(rows, cols, "gathered")]["backward"][0]
@@ -95,7 +122,7 @@ def test_streaming_bounds_memory_and_the_model_matches() -> None:
             wide = results[(1, 8, "streamed_q")][phase][0] / results[(1, 8, "gathered")][phase][0]
             if wide > 0.6:
                 problems.append(f"rank {rank} 1x8: streamed_q/gathered {phase} memory {wide:.2f} > 0.6")
-        shape = problem(8)
+        shape = problem("fp32", 8)
         for rows, cols in mm.mesh_shapes(8):  # "streamed" runs the ring that measured less
             chosen = streamed_schedule(shape, rows, cols)  # (a tie within 5% may go either way)
             other = "streamed_q" if chosen == "streamed_kv" else "streamed_kv"
