@@ -30,16 +30,20 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `plan.GradDtype`):
     streamed_q bwd   : R KV + R FKV + 2 (2 Q + 2 L) ((Q, dO), (lse, D) in hand and arriving)
                        + 2 FQ + 2 q g_q + step; step = max(Q + block off the diagonal,
                        FQ + [e < 4] Q + 3 L) (the stand-in output with its block, or while
-                       it is made: u, its rows' max, norm and scale); C = 2: the own block with the ring's input and first arrival
-                       (2 (2 Q + 2 L) + FQ + diagonal block), or one step with one Q
-                       in hand and the dQ partial sent after it
+                       it is made: u, its rows' max, norm and scale); C = 2: the own
+                       block with the ring's input and first arrival (2 (2 Q + 2 L) + FQ
+                       + diagonal block), or one step with one Q in hand and the dQ
+                       partial sent after it
     each minus the result: Q forward, Q + KV backward
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
                        ring, K/V and dK, dV in flight; a model for comparison)
 
-A heads x R x C grid (`heads_extra_memory`) adds, on the mesh of its 1/A of the heads: the
-relaid Q, K, V (Q + KV', KV' with the repeated K/V heads), which autograd keeps, and the
-all-to-all buffers of the output (forward) or dO (backward).
+A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
+the heads (`traffic.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
+with the repeated K/V heads), or the relayout of Q, K, V one at a time (3 x each; the
+repeated K/V heads held meanwhile), or the output's all-to-all (the mesh's output and lse,
+sent, received and laid out); backward, the mesh's peak plus the relaid dO (Q), or the
+gradients relaid back one at a time.
 
 streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
 chunks whatever C is; "streamed" takes whichever of the two holds less. Neither bounds both

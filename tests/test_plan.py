@@ -26,7 +26,7 @@ def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
         keyword = mm.mesh_traffic(shape, rows, cols, dq_bytes,
                                   partial_out_bytes(ran, shape.dtype_bytes), dkv_bytes)
         assert mm.mesh_traffic(shape, plan) == plan.traffic(shape) == keyword
-        assert extra_memory(shape, plan) == extra_memory(shape, rows, cols, ran)
+        assert extra_memory(shape, plan) == extra_memory(shape, rows, cols, ran, grads)
 
 
 def test_plan_is_frozen_and_names_its_shape() -> None:
