@@ -42,24 +42,34 @@ def check_heads(heads: int, q_heads: int, kv_heads: int) -> None:
 
 def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
     """[s, b, h, d] (zigzag of P, all heads) -> [A s, b, h/A, d] (zigzag of P/A, head
-    slice `grid.head_index`)."""
+    slice `grid.head_index`). Two buffers of x's size: the one sent takes the result."""
     s, b, h, d = x.shape
-    a = grid.heads
-    send = x.reshape(s, b, a, h // a, d).permute(2, 0, 1, 3, 4)  # piece a' goes to rank a'
+    a, hs = grid.heads, h // grid.heads
+    send = x.new_empty(a, s, b, hs, d)  # piece a' goes to rank a'
+    send.copy_(x.reshape(s, b, a, hs, d).permute(2, 0, 1, 3, 4))
     recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': rank a''s tokens
-    halves = recv.view(a, 2, s // 2, b, h // a, d)
-    return torch.cat([halves[:, 0].reshape(-1, b, h // a, d),
-                      halves.flip(0)[:, 1].reshape(-1, b, h // a, d)])
+    halves = recv.view(a, 2, s // 2, b, hs, d)
+    out = send.view(2, a, s // 2, b, hs, d)  # first halves in rank order, second reversed
+    out[0].copy_(halves[:, 0])
+    for i in range(a):
+        out[1, i].copy_(halves[a - 1 - i, 1])
+    return out.view(-1, b, hs, d)
 
 
 def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
-    """Inverse of `heads_to_sequence`: [A s, b, h/A, d] -> [s, b, h, d]."""
+    """Inverse of `heads_to_sequence`: [A s, b, h/A, d] -> [s, b, h, d]. Two buffers of
+    y's size: the one sent takes the result."""
     a = grid.heads
     s2, b, hs, d = y.shape
     first, second = y.view(2, a, s2 // (2 * a), b, hs, d)
-    send = torch.stack([first, second.flip(0)], dim=1).view(a, -1, b, hs, d)
-    recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': head slice a'
-    return recv.permute(1, 2, 0, 3, 4).reshape(-1, b, a * hs, d)
+    send = y.new_empty(a, 2, s2 // (2 * a), b, hs, d)  # piece a': its tokens' two halves
+    send[:, 0].copy_(first)
+    for i in range(a):
+        send[i, 1].copy_(second[a - 1 - i])
+    recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, "heads")
+    out = send.view(-1, b, a, hs, d)  # piece a' of recv: head slice a'
+    out.copy_(recv.permute(1, 2, 0, 3, 4))
+    return out.view(-1, b, a * hs, d)
 
 
 class _Relayout(torch.autograd.Function):

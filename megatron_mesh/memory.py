@@ -40,10 +40,11 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `plan.GradDtype`):
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
 the heads (`traffic.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
-with the repeated K/V heads), or the relayout of Q, K, V one at a time (3 x each; the
-repeated K/V heads held meanwhile), or the output's all-to-all (the mesh's output and lse,
-sent, received and laid out); backward, the mesh's peak plus the relaid dO (Q), or the
-gradients relaid back one at a time.
+with the repeated K/V heads), or the relayout of Q, K, V one at a time (2 x each: sent,
+received, laid out in the sent buffer; the repeated K/V heads held meanwhile), or the
+output's all-to-all (the mesh's output and lse, sent and received: 3 Q + L); backward, the
+mesh's peak plus the relaid dO (Q), or the gradients relaid back one at a time (Q + KV'
+and 2 Q).
 
 streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
 chunks whatever C is; "streamed" takes whichever of the two holds less. Neither bounds both
@@ -176,10 +177,8 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`traffic.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
-    or, after it, the output's all-to-all (mesh output and lse, sent, received and laid
-    out: 4 Q + L, 3 Q + L where a slice is one head and the layout is a view);
-    backward: the mesh's, held while dO is relaid (Q), or the gradients relaid back one at
-    a time (Q + KV' and 3 Q)."""
+    or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
+    (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
     from .heads import kv_repeats
     from .traffic import heads_shape
 
@@ -189,14 +188,13 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0
-    # relaying Q, K, V out (one at a time: sent, received and laid out, 3 x its size, the
-    # repeated K/V heads held meanwhile), the mesh, or the output's all-to-all (the mesh's
-    # output and lse, sent, received and laid out: a view when each slice is one head)
-    gather = (3 + (inner.q_heads > 1)) * m.q + m.lse
-    forward = max(repeated + max(3 * m.q, m.q + 2 * m.kv), relaid + mesh["forward"],
-                  relaid + gather)
+    # relaying Q, K, V out (one at a time: sent, then laid out in the sent buffer, and
+    # received; the repeated K/V heads held meanwhile), the mesh, or the output's
+    # all-to-all (the mesh's output and lse, sent and received)
+    forward = max(repeated + max(2 * m.q, m.q + 3 * m.kv // 2), relaid + mesh["forward"],
+                  relaid + 3 * m.q + m.lse)
     grads = m.q + m.kv  # the mesh's dq, dk, dv, relaid back one at a time
-    backward = max(mesh["backward"] + m.q, grads + 3 * m.q)
+    backward = max(mesh["backward"] + m.q, grads + 2 * m.q)
     return {"forward": forward - outer.result["forward"],
             "backward": backward - outer.result["backward"]}
 
