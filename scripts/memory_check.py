@@ -8,23 +8,25 @@ gathered, every R x C shape with each schedule, every heads x rows x cols grid w
 each schedule) does one forward and one backward, and the peak extra bytes of each pass
 (`peak_memory.CpuPeakMemory`: tracked CPU tensors, beyond what is alive at the end of the pass)
 of the rank holding most are printed next to the model. Compute is the emulated tile kernel
-(zeros of the right shapes, no sleep) unless --kernel torch.
+(zeros of the right shapes, no sleep) unless --kernel torch; the emulated kernel's outputs
+are the only kernel allocations the tracking sees, as with the real one.
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+import os
+import socket
+import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import megatron_mesh as mm  # noqa: E402
-from megatron_mesh.emulation.compute import EmulatedKernel  # noqa: E402
-from megatron_mesh.memory import extra_memory  # noqa: E402
-from megatron_mesh.peak_memory import CpuPeakMemory  # noqa: E402
-from megatron_mesh.plan import resolve_plan  # noqa: E402
+import megatron_mesh as mm
+from megatron_mesh.emulation.compute import EmulatedKernel
+from megatron_mesh.memory import extra_memory
+from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.plan import resolve_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2 ** 20
@@ -68,9 +70,28 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     return results
 
 
-def main() -> None:
-    from dist_utils import run_distributed
+def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(worker(rank, world, args), os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """worker() on args.cp_size gloo ranks on this machine; each rank's results."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_spawned, args=(args.cp_size, port, outdir, args), nprocs=args.cp_size)
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
+                for r in range(args.cp_size)]
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=8192)
@@ -87,7 +108,7 @@ def main() -> None:
         saved = torch.load(args.load, weights_only=False)
         per_rank, args = saved["per_rank"], saved["args"]
     else:
-        per_rank = run_distributed(worker, args.cp_size, args)
+        per_rank = measure(args)
     if args.save:
         torch.save({"per_rank": per_rank, "args": args}, args.save)
     world = args.cp_size
