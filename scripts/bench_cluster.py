@@ -209,7 +209,8 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
 
 
 def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int:
-    """Peak extra bytes of one forward + backward (CPU tensors tracked), no shaping."""
+    """Peak extra bytes of one forward + backward (CPU tensors tracked), no shaping, on the
+    rank that holds most (the rank the memory model describes)."""
     w, dtype = workload, DTYPES[workload.dtype]
     s = w.seq_length // grid.cp_size
     q, k, v = (torch.randn(s, w.batch, h, w.head_dim, dtype=dtype).requires_grad_()
@@ -221,7 +222,9 @@ def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int
                                 method.grad_reduce_dtype)
     with CpuPeakMemory() as bwd:
         out.backward(dout)
-    return max(fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes)
+    mine = torch.tensor(max(fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return int(mine)
 
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -305,7 +308,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
     lines += ["", "measured = median forward + backward per layer, EMULATED (shaped links, "
               "sleeping tile kernel); spread = (max - min) / median; predicted = planner for the "
               "same emulated cluster; ratio = measured / predicted; extra MiB = peak extra memory "
-              "per rank, measured on CPU tensors; model MiB = megatron_mesh.memory"]
+              "per rank (the rank holding most), measured on CPU tensors; model MiB = megatron_mesh.memory"]
     if args.floor:
         lines.append(f"floor = median time with links unshaped and compute off (this machine "
                      f"alone); a row whose floor is {FLOOR_BOUND} of its prediction or more is "

@@ -97,6 +97,8 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
         assert r["median_s"] >= max(r["link_s"].values()) > 0, r
         assert r["predicted_s"] > 0 and r["memory"] > 0 and r["model_memory"] > 0, r
         assert r["floor_s"] > 0, r  # this machine alone: links unshaped, compute off
+        # the rank holding most, measured, against the memory model of that rank
+        assert 0.9 * r["model_memory"] <= r["memory"] <= 1.1 * r["model_memory"], r
     assert "EMULATED" in proc.stdout and "fastest measured" in proc.stdout
     assert "floor = median time with links unshaped and compute off" in proc.stdout
 

@@ -123,7 +123,7 @@ def memory_worker(rank: int, world: int) -> list[dict]:
                 # as scripts/bench_attention.py: less out, dq, dk, dv and the fp32 lse
                 kept = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * b * hq * s
                 measured = torch.cuda.max_memory_allocated() - base - kept
-                plan = resolve_plan(shape, rows, cols, schedule, "fp32")
+                plan = resolve_plan(shape, rows, cols, schedule)  # the default exchange, as run
                 model = max(extra_memory(shape, plan).values())
                 rows_out.append({"shape": f"{rows}x{cols}", "schedule": schedule, "rank": rank,
                                  "measured_bytes": measured, "model_bytes": model})
