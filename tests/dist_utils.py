@@ -3,20 +3,13 @@ and collect each rank's result."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from preloaded import context
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from preloaded import context, free_port
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:

@@ -20,7 +20,6 @@ import datetime
 import importlib.util
 import math
 import os
-import socket
 import tempfile
 import time
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from preloaded import context
+from preloaded import context, free_port
 
 WORLD = 8
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -351,18 +350,12 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context()  # ranks forked from the preloaded server: megatron-core is imported there once
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(WORLD, _free_port(), outdir), nprocs=WORLD,
+        ctx = mp.start_processes(_worker, args=(WORLD, free_port(), outdir), nprocs=WORLD,
                                  join=False, start_method="forkserver")
         deadline = time.monotonic() + JOB_TIMEOUT_S
         try:
