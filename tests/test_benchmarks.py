@@ -42,6 +42,15 @@ def test_bench_attention_rows_match_the_formula_and_the_streamed_choice() -> Non
     assert "ring (p2p" in out and "* = the ring schedule 'streamed' runs" in out
 
 
+def test_memory_check_prints_every_method_against_the_model() -> None:
+    out = run_script("memory_check.py", "--cp-size", "4", "--seq-length", "256", "--heads", "4",
+                     "--kv-heads", "2", "--head-dim", "8", "--only", "ring", "2x2", "a2a")
+    labels = [line.split()[0] for line in out.splitlines() if line[:1].isalnum()]
+    assert {"ring", "2x2", "2x2x1", "a2a"} <= set(labels), out
+    worst = re.search(r"worst \|measured / model - 1\| = ([\d.]+)%", out)
+    assert worst and float(worst[1]) < 10, out
+
+
 def test_bench_attention_rejects_an_unknown_schedule() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention.py"),
                            "--schedules", "streamed,ring"], cwd=ROOT, capture_output=True,
