@@ -4,6 +4,7 @@ no statistics, so storages are tracked as torch's dispatcher creates them).
     with CpuPeakMemory() as mem:
         out = mesh_attention(q, k, v, grid)
     mem.peak_bytes, mem.live_bytes
+    pass_peaks(lambda: mesh_attention(q, k, v, grid), dout)  # {'forward': B, 'backward': B}
 
 A storage counts from the op that creates it until the last tensor viewing it is gone; views
 and in-place results of storages made outside the context are not counted. Work buffers
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -65,3 +66,14 @@ class CpuPeakMemory(TorchDispatchMode):
             time.sleep(0.001)  # let a collective's thread drop what it has finished with
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
+
+
+def pass_peaks(forward: Callable[[], torch.Tensor], dout: torch.Tensor) -> dict[str, int]:
+    """{'forward': bytes, 'backward': bytes}: the peak of the tensors `forward()` creates, and
+    of those its output's backward(dout) creates, each beyond what is still alive when the
+    pass ends (its result): the extra memory `memory.extra_memory` models."""
+    with CpuPeakMemory() as fwd:
+        out = forward()
+    with CpuPeakMemory() as bwd:
+        out.backward(dout)
+    return {"forward": fwd.peak_bytes - fwd.live_bytes, "backward": bwd.peak_bytes - bwd.live_bytes}

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
-from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, resolve_plan
 from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
 from megatron_mesh.planner import Cluster, Workload
@@ -139,12 +139,9 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
     else:  # one more untimed step, its tensors tracked
         for t in (q, k, v):
             t.grad = None
-        with CpuPeakMemory() as fwd_mem:
-            out = mm.mesh_attention(q, k, v, grid, causal=args.causal, backend=args.backend,
-                                    schedule=schedule, grad_reduce_dtype=args.grad_reduce_dtype)
-        with CpuPeakMemory() as bwd_mem:
-            out.backward(dout)
-        memory = max(fwd_mem.peak_bytes - fwd_mem.live_bytes, bwd_mem.peak_bytes - bwd_mem.live_bytes)
+        memory = max(pass_peaks(lambda: mm.mesh_attention(
+            q, k, v, grid, causal=args.causal, backend=args.backend, schedule=schedule,
+            grad_reduce_dtype=args.grad_reduce_dtype), dout).values())
     label = f"{ran}*" if schedule == STREAMED else ran
     return {"shape": grid.shape_text, "cols": cols, "schedule": label, "fwd_ms": 1e3 * statistics.median(fwd),
             "bwd_ms": 1e3 * statistics.median(bwd), "sent": sent,

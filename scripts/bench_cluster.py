@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import megatron_mesh as mm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
@@ -217,12 +217,9 @@ def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, dtype=dtype)
     kernel = EmulatedKernel(float("inf"))
-    with CpuPeakMemory() as fwd:
-        out = mm.mesh_attention(q, k, v, grid, True, 1.0, kernel, method.schedule,
-                                method.grad_reduce_dtype)
-    with CpuPeakMemory() as bwd:
-        out.backward(dout)
-    mine = torch.tensor(max(fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes))
+    peaks = pass_peaks(lambda: mm.mesh_attention(q, k, v, grid, True, 1.0, kernel, method.schedule,
+                                                 method.grad_reduce_dtype), dout)
+    mine = torch.tensor(max(peaks.values()))
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return int(mine)
 

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import megatron_mesh as mm
 from megatron_mesh.emulation.compute import EmulatedKernel
 from megatron_mesh.memory import extra_memory
-from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import resolve_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -61,12 +61,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         q, k, v = (torch.randn(s, 1, h, args.head_dim, dtype=dtype).requires_grad_()
                    for h in (args.heads, args.kv_heads, args.kv_heads))
         dout = torch.randn(s, 1, args.heads, args.head_dim, dtype=dtype)
-        with CpuPeakMemory() as fwd:
-            out = mm.mesh_attention(q, k, v, grids[a, r, c], True, None, kernel, schedule, grads)
-        with CpuPeakMemory() as bwd:
-            out.backward(dout)
-        results[label] = (fwd.peak_bytes - fwd.live_bytes, bwd.peak_bytes - bwd.live_bytes)
-        del q, k, v, dout, out
+        grid = grids[a, r, c]
+        results[label] = pass_peaks(
+            lambda: mm.mesh_attention(q, k, v, grid, True, None, kernel, schedule, grads), dout)
     return results
 
 
@@ -124,16 +121,15 @@ def main() -> None:
             continue
         plan = resolve_plan(shape, r, c, schedule, grads, heads=a)
         model = extra_memory(shape, plan)
-        if label == "ring":
-            ring = extra_memory(shape, world, 1, "ring")
-            label = f"ring (TE {max(ring.values()) / MIB:.2f})"
         cells = []
-        for i, phase in enumerate(("forward", "backward")):
-            measured = max(res[label.split(' (')[0]][i] for res in per_rank)
+        for phase in ("forward", "backward"):
+            measured = max(res[label][phase] for res in per_rank)
             ratio = measured / model[phase]
             worst = max(worst, abs(ratio - 1))
             cells.append(f"{measured / MIB:8.2f} {model[phase] / MIB:7.2f} {ratio:6.2f}"
                          + ("*" if abs(ratio - 1) > 0.1 else " "))
+        if label == "ring":
+            label = f"ring (TE {max(extra_memory(shape, world, 1, 'ring').values()) / MIB:.2f})"
         print(f"{label:<26} " + "  ".join(cells))
     print(f"worst |measured / model - 1| = {worst:.1%}; * = beyond 10%")
 

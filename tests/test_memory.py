@@ -9,7 +9,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.peak_memory import CpuPeakMemory
+from megatron_mesh.peak_memory import CpuPeakMemory, pass_peaks
 from megatron_mesh.plan import MeshPlan
 from megatron_mesh.traffic import grid_shapes
 
@@ -66,16 +66,11 @@ def measure_worker(rank: int, world: int) -> dict:
         q, k, v = (torch.randn(s, b, h, d, generator=g).to(dtype).requires_grad_()
                    for h in (hq, hkv, hkv))
         dout = torch.randn(s, b, hq, d, generator=g).to(dtype)
-        with CpuPeakMemory() as fwd:
-            out = mm.mesh_attention(q, k, v, grids[a, rows, cols], schedule=schedule)
-        with CpuPeakMemory() as bwd:
-            out.backward(dout)
-        plan = MeshPlan(rows, cols, schedule, heads=a)
-        model = extra_memory(problem(size, world), plan)
+        grid = grids[a, rows, cols]
+        measured = pass_peaks(lambda: mm.mesh_attention(q, k, v, grid, schedule=schedule), dout)
+        model = extra_memory(problem(size, world), MeshPlan(rows, cols, schedule, heads=a))
         results[(size, a, rows, cols, schedule)] = {
-            "forward": (fwd.peak_bytes - fwd.live_bytes, model["forward"]),
-            "backward": (bwd.peak_bytes - bwd.live_bytes, model["backward"]),
-        }
+            phase: (measured[phase], model[phase]) for phase in ("forward", "backward")}
     return results
 
 
