@@ -112,12 +112,12 @@ class Job:
         self.stop_others = stop_others
         self.start = time.monotonic()
         world = nodes * nproc
-        launched = {} if "MASTER_PORT" in env else {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        port = str(free_port())
         ctx = context()
         self.ranks = []
         for rank in range(world):
-            rank_env = dict(env, **launched, RANK=str(rank), LOCAL_RANK=str(rank % nproc),
+            rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                            LOCAL_RANK=str(rank % nproc),
                             WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                             GROUP_RANK=str(rank // nproc))
             process = ctx.Process(target=_rank, args=(args, rank_env, str(self.log)))
