@@ -17,13 +17,17 @@ outputs in fp32):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from . import gathered, heads, streamed_kv, streamed_q
 from .checks import check_inputs, check_same_shapes
+from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
-from .kernels import TileKernel, get_kernel
+from .kernels import TileKernel, get_kernel, takes_documents
+from .layout import AttentionMask
 from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
 from .traffic import AttentionShape
 
@@ -52,20 +56,14 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
                       torch.float32 if grads.dkv_in_fp32 else dtype)
 
 
-def resolve_schedule(schedule: str, q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> str:
-    """The schedule that runs, by name: "streamed" becomes the ring with less extra memory
-    for these q [s, b, hq, d] and k [s, b, hkv, d] on this grid."""
-    return plan_for(q, k, grid, schedule).schedule.value
-
-
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, causal, scale, kernel, schedule, grads):
-        out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, causal, scale, kernel)
+    def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads):
+        out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, mask, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (grid, causal, scale, kernel, grads)
+        ctx.args = (grid, mask, scale, kernel, grads)
         ctx.schedule = schedule
         return out
 
@@ -74,6 +72,95 @@ class MeshAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _SCHEDULES[ctx.schedule].backward(dout, q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class MeshAttention:
+    """One layer's mesh attention, decided once: its grid, plan (shape, schedule, gradient
+    dtypes), tile kernel, mask kind and softmax scale. Calling it runs the layer on local
+    tensors of the shape it was built for; nothing on that path re-derives a decision.
+    `build` makes one from the layer's first inputs (`mesh_attention` does, per call)."""
+
+    grid: MeshGrid
+    plan: MeshPlan
+    kernel: TileKernel
+    causal: bool
+    softmax_scale: float
+    signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
+
+    @classmethod
+    def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
+              causal: bool = True, softmax_scale: float | None = None,
+              backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
+              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False
+              ) -> MeshAttention:
+        """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
+        and decide the layer's plan and kernel (`packed`: for packed documents)."""
+        check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
+        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
+        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k))
+
+    def matches(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether q, k have the shapes, dtype and device this layer was built for."""
+        return _signature(q, k) == self.signature
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: Documents | None = None) -> torch.Tensor:
+        """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d]; with `documents`
+        (packed sequences, b = 1) the local tensors are this rank's THD share."""
+        if not self.matches(q, k) or v.shape != k.shape:
+            raise ValueError(
+                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes), got "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, v {tuple(v.shape)}; build one per shape")
+        grid = self.grid
+        if documents is not None and not takes_documents(self.kernel):
+            raise ValueError("this MeshAttention was built without packed documents "
+                             "(MeshAttention.build(..., packed=True) takes them)")
+        if documents is not None:
+            documents.check_cp(grid.cp_size, q.shape[0])
+        check_same_shapes(q, k, grid, documents)
+        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols)
+        if grid.heads > 1:
+            q, k, v = heads.scatter_heads(q, k, v, grid, documents)
+        out = MeshAttentionFunction.apply(
+            q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.schedule,
+            grad_dtypes(self.plan.grad_dtype, q.dtype),
+        )
+        return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return tuple(q.shape), tuple(k.shape), q.dtype, q.device
+
+
+def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
+                     cu_seqlens_padded: torch.Tensor | list[int] | None = None
+                     ) -> Documents | None:
+    """The `Documents` of Megatron's cumulative lengths (None without them); a `Documents`
+    value is taken as it is. Reads the tensors once (a device-to-host copy on a GPU): a
+    caller that runs many layers on one packed batch resolves it once and passes the value."""
+    if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens_padded was given without cu_seqlens")
+        return None
+    if isinstance(cu_seqlens, Documents):
+        return cu_seqlens
+    return Documents.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)
+
+
+def as_sbhd(documents: Documents | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """THD tensors [t, h, d] as [t, 1, h, d] with packed documents (ValueError unless 3-D);
+    the tensors as they are without."""
+    if documents is None:
+        return tensors
+    for name, t in zip("qkv", tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"with cu_seqlens (packed documents), {name} must be 3-D "
+                             f"[t, h, d] (THD), got {shape}")
+    return tuple(t.unsqueeze(1) for t in tensors)
 
 
 def mesh_attention(
@@ -86,6 +173,8 @@ def mesh_attention(
     backend: str | TileKernel = "auto",
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+    cu_seqlens: torch.Tensor | Documents | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -101,16 +190,17 @@ def mesh_attention(
     grad_reduce_dtype: the dtypes the gradient partials travel in: 'mixed' (default: dK, dV in
     the input dtype, as Transformer Engine's ring sends them, dQ in fp32), 'fp32' (all) or
     'input' (all in the input dtype); each rank sums its own blocks in fp32 either way.
+    cu_seqlens: packed documents (THD). q [t, hq, d], k / v [t, hkv, d] hold this rank's
+    share in Transformer Engine's CP layout (`documents.py`: pieces r and 2P-1-r of every
+    document); cu_seqlens is the int32 [n + 1] cumulative document lengths of the WHOLE
+    packed sequence, the same on every rank; cu_seqlens_padded (optional) the padded ones,
+    each a multiple of 2P (without it the lengths themselves must be). Attention never
+    crosses a document; padding tokens get output 0 and zero gradients. A `Documents`
+    value may stand for both (resolved once by the caller).
     """
-    check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
-    check_same_shapes(q, k, grid)
-    plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    kernel: TileKernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
-    if grid.heads > 1:
-        q, k, v = heads.scatter_heads(q, k, v, grid)
-    out = MeshAttentionFunction.apply(
-        q, k, v, grid, bool(causal), float(scale), kernel, plan.schedule,
-        grad_dtypes(plan.grad_dtype, q.dtype),
-    )
-    return heads.gather_heads(out, grid) if grid.heads > 1 else out
+    documents = packed_documents(cu_seqlens, cu_seqlens_padded)
+    q, k, v = as_sbhd(documents, q, k, v)
+    layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
+                                grad_reduce_dtype, packed=documents is not None)
+    out = layer(q, k, v, documents)
+    return out if documents is None else out.squeeze(1)

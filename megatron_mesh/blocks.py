@@ -4,8 +4,16 @@ from __future__ import annotations
 import torch
 
 from .kernels import TileKernel
-from .layout import block_for
+from .layout import AttentionMask, block_for
 from .merge import merge_into
+
+
+def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The block's rows of t along `dim`: a view for a slice, a gathered copy for an
+    index tensor (packed documents)."""
+    if isinstance(index, slice):
+        return t[(slice(None),) * (dim % t.dim()) + (index,)]
+    return t.index_select(dim, index)
 
 
 def forward_block(
@@ -15,16 +23,26 @@ def forward_block(
     v_y: torch.Tensor,
     x: int,
     y: int,
-    causal: bool,
+    mask: AttentionMask,
     scale: float,
     out_acc: torch.Tensor,
     lse_acc: torch.Tensor,
 ) -> None:
     """Attention of Q(x) [s, b, hq, d] over K/V(y) [s, b, hkv, d], merged into x's fp32
     accumulators out_acc [s, b, hq, d] and lse_acc [b, hq, s]."""
-    blk = block_for(x, y, q_x.shape[0], causal)
-    out, lse = kernel.forward(q_x[blk.q_rows], k_y[blk.kv_rows], v_y[blk.kv_rows], blk.causal, scale)
-    merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
+    blk = block_for(x, y, q_x.shape[0], mask, q_x.device)
+    if blk.empty:
+        return
+    kv = blk.kv_rows
+    out, lse = kernel.forward(rows(q_x, blk.q_rows), rows(k_y, kv), rows(v_y, kv), blk.causal,
+                              scale, **_documents(blk))
+    if isinstance(blk.q_rows, slice):
+        merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
+        return
+    acc_out, acc_lse = rows(out_acc, blk.q_rows), rows(lse_acc, blk.q_rows, -1)
+    merge_into(acc_out, acc_lse, out, lse)
+    out_acc.index_copy_(0, blk.q_rows, acc_out)
+    lse_acc.index_copy_(-1, blk.q_rows, acc_lse)
 
 
 def backward_block(
@@ -37,7 +55,7 @@ def backward_block(
     v_y: torch.Tensor,
     x: int,
     y: int,
-    causal: bool,
+    mask: AttentionMask,
     scale: float,
     dq_acc: torch.Tensor,
     dkv_acc: torch.Tensor,
@@ -45,12 +63,25 @@ def backward_block(
     """Gradients of block (x, y) added (fp32) into dq_acc [s, b, hq, d] of x and
     dkv_acc [2, s, b, hkv, d] of y. out_x / lse_x are x's whole-row output (or a stand-in
     with the same D) and lse."""
-    blk = block_for(x, y, q_x.shape[0], causal)
-    rows, kv_rows = blk.q_rows, blk.kv_rows
+    blk = block_for(x, y, q_x.shape[0], mask, q_x.device)
+    if blk.empty:
+        return
+    q_rows, kv_rows = blk.q_rows, blk.kv_rows
     dq, dk, dv = kernel.backward(
-        dout_x[rows], q_x[rows], k_y[kv_rows], v_y[kv_rows], out_x[rows], lse_x[..., rows],
-        blk.causal, scale,
+        rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
+        rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale, **_documents(blk),
     )
-    dq_acc[rows] += dq
-    dkv_acc[0, kv_rows] += dk
-    dkv_acc[1, kv_rows] += dv
+    if isinstance(q_rows, slice):
+        dq_acc[q_rows] += dq
+        dkv_acc[0, kv_rows] += dk
+        dkv_acc[1, kv_rows] += dv
+        return
+    dq_acc.index_add_(0, q_rows, dq.to(dq_acc.dtype))
+    dkv_acc[0].index_add_(0, kv_rows, dk.to(dkv_acc.dtype))
+    dkv_acc[1].index_add_(0, kv_rows, dv.to(dkv_acc.dtype))
+
+
+def _documents(blk) -> dict:
+    """The kernel's keyword for a block over packed documents (none for a dense block, so
+    kernels without document support keep their signature)."""
+    return {} if blk.segments is None else {"segments": blk.segments}

@@ -89,15 +89,18 @@ def check_inputs(
 _AGREED: set[tuple] = set()  # (grid ranks and shape, this rank's signature) already agreed
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
-    """q [s, b, hq, d] and k [s, b, hkv, d] as numbers: (s, b, hq, hkv, d, dtype index)."""
+def _signature(q: torch.Tensor, k: torch.Tensor, documents=None) -> tuple[int, ...]:
+    """q [s, b, hq, d] and k [s, b, hkv, d] as numbers: (s, b, hq, hkv, d, dtype index,
+    packed documents' key or -1)."""
     s, b, hq, d = q.shape
-    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype))
+    docs = -1 if documents is None else documents.agreement_key()
+    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs)
 
 
 def _signature_text(sig: tuple[int, ...]) -> str:
-    s, b, hq, hkv, d, dtype = sig
-    return f"q [{s}, {b}, {hq}, {d}] k/v [{s}, {b}, {hkv}, {d}] {str(DTYPES[dtype])[6:]}"
+    s, b, hq, hkv, d, dtype, docs = sig
+    return (f"q [{s}, {b}, {hq}, {d}] k/v [{s}, {b}, {hkv}, {d}] {str(DTYPES[dtype])[6:]}"
+            + ("" if docs == -1 else f" documents #{docs:x}"))
 
 
 def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -107,12 +110,14 @@ def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     return torch.cat(parts)
 
 
-def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> None:
+def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
+                      documents=None) -> None:
     """ValueError on every rank of the grid unless all its ranks pass the same q / k shapes
-    and dtype. Collective over the grid, but only the first time this rank sees a shape: the
-    signatures are gathered over the row, then the rows' over the column, then the meshes'
-    over the heads group, so every rank holds all P of them (three small all_gathers)."""
-    sig = _signature(q, k)
+    and dtype (and packed documents, `documents.Documents`). Collective over the grid, but
+    only the first time this rank sees a signature: the signatures are gathered over the
+    row, then the rows' over the column, then the meshes' over the heads group, so every
+    rank holds all P of them (three small all_gathers)."""
+    sig = _signature(q, k, documents)
     key = (grid.cp_ranks, grid.heads, grid.rows, grid.cols, sig)
     if key in _AGREED or grid.cp_size == 1:
         return
@@ -127,5 +132,5 @@ def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> None:
             f"ranks of one {grid.shape_text} grid pass different shapes to mesh_attention: "
             f"{_signature_text(sig)} here (CP rank {grid.cp_rank}), "
             + "; ".join(_signature_text(o) for o in others) + " on another; every rank of "
-            "a CP group must pass the same shapes and dtype")
+            "a CP group must pass the same shapes, dtype and cu_seqlens")
     _AGREED.add(key)

@@ -9,6 +9,7 @@ from .delta import attention_delta, out_with_delta
 from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
+from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
 
 
@@ -26,7 +27,7 @@ def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dt
     return out_acc.to(dtype), lse_acc
 
 
-def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
+def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
     s, b, hq, d = q.shape
     q_row = comm.all_gather(q, grid.row_group, "forward", "row").view(grid.cols, s, b, hq, d)
@@ -37,7 +38,7 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     for j, x in enumerate(grid.row_mesh_ranks):
         out_acc, lse_acc = empty_accumulators(s, b, hq, d, q.device)
         for i, y in enumerate(grid.col_mesh_ranks):
-            forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, causal, scale,
+            forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, mask, scale,
                           out_acc, lse_acc)
         partial_out[j].copy_(out_acc)
         partial_lse[j].copy_(lse_acc)
@@ -58,7 +59,7 @@ def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
     return qdo, stats, outs
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
+def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed locally in fp32 and reduce-scattered in grad_dtypes (dq, dkv)."""
@@ -71,7 +72,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
     for j, x in enumerate(grid.row_mesh_ranks):
         for i, y in enumerate(grid.col_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
-                           kv_col[i][1], x, y, causal, scale, dq_part[j], dkv_part[i])
+                           kv_col[i][1], x, y, mask, scale, dq_part[j], dkv_part[i])
     del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
     dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")

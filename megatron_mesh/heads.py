@@ -16,11 +16,13 @@ first collective that needs them, and the repeated bytes travel (`kv_repeats`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from . import comm
+from .documents import Documents
 from .grid import MeshGrid
 
 
@@ -40,14 +42,19 @@ def check_heads(heads: int, q_heads: int, kv_heads: int) -> None:
         )
 
 
-def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
+                      documents: Documents | None = None) -> torch.Tensor:
     """[s, b, h, d] (zigzag of P, all heads) -> [A s, b, h/A, d] (zigzag of P/A, head
-    slice `grid.head_index`). Two buffers of x's size: the one sent takes the result."""
+    slice `grid.head_index`). Two buffers of x's size: the one sent takes the result.
+    Packed documents (b = 1): the THD layout of P/A (`Documents.heads_order`)."""
     s, b, h, d = x.shape
     a, hs = grid.heads, h // grid.heads
     send = x.new_empty(a, s, b, hs, d)  # piece a' goes to rank a'
     send.copy_(x.reshape(s, b, a, hs, d).permute(2, 0, 1, 3, 4))
     recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': rank a''s tokens
+    if documents is not None:
+        order = _heads_order(documents, grid, x.device)
+        return torch.index_select(recv.view(a * s, b, hs, d), 0, order, out=send.view(-1, b, hs, d))
     halves = recv.view(a, 2, s // 2, b, hs, d)
     out = send.view(2, a, s // 2, b, hs, d)  # first halves in rank order, second reversed
     out[0].copy_(halves[:, 0])
@@ -56,16 +63,20 @@ def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> tor
     return out.view(-1, b, hs, d)
 
 
-def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase) -> torch.Tensor:
+def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
+                      documents: Documents | None = None) -> torch.Tensor:
     """Inverse of `heads_to_sequence`: [A s, b, h/A, d] -> [s, b, h, d]. Two buffers of
     y's size: the one sent takes the result."""
     a = grid.heads
     s2, b, hs, d = y.shape
-    first, second = y.view(2, a, s2 // (2 * a), b, hs, d)
     send = y.new_empty(a, 2, s2 // (2 * a), b, hs, d)  # piece a': its tokens' two halves
-    send[:, 0].copy_(first)
-    for i in range(a):
-        send[i, 1].copy_(second[a - 1 - i])
+    if documents is not None:
+        send.view(s2, b, hs, d).index_copy_(0, _heads_order(documents, grid, y.device), y)
+    else:
+        first, second = y.view(2, a, s2 // (2 * a), b, hs, d)
+        send[:, 0].copy_(first)
+        for i in range(a):
+            send[i, 1].copy_(second[a - 1 - i])
     recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, "heads")
     out = send.view(-1, b, a, hs, d)  # piece a' of recv: head slice a'
     out.copy_(recv.permute(1, 2, 0, 3, 4))
@@ -85,15 +96,33 @@ class _Relayout(torch.autograd.Function):
         return ctx.back(grad, ctx.grid, "backward"), None, None, None
 
 
-def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid):
+def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
+                  documents: Documents | None = None):
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> this rank's head slice over its mesh rank's
     tokens: [A s, b, hq/A, d] and [A s, b, lcm(A, hkv)/A, d]; differentiable."""
     repeats = kv_repeats(grid.heads, k.shape[2])
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-    return tuple(_Relayout.apply(t, grid, heads_to_sequence, sequence_to_heads) for t in (q, k, v))
+    there = functools.partial(heads_to_sequence, documents=documents)
+    back = functools.partial(sequence_to_heads, documents=documents)
+    return tuple(_Relayout.apply(t, grid, there, back) for t in (q, k, v))
 
 
-def gather_heads(out: torch.Tensor, grid: MeshGrid) -> torch.Tensor:
+def gather_heads(out: torch.Tensor, grid: MeshGrid, documents: Documents | None = None
+                 ) -> torch.Tensor:
     """The mesh's output [A s, b, hq/A, d] back to this rank's tokens [s, b, hq, d]."""
-    return _Relayout.apply(out, grid, sequence_to_heads, heads_to_sequence)
+    there = functools.partial(sequence_to_heads, documents=documents)
+    back = functools.partial(heads_to_sequence, documents=documents)
+    return _Relayout.apply(out, grid, there, back)
+
+
+@functools.lru_cache(maxsize=256)
+def _heads_order_on(documents: Documents, cp_size: int, heads: int, device: torch.device
+                    ) -> torch.Tensor:
+    order = documents.heads_order(cp_size, heads)
+    return torch.tensor(order, dtype=torch.int64, device=device)
+
+
+def _heads_order(documents: Documents, grid: MeshGrid, device: torch.device) -> torch.Tensor:
+    """`Documents.heads_order` for this grid as an index tensor on `device`, made once."""
+    return _heads_order_on(documents, grid.cp_size, grid.heads, device)

@@ -20,14 +20,15 @@ from .dtypes import FP32_GRADS, GradDtypes
 from .gathered import gather_row_grads_inputs, merge_row_partials
 from .grid import MeshGrid
 from .kernels import TileKernel
+from .layout import AttentionMask
 from .merge import empty_accumulators
 from .rings import TrailingPartial, ring_steps
 
 
-def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
+def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
     if grid.rows == 1:
-        return gathered.forward(q, k, v, grid, causal, scale, kernel)
+        return gathered.forward(q, k, v, grid, mask, scale, kernel)
     s, b, hq, d = q.shape
     me = grid.col_index
     q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
@@ -36,12 +37,12 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     for t, (k_y, v_y) in ring:
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k_y, v_y, grid.mesh_rank, y, causal, scale, *accs[me])
+            forward_block(kernel, q, k_y, v_y, grid.mesh_rank, y, mask, scale, *accs[me])
             q_pending.wait()
             q_row = q_row.view(grid.cols, *q.shape)
         for j, x in enumerate(grid.row_mesh_ranks):
             if not (t == 0 and j == me):
-                forward_block(kernel, q_row[j], k_y, v_y, x, y, causal, scale, *accs[j])
+                forward_block(kernel, q_row[j], k_y, v_y, x, y, mask, scale, *accs[j])
     del q_row, k_y, v_y  # the row's Q and the last K/V chunk: used up
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
@@ -53,12 +54,12 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
+def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dK, dV around the ring, dQ in the reduce-scatter) in grad_dtypes."""
     if grid.rows == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtypes)
+        return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
@@ -70,7 +71,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         for j, x in enumerate(grid.row_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
-                           x, y, causal, scale, dq_part[j], dkv)
+                           x, y, mask, scale, dq_part[j], dkv)
         if t >= 1:  # chunk y's partial goes on behind its K/V (the send holds what it needs)
             trailing.pass_on((dkv,), grad_dtypes.dkv)
         dkv = None  # not held while the next one is zeroed

@@ -21,6 +21,7 @@ from .delta import attention_delta, out_with_delta
 from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
+from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
 
@@ -30,10 +31,10 @@ def merge_partial(mine, arriving) -> None:
     merge_into(*mine, *arriving)
 
 
-def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKernel):
+def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
     if grid.cols == 1:
-        return gathered.forward(q, k, v, grid, causal, scale, kernel)
+        return gathered.forward(q, k, v, grid, mask, scale, kernel)
     s, b, hq, d = q.shape
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "col")
@@ -45,11 +46,11 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k, v, x, grid.mesh_rank, causal, scale, *acc)
+            forward_block(kernel, q, k, v, x, grid.mesh_rank, mask, scale, *acc)
             kv_pending.wait()
         for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
-                forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, causal, scale, *acc)
+                forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, mask, scale, *acc)
         if t >= 1:  # chunk x's partial goes on behind its Q (the send holds it)
             trailing.pass_on(acc)
         acc = None  # not held while the next one is made
@@ -58,12 +59,12 @@ def forward(q, k, v, grid: MeshGrid, causal: bool, scale: float, kernel: TileKer
     return own[0].to(q.dtype), own[1]
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float,
+def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
     if grid.cols == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, causal, scale, kernel, grad_dtypes)
+        return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
     dout = dout.contiguous()
@@ -79,14 +80,14 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, causal: bool, scale: float
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         dq = dq_own if t == 0 else torch.zeros_like(dq_own)
         if t == 0:  # own block first, while the column's K/V arrive
-            backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, causal, scale,
+            backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, mask, scale,
                            dq, dkv_part[my_row])
             kv_pending.wait()
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
         for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
-                               kv_col[i][1], x, y, causal, scale, dq, dkv_part[i])
+                               kv_col[i][1], x, y, mask, scale, dq, dkv_part[i])
         if t >= 1:  # chunk x's dQ partial goes on behind its Q (the send holds what it needs)
             trailing.pass_on((dq,), grad_dtypes.dq)
         dq = out_x = None  # not held while the next step's are made

@@ -32,7 +32,7 @@ def test_blocks_cover_exactly_the_causal_mask(cp_size: int) -> None:
     covered = torch.zeros(s * cp_size, s * cp_size, dtype=torch.int64)
     for x in range(cp_size):
         for y in range(cp_size):
-            blk = block_for(x, y, s, causal=True)
+            blk = block_for(x, y, s, True)
             qp, kp = pos[x][blk.q_rows], pos[y][blk.kv_rows]
             tile = torch.ones(len(qp), len(kp), dtype=torch.int64)
             if blk.causal:

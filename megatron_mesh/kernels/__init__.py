@@ -2,6 +2,8 @@
 chooses among them (`get_kernel`)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import cudnn
@@ -37,11 +39,17 @@ def _te_unsupported(device: torch.device, dtype: torch.dtype | None) -> str | No
     return None
 
 
+def takes_documents(kernel: TileKernel) -> bool:
+    """Whether the kernel takes packed documents (a `segments` keyword)."""
+    return "segments" in inspect.signature(kernel.forward).parameters
+
+
 def get_kernel(
     backend: str | TileKernel,
     device: torch.device,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
+    documents: bool = False,
 ) -> TileKernel:
     """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim`.
 
@@ -49,8 +57,22 @@ def get_kernel(
     cuDNN attention when cuDNN >= 9 takes the dtype and head dim, then torch's flash /
     memory-efficient ops (the only choice on CPU). 'te' and 'cudnn' raise ValueError, saying
     why, where they cannot run; 'torch' runs everywhere. A `TileKernel` object (e.g. the
-    emulated one of `megatron_mesh.emulation`) is returned as it is.
+    emulated one of `megatron_mesh.emulation`) is returned as it is. With `documents`
+    (packed sequences) only kernels that take them (`takes_documents`) are chosen: 'auto'
+    falls back to torch's ops, a named backend that cannot raises ValueError.
     """
+    kernel = _kernel_for(backend, device, dtype, head_dim)
+    if documents and not takes_documents(kernel):
+        if backend != "auto":
+            name = getattr(kernel, "name", type(kernel).__name__)
+            raise ValueError(f"backend={name!r} does not take packed documents (cu_seqlens); "
+                             "use backend='torch' or 'auto'")
+        return TorchFlashKernel()
+    return kernel
+
+
+def _kernel_for(backend: str | TileKernel, device: torch.device, dtype: torch.dtype | None,
+                head_dim: int | None) -> TileKernel:
     check_backend(backend)
     if is_kernel(backend):
         return backend
@@ -80,4 +102,4 @@ def get_kernel(
 
 
 __all__ = ["BACKENDS", "CudnnKernel", "TileKernel", "TorchFlashKernel", "check_backend",
-           "get_kernel", "is_kernel"]
+           "get_kernel", "is_kernel", "takes_documents"]

@@ -6,9 +6,54 @@ handled by the kernel; K/V are never expanded by the caller).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The documents of one tile (packed sequences): query rows cu_q[i] .. cu_q[i+1] attend
+    only key rows cu_kv[i] .. cu_kv[i+1] (causally, top-left aligned, where the tile is
+    causal; then the two counts of a document are equal). No document is empty on either
+    side, so every query row sees at least one key.
+
+    `cu_q_tensor` / `cu_kv_tensor` are the same bounds as int32 tensors on the tiles' device,
+    made once (the varlen kernels take them)."""
+
+    cu_q: tuple[int, ...]
+    cu_kv: tuple[int, ...]
+    cu_q_tensor: torch.Tensor = field(compare=False, repr=False)
+    cu_kv_tensor: torch.Tensor = field(compare=False, repr=False)
+
+    @classmethod
+    def build(cls, cu_q: tuple[int, ...], cu_kv: tuple[int, ...], device: torch.device
+              ) -> Segments:
+        as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
+        return cls(tuple(cu_q), tuple(cu_kv), as_tensor(cu_q), as_tensor(cu_kv))
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_q, self.cu_q[1:]))
+
+    @property
+    def max_kv(self) -> int:
+        return max(b - a for a, b in zip(self.cu_kv, self.cu_kv[1:]))
+
+    def additive_mask(self, causal: bool, device: torch.device) -> torch.Tensor:
+        """[sq, sk] fp32: 0 where a query row may see a key row, -inf elsewhere."""
+        counts = lambda cu: torch.tensor(cu).diff()  # noqa: E731
+        docs_q = torch.repeat_interleave(counts(self.cu_q))
+        docs_kv = torch.repeat_interleave(counts(self.cu_kv))
+        seen = docs_q[:, None] == docs_kv[None, :]
+        if causal:
+            start_q, start_kv = torch.tensor(self.cu_q[:-1]), torch.tensor(self.cu_kv[:-1])
+            pos_q = torch.arange(self.cu_q[-1]) - start_q[docs_q]
+            pos_kv = torch.arange(self.cu_kv[-1]) - start_kv[docs_kv]
+            seen &= pos_kv[None, :] <= pos_q[:, None]
+        mask = torch.zeros(seen.shape, dtype=torch.float32)
+        return mask.masked_fill_(~seen, float("-inf")).to(device)
 
 
 class TileKernel(Protocol):
@@ -23,10 +68,12 @@ class TileKernel(Protocol):
         v: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns out [sq, b, hq, d] in q's dtype and lse [b, hq, sq] in fp32.
 
-        `causal` is top-left aligned and only used with sq == sk.
+        `causal` is top-left aligned and only used with sq == sk. With `segments` (packed
+        documents; b = 1) attention stays inside each document's rows (`Segments`).
         """
         ...
 
@@ -40,6 +87,7 @@ class TileKernel(Protocol):
         lse: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns dq [sq, b, hq, d], dk, dv [sk, b, hkv, d] in the inputs' dtype.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import dense_last_dim
+from .base import Segments, dense_last_dim
 
 aten = torch.ops.aten
 
@@ -46,7 +46,10 @@ class TorchFlashKernel:
 
     name = "torch"
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float):
+    def forward(self, q, k, v, causal: bool, softmax_scale: float,
+                segments: Segments | None = None):
+        if segments is not None:
+            return documents_forward(q, k, v, causal, softmax_scale, segments)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -66,7 +69,10 @@ class TorchFlashKernel:
             )
         return sbhd(out), lse[..., :sq].contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                 segments: Segments | None = None):
+        if segments is not None:
+            return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
         lse = lse.contiguous()
         if q.device.type == "cpu":
@@ -93,3 +99,72 @@ class TorchFlashKernel:
                 causal, scale=softmax_scale,
             )
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+
+
+# Packed documents (`Segments`): b = 1. The CPU flash op and CUDA's memory-efficient op (fp32)
+# take the documents as an additive mask; CUDA's flash op (fp16 / bf16) as a variable-length
+# call over the documents' rows, which does no work across documents and takes GQA as it is.
+
+
+def _uses_varlen(q: torch.Tensor) -> bool:
+    return q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _mask(segments: Segments, causal: bool, device: torch.device) -> torch.Tensor:
+    """[1, 1, sq, sk] additive mask; on CUDA its rows padded to 16 elements, as the
+    memory-efficient op reads them."""
+    mask = segments.additive_mask(causal, device)
+    if device.type != "cpu":
+        sq, sk = mask.shape
+        mask = torch.nn.functional.pad(mask, (0, -sk % 16))[:, :sk]
+    return mask[None, None]
+
+
+def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments):
+    """The tile over packed documents: q [sq, 1, hq, d], k / v [sk, 1, hkv, d] ->
+    out [sq, 1, hq, d], lse [1, hq, sq] fp32."""
+    if _uses_varlen(q):
+        out, lse, *_ = aten._flash_attention_forward(
+            dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
+            segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
+            0.0, causal, False, scale=softmax_scale)
+        return out.unsqueeze(1), lse.unsqueeze(0)
+    mask = _mask(segments, causal, q.device)
+    qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            qb, kb, vb, 0.0, False, attn_mask=mask, scale=softmax_scale)
+        return sbhd(out), lse
+    groups = q.shape[2] // k.shape[2]
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+        qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask.to(q.dtype), True, 0.0, False,
+        scale=softmax_scale)
+    return sbhd(out), lse[..., :q.shape[0]].contiguous()
+
+
+def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                       segments: Segments):
+    """Gradients of `documents_forward`'s tile: dq [sq, 1, hq, d], dk, dv [sk, 1, hkv, d];
+    lse [1, hq, sq] is the whole row's."""
+    if _uses_varlen(q):
+        no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(
+            dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
+            dense_last_dim(v[:, 0]), dense_last_dim(out[:, 0]), lse[0].contiguous(),
+            segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
+            0.0, causal, no_dropout, no_dropout, scale=softmax_scale)
+        return dq.unsqueeze(1), dk.unsqueeze(1), dv.unsqueeze(1)
+    mask = _mask(segments, causal, q.device)
+    qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
+    lse = lse.contiguous()
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dob, qb, kb, vb, ob, lse, 0.0, False, attn_mask=mask, scale=softmax_scale)
+        return sbhd(dq), sbhd(dk), sbhd(dv)
+    groups = q.shape[2] // k.shape[2]
+    lse = torch.nn.functional.pad(lse, (0, -q.shape[0] % 32))  # kept padded to 32 rows
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask.to(q.dtype), ob, lse,
+        unused, unused, 0.0, [True, True, True, False], False, scale=softmax_scale)
+    return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
