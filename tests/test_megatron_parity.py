@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from preloaded import context, free_port
 
 WORLD = 8
@@ -50,6 +51,13 @@ LAYOUTS = [
     ("cp1", 1, 1, None, {}),
     ("cp4_2x2_recompute_selective", 1, 4, (2, 2), dict(recompute_granularity="selective")),
     ("tp2_cp2_recompute_full", 2, 2, (2, 1), FULL_RECOMPUTE),
+]
+# packed documents (THD): (name, tp, cp, grid)
+PACKED_LAYOUTS = [
+    ("packed_cp4_2x2", 1, 4, (2, 2)),
+    ("packed_cp4_2x1x2", 1, 4, (2, 1, 2)),
+    ("packed_tp2_cp2_1x2", 2, 2, (1, 2)),
+    ("packed_cp1", 1, 1, None),
 ]
 
 
@@ -218,6 +226,65 @@ def _run_layout(name, tp, cp, shape, features, out):
     }
 
 
+def _run_packed(name, tp, cp, shape, out):
+    """Packed documents: the GPT model on this rank's THD share of a micro-batch of
+    EOD-separated documents (`training.packing.pack_documents`, its PackedSeqParams) against
+    the same model at CP = 1 run on each document ALONE (SDPA core attention)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron import get_gpt_layer_spec, initialize_mesh_grids
+    from megatron_mesh.training.packing import pack_documents
+
+    rank = dist.get_rank()
+    replica = rank // (tp * cp)
+    g = torch.Generator().manual_seed(2000 + replica)
+    lengths = [5, 11, 1, 3, 12]  # 32 tokens; each document ends in EOD (VOCAB - 1)
+    tokens = torch.randint(0, VOCAB - 1, (1, sum(lengths)), generator=g)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    tokens[0, ends] = VOCAB - 1
+    full = {"tokens": tokens, "labels": torch.randint(0, VOCAB, tokens.shape, generator=g),
+            "loss_mask": (torch.rand(tokens.shape, generator=g) > 0.2).float()}
+    full["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    denominator = full["loss_mask"].sum()
+
+    _init_parallel(tp, 1)
+    torch.manual_seed(1234)
+    reference = _gpt(_config(tp, 1), _reference_spec())
+    ref_loss = 0
+    for start, n in zip([0] + ends[:-1].add(1).tolist(), lengths):
+        doc = {k: v[:, start:start + n] for k, v in full.items()}
+        per_token = reference(doc["tokens"], doc["position_ids"], None, labels=doc["labels"])
+        ref_loss = ref_loss + (per_token * doc["loss_mask"]).sum() / denominator
+    reference.zero_grad(set_to_none=True)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+
+    _init_parallel(tp, cp)
+    initialize_mesh_grids(shape, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                          seq_length=SEQ)
+    model = _gpt(_config(tp, cp), get_gpt_layer_spec("mesh"))
+    model.load_state_dict(reference.state_dict())
+    local = pack_documents(full, VOCAB - 1, cp, ps.get_context_parallel_rank())
+    per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                      packed_seq_params=local["packed_seq_params"])
+    loss = (per_token * local["loss_mask"]).sum() / denominator
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    cp_group = ps.get_context_parallel_group()
+    dist.all_reduce(loss, group=cp_group)
+    for grad in grads.values():
+        dist.all_reduce(grad, group=cp_group)
+    out[name] = {
+        "loss": (loss.item(), ref_loss.item()),
+        "grad_abs_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
+        "grad_err": max(
+            ((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6)).item()
+            for n in grads),
+        "local_tokens": local["tokens"].shape[1],
+    }
+
+
 def _bad_configurations(out):
     """Each must raise the same clear error on every rank (a hang fails the job timeout)."""
     from megatron.core import parallel_state as ps
@@ -270,7 +337,8 @@ def _bad_configurations(out):
     q = torch.randn(SEQ // 4, BATCH, HEADS, HIDDEN // HEADS)
     k = torch.randn(SEQ // 4, BATCH, GROUPS, HIDDEN // HEADS)
     errors["packed"] = _expect_error(
-        lambda: chosen(q, k, k, None, packed_seq_params=object()), ValueError
+        lambda: chosen(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd")),
+        ValueError
     )
     model = dict(num_attention_heads=HEADS, num_query_groups=GROUPS)
     _init_parallel(2, 4)  # TP 2: 2 query heads per rank, but A = 4
@@ -343,6 +411,10 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
                 start = time.perf_counter()
                 _run_layout(name, tp, cp, shape, features, out)
                 out["times"][name] = time.perf_counter() - start
+            for name, tp, cp, shape in PACKED_LAYOUTS:
+                start = time.perf_counter()
+                _run_packed(name, tp, cp, shape, out)
+                out["times"][name] = time.perf_counter() - start
             _bad_configurations(out)
             _shape_decided_once(out)
         torch.save(out, os.path.join(outdir, f"{rank}.pt"))
@@ -404,6 +476,20 @@ def test_grid_follows_megatron_cp_groups(results, name):
         assert (r["traffic"]["heads"] > 0) == (heads > 1)  # the all-to-all ran, or did not
         assert r["row_ranks"] == [mesh[i * cols + c] for c in range(cols)]  # consecutive
         assert r["col_ranks"] == [mesh[x * cols + j] for x in range(rows)]
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in PACKED_LAYOUTS])
+def test_packed_documents_match_each_document_run_alone(results, name):
+    """The loss and gradients of a packed micro-batch equal the sum over its documents,
+    each run alone at CP = 1: attention never crossed a document, padding changed nothing."""
+    cp = next(layout[2] for layout in PACKED_LAYOUTS if layout[0] == name)
+    for rank, res in enumerate(results):
+        r = res[name]
+        loss, ref_loss = r["loss"]
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5, abs_tol=1e-6), (rank, loss, ref_loss)
+        assert r["grad_abs_err"] < 1e-5 or r["grad_err"] < 1e-5, (rank, r["grad_abs_err"])
+        # documents padded to multiples of 2 CP: 8 + 16 + 8 + 8 + 16 = 56 tokens at CP 4
+        assert r["local_tokens"] == {4: 56 // 4, 2: 40 // 2, 1: 32}[cp]
 
 
 def test_selective_recompute_reruns_the_mesh_forward_once_and_counts_it_once(results):

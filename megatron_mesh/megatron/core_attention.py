@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -19,8 +20,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh.attention import mesh_attention, plan_for
+from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import DEFAULT_SCHEDULE, check_options
+from megatron_mesh.documents import Documents
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
     get_mesh_grid,
@@ -31,20 +33,45 @@ from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+# with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)
+_PACKED_MASKS = {**_MASKS, AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 
 logger = logging.getLogger(__name__)
 _logged_schedules: set[tuple] = set()
 
 
-def _log_schedule(grid, schedule: str, query: torch.Tensor, key: torch.Tensor) -> None:
+def _log_schedule(layer: MeshAttention, schedule: str) -> None:
     """Say once per process (on global rank 0) which schedule runs on which grid."""
-    ran = plan_for(query, key, grid, schedule).schedule.value
-    seen = (grid.shape_text, schedule, ran)
+    ran = layer.plan.schedule.value
+    seen = (layer.grid.shape_text, schedule, ran)
     if seen in _logged_schedules or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _logged_schedules.add(seen)
     how = f" (chosen for less memory by '{schedule}')" if ran != schedule else ""
-    logger.info("mesh attention: %s grid, schedule %s%s", grid.shape_text, ran, how)
+    logger.info("mesh attention: %s grid, schedule %s%s", layer.grid.shape_text, ran, how)
+
+
+_resolved: list = [None, None]  # [weak reference to the last PackedSeqParams, its Documents]
+
+
+def documents_of(params: PackedSeqParams) -> Documents:
+    """The packed documents of Megatron's PackedSeqParams (qkv_format "thd"), read from its
+    tensors once per params object: every layer of a micro-batch gets the same object."""
+    if _resolved[0] is not None and _resolved[0]() is params:
+        return _resolved[1]
+    if getattr(params, "qkv_format", None) != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format="
+                         f"{getattr(params, 'qkv_format', None)!r}: the mesh takes packed "
+                         "sequences in 'thd' format")
+    for suffix in ("", "_padded"):
+        q, kv = (getattr(params, f"cu_seqlens_{side}{suffix}") for side in ("q", "kv"))
+        if (q is None) != (kv is None) or (q is not None and not torch.equal(q, kv)):
+            raise ValueError(f"packed_seq_params.cu_seqlens_q{suffix} and cu_seqlens_kv{suffix} "
+                             "differ; self-attention over packed documents needs the same "
+                             "documents for both")
+    documents = packed_documents(params.cu_seqlens_q, params.cu_seqlens_q_padded)
+    _resolved[:] = [weakref.ref(params), documents]
+    return documents
 
 
 def resolve_algorithm(
@@ -133,6 +160,23 @@ class MeshDotProductAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
         self.current_max_attn_logits = None
+        self._layers: dict[tuple, MeshAttention] = {}  # one per input signature and mask
+
+    def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               causal: bool, packed: bool) -> MeshAttention:
+        """The layer's MeshAttention for these inputs, decided at their first forward."""
+        signature = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, causal,
+                     packed)
+        layer = self._layers.get(signature)
+        if layer is None:
+            layer = MeshAttention.build(
+                query, key, value, self.grid, causal=causal, softmax_scale=self.softmax_scale,
+                backend=self.backend, schedule=self.schedule,
+                grad_reduce_dtype=self.grad_reduce_dtype, packed=packed)
+            self._layers[signature] = layer
+            if self.grid.cp_size > 1:
+                _log_schedule(layer, self.schedule)
+        return layer
 
     def forward(
         self,
@@ -144,39 +188,34 @@ class MeshDotProductAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """q [sq, b, np, hn], k / v [sk, b, ng, hn] -> [sq, b, np * hn].
+        """q [sq, b, np, hn], k / v [sk, b, ng, hn] -> [sq, b, np * hn]; with
+        `packed_seq_params` (qkv_format "thd": packed documents) q [t, np, hn], k / v
+        [t, ng, hn] hold this rank's THD share (`documents.py`) -> [t, np * hn].
 
         `attention_mask` is not read: the mask is the causal (or no) mask of
-        `attn_mask_type`, applied to the whole sequence across the CP group.
+        `attn_mask_type`, applied to the whole sequence across the CP group, inside each
+        document when packed.
         """
-        if packed_seq_params is not None:
-            raise ValueError("MeshDotProductAttention does not support packed sequences (thd)")
         if attention_bias is not None:
             raise ValueError("MeshDotProductAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask_type not in _MASKS:
+        masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
+        if mask_type not in masks:
             raise ValueError(
-                "MeshDotProductAttention supports attn_mask_type causal or no_mask, "
-                f"got {mask_type}"
+                f"MeshDotProductAttention supports attn_mask_type "
+                f"{' or '.join(m.name for m in masks)}, got {mask_type}"
             )
+        documents = None if packed_seq_params is None else documents_of(packed_seq_params)
+        query, key, value = as_sbhd(documents, query, key, value)
         if query.shape[0] != key.shape[0]:
             raise ValueError(
                 f"MeshDotProductAttention needs as many queries as keys per rank (got "
                 f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
             )
-        if self.grid.cp_size > 1:
-            _log_schedule(self.grid, self.schedule, query, key)
-        out = mesh_attention(
-            query,
-            key,
-            value,
-            self.grid,
-            causal=_MASKS[mask_type],
-            softmax_scale=self.softmax_scale,
-            backend=self.backend,
-            schedule=self.schedule,
-            grad_reduce_dtype=self.grad_reduce_dtype,
-        )
+        layer = self._layer(query, key, value, masks[mask_type], documents is not None)
+        out = layer(query, key, value, documents)
+        if documents is not None:
+            return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 

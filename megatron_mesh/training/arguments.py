@@ -208,6 +208,22 @@ def _fail(msg: str) -> None:
     raise ConfigError(msg)
 
 
+def _check_document_masking(args: argparse.Namespace, pp: int, cp: int) -> None:
+    """--reset-attention-mask packs each micro-batch's documents as THD sequences
+    (`training/packing.py`); fail for what cannot take them."""
+    if pp > 1:
+        _fail(f"--reset-attention-mask with --pipeline-model-parallel-size {pp}: packed "
+              "documents change the micro-batch's token count, which pipeline stages must "
+              "agree on beforehand; use --pipeline-model-parallel-size 1")
+    if args.attention_backend == "local":
+        _fail("--reset-attention-mask with --attention-backend local: megatron-core's local "
+              "attention takes no packed documents; use --attention-backend auto or flash")
+    if cp > 1 and args.context_parallel_algo == "all_gather":
+        _fail("--reset-attention-mask with --context-parallel-algo all_gather: Transformer "
+              "Engine's all_gather CP takes no packed (THD) documents; use mesh, p2p, a2a or "
+              "a2a+p2p")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check flags against each other and the world size; fill in derived defaults."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -281,6 +297,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               "megatron-core's distributed optimizer over torch's optimizers (no Transformer "
               "Engine / Apex) keeps and checkpoints Adam's state only; use --optimizer adam, or "
               "drop --use-distributed-optimizer")
+    if args.reset_attention_mask:
+        _check_document_masking(args, pp, cp)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.sequence_parallel and (args.seq_length // cp) % tp:

@@ -16,6 +16,7 @@ from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 
 from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank, null_tokenizer_library
 from megatron_mesh.training.device import device
+from megatron_mesh.training.packing import pack_documents
 from megatron_mesh.training.pipeline import batch_keys
 
 if TYPE_CHECKING:
@@ -82,11 +83,17 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     dp_rank = parallel_state.get_data_parallel_rank()
     start = consumed_samples + dp_rank * mbs
     dev = device()
+    cp_size, cp_rank = args.context_parallel_size, parallel_state.get_context_parallel_rank()
+    sp_split = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    eod = dataset.config.tokenizer.eod
     while True:
         for m in range(args.num_microbatches):
             first = start + m * dp * mbs
             samples = [dataset[i] for i in range(first, first + mbs)] if keys else []
             batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(dev)
                      for k in keys}
-            yield get_batch_on_this_cp_rank(batch)
+            if args.reset_attention_mask:
+                yield pack_documents(batch, eod, cp_size, cp_rank, sp_split)
+            else:
+                yield get_batch_on_this_cp_rank(batch)
         start += args.global_batch_size

@@ -42,7 +42,7 @@ def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
     this pipeline stage reads; a later stage's input comes from the previous stage)."""
     batch = next(data_iterator)
     output = model(batch.get("tokens"), batch.get("position_ids"), None,
-                   labels=batch.get("labels"))
+                   labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch.get("loss_mask"))
 
 
