@@ -189,13 +189,46 @@ def _run(rank: int, world: int) -> list[str]:
                 bad += check_case(case, grid)
             except Exception as e:  # noqa: BLE001 (reported with the case)
                 bad.append(f"{case} grid {grid.shape_text} rank {rank}: {type(e).__name__}: {e}")
+    bad += _disagreeing_documents(rank, world)
     return bad
+
+
+def _disagreeing_documents(rank: int, world: int) -> list[str]:
+    """Rank 0 passes other documents of the same total: every rank raises, none hangs."""
+    grid = mm.MeshGrid.build(rows=world, cols=1)
+    unit = 2 * world
+    cu = [0, unit, 3 * unit] if rank else [0, 2 * unit, 3 * unit]
+    q = torch.randn(3 * unit // world, 2, 8)
+    try:
+        mm.mesh_attention(q, q, q, grid, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    except ValueError as e:
+        return [] if "cu_seqlens" in str(e) else [f"rank {rank}: unclear error {e}"]
+    return [f"rank {rank}: different cu_seqlens on different ranks were not refused"]
 
 
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_packed_documents_exact_on_every_grid(cp_size: int) -> None:
     bad = [b for rank_bad in run_distributed(_run, cp_size) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_branches_of_the_document_tiles_on_meta(dtype: torch.dtype) -> None:
+    """The CUDA calls (varlen flash for fp16 / bf16, memory-efficient with a mask for fp32)
+    run on meta tensors: aten checks their argument lists, shapes and dtypes."""
+    from megatron_mesh.kernels.base import Segments
+    from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+
+    segments = Segments.build((0, 3, 8), (0, 3, 8), torch.device("meta"))
+    q = torch.empty(8, 1, 4, 16, device="meta", dtype=dtype)
+    kv = torch.empty(8, 1, 2, 16, device="meta", dtype=dtype)
+    kernel = TorchFlashKernel()
+    out, lse = kernel.forward(q, kv, kv, True, 0.25, segments=segments)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (1, 4, 8),
+                                                            torch.float32)
+    dq, dk, dv = kernel.backward(out, q, kv, kv, out, lse, True, 0.25, segments=segments)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
 
 
 def test_thd_layout_round_trips_and_matches_the_piece_rule() -> None:

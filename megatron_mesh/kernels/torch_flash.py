@@ -110,14 +110,16 @@ def _uses_varlen(q: torch.Tensor) -> bool:
     return q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _mask(segments: Segments, causal: bool, device: torch.device) -> torch.Tensor:
-    """[1, 1, sq, sk] additive mask; on CUDA its rows padded to 16 elements, as the
-    memory-efficient op reads them."""
-    mask = segments.additive_mask(causal, device)
-    if device.type != "cpu":
-        sq, sk = mask.shape
-        mask = torch.nn.functional.pad(mask, (0, -sk % 16))[:, :sk]
-    return mask[None, None]
+def _mask(segments: Segments, causal: bool, q: torch.Tensor) -> torch.Tensor:
+    """The additive mask for q [sq, 1, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
+    q's dtype, its rows padded to 16 elements (the memory-efficient op reads them aligned)
+    and expanded to [1, hq, sq, sk]."""
+    mask = segments.additive_mask(causal, q.device)
+    if q.device.type == "cpu":
+        return mask[None, None]
+    sq, sk = mask.shape
+    mask = torch.nn.functional.pad(mask.to(q.dtype), (0, -sk % 16))[:, :sk]
+    return mask.expand(1, q.shape[2], sq, sk)
 
 
 def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments):
@@ -129,7 +131,7 @@ def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Seg
             segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
             0.0, causal, False, scale=softmax_scale)
         return out.unsqueeze(1), lse.unsqueeze(0)
-    mask = _mask(segments, causal, q.device)
+    mask = _mask(segments, causal, q)
     qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -137,7 +139,7 @@ def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Seg
         return sbhd(out), lse
     groups = q.shape[2] // k.shape[2]
     out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-        qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask.to(q.dtype), True, 0.0, False,
+        qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, True, 0.0, False,
         scale=softmax_scale)
     return sbhd(out), lse[..., :q.shape[0]].contiguous()
 
@@ -154,7 +156,7 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
             segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
             0.0, causal, no_dropout, no_dropout, scale=softmax_scale)
         return dq.unsqueeze(1), dk.unsqueeze(1), dv.unsqueeze(1)
-    mask = _mask(segments, causal, q.device)
+    mask = _mask(segments, causal, q)
     qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
     lse = lse.contiguous()
     if q.device.type == "cpu":
@@ -165,6 +167,6 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
     lse = torch.nn.functional.pad(lse, (0, -q.shape[0] % 32))  # kept padded to 32 rows
     unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask.to(q.dtype), ob, lse,
+        dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, ob, lse,
         unused, unused, 0.0, [True, True, True, False], False, scale=softmax_scale)
     return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))

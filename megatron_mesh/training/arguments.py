@@ -346,7 +346,9 @@ def _validate_data(args: argparse.Namespace) -> None:
             if missing:
                 _fail(f"--data-path {prefix}: missing {', '.join(missing)} (give the prefix of a "
                       "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
-        vocab = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
+        # a NullTokenizer of --vocab-size V has ids 0 .. V: V is its EOD, as in megatron-core
+        vocab = (args.vocab_size + 1 if args.tokenizer_type == "NullTokenizer" and args.vocab_size
+                 else None)
         try:
             validation.check_data_files(prefixes, vocab)
         except ValueError as e:
