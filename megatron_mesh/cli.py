@@ -93,6 +93,12 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                    help="input dtype (default %(default)s)")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch (default 1)")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-length", type=_positive_int, metavar="L",
+                      help="packed documents of L tokens each (--seq-length must be a multiple "
+                      "of L): compute counts only in-document attention; bytes are unchanged")
+    docs.add_argument("--doc-lengths", metavar="L1,L2,...",
+                      help="packed documents of these lengths (summing to --seq-length)")
     p.add_argument("--mesh-grad-reduce-dtype", choices=MESH_GRAD_REDUCE_DTYPES,
                    default=DEFAULT_GRAD_DTYPE,
                    help="dtypes of the mesh's gradient exchange: mixed (dQ fp32, dK, dV in the "
@@ -137,7 +143,29 @@ def _plan(args: argparse.Namespace, gpus: int) -> Plan:
         overlap=args.overlap,
         mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
         mesh_schedule=args.mesh_schedule,
+        doc_lengths=args.documents,
     )
+
+
+def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--doc-length / --doc-lengths as document lengths filling --seq-length (None: one
+    sequence); exits 2 naming the bad value."""
+    parser: argparse.ArgumentParser = args.command_parser
+    if args.doc_length is not None:
+        if args.seq_length % args.doc_length:
+            parser.error(f"--doc-length {args.doc_length} does not divide --seq-length "
+                         f"{args.seq_length}; give a divisor or --doc-lengths")
+        return (args.doc_length,) * (args.seq_length // args.doc_length)
+    if args.doc_lengths is None:
+        return None
+    try:
+        lengths = tuple(int(n) for n in args.doc_lengths.split(","))
+    except ValueError:
+        parser.error(f"--doc-lengths {args.doc_lengths!r}: give comma-separated token counts")
+    if any(n < 1 for n in lengths) or sum(lengths) != args.seq_length:
+        parser.error(f"--doc-lengths {args.doc_lengths}: positive lengths summing to "
+                     f"--seq-length {args.seq_length} (they sum to {sum(lengths)})")
+    return lengths
 
 
 def _fills_nodes(gpus: int, gpus_per_node: int) -> bool:
@@ -169,6 +197,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                      "--gpus-per-node")
     if args.plot:
         _check_plot_path(parser, args.plot)
+    args.documents = _documents(args)
     try:
         result = _plan(args, args.gpus)
     except ValueError as exc:

@@ -41,7 +41,9 @@ def format_table(plan: Plan) -> str:
     lines = [
         f"context parallelism over {c.gpus} GPUs ({c.nodes} node(s) x {c.gpus_per_node} GPUs)",
         f"attention: S={w.seq_length}, batch {w.batch}, {w.num_heads} q / {w.num_kv_heads} kv "
-        f"heads x {w.head_dim}, {w.dtype}, {'causal' if w.causal else 'full'}",
+        f"heads x {w.head_dim}, {w.dtype}, {'causal' if w.causal else 'full'}"
+        + ("" if w.doc_lengths is None else f", {len(w.doc_lengths)} packed documents "
+           f"(longest {max(w.doc_lengths)}: compute counts in-document pairs only)"),
         f"links per GPU: intra-node {c.intra_node_bw:g} GB/s, inter-node {c.inter_node_bw:g} "
         f"GB/s; attention {c.attention_tflops:g} TFLOP/s per GPU",
         f"compute per GPU: forward {compute['forward'] * 1e3:.3f} ms, backward "

@@ -195,8 +195,10 @@ def plan(
     overlap: bool = True,
     mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     mesh_schedule: str = DEFAULT_SCHEDULE,
+    doc_lengths: tuple[int, ...] | None = None,
 ) -> Plan:
-    """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`)."""
+    """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`);
+    `doc_lengths`: packed documents filling the sequence (`Workload`)."""
     workload = Workload(
         seq_length=seq_length,
         num_heads=num_heads,
@@ -207,6 +209,7 @@ def plan(
         causal=causal,
         mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
         mesh_schedule=mesh_schedule,
+        doc_lengths=doc_lengths,
     )
     cluster = Cluster(
         gpus=gpus,

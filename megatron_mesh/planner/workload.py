@@ -23,7 +23,9 @@ BACKWARD_FLOPS_RATIO = 2.5
 class Workload:
     """Sequence length S, heads, head size, batch, input dtype and causal mask of one layer,
     the dtype the mesh's gradient exchange uses and the mesh schedule (mesh_attention's
-    grad_reduce_dtype and schedule)."""
+    grad_reduce_dtype and schedule). `doc_lengths`: packed documents (their lengths sum to
+    S); attention stays inside each, so compute counts only in-document FLOPs, while the
+    bytes are those of the whole sequence (every rank holds a share of every document)."""
 
     seq_length: int
     num_heads: int
@@ -34,6 +36,7 @@ class Workload:
     causal: bool = True
     mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE
     mesh_schedule: str = DEFAULT_SCHEDULE
+    doc_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
@@ -52,6 +55,14 @@ class Workload:
                 f"mesh_grad_reduce_dtype {self.mesh_grad_reduce_dtype!r} is not one of "
                 f"{', '.join(GRAD_DTYPE_NAMES)}"
             )
+        if self.doc_lengths is not None:
+            object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
+            if not self.doc_lengths or any(
+                    not isinstance(n, int) or n < 1 for n in self.doc_lengths):
+                raise ValueError(f"doc_lengths {self.doc_lengths!r} must be positive integers")
+            if sum(self.doc_lengths) != self.seq_length:
+                raise ValueError(f"doc_lengths sum to {sum(self.doc_lengths)}, but seq_length "
+                                 f"is {self.seq_length}; packed documents fill the sequence")
         if self.mesh_schedule not in SCHEDULE_NAMES:
             raise ValueError(
                 f"mesh_schedule {self.mesh_schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}"
@@ -85,8 +96,11 @@ class Workload:
                                single_rank=True)
 
     def forward_flops(self) -> float:
-        """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal."""
-        flops = 4.0 * self.seq_length**2 * self.num_heads * self.head_dim * self.batch
+        """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal. With
+        packed documents, the sum of 4 * L^2 ... over the documents instead of S^2."""
+        squares = (self.seq_length**2 if self.doc_lengths is None
+                   else sum(n * n for n in self.doc_lengths))
+        flops = 4.0 * squares * self.num_heads * self.head_dim * self.batch
         return flops / 2 if self.causal else flops
 
     def backward_flops(self) -> float:
