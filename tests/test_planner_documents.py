@@ -17,8 +17,10 @@ def test_documents_shrink_compute_by_the_sum_of_squares_and_keep_the_bytes() -> 
     share = sum(n * n for n in lengths) / MODEL["seq_length"] ** 2  # 0.3125
     for name in ("forward", "backward"):
         assert packed.ring.compute_s[name] == pytest.approx(share * whole.ring.compute_s[name])
-    bytes_of = lambda p: {e.label: e.total_bytes for e in p.estimates}  # noqa: E731
-    assert bytes_of(packed) == bytes_of(whole) and len(bytes_of(whole)) > 5
+    before = {e.label: e.total_bytes for e in whole.estimates}
+    after = {e.label: e.total_bytes for e in packed.estimates}
+    both = before.keys() & after.keys()  # a2a+p2p's label names the shape it picked
+    assert len(both) > 10 and all(before[k] == after[k] for k in both)
 
 
 @pytest.mark.parametrize("flags, words", [
