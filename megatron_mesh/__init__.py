@@ -4,8 +4,9 @@
     grid = mm.MeshGrid.build(rows=R, cols=C)
     out = mm.mesh_attention(q, k, v, grid, causal=True)
 """
-from .attention import MeshAttentionFunction, mesh_attention
+from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .comm import TrafficCounter
+from .documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
 from .traffic import AttentionShape, Traffic, best_mesh_shape, mesh_shapes, mesh_traffic
@@ -14,6 +15,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShape",
+    "Documents",
+    "MeshAttention",
     "MeshAttentionFunction",
     "MeshGrid",
     "Traffic",
@@ -22,6 +25,9 @@ __all__ = [
     "mesh_attention",
     "mesh_shapes",
     "mesh_traffic",
+    "thd_merge",
+    "thd_partition_indices",
+    "thd_split",
     "zigzag_merge",
     "zigzag_split",
 ]
