@@ -250,11 +250,12 @@ def _run_packed(name, tp, cp, shape, out):
     _init_parallel(tp, 1)
     torch.manual_seed(1234)
     reference = _gpt(_config(tp, 1), _reference_spec())
-    ref_loss = 0
+    ref_loss, ref_per_token = 0, []
     for start, n in zip([0] + ends[:-1].add(1).tolist(), lengths):
         doc = {k: v[:, start:start + n] for k, v in full.items()}
         per_token = reference(doc["tokens"], doc["position_ids"], None, labels=doc["labels"])
         ref_loss = ref_loss + (per_token * doc["loss_mask"]).sum() / denominator
+        ref_per_token.append(per_token.detach())
     reference.zero_grad(set_to_none=True)
     ref_loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
@@ -264,9 +265,13 @@ def _run_packed(name, tp, cp, shape, out):
                           seq_length=SEQ)
     model = _gpt(_config(tp, cp), get_gpt_layer_spec("mesh"))
     model.load_state_dict(reference.state_dict())
+    # each token's loss alone, and which tokens are real, packed and split as the batch is
+    full = {**full, "ref_per_token": torch.cat(ref_per_token, 1),
+            "real": torch.ones_like(full["loss_mask"])}
     local = pack_documents(full, VOCAB - 1, cp, ps.get_context_parallel_rank())
     per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
                       packed_seq_params=local["packed_seq_params"])
+    real = local["real"].bool()
     loss = (per_token * local["loss_mask"]).sum() / denominator
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -282,6 +287,8 @@ def _run_packed(name, tp, cp, shape, out):
             ((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6)).item()
             for n in grads),
         "local_tokens": local["tokens"].shape[1],
+        "token_loss_err": (per_token.detach()[real] - local["ref_per_token"][real]).abs().max().item(),
+        "real_tokens": int(real.sum()),
     }
 
 
@@ -482,7 +489,7 @@ def test_grid_follows_megatron_cp_groups(results, name):
 def test_packed_documents_match_each_document_run_alone(results, name):
     """The loss and gradients of a packed micro-batch equal the sum over its documents,
     each run alone at CP = 1: attention never crossed a document, padding changed nothing."""
-    cp = next(layout[2] for layout in PACKED_LAYOUTS if layout[0] == name)
+    _, tp, cp, _ = next(layout for layout in PACKED_LAYOUTS if layout[0] == name)
     for rank, res in enumerate(results):
         r = res[name]
         loss, ref_loss = r["loss"]
@@ -490,6 +497,11 @@ def test_packed_documents_match_each_document_run_alone(results, name):
         assert r["grad_abs_err"] < 1e-5 or r["grad_err"] < 1e-5, (rank, r["grad_abs_err"])
         # documents padded to multiples of 2 CP: 8 + 16 + 8 + 8 + 16 = 56 tokens at CP 4
         assert r["local_tokens"] == {4: 56 // 4, 2: 40 // 2, 1: 32}[cp]
+        # token by token: each token's loss (its logits) is the one it has in its document
+        # run alone
+        assert r["token_loss_err"] < 1e-5, (rank, r["token_loss_err"])
+    # rank 0's CP group (order tp-cp-dp: every tp-th rank) holds every real token once
+    assert sum(results[i * tp][name]["real_tokens"] for i in range(cp)) == 32
 
 
 def test_selective_recompute_reruns_the_mesh_forward_once_and_counts_it_once(results):
