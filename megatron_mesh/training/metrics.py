@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,11 @@ from megatron_mesh.training.device import has_cuda
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), the exponent capped at 20 as Megatron-LM reports it."""
+    return math.exp(min(20.0, loss))
 
 
 @dataclass
@@ -127,3 +133,31 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+class Loggers:
+    """Where a run's figures go besides stdout: wandb on rank 0, TensorBoard on the last rank."""
+
+    def __init__(self, args: TrainingConfig, rank: int, world_size: int) -> None:
+        from megatron_mesh.training.tensorboard_log import TensorBoardLogger
+
+        self.wandb = WandbLogger(args, enabled=rank == 0)
+        self.tensorboard = TensorBoardLogger(args, enabled=rank == world_size - 1)
+
+    def interval(self, metrics: dict, iteration: int) -> None:
+        """The figures of a log line (every --log-interval)."""
+        self.wandb.log(metrics, iteration)
+
+    def iteration(self, metrics: dict, iteration: int, seconds: float) -> None:
+        """One iteration's figures (TensorBoard, every --tensorboard-log-interval)."""
+        self.tensorboard.iteration(metrics, iteration, seconds)
+
+    def validation(self, loss: float, iteration: int, consumed_samples: int, split: str) -> None:
+        """A validation or test pass's loss ('lm loss validation' / 'lm loss test')."""
+        self.wandb.log({f"lm loss {split}": loss, f"lm loss {split} ppl": perplexity(loss)},
+                       iteration)
+        self.tensorboard.evaluation(loss, perplexity(loss), iteration, consumed_samples, split)
+
+    def finish(self, exit_code: int) -> None:
+        self.wandb.finish(exit_code)
+        self.tensorboard.close()
