@@ -83,9 +83,9 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
     if "grad-norm" in m:
         parts.append(f"grad norm: {m['grad-norm']:.3f}")
     parts += [
-        "attention traffic per rank (MB): "
+        "attention traffic per rank (MiB): "
         + ("n/a" if traffic is None else f"{traffic / 2**20:.3f}"),
-        f"peak memory {mem_kind} (MB): {m['memory/peak-bytes'] / 2**20:.1f}",
+        f"peak memory {mem_kind} (MiB): {m['memory/peak-bytes'] / 2**20:.1f}",
         f"number of skipped iterations: {m['skipped-iterations']:3d}",
     ]
     return " | ".join(parts) + " |"

@@ -48,6 +48,13 @@ def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
+def _cp_label(args: TrainingConfig, mesh: str) -> str:
+    """'4 (mesh 2x2, schedule ...)'; '1' at CP = 1, where no CP algorithm runs."""
+    if args.context_parallel_size == 1:
+        return "1"
+    return f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh})"
+
+
 def _attention_label(args: TrainingConfig) -> str:
     """Which core attention the layers run (`model.attention_algo`)."""
     algo = attention_algo(args, use_transformer_engine(args))
@@ -72,8 +79,7 @@ def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: i
     mesh = _mesh_label(args, grid)
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-        f"{args.pipeline_model_parallel_size} x CP "
-        f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
+        f"{args.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
         f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
         f"{_attention_label(args)} | "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
