@@ -151,9 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
           help="the validation set's prefixes (without --data-path; see --train-data-path)")
     _flag(g, "--test-data-path", nargs="*", default=None,
           help="the test set's prefixes (without --data-path; see --train-data-path)")
-    _flag(g, "--num-workers", type=int, default=2,
-          help="data-loader worker processes that read and prepare samples ahead of the "
-               "training process (0: read them in the training process)")
     _flag(g, "--data-cache-path", default=None)
     _flag(g, "--tokenizer-type", default="NullTokenizer", choices=TOKENIZER_TYPES)
     _flag(g, "--tokenizer-model", default=None, help="tokenizer file or HF name / directory")
@@ -409,11 +406,11 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 
 def _validate_evaluation(args: argparse.Namespace) -> None:
-    """--eval-interval, --eval-iters, the TensorBoard intervals and --num-workers."""
+    """--eval-interval, --eval-iters and the TensorBoard intervals."""
     for name in ("eval_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) is None or getattr(args, name) < 1:
             _fail(f"{_flag_name(name)} {getattr(args, name)}: must be a positive integer")
-    for name in ("eval_iters", "num_workers"):
+    for name in ("eval_iters",):
         if getattr(args, name) is None or getattr(args, name) < 0:
             _fail(f"{_flag_name(name)} {getattr(args, name)}: must be 0 or more")
     if args.skip_train and not args.eval_iters:

@@ -76,6 +76,9 @@ NO_EFFECT: tuple[NoEffectFlag, ...] = (
                  "the step time is the one timer here (see --log-timers-to-tensorboard)"),
     NoEffectFlag("--timing-log-option", 1, "the step time is the one timer here"),
     # data loading and checkpoint format
+    NoEffectFlag("--num-workers", 1,
+                 "samples are read in the training process: a sample is a slice of the "
+                 "memory-mapped .bin files"),
     NoEffectFlag("--dataloader-type", 1,
                  "samples are read in order from the consumed-sample count (Megatron-LM's "
                  "'single')"),

@@ -154,7 +154,7 @@ def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
             if high >= ids or low < 0:
                 _fail(f"--data-path {prefix}: token id {bad} in {bin_} is outside the "
                       f"NullTokenizer's ids for --vocab-size {vocab_size} (0 .. {vocab_size - 1} "
-                      f"and the end-of-document id {vocab_size}; --vocab-size / tokenizer)")
+                      f"and the end-of-document id {vocab_size})")
 
 
 SPLIT_NAMES = ("training", "validation", "test")
