@@ -148,3 +148,53 @@ def test_validation_lines_and_tensorboard_series(cp1: tuple[Run, dict]) -> None:
     for it, loss in losses.items():
         assert scalars["lm loss"][it] == pytest.approx(loss, rel=1e-6)
     assert "attention/traffic-bytes-per-rank" not in scalars  # no mesh at CP = 1
+
+
+def _build_text_documents(prefix: str, documents: int) -> int:
+    """Real text: paragraphs of Python's own library source (argparse, textwrap, ...) as
+    byte-level documents (ids 0 .. 127), each ending with the EOD id, written with
+    megatron-core's IndexedDatasetBuilder; returns the number of documents."""
+    import argparse
+    import dataclasses
+    import textwrap
+    import typing
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    paragraphs = []
+    for module in (argparse, textwrap, dataclasses, typing):
+        text = Path(module.__file__).read_text(encoding="utf-8")
+        paragraphs += [p for p in text.split("\n\n") if 40 <= len(p.encode()) <= 400
+                       and p.isascii()]
+    paragraphs = paragraphs[:documents]
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for paragraph in paragraphs:
+        ids = np.append(np.frombuffer(paragraph.encode(), dtype=np.uint8).astype(np.int32), EOD)
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return len(paragraphs)
+
+
+def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
+    """A few hundred EOD-separated documents of real text on a 2x2 mesh, validation every 10
+    iterations on held-out documents, TensorBoard events: the validation loss falls at every
+    pass, and the log's validation lines are TensorBoard's values."""
+    prefix = str(work / "text")
+    assert _build_text_documents(prefix, 400) >= 300
+    folder = work / "tb-text"
+    run = launch(4, ["--config", TINY, "--data-path", prefix, "--split", "90,10,0",
+                     "--data-cache-path", str(work / "text-cache"), "--eod-mask-loss",
+                     "--train-iters", "30", "--lr-decay-iters", "30", "--log-interval", "10",
+                     "--eval-interval", "10", "--eval-iters", "2",
+                     "--context-parallel-size", "4", "--cp-comm-type", "mesh",
+                     "--mesh-shape", "2x2", "--tensorboard-dir", str(folder)])
+    assert run.returncode == 0, run.output[-3000:]
+    assert " on test set" not in run.output  # --split 90,10,0: no test set
+    valid = tensorboard_scalars(folder)["lm loss validation"]
+    assert sorted(valid) == [10, 20, 30], valid
+    assert valid[10] > valid[20] > valid[30], valid
+    assert valid[30] < valid[10] - 0.3, valid
+    assert "validation loss at iteration 30 on validation set | lm loss value: " in run.output
+    for it in (10, 20, 30):
+        line = run.output.split(f" validation loss at iteration {it} | lm loss value: ")[1]
+        assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
