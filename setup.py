@@ -11,11 +11,12 @@ setup(
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.16.1,<0.20", "pyyaml", "psutil"],
+        "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]>=2.8"],
         "plot": ["matplotlib"],
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "megatron-core>=0.16.1,<0.20",
-                "pyyaml", "psutil", "wandb", "matplotlib"],
+                "pyyaml", "psutil", "wandb", "matplotlib", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-mesh = megatron_mesh.cli:main"]},
 )

@@ -70,7 +70,7 @@ class Run:
         return out
 
     def traffic(self) -> list[str]:
-        return [f["attention traffic per rank (MB)"] for f in self.lines().values()]
+        return [f["attention traffic per rank (MiB)"] for f in self.lines().values()]
 
 
 def job_env(**extra: str) -> dict[str, str]:

@@ -127,7 +127,17 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--context-parallel-size", "4", "--context-parallel-algo", "ring"],
      "invalid choice: 'ring'"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "3x2"],
-     "3x2"),
+     "mesh shape 3x2 has 6 ranks but the context-parallel size is 4; valid shapes: 4x1, 2x2, "
+     "1x4, 2x2x1, 2x1x2, 4x1x1"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0.1"],
+     "--cp-comm-type mesh does not implement attention dropout (--attention-dropout 0.1)"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "mesh",
+      "--attention-dropout", "0.1"], "--context-parallel-algo mesh does not implement"),
+    (["--eval-interval", "0", "--global-batch-size", "8"], "--eval-interval 0: must be a positive integer"),
+    (["--eval-iters", "-1", "--global-batch-size", "8"], "--eval-iters -1: must be 0 or more"),
+    (["--skip-train", "--global-batch-size", "8"], "--skip-train with --eval-iters 0: nothing to do"),
+    (["--valid-data-path", "/nonexistent/valid", "--global-batch-size", "8"],
+     "--valid-data-path /nonexistent/valid: missing"),
     (["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--seq-length", "60",
       "--max-position-embeddings", "64"], "--seq-length 60 must be divisible by 2"),
     (["--global-batch-size", "8", "--data-path", "/nonexistent/corpus_text_document"],
@@ -196,3 +206,63 @@ def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
     config.write_text("num-layerz: 2\n")
     assert main(["--config", str(config)]) == 2
     assert "unknown keys ['num_layerz']" in capsys.readouterr().err
+
+
+# Every flag the GPT example scripts of Megatron-LM core_v0.16.1 and core_v0.19.0 pass
+# (examples/gpt3/train_gpt3_175b_distributed.sh, both tags), the flags of the issue's
+# Megatron-LM command line, and Megatron-LM's TensorBoard / logging flags, with example values.
+MEGATRON_LM_GPT_FLAGS = [
+    # GPT_MODEL_ARGS
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--attention-backend", "auto",
+    # TRAINING_ARGS (core_v0.16.1: --rampup-batch-size; core_v0.19.0: --step-batch-size-schedule)
+    "--micro-batch-size", "1", "--global-batch-size", "16",
+    "--rampup-batch-size", "16", "16", "5859375",
+    "--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624",
+    "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+    "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
+    "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+    "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+    # MODEL_PARALLEL_ARGS
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    # DATA_ARGS (mock data here: no --data-path)
+    "--split", "949,50,1",
+    # EVAL_AND_LOGGING_ARGS
+    "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+    "--eval-iters", "10", "--tensorboard-dir", "tb",
+    # the issue's command line
+    "--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
+    "--use-flash-attn", "--num-workers", "2", "--calculate-per-token-loss",
+    # Megatron-LM's TensorBoard / logging flags
+    "--tensorboard-log-interval", "1", "--tensorboard-queue-size", "1000",
+    "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+    "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+    "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--no-log-loss-scale-to-tensorboard", "--timing-log-level", "0",
+    # common in Megatron-LM's other GPT-family scripts
+    "--use-mcore-models", "--ckpt-format", "torch_dist", "--overlap-grad-reduce",
+    "--overlap-param-gather", "--manual-gc", "--cross-entropy-loss-fusion",
+    "--attention-softmax-in-fp32", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion", "--empty-unused-memory-level", "1", "--dataloader-type", "single",
+]
+
+
+def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPT example's flag list parses; honoured flags take their values, and each flag
+    without effect here is named once, with its reason, in the start-up report."""
+    from megatron_mesh.training.megatron_lm_flags import NO_EFFECT, no_effect_report
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
+    assert (args.eval_interval, args.eval_iters, args.tensorboard_dir) == (1000, 10, "tb")
+    assert args.calculate_per_token_loss and args.log_timers_to_tensorboard
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.data_parallel_size, args.num_microbatches) == (2, 2, 2, 8)
+    report = no_effect_report(args)
+    given = {f.name for f in NO_EFFECT if f.name in MEGATRON_LM_GPT_FLAGS}
+    assert sorted(line.split(":")[0].split(" ")[0] for line in report) == sorted(given)
+    assert "--rampup-batch-size 16 16 5859375: no effect here (no batch-size ramp here: every " \
+        "iteration uses --global-batch-size)" in report
+    assert "--step-batch-size-schedule 0:16 2.4B:320 4.8B:624: no effect here" in "\n".join(report)
+    assert no_effect_report(parse_args(["--vocab-size", "255"])) == []

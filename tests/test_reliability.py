@@ -137,17 +137,17 @@ def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
     _build_indexed_dataset(str(prefix))
     if bad_ids:
         ids = np.memmap(str(prefix) + ".bin", dtype=np.int32, mode="r+")
-        ids[5] = 255  # tiny-cpu.yaml's vocabulary is 255
+        ids[5] = 256  # tiny-cpu.yaml's --vocab-size 255: ids 0 .. 254 and the EOD id 255
         ids.flush()
     return str(prefix)
 
 
 def _long_dataset(prefix: Path, tokens: int, bad_at: int) -> str:
-    """One document of `tokens` int32 ids, all 7 but one 255 (out of vocabulary) at `bad_at`."""
+    """One document of `tokens` int32 ids, all 7 but one 256 (out of vocabulary) at `bad_at`."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     ids = np.full(tokens, 7, dtype=np.int32)
-    ids[bad_at] = 255
+    ids[bad_at] = 256
     builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
     builder.add_document(ids, [tokens])
     builder.finalize(str(prefix) + ".idx")
@@ -188,10 +188,11 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         (["--data-path", good, "--split", "1,2,3,4"], "--split 1,2,3,4"),
         (["--data-path", str(empty)], f"{empty}.idx is not a Megatron index (empty file)"),
         (["--data-path", str(garbage)], f"{garbage}.idx is not a Megatron index (bad header)"),
-        (["--data-path", bad_ids], "token id 255"),
-        (["--data-path", deep_bad_id], f"token id 255 in {deep_bad_id}.bin is outside the "
-                                       "vocabulary of 255 (ids 0 .. 254"),
-        (["--data-path", noise_bin], "is outside the vocabulary of 255"),
+        (["--data-path", bad_ids], "token id 256"),
+        (["--data-path", deep_bad_id], f"token id 256 in {deep_bad_id}.bin is outside the "
+                                       "NullTokenizer's ids for --vocab-size 255 (0 .. 254 and "
+                                       "the end-of-document id 255)"),
+        (["--data-path", noise_bin], "is outside the NullTokenizer's ids for --vocab-size 255"),
         (["--data-path", str(tmp_path / "absent")], "absent"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0"),
     ]

@@ -269,6 +269,7 @@ def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
     megatron-core's local attention with its S x S scores; both give the same losses."""
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
     assert "| attention mesh tile kernel |" in cp1_run.output
+    assert "world 1 = TP 1 x PP 1 x CP 1 x DP 1 |" in cp1_run.output  # no CP algorithm runs
     local = launch(1, [*data_args, "--attention-backend", "local", "--train-iters", "4",
                          "--lr-decay-iters", str(ITERS)])
     assert local.returncode == 0, local.output[-3000:]
@@ -295,7 +296,7 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
         assert float(fields["tokens/s"]) > 0
         assert float(fields["throughput per GPU (TFLOP/s/GPU)"]) > 0
         assert float(fields["elapsed time per iteration (ms)"]) > 0
-        assert float(fields["peak memory RSS (MB)"]) > 0
+        assert float(fields["peak memory RSS (MiB)"]) > 0
 
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
@@ -351,6 +352,7 @@ def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
     assert (f"{grid} grid (heads x rows x cols) of 4 CP ranks (chosen by the planner for 2 CP "
             "ranks per node)") in run.output
     assert _logged_shapes(run.output) == [grid] * 3
+    assert "(as given)" not in run.output  # the group builder's line says the planner chose it
     ref, got = cp1_run.losses(), run.losses()
     assert sorted(got) == [1, 2, 3]
     for it, loss in got.items():

@@ -186,9 +186,12 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
 
     Returns the (A, R, C) grid (what --mesh-shape / --mesh-heads leave open chosen by the
     planner; logged either way) for the mesh with CP > 1, else None; sets args.mesh_heads
-    to its A. Resolves the algorithm first (`resolve_context_parallel_algo`). Touches no
-    process group.
+    to its A and args.mesh_shape_chosen_by_planner to whether the planner chose it.
+    Resolves the algorithm first (`resolve_context_parallel_algo`). Touches no process
+    group.
     """
+    named = ("--context-parallel-algo mesh" if getattr(args, "context_parallel_algo", None)
+             else "--cp-comm-type mesh")  # the flag the user gave, for the errors below
     algo = resolve_context_parallel_algo(args)
     cp_size = getattr(args, "context_parallel_size", None)
     cp_size = 1 if cp_size is None else cp_size
@@ -208,7 +211,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
     dropout = getattr(args, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(
-            f"--context-parallel-algo mesh does not implement attention dropout "
+            f"{named} does not implement attention dropout "
             f"(--attention-dropout {dropout}); pass --attention-dropout 0"
         )
     heads, groups = _head_counts(args)
@@ -233,5 +236,6 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         )
         return None
     args.mesh_heads = shape[0]
+    args.mesh_shape_chosen_by_planner = automatic
     logger.info(describe_mesh_shape(shape, cp_size, automatic, per_node))
     return shape

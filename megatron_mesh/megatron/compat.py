@@ -18,6 +18,7 @@ __all__ = [
     "check_supported_version",
     "get_batch_on_this_cp_rank",
     "null_tokenizer_library",
+    "null_tokenizer_options",
 ]
 
 SUPPORTED = (Version("0.16.1"), Version("0.20"))
@@ -72,3 +73,15 @@ def null_tokenizer_library() -> str:
     """The metadata 'library' under which MegatronTokenizer builds a NullTokenizer."""
     return "null-text" if MEGATRON_CORE_VERSION >= _NULL_TEXT_TOKENIZER else "null"
 
+
+
+def null_tokenizer_options(vocab_size: int) -> dict[str, int]:
+    """MegatronTokenizer.from_pretrained keywords for a NullTokenizer over ids 0 .. V - 1 plus
+    its end-of-document id V (V + 1 ids in all, as Megatron-LM's ``--vocab-size V`` means).
+
+    Up to 0.16 the NullTokenizer adds the EOD id V itself; 0.17 takes the full vocabulary and
+    an ``eod_id`` (default V - 1), so it gets V + 1 and V.
+    """
+    if MEGATRON_CORE_VERSION >= _NULL_TEXT_TOKENIZER:
+        return {"vocab_size": vocab_size + 1, "eod_id": vocab_size}
+    return {"vocab_size": vocab_size}

@@ -59,6 +59,7 @@ def initialize_mesh_grids(
     timeout: datetime.timedelta | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+    chosen_by_planner: bool | None = None,
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
@@ -68,7 +69,9 @@ def initialize_mesh_grids(
     and the launcher's ranks per node (`shape.resolve_mesh_shape`, the function
     `validate_mesh_args` calls with the same values); pass the shape `validate_mesh_args`
     returned to build exactly what it logged.
-    The shape is checked before any collective. With CP == 1 the grid is 1x1 (plain
+    `chosen_by_planner` says, for the log line, whether the shape passed was the planner's
+    choice (default: whether this call had to choose it). The shape is checked before any
+    collective. With CP == 1 the grid is 1x1 (plain
     attention) and nothing is created.
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
@@ -109,7 +112,8 @@ def initialize_mesh_grids(
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
     _MESH_GRID = grid
     if dist.get_rank() == 0:  # names the grid built, not the request
-        built = describe_mesh_shape((grid.heads, grid.rows, grid.cols), cp_size, automatic,
+        planner = automatic if chosen_by_planner is None else chosen_by_planner
+        built = describe_mesh_shape((grid.heads, grid.rows, grid.cols), cp_size, planner,
                                     per_node)
         logger.info("%s, built for %d CP groups", built, dist.get_world_size() // cp_size)
     return grid

@@ -62,13 +62,14 @@ def valid_shapes_text(cp_size: int, heads: int | None = None) -> str:
 
 
 def check_mesh_shape(shape: GridShape, cp_size: int) -> GridShape:
-    """Raise ValueError unless A * R * C == cp_size; returns the shape."""
+    """Raise ValueError unless A * R * C == cp_size; returns the shape. The error lists the
+    shapes of the same A (A > 1), or every RxC and AxRxC shape (A = 1)."""
     heads, rows, cols = shape
     if heads * rows * cols != cp_size:
         raise ValueError(
             f"mesh shape {shape_text(heads, rows, cols)} has {heads * rows * cols} ranks but "
             f"the context-parallel size is {cp_size}; valid shapes: "
-            f"{valid_shapes_text(cp_size, heads if cp_size % heads == 0 else 0)}"
+            f"{valid_shapes_text(cp_size, heads if heads > 1 and cp_size % heads == 0 else 0)}"
         )
     return shape
 

@@ -19,6 +19,7 @@ from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
 from megatron_mesh.training import validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--global-batch-size", type=int, default=None,
           help="default micro batch size * data-parallel size")
     _flag(g, "--train-iters", type=int, default=10)
+    _flag(g, "--skip-train", type=bool, default=False,
+          help="no training: evaluate the (loaded) model on the validation and test sets")
+    _flag(g, "--calculate-per-token-loss", type=bool, default=False,
+          help="the loss of an iteration is the sum of its token losses over the global batch "
+               "divided by the batch's token count (default: the mean of the micro-batches' "
+               "per-token means)")
     _flag(g, "--exit-interval", type=int, default=None,
           help="stop (and save) at the first iteration divisible by this")
     _flag(g, "--seed", type=int, default=1234)
@@ -134,7 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
           help="Megatron indexed dataset prefixes (PREFIX.bin/.idx), optionally weighted: "
                "[W1] P1 [W2] P2 ...; mock data when omitted")
     _flag(g, "--mock-data", type=bool, default=False, help="synthetic data (default without --data-path)")
-    _flag(g, "--split", default="969,30,1")
+    _flag(g, "--split", default="969,30,1",
+          help="TRAIN,VALID,TEST weights: the documents of --data-path go to the training, "
+               "validation and test sets in these proportions")
+    _flag(g, "--train-data-path", nargs="*", default=None,
+          help="with --valid-data-path / --test-data-path instead of --data-path and --split: "
+               "the training set's prefixes ([W1] P1 ...)")
+    _flag(g, "--valid-data-path", nargs="*", default=None,
+          help="the validation set's prefixes (without --data-path; see --train-data-path)")
+    _flag(g, "--test-data-path", nargs="*", default=None,
+          help="the test set's prefixes (without --data-path; see --train-data-path)")
     _flag(g, "--data-cache-path", default=None)
     _flag(g, "--tokenizer-type", default="NullTokenizer", choices=TOKENIZER_TYPES)
     _flag(g, "--tokenizer-model", default=None, help="tokenizer file or HF name / directory")
@@ -154,12 +170,31 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--no-load-rng", type=bool, default=False)
     _flag(g, "--finetune", type=bool, default=False, help="load weights only, start at iteration 0")
 
+    g = p.add_argument_group("evaluation")
+    _flag(g, "--eval-interval", type=int, default=1000,
+          help="evaluate on the validation set every this many iterations")
+    _flag(g, "--eval-iters", type=int, default=100,
+          help="global batches per evaluation (0: no validation or test evaluation)")
+
     g = p.add_argument_group("logging")
     _flag(g, "--log-interval", type=int, default=1)
+    _flag(g, "--tensorboard-dir", default=None,
+          help="write TensorBoard event files here (on the last rank)")
+    _flag(g, "--tensorboard-log-interval", type=int, default=1,
+          help="iterations between TensorBoard points of the training series")
+    _flag(g, "--tensorboard-queue-size", type=int, default=1000,
+          help="TensorBoard events held in memory before they are written")
+    _flag(g, "--log-timers-to-tensorboard", type=bool, default=False,
+          help="also write the iteration time (seconds) to TensorBoard")
+    _flag(g, "--log-validation-ppl-to-tensorboard", type=bool, default=False,
+          help="also write the validation perplexity to TensorBoard")
+    _flag(g, "--log-world-size-to-tensorboard", type=bool, default=False,
+          help="also write the world size to TensorBoard")
     _flag(g, "--wandb-project", default=None)
     _flag(g, "--wandb-exp-name", default=None)
     _flag(g, "--wandb-save-dir", default=None)
     validation.add_fault_tolerance_args(p)
+    add_no_effect_flags(p)
     return p
 
 
@@ -334,35 +369,77 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.save and importlib.util.find_spec("psutil") is None:
         _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
     _validate_data(args)
+    _validate_evaluation(args)
+
+
+_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+
+
+def _flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_prefixes(flag: str, paths: list[str], args: argparse.Namespace) -> None:
+    """PREFIX.bin / .idx exist and hold token ids of the tokenizer (`validation`)."""
+    prefixes = [p for p in paths if not _is_number(p)]
+    if not prefixes:
+        _fail(f"{flag}: no dataset prefix given ([W1] PREFIX1 [W2] PREFIX2 ...)")
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            _fail(f"{flag} {prefix}: missing {', '.join(missing)} (give the prefix of a "
+                  "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
+    vocab = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
+    try:
+        validation.check_data_files(prefixes, vocab)
+    except ValueError as e:
+        _fail(str(e).replace("--data-path", flag, 1))
 
 
 def _validate_data(args: argparse.Namespace) -> None:
-    if args.data_path:
-        if args.mock_data:
-            _fail("--mock-data and --data-path are exclusive")
-        prefixes = [p for p in args.data_path if not _is_number(p)]
-        for prefix in prefixes:
-            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                _fail(f"--data-path {prefix}: missing {', '.join(missing)} (give the prefix of a "
-                      "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
-        # a NullTokenizer of --vocab-size V has ids 0 .. V: V is its EOD, as in megatron-core
-        vocab = (args.vocab_size + 1 if args.tokenizer_type == "NullTokenizer" and args.vocab_size
-                 else None)
-        try:
-            validation.check_data_files(prefixes, vocab)
-        except ValueError as e:
-            _fail(str(e))
-    else:
-        args.mock_data = True
+    per_split = [name for name in _SPLIT_PATHS if getattr(args, name)]
+    if args.data_path and per_split:
+        _fail(f"--data-path and {_flag_name(per_split[0])} are exclusive: give --data-path "
+              "with --split, or --train-data-path / --valid-data-path / --test-data-path")
+    if args.mock_data and (args.data_path or per_split):
+        _fail(f"--mock-data and {_flag_name(per_split[0]) if per_split else '--data-path'} "
+              "are exclusive")
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 1:
             _fail("--tokenizer-type NullTokenizer needs --vocab-size N")
-    elif args.tokenizer_type == "GPT2BPETokenizer":
+    if args.data_path:
+        _check_prefixes("--data-path", args.data_path, args)
+    for name in per_split:
+        _check_prefixes(_flag_name(name), getattr(args, name), args)
+    if per_split and not args.train_data_path and not args.skip_train:
+        _fail("--valid-data-path / --test-data-path without --data-path: give the training "
+              "set with --train-data-path (or pass --skip-train to evaluate only)")
+    if not (args.data_path or per_split):
+        args.mock_data = True
+    if args.tokenizer_type == "GPT2BPETokenizer":
         if not (args.vocab_file and args.merge_file):
             _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    elif not args.tokenizer_model:
+    elif args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+
+
+def _validate_evaluation(args: argparse.Namespace) -> None:
+    """--eval-interval, --eval-iters and the TensorBoard intervals."""
+    for name in ("eval_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, name) is None or getattr(args, name) < 1:
+            _fail(f"{_flag_name(name)} {getattr(args, name)}: must be a positive integer")
+    for name in ("eval_iters",):
+        if getattr(args, name) is None or getattr(args, name) < 0:
+            _fail(f"{_flag_name(name)} {getattr(args, name)}: must be 0 or more")
+    if args.skip_train and not args.eval_iters:
+        _fail("--skip-train with --eval-iters 0: nothing to do (give --eval-iters N)")
+    if args.data_path:
+        used = [not args.skip_train, args.eval_iters > 0, args.eval_iters > 0]
+        try:
+            validation.check_split_documents(
+                [p for p in args.data_path if not _is_number(p)], args.split, used)
+        except ValueError as e:
+            _fail(str(e))
 
 
 def _divisors(n: int) -> list[int]:

@@ -17,6 +17,7 @@ DERIVED: dict[str, Any] = {
     "world_size": int,
     "data_parallel_size": int,
     "num_microbatches": int,
+    "mesh_shape_chosen_by_planner": bool,
 }
 
 

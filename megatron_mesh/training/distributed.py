@@ -60,6 +60,7 @@ def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         schedule=args.mesh_schedule,
         grad_reduce_dtype=args.mesh_grad_reduce_dtype,
+        chosen_by_planner=bool(args.mesh_shape_chosen_by_planner),
     )
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,11 @@ from megatron_mesh.training.device import has_cuda
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), the exponent capped at 20 as Megatron-LM reports it."""
+    return math.exp(min(20.0, loss))
 
 
 @dataclass
@@ -77,9 +83,9 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
     if "grad-norm" in m:
         parts.append(f"grad norm: {m['grad-norm']:.3f}")
     parts += [
-        "attention traffic per rank (MB): "
+        "attention traffic per rank (MiB): "
         + ("n/a" if traffic is None else f"{traffic / 2**20:.3f}"),
-        f"peak memory {mem_kind} (MB): {m['memory/peak-bytes'] / 2**20:.1f}",
+        f"peak memory {mem_kind} (MiB): {m['memory/peak-bytes'] / 2**20:.1f}",
         f"number of skipped iterations: {m['skipped-iterations']:3d}",
     ]
     return " | ".join(parts) + " |"
@@ -127,3 +133,31 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+class Loggers:
+    """Where a run's figures go besides stdout: wandb on rank 0, TensorBoard on the last rank."""
+
+    def __init__(self, args: TrainingConfig, rank: int, world_size: int) -> None:
+        from megatron_mesh.training.tensorboard_log import TensorBoardLogger
+
+        self.wandb = WandbLogger(args, enabled=rank == 0)
+        self.tensorboard = TensorBoardLogger(args, enabled=rank == world_size - 1)
+
+    def interval(self, metrics: dict, iteration: int) -> None:
+        """The figures of a log line (every --log-interval)."""
+        self.wandb.log(metrics, iteration)
+
+    def iteration(self, metrics: dict, iteration: int, seconds: float) -> None:
+        """One iteration's figures (TensorBoard, every --tensorboard-log-interval)."""
+        self.tensorboard.iteration(metrics, iteration, seconds)
+
+    def validation(self, loss: float, iteration: int, consumed_samples: int, split: str) -> None:
+        """A validation or test pass's loss ('lm loss validation' / 'lm loss test')."""
+        self.wandb.log({f"lm loss {split}": loss, f"lm loss {split} ppl": perplexity(loss)},
+                       iteration)
+        self.tensorboard.evaluation(loss, perplexity(loss), iteration, consumed_samples, split)
+
+    def finish(self, exit_code: int) -> None:
+        self.wandb.finish(exit_code)
+        self.tensorboard.close()

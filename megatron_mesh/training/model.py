@@ -57,6 +57,7 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
 
@@ -161,8 +162,9 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     the distributed optimizer it reduce-scatters the gradients and all-gathers the updated
     parameters (gloo does both on a CPU). Otherwise (CPU): torch's DistributedDataParallel; it
     averages gradients over the same group, which is what megatron-core's DDP does when the
-    loss is averaged per rank; with pipeline stages, `pipeline.finalize_grads` does it after
-    the last micro-batch instead.
+    loss is averaged per rank; with pipeline stages or --calculate-per-token-loss (gradients
+    summed, then divided by the global batch's token count), `pipeline.finalize_grads` does
+    it after the last micro-batch instead.
     """
     config = model.config
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -184,7 +186,8 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
         config.no_sync_func = wrapped.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         return wrapped
-    if args.pipeline_model_parallel_size > 1:  # 1F1B: one reduction after all micro-batches
+    if args.pipeline_model_parallel_size > 1 or args.calculate_per_token_loss:
+        # 1F1B, or the token count known only after the last micro-batch: one reduction then
         from megatron_mesh.training.pipeline import finalize_grads
 
         config.finalize_model_grads_func = finalize_grads

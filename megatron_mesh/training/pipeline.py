@@ -46,13 +46,23 @@ def report_to_all_stages(total: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _average_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Average tensors over `group` in one collective."""
+def _reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup,
+                      scale: float) -> None:
+    """Sum tensors over `group` in one collective and multiply them by `scale`."""
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    flat *= scale
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
+
+
+def _global_token_count(num_tokens: torch.Tensor, dp_cp: dist.ProcessGroup) -> float:
+    """The global batch's token count: the last stage's count (the schedule's sum over its
+    micro-batches) on every stage, summed over the DP x CP group."""
+    total = num_tokens.detach().clone().to(torch.float64)
+    total = report_to_all_stages(total)
+    dist.all_reduce(total, group=dp_cp)
+    return total.item()
 
 
 def _tied_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -65,21 +75,26 @@ def _tied_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
 
 def finalize_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                    pg_collection: object = None, force_all_reduce: bool = False) -> None:
-    """megatron-core's ``finalize_model_grads_func`` for a CPU pipeline: average every
-    gradient over the data-parallel-with-CP group (what DDP does at PP = 1), then sum the
-    tied word embeddings' gradients over the embedding group (first and last stage).
+    """megatron-core's ``finalize_model_grads_func`` on a CPU without its DDP: reduce every
+    gradient over the data-parallel-with-CP group, then sum the tied word embeddings'
+    gradients over the embedding group (first and last stage).
 
-    The driver's loss is a per-rank mean (no per-token scaling), so `num_tokens` is None;
-    the other arguments are the schedule's and are not needed here.
+    Without `num_tokens` the loss is a per-rank mean and the gradients are averaged (what
+    DDP does at PP = 1); with it (--calculate-per-token-loss, the schedule's token count of
+    this rank) the loss is a per-rank sum, and the gradients are summed and divided by the
+    global batch's token count, as megatron-core's finalize_model_grads does. The other
+    arguments are the schedule's and are not needed here.
     """
-    if num_tokens is not None:
-        raise ValueError("finalize_grads: per-token loss scaling is not used by this driver")
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if num_tokens is None:
+        scale = 1.0 / dist.get_world_size(dp_cp)
+    else:
+        scale = 1.0 / max(_global_token_count(num_tokens, dp_cp), 1.0)
     embedding = parallel_state.get_embedding_group(check_initialized=False)
     for chunk in model:
         grads = [p.grad for p in chunk.parameters() if p.grad is not None]
-        if grads and dist.get_world_size(dp_cp) > 1:
-            _average_coalesced(grads, dp_cp)
+        if grads and (dist.get_world_size(dp_cp) > 1 or scale != 1.0):
+            _reduce_coalesced(grads, dp_cp, scale)
         weight = _tied_embedding_weight(chunk)
         if (weight is not None and weight.grad is not None and embedding is not None
                 and parallel_state.is_rank_in_embedding_group()

@@ -11,9 +11,12 @@ from megatron_mesh.plan import STREAMED, resolve_plan
 from megatron_mesh.traffic import AttentionShape
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
-from megatron_mesh.training.data import build_tokenizer, build_train_dataset, micro_batches
+from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches
 from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.evaluation import Evaluator
 from megatron_mesh.training.flops import flops_per_iteration
+from megatron_mesh.training.megatron_lm_flags import no_effect_report
+from megatron_mesh.training.metrics import Loggers
 from megatron_mesh.training.model import (
     attention_algo,
     build_model,
@@ -45,6 +48,13 @@ def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
+def _cp_label(args: TrainingConfig, mesh: str) -> str:
+    """'4 (mesh 2x2, schedule ...)'; '1' at CP = 1, where no CP algorithm runs."""
+    if args.context_parallel_size == 1:
+        return "1"
+    return f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh})"
+
+
 def _attention_label(args: TrainingConfig) -> str:
     """Which core attention the layers run (`model.attention_algo`)."""
     algo = attention_algo(args, use_transformer_engine(args))
@@ -53,13 +63,23 @@ def _attention_label(args: TrainingConfig) -> str:
     return "mesh tile kernel" if algo == "mesh" else f"Transformer Engine ({algo})"
 
 
+def _data_label(args: TrainingConfig) -> str:
+    """'mock', the --data-path prefixes with --split, or the per-split prefixes."""
+    if args.mock_data:
+        return "mock"
+    if args.data_path:
+        return f"{' '.join(args.data_path)} (split {args.split})"
+    paths = (("train", args.train_data_path), ("valid", args.valid_data_path),
+             ("test", args.test_data_path))
+    return ", ".join(f"{name} {' '.join(p)}" for name, p in paths if p)
+
+
 def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
             flops: float) -> None:
     mesh = _mesh_label(args, grid)
     print_rank0(
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-        f"{args.pipeline_model_parallel_size} x CP "
-        f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh}) x DP "
+        f"{args.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
         f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
         f"{_attention_label(args)} | "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
@@ -69,8 +89,10 @@ def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: i
         f"model FLOPs per iteration {flops:.4e}\n"
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
         f"{args.data_parallel_size} x {args.num_microbatches} micro-batches | "
-        f"data: {'mock' if args.mock_data else ' '.join(args.data_path)}"
+        f"data: {_data_label(args)}"
     )
+    for line in no_effect_report(args):
+        print_rank0(f" {line}")
 
 
 def run(args: TrainingConfig) -> int:
@@ -100,12 +122,23 @@ def _run(args: TrainingConfig) -> int:
         state = TrainState()
         if args.load:
             state = load_checkpoint(args.load, model, optimizer, scheduler, args)
-        dataset = build_train_dataset(args, tokenizer)
+        train_set, valid_set, test_set = build_datasets(args, tokenizer)
         flops = flops_per_iteration(args, vocab)
         _banner(args, grid, n_params, vocab, flops)
-        data = micro_batches(dataset, args, state.consumed_samples)
-        state = train(model, optimizer, scheduler, data, state, args, flops)
-        print_rank0(f" training done at iteration {state.iteration}")
+        loggers = Loggers(args, dist.get_rank(), dist.get_world_size())
+        exit_code = 1
+        try:
+            evaluator = Evaluator(model, valid_set, test_set, args, loggers)
+            if not args.skip_train:
+                data = micro_batches(train_set, args, state.consumed_samples)
+                state = train(model, optimizer, scheduler, data, state, args, flops, loggers,
+                              evaluator)
+                print_rank0(f" training done at iteration {state.iteration}")
+            if args.skip_train or state.iteration >= args.train_iters:  # not after an early stop
+                evaluator.finish(state.iteration, state.consumed_samples)
+            exit_code = 0
+        finally:
+            loggers.finish(exit_code)
         dist.barrier()
     finally:
         distributed.destroy()

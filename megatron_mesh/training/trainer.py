@@ -14,39 +14,55 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_mesh.training import faults
 from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import device, peak_memory_bytes, synchronize
-from megatron_mesh.training.distributed import is_rank0, print_rank0
-from megatron_mesh.training.metrics import IntervalStats, WandbLogger, interval_metrics, log_line
+from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.metrics import IntervalStats, Loggers, interval_metrics, log_line
 from megatron_mesh.training.pipeline import report_to_all_stages
 from megatron_mesh.training.stopping import ExitConditions, check_finite
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.evaluation import Evaluator
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of token losses on this rank, its token count, and both for reporting.
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False):
+    """(loss, token count, {"lm loss": [loss sum, token count]}) of this rank's micro-batch
+    (the loss over its CP chunks), as megatron-core's schedules take it.
 
-    megatron-core divides the sum by the count and the number of micro-batches; data-parallel
-    gradient averaging over the DP x CP group then yields the gradient of the global mean.
+    The schedule divides the loss by the count (and the number of micro-batches) unless
+    ``per_token_loss``; gradients are then averaged over the DP x CP group. So that the
+    loss of a micro-batch is the mean over ALL its unmasked tokens whatever CP is (with
+    --eod-mask-loss the CP chunks hold different numbers of them), the count is summed over
+    the CP group and the sum scaled by the CP size: averaging over CP then gives
+    (sum over CP of the sums) / (count over CP). With ``per_token_loss``
+    (--calculate-per-token-loss) the loss is the plain sum and the count this rank's; the
+    schedule adds the counts up and the gradient reduction divides the summed gradients by
+    the global batch's token count.
     """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     count = mask.sum()
     report = torch.stack([loss_sum.detach().clone(), count.detach().clone()])
-    return loss_sum, count.to(torch.int), {"lm loss": report}
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = dist.get_world_size(cp_group)
+    if per_token_loss or cp == 1:
+        return loss_sum, count.detach().to(torch.int), {"lm loss": report}
+    total = count.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    return loss_sum * cp, total.to(torch.int), {"lm loss": report}
 
 
-def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
+def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module,
+                 per_token_loss: bool = False):
     """megatron-core's forward_step_func: GPT forward on the next micro-batch (the fields
     this pipeline stage reads; a later stage's input comes from the previous stage)."""
     batch = next(data_iterator)
     output = model(batch.get("tokens"), batch.get("position_ids"), None,
                    labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"))
-    return output, partial(loss_func, batch.get("loss_mask"))
+    return output, partial(loss_func, batch.get("loss_mask"), per_token_loss=per_token_loss)
 
 
-def _global_loss(reports: list[dict]) -> float:
+def global_loss(reports: list[dict]) -> float:
     """Mean token loss over the global batch (all micro-batches, DP and CP ranks), on every
     rank: only the last pipeline stage has reports."""
     total = torch.zeros(2, dtype=torch.float64, device=device())  # NCCL reduces device tensors
@@ -65,7 +81,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
         model.zero_grad_buffer()
     optimizer.zero_grad()
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step,
+                                  per_token_loss=args.calculate_per_token_loss),
         data_iterator=data_iterator,
         model=[model],
         num_microbatches=args.num_microbatches,
@@ -76,7 +93,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)
-    return _global_loss(reports), grad_norm, ok
+    return global_loss(reports), grad_norm, ok
 
 
 def _traffic_counter(args: TrainingConfig):
@@ -89,16 +106,16 @@ def _traffic_counter(args: TrainingConfig):
 
 
 def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator: Iterator[dict],
-          state: TrainState, args: TrainingConfig, flops_per_iter: float) -> TrainState:
-    """Iterate to --train-iters (or --exit-interval, a signal, the time limit), logging and
-    saving on their intervals; a NaN / Inf loss or grad norm raises before anything is saved."""
-    wandb = WandbLogger(args, enabled=is_rank0())
+          state: TrainState, args: TrainingConfig, flops_per_iter: float, loggers: Loggers,
+          evaluator: Evaluator | None = None) -> TrainState:
+    """Iterate to --train-iters (or --exit-interval, a signal, the time limit), logging,
+    validating and saving on their intervals; a NaN / Inf loss or grad norm raises before
+    anything is saved."""
     exits = ExitConditions(args)
     stats = IntervalStats()
     rank = dist.get_rank()
     last = args.train_iters
     model.train()
-    exit_code = 1
     try:
         while state.iteration < last:
             faults.maybe_fail(rank, state.iteration + 1)
@@ -113,14 +130,23 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             state.consumed_samples += args.global_batch_size
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(state.iteration, loss, grad_norm)
-            stats.add(loss, seconds, grad_norm, counter.total_bytes if counter else 0, ok)
+            traffic = counter.total_bytes if counter else 0
+            stats.add(loss, seconds, grad_norm, traffic, ok)
+            lr = optimizer.param_groups[0]["lr"]
+            one = IntervalStats()
+            one.add(loss, seconds, grad_norm, traffic, ok)
+            loggers.iteration(
+                interval_metrics(one, args, flops_per_iter, lr, state.consumed_samples,
+                                 peak_memory_bytes(), traffic_known=counter is not None),
+                state.iteration, seconds)
             if state.iteration % args.log_interval == 0 or state.iteration == last:
-                lr = optimizer.param_groups[0]["lr"]
                 m = interval_metrics(stats, args, flops_per_iter, lr, state.consumed_samples,
                                      peak_memory_bytes(), traffic_known=counter is not None)
                 print_rank0(log_line(state.iteration, args, m))
-                wandb.log(m, state.iteration)
+                loggers.interval(m, state.iteration)
                 stats = IntervalStats()
+            if evaluator is not None and evaluator.due(state.iteration):
+                evaluator.validate(state.iteration, state.consumed_samples)
             stop = state.iteration == last or bool(
                 args.exit_interval and state.iteration % args.exit_interval == 0)
             reason = exits.reason()
@@ -132,8 +158,6 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 save_checkpoint(args.save, model, optimizer, scheduler, state, args)
             if stop:
                 break
-        exit_code = 0
     finally:
         exits.restore()
-        wandb.finish(exit_code)
     return state

@@ -131,8 +131,9 @@ def check_folders(args: argparse.Namespace) -> None:
 
 
 def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
-    """PREFIX.idx / .bin: a readable Megatron index, a .bin of the size it says, and token
-    ids in [0, vocab_size) through the whole .bin (one pass at memory speed, see
+    """PREFIX.idx / .bin: a readable Megatron index, a .bin of the size it says, and, for a
+    NullTokenizer of --vocab-size V (`vocab_size`), token ids in [0, V] through the whole .bin:
+    0 .. V - 1 and V, the end-of-document id (one pass at memory speed, see
     docs/reliability.md)."""
     for prefix in prefixes:
         idx, bin_ = prefix + ".idx", prefix + ".bin"
@@ -147,12 +148,48 @@ def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
             _fail(f"--data-path {prefix}: {bin_} has {size} bytes but {idx} lists {tokens} "
                   f"tokens of {np.dtype(dtype).itemsize} bytes; the pair does not belong together")
         if vocab_size is not None:
-            low, high = _token_id_range(bin_, np.dtype(dtype), tokens, vocab_size)
-            bad = high if high >= vocab_size else low
-            if high >= vocab_size or low < 0:
+            ids = vocab_size + 1  # the EOD id V follows the V ordinary ids
+            low, high = _token_id_range(bin_, np.dtype(dtype), tokens, ids)
+            bad = high if high >= ids else low
+            if high >= ids or low < 0:
                 _fail(f"--data-path {prefix}: token id {bad} in {bin_} is outside the "
-                      f"vocabulary of {vocab_size} (ids 0 .. {vocab_size - 1}; --vocab-size / "
-                      "tokenizer)")
+                      f"NullTokenizer's ids for --vocab-size {vocab_size} (0 .. {vocab_size - 1} "
+                      f"and the end-of-document id {vocab_size})")
+
+
+SPLIT_NAMES = ("training", "validation", "test")
+
+
+def split_weights(split: str) -> list[float]:
+    """--split TRAIN,VALID,TEST as three normalized weights (missing ones 0)."""
+    weights = [float(p) for p in re.split(r"[,/]", str(split))]
+    weights = (weights + [0.0, 0.0])[:3]
+    return [w / sum(weights) for w in weights]
+
+
+def check_split_documents(prefixes: list[str], split: str, used: list[bool]) -> None:
+    """Every split the run reads (`used`: training, validation, test) and --split gives a
+    share gets at least one document of every prefix, as megatron-core cuts a dataset's documents
+    (book-ends rounded to whole documents); an empty one would never fill its samples."""
+    weights = split_weights(split)
+    ends = [sum(weights[:i]) for i in range(4)]
+    for prefix in prefixes:
+        documents = _document_count(prefix + ".idx")
+        for i, name in enumerate(SPLIT_NAMES):
+            if not used[i] or weights[i] == 0:  # a share of 0: that set is not built
+                continue
+            first, last = round(ends[i] * documents), round(ends[i + 1] * documents)
+            if last <= first:
+                _fail(f"--split {split}: the {name} set gets no document of {prefix} "
+                      f"({documents} documents); give it a larger share (e.g. --split 90,5,5)"
+                      + ("" if i == 0 else ", or --eval-iters 0 for no evaluation"))
+
+
+def _document_count(path: str) -> int:
+    """Documents in a Megatron .idx file (its header's document-index length less one)."""
+    with open(path, "rb") as f:
+        head = f.read(34)
+    return int.from_bytes(head[26:34], "little") - 1
 
 
 def _token_id_range(bin_: str, dtype: np.dtype, tokens: int, vocab_size: int) -> tuple[int, int]:

@@ -1,0 +1,94 @@
+"""Validation and test passes: forward only, on the training's own CP / mesh layout.
+
+A pass runs --eval-iters global batches through megatron-core's schedule with
+``forward_only=True`` (the same micro-batches, CP split and loss as training) and reduces
+(loss sum, token count) over the whole batch, as the training loss is. Validation pass k
+(counted from 0 over the run: one every --eval-interval iterations, one at the end) reads
+validation samples [k * eval_iters * GBS, (k + 1) * eval_iters * GBS), so a resumed run
+evaluates on the samples the unbroken run would have.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_mesh.training.data import micro_batches
+from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.metrics import perplexity
+from megatron_mesh.training.trainer import forward_step, global_loss
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.metrics import Loggers
+
+def evaluation_line(prefix: str, loss: float) -> str:
+    """Megatron-LM's three lines: dashes, ' validation loss at PREFIX | lm loss value: X |
+    lm loss PPL: Y | ', dashes."""
+    text = (f" validation loss at {prefix} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {perplexity(loss):.6E} | ")
+    rule = "-" * (len(text) + 1)
+    return f"{rule}\n{text}\n{rule}"
+
+
+def evaluate(model: torch.nn.Module, dataset: Any, first_sample: int,
+             args: TrainingConfig) -> float:
+    """Mean token loss over --eval-iters global batches of `dataset` from `first_sample`,
+    on every rank; the model is left in training mode."""
+    data = micro_batches(dataset, args, first_sample)
+    step = partial(forward_step, per_token_loss=args.calculate_per_token_loss)
+    reports: list[dict] = []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                reports += get_forward_backward_func()(
+                    forward_step_func=step,
+                    data_iterator=data,
+                    model=[model],
+                    num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size,
+                    forward_only=True,
+                )
+    finally:
+        model.train()
+    return global_loss(reports)
+
+
+class Evaluator:
+    """The run's validation and test passes, printed and sent to the loggers."""
+
+    def __init__(self, model: torch.nn.Module, valid: Any, test: Any, args: TrainingConfig,
+                 loggers: Loggers) -> None:
+        self.model, self.valid, self.test, self.args = model, valid, test, args
+        self.loggers = loggers
+        self._batch = args.eval_iters * args.global_batch_size  # samples per pass
+
+    def due(self, iteration: int) -> bool:
+        """Whether training validates after `iteration` (every --eval-interval)."""
+        return (self.valid is not None and self.args.eval_iters > 0
+                and iteration % self.args.eval_interval == 0)
+
+    def validate(self, iteration: int, consumed_samples: int, prefix: str | None = None,
+                 index: int | None = None) -> float:
+        """Validation pass number `index` (default: the one of `iteration`), logged as
+        'validation loss at PREFIX' (default 'iteration N')."""
+        index = iteration // self.args.eval_interval - 1 if index is None else index
+        loss = evaluate(self.model, self.valid, index * self._batch, self.args)
+        print_rank0(evaluation_line(prefix or f"iteration {iteration}", loss))
+        self.loggers.validation(loss, iteration, consumed_samples, "validation")
+        return loss
+
+    def finish(self, iteration: int, consumed_samples: int) -> None:
+        """Megatron-LM's passes after training: the validation set, then the test set."""
+        if self.valid is not None and self.args.eval_iters > 0:
+            last = 0 if self.args.skip_train else self.args.train_iters // self.args.eval_interval
+            self.validate(iteration, consumed_samples, f"iteration {iteration} on validation set",
+                          index=last)
+        if self.test is not None and self.args.eval_iters > 0:
+            loss = evaluate(self.model, self.test, 0, self.args)
+            print_rank0(evaluation_line(f"iteration {iteration} on test set", loss))
+            self.loggers.validation(loss, iteration, consumed_samples, "test")
