@@ -1,8 +1,11 @@
 """Tile kernels from torch's own fused attention ops (aten), on CPU and CUDA.
 
 CPU: _scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA.
-CUDA: _scaled_dot_product_flash_attention (fp16 / bf16) or the memory-efficient op (fp32);
-K/V heads are repeated for GQA inside the kernel call, after all communication.
+CUDA: _scaled_dot_product_flash_attention (fp16 / bf16, sm80+; GQA natively: the flash
+kernel takes fewer K/V heads and returns dK / dV with hkv heads) or the memory-efficient op
+(fp32, or GPUs older than sm80), which needs as many K/V heads as query heads: there K/V
+heads are repeated inside the kernel call (after all communication) and dK / dV summed back.
+Which CUDA op runs is decided by `choice.choose` and given to the kernel (`flash`).
 Inputs of any strides: a copy is made only where the head dim is not dense.
 """
 from __future__ import annotations
@@ -41,10 +44,17 @@ class TorchFlashKernel:
     """The TileKernel of `kernels/base.py` on torch's aten attention ops.
 
     CPU tensors take the CPU flash op; any other device (CUDA; 'meta' for checking shapes
-    without a GPU) takes the CUDA ops.
+    without a GPU) takes the CUDA ops: the flash op for fp16 / bf16 when `flash` (the GPU
+    takes it), else the memory-efficient op.
     """
 
     name = "torch"
+
+    def __init__(self, flash: bool = True) -> None:
+        self.flash = flash
+
+    def _uses_flash(self, q: torch.Tensor) -> bool:
+        return self.flash and q.dtype in (torch.float16, torch.bfloat16)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float):
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
@@ -53,18 +63,18 @@ class TorchFlashKernel:
                 qb, kb, vb, 0.0, causal, scale=softmax_scale
             )
             return sbhd(out), lse
-        groups = q.shape[2] // k.shape[2]
-        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq = q.shape[0]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._uses_flash(q):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(
                 qb, kb, vb, 0.0, causal, False, scale=softmax_scale
             )
-        else:
-            out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-                qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
-            )
-        return sbhd(out), lse[..., :sq].contiguous()
+            return sbhd(out), lse  # [b, hq, sq] fp32, dense
+        groups = q.shape[2] // k.shape[2]
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+            qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
+        )
+        return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
@@ -74,22 +84,35 @@ class TorchFlashKernel:
                 dob, qb, kb, vb, ob, lse, 0.0, causal, scale=softmax_scale
             )
             return sbhd(dq), sbhd(dk), sbhd(dv)
-        groups = q.shape[2] // k.shape[2]
-        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq, sk = q.shape[0], k.shape[0]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._uses_flash(q):
             # Dense (not varlen) call without dropout: the cumulative lengths and the philox
             # seed / offset are undefined tensors (None), as the op's autograd passes them.
+            # GQA: dk, dv come back with hkv heads (the kernel sums each group).
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
                 dob, qb, kb, vb, ob, lse, None, None, sq, sk, 0.0, causal, None, None,
                 scale=softmax_scale,
             )
-        else:
-            pad = -sq % 32  # the memory-efficient op keeps lse padded to 32 rows
-            lse = torch.nn.functional.pad(lse, (0, pad))
-            unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
-            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
-                causal, scale=softmax_scale,
-            )
+            return sbhd(dq), sbhd(dk), sbhd(dv)
+        groups = q.shape[2] // k.shape[2]
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
+        pad = -sq % 32  # the memory-efficient op keeps lse padded to 32 rows
+        lse = torch.nn.functional.pad(lse, (0, pad))
+        unused = _empty_philox(q.device)  # no dropout: never read
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
+            causal, scale=softmax_scale,
+        )
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+
+
+_PHILOX: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_philox(device: torch.device) -> torch.Tensor:
+    """An empty int64 tensor on `device`, made once (the philox seed / offset of a call
+    without dropout)."""
+    t = _PHILOX.get(device)
+    if t is None:
+        t = _PHILOX[device] = torch.empty(0, dtype=torch.int64, device=device)
+    return t
