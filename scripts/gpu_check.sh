@@ -8,8 +8,9 @@
 # are used when installed. Steps, each under 10 minutes, each reported and none stopping the
 # others: the `gpu` tests (Transformer Engine's kernel tests among them when TE imports, with
 # the memory table), the tile efficiency bench (2K / 4K / 8K tokens per chunk, bf16, every
-# backend), the driver against Hugging Face GPT-2. Writes OUT_DIR/steps.jsonl (one line a
-# step: rc, seconds, or why it was skipped), OUT_DIR/gpu_check.json and OUT_DIR/summary.txt.
+# backend; at 2K also with the torch merge, an A/B against the Triton one), the driver
+# against Hugging Face GPT-2. Writes OUT_DIR/steps.jsonl (one line a step: rc, seconds, or
+# why it was skipped), OUT_DIR/gpu_check.json and OUT_DIR/summary.txt.
 # Without a CUDA GPU it says so and exits 0. --dry-run (or GPU_CHECK_DRY_RUN=1) goes through
 # every step without a GPU, installing the wheels and checking the imports but printing the
 # step commands instead of running them.
@@ -124,6 +125,8 @@ else
 fi
 step tiles_mha "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 16 \
     --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
+MESH_TRITON_MERGE=0 step tiles_torch_merge "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 \
+    --heads 16 --head-dim 128 --dtype bf16 --backends torch --json "$OUT/tiles.jsonl"
 step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 8192 --cp-size 8 --heads 32 --kv-heads 8 \
     --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
 if ! has transformers; then
@@ -168,7 +171,8 @@ tiles = [r for r in report["tiles"] if r.get("pass") == "fwd+bwd"]
 if tiles:
     print("tile efficiency (fwd+bwd, single fused call time / tile time):")
 for r in tiles:
-    print(f"  {r['backend']:>6} heads {r['heads']}/{r['kv_heads']} chunk {r['chunk']:>5}: "
+    print(f"  {r['backend']:>6} merge {r.get('merge', '?'):>6} heads {r['heads']}/{r['kv_heads']} "
+          f"chunk {r['chunk']:>5}: "
           f"{100 * r['efficiency']:5.1f}%  tile peak {r.get('tile_peak_bytes', 0) / 2**20:.0f} MiB")
 worst = {}
 for r in report["memory"]:

@@ -57,7 +57,8 @@ def test_dry_run_goes_through_every_step(tmp_path) -> None:
     assert proc.returncode == 0, log
     steps = {s["step"]: s for s in
              (json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines())}
-    assert list(steps) == ["wheels", "gpu_tests", "tiles_mha", "tiles_gqa", "driver_vs_hf"], log
+    assert list(steps) == ["wheels", "gpu_tests", "tiles_mha", "tiles_torch_merge", "tiles_gqa",
+                           "driver_vs_hf"], log
     assert steps["wheels"]["rc"] == 1 and "1 of 2 wheels" in steps["wheels"]["note"], log
     assert "failed: broken-0.1-py3-none-any.whl" in steps["wheels"]["note"]
     assert (out / ".site" / "mm_probe.py").exists()

@@ -45,7 +45,7 @@ class DeviceFacts:
         has_op = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
         if device.type != "cuda":
             return DeviceFacts(device.type, torch_has_cudnn_op=has_op,
-                               te=f"tensors are on {device.type}, TE needs CUDA")
+                               te=f"tensors are on {device.type}, Transformer Engine needs CUDA")
         cap = torch.cuda.get_device_capability(device)
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         te_why = "not asked for"
@@ -119,7 +119,8 @@ def choose(backend: str, facts: DeviceFacts, dtype: torch.dtype | None,
     if facts.type != "cuda" and backend == "auto":
         backend = "torch"  # 'meta': the torch ops' CUDA calls, checked for shapes only
     if backend in ("auto", "te"):
-        why = facts.te if facts.type == "cuda" else f"tensors are on {facts.type}, TE needs CUDA"
+        why = facts.te if facts.type == "cuda" else (
+            f"tensors are on {facts.type}, Transformer Engine needs CUDA")
         if why is None and dtype is not None and dtype not in HALF:
             why = f"dtype {dtype}: TE's fused attention takes float16 / bfloat16"
         if why is None:
