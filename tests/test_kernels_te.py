@@ -272,7 +272,8 @@ def test_non_te_inputs_fall_back_to_torch(dtype):
 
 
 # TE's AttentionParams fields (the backend query's input), read from the wheels of these
-# releases (2.1: transformer_engine/pytorch/attention.py; later:
+# releases (2.1: transformer_engine/pytorch/attention.py; 2.2:
+# transformer_engine/pytorch/dot_product_attention/utils.py; 2.5 and later:
 # transformer_engine/pytorch/attention/dot_product_attention/utils.py).
 _AP_21 = [
     "qkv_type", "qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
@@ -289,7 +290,7 @@ _AP_220 = _AP_214 + [
     "nominal_dtype", "num_tokens_q", "num_tokens_kv", "softcap", "cp_size", "cp_size_a2a",
     "softmax_scale", "fp8_output", "checkpoint_core_attention", "has_score_mod",
     "has_score_mod_bprop"]
-ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.5.0": _AP_25, "2.10.0": _AP_210, "2.14.1": _AP_214,
+ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.2.0": _AP_25, "2.5.0": _AP_25, "2.10.0": _AP_210, "2.14.1": _AP_214,
                     "2.20.2": _AP_220}
 # Every field we must set for the query to describe our tile (the rest keep TE's defaults).
 _AP_NEEDED = {"qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
@@ -315,7 +316,7 @@ def test_backend_query_params_match_real_fields(release: str, causal: bool):
 
 
 def test_fused_backend_read_from_both_result_shapes():
-    """get_attention_backend returns 5 values in 2.1, 6 from 2.5 (flash_attention_backend
+    """get_attention_backend returns 5 values in 2.1, 6 from 2.2 (flash_attention_backend
     added second); the fused sub-backend is third from the end in both."""
     five = (False, True, 1, False, [False, True, True])
     six = (True, "fa2", False, 1, False, [True, True, True])

@@ -183,9 +183,12 @@ class _TE:
     selection: ModuleType | None  # the module with AttentionParams / get_attention_backend
 
 
-# Where TE keeps its backend query: 2.2 onwards, then 2.1's single attention module.
+# Where TE keeps its backend query (AttentionParams, get_attention_backend), newest first:
+# 2.5 onwards (read in 2.5, 2.10, 2.14, 2.20), 2.2 (dot_product_attention/utils.py beside
+# attention.py), 2.1 (the single attention module).
 SELECTION_MODULES = (
     "transformer_engine.pytorch.attention.dot_product_attention.utils",
+    "transformer_engine.pytorch.dot_product_attention.utils",
     "transformer_engine.pytorch.attention",
 )
 
@@ -269,7 +272,7 @@ def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
 def fused_backend_of(result: Sequence[Any]) -> Any:
     """The fused sub-backend in what TE's `get_attention_backend` returns: (use_flash,
     use_fused, fused_backend, use_unfused, available) in 2.1, (use_flash, flash_backend,
-    use_fused, fused_backend, use_unfused, available) from 2.2; None when TE's fused
+    use_fused, fused_backend, use_unfused, available) from 2.2 on; None when TE's fused
     attention cannot run the tile (available[1] false)."""
     available = result[-1]
     return result[-3] if available[1] else None
