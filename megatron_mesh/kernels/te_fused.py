@@ -371,8 +371,12 @@ class TEFusedKernel:
         takes = self._takes.get(key)
         if takes is None:
             sq, b, hq, d = q.shape
-            why = te_rejects(TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
-                                      self.deterministic, capturing))
+            spec = TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
+                            self.deterministic, capturing)
+            try:
+                why = te_rejects(spec)
+            except Exception as e:  # a query that fails says no more than a refusal
+                why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
             if why is not None:
                 choice.log_once(f"te tile kernel: {why}; these tiles run on "
                                 f"{self._fallback.name}")
