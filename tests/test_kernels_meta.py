@@ -127,6 +127,31 @@ def test_tile_dispatch_counts() -> None:
     assert bwd.launches() == ["_scaled_dot_product_flash_attention_backward"], bwd.launches()
 
 
+@pytest.mark.parametrize("op,heads,fwd,bwd", [
+    ("cudnn", "MHA", [], []),
+    ("cudnn", "GQA", ["clone", "clone"], ["clone", "clone", "sum", "sum"]),
+    ("efficient", "MHA", [], ["constant_pad_nd"]),
+    ("efficient", "GQA", ["clone", "clone"], ["clone", "clone", "constant_pad_nd", "sum", "sum"]),
+])
+def test_other_branches_dispatch_counts(op: str, heads: str, fwd: list, bwd: list) -> None:
+    """The cuDNN and memory-efficient branches: the attention op plus, for GQA, the K/V
+    repeats (2 copies forward, 2 copies + 2 reductions backward); no per-call allocations
+    once the kernel has run (the philox placeholders are made once per device)."""
+    dtype = torch.float32 if op == "efficient" else torch.bfloat16
+    q, k, v = tile(dtype, *HEADS[heads], sq=128, sk=128)
+    kernel = KERNELS[op]()
+    out, lse = kernel.forward(q, k, v, False, 0.125)
+    kernel.backward(out, q, k, v, out, lse, False, 0.125)  # warm: placeholders made once
+    with OpLog() as f:
+        out, lse = kernel.forward(q, k, v, False, 0.125)
+    with OpLog() as b:
+        kernel.backward(out, q, k, v, out, lse, False, 0.125)
+    name = {"cudnn": "_scaled_dot_product_cudnn_attention"}.get(
+        op, "_scaled_dot_product_efficient_attention")
+    assert sorted(f.launches()) == sorted(fwd + [name]), f.launches()
+    assert sorted(b.launches()) == sorted(bwd + [name + "_backward"]), b.launches()
+
+
 def test_built_kernels_follow_the_choice() -> None:
     assert isinstance(build(Choice(("cudnn", "flash", "efficient"))), CudnnKernel)
     assert build(Choice(("flash", "efficient"))).flash is True
