@@ -1,8 +1,9 @@
 """Every CUDA branch of every tile kernel, run on 'meta' tensors (no GPU): the aten ops'
 schemas and meta kernels check the argument lists, and the tests check the shapes, dtypes
 and strides of what goes in and comes out. Plus the backend choice (`kernels.choice`) for
-the GPUs, cuDNN versions, dtypes and head dims that decide it, and how many aten ops a
-tile's forward (with its merge) and backward dispatch.
+the GPUs, cuDNN versions, dtypes and head dims that decide it, how many aten ops a tile's
+forward (with its merge) and backward dispatch, and every schedule's forward and backward
+with every CUDA branch on a one-rank grid.
 """
 from __future__ import annotations
 
@@ -218,3 +219,53 @@ def test_te_is_not_imported_unless_it_can_be_chosen() -> None:
     get_kernel("cudnn", torch.device("meta"), torch.bfloat16, 64)
     get_kernel("torch", torch.device("cpu"), torch.bfloat16, 64)
     assert "transformer_engine" not in sys.modules
+
+
+# ------------------------------------------------------------- every schedule, on meta
+
+def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
+    """Each schedule's forward and backward, with every CUDA kernel branch, on meta tensors,
+    on a 1 x 1 grid (one rank: no collective carries data, every tile call is made)."""
+    import megatron_mesh as mm
+    from megatron_mesh import gathered, streamed_kv, streamed_q
+    from megatron_mesh.attention import grad_dtypes
+    from megatron_mesh.plan import GradDtype
+
+    grid = mm.MeshGrid.build(rows=1, cols=1)
+    rows = []
+    for sched in (gathered, streamed_kv, streamed_q):
+        for op, make in KERNELS.items():
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                if op == "cudnn" and dtype == torch.float32:
+                    continue
+                for hq, hkv in HEADS.values():
+                    q, k, v = tile(dtype, hq, hkv, sq=64, sk=64)
+                    kernel = make()
+                    with OpLog() as log:
+                        out, lse = sched.forward(q, k, v, grid, True, 0.125, kernel)
+                        grads = sched.backward(out, q, k, v, out, lse, grid, True, 0.125, kernel,
+                                               grad_dtypes(GradDtype.MIXED, dtype))
+                    calls = sorted({n for n, _ in log.calls if n.startswith("_scaled_dot")})
+                    rows.append((sched.__name__.rsplit(".", 1)[1], op, str(dtype), hq, hkv,
+                                 tuple(out.shape), str(out.dtype), tuple(lse.shape),
+                                 str(lse.dtype), [(tuple(g.shape), str(g.dtype)) for g in grads],
+                                 calls))
+    return rows
+
+
+@pytest.mark.distributed  # one gloo rank, forked
+def test_every_schedule_with_every_cuda_branch_on_meta() -> None:
+    from dist_utils import run_distributed
+
+    (rows,) = run_distributed(_schedules_on_meta, 1)
+    assert len(rows) == 3 * (3 + 3 + 2) * 3
+    for sched, op, dtype, hq, hkv, out_shape, out_dtype, lse_shape, lse_dtype, grads, calls in rows:
+        what = f"{sched} {op} {dtype} {hq}/{hkv}"
+        assert out_shape == (64, 2, hq, 64) and out_dtype == dtype, what
+        assert lse_shape == (2, hq, 64) and lse_dtype == "torch.float32", what
+        assert grads == [((64, 2, hq, 64), dtype), ((64, 2, hkv, 64), dtype),
+                         ((64, 2, hkv, 64), dtype)], what
+        base = {"cudnn": "_scaled_dot_product_cudnn_attention"}.get(
+            op, "_scaled_dot_product_flash_attention" if op == "flash" and dtype != "torch.float32"
+            else "_scaled_dot_product_efficient_attention")
+        assert calls == [base, base + "_backward"], what
