@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_mesh", "megatron_mesh.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "packaging"],
+    install_requires=["torch>=2.5", "numpy", "packaging"],
     extras_require={
         "megatron": ["megatron-core>=0.16.1,<0.20", "pyyaml", "psutil"],
         "tensorboard": ["tensorboard"],

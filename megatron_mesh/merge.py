@@ -1,7 +1,13 @@
-"""Log-sum-exp merging of partial attention results, in fp32."""
+"""Log-sum-exp merging of partial attention results, in fp32.
+
+On CUDA with Triton importable, `merge_into` is one fused kernel (`merge_triton`); else
+(CPU, no Triton, MESH_TRITON_MERGE=0) the torch ops below (`merge_into_torch`).
+"""
 from __future__ import annotations
 
 import torch
+
+from . import merge_triton
 
 
 def bhs_to_sbh1(t: torch.Tensor) -> torch.Tensor:
@@ -20,10 +26,23 @@ def merge_into(
     accumulators out_acc [s, b, h, d] and lse_acc [b, h, s], in place.
 
     Rows whose accumulated lse is still -inf (nothing merged yet) take the partial as is.
+    One Triton kernel where `merge_triton.available`, else `merge_into_torch`.
+    """
+    acc_o, acc_l = out_acc[rows], lse_acc[..., rows]
+    if merge_triton.available(acc_o):
+        merge_triton.merge_into(acc_o, acc_l, out, lse)
+    else:
+        merge_into_torch(acc_o, acc_l, out, lse)
+
+
+def merge_into_torch(
+    acc_o: torch.Tensor, acc_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """`merge_into` on the rows given, with torch ops (ten kernels, two passes over acc_o).
+
     In place, one weight at a time: the temporaries are two [b, h, s'] fp32 tensors (the new
     lse and one weight), none of the size of the output.
     """
-    acc_o, acc_l = out_acc[rows], lse_acc[..., rows]
     lse = lse.float()
     new_l = torch.logaddexp(acc_l, lse)
     acc_o.mul_(bhs_to_sbh1(weight(acc_l, new_l)))

@@ -11,7 +11,9 @@ rows against P * s / 2 keys (P * s without causal masking), no mask.
 
 Prints milliseconds, TFLOP/s, efficiency (single-call time / tile time) and, on CUDA, the
 peak memory of each pass, per chunk size and backend (torch, cudnn, te; one that cannot
-run here says why). --json appends the rows to a file, one JSON object a line.
+run here says why). --json appends the rows to a file, one JSON object a line, each with
+the merge used: 'triton' (one fused kernel, CUDA with Triton) or 'torch' (MESH_TRITON_MERGE=0
+forces it, for an A/B).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+from megatron_mesh import merge_triton
 from megatron_mesh.blocks import backward_block, forward_block
 from megatron_mesh.kernels import get_kernel
 from megatron_mesh.merge import empty_accumulators
@@ -126,6 +129,7 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
         single_backward()
 
     flops_fwd = 4 * b * hq * d * s * keys_single
+    merge = "triton" if merge_triton.available(out) else "torch"  # MESH_TRITON_MERGE=0: torch
     rows = []
     for name, tile, single, flops in (("forward", tile_forward, single_forward, flops_fwd),
                                       ("backward", tile_backward, single_backward, 2.5 * flops_fwd),
@@ -138,7 +142,8 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
                      "single_peak_bytes": peak_bytes(single, device),
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                      else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
-                     "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal})
+                     "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal,
+                     "merge": merge})
     return rows
 
 

@@ -158,14 +158,16 @@ def _tile(sq=8, sk=4, b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16):
     return q, k, v
 
 
-def _build(version: str, causal: bool):
+def _build(release: str, causal: bool, signature: tuple | None = None):
+    """The kwargs built for the signature of `release` (or the given (fwd, bwd) parameters)."""
+    fwd_params, bwd_params = signature or SIGNATURES[RELEASES[release]][:2]
     q, k, v = _tile()
     cu_q = torch.arange(0, 3 * 8, 8, dtype=torch.int32)
     cu_kv = torch.arange(0, 3 * 4, 4, dtype=torch.int32)
-    fwd = fwd_kwargs(version, q, k, v, cu_q, cu_kv, causal, 0.25, BACKEND)
+    fwd = fwd_kwargs(fwd_params, q, k, v, cu_q, cu_kv, causal, 0.25, BACKEND)
     aux = [torch.zeros(2, 4, 8, 1), torch.zeros(2, dtype=torch.int64)]
     bwd = bwd_kwargs(
-        version, q, q, k, v, q, aux, cu_q, cu_kv, causal, 0.25, BACKEND, TE_BF16,
+        bwd_params, q, q, k, v, q, aux, cu_q, cu_kv, causal, 0.25, BACKEND, TE_BF16,
         deterministic=True,
     )
     return fwd, bwd, (q, k, v, aux)
@@ -231,13 +233,22 @@ def test_kwargs_values(release: str):
 def test_version_parsing():
     assert te_fused.minor_version("2.10.0.dev0+g1234abc") == (2, 10)
     assert te_fused.minor_version("2.15.0") == (2, 15)
-    fwd, bwd, _ = _build("2.15.0.dev0+gabc", causal=False)  # a dev build gets its release's
-    assert "dqkv_dtype" not in bwd and bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
-    fwd, bwd, _ = _build("2.14.1", causal=False)
-    assert "dqkv_dtype" in bwd and "dqkv_layout" not in bwd
     for bad in ("1.13.0", "2.0.0", "not-a-version"):
         with pytest.raises(ValueError, match="Transformer Engine"):
             te_fused.minor_version(bad)
+
+
+def test_kwargs_follow_the_signature_not_the_version():
+    """A mid-cycle dev build (here: 2.14's functions with 2.15's new bwd parameters and
+    without `dqkv_dtype`, fwd without `return_max_logit`) gets what its functions take."""
+    fwd_params = [n for n in SIGNATURES["2.12"][0] if n != "return_max_logit"]
+    bwd_params = [n for n in SIGNATURES["2.12"][1] if n != "dqkv_dtype"] + [
+        "do_format", "dqkv_layout"]
+    fwd, bwd, _ = _build("dev", causal=True, signature=(fwd_params, bwd_params))
+    assert set(fwd) <= set(fwd_params) and set(bwd) <= set(bwd_params)
+    assert "return_max_logit" not in fwd and "o_format" not in fwd
+    assert "dqkv_dtype" not in bwd and bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
+    assert bwd["do_format"] == "sbhd" and bwd["bottom_right_diagonal"] is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,6 +269,59 @@ def test_non_te_inputs_fall_back_to_torch(dtype):
     for got, want in zip((dq, dk, dv), ref[1:]):
         assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, atol=tol * 4, rtol=tol * 4)
+
+
+# TE's AttentionParams fields (the backend query's input), read from the wheels of these
+# releases (2.1: transformer_engine/pytorch/attention.py; 2.2:
+# transformer_engine/pytorch/dot_product_attention/utils.py; 2.5 and later:
+# transformer_engine/pytorch/attention/dot_product_attention/utils.py).
+_AP_21 = [
+    "qkv_type", "qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
+    "max_seqlen_q", "max_seqlen_kv", "head_dim_qk", "head_dim_v", "attn_mask_type",
+    "window_size", "alibi_slopes_shape", "core_attention_bias_type",
+    "core_attention_bias_shape", "core_attention_bias_requires_grad", "pad_between_seqs",
+    "attention_dropout", "context_parallel", "deterministic", "is_training", "fp8", "fp8_meta",
+]
+_AP_25 = _AP_21 + ["inference_params"]
+_AP_210 = _AP_25[:19] + ["cp_comm_type"] + _AP_25[19:] + [
+    "softmax_type", "return_max_logit", "cuda_graph", "num_splits"]
+_AP_214 = _AP_210[:12] + ["bottom_right_diagonal"] + _AP_210[12:]
+_AP_220 = _AP_214 + [
+    "nominal_dtype", "num_tokens_q", "num_tokens_kv", "softcap", "cp_size", "cp_size_a2a",
+    "softmax_scale", "fp8_output", "checkpoint_core_attention", "has_score_mod",
+    "has_score_mod_bprop"]
+ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.2.0": _AP_25, "2.5.0": _AP_25, "2.10.0": _AP_210, "2.14.1": _AP_214,
+                    "2.20.2": _AP_220}
+# Every field we must set for the query to describe our tile (the rest keep TE's defaults).
+_AP_NEEDED = {"qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
+              "max_seqlen_q", "max_seqlen_kv", "head_dim_qk", "head_dim_v", "attn_mask_type",
+              "window_size", "attention_dropout", "deterministic", "is_training"}
+
+
+@pytest.mark.parametrize("release", sorted(ATTENTION_PARAMS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backend_query_params_match_real_fields(release: str, causal: bool):
+    fields = ATTENTION_PARAMS[release]
+    spec = te_fused.TileSpec(torch.bfloat16, 2, 16, 4, 2048, 1024, 128, causal, False, False)
+    kw = te_fused.attention_params(fields, spec)
+    assert set(kw) <= set(fields), set(kw) - set(fields)
+    assert _AP_NEEDED <= set(kw), _AP_NEEDED - set(kw)
+    assert (kw["num_heads"], kw["num_gqa_groups"], kw["head_dim_qk"]) == (16, 4, 128)
+    assert (kw["max_seqlen_q"], kw["max_seqlen_kv"], kw["batch_size"]) == (2048, 1024, 2)
+    assert kw["qkv_layout"] == "sbhd_sbhd_sbhd" and kw["qkv_dtype"] == torch.bfloat16
+    assert (kw["attn_mask_type"], kw["window_size"]) == (
+        ("causal", (-1, 0)) if causal else ("no_mask", (-1, -1)))
+    if "bottom_right_diagonal" in fields:
+        assert kw["bottom_right_diagonal"] is False
+
+
+def test_fused_backend_read_from_both_result_shapes():
+    """get_attention_backend returns 5 values in 2.1, 6 from 2.2 (flash_attention_backend
+    added second); the fused sub-backend is third from the end in both."""
+    five = (False, True, 1, False, [False, True, True])
+    six = (True, "fa2", False, 1, False, [True, True, True])
+    assert te_fused.fused_backend_of(five) == 1 and te_fused.fused_backend_of(six) == 1
+    assert te_fused.fused_backend_of((True, "fa2", False, None, False, [True, False, True])) is None
 
 
 # ---------------------------------------------------------------- references
@@ -319,7 +383,7 @@ def _check(got, ref_fp32, ref_same_dtype, what: str):
 # ---------------------------------------------------------------- part 2: CUDA + TE
 
 needs_te = pytest.mark.skipif(
-    not te_fused.is_available(),
+    te_fused.te_version() is None or not torch.cuda.is_available() or not te_fused.is_available(),
     reason="needs CUDA and Transformer Engine "
     f"(CUDA {'yes' if torch.cuda.is_available() else 'no'}, TE {te_fused.te_version()})",
 )
@@ -336,6 +400,7 @@ def _cuda_tile(sq, sk, b, hq, hkv, d, dtype, seed=0):
     return q, k, v, dout
 
 
+@pytest.mark.gpu
 @needs_te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
@@ -363,6 +428,7 @@ def test_te_matches_sdpa(dtype, heads, causal, sq, sk, d):
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.gpu
 @needs_te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
@@ -393,6 +459,7 @@ def test_te_global_out_lse_gives_partial_sums(dtype, heads):
     _check(torch.cat([dv1, dv2]), ref[3], same[3], "dv halves")
 
 
+@pytest.mark.gpu
 @needs_te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)

@@ -2,12 +2,13 @@
 chooses among them (`get_kernel`)."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
-from . import cudnn
 from .base import TileKernel
+from .choice import Choice, DeviceFacts, choose, log_skips
 from .cudnn import CudnnKernel
 from .torch_flash import TorchFlashKernel
 
@@ -27,18 +28,6 @@ def check_backend(backend: str | TileKernel) -> None:
                          "(or a TileKernel object)")
 
 
-def _te_unsupported(device: torch.device, dtype: torch.dtype | None) -> str | None:
-    """Why Transformer Engine cannot run these tiles, or None."""
-    from . import te_fused
-
-    if device.type != "cuda" or not te_fused.is_available():
-        return (f"tensors on {device}, Transformer Engine "
-                f"{te_fused.te_version() or 'not installed'} (it needs CUDA and TE >= 2.1)")
-    if dtype is not None and dtype not in te_fused.TE_DTYPES:
-        return f"dtype {dtype}: TE's fused attention takes float16 / bfloat16"
-    return None
-
-
 def takes_documents(kernel: TileKernel) -> bool:
     """Whether the kernel takes packed documents (a `segments` keyword)."""
     return "segments" in inspect.signature(kernel.forward).parameters
@@ -53,53 +42,50 @@ def get_kernel(
 ) -> TileKernel:
     """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim`.
 
-    'auto' picks Transformer Engine when it is installed and takes the dtype, then torch's
-    cuDNN attention when cuDNN >= 9 takes the dtype and head dim, then torch's flash /
-    memory-efficient ops (the only choice on CPU). 'te' and 'cudnn' raise ValueError, saying
-    why, where they cannot run; 'torch' runs everywhere. A `TileKernel` object (e.g. the
-    emulated one of `megatron_mesh.emulation`) is returned as it is. With `documents`
-    (packed sequences) only kernels that take them (`takes_documents`) are chosen: 'auto'
-    falls back to torch's ops, a named backend that cannot raises ValueError.
+    The ops come from `choice.choose` (the one place that decides; see its docstring):
+    'auto' asks Transformer Engine per tile shape, then takes torch's cuDNN op, flash op or
+    memory-efficient op, whichever the GPU, cuDNN, dtype and head dim allow first; 'te' and
+    'cudnn' raise ValueError, saying why, where they cannot run at all; 'torch' runs
+    everywhere. Skipped ops are logged once with their reason. A `TileKernel` object (e.g.
+    the emulated one of `megatron_mesh.emulation`) is returned as it is.
+    With `documents` (packed sequences) only kernels that take them (`takes_documents`)
+    are chosen: 'auto' falls back to torch's ops, a named backend that cannot raises
+    ValueError.
     """
-    kernel = _kernel_for(backend, device, dtype, head_dim)
+    check_backend(backend)
+    if is_kernel(backend):
+        kernel = backend
+    else:
+        kernel = _kernel_for(backend, torch.device(device), dtype, head_dim)
     if documents and not takes_documents(kernel):
         if backend != "auto":
             name = getattr(kernel, "name", type(kernel).__name__)
             raise ValueError(f"backend={name!r} does not take packed documents (cu_seqlens); "
                              "use backend='torch' or 'auto'")
-        return TorchFlashKernel()
+        return _kernel_for("torch", torch.device(device), dtype, head_dim)
     return kernel
 
 
-def _kernel_for(backend: str | TileKernel, device: torch.device, dtype: torch.dtype | None,
+@functools.lru_cache(maxsize=None)
+def _kernel_for(backend: str, device: torch.device, dtype: torch.dtype | None,
                 head_dim: int | None) -> TileKernel:
-    check_backend(backend)
-    if is_kernel(backend):
-        return backend
-    device = torch.device(device)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return TorchFlashKernel()
-    te_why = _te_unsupported(device, dtype)
-    cudnn_why = (cudnn.unsupported(device, dtype, head_dim) if dtype is not None
-                 and head_dim is not None else "dtype and head dim not given")
-    if backend == "te":
-        if te_why:
-            raise ValueError(f"backend='te' cannot run here: {te_why}; install "
-                             "transformer-engine[pytorch] or use backend='cudnn' or 'torch'")
+    facts = DeviceFacts.of(device, want_te=backend in ("auto", "te"))
+    chosen = choose(backend, facts, dtype, head_dim)
+    log_skips(chosen, f"backend={backend!r} on {device}")
+    return build(chosen)
+
+
+def build(chosen: Choice) -> TileKernel:
+    """The kernel running `chosen.ops` (TE falls back per tile to the op after it)."""
+    op, rest = chosen.first, chosen.ops[1:]
+    if op == "te":
         from .te_fused import TEFusedKernel
 
-        return TEFusedKernel()
-    if backend == "cudnn":
-        if cudnn_why:
-            raise ValueError(f"backend='cudnn' cannot run here: {cudnn_why}; use "
-                             "backend='torch'")
+        return TEFusedKernel(fallback=build(Choice(rest)))
+    if op == "cudnn":
         return CudnnKernel()
-    if te_why is None:
-        from .te_fused import TEFusedKernel
-
-        return TEFusedKernel()
-    return CudnnKernel() if cudnn_why is None else TorchFlashKernel()
+    return TorchFlashKernel(flash=op in ("cpu", "flash"))
 
 
-__all__ = ["BACKENDS", "CudnnKernel", "TileKernel", "TorchFlashKernel", "check_backend",
-           "get_kernel", "is_kernel", "takes_documents"]
+__all__ = ["BACKENDS", "Choice", "CudnnKernel", "DeviceFacts", "TileKernel", "TorchFlashKernel",
+           "build", "check_backend", "choose", "get_kernel", "is_kernel", "takes_documents"]

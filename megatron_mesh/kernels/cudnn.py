@@ -1,43 +1,49 @@
 """Tile kernel on torch's own cuDNN fused-attention op (`aten._scaled_dot_product_cudnn_attention`
 and its backward): the cuDNN kernels Transformer Engine's fused attention calls, without TE.
 
-fp16 / bf16 CUDA tensors, head dim a multiple of 8 up to 128; `supports` says which inputs
-it takes. K/V heads are repeated for GQA inside the call, as in `torch_flash`.
+fp16 / bf16 CUDA tensors on sm80 to sm121 with cuDNN >= 9, head dim a multiple of 8 up to
+128 (`choice.cudnn_unsupported` says which inputs it takes). K/V heads are repeated for GQA
+inside the call: the op's acceptance of fewer K/V heads is not the same over the torch
+releases this package supports (>= 2.5), so the kernel does not rely on it.
+
+One layout: every tensor given to the op (q, k, v, and in the backward out and dout) is
+the [b, h, s, d] view of a contiguous [s, b, h, d] tensor. torch caches the backward's
+cuDNN graph on the shapes and strides of q, k and v only; with out and dout always laid
+out like q, a cached graph is never reused for other strides.
 """
 from __future__ import annotations
 
 import torch
 
-from .torch_flash import bhsd, repeat_kv, sbhd, sum_kv_grad
+from .choice import DeviceFacts, cudnn_unsupported
+from .torch_flash import sbhd, sum_kv_grad
 
 aten = torch.ops.aten
-DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 128
-MIN_CUDNN = 90000  # cuDNN 9: torch's SDPA cuDNN backend needs it
 
 
 def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why this kernel cannot run tiles of `dtype` with `head_dim` on `device`, or None."""
-    if not hasattr(aten, "_scaled_dot_product_cudnn_attention"):
-        return f"torch {torch.__version__} has no _scaled_dot_product_cudnn_attention op"
-    if device.type == "meta":
-        pass  # shapes only: no cuDNN is needed to check the calls
-    elif device.type != "cuda":
-        return f"tensors are on {device}, cuDNN attention needs CUDA"
-    else:
-        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        if version is None or version < MIN_CUDNN:
-            return f"cuDNN {version or 'not available'}; cuDNN attention needs cuDNN >= 9"
-    if dtype not in DTYPES:
-        return f"dtype {dtype} is not one of float16, bfloat16"
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return f"head dim {head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
-    return None
+    return cudnn_unsupported(DeviceFacts.of(device, want_te=False), dtype, head_dim)
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """[b, h, s, d] as cuDNN takes it: dense head dim and no broadcast (stride 0) dim."""
-    return t.contiguous() if 0 in t.stride() else t
+def one_layout(t: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """[s, b, h, d] (any strides) -> the [b, h * groups, s, d] view of a contiguous
+    [s, b, h * groups, d] tensor (heads repeated `groups` times each); a copy only where
+    `t` is not contiguous or heads are repeated."""
+    if groups > 1:
+        t = t.repeat_interleave(groups, dim=2)
+    return t.contiguous().permute(1, 2, 0, 3)
+
+
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _philox_unused(device: torch.device) -> torch.Tensor:
+    """A 0-dim int64 tensor on `device`, made once: the philox seed / offset (no dropout)."""
+    t = _UNUSED.get(device)
+    if t is None:
+        t = _UNUSED[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return t
 
 
 class CudnnKernel:
@@ -48,8 +54,7 @@ class CudnnKernel:
     def forward(self, q, k, v, causal: bool, softmax_scale: float):
         """out [sq, b, hq, d] in q's dtype, lse [b, hq, sq] fp32."""
         groups = q.shape[2] // k.shape[2]
-        qb = _dense(bhsd(q))
-        kb, vb = (_dense(repeat_kv(bhsd(t), groups)) for t in (k, v))
+        qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
             qb, kb, vb, None, True, 0.0, causal, False, scale=softmax_scale
         )
@@ -59,12 +64,11 @@ class CudnnKernel:
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
         """dq [sq, b, hq, d], dk, dv [sk, b, hkv, d]; out / lse are the whole row's."""
         groups = q.shape[2] // k.shape[2]
-        qb, ob = _dense(bhsd(q)), _dense(bhsd(out.to(q.dtype)))
-        dob = _dense(bhsd(dout.to(q.dtype)))
-        kb, vb = (_dense(repeat_kv(bhsd(t), groups)) for t in (k, v))
+        qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
+        ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))
         sq, b, hq, _ = q.shape
         stats = lse.float().reshape(b, hq, sq, 1).contiguous()  # as the forward returns it
-        unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox: no dropout
+        unused = _philox_unused(q.device)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             dob, qb, kb, vb, ob, stats, unused, unused, None, None, None, sq, k.shape[0],
             0.0, causal, scale=softmax_scale,

@@ -1,8 +1,11 @@
 """Tile kernels from torch's own fused attention ops (aten), on CPU and CUDA.
 
 CPU: _scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA.
-CUDA: _scaled_dot_product_flash_attention (fp16 / bf16) or the memory-efficient op (fp32);
-K/V heads are repeated for GQA inside the kernel call, after all communication.
+CUDA: _scaled_dot_product_flash_attention (fp16 / bf16, sm80+; GQA natively: the flash
+kernel takes fewer K/V heads and returns dK / dV with hkv heads) or the memory-efficient op
+(fp32, or GPUs older than sm80), which needs as many K/V heads as query heads: there K/V
+heads are repeated inside the kernel call (after all communication) and dK / dV summed back.
+Which CUDA op runs is decided by `choice.choose` and given to the kernel (`flash`).
 Inputs of any strides: a copy is made only where the head dim is not dense.
 """
 from __future__ import annotations
@@ -41,38 +44,48 @@ class TorchFlashKernel:
     """The TileKernel of `kernels/base.py` on torch's aten attention ops.
 
     CPU tensors take the CPU flash op; any other device (CUDA; 'meta' for checking shapes
-    without a GPU) takes the CUDA ops.
+    without a GPU) takes the CUDA ops: the flash op for fp16 / bf16 when `flash` (the GPU
+    takes it), else the memory-efficient op.
     """
 
     name = "torch"
 
+    def __init__(self, flash: bool = True) -> None:
+        self.flash = flash
+
+    def _uses_flash(self, q: torch.Tensor) -> bool:
+        return self.flash and q.dtype in (torch.float16, torch.bfloat16)
+
     def forward(self, q, k, v, causal: bool, softmax_scale: float,
                 segments: Segments | None = None):
         if segments is not None:
-            return documents_forward(q, k, v, causal, softmax_scale, segments)
+            varlen = q.device.type != "cpu" and self._uses_flash(q)
+            return documents_forward(q, k, v, causal, softmax_scale, segments, varlen)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 qb, kb, vb, 0.0, causal, scale=softmax_scale
             )
             return sbhd(out), lse
-        groups = q.shape[2] // k.shape[2]
-        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq = q.shape[0]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._uses_flash(q):
             out, lse, *_ = aten._scaled_dot_product_flash_attention(
                 qb, kb, vb, 0.0, causal, False, scale=softmax_scale
             )
-        else:
-            out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-                qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
-            )
-        return sbhd(out), lse[..., :sq].contiguous()
+            return sbhd(out), lse  # [b, hq, sq] fp32, dense
+        groups = q.shape[2] // k.shape[2]
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+            qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
+        )
+        return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
                  segments: Segments | None = None):
         if segments is not None:
-            return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
+            varlen = q.device.type != "cpu" and self._uses_flash(q)
+            return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments,
+                                      varlen)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
         lse = lse.contiguous()
         if q.device.type == "cpu":
@@ -80,34 +93,32 @@ class TorchFlashKernel:
                 dob, qb, kb, vb, ob, lse, 0.0, causal, scale=softmax_scale
             )
             return sbhd(dq), sbhd(dk), sbhd(dv)
-        groups = q.shape[2] // k.shape[2]
-        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         sq, sk = q.shape[0], k.shape[0]
-        if q.dtype in (torch.float16, torch.bfloat16):
+        if self._uses_flash(q):
             # Dense (not varlen) call without dropout: the cumulative lengths and the philox
             # seed / offset are undefined tensors (None), as the op's autograd passes them.
+            # GQA: dk, dv come back with hkv heads (the kernel sums each group).
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
                 dob, qb, kb, vb, ob, lse, None, None, sq, sk, 0.0, causal, None, None,
                 scale=softmax_scale,
             )
-        else:
-            pad = -sq % 32  # the memory-efficient op keeps lse padded to 32 rows
-            lse = torch.nn.functional.pad(lse, (0, pad))
-            unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
-            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
-                causal, scale=softmax_scale,
-            )
+            return sbhd(dq), sbhd(dk), sbhd(dv)
+        groups = q.shape[2] // k.shape[2]
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
+        pad = -sq % 32  # the memory-efficient op keeps lse padded to 32 rows
+        lse = torch.nn.functional.pad(lse, (0, pad))
+        unused = _empty_philox(q.device)  # no dropout: never read
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
+            causal, scale=softmax_scale,
+        )
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
 
 
 # Packed documents (`Segments`): b = 1. The CPU flash op and CUDA's memory-efficient op (fp32)
-# take the documents as an additive mask; CUDA's flash op (fp16 / bf16) as a variable-length
-# call over the documents' rows, which does no work across documents and takes GQA as it is.
-
-
-def _uses_varlen(q: torch.Tensor) -> bool:
-    return q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
+# take the documents as an additive mask; CUDA's flash op (fp16 / bf16, where the kernel's
+# choice allows flash) as a variable-length call over the documents' rows, which does no work
+# across documents and takes GQA as it is.
 
 
 def _mask(segments: Segments, causal: bool, q: torch.Tensor) -> torch.Tensor:
@@ -122,10 +133,11 @@ def _mask(segments: Segments, causal: bool, q: torch.Tensor) -> torch.Tensor:
     return mask.expand(1, q.shape[2], sq, sk)
 
 
-def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments):
+def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments,
+                      varlen: bool):
     """The tile over packed documents: q [sq, 1, hq, d], k / v [sk, 1, hkv, d] ->
-    out [sq, 1, hq, d], lse [1, hq, sq] fp32."""
-    if _uses_varlen(q):
+    out [sq, 1, hq, d], lse [1, hq, sq] fp32 (`varlen`: CUDA's variable-length flash op)."""
+    if varlen:
         out, lse, *_ = aten._flash_attention_forward(
             dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
             segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
@@ -145,10 +157,10 @@ def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Seg
 
 
 def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                       segments: Segments):
+                       segments: Segments, varlen: bool):
     """Gradients of `documents_forward`'s tile: dq [sq, 1, hq, d], dk, dv [sk, 1, hkv, d];
     lse [1, hq, sq] is the whole row's."""
-    if _uses_varlen(q):
+    if varlen:
         no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
         dq, dk, dv = aten._flash_attention_backward(
             dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
@@ -165,8 +177,20 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         return sbhd(dq), sbhd(dk), sbhd(dv)
     groups = q.shape[2] // k.shape[2]
     lse = torch.nn.functional.pad(lse, (0, -q.shape[0] % 32))  # kept padded to 32 rows
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)  # philox: no dropout
+    unused = _empty_philox(q.device)  # no dropout: never read
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, ob, lse,
         unused, unused, 0.0, [True, True, True, False], False, scale=softmax_scale)
     return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+
+
+_PHILOX: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_philox(device: torch.device) -> torch.Tensor:
+    """An empty int64 tensor on `device`, made once (the philox seed / offset of a call
+    without dropout)."""
+    t = _PHILOX.get(device)
+    if t is None:
+        t = _PHILOX[device] = torch.empty(0, dtype=torch.int64, device=device)
+    return t
