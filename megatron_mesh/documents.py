@@ -17,7 +17,6 @@ answers which local rows of a rank-block meet which (`rows_of_block`).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +103,6 @@ class Documents:
         start = offset if first else offset + piece
         return range(start, start + (real[0] if first else 0) + (real[1] if second else 0))
 
-    @functools.lru_cache(maxsize=1024)  # noqa: B019 (frozen values; bounded)
     def rows_of_block(self, cp_size: int, q_rank: int, kv_rank: int, causal: bool
                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """Rank-block (q_rank, kv_rank) document by document, by the zigzag rule inside
@@ -127,7 +125,6 @@ class Documents:
                 cu_kv.append(cu_kv[-1] + len(rk))
         return tuple(q_rows), tuple(kv_rows), tuple(cu_q), tuple(cu_kv)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 (frozen values; bounded)
     def heads_order(self, cp_size: int, heads: int) -> tuple[int, ...]:
         """After the heads all-to-all a rank holds its A group members' local tokens one
         after another ([A, t]); this is the order (indices into the A t rows) that lays them

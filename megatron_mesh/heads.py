@@ -116,7 +116,7 @@ def gather_heads(out: torch.Tensor, grid: MeshGrid, documents: Documents | None 
     return _Relayout.apply(out, grid, there, back)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=8)  # one per micro-batch's documents and grid
 def _heads_order_on(documents: Documents, cp_size: int, heads: int, device: torch.device
                     ) -> torch.Tensor:
     order = documents.heads_order(cp_size, heads)

@@ -111,7 +111,7 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     return Block(kind, whole, whole)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=128)  # a micro-batch's blocks: at most R x C per rank and layer
 def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int,
                      kind: BlockKind, device: torch.device) -> Block:
     """A block over packed documents, its index tensors made once per block and device."""
