@@ -86,7 +86,10 @@ def check_inputs(
     check_options(backend, schedule, grad_reduce_dtype)
 
 
-_AGREED: set[tuple] = set()  # (grid ranks and shape, this rank's signature) already agreed
+# (grid ranks and shape, this rank's signature) already agreed; insertion-ordered, and only the
+# newest are kept, since packed documents bring a new signature with every micro-batch
+_AGREED: dict[tuple, None] = {}
+_AGREED_KEPT = 256
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, documents=None) -> tuple[int, ...]:
@@ -133,4 +136,6 @@ def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
             f"{_signature_text(sig)} here (CP rank {grid.cp_rank}), "
             + "; ".join(_signature_text(o) for o in others) + " on another; every rank of "
             "a CP group must pass the same shapes, dtype and cu_seqlens")
-    _AGREED.add(key)
+    _AGREED[key] = None
+    if len(_AGREED) > _AGREED_KEPT:
+        del _AGREED[next(iter(_AGREED))]
