@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import pass_peaks
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, resolve_plan
-from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
-from megatron_mesh.traffic import grid_shapes
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
+from megatron_mesh.values import SCHEDULE_NAMES as SCHEDULES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -39,10 +39,11 @@ import megatron_mesh as mm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import pass_peaks
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, resolve_plan
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
+from megatron_mesh import comm
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 
 @dataclass(frozen=True)
@@ -141,43 +142,36 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
     return bad
 
 
+class CountingTransport:
+    """A `comm.Transport` that counts the bytes this rank hands to torch.distributed, by
+    what each collective really carries, and runs the real collective."""
+
+    def __init__(self) -> None:
+        self.inner = comm.TorchTransport()
+        self.sent = [0]  # a list, so that a reader holds the live count
+
+    def all_gather(self, out, inp, group, async_op=False):
+        self.sent[0] += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
+        return self.inner.all_gather(out, inp, group, async_op)
+
+    def reduce_scatter(self, out, inp, group):
+        self.sent[0] += (dist.get_world_size(group) - 1) * out.numel() * out.element_size()
+        self.inner.reduce_scatter(out, inp, group)
+
+    def all_to_all(self, out, inp, group):
+        n = dist.get_world_size(group)
+        self.sent[0] += inp.numel() * inp.element_size() * (n - 1) // n
+        self.inner.all_to_all(out, inp, group)
+
+    def batch_isend_irecv(self, ops):
+        self.sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                         if op.op in (dist.isend, dist.send))
+        return self.inner.batch_isend_irecv(ops)
+
+
 @contextlib.contextmanager
 def count_sent_bytes():
-    """Count bytes this rank sends through torch.distributed's single-tensor collectives,
-    by wrapping them (the real collective still runs). Yields a one-item list."""
-    sent = [0]
-    originals = {}
-
-    def wrap(name, sent_bytes):
-        real = getattr(dist, name)
-        originals[name] = real
-
-        def counted(*args, **kwargs):
-            group = kwargs.get("group")
-            n = dist.get_world_size(group)
-            sent[0] += sent_bytes(args[0], args[1], n)
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        if hasattr(dist, name):
-            wrap(name, lambda out, inp, n: (n - 1) * nbytes(inp))
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(dist, name):
-            wrap(name, lambda out, inp, n: (n - 1) * nbytes(out))
-    wrap("all_to_all_single", lambda out, inp, n: nbytes(inp) * (n - 1) // n)
-    real_batch = dist.batch_isend_irecv
-    originals["batch_isend_irecv"] = real_batch
-
-    def counted_batch(ops):
-        sent[0] += sum(nbytes(op.tensor) for op in ops if op.op in (dist.isend, dist.send))
-        return real_batch(ops)
-
-    dist.batch_isend_irecv = counted_batch
-    try:
-        yield sent
-    finally:
-        for name, real in originals.items():
-            setattr(dist, name, real)
+    """Count bytes this rank sends through torch.distributed under the mesh's collectives
+    (`CountingTransport`). Yields a one-item list."""
+    with comm.using(CountingTransport()) as counting:
+        yield counting.sent

@@ -10,8 +10,7 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory, pass_peaks
-from megatron_mesh.plan import MeshPlan
-from megatron_mesh.traffic import grid_shapes
+from megatron_mesh.values import MeshPlan, grid_shapes
 
 from dist_utils import run_distributed
 

@@ -6,8 +6,9 @@ import pytest
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.plan import GradDtype, MeshPlan, Schedule, resolve_plan
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.traffic import grad_bytes, partial_out_bytes
+from megatron_mesh.values import GradDtype, MeshPlan, Schedule
 
 SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),
           mm.AttentionShape(8192, 1, 16, 1, 64)]

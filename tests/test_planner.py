@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import (
     Cluster,
     NotApplicable,
@@ -32,6 +31,7 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.search import mesh_key
 from megatron_mesh.traffic import grad_bytes, mesh_traffic, partial_out_bytes
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes
@@ -353,7 +353,7 @@ def test_choose_mesh_shape_is_the_plans_best_mesh():
     (dict(inter_node_bw=0), "inter_node_bw must be a positive number, got 0"),
     (dict(gpus_per_node=0), "gpus_per_node must be a positive integer, got 0"),
     (dict(batch=0), "batch must be a positive integer, got 0"),
-    (dict(mesh_schedule="ring"), "mesh_schedule 'ring' is not one of streamed, streamed_kv"),
+    (dict(mesh_schedule="ring"), "mesh_schedule='ring' is not one of streamed, streamed_kv"),
 ])
 def test_bad_input_names_the_value(kwargs: dict, match: str):
     args = dict(seq_length=1024, num_heads=8, head_dim=64) | kwargs

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import Cluster, Workload, choose_grid_shape, plan
 from megatron_mesh.planner.methods import (
     a2a_p2p_transfers,
@@ -16,6 +15,7 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -18,7 +18,7 @@ from megatron_mesh.megatron.shape import (
     parse_mesh_shape,
     resolve_mesh_shape,
 )
-from megatron_mesh.plan import (
+from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     GRAD_DTYPE_NAMES,

@@ -11,10 +11,9 @@ import re
 from typing import Mapping
 
 from megatron_mesh.checks import check_zigzag_divisible
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.search import grid_key
-from megatron_mesh.traffic import mesh_shapes, shapes_text
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, mesh_shapes, shape_text, shapes_text
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, MeshPlan
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -23,7 +22,14 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import grid_shapes, mesh_shapes, shapes_text
+from megatron_mesh.values import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    MeshPlan,
+    grid_shapes,
+    mesh_shapes,
+    shapes_text,
+)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.pipeline import finalize_grads
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -185,8 +186,6 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
         config.finalize_model_grads_func = finalize_model_grads
         return wrapped
     if args.pipeline_model_parallel_size > 1:  # 1F1B: one reduction after all micro-batches
-        from megatron_mesh.training.pipeline import finalize_grads
-
         config.finalize_model_grads_func = finalize_grads
         return model
     if torch.distributed.get_world_size(dp_cp_group) == 1:

@@ -17,13 +17,13 @@ slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
 from __future__ import annotations
 
 from megatron_mesh.grid import dim_groups
-from megatron_mesh.plan import Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import heads_shape, mesh_traffic
+from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.values import Schedule, heads_shape
 
 
 def schedule_run(workload: Workload, rows: int, cols: int, heads: int = 1) -> str:
