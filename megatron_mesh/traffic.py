@@ -38,7 +38,7 @@ where f = A / gcd(A, hkv) counts K/V heads repeated so that each head slice has 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .values import (
     FP32_BYTES,
@@ -59,6 +59,11 @@ class Traffic:
     backward_col: int
     forward_heads: int = 0
     backward_heads: int = 0
+    # of which the partials reduced over a group (the rest are the chunks themselves): the
+    # partial outputs and lse sent to their owners, the dQ and the dK, dV partials
+    forward_row_partials: int = 0
+    backward_row_partials: int = 0
+    backward_col_partials: int = 0
 
     @property
     def forward(self) -> int:
@@ -104,6 +109,9 @@ def mesh_traffic(
         forward_col=(rows - 1) * kv * e,
         backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
         backward_col=(rows - 1) * (kv * e + kv * g_kv),
+        forward_row_partials=(cols - 1) * (q * o + lse * FP32_BYTES),
+        backward_row_partials=(cols - 1) * q * grad_bytes,
+        backward_col_partials=(rows - 1) * kv * g_kv,
     )
 
 
@@ -119,8 +127,7 @@ def grid_traffic(
     mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     q, kv, _ = inner.local_elements(rows * cols)
     a2a = (2 * q + kv) * shape.dtype_bytes * (heads - 1) // heads
-    return Traffic(mesh.forward_row, mesh.forward_col, mesh.backward_row, mesh.backward_col,
-                   forward_heads=a2a, backward_heads=a2a)
+    return replace(mesh, forward_heads=a2a, backward_heads=a2a)
 
 
 def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
@@ -223,21 +222,3 @@ def plan(
     )
     return search(workload, cluster, overlap)
 
-
-def choose_mesh_shape(cp_size: int, **keywords: Any) -> tuple[int, int]:
-    """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks; the
-    keywords are `plan`'s (num_heads, num_kv_heads, head_dim, seq_length, gpus_per_node, ...).
-
-    `gpus_per_node` counts CP ranks per node: with tensor parallelism inside the node and
-    CP ranks strided by it, pass GPUs per node // TP. With objects: `search(workload,
-    cluster).mesh_plan`.
-    """
-    return plan(cp_size, **keywords).mesh_plan.shape
-
-
-def choose_grid_shape(cp_size: int, **keywords: Any) -> tuple[int, int, int]:
-    """(heads, rows, cols) of the fastest predicted grid for a CP group of `cp_size` ranks,
-    heads = 1 included (the 2D meshes); the keywords are `plan`'s."""
-    chosen = plan(cp_size, **keywords).best_grid
-    assert chosen is not None and chosen.grid_shape is not None
-    return chosen.grid_shape
