@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
@@ -32,6 +30,7 @@ from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
+from megatron_mesh.spawn import run_gloo
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
 from megatron_mesh.values import SCHEDULE_NAMES as SCHEDULES
 
@@ -195,14 +194,8 @@ def ring_bytes(args: argparse.Namespace, world: int, dtype: torch.dtype) -> int:
     return sum(t.nbytes for t in ring_transfers(workload, Cluster(gpus=world)))
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run(args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
+    run(args, torch.device("cpu"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,11 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     world = args.cp_size or 4
-    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+    run_gloo(_spawned, world, args, threads=max(1, (os.cpu_count() or 1) // world))
 
 
 if __name__ == "__main__":

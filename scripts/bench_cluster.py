@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -33,7 +31,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
@@ -43,6 +40,7 @@ from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
+from megatron_mesh.spawn import run_gloo
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -341,30 +339,11 @@ def draw(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = run_rank(rank, world, args)
-        if rank == 0:
-            torch.save(rows, os.path.join(outdir, "rows.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
-    import tempfile
-
     args = parse_args(argv)
     rows = []
     for world in args.cp_sizes:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_spawned, args=(world, port, outdir, args), nprocs=world, join=True)
-            rows += torch.load(os.path.join(outdir, "rows.pt"), weights_only=False)
+        rows += run_gloo(run_rank, world, args)[0]
     print(report(rows, args))
     if args.json:
         with open(args.json, "w") as f:

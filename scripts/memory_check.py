@@ -14,19 +14,15 @@ are the only kernel allocations the tracking sees, as with the real one.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
 from megatron_mesh.emulation.compute import EmulatedKernel
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import resolve_plan
+from megatron_mesh.spawn import run_gloo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2 ** 20
@@ -67,25 +63,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     return results
 
 
-def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.save(worker(rank, world, args), os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def measure(args: argparse.Namespace) -> list[dict]:
     """worker() on args.cp_size gloo ranks on this machine; each rank's results."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_spawned, args=(args.cp_size, port, outdir, args), nprocs=args.cp_size)
-        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
-                for r in range(args.cp_size)]
+    return run_gloo(worker, args.cp_size, args)
 
 
 def main() -> None:

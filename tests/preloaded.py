@@ -15,13 +15,14 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from megatron_mesh.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = "megatron_mesh.pretrain_gpt"
@@ -38,12 +39,6 @@ def context() -> multiprocessing.context.ForkServerContext:
     """The forkserver context; its server (started at first use) has PRELOAD imported."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     return multiprocessing.get_context("forkserver")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fields(line: str) -> dict[str, str]:

@@ -39,7 +39,7 @@ def test_patches_are_restored_on_exit(raises):
             during = _current(names)
             assert all(during[n] is not before[n] for n in names if n != queue_name)
             assert during[queue_name] is queue
-            assert torch.cuda.current_device() == 0 and isinstance(torch.cuda.current_device(), int)
+            assert torch.cuda.current_device() == "cpu"
             torch.cuda.synchronize()  # a no-op, also without CUDA
             if raises:
                 raise RuntimeError("boom")
@@ -79,8 +79,9 @@ def test_a_version_outside_the_checked_range_warns_once(monkeypatch):
 def test_megatron_on_cpu_leaves_nothing_patched():
     before = _current(CPU_PATCHES)
     with megatron_on_cpu():
-        assert torch.cuda.current_device() == 0
+        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
         assert torch.empty(2, device="cuda").device.type == "cpu"
+        assert torch.empty(2, device=0).device.type == "cpu"
     assert _current(CPU_PATCHES) == before
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.current_device()  # torch's own again: no CUDA here

@@ -26,9 +26,11 @@ __all__ = ["megatron_on_cpu"]
 
 
 def _is_cuda(device: Any) -> bool:
-    if isinstance(device, (str, torch.device)) or (
-        isinstance(device, int) and not isinstance(device, bool)
-    ):
+    """A CUDA device: 'cuda[:n]', torch.device('cuda', n) or a bare index n (megatron-core
+    passes `torch.cuda.current_device()`, an index, as a device)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, (str, torch.device)):
         try:
             return torch.device(device).type == "cuda"
         except (RuntimeError, ValueError):
@@ -69,7 +71,7 @@ def megatron_on_cpu() -> Iterator[None]:
     """Context for building and running megatron-core models without CUDA; no-op with CUDA.
 
     Also, within the block (`patches.patched`, restored on exit), `torch.cuda.current_device()`
-    answers device 0 (whose tensors the function mode puts on the CPU),
+    answers "cpu",
     `torch.cuda.current_stream()` the CPU's (no-op) stream, `torch.cuda.synchronize()` is a
     no-op and megatron-core's CUDA generator state is empty: megatron-core asks the first
     where to put RoPE frequencies and buffers, its DDP (0.19) waits on the second's events

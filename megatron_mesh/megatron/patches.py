@@ -72,10 +72,12 @@ class Patch:
         return bool(have) and low <= have < high
 
 
-def _cpu_current_device() -> int:
-    """Device index 0, an int as torch returns; a CUDA request for it is moved to the CPU
-    by `cpu.megatron_on_cpu`'s function mode."""
-    return 0
+def _cpu_current_device() -> str:
+    """'cpu', where torch answers a CUDA index: megatron-core passes the answer on as a
+    device, also inside calls that `cpu.megatron_on_cpu`'s function mode already handles
+    (autograd's backward runs its layers' `torch.empty(device=current_device())`), where
+    the mode sees nothing and an index would ask for a CUDA device."""
+    return "cpu"
 
 
 def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ or ``hang`` (stop answering collectives). Unset, it does nothing.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -27,9 +28,15 @@ def parse(spec: str | None) -> tuple[int, int, str] | None:
     return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
 
 
+@functools.cache
+def configured() -> tuple[int, int, str] | None:
+    """The fault the environment asks for, read and parsed once per process."""
+    return parse(os.environ.get(ENV))
+
+
 def maybe_fail(rank: int, iteration: int) -> None:
     """Called at the start of each iteration; fails here if the environment asks for it."""
-    fault = parse(os.environ.get(ENV))
+    fault = configured()
     if fault is None or fault[:2] != (rank, iteration):
         return
     mode = fault[2]
