@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,32 @@ class Case:
 
 
 LAYOUTS = ("dense", "last_dim_stride_2", "transposed", "broadcast_batch")
+CONCRETE_SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
+
+
+class Failure(NamedTuple):
+    """One failure of a batched distributed test, under the id of its case: what a rank
+    returns, so that a failing run names every case that failed (`assert_no_failures`)."""
+
+    case: str  # e.g. "P4 2x2 S=16 b=2 hq=4 hkv=2 d=16 causal=True float32 ..."
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.case}] {self.message}"
+
+
+def case_id(case: object, grid: mm.MeshGrid | None = None) -> str:
+    """The id of a case: its CP size and grid (when given) and its own description."""
+    where = f"P{grid.cp_size} {grid.shape_text} " if grid is not None else ""
+    return f"{where}{case}"
+
+
+def assert_no_failures(per_rank: list[list[Failure]]) -> None:
+    """Every rank's failures, deduplicated, grouped by case id, in one assertion message."""
+    failures = sorted({Failure(*f) for rank in per_rank for f in rank})
+    cases = sorted({f.case for f in failures})
+    assert not failures, (f"{len(cases)} failing case(s):\n"
+                          + "\n".join(str(f) for f in failures))
 
 
 def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -120,7 +147,7 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
             "dk": k.grad.to("cpu", torch.float32), "dv": v.grad.to("cpu", torch.float32)}
 
 
-def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[str]:
+def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[Failure]:
     """Failures of one case: fp32 within 1e-5; bf16 / fp16 within 2x single-device SDPA's
     error in that dtype (both against fp32 SDPA), plus a floor of a few ulps."""
     split = lambda t: mm.zigzag_split(t, grid.cp_size)[cp_rank]  # noqa: E731
@@ -130,7 +157,7 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         for n, t in ref.items():
             err = (got[n] - t).abs().max().item()
             if err > 1e-5 * max(1.0, t.abs().max().item()):
-                bad.append(f"{case} {grid.shape_text} {n}: max error {err:.3g} > 1e-5")
+                bad.append(Failure(case_id(case, grid), f"{n}: max error {err:.3g} > 1e-5"))
         return bad
     same = {n: split(t) for n, t in sdpa_reference(case, x, case.dtype).items()}
     ulp = torch.finfo(case.dtype).eps
@@ -138,7 +165,8 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         err = (got[n] - t).abs().max().item()
         base = (same[n] - t).abs().max().item()
         if err > 2 * base + 2 * ulp * t.abs().max().item():
-            bad.append(f"{case} {grid.shape_text} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+            bad.append(Failure(case_id(case, grid),
+                               f"{n}: error {err:.3g} > 2 x SDPA's {base:.3g}"))
     return bad
 
 
@@ -175,3 +203,19 @@ def count_sent_bytes():
     (`CountingTransport`). Yields a one-item list."""
     with comm.using(CountingTransport()) as counting:
         yield counting.sent
+
+
+def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[Failure]:
+    """Run each case on `grid`; its failures (exactness, and the bytes sent: counted on the
+    real collectives, by the TrafficCounter and by the formula, all equal)."""
+    bad = []
+    for case in cases:
+        x = full_inputs(case)
+        with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
+            got = mesh_result(case, x, grid, grid.cp_rank)
+        bad += errors(case, got, grid, grid.cp_rank, x)
+        expected = expected_traffic(case, grid)
+        if not sent[0] == counter.total_bytes == expected:
+            bad.append(Failure(case_id(case, grid), f"sent {sent[0]} B, counter "
+                               f"{counter.total_bytes} B, formula {expected} B"))
+    return bad

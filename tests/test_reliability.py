@@ -16,6 +16,8 @@ from preloaded import TINY, Job, Run, build_indexed_dataset, job_env
 
 from megatron_mesh.pretrain_gpt import main
 
+from reference import Failure, assert_no_failures
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
 
@@ -200,8 +202,8 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         err = capsys.readouterr().err
         lines = [ln for ln in err.splitlines() if ln.strip()]
         if code != 2 or message not in err or len(lines) != 1:
-            problems.append(f"{flags}: exit {code}, {err!r}")
-    assert not problems, "\n".join(problems)
+            problems.append(Failure(" ".join(flags), f"exit {code}, {err!r}"))
+    assert_no_failures([problems])
 
 
 def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeypatch):
