@@ -2,7 +2,7 @@
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
-gradients in the dtypes of mesh_grad_reduce_dtype (`plan.GradDtype`). The streamed_kv
+gradients in the dtypes of mesh_grad_reduce_dtype (`values.GradDtype`). The streamed_kv
 schedule passes K/V around the column ring while blocks compute, dK/dV partials travelling
 behind, so column traffic counts as hidden and row traffic as exposed (the forward Q gather
 overlaps only the local diagonal block, which the model ignores); streamed_q hides the row
