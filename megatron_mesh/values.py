@@ -30,8 +30,11 @@ AXES = (COLUMN, ROW, HEADS)  # the grid's dims in layout order: rank = ((i * C) 
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """`value` as an int, or ValueError naming it unless it is an int >= 1 (not a bool)."""
+    """`value` as an int, or ValueError naming it unless it is an int >= 1 (not a bool).
+    A flag's name ('--mesh-heads') reads as the command line does: '--mesh-heads 0: ...'."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if name.startswith("--"):
+            raise ValueError(f"{name} {value!r}: must be a positive integer")
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
 

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_mesh.megatron.compat import SUPPORTED
+
 __all__ = ["PATCHES", "Patch", "patched"]
 
 
@@ -89,7 +91,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 _TORCH = ("2.4", "3")
-_MCORE = ("0.16", "0.20")
+_MCORE = tuple(str(v) for v in SUPPORTED)  # the megatron-core releases tested
 
 PATCHES: dict[str, Patch] = {p.name: p for p in (
     Patch("torch.cuda", "current_device", lambda: _cpu_current_device, "torch", _TORCH,
