@@ -106,10 +106,17 @@ class GridShape:
 # ----------------------------------------------------------------- the heads dimension
 
 
+def heads_sizes(cp_size: int, q_heads: int | None = None) -> list[int]:
+    """Every all-to-all size A of a grid over cp_size ranks: A divides P and the query
+    heads (when known; K/V heads are repeated where A exceeds them), 1 included."""
+    return [a for a in range(1, cp_size + 1)
+            if cp_size % a == 0 and (q_heads is None or q_heads % a == 0)]
+
+
 def check_heads(heads: int, q_heads: int, kv_heads: int) -> None:
     """ValueError unless A divides the query heads (then lcm(A, hkv) divides them too)."""
     if q_heads % heads != 0:
-        valid = [a for a in range(1, q_heads + 1) if q_heads % a == 0]
+        valid = heads_sizes(q_heads, q_heads)
         raise ValueError(
             f"heads={heads} (the all-to-all size) must divide the {q_heads} query heads "
             f"({kv_heads} K/V heads); valid sizes: {', '.join(map(str, valid))}"

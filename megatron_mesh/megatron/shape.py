@@ -17,6 +17,7 @@ from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     check_positive_int,
+    heads_sizes,
     mesh_shapes,
     shape_text,
     shapes_text,
@@ -98,8 +99,7 @@ def check_mesh_heads(heads: int, cp_size: int, q_heads: int | None, kv_heads: in
                      tensor_parallel_size: int = 1) -> None:
     """ValueError unless the all-to-all size A divides the CP size and this TP rank's query
     heads (its K/V heads are then repeated to lcm(A, hkv) where A exceeds them)."""
-    fits = [a for a in range(1, cp_size + 1)
-            if cp_size % a == 0 and (q_heads is None or q_heads % a == 0)]
+    fits = heads_sizes(cp_size, q_heads)
     if heads in fits:
         return
     after_tp = f" after tensor parallelism {tensor_parallel_size}" if tensor_parallel_size > 1 else ""

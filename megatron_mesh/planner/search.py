@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh import values
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -110,7 +111,7 @@ def grid_key(estimate: Estimate) -> tuple[float, float, int, int, int, int]:
 def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
     """Every all-to-all size A > 1 of a heads x rows x cols grid: A divides P and the query
     heads (K/V heads are repeated where A exceeds them)."""
-    return [a for a in range(2, cp_size + 1) if cp_size % a == 0 and workload.num_heads % a == 0]
+    return [a for a in values.heads_sizes(cp_size, workload.num_heads) if a > 1]
 
 
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
