@@ -9,7 +9,8 @@ from .comm import TrafficCounter
 from .documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
-from .traffic import AttentionShape, Traffic, best_mesh_shape, mesh_shapes, mesh_traffic
+from .traffic import Traffic, best_mesh_shape, mesh_traffic
+from .values import AttentionShape, mesh_shapes
 
 __version__ = "0.1.0"
 

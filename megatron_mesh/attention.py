@@ -28,8 +28,8 @@ from .dtypes import GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel, takes_documents
 from .layout import AttentionMask
-from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
-from .traffic import AttentionShape
+from .plan import resolve_plan
+from .values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, AttentionShape, GradDtype, MeshPlan, Schedule
 
 _SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
               Schedule.STREAMED_Q: streamed_q}

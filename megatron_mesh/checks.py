@@ -8,11 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .grid import MeshGrid
-from .heads import check_heads
 from .kernels import check_backend
-from .plan import DEFAULT_SCHEDULE, check_grad_dtype_name, check_schedule_name
-from .plan import GRAD_DTYPE_NAMES as GRAD_REDUCE_DTYPES  # noqa: F401 (public name)
-from .plan import SCHEDULE_NAMES as SCHEDULES  # noqa: F401 (public name)
+from .values import DEFAULT_SCHEDULE, check_grad_dtype_name, check_heads, check_schedule_name
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -8,13 +8,17 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_mesh.checks import DEFAULT_SCHEDULE, SCHEDULES
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_table, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan
-from megatron_mesh.planner.workload import DTYPE_BYTES, MESH_GRAD_REDUCE_DTYPES
+from megatron_mesh.values import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    GRAD_DTYPE_NAMES,
+    SCHEDULE_NAMES,
+)
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).
@@ -99,12 +103,12 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       "of L): compute counts only in-document attention; bytes are unchanged")
     docs.add_argument("--doc-lengths", metavar="L1,L2,...",
                       help="packed documents of these lengths (summing to --seq-length)")
-    p.add_argument("--mesh-grad-reduce-dtype", choices=MESH_GRAD_REDUCE_DTYPES,
+    p.add_argument("--mesh-grad-reduce-dtype", choices=GRAD_DTYPE_NAMES,
                    default=DEFAULT_GRAD_DTYPE,
                    help="dtypes of the mesh's gradient exchange: mixed (dQ fp32, dK, dV in the "
                    "input dtype, as Transformer Engine's ring), fp32 or input (default "
                    "%(default)s)")
-    p.add_argument("--mesh-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+    p.add_argument("--mesh-schedule", choices=SCHEDULE_NAMES, default=DEFAULT_SCHEDULE,
                    help="mesh schedule: which ring's traffic overlaps compute (streamed_kv: "
                    "column, streamed_q: row, streamed: the one it picks for the shape, "
                    "gathered: none; default %(default)s)")

@@ -1,51 +1,81 @@
-"""The collectives the mesh uses, along dim 0, with a per-rank byte counter.
+"""The collectives the mesh uses, along dim 0, with observers and a swappable transport.
 
 Bytes a rank sends, for a group of n ranks: all_gather of an m-byte input (n-1)*m;
 reduce_scatter to an m-byte output (n-1)*m; all_to_all of an M-byte input M*(n-1)/n;
 ring_exchange of an m-byte tensor m. Groups of one rank skip the collective, send nothing
 and copy nothing.
+
+Observers (`observing`): every transfer is shown to each observer in force before it runs,
+as a `Transfer` (the `TrafficCounter` counts it; emulated links, `megatron_mesh.emulation`,
+return when it would be done, and the call returns no sooner). The transport (`using`)
+runs the collectives themselves: torch.distributed's by default (`TorchTransport`); another
+(e.g. one that stages every tensor through host memory) plugs in without touching
+torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from typing import Callable, Literal, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Literal, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 Phase = Literal["forward", "backward"]
-Direction = Literal["row", "col", "heads"]
-
-_active: list["TrafficCounter"] = []
-_links: list["LinkModel"] = []  # the emulated links in force, if any (innermost last)
+Direction = Literal["row", "column", "heads"]  # `values.ROW`, `COLUMN`, `HEADS`
 
 
-class LinkModel(Protocol):
-    """Emulated links (`megatron_mesh.emulation`): when would a transfer started now end?"""
+@dataclass(frozen=True)
+class Transfer:
+    """One transfer this rank starts: `nbytes` sent in all (the counting convention above),
+    `per_link` bytes to each peer: the global rank `peer` (a ring step) or every other
+    member of `group` (a collective; the default group when None)."""
 
-    def reserve(self, op: str, sends: Mapping[int, int], group_ranks: Sequence[int]) -> float:
-        """`sends`: global rank -> bytes this rank sends it (for a collective, over the
-        ranks `group_ranks`); returns the time.monotonic() at which the links are done."""
+    op: str  # "all_gather", "reduce_scatter", "all_to_all" or "ring"
+    phase: Phase
+    direction: Direction
+    nbytes: int
+    per_link: int
+    group: dist.ProcessGroup | None
+    peer: int | None = None
+
+    def group_ranks(self) -> list[int]:
+        """Global ranks of the group the transfer runs over."""
+        return (dist.get_process_group_ranks(self.group) if self.group is not None
+                else list(range(dist.get_world_size())))
+
+    def sends(self) -> dict[int, int]:
+        """Global rank -> bytes this rank sends it."""
+        if self.peer is not None:
+            return {self.peer: self.per_link}
+        me = dist.get_rank()
+        return {r: self.per_link for r in self.group_ranks() if r != me}
+
+
+class Observer(Protocol):
+    """Sees every transfer before it runs; returns the time.monotonic() before which the
+    call must not return (emulated links), or None."""
+
+    def observe(self, transfer: Transfer) -> float | None:
         ...
 
 
-def _done_at(op: str, group: dist.ProcessGroup | None, nbytes: int,
-             peer: int | None = None) -> float | None:
-    """When the emulated links finish this rank's sends of `nbytes` to `peer` (a global
-    rank) or, for a collective, to every other member of `group`; None without them."""
-    if not _links:
-        return None
-    ranks = (dist.get_process_group_ranks(group) if group is not None
-             else list(range(dist.get_world_size())))
-    me = dist.get_rank()
-    sends = {peer: nbytes} if peer is not None else {r: nbytes for r in ranks if r != me}
-    return _links[-1].reserve(op, sends, ranks)
+class Transport(Protocol):
+    """What runs the collectives: out-of-place single-tensor forms and batched p2p.
+    Asynchronous calls return a handle with wait() (or None when already done)."""
 
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor,
+                   group: dist.ProcessGroup | None, async_op: bool = False): ...
 
-def _wait_until(done_at: float | None) -> None:
-    if done_at is not None:
-        time.sleep(max(0.0, done_at - time.monotonic()))
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                       group: dist.ProcessGroup | None) -> None: ...
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   group: dist.ProcessGroup | None) -> None: ...
+
+    def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list: ...
 
 
 def _collective(new_name: str, old_name: str):
@@ -54,7 +84,74 @@ def _collective(new_name: str, old_name: str):
     return getattr(dist, new_name, None) or getattr(dist, old_name)
 
 
-class TrafficCounter:
+class TorchTransport:
+    """torch.distributed's collectives (the default transport)."""
+
+    def all_gather(self, out, inp, group, async_op=False):
+        return _collective("all_gather_single", "all_gather_into_tensor")(
+            out, inp, group=group, async_op=async_op)
+
+    def reduce_scatter(self, out, inp, group):
+        _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            out, inp, op=dist.ReduceOp.SUM, group=group)
+
+    def all_to_all(self, out, inp, group):
+        dist.all_to_all_single(out, inp, group=group)
+
+    def batch_isend_irecv(self, ops):
+        return dist.batch_isend_irecv(ops)
+
+
+_observers: list[Observer] = []
+_transport: list[Transport] = [TorchTransport()]  # innermost last
+
+
+@contextlib.contextmanager
+def observing(observer: Observer) -> Iterator[Observer]:
+    """Within the context, `observer` sees every transfer of this process."""
+    _observers.append(observer)
+    try:
+        yield observer
+    finally:
+        _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def using(transport: Transport) -> Iterator[Transport]:
+    """Within the context, `transport` runs the mesh's collectives (then the previous one)."""
+    _transport.append(transport)
+    try:
+        yield transport
+    finally:
+        _transport.remove(transport)
+
+
+class Observing:
+    """Base of observers used as a context: `with obs:` registers it (`observing`)."""
+
+    def observe(self, transfer: Transfer) -> float | None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        _observers.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _observers.remove(self)
+
+
+def _observe(transfer: Transfer) -> float | None:
+    """Show `transfer` to every observer: the latest time any of them asks to wait for."""
+    done = [t for obs in list(_observers) if (t := obs.observe(transfer)) is not None]
+    return max(done) if done else None
+
+
+def _wait_until(done_at: float | None) -> None:
+    if done_at is not None:
+        time.sleep(max(0.0, done_at - time.monotonic()))
+
+
+class TrafficCounter(Observing):
     """Counts the bytes this rank sends in mesh collectives while the context is open.
 
         with TrafficCounter() as tc:
@@ -65,12 +162,8 @@ class TrafficCounter:
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, str]] = Counter()  # (phase, direction, op) -> bytes
 
-    def __enter__(self) -> "TrafficCounter":
-        _active.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _active.remove(self)
+    def observe(self, transfer: Transfer) -> None:
+        self.counts[(transfer.phase, transfer.direction, transfer.op)] += transfer.nbytes
 
     def bytes(self, phase: Phase | None = None, direction: Direction | None = None) -> int:
         """Bytes sent, optionally restricted to one phase and / or grid direction."""
@@ -82,21 +175,6 @@ class TrafficCounter:
     @property
     def total_bytes(self) -> int:
         return self.bytes()
-
-
-def _record(phase: Phase, direction: Direction, op: str, nbytes: int) -> None:
-    for counter in _active:
-        counter.counts[(phase, direction, op)] += nbytes
-
-
-def _blocking(op: str, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
-              sent: int, per_link: int, run: Callable[[], object]) -> None:
-    """Count `sent` bytes of `op`, run it, and (under emulated links) return no sooner than
-    the links would carry `per_link` bytes."""
-    _record(phase, direction, op, sent)
-    done_at = _done_at(op, group, per_link)
-    run()
-    _wait_until(done_at)
 
 
 def all_gather(
@@ -128,9 +206,10 @@ def reduce_scatter(
         return t
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    reduce = _collective("reduce_scatter_single", "reduce_scatter_tensor")
-    _blocking("reduce_scatter", group, phase, direction, (n - 1) * out.nbytes, out.nbytes,
-              lambda: reduce(out, t, op=dist.ReduceOp.SUM, group=group))
+    done_at = _observe(Transfer("reduce_scatter", phase, direction, (n - 1) * out.nbytes,
+                                out.nbytes, group))
+    _transport[-1].reduce_scatter(out, t, group)
+    _wait_until(done_at)
     return out
 
 
@@ -143,8 +222,10 @@ def all_to_all(
         return t
     t = t.contiguous()
     out = torch.empty_like(t)
-    _blocking("all_to_all", group, phase, direction, t.nbytes * (n - 1) // n, t.nbytes // n,
-              lambda: dist.all_to_all_single(out, t, group=group))
+    done_at = _observe(Transfer("all_to_all", phase, direction, t.nbytes * (n - 1) // n,
+                                t.nbytes // n, group))
+    _transport[-1].all_to_all(out, t, group)
+    _wait_until(done_at)
     return out
 
 
@@ -173,10 +254,9 @@ def all_gather_async(
         return t, Pending([])
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    _record(phase, direction, "all_gather", (n - 1) * t.nbytes)
-    done_at = _done_at("all_gather", group, t.nbytes)
-    gather = _collective("all_gather_single", "all_gather_into_tensor")
-    return out, Pending([gather(out, t, group=group, async_op=True)], done_at)
+    done_at = _observe(Transfer("all_gather", phase, direction, (n - 1) * t.nbytes, t.nbytes,
+                                group))
+    return out, Pending([_transport[-1].all_gather(out, t, group, async_op=True)], done_at)
 
 
 def all_gather_stacked_async(
@@ -193,11 +273,10 @@ def all_gather_stacked_async(
     mine = out[dist.get_rank(group)]
     for slot, part in zip(mine, parts):
         slot.copy_(part)
-    _record(phase, direction, "all_gather", (n - 1) * mine.nbytes)
-    done_at = _done_at("all_gather", group, mine.nbytes)
-    gather = _collective("all_gather_single", "all_gather_into_tensor")
-    return out, Pending([gather(out.view(-1), mine.view(-1), group=group, async_op=True)],
-                        done_at)
+    done_at = _observe(Transfer("all_gather", phase, direction, (n - 1) * mine.nbytes,
+                                mine.nbytes, group))
+    return out, Pending([_transport[-1].all_gather(out.view(-1), mine.view(-1), group,
+                                                   async_op=True)], done_at)
 
 
 def ring_exchange(
@@ -215,8 +294,8 @@ def ring_exchange(
     recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
     ops = []
     for out_t, in_t in zip(sends, recvs, strict=True):
-        _record(phase, direction, "ring", out_t.nbytes)
         ops.append(dist.P2POp(dist.isend, out_t.contiguous(), next_rank, group=group))
         ops.append(dist.P2POp(dist.irecv, in_t, prev_rank, group=group))
-    done_at = _done_at("ring", group, sum(t.nbytes for t in sends), next_rank)
-    return Pending(dist.batch_isend_irecv(ops), done_at)
+    nbytes = sum(t.nbytes for t in sends)
+    done_at = _observe(Transfer("ring", phase, direction, nbytes, nbytes, group, next_rank))
+    return Pending(_transport[-1].batch_isend_irecv(ops), done_at)

@@ -31,7 +31,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
     s, b, hq, d = q.shape
     q_row = comm.all_gather(q, grid.row_group, "forward", "row").view(grid.cols, s, b, hq, d)
-    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "col")
+    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "column")
 
     partial_out = q.new_empty(grid.cols, s, b, hq, d)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
@@ -65,7 +65,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     summed locally in fp32 and reduce-scattered in grad_dtypes (dq, dkv)."""
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
-    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "col")
+    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "column")
 
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
     dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
@@ -75,6 +75,6 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                            kv_col[i][1], x, y, mask, scale, dq_part[j], dkv_part[i])
     del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
     dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
     dq, dkv = dq.view(s, b, hq, d), dkv.view(2, *k.shape)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -7,8 +7,8 @@ consecutive mesh ranks, a column every C-th one; rank (i, j) gathers Q over its 
 K/V over its column. With A = 1 (the default) mesh ranks are CP ranks.
 
 The groups come from one `torch.distributed.device_mesh.DeviceMesh` per CP group, with
-named dims "kv" (the R ranks of a column, which pass K/V), "q" (the C ranks of a row, which
-pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all).
+named dims "column" (the R ranks of a column, which pass K/V), "row" (the C ranks of a row,
+which pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all): `values.AXES`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .plan import shape_text
-from .traffic import shapes_text
+from .values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
 
 
 @dataclass(frozen=True)
@@ -36,16 +35,11 @@ class MeshGrid:
     col_group: dist.ProcessGroup | None
     heads: int = 1
     heads_group: dist.ProcessGroup | None = None
-    device_mesh: DeviceMesh | None = None  # dims ("kv", "q") or ("kv", "q", "heads")
+    device_mesh: DeviceMesh | None = None  # dims of `AXES` with more than one rank
 
     @property
     def cp_size(self) -> int:
         return self.heads * self.rows * self.cols
-
-    @property
-    def mesh_size(self) -> int:
-        """Ranks of the R x C mesh: P / A."""
-        return self.rows * self.cols
 
     @property
     def head_index(self) -> int:
@@ -117,7 +111,7 @@ class MeshGrid:
             assert grid is not None
             return grid
         ranks = dist.get_process_group_ranks(group)
-        check_shape(rows, cols, len(ranks), heads)
+        GridShape(heads, rows, cols).check_cp_size(len(ranks))
         cp_rank = ranks.index(dist.get_rank())
         mine = [next(g for g in dim if dist.get_rank() in g)
                 for dim in dim_groups(ranks, rows, cols, heads)[:3 if heads > 1 else 2]]
@@ -146,7 +140,7 @@ class MeshGrid:
         world = dist.get_world_size()
         seen: set[int] = set()
         for ranks in cp_groups:
-            check_shape(rows, cols, len(ranks), heads)
+            GridShape(heads, rows, cols).check_cp_size(len(ranks))
             for rank in ranks:
                 if not 0 <= rank < world or rank in seen:
                     raise ValueError(
@@ -167,12 +161,9 @@ class MeshGrid:
         for ranks in cp_groups:
             mesh, groups = grid_device_mesh(ranks, rows, cols, heads, timeout)
             if me in ranks:
-                mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), groups["q"],
-                           groups["kv"], heads, groups.get("heads"), mesh)
+                mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), groups[ROW],
+                           groups[COLUMN], heads, groups.get(HEADS), mesh)
         return mine
-
-
-DIM_NAMES = ("kv", "q", "heads")
 
 
 def grid_device_mesh(
@@ -180,10 +171,10 @@ def grid_device_mesh(
     timeout: datetime.timedelta | None = None,
 ) -> tuple[DeviceMesh | None, dict[str, dist.ProcessGroup]]:
     """Collective over ALL ranks: the DeviceMesh of one CP group (global ranks, CP order)
-    over its dims of more than one rank, of "kv" (R), "q" (C) and "heads" (A), and this
-    rank's group of each dim ("heads" only when A > 1). A dim of one rank gets a group of
+    over its dims of more than one rank, of "column" (R), "row" (C) and "heads" (A), and
+    this rank's group of each dim ("heads" only when A > 1). A dim of one rank gets a group of
     this rank alone, created locally; no rank outside the CP group creates one."""
-    sizes = dict(zip(DIM_NAMES, (rows, cols, heads)))
+    sizes = dict(zip(AXES, (rows, cols, heads)))
     names = tuple(n for n, size in sizes.items() if size > 1)
     mesh = None
     if names:
@@ -201,7 +192,7 @@ def grid_device_mesh(
     if me not in ranks:
         return mesh, {}
     groups = {n: mesh.get_group(n) for n in names}
-    for n in ("kv", "q") + (("heads",) if heads > 1 else ()):
+    for n in (COLUMN, ROW) + ((HEADS,) if heads > 1 else ()):
         if n not in groups:
             groups[n] = dist.new_group([me], timeout=timeout, use_local_synchronization=True)
     return mesh, groups
@@ -224,15 +215,3 @@ def column_of(ranks: Sequence[int], cols: int, j: int) -> list[int]:
     """Column j of a mesh of `ranks` (mesh order) with `cols` columns: every C-th rank."""
     return list(ranks[j::cols])
 
-
-def check_shape(rows: int, cols: int, cp_size: int, heads: int = 1) -> None:
-    """Raise ValueError unless heads x rows x cols is a grid of exactly cp_size ranks."""
-    for name, value in (("heads", heads), ("rows", rows), ("cols", cols)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"mesh {name}={value!r} must be a positive integer")
-    if heads * rows * cols != cp_size:
-        valid = shapes_text(cp_size, heads=True)
-        raise ValueError(
-            f"grid {shape_text(heads, rows, cols)} (heads x rows x cols) has "
-            f"{heads * rows * cols} ranks but the CP group has {cp_size}; valid shapes: {valid}"
-        )

@@ -12,34 +12,18 @@ mirror path. Bytes per rank: an all-to-all of an M-byte input sends M (A-1)/A.
 GQA / MQA: head slice a of hq query heads needs the K/V heads of its queries. When A
 divides hkv each slice takes hkv/A of them; otherwise the K/V heads are repeated
 A / gcd(A, hkv) times (to lcm(A, hkv) heads) just before the all-to-all, which is the
-first collective that needs them, and the repeated bytes travel (`kv_repeats`).
+first collective that needs them, and the repeated bytes travel (`values.kv_repeats`).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from . import comm
 from .documents import Documents
 from .grid import MeshGrid
-
-
-def kv_repeats(heads: int, kv_heads: int) -> int:
-    """How many times each K/V head is repeated so that A slices get whole heads:
-    A / gcd(A, hkv) (1 when A divides hkv)."""
-    return heads // math.gcd(heads, kv_heads)
-
-
-def check_heads(heads: int, q_heads: int, kv_heads: int) -> None:
-    """ValueError unless A divides the query heads (then lcm(A, hkv) divides them too)."""
-    if q_heads % heads != 0:
-        valid = [a for a in range(1, q_heads + 1) if q_heads % a == 0]
-        raise ValueError(
-            f"heads={heads} (the all-to-all size) must divide the {q_heads} query heads "
-            f"({kv_heads} K/V heads); valid sizes: {', '.join(map(str, valid))}"
-        )
+from .values import HEADS, kv_repeats
 
 
 def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
@@ -51,7 +35,7 @@ def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
     a, hs = grid.heads, h // grid.heads
     send = x.new_empty(a, s, b, hs, d)  # piece a' goes to rank a'
     send.copy_(x.reshape(s, b, a, hs, d).permute(2, 0, 1, 3, 4))
-    recv = comm.all_to_all(send, grid.heads_group, phase, "heads")  # piece a': rank a''s tokens
+    recv = comm.all_to_all(send, grid.heads_group, phase, HEADS)  # piece a': rank a''s tokens
     if documents is not None:
         order = _heads_order(documents, grid, x.device)
         return torch.index_select(recv.view(a * s, b, hs, d), 0, order, out=send.view(-1, b, hs, d))
@@ -77,7 +61,7 @@ def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
         send[:, 0].copy_(first)
         for i in range(a):
             send[i, 1].copy_(second[a - 1 - i])
-    recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, "heads")
+    recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, HEADS)
     out = send.view(-1, b, a, hs, d)  # piece a' of recv: head slice a'
     out.copy_(recv.permute(1, 2, 0, 3, 4))
     return out.view(-1, b, a * hs, d)

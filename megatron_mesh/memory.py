@@ -4,7 +4,7 @@ for backward beyond the inputs and out (the lse; with a heads dimension the rela
 and the mesh's output) counts as extra.
 
 Bytes of one rank's chunk (element counts as in `traffic.py`: q, kv, l), e = input bytes,
-g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `plan.GradDtype`):
+g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
 
     Q = q e, KV = kv e, L = 4 l (lse, D: fp32), FQ = 4 q, FKV = 4 kv (fp32 partials)
     acc = FQ + L: one fp32 accumulator pair (output, lse)
@@ -39,7 +39,7 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `plan.GradDtype`):
                        ring, K/V and dK, dV in flight; a model for comparison)
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
-the heads (`traffic.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
+the heads (`values.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
 with the repeated K/V heads), or the relayout of Q, K, V one at a time (2 x each: sent,
 received, laid out in the sent buffer; the repeated K/V heads held meanwhile), or the
 output's all-to-all (the mesh's output and lse, sent and received: 3 Q + L); backward, the
@@ -55,9 +55,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dtypes import FP32_BYTES as FP32
-from .plan import GradDtype, MeshPlan
-from .traffic import AttentionShape
+from .values import FP32_BYTES as FP32
+from .values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,10 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
     rows = 2 * c * (m.q + m.lse) + (c - 1) * m.q if c > 1 else 0
-    if schedule == "gathered" or (schedule == "streamed_kv" and r == 1) or (
-            schedule == "streamed_q" and c == 1):  # no ring to run: the gathered code runs
+    if schedule not in tuple(Schedule):
+        raise ValueError(
+            f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
+    if Schedule(schedule).runs_gathered(r, c):  # no ring to run: the gathered code runs
         return {"forward": max(row_q + col_kv + c * (m.q + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}
@@ -145,8 +146,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
                         chunk + 2 * m.fq + max(stand_in, sent))
         return {"forward": col_kv + ring_q + accs,
                 "backward": col_kv + r * m.fkv + steps}
-    raise ValueError(
-        f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
+    raise AssertionError(schedule)
 
 
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
@@ -176,12 +176,9 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
-    (`traffic.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
+    (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
-    from .heads import kv_repeats
-    from .traffic import heads_shape
-
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
     mesh = _peaks(m, plan.rows, plan.cols, plan.schedule.value)
@@ -199,14 +196,15 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
             "backward": backward - outer.result["backward"]}
 
 
-def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> str:
+def streamed_schedule(shape: AttentionShape, rows: int, cols: int) -> Schedule:
     """The ring the "streamed" schedule runs on this shape: the only ring when the grid has
     one (streamed_kv on a single column, streamed_q on a single row: the other would run the
     gathered code and overlap nothing), else "streamed_kv" or "streamed_q", whichever holds
     less extra memory at its peak (forward or backward); K/V on a tie."""
-    if cols == 1 or rows == 1:
-        return "streamed_kv" if cols == 1 else "streamed_q"
+    kv, q = Schedule.STREAMED_KV, Schedule.STREAMED_Q
+    if kv.runs_gathered(rows, cols) != q.runs_gathered(rows, cols):
+        return q if kv.runs_gathered(rows, cols) else kv
 
-    def peak(schedule: str) -> int:
-        return max(extra_memory(shape, rows, cols, schedule).values())
-    return "streamed_q" if peak("streamed_q") < peak("streamed_kv") else "streamed_kv"
+    def peak(schedule: Schedule) -> int:
+        return max(extra_memory(shape, rows, cols, schedule.value).values())
+    return q if peak(q) < peak(kv) else kv

@@ -33,7 +33,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     me = grid.col_index
     q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
     accs = [empty_accumulators(s, b, hq, d, q.device) for _ in range(grid.cols)]
-    ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "col")
+    ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "column")
     for t, (k_y, v_y) in ring:
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         if t == 0:  # this rank's own block needs nothing from anyone
@@ -65,8 +65,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
     neighbors = grid.col_neighbors()
     dkv_own = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
-    trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "col")
-    for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "col"):
+    trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "column")
+    for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "column"):
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         for j, x in enumerate(grid.row_mesh_ranks):

@@ -8,7 +8,7 @@ hop behind its Q, merged by log-sum-exp at each row member, and lands at its own
 C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same ring and dQ
 partials travel behind them; dK, dV are reduce-scattered over the column at the end. Bytes
 sent equal the other schedules' except that the partial outputs travel in fp32
-(`traffic.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
+(`values.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
 grid of one column has no row ring: there this schedule is the gathered one.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
         return gathered.forward(q, k, v, grid, mask, scale, kernel)
     s, b, hq, d = q.shape
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "col")
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "column")
     neighbors = grid.row_neighbors()
     own = empty_accumulators(s, b, hq, d, q.device)
     # fp32 partials: rounding the running merge at every hop would add up
@@ -66,7 +66,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     if grid.cols == 1:
         return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "col")
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column")
     dout = dout.contiguous()
     # D's temporary comes and goes before the gradient buffers are made
     rows_in = (torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
@@ -93,6 +93,6 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
         dq = out_x = None  # not held while the next step's are made
     del kv_col, qdo_x, stats_x  # used up: the reduce-scatter does not hold them
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "col")
+    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
     dkv = dkv.view(2, *k.shape)
     return dq_own.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

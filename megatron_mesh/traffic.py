@@ -21,7 +21,7 @@ per element of the input dtype, fp32 = 4:
 In elements this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
 By default (grad_reduce_dtype="mixed") dK, dV travel in the input dtype, as in Transformer
 Engine's ring, and dQ in fp32 (twice its element size with bf16 inputs); "fp32" sends both in
-fp32, "input" both in the input dtype (`plan.GradDtype`).
+fp32, "input" both in the input dtype (`values.GradDtype`).
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
 partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
 running merge to bf16 at every hop would lose precision as C grows.
@@ -34,35 +34,19 @@ all-to-all over its A-rank heads group, in the input dtype, (A-1)/A of each tens
 
 and then runs the R x C mesh over P/A ranks with the same q and f kv elements per rank,
 where f = A / gcd(A, hkv) counts K/V heads repeated so that each head slice has its own
-(`heads.kv_repeats`). Corners: A = 1 is the mesh; (A, P/A, 1) is a2a+p2p; (P, 1, 1) is a2a.
+(`values.kv_repeats`). Corners: A = 1 is the mesh; (A, P/A, 1) is a2a+p2p; (P, 1, 1) is a2a.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .dtypes import FP32_BYTES
-from .plan import GradDtype, MeshPlan, Schedule, shape_text
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """One attention layer's problem on a CP group; `seq_len` is the whole sequence S."""
-
-    seq_len: int
-    batch: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-
-    def local_elements(self, cp_size: int) -> tuple[int, int, int]:
-        """(q, kv, l) element counts of one rank's share, as in the module docstring."""
-        s = self.seq_len // cp_size
-        q = s * self.batch * self.q_heads * self.head_dim
-        kv = 2 * s * self.batch * self.kv_heads * self.head_dim
-        lse = s * self.batch * self.q_heads
-        return q, kv, lse
+from .values import (
+    FP32_BYTES,
+    AttentionShape,
+    MeshPlan,
+    heads_shape,
+    mesh_shapes,
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +59,11 @@ class Traffic:
     backward_col: int
     forward_heads: int = 0
     backward_heads: int = 0
+    # of which the partials reduced over a group (the rest are the chunks themselves): the
+    # partial outputs and lse sent to their owners, the dQ and the dK, dV partials
+    forward_row_partials: int = 0
+    backward_row_partials: int = 0
+    backward_col_partials: int = 0
 
     @property
     def forward(self) -> int:
@@ -89,18 +78,6 @@ class Traffic:
         return self.forward + self.backward
 
 
-def grad_bytes(grad_reduce_dtype: str, dtype_bytes: int) -> tuple[int, int]:
-    """Bytes per element of the (dQ, dK / dV) exchanges for a `GradDtype` name."""
-    grads = GradDtype(grad_reduce_dtype)
-    return grads.dq_bytes(dtype_bytes), grads.dkv_bytes(dtype_bytes)
-
-
-def partial_out_bytes(schedule: str, dtype_bytes: int) -> int:
-    """Bytes per element of the partial outputs a schedule sends over the row
-    (`Schedule.partial_out_bytes`)."""
-    return Schedule(schedule).partial_out_bytes(dtype_bytes)
-
-
 def mesh_traffic(
     shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
     grad_bytes: int = FP32_BYTES, out_bytes: int | None = None,
@@ -113,7 +90,7 @@ def mesh_traffic(
     mesh_traffic(shape, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes): a rows x cols
     grid; grad_bytes: bytes per element of the dQ reduction (fp32 by default), dkv_grad_bytes
     of the dK, dV reduction (grad_bytes when None); out_bytes: of the partial outputs (the
-    input dtype's by default; `partial_out_bytes`).
+    input dtype's by default; `Schedule.partial_out_bytes`).
     """
     if isinstance(rows, MeshPlan):
         plan = rows
@@ -132,15 +109,10 @@ def mesh_traffic(
         forward_col=(rows - 1) * kv * e,
         backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
         backward_col=(rows - 1) * (kv * e + kv * g_kv),
+        forward_row_partials=(cols - 1) * (q * o + lse * FP32_BYTES),
+        backward_row_partials=(cols - 1) * q * grad_bytes,
+        backward_col_partials=(rows - 1) * kv * g_kv,
     )
-
-
-def heads_shape(shape: AttentionShape, heads: int) -> AttentionShape:
-    """The problem the R x C mesh solves after the all-to-all: 1/A of the query heads and
-    lcm(A, hkv)/A K/V heads (repeated when A does not divide hkv), the whole sequence."""
-    kv_heads = shape.kv_heads * heads // math.gcd(heads, shape.kv_heads)
-    return AttentionShape(shape.seq_len, shape.batch, shape.q_heads // heads, kv_heads // heads,
-                          shape.head_dim, shape.dtype_bytes)
 
 
 def grid_traffic(
@@ -155,28 +127,7 @@ def grid_traffic(
     mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     q, kv, _ = inner.local_elements(rows * cols)
     a2a = (2 * q + kv) * shape.dtype_bytes * (heads - 1) // heads
-    return Traffic(mesh.forward_row, mesh.forward_col, mesh.backward_row, mesh.backward_col,
-                   forward_heads=a2a, backward_heads=a2a)
-
-
-def grid_shapes(cp_size: int) -> list[tuple[int, int, int]]:
-    """Every heads x rows x cols factorization of cp_size: A ascending, then as
-    `mesh_shapes` (P/A x 1 down to 1 x P/A)."""
-    return [(a, r, c) for a in range(1, cp_size + 1) if cp_size % a == 0
-            for r, c in mesh_shapes(cp_size // a)]
-
-
-def mesh_shapes(cp_size: int) -> list[tuple[int, int]]:
-    """Every rows x cols factorization of cp_size, from cp_size x 1 down to 1 x cp_size."""
-    return [(cp_size // c, c) for c in range(1, cp_size + 1) if cp_size % c == 0]
-
-
-def shapes_text(cp_size: int, heads: bool = False) -> str:
-    """The valid shapes of a CP group, in one order everywhere: '4x1, 2x2, 1x4' for 4
-    (`mesh_shapes`); with heads, every 'AxRxC' of `grid_shapes` ('RxC' when A = 1)."""
-    if not heads:
-        return ", ".join(f"{r}x{c}" for r, c in mesh_shapes(cp_size))
-    return ", ".join(shape_text(a, r, c) for a, r, c in grid_shapes(cp_size))
+    return replace(mesh, forward_heads=a2a, backward_heads=a2a)
 
 
 def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:

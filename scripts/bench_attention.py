@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
+from megatron_mesh.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import pass_peaks
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, resolve_plan
-from megatron_mesh.plan import SCHEDULE_NAMES as SCHEDULES
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
-from megatron_mesh.traffic import grid_shapes
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megatron_mesh.spawn import run_gloo
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
+from megatron_mesh.values import SCHEDULE_NAMES as SCHEDULES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: heads)")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
+                   help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "te"])
     p.add_argument("--schedules", default="streamed_kv,streamed_q,gathered",
@@ -151,7 +150,8 @@ def bench_shape(args, grid: mm.MeshGrid, schedule: str, device: torch.device,
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    default = "bf16" if device.type == "cuda" else "fp32"
+    dtype = TORCH_DTYPES[args.dtype or default]
     world = dist.get_world_size()
     schedules = args.schedules.split(",")
     rows_out = []
@@ -189,20 +189,13 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
 
 def ring_bytes(args: argparse.Namespace, world: int, dtype: torch.dtype) -> int:
     """Bytes per rank of ring attention on the same problem, from the planner's model."""
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     workload = Workload(args.seq_length, args.heads, args.kv_heads, args.head_dim, args.batch,
-                        names[dtype], args.causal)
+                        DTYPE_NAMES[dtype], args.causal)
     return sum(t.nbytes for t in ring_transfers(workload, Cluster(gpus=world)))
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run(args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
+    run(args, torch.device("cpu"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,11 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     world = args.cp_size or 4
-    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+    run_gloo(_spawned, world, args, threads=max(1, (os.cpu_count() or 1) // world))
 
 
 if __name__ == "__main__":

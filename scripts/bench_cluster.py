@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -33,18 +31,19 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
+from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import pass_peaks
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, resolve_plan
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
+from megatron_mesh.spawn import run_gloo
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
 FLOOR_BOUND = 0.8  # floor / prediction from which a row is bound by this machine
 
@@ -77,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=4,
                    help="head dim of the real tensors (small: compute is emulated, and "
                    "bytes and FLOPs both scale with it, so their ratio does not)")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bf16")
     p.add_argument("--slowdown", type=float, default=500.0,
                    help="play the modelled cluster this many times slower (default 500)")
     p.add_argument("--intra-node-bw", type=float, default=360.0, help="modelled GB/s per GPU")
@@ -181,7 +180,7 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
     runs from a barrier to a barrier, so it is the slowest rank's time), with the emulated
     compute and link seconds of this rank; compute_scale 0: no compute; shaped False: links
     as fast as this machine moves the bytes."""
-    w, dtype = workload, DTYPES[workload.dtype]
+    w, dtype = workload, TORCH_DTYPES[workload.dtype]
     s = w.seq_length // grid.cp_size
     gen = torch.Generator().manual_seed(grid.cp_rank)
     q, k, v = (torch.randn(s, w.batch, h, w.head_dim, generator=gen, dtype=dtype).requires_grad_()
@@ -211,7 +210,7 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
 def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int:
     """Peak extra bytes of one forward + backward (CPU tensors tracked), no shaping, on the
     rank that holds most (the rank the memory model describes)."""
-    w, dtype = workload, DTYPES[workload.dtype]
+    w, dtype = workload, TORCH_DTYPES[workload.dtype]
     s = w.seq_length // grid.cp_size
     q, k, v = (torch.randn(s, w.batch, h, w.head_dim, dtype=dtype).requires_grad_()
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
@@ -340,30 +339,11 @@ def draw(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        rows = run_rank(rank, world, args)
-        if rank == 0:
-            torch.save(rows, os.path.join(outdir, "rows.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
-    import tempfile
-
     args = parse_args(argv)
     rows = []
     for world in args.cp_sizes:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        with tempfile.TemporaryDirectory() as outdir:
-            mp.spawn(_spawned, args=(world, port, outdir, args), nprocs=world, join=True)
-            rows += torch.load(os.path.join(outdir, "rows.pt"), weights_only=False)
+        rows += run_gloo(run_rank, world, args)[0]
     print(report(rows, args))
     if args.json:
         with open(args.json, "w") as f:

@@ -26,10 +26,9 @@ import torch
 
 from megatron_mesh import merge_triton
 from megatron_mesh.blocks import backward_block, forward_block
+from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
 from megatron_mesh.merge import empty_accumulators
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
+                   help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--backends", default="torch,cudnn,te", help="comma-separated: torch, cudnn, te")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +88,8 @@ def peak_bytes(fn, device: torch.device) -> int | None:
 
 def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    default = "bf16" if device.type == "cuda" else "fp32"
+    dtype = TORCH_DTYPES[args.dtype or default]
     kernel = get_kernel(backend, device, dtype, args.head_dim)
     p, b, hq, hkv, d = args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
     scale = d ** -0.5

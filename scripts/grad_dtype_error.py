@@ -14,15 +14,13 @@ rounding to bf16 and hides what the exchange adds.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.spawn import run_gloo
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -59,32 +57,26 @@ def rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
-def worker(rank: int, world: int, port: int, x: dict, ref: dict, single: dict, out_dir: str):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        share = {n: mm.zigzag_split(t, world)[rank] for n, t in x.items()}
-        mine = {n: mm.zigzag_split(t, world)[rank] for n, t in ref.items()}
-        base = {n: rms_error(mm.zigzag_split(single[n], world)[rank], mine[n]) for n in NAMES}
-        rows = []
-        for r, c, grads in runs(world):
-            grid = mm.MeshGrid.build(rows=r, cols=c)
-            q, k, v = (share[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
-            out = mm.mesh_attention(q, k, v, grid, causal=True, grad_reduce_dtype=grads,
-                                    schedule="streamed_kv" if c == 1 else "streamed")
-            out.backward(share["dout"].to(torch.bfloat16))
-            got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-            ratio = torch.tensor([rms_error(got[n], mine[n]) / base[n] for n in NAMES])
-            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-            rows.append((r, c, grads, ratio.tolist()))
-        if rank == 0:
-            torch.save(rows, os.path.join(out_dir, "rows.pt"))
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int, x: dict, ref: dict, single: dict) -> list:
+    """This rank's share of every run; every rank returns the same rows (maxima over ranks)."""
+    share = {n: mm.zigzag_split(t, world)[rank] for n, t in x.items()}
+    mine = {n: mm.zigzag_split(t, world)[rank] for n, t in ref.items()}
+    base = {n: rms_error(mm.zigzag_split(single[n], world)[rank], mine[n]) for n in NAMES}
+    rows = []
+    for r, c, grads in runs(world):
+        grid = mm.MeshGrid.build(rows=r, cols=c)
+        q, k, v = (share[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
+        out = mm.mesh_attention(q, k, v, grid, causal=True, grad_reduce_dtype=grads,
+                                schedule="streamed_kv" if c == 1 else "streamed")
+        out.backward(share["dout"].to(torch.bfloat16))
+        got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        ratio = torch.tensor([rms_error(got[n], mine[n]) / base[n] for n in NAMES])
+        dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+        rows.append((r, c, grads, ratio.tolist()))
+    return rows
 
 
-def measure(p: int, args: argparse.Namespace, out_dir: str) -> list:
+def measure(p: int, args: argparse.Namespace) -> list:
     s = args.tokens_per_rank * p
     g = torch.Generator().manual_seed(args.seed)
     shape = lambda h: (s, 1, h, args.head_dim)  # noqa: E731
@@ -92,15 +84,10 @@ def measure(p: int, args: argparse.Namespace, out_dir: str) -> list:
          (("q", args.heads), ("k", args.kv_heads), ("v", args.kv_heads), ("dout", args.heads))}
     ref = sdpa(x, torch.float32)
     single = sdpa(x, torch.bfloat16)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(worker, args=(p, port, x, ref, single, out_dir), nprocs=p, join=True)
-    return torch.load(os.path.join(out_dir, "rows.pt"))
+    return run_gloo(worker, p, x, ref, single)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
-    import tempfile
 
     args = parse_args(argv)
     print(f"bf16, causal, {args.tokens_per_rank} tokens per rank, heads {args.heads}/"
@@ -108,11 +95,9 @@ def main(argv: list[str] | None = None) -> None:
           "fp32 SDPA, divided by single-device bf16 SDPA's (measured on CPU, gloo)")
     print(f"{'P':>3} {'shape':>6} {'exchange':>9} " + " ".join(f"{n:>6}" for n in NAMES))
     for p in (int(n) for n in args.cp_sizes.split(",")):
-        with tempfile.TemporaryDirectory() as out_dir:
-            for r, c, grads, ratios in measure(p, args, out_dir):
-                label = "ring" if c == 1 else grads
-                print(f"{p:>3} {r:>3}x{c:<2} {label:>9} "
-                      + " ".join(f"{x:6.2f}" for x in ratios))
+        for r, c, grads, ratios in measure(p, args):
+            label = "ring" if c == 1 else grads
+            print(f"{p:>3} {r:>3}x{c:<2} {label:>9} " + " ".join(f"{x:6.2f}" for x in ratios))
 
 
 if __name__ == "__main__":

@@ -14,21 +14,17 @@ are the only kernel allocations the tracking sees, as with the real one.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_mesh as mm
+from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation.compute import EmulatedKernel
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import resolve_plan
+from megatron_mesh.spawn import run_gloo
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2 ** 20
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
 
@@ -50,7 +46,7 @@ def methods(world: int, q_heads: int) -> list[tuple[str, int, int, int, str, str
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(rank)
-    dtype, s = DTYPES[args.dtype], args.seq_length // world
+    dtype, s = TORCH_DTYPES[args.dtype], args.seq_length // world
     kernel = EmulatedKernel(float("inf")) if args.kernel == "emulated" else "torch"
     grids, results = {}, {}
     for label, a, r, c, schedule, grads in methods(world, args.heads):
@@ -67,25 +63,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     return results
 
 
-def _spawned(rank: int, world: int, port: int, outdir: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.save(worker(rank, world, args), os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def measure(args: argparse.Namespace) -> list[dict]:
     """worker() on args.cp_size gloo ranks on this machine; each rank's results."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_spawned, args=(args.cp_size, port, outdir, args), nprocs=args.cp_size)
-        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
-                for r in range(args.cp_size)]
+    return run_gloo(worker, args.cp_size, args)
 
 
 def main() -> None:
@@ -95,7 +75,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--kernel", choices=("emulated", "torch"), default="emulated")
     p.add_argument("--only", nargs="*", help="labels containing any of these")
     p.add_argument("--save", help="write the measurements to this file (torch.save)")
@@ -110,7 +90,7 @@ def main() -> None:
         torch.save({"per_rank": per_rank, "args": args}, args.save)
     world = args.cp_size
     shape = mm.AttentionShape(args.seq_length, 1, args.heads, args.kv_heads, args.head_dim,
-                              DTYPES[args.dtype].itemsize)
+                              TORCH_DTYPES[args.dtype].itemsize)
     print(f"P={world} S={args.seq_length} heads {args.heads}/{args.kv_heads} x {args.head_dim} "
           f"{args.dtype} causal, kernel {args.kernel}; MiB, rank holding most (tracked CPU tensors)")
     print(f"{'method':<26} {'fwd meas':>8} {'model':>7} {'ratio':>6}   {'bwd meas':>8} "

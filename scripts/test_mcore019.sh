@@ -10,6 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
 MCORE=megatron-core==0.19.2
 TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_checkpoint_interchange.py
+       tests/test_patches.py  # every patched name exists in this megatron-core
        # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid, PP 2,
        # the distributed optimizer, sequence parallelism
        "tests/test_training_driver.py::test_mesh_2x2_matches_cp1_and_loss_falls"

@@ -1,25 +1,24 @@
 """Several ranks on one GPU over gloo: collectives staged through host memory (test only).
 
-gloo carries some collectives of CUDA tensors but not point-to-point sends of them (its
-TCP transport reads the CUDA pointer as host memory: `writev ... Bad address`). Inside
-`staged_through_host()`, every collective the mesh uses (all_gather / reduce_scatter /
-all_to_all single-tensor forms and batch_isend_irecv) copies its inputs to fresh host
-tensors, runs the real gloo collective on those, and copies the results back into the
-caller's tensors before returning. Staging happens for CPU tensors too (always fresh
-copies), so the same code runs, and is checked exact, without a GPU. Asynchronous calls
-complete before they return; their handles' wait() is then a no-op.
+gloo carries some collectives of CUDA tensors but not point-to-point sends of them (its TCP
+transport reads the CUDA pointer as host memory: `writev ... Bad address`). Inside
+`staged_through_host()` (the `HostStaging` transport of `megatron_mesh.comm`), every
+collective the mesh uses (all_gather / reduce_scatter / all_to_all and batch_isend_irecv)
+copies its inputs to fresh host tensors, runs the real gloo collective on those, and copies
+the results back into the caller's tensors before returning. Staging happens for CPU tensors
+too (always fresh copies), so the same code runs, and is checked exact, without a GPU.
+Asynchronous calls complete before they return; their handles' wait() is then a no-op.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-GATHER_LIKE = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "all_to_all_single")
+from megatron_mesh import comm
+
+GATHER_LIKE = ("all_gather", "reduce_scatter", "all_to_all")
 staged_calls: Counter[str] = Counter()  # name -> calls staged in this process
 
 
@@ -38,23 +37,31 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def stage_out_in(real: Callable, name: str) -> Callable:
-    """real(out, inp, ...) run on host copies; out is filled from the host result."""
+class HostStaging:
+    """A `comm.Transport` that runs `inner`'s collectives on host copies (module doc)."""
 
-    def staged(out: torch.Tensor, inp: torch.Tensor, *args, async_op: bool = False, **kwargs):
+    def __init__(self, inner: comm.Transport | None = None) -> None:
+        self.inner = inner or comm.TorchTransport()
+
+    def _out_in(self, name: str, out: torch.Tensor, inp: torch.Tensor, run) -> None:
         staged_calls[name] += 1
         host_out = torch.empty(out.shape, dtype=out.dtype)
-        real(host_out, to_host(inp), *args, **kwargs)
+        run(host_out, to_host(inp))
         out.copy_(host_out)
+
+    def all_gather(self, out, inp, group, async_op=False):
+        self._out_in("all_gather", out, inp, lambda o, i: self.inner.all_gather(o, i, group))
         return Completed() if async_op else None
 
-    return staged
+    def reduce_scatter(self, out, inp, group):
+        self._out_in("reduce_scatter", out, inp,
+                     lambda o, i: self.inner.reduce_scatter(o, i, group))
 
+    def all_to_all(self, out, inp, group):
+        self._out_in("all_to_all", out, inp, lambda o, i: self.inner.all_to_all(o, i, group))
 
-def stage_batch(real: Callable) -> Callable:
-    """batch_isend_irecv on host copies: sends copied out, receives copied back after."""
-
-    def staged(ops: list[dist.P2POp]) -> list[Completed]:
+    def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list[Completed]:
+        """Sends copied out, receives copied back after."""
         staged_calls["batch_isend_irecv"] += 1
         host_ops, receives = [], []
         for op in ops:
@@ -64,25 +71,13 @@ def stage_batch(real: Callable) -> Callable:
             else:
                 host = to_host(op.tensor)
             host_ops.append(dist.P2POp(op.op, host, op.peer, group=op.group, tag=op.tag))
-        for work in real(host_ops):
+        for work in self.inner.batch_isend_irecv(host_ops):
             work.wait()
         for device_t, host in receives:
             device_t.copy_(host)
         return [Completed() for _ in ops]
 
-    return staged
 
-
-@contextlib.contextmanager
-def staged_through_host() -> Iterator[None]:
+def staged_through_host():
     """Within the context, the mesh's collectives run on host copies (see module doc)."""
-    originals = {name: getattr(dist, name) for name in GATHER_LIKE if hasattr(dist, name)}
-    originals["batch_isend_irecv"] = dist.batch_isend_irecv
-    for name, real in originals.items():
-        setattr(dist, name,
-                stage_batch(real) if name == "batch_isend_irecv" else stage_out_in(real, name))
-    try:
-        yield
-    finally:
-        for name, real in originals.items():
-            setattr(dist, name, real)
+    return comm.using(HostStaging())

@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -23,8 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
+from megatron_mesh.spawn import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = "megatron_mesh.pretrain_gpt"
+TINY = str(ROOT / "configs" / "tiny-cpu.yaml")  # the tiny model the driver tests train
 # the driver first: it silences megatron-core's import warnings; a module that does not
 # import is skipped
 PRELOAD = [DRIVER, "torch", "torch.distributed", "megatron_mesh", "megatron.core",
@@ -38,12 +42,6 @@ def context() -> multiprocessing.context.ForkServerContext:
     """The forkserver context; its server (started at first use) has PRELOAD imported."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     return multiprocessing.get_context("forkserver")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fields(line: str) -> dict[str, str]:
@@ -71,6 +69,18 @@ class Run:
 
     def traffic(self) -> list[str]:
         return [f["attention traffic per rank (MiB)"] for f in self.lines().values()]
+
+
+def build_indexed_dataset(prefix: str) -> None:
+    """Arithmetic token sequences (learnable) as a Megatron indexed dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(40, 120)
+        builder.add_document((start + step * np.arange(n)) % 255, [int(n)])
+    builder.finalize(prefix + ".idx")
 
 
 def job_env(**extra: str) -> dict[str, str]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
+from megatron_mesh import comm
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,32 @@ class Case:
 
 
 LAYOUTS = ("dense", "last_dim_stride_2", "transposed", "broadcast_batch")
+CONCRETE_SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
+
+
+class Failure(NamedTuple):
+    """One failure of a batched distributed test, under the id of its case: what a rank
+    returns, so that a failing run names every case that failed (`assert_no_failures`)."""
+
+    case: str  # e.g. "P4 2x2 S=16 b=2 hq=4 hkv=2 d=16 causal=True float32 ..."
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.case}] {self.message}"
+
+
+def case_id(case: object, grid: mm.MeshGrid | None = None) -> str:
+    """The id of a case: its CP size and grid (when given) and its own description."""
+    where = f"P{grid.cp_size} {grid.shape_text} " if grid is not None else ""
+    return f"{where}{case}"
+
+
+def assert_no_failures(per_rank: list[list[Failure]]) -> None:
+    """Every rank's failures, deduplicated, grouped by case id, in one assertion message."""
+    failures = sorted({Failure(*f) for rank in per_rank for f in rank})
+    cases = sorted({f.case for f in failures})
+    assert not failures, (f"{len(cases)} failing case(s):\n"
+                          + "\n".join(str(f) for f in failures))
 
 
 def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -119,7 +147,7 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
             "dk": k.grad.to("cpu", torch.float32), "dv": v.grad.to("cpu", torch.float32)}
 
 
-def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[str]:
+def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[Failure]:
     """Failures of one case: fp32 within 1e-5; bf16 / fp16 within 2x single-device SDPA's
     error in that dtype (both against fp32 SDPA), plus a floor of a few ulps."""
     split = lambda t: mm.zigzag_split(t, grid.cp_size)[cp_rank]  # noqa: E731
@@ -129,7 +157,7 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         for n, t in ref.items():
             err = (got[n] - t).abs().max().item()
             if err > 1e-5 * max(1.0, t.abs().max().item()):
-                bad.append(f"{case} {grid.shape_text} {n}: max error {err:.3g} > 1e-5")
+                bad.append(Failure(case_id(case, grid), f"{n}: max error {err:.3g} > 1e-5"))
         return bad
     same = {n: split(t) for n, t in sdpa_reference(case, x, case.dtype).items()}
     ulp = torch.finfo(case.dtype).eps
@@ -137,47 +165,57 @@ def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> l
         err = (got[n] - t).abs().max().item()
         base = (same[n] - t).abs().max().item()
         if err > 2 * base + 2 * ulp * t.abs().max().item():
-            bad.append(f"{case} {grid.shape_text} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+            bad.append(Failure(case_id(case, grid),
+                               f"{n}: error {err:.3g} > 2 x SDPA's {base:.3g}"))
     return bad
+
+
+class CountingTransport:
+    """A `comm.Transport` that counts the bytes this rank hands to torch.distributed, by
+    what each collective really carries, and runs the real collective."""
+
+    def __init__(self) -> None:
+        self.inner = comm.TorchTransport()
+        self.sent = [0]  # a list, so that a reader holds the live count
+
+    def all_gather(self, out, inp, group, async_op=False):
+        self.sent[0] += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
+        return self.inner.all_gather(out, inp, group, async_op)
+
+    def reduce_scatter(self, out, inp, group):
+        self.sent[0] += (dist.get_world_size(group) - 1) * out.numel() * out.element_size()
+        self.inner.reduce_scatter(out, inp, group)
+
+    def all_to_all(self, out, inp, group):
+        n = dist.get_world_size(group)
+        self.sent[0] += inp.numel() * inp.element_size() * (n - 1) // n
+        self.inner.all_to_all(out, inp, group)
+
+    def batch_isend_irecv(self, ops):
+        self.sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                         if op.op in (dist.isend, dist.send))
+        return self.inner.batch_isend_irecv(ops)
 
 
 @contextlib.contextmanager
 def count_sent_bytes():
-    """Count bytes this rank sends through torch.distributed's single-tensor collectives,
-    by wrapping them (the real collective still runs). Yields a one-item list."""
-    sent = [0]
-    originals = {}
+    """Count bytes this rank sends through torch.distributed under the mesh's collectives
+    (`CountingTransport`). Yields a one-item list."""
+    with comm.using(CountingTransport()) as counting:
+        yield counting.sent
 
-    def wrap(name, sent_bytes):
-        real = getattr(dist, name)
-        originals[name] = real
 
-        def counted(*args, **kwargs):
-            group = kwargs.get("group")
-            n = dist.get_world_size(group)
-            sent[0] += sent_bytes(args[0], args[1], n)
-            return real(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        if hasattr(dist, name):
-            wrap(name, lambda out, inp, n: (n - 1) * nbytes(inp))
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(dist, name):
-            wrap(name, lambda out, inp, n: (n - 1) * nbytes(out))
-    wrap("all_to_all_single", lambda out, inp, n: nbytes(inp) * (n - 1) // n)
-    real_batch = dist.batch_isend_irecv
-    originals["batch_isend_irecv"] = real_batch
-
-    def counted_batch(ops):
-        sent[0] += sum(nbytes(op.tensor) for op in ops if op.op in (dist.isend, dist.send))
-        return real_batch(ops)
-
-    dist.batch_isend_irecv = counted_batch
-    try:
-        yield sent
-    finally:
-        for name, real in originals.items():
-            setattr(dist, name, real)
+def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[Failure]:
+    """Run each case on `grid`; its failures (exactness, and the bytes sent: counted on the
+    real collectives, by the TrafficCounter and by the formula, all equal)."""
+    bad = []
+    for case in cases:
+        x = full_inputs(case)
+        with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
+            got = mesh_result(case, x, grid, grid.cp_rank)
+        bad += errors(case, got, grid, grid.cp_rank, x)
+        expected = expected_traffic(case, grid)
+        if not sent[0] == counter.total_bytes == expected:
+            bad.append(Failure(case_id(case, grid), f"sent {sent[0]} B, counter "
+                               f"{counter.total_bytes} B, formula {expected} B"))
+    return bad

@@ -14,11 +14,17 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
-from megatron_mesh.traffic import grid_shapes
+from megatron_mesh.values import grid_shapes
 
 from dist_utils import run_distributed
-from reference import Case
-from test_mesh_attention import CONCRETE_SCHEDULES, check_cases
+from reference import (
+    CONCRETE_SCHEDULES,
+    Case,
+    Failure,
+    assert_no_failures,
+    case_id,
+    check_cases,
+)
 
 
 def heads_cases(cp_size: int, q_heads: int) -> list[Case]:
@@ -41,19 +47,19 @@ def schedule_each(cases: list[Case], offset: int) -> list[Case]:
 
 
 def heads_worker(rank: int, world: int, shapes: list[tuple[int, int, int]],
-                 per_shape: int) -> list[str]:
+                 per_shape: int) -> list[Failure]:
     bad = []
     try:
         mm.MeshGrid.build(rows=world, cols=1, heads=2)
-        bad.append(f"{2}x{world}x1 on {world} ranks was accepted")
+        bad.append(Failure(f"P{world} 2x{world}x1 refused", "the grid was accepted"))
     except ValueError as e:
         if "2x" not in str(e) or "valid shapes" not in str(e):
-            bad.append(f"unclear message: {e}")
+            bad.append(Failure(f"P{world} 2x{world}x1 refused", f"unclear message: {e}"))
     for idx, (heads, rows, cols) in enumerate(shapes):
         grid = mm.MeshGrid.build(rows=rows, cols=cols, heads=heads)
         if (grid.head_index, grid.mesh_rank) != (rank % heads, rank // heads):
-            bad.append(f"rank {rank} of {grid.shape_text}: head {grid.head_index} mesh "
-                       f"{grid.mesh_rank}")
+            bad.append(Failure(case_id("rank placement", grid), f"rank {rank}: head "
+                               f"{grid.head_index} mesh {grid.mesh_rank}"))
         cases = schedule_each(heads_cases(world, max(8, heads)), idx)
         # every shape runs the fp32 MHA case, then `per_shape` more in turn
         picked = [cases[0]] + [cases[1 + (idx * per_shape + k) % (len(cases) - 1)]
@@ -65,19 +71,17 @@ def heads_worker(rank: int, world: int, shapes: list[tuple[int, int, int]],
 @pytest.mark.parametrize("cp_size,per_shape", [(4, 5), (8, 2)])
 def test_every_heads_shape_matches_sdpa(cp_size: int, per_shape: int) -> None:
     shapes = [s for s in grid_shapes(cp_size) if s[0] > 1]
-    failures = sorted(set(sum(run_distributed(heads_worker, cp_size, shapes, per_shape), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(heads_worker, cp_size, shapes, per_shape))
 
 
 def test_every_grid_at_sixteen() -> None:
     """Every heads x rows x cols factorization of P = 16 (the 2D meshes, A = 1, included),
     in one spawn of 16 ranks: the fp32 MHA case and one more in turn, each on a schedule
     in turn (exactness and bytes)."""
-    failures = sorted(set(sum(run_distributed(heads_worker, 16, grid_shapes(16), 1), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(heads_worker, 16, grid_shapes(16), 1))
 
 
-def heads_groups_worker(rank: int, world: int) -> list[str]:
+def heads_groups_worker(rank: int, world: int) -> list[Failure]:
     """Two CP groups of 4 (strided, DP innermost) as 2x2x1 grids from build_many, and a
     2x1x2 grid over an explicit subgroup built by its members only."""
     groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -85,9 +89,11 @@ def heads_groups_worker(rank: int, world: int) -> list[str]:
     mine = groups[rank % 2]
     bad = []
     if grid.cp_ranks != tuple(mine) or grid.mesh_ranks != mine[grid.head_index::2]:
-        bad.append(f"rank {rank}: grid over {grid.cp_ranks}, mesh {grid.mesh_ranks}")
+        bad.append(Failure(case_id("build_many placement", grid),
+                           f"rank {rank}: grid over {grid.cp_ranks}, mesh {grid.mesh_ranks}"))
     if dist.get_process_group_ranks(grid.heads_group) != mine[2 * grid.mesh_rank:][:2]:
-        bad.append(f"rank {rank}: heads group {dist.get_process_group_ranks(grid.heads_group)}")
+        bad.append(Failure(case_id("build_many heads group", grid), f"rank {rank}: heads "
+                           f"group {dist.get_process_group_ranks(grid.heads_group)}"))
     bad += check_cases(grid, [Case(16, 1, 4, 2, 8, causal=True, seed=60 + rank % 2)])
     halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
     grid = mm.MeshGrid.build(rows=1, cols=2, heads=2, group=halves[rank // 4])
@@ -96,8 +102,7 @@ def heads_groups_worker(rank: int, world: int) -> list[str]:
 
 
 def test_heads_grids_of_many_cp_groups() -> None:
-    failures = sum(run_distributed(heads_groups_worker, 8), [])
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(heads_groups_worker, 8))
 
 
 def test_heads_must_divide_query_heads() -> None:
@@ -109,7 +114,7 @@ def test_heads_must_divide_query_heads() -> None:
 
 
 def test_kv_repeats_count_only_what_the_slices_need() -> None:
-    from megatron_mesh.heads import kv_repeats
+    from megatron_mesh.values import kv_repeats
 
     assert [kv_repeats(a, 8) for a in (1, 2, 4, 8, 16)] == [1, 1, 1, 1, 2]
     assert [kv_repeats(a, 1) for a in (1, 2, 4)] == [1, 2, 4]

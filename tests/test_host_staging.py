@@ -21,13 +21,22 @@ from megatron_mesh.plan import resolve_plan
 
 import host_staging
 from dist_utils import run_distributed
-from reference import Case, errors, full_inputs, mesh_result, sdpa_reference
+from reference import (
+    Case,
+    Failure,
+    assert_no_failures,
+    case_id,
+    errors,
+    full_inputs,
+    mesh_result,
+    sdpa_reference,
+)
 
 SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
 SHAPES = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
 
 
-def cpu_worker(rank: int, world: int) -> list[str]:
+def cpu_worker(rank: int, world: int) -> list[Failure]:
     bad = []
     with host_staging.staged_through_host():
         for rows, cols in SHAPES[world]:
@@ -41,14 +50,14 @@ def cpu_worker(rank: int, world: int) -> list[str]:
                               grid.cp_rank, x)
     staged = host_staging.staged_calls
     if not staged["batch_isend_irecv"] or not sum(staged[n] for n in host_staging.GATHER_LIKE):
-        bad.append(f"rank {rank}: the collectives were not staged: {dict(staged)}")
+        bad.append(Failure(f"P{world} staging", f"rank {rank}: the collectives were not staged: "
+                           f"{dict(staged)}"))
     return bad
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedules_through_host_staging_stay_exact(world: int) -> None:
-    failures = sorted(set(sum(run_distributed(cpu_worker, world), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(cpu_worker, world))
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -65,7 +74,7 @@ def gpu_cases(world: int) -> list[Case]:
             if i % 3 == 0 or dtype != torch.float32]
 
 
-def gpu_errors(case: Case, got: dict, grid: mm.MeshGrid, x: dict) -> list[str]:
+def gpu_errors(case: Case, got: dict, grid: mm.MeshGrid, x: dict) -> list[Failure]:
     """Within 2x the error of SDPA in case.dtype on this GPU, both against SDPA in fp64."""
     split = lambda t: mm.zigzag_split(t, grid.cp_size)[grid.cp_rank]  # noqa: E731
     ref = {n: split(t) for n, t in sdpa_reference(case, x, torch.float64).items()}
@@ -76,11 +85,11 @@ def gpu_errors(case: Case, got: dict, grid: mm.MeshGrid, x: dict) -> list[str]:
         err = (got[n].double() - want).abs().max().item()
         base = (same[n].double() - want).abs().max().item()
         if err > 2 * base + 2 * ulp * want.abs().max().item():
-            bad.append(f"{case} {grid.rows}x{grid.cols} {n}: error {err:.3g} > 2 x SDPA's {base:.3g}")
+            bad.append(Failure(case_id(case, grid), f"{n}: error {err:.3g} > 2 x SDPA's {base:.3g}"))
     return bad
 
 
-def gpu_worker(rank: int, world: int) -> list[str]:
+def gpu_worker(rank: int, world: int) -> list[Failure]:
     torch.cuda.set_device(0)  # every rank on the one GPU
     bad = []
     with host_staging.staged_through_host():
@@ -95,8 +104,7 @@ def gpu_worker(rank: int, world: int) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_ranks_sharing_one_gpu_match_sdpa_fp64(world: int) -> None:
-    failures = sorted(set(sum(run_distributed(gpu_worker, world), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(gpu_worker, world))
 
 
 def memory_worker(rank: int, world: int) -> list[dict]:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_mesh.megatron import ALGORITHMS, add_mesh_args, parse_mesh_shape, validate_mesh_args
-from megatron_mesh.planner import choose_grid_shape, choose_mesh_shape
+from megatron_mesh.planner import plan
 
 
 def _args(**overrides) -> SimpleNamespace:
@@ -138,17 +138,17 @@ def test_validate_mesh_heads_alone_lets_the_planner_pick_rows_and_cols(caplog):
         caplog.text)
     # --mesh-heads 1 is the planner's best 2D mesh
     flat = validate_mesh_args(_args(context_parallel_size=16, mesh_heads=1))
-    assert flat == (1, *choose_mesh_shape(16, **expected))
+    assert flat == (1, *plan(16, **expected).best_mesh.mesh_shape)
 
 
 def test_validate_automatic_shape_is_logged_and_follows_gqa(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_mesh.megatron.arguments"):
         mha = validate_mesh_args(_args(context_parallel_size=16))
     expected = dict(num_heads=32, head_dim=128, seq_length=_args().seq_length)
-    assert mha == choose_grid_shape(16, num_kv_heads=32, **expected) == (16, 1, 1)
+    assert mha == plan(16, **expected, num_kv_heads=32).best_grid.grid_shape == (16, 1, 1)
     assert "16x1x1 grid (heads x rows x cols)" in caplog.text and "planner" in caplog.text
     gqa = validate_mesh_args(_args(context_parallel_size=16, num_query_groups=4))
-    assert gqa == choose_grid_shape(16, num_kv_heads=4, **expected) == (4, 4, 1)
+    assert gqa == plan(16, **expected, num_kv_heads=4).best_grid.grid_shape == (4, 4, 1)
     assert gqa[1] > mha[1]  # GQA: taller tiles (more rows)
     # with TP 4 a rank holds 8 query heads: the planner only offers A dividing them
     tp4 = validate_mesh_args(_args(context_parallel_size=16, tensor_model_parallel_size=4,

@@ -16,20 +16,18 @@ in the same job and must raise on every rank, not hang.
 """
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import math
 import os
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
-from preloaded import context, free_port
+
+from dist_utils import run_distributed
 
 WORLD = 8
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -403,50 +401,33 @@ def _shape_decided_once(out):
         del os.environ["LOCAL_WORLD_SIZE"]
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _worker(rank: int, world: int) -> dict:
     _INHERITED_GROUPS.update(dist.distributed_c10d._world.pg_map)  # never destroy these
     from megatron_mesh.megatron.cpu import megatron_on_cpu
 
     out: dict = {"times": {}}
-    try:
-        with megatron_on_cpu():
-            for name, tp, cp, shape, features in LAYOUTS:
-                start = time.perf_counter()
-                _run_layout(name, tp, cp, shape, features, out)
-                out["times"][name] = time.perf_counter() - start
-            for name, tp, cp, shape in PACKED_LAYOUTS:
-                start = time.perf_counter()
-                _run_packed(name, tp, cp, shape, out)
-                out["times"][name] = time.perf_counter() - start
-            _bad_configurations(out)
-            _shape_decided_once(out)
-        torch.save(out, os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    with megatron_on_cpu():
+        for name, tp, cp, shape, features in LAYOUTS:
+            start = time.perf_counter()
+            _run_layout(name, tp, cp, shape, features, out)
+            out["times"][name] = time.perf_counter() - start
+        for name, tp, cp, shape in PACKED_LAYOUTS:
+            start = time.perf_counter()
+            _run_packed(name, tp, cp, shape, out)
+            out["times"][name] = time.perf_counter() - start
+        _bad_configurations(out)
+        _shape_decided_once(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context()  # ranks forked from the preloaded server: megatron-core is imported there once
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(WORLD, free_port(), outdir), nprocs=WORLD,
-                                 join=False, start_method="forkserver")
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the {WORLD}-rank job did not finish in {JOB_TIMEOUT_S} s (hang?)")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        paths = [os.path.join(outdir, f"{r}.pt") for r in range(WORLD)]
-        return [torch.load(path, weights_only=False) for path in paths]
+    # ranks forked from the preloaded server: megatron-core is imported there once
+    try:
+        return run_distributed(_worker, WORLD, timeout_s=60, job_timeout_s=JOB_TIMEOUT_S)
+    except TimeoutError as e:
+        pytest.fail(f"{e} (hang?)")
 
 
 # ---------------------------------------------------------------- checks (pytest process)

@@ -10,10 +10,10 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory, pass_peaks
-from megatron_mesh.plan import MeshPlan
-from megatron_mesh.traffic import grid_shapes
+from megatron_mesh.values import MeshPlan, grid_shapes
 
 from dist_utils import run_distributed
+from reference import Failure, assert_no_failures
 
 
 def test_peak_memory_counts_live_storages() -> None:
@@ -100,29 +100,34 @@ def test_streaming_bounds_memory_and_the_model_matches() -> None:
             worst = max(results[key][phase][0] for results in per_rank)
             if not 0.9 * model <= worst <= 1.1 * model:
                 size, a, r, c, schedule = key
-                problems.append(f"{size} {a}x{r}x{c} {schedule} {phase}: measured {worst} B on "
-                                f"the rank holding most, model {model} B ({worst / model:.2f})")
+                problems.append(Failure(f"{size} {a}x{r}x{c} {schedule} {phase}",
+                                        f"measured {worst} B on the rank holding most, model "
+                                        f"{model} B ({worst / model:.2f})"))
     for rank, everything in enumerate(per_rank):
         results = {key[2:]: v for key, v in everything.items() if key[:2] == ("fp32", 1)}
         for rows, cols in ((8, 1), (4, 2)):  # K/V: two chunks streamed instead of R gathered
             streamed = results[(rows, cols, "streamed_kv")]["backward"][0]
             gathered = results[(rows, cols, "gathered")]["backward"][0]
             if not streamed < gathered:
-                problems.append(f"rank {rank} {rows}x{cols}: streamed backward {streamed} B "
-                                f"is not below gathered {gathered} B")
+                problems.append(Failure(f"fp32 {rows}x{cols} streamed_kv backward",
+                                        f"rank {rank}: {streamed} B is not below gathered "
+                                        f"{gathered} B"))
         tall = results[(8, 1, "streamed_kv")]["backward"][0] / results[(8, 1, "gathered")]["backward"][0]
         if tall > 0.6:
-            problems.append(f"rank {rank} 8x1: streamed_kv/gathered backward memory {tall:.2f} > 0.6")
+            problems.append(Failure("fp32 8x1 streamed_kv backward",
+                                    f"rank {rank}: /gathered memory {tall:.2f} > 0.6"))
         for phase in ("forward", "backward"):  # Q: two chunks streamed instead of C gathered
             wide = results[(1, 8, "streamed_q")][phase][0] / results[(1, 8, "gathered")][phase][0]
             if wide > 0.6:
-                problems.append(f"rank {rank} 1x8: streamed_q/gathered {phase} memory {wide:.2f} > 0.6")
+                problems.append(Failure(f"fp32 1x8 streamed_q {phase}",
+                                        f"rank {rank}: /gathered memory {wide:.2f} > 0.6"))
         shape = problem("fp32", 8)
         for rows, cols in mm.mesh_shapes(8):  # "streamed" runs the ring that measured less
             chosen = streamed_schedule(shape, rows, cols)  # (a tie within 5% may go either way)
             other = "streamed_q" if chosen == "streamed_kv" else "streamed_kv"
             if peak(results[(rows, cols, chosen)]) > 1.05 * peak(results[(rows, cols, other)]):
-                problems.append(f"rank {rank} {rows}x{cols}: streamed picks {chosen} "
-                                f"({peak(results[(rows, cols, chosen)])} B) over {other} "
-                                f"({peak(results[(rows, cols, other)])} B)")
-    assert not problems, "\n".join(problems)
+                problems.append(Failure(f"fp32 {rows}x{cols} streamed",
+                                        f"rank {rank}: picks {chosen} "
+                                        f"({peak(results[(rows, cols, chosen)])} B) over {other} "
+                                        f"({peak(results[(rows, cols, other)])} B)"))
+    assert_no_failures([problems])

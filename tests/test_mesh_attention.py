@@ -15,11 +15,14 @@ import megatron_mesh as mm
 
 from dist_utils import run_distributed
 from reference import (
+    CONCRETE_SCHEDULES,
     LAYOUTS,
     Case,
-    count_sent_bytes,
+    Failure,
+    assert_no_failures,
+    case_id,
+    check_cases,
     errors,
-    expected_traffic,
     full_inputs,
     mesh_result,
     sdpa_reference,
@@ -45,21 +48,6 @@ def extra_cases(cp_size: int) -> list[Case]:
                                                              dtype=torch.bfloat16, seed=6)]
 
 
-def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[str]:
-    """Run each case on `grid`; return failure messages (exactness and bytes)."""
-    bad = []
-    for case in cases:
-        x = full_inputs(case)
-        with count_sent_bytes() as sent, mm.TrafficCounter() as counter:
-            got = mesh_result(case, x, grid, grid.cp_rank)
-        bad += errors(case, got, grid, grid.cp_rank, x)
-        expected = expected_traffic(case, grid)
-        if not sent[0] == counter.total_bytes == expected:
-            bad.append(f"{case} {grid.shape_text}: sent {sent[0]} B, counter "
-                       f"{counter.total_bytes} B, formula {expected} B")
-    return bad
-
-
 def cases_for_shape(cp_size: int, shape_index: int) -> list[Case]:
     """Up to 6 ranks every shape runs every case; beyond, each shape runs the first case
     (fp32, causal) and one more in turn, so that spawning 8 or 16 ranks on a small CPU
@@ -72,9 +60,6 @@ def cases_for_shape(cp_size: int, shape_index: int) -> list[Case]:
     return [cases[0], cases[1 + shape_index % (len(cases) - 1)]]
 
 
-CONCRETE_SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
-
-
 def two_schedules_each(cases: list[Case]) -> list[Case]:
     """Case i on schedules i and i + 1 (mod 3) of streamed_kv, streamed_q, gathered: every
     schedule meets most cases, each case runs twice."""
@@ -83,7 +68,7 @@ def two_schedules_each(cases: list[Case]) -> list[Case]:
             for k in (0, 1) for i, c in enumerate(cases)]
 
 
-def all_shapes_worker(rank: int, world: int) -> list[str]:
+def all_shapes_worker(rank: int, world: int) -> list[Failure]:
     bad = []
     for idx, (rows, cols) in enumerate(mm.mesh_shapes(world)):
         grid = mm.MeshGrid.build(rows=rows, cols=cols)
@@ -94,11 +79,10 @@ def all_shapes_worker(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4, 6, 8])  # P = 16: test_heads.py, every grid
 def test_every_mesh_shape_matches_sdpa(cp_size: int) -> None:
-    failures = sorted(set(sum(run_distributed(all_shapes_worker, cp_size), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(all_shapes_worker, cp_size))
 
 
-def non_contiguous_worker(rank: int, world: int) -> list[str]:
+def non_contiguous_worker(rank: int, world: int) -> list[Failure]:
     """Inputs that are views, not contiguous tensors: every shape and schedule of P = 4."""
     bad = []
     for rows, cols in mm.mesh_shapes(world):
@@ -109,11 +93,10 @@ def non_contiguous_worker(rank: int, world: int) -> list[str]:
 
 
 def test_non_contiguous_inputs() -> None:
-    failures = sorted(set(sum(run_distributed(non_contiguous_worker, 4), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(non_contiguous_worker, 4))
 
 
-def strided_worker(rank: int, world: int) -> list[str]:
+def strided_worker(rank: int, world: int) -> list[Failure]:
     """Inputs (and dout) whose head dim has stride 2, transposed views whose head dim has
     stride s, and broadcast (stride 0) batches: every shape and schedule, fp32 and bf16."""
     bad = []
@@ -129,11 +112,10 @@ def strided_worker(rank: int, world: int) -> list[str]:
 
 
 def test_strided_inputs() -> None:
-    failures = sorted(set(sum(run_distributed(strided_worker, 4), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(strided_worker, 4))
 
 
-def ring_precision_worker(rank: int, world: int) -> list[str]:
+def ring_precision_worker(rank: int, world: int) -> list[Failure]:
     """bf16 at a realistic chunk size: the rings merge partials hop by hop, which must not
     lose more precision than the gathered schedule's single merge (nor exceed 2x SDPA's).
     Gradients travel in fp32 here: in the input dtype a ring rounds each hop's dK, dV
@@ -153,17 +135,17 @@ def ring_precision_worker(rank: int, world: int) -> list[str]:
             worst[schedule] = {n: (got[n] - ref[n]).abs().max().item() for n in ref}
         for n, err in worst[ring].items():
             if err > 1.25 * worst["gathered"][n] + 1e-6:
-                bad.append(f"{rows}x{cols} {ring} {n}: error {err:.3g} > 1.25 x gathered's "
-                           f"{worst['gathered'][n]:.3g}")
+                bad.append(Failure(case_id(f"{ring} vs gathered, bf16", grid),
+                                   f"{n}: error {err:.3g} > 1.25 x gathered's "
+                                   f"{worst['gathered'][n]:.3g}"))
     return bad
 
 
 def test_rings_keep_the_gathered_precision_in_bf16() -> None:
-    failures = sorted(set(sum(run_distributed(ring_precision_worker, 8), [])))
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(ring_precision_worker, 8))
 
 
-def many_groups_worker(rank: int, world: int) -> list[str]:
+def many_groups_worker(rank: int, world: int) -> list[Failure]:
     """DP = 2 x CP = 4 on 8 ranks: CP groups {0,2,4,6} and {1,3,5,7} (strided, as when DP
     is innermost), each with its own 2x2 grid and its own data."""
     groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -171,12 +153,13 @@ def many_groups_worker(rank: int, world: int) -> list[str]:
     mine = groups[rank % 2]
     bad = []
     if grid.cp_ranks != tuple(mine) or grid.cp_rank != mine.index(rank):
-        bad.append(f"rank {rank}: grid over {grid.cp_ranks} at {grid.cp_rank}")
+        bad.append(Failure(case_id("build_many placement", grid),
+                           f"rank {rank}: grid over {grid.cp_ranks} at {grid.cp_rank}"))
     case = Case(16, 1, 4, 2, 16, causal=True, seed=10 + rank % 2)
     return bad + check_cases(grid, [case])
 
 
-def explicit_group_worker(rank: int, world: int) -> list[str]:
+def explicit_group_worker(rank: int, world: int) -> list[Failure]:
     """MeshGrid.build over an explicit subgroup, called by that group's members only."""
     import torch.distributed as dist
 
@@ -186,10 +169,8 @@ def explicit_group_worker(rank: int, world: int) -> list[str]:
 
 
 def test_two_cp_groups_in_one_job() -> None:
-    failures = sum(run_distributed(many_groups_worker, 8), [])
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(many_groups_worker, 8))
 
 
 def test_grid_over_explicit_group() -> None:
-    failures = sum(run_distributed(explicit_group_worker, 8), [])
-    assert not failures, "\n".join(failures)
+    assert_no_failures(run_distributed(explicit_group_worker, 8))

@@ -6,8 +6,8 @@ import pytest
 
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.plan import GradDtype, MeshPlan, Schedule, resolve_plan
-from megatron_mesh.traffic import grad_bytes, partial_out_bytes
+from megatron_mesh.plan import resolve_plan
+from megatron_mesh.values import GradDtype, MeshPlan, Schedule
 
 SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),
           mm.AttentionShape(8192, 1, 16, 1, 64)]
@@ -22,17 +22,16 @@ def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
         ran = streamed_schedule(shape, rows, cols) if schedule == "streamed" else schedule
         assert plan.schedule == ran and isinstance(plan.schedule, Schedule)
         assert plan.grad_dtype is GradDtype(grads)
-        dq_bytes, dkv_bytes = grad_bytes(grads, shape.dtype_bytes)
-        keyword = mm.mesh_traffic(shape, rows, cols, dq_bytes,
-                                  partial_out_bytes(ran, shape.dtype_bytes), dkv_bytes)
-        assert mm.mesh_traffic(shape, plan) == plan.traffic(shape) == keyword
+        e = shape.dtype_bytes
+        keyword = mm.mesh_traffic(shape, rows, cols, GradDtype(grads).dq_bytes(e),
+                                  Schedule(ran).partial_out_bytes(e), GradDtype(grads).dkv_bytes(e))
+        assert mm.mesh_traffic(shape, plan) == keyword
         assert extra_memory(shape, plan) == extra_memory(shape, rows, cols, ran, grads)
 
 
 def test_plan_is_frozen_and_names_its_shape() -> None:
     plan = MeshPlan(rows=2, cols=4, schedule="streamed_q", grad_dtype="input")
     assert plan.cp_size == 8 and plan.heads == 1 and plan.shape_label == "2x4"
-    assert plan.describe() == "2x4, schedule streamed_q, grads input"
     with pytest.raises(AttributeError):
         plan.rows = 4  # type: ignore[misc]
     assert MeshPlan(rows=2, cols=2, heads=4).shape_label == "4x2x2"
@@ -54,8 +53,8 @@ def test_bad_plan_names_the_value(kwargs, message) -> None:
     (dict(schedule="ring"), "schedule='ring' is not one of streamed, streamed_kv, streamed_q, "
      "gathered"),
     (dict(grad_reduce_dtype="bf16"), "grad_reduce_dtype='bf16' is not one of fp32, input, mixed"),
-    (dict(cp_size=16), "mesh shape 2x4 has 8 ranks, but the CP group has 16"),
-    (dict(heads=2, cp_size=8), "mesh shape 2x2x4 has 16 ranks, but the CP group has 8"),
+    (dict(cp_size=16), "mesh shape 2x4 has 8 ranks but the context-parallel size is 16"),
+    (dict(heads=2, cp_size=8), "mesh shape 2x2x4 has 16 ranks but the context-parallel size is 8"),
 ])
 def test_resolve_plan_rejects_bad_input(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

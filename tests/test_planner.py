@@ -13,12 +13,10 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import (
     Cluster,
     NotApplicable,
     Workload,
-    choose_mesh_shape,
     mesh_placement,
     plan,
 )
@@ -31,7 +29,8 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.search import mesh_key
-from megatron_mesh.traffic import grad_bytes, mesh_traffic, partial_out_bytes
+from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GradDtype, Schedule
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes
@@ -57,9 +56,9 @@ def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: in
     assert [e.mesh_shape for e in result.meshes] == mm.mesh_shapes(gpus)
     shape = result.workload.attention_shape()
     for e in result.meshes:
-        dq_bytes, dkv_bytes = grad_bytes(DEFAULT_GRAD_DTYPE, shape.dtype_bytes)
-        want = mesh_traffic(shape, *e.mesh_shape, dq_bytes,
-                            partial_out_bytes(schedule, shape.dtype_bytes), dkv_bytes)
+        grads, eb = GradDtype(DEFAULT_GRAD_DTYPE), shape.dtype_bytes
+        want = mesh_traffic(shape, *e.mesh_shape, grads.dq_bytes(eb),
+                            Schedule(schedule).partial_out_bytes(eb), grads.dkv_bytes(eb))
         assert e.bytes("forward", "row") == want.forward_row
         assert e.bytes("forward", "column") == want.forward_col
         assert e.bytes("backward", "row") == want.backward_row
@@ -103,7 +102,7 @@ def measure_worker(rank: int, world: int) -> list[dict]:
                     "schedule": schedule,
                     "sent": sent[0],
                     "counted": {(p, dr): counter.bytes(phase=p, direction=dr)
-                                for p in ("forward", "backward") for dr in ("row", "col")},
+                                for p in ("forward", "backward") for dr in ("row", "column")},
                 })
     return results
 
@@ -330,18 +329,18 @@ def test_mesh_beats_ring_when_the_network_is_the_bottleneck():
 def test_gqa_prefers_taller_tiles():
     """Fast compute, one node: time is traffic / bandwidth, and GQA makes K/V cheap to move."""
     kw = dict(seq_length=65536, head_dim=128, gpus_per_node=16, attention_tflops=1e6)
-    assert choose_mesh_shape(16, num_heads=32, num_kv_heads=32, **kw) == (4, 4)
+    assert plan(16, num_heads=32, num_kv_heads=32, **kw).best_mesh.mesh_shape == (4, 4)
     # dK, dV in bf16 (the default exchange) and 4 K/V heads: the tallest grid, no dQ traffic
-    assert choose_mesh_shape(16, num_heads=32, num_kv_heads=4, **kw) == (16, 1)
+    assert plan(16, num_heads=32, num_kv_heads=4, **kw).best_mesh.mesh_shape == (16, 1)
 
 
-def test_choose_mesh_shape_is_the_plans_best_mesh():
+def test_best_mesh_is_one_of_the_shapes_and_the_mesh_plans():
     kw = dict(num_heads=64, num_kv_heads=8, head_dim=128, seq_length=262144)
     for cp in (1, 2, 8, 32, 256):
-        shape = choose_mesh_shape(cp, **kw)
-        assert shape in mm.mesh_shapes(cp)
-        assert shape == plan(cp, **kw).best_mesh.mesh_shape
-    assert choose_mesh_shape(1, **kw) == (1, 1)
+        result = plan(cp, **kw)
+        assert result.best_mesh.mesh_shape in mm.mesh_shapes(cp)
+        assert result.best_mesh.mesh_shape == result.mesh_plan.shape
+    assert plan(1, **kw).best_mesh.mesh_shape == (1, 1)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -353,7 +352,7 @@ def test_choose_mesh_shape_is_the_plans_best_mesh():
     (dict(inter_node_bw=0), "inter_node_bw must be a positive number, got 0"),
     (dict(gpus_per_node=0), "gpus_per_node must be a positive integer, got 0"),
     (dict(batch=0), "batch must be a positive integer, got 0"),
-    (dict(mesh_schedule="ring"), "mesh_schedule 'ring' is not one of streamed, streamed_kv"),
+    (dict(mesh_schedule="ring"), "mesh_schedule='ring' is not one of streamed, streamed_kv"),
 ])
 def test_bad_input_names_the_value(kwargs: dict, match: str):
     args = dict(seq_length=1024, num_heads=8, head_dim=64) | kwargs

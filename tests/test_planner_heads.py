@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
-from megatron_mesh.planner import Cluster, Workload, choose_grid_shape, plan
+from megatron_mesh.planner import Cluster, Workload, plan
 from megatron_mesh.planner.methods import (
     a2a_p2p_transfers,
     a2a_transfers,
@@ -16,6 +15,7 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, grid_shapes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -64,8 +64,7 @@ def test_choice_never_slower_than_any_method() -> None:
     assert any(v.choice[0] > 1 and v.choice[2] > 1 for v in rows)  # interior grids win too
 
 
-def test_choose_grid_shape_returns_the_plans_choice() -> None:
+def test_best_grid_is_a_grid_of_the_gpus() -> None:
     options = dict(num_heads=32, num_kv_heads=32, head_dim=128, seq_length=131072)
-    shape = choose_grid_shape(64, **options)
-    assert shape == plan(64, **options).best_grid.grid_shape
-    assert shape[0] * shape[1] * shape[2] == 64
+    shape = plan(64, **options).best_grid.grid_shape
+    assert shape in grid_shapes(64)

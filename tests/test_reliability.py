@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preloaded import Job, Run, job_env
-from test_training_driver import TINY, _build_indexed_dataset
+from preloaded import TINY, Job, Run, build_indexed_dataset, job_env
 
 from megatron_mesh.pretrain_gpt import main
+
+from reference import Failure, assert_no_failures
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
@@ -134,7 +135,7 @@ def test_exit_duration_saves_and_resume_continues_exactly(saved: Path, tmp_path:
 
 
 def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
-    _build_indexed_dataset(str(prefix))
+    build_indexed_dataset(str(prefix))
     if bad_ids:
         ids = np.memmap(str(prefix) + ".bin", dtype=np.int32, mode="r+")
         ids[5] = 256  # tiny-cpu.yaml's --vocab-size 255: ids 0 .. 254 and the EOD id 255
@@ -202,5 +203,40 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         err = capsys.readouterr().err
         lines = [ln for ln in err.splitlines() if ln.strip()]
         if code != 2 or message not in err or len(lines) != 1:
-            problems.append(f"{flags}: exit {code}, {err!r}")
-    assert not problems, "\n".join(problems)
+            problems.append(Failure(" ".join(flags), f"exit {code}, {err!r}"))
+    assert_no_failures([problems])
+
+
+def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeypatch):
+    """`wait` holds a rank at its iteration until a handled signal arrives (the handler
+    still runs); other ranks and iterations pass at once."""
+    import threading
+
+    from megatron_mesh.training import faults
+
+    monkeypatch.setenv(faults.ENV, "*:3:wait")
+    faults.configured.cache_clear()
+    handled = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: handled.append(s))
+    try:
+        faults.maybe_fail(0, 2)  # not its iteration: returns
+        done = threading.Event()
+
+        def send_until_done() -> None:  # as the Slurm scripts do: again until the rank goes on
+            while not done.is_set():
+                os.kill(os.getpid(), signal.SIGUSR2)
+                done.wait(0.05)
+
+        sender = threading.Thread(target=send_until_done)
+        sender.start()
+        try:
+            faults.maybe_fail(1, 3)
+        finally:
+            done.set()
+            sender.join()
+        assert handled and set(handled) == {signal.SIGUSR2}
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        faults.configured.cache_clear()
+    assert faults.parse("*:3:wait") == (None, 3, "wait")
+    assert faults.parse("2:5") == (2, 5, "kill")

@@ -21,7 +21,8 @@ from slurm_cluster import TERMINAL_STATES, SlurmCluster, ensure_slurm, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt_mesh_cpu.sbatch"
-ITERS = 60  # the time-limited job must still be training when Slurm warns it
+ITERS = 20
+WAIT_AT = 3  # the time-limited job's ranks wait at this iteration for Slurm's warning
 JOB_TIMEOUT = 600
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
@@ -53,7 +54,7 @@ def test_cluster_allocates_and_runs_steps(slurm, tmp_path):
     assert "step 0 of 1" in text
 
 
-def _submit(slurm, root: Path, *sbatch_args: str) -> tuple[int, Path, Path]:
+def _submit(slurm, root: Path, *sbatch_args: str, **extra_env: str) -> tuple[int, Path, Path]:
     """The CPU script as a job of ITERS iterations: (job id, its log, its output folder)."""
     log, runs = root / "job.out", root / "runs"
     env = {
@@ -66,6 +67,7 @@ def _submit(slurm, root: Path, *sbatch_args: str) -> tuple[int, Path, Path]:
         "MASTER_PORT": str(free_ports(1)[0]),
         "WANDB_PROJECT": "megatron-mesh-slurm-test",
         "WANDB_MODE": "offline",
+        **extra_env,
     }
     try:
         socket.gethostbyname(slurm.node)
@@ -125,8 +127,11 @@ def test_time_limit_saves_requeues_and_losses_continue(slurm, uninterrupted, tmp
     """A two-minute job warned 115 s before its limit (Slurm's `--signal=B:USR1@115`, sent at
     Slurm's next time-limit check, 5 to about 35 s in): the ranks save after their
     iteration, the job requeues itself and its next start goes on from the checkpoint, with
-    the losses of the uninterrupted job."""
-    job, log, runs = _submit(slurm, tmp_path, "--time=2", "--signal=B:USR1@115")
+    the losses of the uninterrupted job. However fast the machine, the job cannot finish
+    first: its ranks wait at iteration WAIT_AT until the warning comes (the fault injection's
+    `wait`), and the warning itself stops them, at WAIT_AT or before."""
+    job, log, runs = _submit(slurm, tmp_path, "--time=2", "--signal=B:USR1@115",
+                             MEGATRON_MESH_FAULT=f"*:{WAIT_AT}:wait")
     deadline, held_since = time.monotonic() + JOB_TIMEOUT, None
     while (info := slurm.job_info(job))["JobState"] not in TERMINAL_STATES:
         assert time.monotonic() < deadline, f"job {job} still {info['JobState']}"
@@ -144,7 +149,7 @@ def test_time_limit_saves_requeues_and_losses_continue(slurm, uninterrupted, tmp
     assert int(info["Restarts"]) >= 1, text[-4000:]
     stops = [int(n) for n in re.findall(r"SIGUSR1 received: saving and exiting after "
                                         r"iteration (\d+)", text)]
-    assert stops and 0 < stops[0] < ITERS, text[-4000:]
+    assert stops and 0 < stops[0] <= WAIT_AT, text[-4000:]
     assert text.count("requeued to go on from the checkpoint") == len(stops)
     assert f"loaded checkpoint {runs / f'mesh-cpu-{job}' / 'checkpoints' / f'iter_{stops[0]:07d}'}" \
         in text, text[-4000:]

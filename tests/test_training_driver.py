@@ -14,28 +14,14 @@ import re
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
-from preloaded import Run, launch, launch_nodes
+from preloaded import TINY, Run, build_indexed_dataset, launch, launch_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 ITERS = 8
 SAVE_EVERY = 4
 DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
 MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"]
-
-
-def _build_indexed_dataset(prefix: str) -> None:
-    """Arithmetic token sequences (learnable) as a Megatron indexed dataset."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    rng = np.random.default_rng(0)
-    for _ in range(64):
-        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(40, 120)
-        builder.add_document((start + step * np.arange(n)) % 255, [int(n)])
-    builder.finalize(prefix + ".idx")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +32,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
     prefix = str(work / "arith")
-    _build_indexed_dataset(prefix)
+    build_indexed_dataset(prefix)
     return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
             "--data-cache-path", str(work / "index-cache")]
 
@@ -301,7 +287,8 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
     from megatron_mesh.memory import streamed_schedule
-    from megatron_mesh.traffic import AttentionShape, mesh_traffic
+    from megatron_mesh.traffic import mesh_traffic
+    from megatron_mesh.values import AttentionShape
 
     assert mesh_run.returncode == 0, mesh_run.output[-3000:]
     # tiny-cpu.yaml: 2 layers, 2 micro-batches of 2 x 64 tokens, 4 heads / 2 groups of 16, fp32

@@ -12,14 +12,13 @@ import time
 
 import torch
 
-from megatron_mesh.planner.workload import BACKWARD_FLOPS_RATIO
+from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
 def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
     """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]."""
     sq, b, hq, d = q.shape
-    flops = 4.0 * sq * k.shape[0] * hq * d * b
-    return flops / 2 if causal else flops
+    return attention_flops(sq, k.shape[0], b, hq, d, causal)
 
 
 class EmulatedKernel:

@@ -21,7 +21,7 @@ from megatron_mesh.emulation.cluster import Emulation
 RING_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
-class ShapedLinks:
+class ShapedLinks(comm.Observing):
     """The links of global rank `rank` (on node rank // gpus_per_node), while the context is
     open: every collective of `megatron_mesh.comm` takes at least the emulated time.
 
@@ -37,12 +37,9 @@ class ShapedLinks:
         self.seconds = {"intra": 0.0, "inter": 0.0}
         self.bytes = {"intra": 0, "inter": 0}
 
-    def __enter__(self) -> "ShapedLinks":
-        comm._links.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        comm._links.remove(self)
+    def observe(self, transfer: comm.Transfer) -> float:
+        """The `comm.Observer` hook: the transfer's sends reserved on this rank's links."""
+        return self.reserve(transfer.op, transfer.sends(), transfer.group_ranks())
 
     def node_of(self, rank: int) -> int:
         return rank // self.emulation.modelled.gpus_per_node

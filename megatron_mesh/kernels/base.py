@@ -6,10 +6,20 @@ handled by the kernel; K/V are never expanded by the caller).
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+logger = logging.getLogger("megatron_mesh.kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def log_once(message: str) -> None:
+    """Logs `message` (INFO, logger 'megatron_mesh.kernels') the first time it is given."""
+    logger.info(message)
 
 
 @dataclass(frozen=True)

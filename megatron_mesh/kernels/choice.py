@@ -10,13 +10,11 @@ logged once per distinct reason (`log_skips`).
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("megatron_mesh.kernels")
+from .base import log_once
 
 HALF = (torch.float16, torch.bfloat16)
 SM80 = (8, 0)
@@ -151,12 +149,6 @@ def log_skips(choice: Choice, what: str) -> None:
     """Logs each (op, reason) of `choice.skipped` once per process."""
     for op, why in choice.skipped:
         log_once(f"{what}: {op} not used: {why}")
-
-
-@functools.lru_cache(maxsize=None)
-def log_once(message: str) -> None:
-    """Logs `message` (INFO, logger 'megatron_mesh.kernels') the first time it is given."""
-    logger.info(message)
 
 
 def _sm(cap: tuple[int, int] | None) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from . import choice
+from .base import log_once
 from .torch_flash import TorchFlashKernel
 
 MIN_VERSION = (2, 1)
@@ -378,7 +378,7 @@ class TEFusedKernel:
             except Exception as e:  # a query that fails says no more than a refusal
                 why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
             if why is not None:
-                choice.log_once(f"te tile kernel: {why}; these tiles run on "
+                log_once(f"te tile kernel: {why}; these tiles run on "
                                 f"{self._fallback.name}")
             takes = self._takes[key] = why is None
         return takes

@@ -18,11 +18,12 @@ from megatron_mesh.megatron.shape import (
     parse_mesh_shape,
     resolve_mesh_shape,
 )
-from megatron_mesh.plan import (
+from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
+    check_positive_int,
 )
 
 logger = logging.getLogger(__name__)
@@ -195,8 +196,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
     algo = resolve_context_parallel_algo(args)
     cp_size = getattr(args, "context_parallel_size", None)
     cp_size = 1 if cp_size is None else cp_size
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
-        raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
+    check_positive_int("context-parallel size", cp_size)
     seq_length = getattr(args, "seq_length", None)
     if seq_length is not None:
         check_zigzag_divisible(seq_length, cp_size, "--seq-length", "--context-parallel-size")

@@ -16,6 +16,7 @@ __all__ = [
     "MEGATRON_CORE_VERSION",
     "SUPPORTED",
     "check_supported_version",
+    "have_transformer_engine",
     "get_batch_on_this_cp_rank",
     "null_tokenizer_library",
     "null_tokenizer_options",
@@ -23,6 +24,15 @@ __all__ = [
 
 SUPPORTED = (Version("0.16.1"), Version("0.20"))
 """[lowest, first unsupported) megatron-core versions; both ends are tested in CI."""
+
+
+@functools.cache
+def have_transformer_engine() -> bool:
+    """Whether Transformer Engine is installed (found, not imported: importing it is slow
+    and needs CUDA libraries; the layers that use it import it themselves)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _installed_version() -> Version:

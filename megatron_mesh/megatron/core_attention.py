@@ -21,7 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
-from megatron_mesh.checks import DEFAULT_SCHEDULE, check_options
+from megatron_mesh.checks import check_options
 from megatron_mesh.documents import Documents
 from megatron_mesh.megatron.arguments import ALGORITHMS
 from megatron_mesh.megatron.groups import (
@@ -30,7 +30,7 @@ from megatron_mesh.megatron.groups import (
     single_rank_grid,
 )
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 # with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)

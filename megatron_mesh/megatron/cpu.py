@@ -20,13 +20,17 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_mesh.megatron.patches import patched
+
 __all__ = ["megatron_on_cpu"]
 
 
 def _is_cuda(device: Any) -> bool:
-    if isinstance(device, (str, torch.device)) or (
-        isinstance(device, int) and not isinstance(device, bool)
-    ):
+    """A CUDA device: 'cuda[:n]', torch.device('cuda', n) or a bare index n (megatron-core
+    passes `torch.cuda.current_device()`, an index, as a device)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, (str, torch.device)):
         try:
             return torch.device(device).type == "cuda"
         except (RuntimeError, ValueError):
@@ -57,38 +61,25 @@ class _CudaRequestsOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cpu_current_device() -> str:
-    return "cpu"
-
-
-def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
-
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
+CPU_PATCHES = ("torch.cuda.current_device", "torch.cuda.current_stream", "torch.cuda.synchronize",
+               "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+               "megatron.core.tensor_parallel.random._set_cuda_rng_state")
 
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Context for building and running megatron-core models without CUDA; no-op with CUDA.
 
-    Also makes `torch.cuda.current_device()` answer "cpu", `torch.cuda.current_stream()` the
-    CPU's (no-op) stream, `torch.cuda.synchronize()` a no-op and megatron-core's CUDA
-    generator state empty (for the rest of the process): megatron-core asks the first where to
-    put RoPE frequencies and buffers, its DDP (0.19) waits on the second's events before a
-    gradient reduction, its checkpoint writer calls the third, and it saves the last around
-    recomputed activations.
+    Also, within the block (`patches.patched`, restored on exit), `torch.cuda.current_device()`
+    answers "cpu",
+    `torch.cuda.current_stream()` the CPU's (no-op) stream, `torch.cuda.synchronize()` is a
+    no-op and megatron-core's CUDA generator state is empty: megatron-core asks the first
+    where to put RoPE frequencies and buffers, its DDP (0.19) waits on the second's events
+    before a gradient reduction, its checkpoint writer calls the third, and it saves the last
+    around recomputed activations.
     """
     if torch.cuda.is_available():
         yield
         return
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    torch.cuda.current_device = _cpu_current_device
-    torch.cuda.current_stream = torch.cpu.current_stream
-    torch.cuda.synchronize = _nothing
-    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
-    megatron_random._set_cuda_rng_state = _nothing
-    with _CudaRequestsOnCpu():
+    with patched(*CPU_PATCHES), _CudaRequestsOnCpu():
         yield

@@ -21,7 +21,7 @@ from megatron_mesh.megatron.shape import (
     describe_mesh_shape,
     resolve_mesh_shape,
 )
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 
 logger = logging.getLogger(__name__)
 

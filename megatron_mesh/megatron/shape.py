@@ -11,10 +11,17 @@ import re
 from typing import Mapping
 
 from megatron_mesh.checks import check_zigzag_divisible
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.search import grid_key
-from megatron_mesh.traffic import mesh_shapes, shapes_text
+from megatron_mesh.values import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    check_positive_int,
+    heads_sizes,
+    mesh_shapes,
+    shape_text,
+    shapes_text,
+)
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 
@@ -93,8 +100,7 @@ def check_mesh_heads(heads: int, cp_size: int, q_heads: int | None, kv_heads: in
                      tensor_parallel_size: int = 1) -> None:
     """ValueError unless the all-to-all size A divides the CP size and this TP rank's query
     heads (its K/V heads are then repeated to lcm(A, hkv) where A exceeds them)."""
-    fits = [a for a in range(1, cp_size + 1)
-            if cp_size % a == 0 and (q_heads is None or q_heads % a == 0)]
+    fits = heads_sizes(cp_size, q_heads)
     if heads in fits:
         return
     after_tp = f" after tensor parallelism {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
@@ -109,9 +115,8 @@ def check_mesh_heads(heads: int, cp_size: int, q_heads: int | None, kv_heads: in
 def combine_shape(mesh_shape: object, mesh_heads: int | None) -> tuple[GridShape | None, int | None]:
     """--mesh-shape and --mesh-heads as one request: (the full (A, R, C) or None, the heads A
     asked for or None). ValueError when an 'AxRxC' shape disagrees with --mesh-heads."""
-    if mesh_heads is not None and (not isinstance(mesh_heads, int)
-                                   or isinstance(mesh_heads, bool) or mesh_heads < 1):
-        raise ValueError(f"--mesh-heads {mesh_heads!r} must be a positive integer")
+    if mesh_heads is not None:
+        check_positive_int("--mesh-heads", mesh_heads)
     shape = as_mesh_shape(mesh_shape)
     if shape is None:
         return None, mesh_heads
@@ -222,8 +227,7 @@ def resolve_mesh_shape(
     builder call it with the same values (`cp_ranks_per_node()` for the node size), so they
     cannot disagree.
     """
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
-        raise ValueError(f"context-parallel size {cp_size!r} must be a positive integer")
+    check_positive_int("context-parallel size", cp_size)
     if seq_length is not None:
         check_zigzag_divisible(seq_length, cp_size)
     if num_attention_heads is not None and num_query_groups is not None:

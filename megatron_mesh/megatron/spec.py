@@ -11,13 +11,13 @@ attention at CP = 1 and names the missing package at CP > 1.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from typing import Any
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mesh.megatron.arguments import ALGORITHMS
+from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.megatron.core_attention import (
     MeshDotProductAttention,
     MeshDotProductAttentionInTEState,
@@ -119,7 +119,7 @@ def get_gpt_layer_spec(
 
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
-    schedule the mesh schedule (checks.SCHEDULES), grad_reduce_dtype the dtype of the
+    schedule the mesh schedule (`values.SCHEDULE_NAMES`), grad_reduce_dtype the dtype of the
     gradient exchange (fp32 / input).
     """
     from megatron.core.models.gpt import gpt_layer_specs
@@ -127,7 +127,7 @@ def get_gpt_layer_spec(
     if kwargs.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention is not supported by MeshDotProductAttention")
     if use_te:
-        if importlib.util.find_spec("transformer_engine") is None:
+        if not have_transformer_engine():
             raise ValueError(
                 "use_te=True needs Transformer Engine (pip install transformer-engine[pytorch]); "
                 "use use_te=False for the local spec, which works with the mesh without it"

@@ -2,7 +2,7 @@
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Transfer, Unavailable
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.placement import Placement, mesh_placement
-from megatron_mesh.planner.search import Plan, choose_grid_shape, choose_mesh_shape, plan, search
+from megatron_mesh.planner.search import Plan, plan, search
 from megatron_mesh.planner.workload import Workload
 
 __all__ = [
@@ -14,8 +14,6 @@ __all__ = [
     "Transfer",
     "Unavailable",
     "Workload",
-    "choose_grid_shape",
-    "choose_mesh_shape",
     "mesh_placement",
     "plan",
     "search",

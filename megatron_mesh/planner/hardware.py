@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.values import check_positive_int
+
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTRA_NODE_BW = 360.0
 DEFAULT_INTER_NODE_BW = 45.0
@@ -29,9 +31,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("intra_node_bw", "inter_node_bw", "attention_tflops"):
             value = getattr(self, name)
             if not value > 0:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megatron_mesh.grid import dim_groups
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.values import GridShape
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,7 @@ def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1) -> Pl
     """The placement of a heads x rows x cols grid over `cluster` (most nodes any group
     spans)."""
     p = cluster.gpus
-    if heads * rows * cols != p:
-        raise ValueError(f"mesh shape {heads}x{rows}x{cols} (heads x rows x cols) does not "
-                         f"multiply to {p} GPUs")
+    GridShape(heads, rows, cols).check_cp_size(p)
     col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)
 
     def span(groups: list[list[int]]) -> int:

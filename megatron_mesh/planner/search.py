@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from megatron_mesh.plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, MeshPlan
+from megatron_mesh import values
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -23,7 +22,14 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import grid_shapes, mesh_shapes, shapes_text
+from megatron_mesh.values import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    MeshPlan,
+    grid_shapes,
+    mesh_shapes,
+    shapes_text,
+)
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ def grid_key(estimate: Estimate) -> tuple[float, float, int, int, int, int]:
 def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
     """Every all-to-all size A > 1 of a heads x rows x cols grid: A divides P and the query
     heads (K/V heads are repeated where A exceeds them)."""
-    return [a for a in range(2, cp_size + 1) if cp_size % a == 0 and workload.num_heads % a == 0]
+    return [a for a in values.heads_sizes(cp_size, workload.num_heads) if a > 1]
 
 
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
@@ -220,21 +226,3 @@ def plan(
     )
     return search(workload, cluster, overlap)
 
-
-def choose_mesh_shape(cp_size: int, **keywords: Any) -> tuple[int, int]:
-    """(rows, cols) of the fastest predicted mesh for a CP group of `cp_size` ranks; the
-    keywords are `plan`'s (num_heads, num_kv_heads, head_dim, seq_length, gpus_per_node, ...).
-
-    `gpus_per_node` counts CP ranks per node: with tensor parallelism inside the node and
-    CP ranks strided by it, pass GPUs per node // TP. With objects: `search(workload,
-    cluster).mesh_plan`.
-    """
-    return plan(cp_size, **keywords).mesh_plan.shape
-
-
-def choose_grid_shape(cp_size: int, **keywords: Any) -> tuple[int, int, int]:
-    """(heads, rows, cols) of the fastest predicted grid for a CP group of `cp_size` ranks,
-    heads = 1 included (the 2D meshes); the keywords are `plan`'s."""
-    chosen = plan(cp_size, **keywords).best_grid
-    assert chosen is not None and chosen.grid_shape is not None
-    return chosen.grid_shape

@@ -4,19 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mesh.checks import check_zigzag_divisible
-from megatron_mesh.dtypes import DTYPE_BYTES
-from megatron_mesh.plan import (
+from megatron_mesh.plan import resolve_plan
+from megatron_mesh.values import (
+    BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
+    AttentionShape,
     MeshPlan,
-    resolve_plan,
+    attention_flops,
+    check_positive_int,
+    one_of,
 )
-from megatron_mesh.traffic import AttentionShape
-
-MESH_GRAD_REDUCE_DTYPES = GRAD_DTYPE_NAMES
-BACKWARD_FLOPS_RATIO = 2.5
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
@@ -50,11 +49,8 @@ class Workload:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        if self.mesh_grad_reduce_dtype not in GRAD_DTYPE_NAMES:
-            raise ValueError(
-                f"mesh_grad_reduce_dtype {self.mesh_grad_reduce_dtype!r} is not one of "
-                f"{', '.join(GRAD_DTYPE_NAMES)}"
-            )
+        one_of("mesh_grad_reduce_dtype", self.mesh_grad_reduce_dtype, GRAD_DTYPE_NAMES)
+        one_of("mesh_schedule", self.mesh_schedule, SCHEDULE_NAMES)
         if self.doc_lengths is not None:
             object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
             if not self.doc_lengths or any(
@@ -63,10 +59,6 @@ class Workload:
             if sum(self.doc_lengths) != self.seq_length:
                 raise ValueError(f"doc_lengths sum to {sum(self.doc_lengths)}, but seq_length "
                                  f"is {self.seq_length}; packed documents fill the sequence")
-        if self.mesh_schedule not in SCHEDULE_NAMES:
-            raise ValueError(
-                f"mesh_schedule {self.mesh_schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}"
-            )
 
     @property
     def dtype_bytes(self) -> int:
@@ -97,11 +89,12 @@ class Workload:
 
     def forward_flops(self) -> float:
         """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal. With
-        packed documents, the sum of 4 * L^2 ... over the documents instead of S^2."""
-        squares = (self.seq_length**2 if self.doc_lengths is None
-                   else sum(n * n for n in self.doc_lengths))
-        flops = 4.0 * squares * self.num_heads * self.head_dim * self.batch
-        return flops / 2 if self.causal else flops
+        packed documents, the sum of that over the documents (each its own S)."""
+        if self.doc_lengths is None:
+            return attention_flops(self.seq_length, self.seq_length, self.batch,
+                                   self.num_heads, self.head_dim, self.causal)
+        return sum(attention_flops(n, n, self.batch, self.num_heads, self.head_dim, self.causal)
+                   for n in self.doc_lengths)
 
     def backward_flops(self) -> float:
         """2.5 x forward: five S x S matmuls (QK^T recomputed, dV, dP, dQ, dK) against two."""

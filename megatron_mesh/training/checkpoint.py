@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_mesh.megatron.patches import patched
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest, write_manifest
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
@@ -96,22 +97,6 @@ def latest_iteration(root: str) -> int | None:
                               f"({e}); {_older(root)}") from None
 
 
-@contextlib.contextmanager
-def _host_sync_without_cuda() -> Iterator[None]:
-    """dist_checkpointing's writer calls torch.cuda.synchronize() after staging tensors in
-    host memory; with CPU tensors there is nothing to wait for, and without CUDA the call
-    raises, so it is a no-op for the duration of a save."""
-    if has_cuda():
-        yield
-        return
-    original = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda device=None: None
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = original
-
-
 def _exit_with_parent() -> None:
     """Runs in the checkpoint writer's manager process: end it when its rank process ends."""
     parent = os.getppid()
@@ -130,7 +115,8 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-_RESULTS_MANAGER: Any = None
+_RESULTS_MANAGER: Any = None  # the writer's results manager process and its queue
+_RESULTS_QUEUE: Any = None
 
 
 @contextlib.contextmanager
@@ -148,25 +134,29 @@ def _handled_signals_ignored():
             signal.signal(s, handler)
 
 
-def _writer_manager_exits_with_rank() -> None:
-    """megatron-core's checkpoint writer keeps its results in a queue served by a spawned
-    multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
-    process would linger; start it ourselves, set to exit when the rank does. Forked, as
-    megatron-core forks its writer processes: a spawned one re-imports the driver and
-    megatron-core first (several seconds per rank at the first save)."""
-    global _RESULTS_MANAGER
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return
-    if _RESULTS_MANAGER is not None or getattr(filesystem_async, "_results_queue", 1) is not None:
-        return
-    from multiprocessing.managers import SyncManager
+_QUEUE_PATCH = "megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue"
 
-    _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
-    with _handled_signals_ignored():
-        _RESULTS_MANAGER.start(initializer=_exit_with_parent)
-    filesystem_async._results_queue = _RESULTS_MANAGER.Queue()
+
+def _writer_patches() -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The patches a save runs under (`megatron.patches`), and their values.
+
+    megatron-core's checkpoint writer keeps its results in a queue served by a spawned
+    multiprocessing manager. If the rank is killed (a failed job torn down by torchrun) that
+    process would linger; it is started here instead, set to exit when the rank does, and
+    the writer is given its queue. Forked, as megatron-core forks its writer processes: a
+    spawned one re-imports the driver and megatron-core first (several seconds per rank at
+    the first save). Without CUDA the writer's torch.cuda.synchronize() (called after
+    staging tensors in host memory, which CPU tensors need not wait for) is a no-op."""
+    global _RESULTS_MANAGER, _RESULTS_QUEUE
+    if _RESULTS_MANAGER is None:
+        from multiprocessing.managers import SyncManager
+
+        _RESULTS_MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
+        with _handled_signals_ignored():
+            _RESULTS_MANAGER.start(initializer=_exit_with_parent)
+        _RESULTS_QUEUE = _RESULTS_MANAGER.Queue()
+    names = (_QUEUE_PATCH,) + (() if has_cuda() else ("torch.cuda.synchronize",))
+    return names, {_QUEUE_PATCH: _RESULTS_QUEUE}
 
 
 def _layout() -> list[int]:
@@ -234,8 +224,8 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     dist.barrier()
     sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
                         with_optim=True, with_rng=True)
-    _writer_manager_exits_with_rank()
-    with _host_sync_without_cuda():
+    names, values = _writer_patches()
+    with patched(*names, values=values):
         dist_checkpointing.save(sd, tmp)
     dist.barrier()
     write_manifest(tmp)  # collective: its gather also waits for every rank's files

@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_mesh.training.data import micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.metrics import perplexity
-from megatron_mesh.training.trainer import forward_step, global_loss
+from megatron_mesh.training.step import forward_step, global_loss
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig

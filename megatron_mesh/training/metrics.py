@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron_mesh.plan import shape_text
 from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.values import shape_text
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig

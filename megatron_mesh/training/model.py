@@ -9,7 +9,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megatron_mesh.dtypes import flag_dtype
+from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.pipeline import finalize_grads
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -22,7 +25,7 @@ def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:
 
 
 def transformer_config(args: TrainingConfig) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = flag_dtype(args.bf16, args.fp16)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -71,11 +74,7 @@ def use_transformer_engine(args: TrainingConfig) -> bool:
     """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is there."""
     if args.transformer_impl == "local":
         return False
-    try:
-        import transformer_engine  # noqa: F401
-        te = True
-    except ImportError:
-        te = False
+    te = have_transformer_engine()
     if args.transformer_impl == "transformer_engine" and not te:
         raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
                            "installed; use --transformer-impl local")
@@ -188,8 +187,6 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
         return wrapped
     if args.pipeline_model_parallel_size > 1 or args.calculate_per_token_loss:
         # 1F1B, or the token count known only after the last micro-batch: one reduction then
-        from megatron_mesh.training.pipeline import finalize_grads
-
         config.finalize_model_grads_func = finalize_grads
         return model
     if torch.distributed.get_world_size(dp_cp_group) == 1:

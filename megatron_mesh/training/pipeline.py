@@ -16,8 +16,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_mesh.training.model import unwrap
-
 __all__ = ["batch_keys", "finalize_grads", "report_to_all_stages"]
 
 _FIRST_STAGE_KEYS = ("tokens", "position_ids")
@@ -65,9 +63,9 @@ def _global_token_count(num_tokens: torch.Tensor, dp_cp: dist.ProcessGroup) -> f
     return total.item()
 
 
-def _tied_embedding_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
-    """The word embeddings a first / last stage shares with the other (None if untied)."""
-    gpt = unwrap(chunk)
+def _tied_embedding_weight(gpt: torch.nn.Module) -> torch.nn.Parameter | None:
+    """The word embeddings a first / last stage of a GPTModel (unwrapped: `finalize_grads`
+    serves the unwrapped model of `model.wrap_model`) shares with the other (None if untied)."""
     if not gpt.share_embeddings_and_output_weights:
         return None
     return gpt.shared_embedding_or_output_weight()

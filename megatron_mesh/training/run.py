@@ -7,8 +7,7 @@ import torch.distributed as dist
 
 from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.cpu import megatron_on_cpu
-from megatron_mesh.plan import STREAMED, resolve_plan
-from megatron_mesh.traffic import AttentionShape
+from megatron_mesh.plan import resolve_plan
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches
@@ -27,6 +26,7 @@ from megatron_mesh.training.model import (
 )
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
+from megatron_mesh.values import STREAMED, AttentionShape
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig

@@ -2,7 +2,7 @@
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
-gradients in the dtypes of mesh_grad_reduce_dtype (`plan.GradDtype`). The streamed_kv
+gradients in the dtypes of mesh_grad_reduce_dtype (`values.GradDtype`). The streamed_kv
 schedule passes K/V around the column ring while blocks compute, dK/dV partials travelling
 behind, so column traffic counts as hidden and row traffic as exposed (the forward Q gather
 overlaps only the local diagonal block, which the model ignores); streamed_q hides the row
@@ -17,26 +17,19 @@ slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
 from __future__ import annotations
 
 from megatron_mesh.grid import dim_groups
-from megatron_mesh.plan import Schedule
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import heads_shape, mesh_traffic
-
-
-def schedule_run(workload: Workload, rows: int, cols: int, heads: int = 1) -> str:
-    """The schedule that runs on this shape: "streamed" resolved to its ring."""
-    return workload.mesh_plan(rows, cols, heads).schedule.value
+from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.values import COLUMN, FP32_BYTES, ROW, GridShape
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                    heads: int = 1) -> list[Transfer]:
     p = cluster.gpus
-    if rows < 1 or cols < 1 or heads < 1 or heads * rows * cols != p:
-        raise ValueError(f"mesh shape {heads}x{rows}x{cols} (heads x rows x cols) does not "
-                         f"multiply to {p} GPUs")
+    GridShape(heads, rows, cols).check_cp_size(p)
     plan = workload.mesh_plan(rows, cols, heads)
     traffic = mesh_traffic(workload.attention_shape(), plan)
     col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)
@@ -46,20 +39,18 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     g_q = "fp32" if plan.grad_dtype.dq_in_fp32 else e
     g_kv = "fp32" if plan.grad_dtype.dkv_in_fp32 else e
     hidden = plan.schedule.hidden_direction
-    o = "fp32" if plan.schedule is Schedule.STREAMED_Q else e
-    q, kv, rows_lse = heads_shape(workload.attention_shape(), heads).local_elements(rows * cols)
+    o = "fp32" if plan.partial_out_bytes(workload.dtype_bytes) == FP32_BYTES else e
     # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail
     # their chunks; the rest of each direction's bytes are the chunks themselves
-    out_part = (cols - 1) * (q * plan.partial_out_bytes(workload.dtype_bytes) + 4 * rows_lse)
-    dq_part = (cols - 1) * q * plan.dq_bytes(workload.dtype_bytes)
-    dkv_part = (rows - 1) * kv * plan.dkv_bytes(workload.dtype_bytes)
+    out_part = traffic.forward_row_partials
+    dq_part = traffic.backward_row_partials
+    dkv_part = traffic.backward_col_partials
 
     def row(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
-        return Transfer(phase, "row", tensors, nbytes, row_cross, hidden == "row", cols,
-                        trailing)
+        return Transfer(phase, ROW, tensors, nbytes, row_cross, hidden == ROW, cols, trailing)
 
     def column(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
-        return Transfer(phase, "column", tensors, nbytes, col_cross, hidden == "column", rows,
+        return Transfer(phase, COLUMN, tensors, nbytes, col_cross, hidden == COLUMN, rows,
                         trailing)
 
     a2a = [] if heads == 1 else all_to_all_pair(traffic.forward_heads, traffic.backward_heads,

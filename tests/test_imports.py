@@ -1,0 +1,138 @@
+"""The package's import graph: no cycle anywhere, and the layers import only what is below.
+
+Every module of megatron_mesh/ is parsed (ast, nothing is imported): each `import` and
+`from ... import` statement, at module level or inside a function, is an edge to the
+project module it names (`from pkg import name` goes to pkg.name when that is a module,
+else to pkg).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "megatron_mesh"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under the package."""
+    mods = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
+             mods: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = module.split(".") if is_package else module.split(".")[:-1]
+            up = here[:len(here) - node.level + 1]
+            base = ".".join(up + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in mods:  # a name inside a module: the module
+            name = name.rpartition(".")[0]
+        if name:
+            out.append(name)
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (anywhere in its body)."""
+    graph = {}
+    for module, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges.update(_targets(node, module, path.name == "__init__.py", mods))
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle [a, b, ..., a] of the graph, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_finder_sees_cycles_through_function_level_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "c.py").write_text("import megatron_mesh.a.thing\n")
+    graph = import_graph(module_files(pkg))
+    assert find_cycle(graph) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.a"]
+    (pkg / "c.py").write_text("import os\n")
+    assert find_cycle(import_graph(module_files(pkg))) is None
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(import_graph(module_files()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("module, allowed", [
+    ("values", set()),  # the leaf: nothing of the project
+    ("traffic", {"values"}),
+    ("memory", {"values"}),
+    ("plan", {"values", "memory"}),  # resolving a plan sits above the memory model
+])
+def test_layers_import_only_what_is_below(module, allowed):
+    graph = import_graph(module_files())
+    imported = {m.removeprefix(PACKAGE + ".") for m in graph[f"{PACKAGE}.{module}"]}
+    assert imported <= allowed, f"{module} imports {sorted(imported - allowed)}"
+
+
+def test_values_imports_no_third_party_module():
+    tree = ast.parse((ROOT / "values.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+             for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    assert names <= {"__future__", "dataclasses", "enum", "math"}, names
+
+
+def test_algorithm_layer_never_imports_megatron():
+    """megatron_mesh/ minus megatron/ and training/ stays free of megatron-core."""
+    for module, path in module_files().items():
+        if module.startswith((f"{PACKAGE}.megatron", f"{PACKAGE}.training")) or \
+                module == f"{PACKAGE}.pretrain_gpt":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad = [n for n in names if n and n.split(".")[0] == "megatron"]
+            assert not bad, f"{module} imports {bad}"
