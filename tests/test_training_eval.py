@@ -177,24 +177,28 @@ def _build_text_documents(prefix: str, documents: int) -> int:
 
 def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
     """A few hundred EOD-separated documents of real text on a 2x2 mesh, validation every 10
-    iterations on held-out documents, TensorBoard events: the validation loss falls at every
-    pass, and the log's validation lines are TensorBoard's values."""
+    iterations on held-out documents, TensorBoard events: the validation loss falls (the
+    last two passes well below the first), and the log's validation lines are TensorBoard's
+    values."""
     prefix = str(work / "text")
     assert _build_text_documents(prefix, 400) >= 300
     folder = work / "tb-text"
     run = launch(4, ["--config", TINY, "--data-path", prefix, "--split", "90,10,0",
                      "--data-cache-path", str(work / "text-cache"), "--eod-mask-loss",
-                     "--train-iters", "30", "--lr-decay-iters", "30", "--log-interval", "10",
-                     "--eval-interval", "10", "--eval-iters", "2",
+                     "--train-iters", "40", "--log-interval", "10",
+                     "--eval-interval", "10", "--eval-iters", "4",
                      "--context-parallel-size", "4", "--cp-comm-type", "mesh",
                      "--mesh-shape", "2x2", "--tensorboard-dir", str(folder)])
     assert run.returncode == 0, run.output[-3000:]
     assert " on test set" not in run.output  # --split 90,10,0: no test set
     valid = tensorboard_scalars(folder)["lm loss validation"]
-    assert sorted(valid) == [10, 20, 30], valid
-    assert valid[10] > valid[20] > valid[30], valid
-    assert valid[30] < valid[10] - 0.3, valid
-    assert "validation loss at iteration 30 on validation set | lm loss value: " in run.output
-    for it in (10, 20, 30):
-        line = run.output.split(f" validation loss at iteration {it} | lm loss value: ")[1]
+    assert sorted(valid) == [10, 20, 30, 40], valid
+    # each pass reads the next validation samples (as Megatron-LM): the curve is not smooth
+    assert max(valid[30], valid[40]) < valid[10] - 0.3, valid
+    assert "validation loss at iteration 40 on validation set | lm loss value: " in run.output
+    # the final pass is written at the last iteration after that iteration's own pass, to the
+    # same tag (as Megatron-LM does); the reader's last value at 40 is the final pass
+    for it, prefix in ((10, "iteration 10"), (20, "iteration 20"), (30, "iteration 30"),
+                       (40, "iteration 40 on validation set")):
+        line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]
         assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
