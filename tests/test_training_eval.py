@@ -202,3 +202,17 @@ def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
                        (40, "iteration 40 on validation set")):
         line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]
         assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
+
+
+def test_per_token_loss_with_megatron_ddp_and_distributed_optimizer(
+        per_token_cp1: tuple[Run, dict], eod_args: list[str], work: Path) -> None:
+    """--calculate-per-token-loss through megatron-core's DDP (gradients summed, scaling 1)
+    and finalize_model_grads (divided by the global token count): DP 2 x CP 2 with the
+    distributed optimizer matches CP = 1."""
+    ref_run, ref = per_token_cp1
+    run, got = _job(4, eod_args, work, "pt-distopt", "--calculate-per-token-loss",
+                    "--use-distributed-optimizer", "--context-parallel-size", "2",
+                    "--cp-comm-type", "mesh")
+    assert "x DP 2" in run.output
+    for tag in ("lm loss", "grad-norm", "lm loss validation"):
+        _close(got[tag], ref[tag], 1e-5, f"per-token distopt {tag}")
