@@ -7,12 +7,13 @@ line prints three decimals). Jobs are shared between tests (module fixtures).
 """
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 import numpy as np
 import pytest
 from preloaded import Run, launch
-from test_training_driver import TINY
+from test_training_driver import TINY, _wandb_history
 
 pytestmark = pytest.mark.distributed
 
@@ -188,7 +189,8 @@ def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
                      "--train-iters", "40", "--log-interval", "10",
                      "--eval-interval", "10", "--eval-iters", "4",
                      "--context-parallel-size", "4", "--cp-comm-type", "mesh",
-                     "--mesh-shape", "2x2", "--tensorboard-dir", str(folder)])
+                     "--mesh-shape", "2x2", "--tensorboard-dir", str(folder),
+                     "--wandb-project", "mesh-tests", "--wandb-save-dir", str(work / "wandb")])
     assert run.returncode == 0, run.output[-3000:]
     assert " on test set" not in run.output  # --split 90,10,0: no test set
     valid = tensorboard_scalars(folder)["lm loss validation"]
@@ -202,6 +204,11 @@ def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
                        (40, "iteration 40 on validation set")):
         line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]
         assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
+    (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
+    logged = [(row["_step"], row["lm loss validation"]) for row in _wandb_history(run_dir)
+              if "lm loss validation" in row]
+    assert [step for step, _ in logged] == [10, 20, 30, 40], logged  # one row per step
+    assert logged[-1][1] == pytest.approx(valid[40], rel=1e-6)
 
 
 def test_per_token_loss_with_megatron_ddp_and_distributed_optimizer(
