@@ -101,7 +101,8 @@ def setup_mesh(args, spec_flag_supported: bool = False) -> None:
             "else keep one of Megatron's algorithms)"
         )
     args.mesh_shape = validate_mesh_args(args)
-    initialize_mesh_grids(args.mesh_shape)
+    initialize_mesh_grids(args.mesh_shape,
+                          chosen_by_planner=getattr(args, "mesh_shape_chosen_by_planner", None))
 
 
 def mesh_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,

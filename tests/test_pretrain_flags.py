@@ -209,7 +209,7 @@ def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
 
 
 # Every flag the GPT example scripts of Megatron-LM core_v0.16.1 and core_v0.19.0 pass
-# (examples/gpt3/train_gpt3_175b_distributed.sh, both tags), the flags of the issue's
+# (examples/gpt3/train_gpt3_175b_distributed.sh, both tags), the flags of a Megatron-LM user's
 # Megatron-LM command line, and Megatron-LM's TensorBoard / logging flags, with example values.
 MEGATRON_LM_GPT_FLAGS = [
     # GPT_MODEL_ARGS
@@ -230,7 +230,7 @@ MEGATRON_LM_GPT_FLAGS = [
     # EVAL_AND_LOGGING_ARGS
     "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
     "--eval-iters", "10", "--tensorboard-dir", "tb",
-    # the command line
+    # a Megatron-LM user's command line (fusions off, flash attention, loader workers)
     "--no-gradient-accumulation-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
     "--use-flash-attn", "--num-workers", "2", "--calculate-per-token-loss",
     # Megatron-LM's TensorBoard / logging flags

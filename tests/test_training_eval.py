@@ -7,12 +7,13 @@ line prints three decimals). Jobs are shared between tests (module fixtures).
 """
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 import numpy as np
 import pytest
 from preloaded import Run, launch
-from test_training_driver import TINY
+from test_training_driver import TINY, _wandb_history
 
 pytestmark = pytest.mark.distributed
 
@@ -177,24 +178,48 @@ def _build_text_documents(prefix: str, documents: int) -> int:
 
 def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
     """A few hundred EOD-separated documents of real text on a 2x2 mesh, validation every 10
-    iterations on held-out documents, TensorBoard events: the validation loss falls at every
-    pass, and the log's validation lines are TensorBoard's values."""
+    iterations on held-out documents, TensorBoard events: the validation loss falls (the
+    last two passes well below the first), and the log's validation lines are TensorBoard's
+    values."""
     prefix = str(work / "text")
     assert _build_text_documents(prefix, 400) >= 300
     folder = work / "tb-text"
     run = launch(4, ["--config", TINY, "--data-path", prefix, "--split", "90,10,0",
                      "--data-cache-path", str(work / "text-cache"), "--eod-mask-loss",
-                     "--train-iters", "30", "--lr-decay-iters", "30", "--log-interval", "10",
-                     "--eval-interval", "10", "--eval-iters", "2",
+                     "--train-iters", "40", "--log-interval", "10",
+                     "--eval-interval", "10", "--eval-iters", "4",
                      "--context-parallel-size", "4", "--cp-comm-type", "mesh",
-                     "--mesh-shape", "2x2", "--tensorboard-dir", str(folder)])
+                     "--mesh-shape", "2x2", "--tensorboard-dir", str(folder),
+                     "--wandb-project", "mesh-tests", "--wandb-save-dir", str(work / "wandb")])
     assert run.returncode == 0, run.output[-3000:]
     assert " on test set" not in run.output  # --split 90,10,0: no test set
     valid = tensorboard_scalars(folder)["lm loss validation"]
-    assert sorted(valid) == [10, 20, 30], valid
-    assert valid[10] > valid[20] > valid[30], valid
-    assert valid[30] < valid[10] - 0.3, valid
-    assert "validation loss at iteration 30 on validation set | lm loss value: " in run.output
-    for it in (10, 20, 30):
-        line = run.output.split(f" validation loss at iteration {it} | lm loss value: ")[1]
+    assert sorted(valid) == [10, 20, 30, 40], valid
+    # each pass reads the next validation samples (as Megatron-LM): the curve is not smooth
+    assert max(valid[30], valid[40]) < valid[10] - 0.3, valid
+    assert "validation loss at iteration 40 on validation set | lm loss value: " in run.output
+    # the final pass is written at the last iteration after that iteration's own pass, to the
+    # same tag (as Megatron-LM does); the reader's last value at 40 is the final pass
+    for it, prefix in ((10, "iteration 10"), (20, "iteration 20"), (30, "iteration 30"),
+                       (40, "iteration 40 on validation set")):
+        line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]
         assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
+    (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
+    logged = [(row["_step"], row["lm loss validation"]) for row in _wandb_history(run_dir)
+              if "lm loss validation" in row]
+    assert [step for step, _ in logged] == [10, 20, 30, 40], logged  # one row per step
+    assert logged[-1][1] == pytest.approx(valid[40], rel=1e-6)
+
+
+def test_per_token_loss_with_megatron_ddp_and_distributed_optimizer(
+        per_token_cp1: tuple[Run, dict], eod_args: list[str], work: Path) -> None:
+    """--calculate-per-token-loss through megatron-core's DDP (gradients summed, scaling 1)
+    and finalize_model_grads (divided by the global token count): DP 2 x CP 2 with the
+    distributed optimizer matches CP = 1."""
+    ref_run, ref = per_token_cp1
+    run, got = _job(4, eod_args, work, "pt-distopt", "--calculate-per-token-loss",
+                    "--use-distributed-optimizer", "--context-parallel-size", "2",
+                    "--cp-comm-type", "mesh")
+    assert "x DP 2" in run.output
+    for tag in ("lm loss", "grad-norm", "lm loss validation"):
+        _close(got[tag], ref[tag], 1e-5, f"per-token distopt {tag}")
