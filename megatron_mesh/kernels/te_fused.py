@@ -41,6 +41,7 @@ PACKED_STATS_CUDNN = (9, 6, 0)  # from this cuDNN on, TE's thd softmax stats are
 SM120 = (12, 0)  # where TE 2.14+ keeps per-document stats for thd (no ragged stats there)
 TE_SM120_DENSE_STATS = (2, 14)
 TE_STATS_EXACT_TOKENS = (2, 11)  # before: per-token stats rows rounded up (`te_max_tokens`)
+MAX_ASKED = 4096  # tile shapes whose backend-query answer a kernel keeps
 BACKEND = "F16_arbitrary_seqlen"
 TE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -561,11 +562,15 @@ class TEFusedKernel:
         if not _uses_te(q):
             return False
         capturing = torch.cuda.is_current_stream_capturing()
-        docs = None if segments is None else (len(segments.cu_q) - 1, segments.max_q,
-                                              segments.max_kv)
-        key = (q.shape, k.shape, q.dtype, causal, capturing, docs)
+        if segments is None:
+            key: tuple = (q.shape, k.shape, q.dtype, causal, capturing)
+        else:  # what TileSpec.of_documents reads: the documents change every batch
+            key = (q.shape[2:], k.shape[2], q.dtype, causal, capturing, len(segments.cu_q),
+                   segments.max_q, segments.max_kv, segments.cu_q[-1], segments.cu_kv[-1])
         takes = self._takes.get(key)
         if takes is None:
+            if len(self._takes) >= MAX_ASKED:
+                self._takes.clear()  # documents of ever new lengths: ask again, bounded
             sq, b, hq, d = q.shape
             if segments is None:
                 spec = TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
