@@ -370,7 +370,7 @@ def _load() -> _TE:
 def _torch_cudnn() -> tuple[int, int, int]:
     """torch's cuDNN version as (major, minor, patch), e.g. 90100 -> (9, 1, 0)."""
     v = torch.backends.cudnn.version() or 0
-    return (v // 10000, v % 10000 // 100, v % 100) if v >= 9000 else (v // 1000,
+    return (v // 10000, v % 10000 // 100, v % 100) if v >= 90000 else (v // 1000,
                                                                         v % 1000 // 100, v % 100)
 
 
@@ -555,6 +555,7 @@ class TEFusedKernel:
             documents_fallback = self._fallback if takes else TorchFlashKernel()
         self._documents_fallback = documents_fallback
         self._takes: dict[tuple, bool] = {}
+        self._told_documents = False
 
     def _te_takes(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
                   segments: Segments | None = None) -> bool:
@@ -584,8 +585,14 @@ class TEFusedKernel:
                 why = te_rejects(spec)
             except Exception as e:  # a query that fails says no more than a refusal
                 why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
-            if why is not None:
+            if why is not None and segments is None:
                 choice.log_once(f"te tile kernel: {why}; these tiles run on {fallback.name}")
+            elif why is not None and not self._told_documents:
+                # document tiles differ in lengths from batch to batch: said once, not per shape
+                self._told_documents = True
+                choice.log_once(f"te tile kernel: {why}; these tiles, and any other packed-"
+                                f"document tile TE turns down (not logged), run on "
+                                f"{fallback.name}")
             takes = self._takes[key] = why is None
         return takes
 
@@ -660,8 +667,9 @@ class TEFusedKernel:
 
     # Packed documents: [t, 1, h, d] -> TE's thd [t, h, d] (a view) and back.
 
-    def _documents_forward(self, q, k, v, causal: bool, softmax_scale: float,
-                           segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    def _documents_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           causal: bool, softmax_scale: float, segments: Segments
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [t_q, 1, hq, d], lse [1, hq, t_q] fp32 of one tile over packed documents."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
@@ -686,8 +694,10 @@ class TEFusedKernel:
                 f"{te.cudnn()}): not the {BACKEND} backend, or a stats layout not known here")
         return out.unsqueeze(1), lse_from_te(stats, segments)
 
-    def _documents_backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                            segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _documents_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                            softmax_scale: float, segments: Segments
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [t_q, 1, hq, d], dk, dv [t_kv, 1, hkv, d]; out / lse are the whole row's."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
