@@ -20,7 +20,14 @@ import torch
 from test_kernels_te import _FWD_REQUIRED, ATTENTION_PARAMS, BACKEND, RELEASES, SIGNATURES, TE_BF16
 
 from megatron_mesh.documents import Documents, thd_partition_indices
-from megatron_mesh.kernels import Choice, TorchFlashKernel, build, takes_documents, te_fused
+from megatron_mesh.kernels import (
+    Choice,
+    TorchFlashKernel,
+    build,
+    get_kernel,
+    takes_documents,
+    te_fused,
+)
 from megatron_mesh.kernels.base import Segments
 from megatron_mesh.kernels.te_fused import (
     TEFusedKernel,
@@ -185,6 +192,14 @@ def test_te_kernel_takes_documents_and_falls_back_past_cudnn() -> None:
     assert kernel._documents_fallback.flash
     no_flash = build(Choice(("te", "cudnn", "efficient")))
     assert not no_flash._documents_fallback.flash
+
+
+def test_get_kernel_for_documents_passes_over_cudnn() -> None:
+    meta = torch.device("meta")
+    assert get_kernel("auto", meta, torch.bfloat16, 64, documents=True).name == "torch"
+    assert get_kernel("cudnn", meta, torch.bfloat16, 64).name == "cudnn"
+    with pytest.raises(ValueError, match="backend='cudnn' does not take packed documents"):
+        get_kernel("cudnn", meta, torch.bfloat16, 64, documents=True)
 
 
 def _tiles(lengths: tuple[int, ...], padded: tuple[int, ...], cp_size: int, causal: bool,
