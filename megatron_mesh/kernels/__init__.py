@@ -49,8 +49,9 @@ def get_kernel(
     everywhere. Skipped ops are logged once with their reason. A `TileKernel` object (e.g.
     the emulated one of `megatron_mesh.emulation`) is returned as it is.
     With `documents` (packed sequences) only kernels that take them (`takes_documents`)
-    are chosen: 'auto' falls back to torch's ops, a named backend that cannot raises
-    ValueError.
+    are chosen: Transformer Engine's does ("thd", asked per tile; tiles it turns down run
+    on torch's ops), torch's cuDNN op does not: there 'auto' falls back to torch's ops and
+    'cudnn' raises ValueError.
     """
     check_backend(backend)
     if is_kernel(backend):
@@ -81,7 +82,9 @@ def build(chosen: Choice) -> TileKernel:
     if op == "te":
         from .te_fused import TEFusedKernel
 
-        return TEFusedKernel(fallback=build(Choice(rest)))
+        # packed documents fall back past torch's cuDNN op, which does not take them
+        documents = build(Choice(tuple(o for o in rest if o != "cudnn")))
+        return TEFusedKernel(fallback=build(Choice(rest)), documents_fallback=documents)
     if op == "cudnn":
         return CudnnKernel()
     return TorchFlashKernel(flash=op in ("cpu", "flash"))

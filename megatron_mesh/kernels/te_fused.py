@@ -6,6 +6,11 @@ come back with hkv heads), after TE's own backend query (`get_attention_backend`
 accepted the tile's shape, dtype, heads, mask and window. The keyword arguments come from
 `fwd_kwargs` / `bwd_kwargs`, pure functions of the installed function's parameter names
 (its Python signature changed in 2.8, 2.9, 2.10, 2.12 and 2.15, see docs/kernels.md).
+Packed documents (a tile's `Segments`) run as TE's "thd_thd_thd" layout: q [t, hq, d],
+k / v [t, hkv, d] with cu_seqlens = the documents' bounds, masks "padding" /
+"padding_causal"; TE's softmax stats come back per token ([t', hq, 1], cuDNN >= 9.6) or per
+document ([docs, hq, max_q, 1], older cuDNN and sm120 from TE 2.14) and are converted to
+and from our [1, hq, t] (`lse_from_te`, `lse_to_te`).
 TE is imported lazily, and only when it can be chosen: this module imports without it.
 """
 from __future__ import annotations
@@ -23,12 +28,16 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from .base import log_once
+from .base import Segments, log_once
+from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
 from .torch_flash import TorchFlashKernel
 
 MIN_VERSION = (2, 1)
 QKV_LAYOUT = "sbhd_sbhd_sbhd"
 FORMAT = "sbhd"
+THD_LAYOUT = "thd_thd_thd"
+THD_FORMAT = "thd"
+MAX_ASKED = 4096  # tile shapes whose backend-query answer a kernel keeps
 BACKEND = "F16_arbitrary_seqlen"
 TE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,8 +67,11 @@ def minor_version(version: str) -> tuple[int, int]:
     return minor
 
 
-def _mask(causal: bool) -> tuple[str, tuple[int, int]]:
-    """attn_mask_type and the window_size TE pairs with it (top-left causal, or none)."""
+def _mask(causal: bool, documents: bool = False) -> tuple[str, tuple[int, int]]:
+    """attn_mask_type and the window_size TE pairs with it (top-left causal, or none);
+    packed documents take the padding masks (each document its own sequence)."""
+    if documents:
+        return ("padding_causal", (-1, 0)) if causal else ("padding", (-1, -1))
     return ("causal", (-1, 0)) if causal else ("no_mask", (-1, -1))
 
 
@@ -172,6 +184,68 @@ def bwd_kwargs(
     return kw
 
 
+def _thd(kw: dict[str, Any], segments: Segments, causal: bool) -> dict[str, Any]:
+    """kw (built for sbhd) turned into the call on packed documents: "thd_thd_thd", padding
+    masks, cu_seqlens and their padded offsets (the same: the rows of each document are
+    contiguous, nothing between them) from `segments`, max_seqlen its longest document."""
+    mask, window = _mask(causal, documents=True)
+    kw.update(
+        max_seqlen_q=segments.max_q, max_seqlen_kv=segments.max_kv,
+        cu_seqlens_q=segments.cu_q_tensor, cu_seqlens_kv=segments.cu_kv_tensor,
+        cu_seqlens_q_padded=segments.cu_q_tensor, cu_seqlens_kv_padded=segments.cu_kv_tensor,
+        qkv_layout=THD_LAYOUT, attn_mask_type=mask, window_size=window,
+    )
+    for name in ("o_format", "do_format"):
+        if name in kw:
+            kw[name] = THD_FORMAT
+    if "dqkv_layout" in kw:
+        kw["dqkv_layout"] = THD_LAYOUT
+    return kw
+
+
+def thd_fwd_kwargs(
+    params: Collection[str],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    causal: bool,
+    softmax_scale: float,
+    backend: Any,
+    cuda_graph: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `fused_attn_fwd` (parameter names `params`) for one tile of
+    packed documents: q [t_q, hq, d], k / v [t_kv, hkv, d] (t = the documents' rows)."""
+    kw = fwd_kwargs(params, q, k, v, segments.cu_q_tensor, segments.cu_kv_tensor, causal,
+                    softmax_scale, backend, cuda_graph)
+    return _thd(kw, segments, causal)
+
+
+def thd_bwd_kwargs(
+    params: Collection[str],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    aux_ctx_tensors: Sequence[torch.Tensor],
+    segments: Segments,
+    causal: bool,
+    softmax_scale: float,
+    backend: Any,
+    dqkv_te_dtype: Any,
+    cuda_graph: bool = False,
+    deterministic: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `fused_attn_bwd` (parameter names `params`) for one tile of
+    packed documents: out, dout [t_q, hq, d]; aux_ctx_tensors = [softmax stats in TE's
+    layout (`lse_to_te`), rng_state]."""
+    kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, segments.cu_q_tensor,
+                    segments.cu_kv_tensor, causal, softmax_scale, backend, dqkv_te_dtype,
+                    cuda_graph, deterministic)
+    return _thd(kw, segments, causal)
+
+
 @dataclass(frozen=True)
 class _TE:
     """The imported pieces of Transformer Engine this kernel uses."""
@@ -181,6 +255,11 @@ class _TE:
     backend: Any
     te_dtype: Any  # torch dtype -> TE DType
     selection: ModuleType | None  # the module with AttentionParams / get_attention_backend
+    cudnn: Callable[[], tuple[int, int, int]]  # the cuDNN version TE runs on
+
+    @property
+    def minor(self) -> tuple[int, int]:
+        return minor_version(self.version)
 
 
 # Where TE keeps its backend query (AttentionParams, get_attention_backend), newest first:
@@ -212,8 +291,17 @@ def _load() -> _TE:
         if hasattr(module, "get_attention_backend") and hasattr(module, "AttentionParams"):
             selection = module
             break
+    utils = importlib.import_module("transformer_engine.pytorch.utils")
+    cudnn = getattr(utils, "get_cudnn_version", None) or _torch_cudnn
     return _TE(version, fused_attn, fused_attn.FusedAttnBackend[BACKEND], constants.TE_DType,
-               selection)
+               selection, cudnn)
+
+
+def _torch_cudnn() -> tuple[int, int, int]:
+    """torch's cuDNN version as (major, minor, patch), e.g. 90100 -> (9, 1, 0)."""
+    v = torch.backends.cudnn.version() or 0
+    return (v // 10000, v % 10000 // 100, v % 100) if v >= 90000 else (v // 1000,
+                                                                        v % 1000 // 100, v % 100)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,14 +339,29 @@ class TileSpec:
     causal: bool
     deterministic: bool
     cuda_graph: bool
+    documents: int = 0  # packed documents in the tile (thd); 0: dense sbhd
+    tokens_q: int = 0  # thd: the tile's query rows (sq, sk are the longest document's)
+    tokens_kv: int = 0
+
+    @classmethod
+    def of_documents(cls, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                     segments: Segments, causal: bool, deterministic: bool, cuda_graph: bool
+                     ) -> TileSpec:
+        """The spec of a tile over packed documents (`segments`)."""
+        return cls(dtype, len(segments.cu_q) - 1, heads, kv_heads, segments.max_q,
+                   segments.max_kv, head_dim, causal, deterministic, cuda_graph,
+                   documents=len(segments.cu_q) - 1, tokens_q=segments.cu_q[-1],
+                   tokens_kv=segments.cu_kv[-1])
 
 
 def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
     """Keyword arguments of TE's `AttentionParams` (whose field names are `fields`) for one
     tile in our layout, mask and window; fields this TE lacks are left out."""
-    mask, window = _mask(spec.causal)
+    thd = spec.documents > 0
+    mask, window = _mask(spec.causal, documents=thd)
     values: dict[str, Any] = dict(
-        qkv_type=torch.Tensor, qkv_dtype=spec.dtype, qkv_layout=QKV_LAYOUT,
+        qkv_type=torch.Tensor, qkv_dtype=spec.dtype,
+        qkv_layout=THD_LAYOUT if thd else QKV_LAYOUT,
         batch_size=spec.batch, num_heads=spec.heads, num_gqa_groups=spec.kv_heads,
         max_seqlen_q=spec.sq, max_seqlen_kv=spec.sk, head_dim_qk=spec.head_dim,
         head_dim_v=spec.head_dim, attn_mask_type=mask, window_size=window,
@@ -266,6 +369,9 @@ def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
         attention_dropout=0.0, deterministic=spec.deterministic, is_training=True, fp8=False,
         softmax_type="vanilla", return_max_logit=False, cuda_graph=spec.cuda_graph,
     )
+    if thd:  # no padding between documents: each starts where the one before ends
+        values.update(pad_between_seqs=False, num_tokens_q=spec.tokens_q,
+                      num_tokens_kv=spec.tokens_kv)
     return {n: val for n, val in values.items() if n in fields}
 
 
@@ -291,7 +397,9 @@ def te_rejects(spec: TileSpec) -> str | None:
     if backend is None:
         return (f"Transformer Engine {te.version} has no fused attention for {spec.dtype}, "
                 f"{spec.heads}/{spec.kv_heads} heads of {spec.head_dim}, sq {spec.sq}, "
-                f"sk {spec.sk}, {'causal' if spec.causal else 'no mask'} on this GPU / cuDNN")
+                f"sk {spec.sk}, {_mask(spec.causal, spec.documents > 0)[0]}"
+                f"{f', {spec.documents} documents (thd)' if spec.documents else ''} "
+                "on this GPU / cuDNN")
     if int(backend) != int(te.backend):
         return (f"Transformer Engine {te.version} picks fused sub-backend {int(backend)}, not "
                 f"{BACKEND} ({int(te.backend)}) whose softmax stats this kernel reads")
@@ -340,6 +448,14 @@ def rng_state(device: torch.device) -> torch.Tensor:
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def _stats_per_token(device: torch.device) -> bool:
+    """`packed_stats` for the installed TE, its cuDNN and `device`'s GPU (asked once)."""
+    te = _load()
+    return packed_stats(te.minor, tuple(te.cudnn()),
+                        tuple(torch.cuda.get_device_capability(device)))
+
+
 def _uses_te(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in TE_DTYPES
 
@@ -347,46 +463,78 @@ def _uses_te(q: torch.Tensor) -> bool:
 class TEFusedKernel:
     """The TileKernel of `kernels/base.py` on TE's cuDNN fused attention.
 
-    Each tile shape is first put to TE's own backend query (`te_rejects`, once per shape);
-    tiles TE turns down, and anything not fp16 / bf16 on CUDA, go to `fallback` (the next
-    choice of `choice.choose`; torch's ops when not given), the reason logged once.
-    `deterministic` follows TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 unless given.
+    Each tile shape (for packed documents: their count and longest lengths) is first put
+    to TE's own backend query (`te_rejects`, once per shape); tiles TE turns down, and
+    anything not fp16 / bf16 on CUDA, go to `fallback` (the next choice of
+    `choice.choose`; torch's ops when not given), tiles of packed documents to
+    `documents_fallback` (`fallback` where it takes documents, else torch's ops), the
+    reason logged once. `deterministic` follows TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
+    unless given.
     """
 
     name = "te"
 
-    def __init__(self, deterministic: bool | None = None, fallback: Any = None) -> None:
+    def __init__(self, deterministic: bool | None = None, fallback: Any = None,
+                 documents_fallback: Any = None) -> None:
         if deterministic is None:
             deterministic = os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
         self.deterministic = deterministic
         self._fallback = fallback if fallback is not None else TorchFlashKernel()
+        if documents_fallback is None:
+            takes = "segments" in inspect.signature(self._fallback.forward).parameters
+            documents_fallback = self._fallback if takes else TorchFlashKernel()
+        self._documents_fallback = documents_fallback
         self._takes: dict[tuple, bool] = {}
+        self._told_documents = False
 
-    def _te_takes(self, q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-        """Whether TE runs this tile (asked once per shape, dtype and mask)."""
+    def _te_takes(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
+                  segments: Segments | None = None) -> bool:
+        """Whether TE runs this tile (asked once per shape, dtype, mask and documents)."""
         if not _uses_te(q):
             return False
         capturing = torch.cuda.is_current_stream_capturing()
-        key = (q.shape, k.shape, q.dtype, causal, capturing)
+        if segments is None:
+            key: tuple = (q.shape, k.shape, q.dtype, causal, capturing)
+        else:  # what TileSpec.of_documents reads: the documents change every batch
+            key = (q.shape[2:], k.shape[2], q.dtype, causal, capturing, len(segments.cu_q),
+                   segments.max_q, segments.max_kv, segments.cu_q[-1], segments.cu_kv[-1])
         takes = self._takes.get(key)
         if takes is None:
+            if len(self._takes) >= MAX_ASKED:
+                self._takes.clear()  # documents of ever new lengths: ask again, bounded
             sq, b, hq, d = q.shape
-            spec = TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
-                            self.deterministic, capturing)
+            if segments is None:
+                spec = TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
+                                self.deterministic, capturing)
+                fallback = self._fallback
+            else:
+                spec = TileSpec.of_documents(q.dtype, hq, k.shape[2], d, segments, causal,
+                                             self.deterministic, capturing)
+                fallback = self._documents_fallback
             try:
                 why = te_rejects(spec)
             except Exception as e:  # a query that fails says no more than a refusal
                 why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
-            if why is not None:
-                log_once(f"te tile kernel: {why}; these tiles run on "
-                                f"{self._fallback.name}")
+            if why is not None and segments is None:
+                log_once(f"te tile kernel: {why}; these tiles run on {fallback.name}")
+            elif why is not None and not self._told_documents:
+                # document tiles differ in lengths from batch to batch: said once, not per shape
+                self._told_documents = True
+                log_once(f"te tile kernel: {why}; these tiles, and any other packed-"
+                         f"document tile TE turns down (not logged), run on {fallback.name}")
             takes = self._takes[key] = why is None
         return takes
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+        softmax_scale: float, segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [sq, b, hq, d] in q's dtype, lse [b, hq, sq] fp32."""
+        """out [sq, b, hq, d] in q's dtype, lse [b, hq, sq] fp32 (b = 1 with `segments`)."""
+        if segments is not None:
+            if not self._te_takes(q, k, causal, segments):
+                return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
+                                                        segments=segments)
+            return self._documents_forward(q, k, v, causal, softmax_scale, segments)
         if not self._te_takes(q, k, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
         te = _load()
@@ -419,8 +567,15 @@ class TEFusedKernel:
         lse: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [sq, b, hq, d], dk, dv [sk, b, hkv, d]; out / lse are the whole row's."""
+        if segments is not None:
+            if not self._te_takes(q, k, causal, segments):
+                return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
+                                                         softmax_scale, segments=segments)
+            return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
+                                            segments)
         if not self._te_takes(q, k, causal):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         te = _load()
@@ -439,6 +594,56 @@ class TEFusedKernel:
         dq, dk, dv = _call(fn, kw, te.version)[:3]
         return dq, dk, dv
 
+    # Packed documents: [t, 1, h, d] -> TE's thd [t, h, d] (a view) and back.
+
+    def _documents_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           causal: bool, softmax_scale: float, segments: Segments
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [t_q, 1, hq, d], lse [1, hq, t_q] fp32 of one tile over packed documents."""
+        te = _load()
+        q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
+        fn = te.fused_attn.fused_attn_fwd
+        kw = thd_fwd_kwargs(_parameters(fn)[0], q3, k3, v3, segments, causal, softmax_scale,
+                            te.backend, cuda_graph=torch.cuda.is_current_stream_capturing())
+        out, aux = _call(fn, kw, te.version)[:2]
+        stats = aux[0]
+        packed = _stats_per_token(q.device)
+        heads, tokens = q.shape[2], segments.cu_q[-1]
+        ok = stats.dtype == torch.float32 and (
+            (stats.dim() == 3 and stats.shape[0] >= tokens and stats.shape[1:] == (heads, 1))
+            if packed else
+            (stats.dim() == 4 and tuple(stats.shape[:2]) == (len(segments.cu_q) - 1, heads)
+             and stats.shape[2] >= segments.max_q and stats.shape[3] == 1))
+        if not ok:
+            expected = (f"(>= {tokens}, {heads}, 1)" if packed else
+                        f"({len(segments.cu_q) - 1}, {heads}, >= {segments.max_q}, 1)")
+            raise RuntimeError(
+                f"Transformer Engine {te.version} returned thd softmax stats "
+                f"{tuple(stats.shape)} {stats.dtype}, expected {expected} float32 (cuDNN "
+                f"{te.cudnn()}): not the {BACKEND} backend, or a stats layout not known here")
+        return out.unsqueeze(1), lse_from_te(stats, segments)
+
+    def _documents_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                            softmax_scale: float, segments: Segments
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq [t_q, 1, hq, d], dk, dv [t_kv, 1, hkv, d]; out / lse are the whole row's."""
+        te = _load()
+        q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
+        out3, dout3 = (t[:, 0].to(q.dtype).contiguous() for t in (out, dout))
+        packed = _stats_per_token(q.device)
+        stats = lse_to_te(lse, segments, packed, stats_rows(te.minor, segments.cu_q[-1]))
+        fn = te.fused_attn.fused_attn_bwd
+        kw = thd_bwd_kwargs(
+            _parameters(fn)[0], dout3, q3, k3, v3, out3, [stats, rng_state(q.device)],
+            segments, causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
+            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            deterministic=self.deterministic,
+        )
+        dq, dk, dv = _call(fn, kw, te.version)[:3]
+        return dq.unsqueeze(1), dk.unsqueeze(1), dv.unsqueeze(1)
+
 
 __all__ = ["TEFusedKernel", "TileSpec", "attention_params", "bwd_kwargs", "fwd_kwargs",
-           "is_available", "te_rejects", "te_version", "unavailable"]
+           "is_available", "lse_from_te", "lse_to_te", "packed_stats", "stats_rows",
+           "te_rejects", "te_version", "thd_bwd_kwargs", "thd_fwd_kwargs", "unavailable"]
