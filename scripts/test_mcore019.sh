@@ -10,6 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
 MCORE=megatron-core==0.19.2
 TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_checkpoint_interchange.py
+       tests/test_document_masking.py  # --reset-attention-mask: packed documents in the driver
        tests/test_patches.py  # every patched name exists in this megatron-core
        # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid, PP 2,
        # the distributed optimizer, sequence parallelism
