@@ -26,7 +26,7 @@ from .checks import check_inputs, check_same_shapes
 from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
-from .kernels import TileKernel, get_kernel, takes_documents
+from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
 from .layout import AttentionMask
 from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
 from .traffic import AttentionShape
@@ -35,17 +35,22 @@ _SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
               Schedule.STREAMED_Q: streamed_q}
 
 
-def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> AttentionShape:
-    """The layer these local q [s, b, hq, d], k [s, b, hkv, d] are one rank's share of."""
+def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
+                v: torch.Tensor | None = None) -> AttentionShape:
+    """The layer these local q [s, b, hq, d], k [s, b, hkv, d] (and v [s, b, hkv, dv],
+    dv = d when not given) are one rank's share of."""
     s, b, hq, d = q.shape
-    return AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size())
+    dv = None if v is None or v.shape[-1] == d else v.shape[-1]
+    return AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size(),
+                          v_head_dim=dv)
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
              schedule: str | Schedule = DEFAULT_SCHEDULE,
-             grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> MeshPlan:
-    """The plan that runs for these q, k on this grid (`plan.resolve_plan`)."""
-    return resolve_plan(layer_shape(q, k, grid), grid.rows, grid.cols, schedule,
+             grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+             v: torch.Tensor | None = None) -> MeshPlan:
+    """The plan that runs for these q, k (, v) on this grid (`plan.resolve_plan`)."""
+    return resolve_plan(layer_shape(q, k, grid, v), grid.rows, grid.cols, schedule,
                         grad_reduce_dtype, heads=grid.heads)
 
 
@@ -97,30 +102,32 @@ class MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
         and decide the layer's plan and kernel (`packed`: for packed documents)."""
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
-        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
+        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        backend = v_head_dim_backend(backend, q.shape[-1], v.shape[-1])
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
-        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k))
+        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v))
 
-    def matches(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether q, k have the shapes, dtype and device this layer was built for."""
-        return _signature(q, k) == self.signature
+    def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+        """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
+        return _signature(q, k, v) == self.signature
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: Documents | None = None) -> torch.Tensor:
-        """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d]; with `documents`
-        (packed sequences, b = 1) the local tensors are this rank's THD share."""
-        if not self.matches(q, k) or v.shape != k.shape:
+        """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
+        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share."""
+        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
             raise ValueError(
-                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes), got "
-                f"{tuple(q.shape)}, {tuple(k.shape)}, v {tuple(v.shape)}; build one per shape")
+                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
+                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}; build one per shape")
         grid = self.grid
         if documents is not None and not takes_documents(self.kernel):
             raise ValueError("this MeshAttention was built without packed documents "
                              "(MeshAttention.build(..., packed=True) takes them)")
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
-        check_same_shapes(q, k, grid, documents)
+        check_same_shapes(q, k, grid, documents, v.shape[-1])
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)
@@ -131,8 +138,22 @@ class MeshAttention:
         return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor) -> tuple:
-    return tuple(q.shape), tuple(k.shape), q.dtype, q.device
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
+    dv = k.shape[-1] if v is None else v.shape[-1]
+    return tuple(q.shape), tuple(k.shape), q.dtype, q.device, dv
+
+
+def v_head_dim_backend(backend: str | TileKernel, head_dim: int, v_head_dim: int
+                       ) -> str | TileKernel:
+    """The backend that runs V of its own head dim (multi-latent attention): torch's ops
+    (`kernels.torch_flash.padded_head_dim`) for 'auto'; 'cudnn' and 'te' tiles take one
+    head dim here, so naming them with dv != d is a ValueError."""
+    if v_head_dim == head_dim or is_kernel(backend) or backend == "torch":
+        return backend
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"backend={backend!r} takes one head dim for q, k and v, but v has head "
+                     f"dim {v_head_dim} and q, k {head_dim}; use backend='torch' or 'auto'")
 
 
 def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
@@ -178,8 +199,9 @@ def mesh_attention(
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
-    q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
-    2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
+    q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] (Megatron's sbhd; s = S / P,
+    sub-chunks r and 2P-1-r of 2P for CP rank r; dv = d, or V's own head dim as in
+    multi-latent attention) -> out [s, b, hq, dv] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
     dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
     backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`), or a

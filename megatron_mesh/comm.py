@@ -14,6 +14,8 @@ from typing import Callable, Literal, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from .flat import flat_size, pack, views
+
 Phase = Literal["forward", "backward"]
 Direction = Literal["row", "col", "heads"]
 
@@ -112,7 +114,7 @@ def all_gather_stacked(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
     direction: Direction,
 ) -> Sequence[Sequence[torch.Tensor]]:
-    """Tensors of one shape and dtype, gathered in one collective: result[r][i] is group
+    """Tensors of one dtype (shapes may differ), gathered in one collective: result[r][i] is group
     rank r's parts[i]. A group of one gets its own parts back, uncopied."""
     out, pending = all_gather_stacked_async(parts, group, phase, direction)
     pending.wait()
@@ -183,21 +185,22 @@ def all_gather_stacked_async(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
     direction: Direction,
 ) -> tuple[Sequence[Sequence[torch.Tensor]], Pending]:
-    """Like `all_gather_stacked`, started in the background: read the result after `wait()`."""
+    """Like `all_gather_stacked`, started in the background: read the result after `wait()`.
+    The parts share a dtype; their shapes may differ (K and V of different head dims): each
+    rank's parts lie back to back in its slot of one flat buffer (`flat.py`)."""
     n = dist.get_world_size(group)
     if n == 1:
         return [tuple(parts)], Pending([])
     # this rank's parts are written straight into its slot of the result, which is the
     # collective's input: no stacked copy of them is made (nor held while the gather runs)
-    out = parts[0].new_empty((n, len(parts), *parts[0].shape))
-    mine = out[dist.get_rank(group)]
-    for slot, part in zip(mine, parts):
-        slot.copy_(part)
+    shapes = [p.shape for p in parts]
+    out = parts[0].new_empty((n, flat_size(shapes)))
+    mine = pack(parts, out[dist.get_rank(group)])
     _record(phase, direction, "all_gather", (n - 1) * mine.nbytes)
     done_at = _done_at("all_gather", group, mine.nbytes)
     gather = _collective("all_gather_single", "all_gather_into_tensor")
-    return out, Pending([gather(out.view(-1), mine.view(-1), group=group, async_op=True)],
-                        done_at)
+    pending = Pending([gather(out.view(-1), mine, group=group, async_op=True)], done_at)
+    return [views(out[r], shapes) for r in range(n)], pending
 
 
 def ring_exchange(

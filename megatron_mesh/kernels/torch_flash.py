@@ -2,6 +2,8 @@
 
 CPU: _scaled_dot_product_flash_attention_for_cpu (+ _backward): any float dtype, GQA.
 CUDA: _scaled_dot_product_flash_attention (fp16 / bf16) or the memory-efficient op (fp32);
+V may have its own head dim (multi-latent attention): zero-padded where an op needs one
+head dim (`padded_head_dim`);
 K/V heads are repeated for GQA inside the kernel call, after all communication.
 Inputs of any strides: a copy is made only where the head dim is not dense.
 """
@@ -37,6 +39,24 @@ def sum_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, s, d).sum(2)
 
 
+def padded_head_dim(q: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The head dim to pad q, k, v to when V's head dim differs from Q's and K's (multi-
+    latent attention) and the op needs them equal: the CPU flash op and CUDA's flash op
+    (dense and variable-length) do, CUDA's memory-efficient op (fp32) takes V's own.
+    None when nothing is padded. Zero columns are exact: padding V adds zero output
+    columns (sliced off), padding Q and K adds nothing to the scores (the softmax scale
+    is passed explicitly)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv or (q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16)):
+        return None
+    return max(d, dv)
+
+
+def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [..., d] with zero columns appended up to `width` (t itself when d == width)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 class TorchFlashKernel:
     """The TileKernel of `kernels/base.py` on torch's aten attention ops.
 
@@ -48,6 +68,11 @@ class TorchFlashKernel:
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float,
                 segments: Segments | None = None):
+        width = padded_head_dim(q, v)
+        if width:  # V of its own head dim where the op takes one: pad, exactly
+            out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
+                                    pad_head_dim(v, width), causal, softmax_scale, segments)
+            return out[..., :v.shape[-1]], lse
         if segments is not None:
             return documents_forward(q, k, v, causal, softmax_scale, segments)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
@@ -71,6 +96,12 @@ class TorchFlashKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
                  segments: Segments | None = None):
+        width = padded_head_dim(q, v)
+        if width:  # the padded columns' gradients are dropped
+            dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),
+                                       lse, causal, softmax_scale, segments)
+            d = q.shape[-1]
+            return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
         if segments is not None:
             return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
