@@ -17,6 +17,7 @@ outputs in fp32):
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
 from .layout import AttentionMask
 from .plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GradDtype, MeshPlan, Schedule, resolve_plan
 from .traffic import AttentionShape
+from .window import Window, window_of
 
 _SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
               Schedule.STREAMED_Q: streamed_q}
@@ -92,21 +94,26 @@ class MeshAttention:
     causal: bool
     softmax_scale: float
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
+    window: Window | None = None  # the sliding window (`window.window_of`), None: none
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
               causal: bool = True, softmax_scale: float | None = None,
               backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
-              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False
-              ) -> MeshAttention:
+              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
+              window_size: tuple[int, int] | None = None) -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
-        and decide the layer's plan and kernel (`packed`: for packed documents)."""
+        and decide the layer's plan and kernel (`packed`: for packed documents;
+        `window_size`: a sliding window, `window.window_of`)."""
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
+        window = window_of(window_size, causal)
+        if window is not None:
+            backend = window_backend(backend)
         plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         backend = v_head_dim_backend(backend, q.shape[-1], v.shape[-1])
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
-        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v))
+        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window)
 
     def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
@@ -128,7 +135,7 @@ class MeshAttention:
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
         check_same_shapes(q, k, grid, documents, v.shape[-1])
-        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols)
+        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)
         out = MeshAttentionFunction.apply(
@@ -141,6 +148,22 @@ class MeshAttention:
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
     dv = k.shape[-1] if v is None else v.shape[-1]
     return tuple(q.shape), tuple(k.shape), q.dtype, q.device, dv
+
+
+def window_backend(backend: str | TileKernel) -> str | TileKernel:
+    """The backend that runs sliding-window tiles (a `mask` keyword): torch's ops for
+    'auto'; a named backend or kernel object without them is a ValueError."""
+    if backend == "auto":
+        return "torch"
+    if is_kernel(backend):
+        if "mask" not in inspect.signature(backend.forward).parameters:
+            raise ValueError(f"the tile kernel {getattr(backend, 'name', backend)!r} takes no "
+                             "sliding-window mask; use backend='torch' or 'auto'")
+        return backend
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r} does not take sliding windows (window_size); "
+                         "use backend='torch' or 'auto'")
+    return backend
 
 
 def v_head_dim_backend(backend: str | TileKernel, head_dim: int, v_head_dim: int
@@ -196,6 +219,7 @@ def mesh_attention(
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     cu_seqlens: torch.Tensor | Documents | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -219,10 +243,15 @@ def mesh_attention(
     each a multiple of 2P (without it the lengths themselves must be). Attention never
     crosses a document; padding tokens get output 0 and zero gradients. A `Documents`
     value may stand for both (resolved once by the caller).
+    window_size: a sliding window (left, right) as Transformer Engine and flash-attention
+    define it: query i sees keys i - left .. i + right of the whole sequence (of its
+    document when packed), -1 unbounded; with causal=True right is 0 or -1 (both mean 0).
+    Blocks with no pair inside the window are not computed (`window.py`).
     """
     documents = packed_documents(cu_seqlens, cu_seqlens_padded)
     q, k, v = as_sbhd(documents, q, k, v)
     layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=documents is not None)
+                                grad_reduce_dtype, packed=documents is not None,
+                                window_size=window_size)
     out = layer(q, k, v, documents)
     return out if documents is None else out.squeeze(1)

@@ -74,14 +74,17 @@ def backward_block(
         rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
         rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale, **_documents(blk),
     )
-    if isinstance(q_rows, slice):
-        dq_acc[q_rows] += dq
-        dkv_acc[0][kv_rows] += dk
-        dkv_acc[1][kv_rows] += dv
-        return
-    dq_acc.index_add_(0, q_rows, dq.to(dq_acc.dtype))
-    dkv_acc[0].index_add_(0, kv_rows, dk.to(dkv_acc[0].dtype))
-    dkv_acc[1].index_add_(0, kv_rows, dv.to(dkv_acc[1].dtype))
+    _add_rows(dq_acc, q_rows, dq)
+    _add_rows(dkv_acc[0], kv_rows, dk)
+    _add_rows(dkv_acc[1], kv_rows, dv)
+
+
+def _add_rows(acc: torch.Tensor, index: slice | torch.Tensor, t: torch.Tensor) -> None:
+    """acc[index] += t along dim 0 (index: a slice, or an index tensor)."""
+    if isinstance(index, slice):
+        acc[index] += t
+    else:
+        acc.index_add_(0, index, t.to(acc.dtype))
 
 
 def kv_grads(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -107,6 +110,8 @@ def split_kv_grads(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _documents(blk) -> dict:
-    """The kernel's keyword for a block over packed documents (none for a dense block, so
-    kernels without document support keep their signature)."""
+    """The kernel's keywords for a block over packed documents or under a sliding window
+    (none for a plain block, so kernels without them keep their signature)."""
+    if blk.mask is not None:
+        return {"mask": blk.mask}
     return {} if blk.segments is None else {"segments": blk.segments}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, dense_last_dim
+from .base import Segments, TileMask, dense_last_dim
 
 aten = torch.ops.aten
 
@@ -67,12 +67,15 @@ class TorchFlashKernel:
     name = "torch"
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float,
-                segments: Segments | None = None):
+                segments: Segments | None = None, mask: TileMask | None = None):
         width = padded_head_dim(q, v)
         if width:  # V of its own head dim where the op takes one: pad, exactly
             out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
-                                    pad_head_dim(v, width), causal, softmax_scale, segments)
+                                    pad_head_dim(v, width), causal, softmax_scale, segments,
+                                    mask)
             return out[..., :v.shape[-1]], lse
+        if mask is not None:
+            return masked_forward(q, k, v, softmax_scale, mask)
         if segments is not None:
             return documents_forward(q, k, v, causal, softmax_scale, segments)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
@@ -95,13 +98,15 @@ class TorchFlashKernel:
         return sbhd(out), lse[..., :sq].contiguous()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                 segments: Segments | None = None):
+                 segments: Segments | None = None, mask: TileMask | None = None):
         width = padded_head_dim(q, v)
         if width:  # the padded columns' gradients are dropped
             dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),
-                                       lse, causal, softmax_scale, segments)
+                                       lse, causal, softmax_scale, segments, mask)
             d = q.shape[-1]
             return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
+        if mask is not None:
+            return masked_backward(dout, q, k, v, out, lse, softmax_scale, mask)
         if segments is not None:
             return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
@@ -141,22 +146,23 @@ def _uses_varlen(q: torch.Tensor) -> bool:
     return q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _mask(segments: Segments, causal: bool, q: torch.Tensor) -> torch.Tensor:
-    """The additive mask for q [sq, 1, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
+def _mask(segments: Segments | TileMask, causal: bool, q: torch.Tensor) -> torch.Tensor:
+    """The additive mask for q [sq, b, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
     q's dtype, its rows padded to 16 elements (the memory-efficient op reads them aligned)
-    and expanded to [1, hq, sq, sk]."""
+    and expanded to [b, hq, sq, sk]."""
     mask = segments.additive_mask(causal, q.device)
     if q.device.type == "cpu":
         return mask[None, None]
     sq, sk = mask.shape
     mask = torch.nn.functional.pad(mask.to(q.dtype), (0, -sk % 16))[:, :sk]
-    return mask.expand(1, q.shape[2], sq, sk)
+    return mask.expand(q.shape[1], q.shape[2], sq, sk)
 
 
 def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments):
     """The tile over packed documents: q [sq, 1, hq, d], k / v [sk, 1, hkv, d] ->
-    out [sq, 1, hq, d], lse [1, hq, sq] fp32."""
-    if _uses_varlen(q):
+    out [sq, 1, hq, d], lse [1, hq, sq] fp32. A `TileMask` in place of the segments takes
+    the additive-mask calls (any b)."""
+    if _uses_varlen(q) and isinstance(segments, Segments):
         out, lse, *_ = aten._flash_attention_forward(
             dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
             segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
@@ -179,7 +185,7 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
                        segments: Segments):
     """Gradients of `documents_forward`'s tile: dq [sq, 1, hq, d], dk, dv [sk, 1, hkv, d];
     lse [1, hq, sq] is the whole row's."""
-    if _uses_varlen(q):
+    if _uses_varlen(q) and isinstance(segments, Segments):
         no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
         dq, dk, dv = aten._flash_attention_backward(
             dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
@@ -201,3 +207,38 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
         dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, ob, lse,
         unused, unused, 0.0, [True, True, True, False], False, scale=softmax_scale)
     return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+
+
+# Sliding windows (`TileMask`): CUDA's flash op (fp16 / bf16) with its own window where that
+# window is exact for the tile (`TileMask.flash_window`), else the additive mask of the
+# document tiles (CPU flash op; CUDA memory-efficient op, any dtype).
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, s, h, d] view, its last dim made dense."""
+    return dense_last_dim(t).transpose(0, 1)
+
+
+def masked_forward(q, k, v, softmax_scale: float, mask: TileMask):
+    """The tile under an explicit mask: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
+    out [sq, b, hq, d], lse [b, hq, sq] fp32."""
+    if _uses_varlen(q) and mask.flash_window is not None:
+        left, right = mask.flash_window
+        out, lse, *_ = aten._flash_attention_forward(
+            _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, False,
+            False, scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return out.transpose(0, 1), lse
+    return documents_forward(q, k, v, False, softmax_scale, mask)
+
+
+def masked_backward(dout, q, k, v, out, lse, softmax_scale: float, mask: TileMask):
+    """Gradients of `masked_forward`'s tile; lse [b, hq, sq] is the whole row's."""
+    if _uses_varlen(q) and mask.flash_window is not None:
+        left, right = mask.flash_window
+        no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(
+            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(),
+            None, None, q.shape[0], k.shape[0], 0.0, False, no_dropout, no_dropout,
+            scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+    return documents_backward(dout, q, k, v, out, lse, False, softmax_scale, mask)
