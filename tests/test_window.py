@@ -186,3 +186,46 @@ def test_bad_windows_are_named_before_any_collective(window, causal, message) ->
         mm.mesh_attention(q, q, q, grid, causal=causal, window_size=window)
     with pytest.raises(ValueError, match="sliding windows"):
         mm.mesh_attention(q, q, q, grid, window_size=(2, 0), backend="cudnn")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("flash", [True, False])
+def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, flash: bool) -> None:
+    """The CUDA calls of a windowed tile run on meta tensors: flash with its own window
+    (fp16 / bf16, where the window is exact for the tile), else the memory-efficient op
+    with the additive bias; V of its own head dim too."""
+    from megatron_mesh.kernels.base import TileMask
+    from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+    from megatron_mesh.window import Window
+
+    meta = torch.device("meta")
+    seen = Window(2, 0).sees(torch.arange(6) + 2, torch.arange(8))
+    mask = TileMask.build(seen, meta, (2, 0) if flash else None)
+    q = torch.empty(6, 2, 4, 16, device=meta, dtype=dtype)
+    k = torch.empty(8, 2, 2, 16, device=meta, dtype=dtype)
+    for v in (k, torch.empty(8, 2, 2, 8, device=meta, dtype=dtype)):
+        out, lse = TorchFlashKernel().forward(q, k, v, False, 0.25, mask=mask)
+        assert (out.shape, out.dtype, lse.shape) == ((6, 2, 4, v.shape[-1]), dtype, (2, 4, 6))
+        dq, dk, dv = TorchFlashKernel().backward(out, q, k, v, out, lse, False, 0.25, mask=mask)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_flash_window_of_a_block_gives_its_tile() -> None:
+    """Where block_for offers flash-attention's window, that window alone gives the tile."""
+    from megatron_mesh.layout import AttentionMask, block_for
+    from megatron_mesh.window import Window
+
+    offered = 0
+    for window in (Window(1, 0), Window(3, 0), Window(2, 5), Window(9, -1)):
+        mask = AttentionMask(window.right == 0, None, 4, window)
+        for x in range(4):
+            for y in range(4):
+                blk = block_for(x, y, 8, mask)
+                if blk.mask is None or blk.mask.flash_window is None:
+                    continue
+                offered += 1
+                sq, sk = blk.mask.seen.shape
+                flash = Window(*blk.mask.flash_window).sees(torch.arange(sq) + sk - sq,
+                                                            torch.arange(sk))
+                assert torch.equal(flash, blk.mask.seen), (window, x, y)
+    assert offered > 0
