@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import gathered, heads, streamed_kv, streamed_q
+from . import gathered, heads, streamed_kv, streamed_q, windowed
 from .checks import check_inputs, check_same_shapes
 from .documents import Documents
 from .dtypes import GradDtypes
@@ -63,12 +63,18 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
                       torch.float32 if grads.dkv_in_fp32 else dtype)
 
 
+def _schedule(schedule: Schedule, mask: AttentionMask):
+    """The module that runs: the sparse exchange of `windowed` under a sliding window (it
+    moves only the rows the blocks use), else the plan's schedule."""
+    return windowed if mask.window is not None else _SCHEDULES[schedule]
+
+
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads):
-        out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, mask, scale, kernel)
+        out, lse = _schedule(schedule, mask).forward(q, k, v, grid, mask, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (grid, mask, scale, kernel, grads)
         ctx.schedule = schedule
@@ -77,7 +83,8 @@ class MeshAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _SCHEDULES[ctx.schedule].backward(dout, q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = _schedule(ctx.schedule, ctx.args[1]).backward(dout, q, k, v, out, lse,
+                                                                   *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -223,3 +223,20 @@ def ring_exchange(
         ops.append(dist.P2POp(dist.irecv, in_t, prev_rank, group=group))
     done_at = _done_at("ring", group, sum(t.nbytes for t in sends), next_rank)
     return Pending(dist.batch_isend_irecv(ops), done_at)
+
+
+def exchange(
+    sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+    phase: Phase, direction: Direction,
+) -> Pending:
+    """Point-to-point sends and receives, (global peer rank, tensor) each, started together;
+    tensors without elements are skipped (both sides know the sizes). Bytes: each send's."""
+    ops = []
+    for peer, t in sends:
+        if t.numel():
+            _record(phase, direction, "p2p", t.nbytes)
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), peer))
+    for peer, t in recvs:
+        if t.numel():
+            ops.append(dist.P2POp(dist.irecv, t, peer))
+    return Pending(dist.batch_isend_irecv(ops) if ops else [])

@@ -197,3 +197,52 @@ def shapes_text(cp_size: int, heads: bool = False) -> str:
 def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:
     """The grid with the least traffic per rank; ties go to more rows (GQA-friendly)."""
     return min(mesh_shapes(cp_size), key=lambda rc: (mesh_traffic(shape, *rc).total, -rc[0]))
+
+
+def window_traffic(
+    shape: AttentionShape, heads: int, rows: int, cols: int, window: tuple[int, int],
+    causal: bool = True, mesh_rank: int | None = None, grad_bytes: int = FP32_BYTES,
+    dkv_grad_bytes: int | None = None, documents=None,
+) -> Traffic:
+    """Bytes one rank sends under a sliding window (`windowed.py`): of each row member x
+    the query rows n_q its blocks use, of each column member y the key rows n_kv:
+
+        forward : row  sum_x n_q(x, me) (Q row) e + n_q(me, x) (O row e + lse row 4)
+                  col  sum_y n_kv(y, me) (K/V row) e
+        backward: row  sum_x n_q(x, me) ((Q + dO row) e + 2 lse row 4) + n_q(me, x) Q row g_q
+                  col  sum_y n_kv(y, me) K/V row e + n_kv(me, y) K/V row g_kv
+
+    (n(a, b): rows of b's chunk that rank a uses), plus the heads all-to-all of
+    `grid_traffic`. `mesh_rank` None: the most any rank of the mesh sends (total)."""
+    from .layout import AttentionMask
+    from .window import window_of
+    from .windowed import needed_rows
+
+    if mesh_rank is None:
+        return max((window_traffic(shape, heads, rows, cols, window, causal, m, grad_bytes,
+                                   dkv_grad_bytes, documents) for m in range(rows * cols)),
+                   key=lambda t: t.total)
+    inner = heads_shape(shape, heads) if heads > 1 else shape
+    mesh = rows * cols
+    local = inner.seq_len // mesh
+    mask = AttentionMask(causal, documents, mesh, window_of(window, causal))
+    b, e = inner.batch, inner.dtype_bytes
+    q_row, o_row = b * inner.q_heads * inner.head_dim, b * inner.q_heads * inner.dv
+    l_row, kv_row = b * inner.q_heads, b * inner.kv_heads * (inner.head_dim + inner.dv)
+    g_kv = grad_bytes if dkv_grad_bytes is None else dkv_grad_bytes
+    n = lambda a, o, side: len(needed_rows(mask, rows, cols, local, a, o, side))  # noqa: E731
+    i, j = divmod(mesh_rank, cols)
+    row = [i * cols + c for c in range(cols) if i * cols + c != mesh_rank]
+    col = [r * cols + j for r in range(rows) if r * cols + j != mesh_rank]
+    fr = sum(n(x, mesh_rank, "q") * q_row * e + n(mesh_rank, x, "q") * (o_row * e + l_row * 4)
+             for x in row)
+    fc = sum(n(y, mesh_rank, "kv") * kv_row * e for y in col)
+    br = sum(n(x, mesh_rank, "q") * ((q_row + o_row) * e + 2 * l_row * 4)
+             + n(mesh_rank, x, "q") * q_row * grad_bytes for x in row)
+    bc = sum(n(y, mesh_rank, "kv") * kv_row * e + n(mesh_rank, y, "kv") * kv_row * g_kv
+             for y in col)
+    a2a = 0
+    if heads > 1:
+        q, kv, _ = inner.local_elements(mesh)
+        a2a = (q + inner.out_elements(mesh) + kv) * shape.dtype_bytes * (heads - 1) // heads
+    return Traffic(fr, fc, br, bc, forward_heads=a2a, backward_heads=a2a)

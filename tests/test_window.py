@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import megatron_mesh as mm
 from megatron_mesh.documents import Documents, thd_split
 from megatron_mesh.layout import zigzag_split
+from megatron_mesh.plan import resolve_plan
+from megatron_mesh.traffic import grid_shapes, mesh_traffic, window_traffic
 
 from dist_utils import run_distributed
 
@@ -110,9 +112,10 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
         cu_seqlens=torch.tensor([0] + [sum(docs.lengths[:i + 1]) for i in range(docs.count)],
                                 dtype=torch.int32),
         cu_seqlens_padded=torch.tensor(docs.cu_padded, dtype=torch.int32))
-    out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=schedule,
-                            backend="torch", window_size=case.window, **kwargs)
-    out.backward(share["dout"])
+    with mm.TrafficCounter() as counter:
+        out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=schedule,
+                                backend="torch", window_size=case.window, **kwargs)
+        out.backward(share["dout"])
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
     def reference(dtype):
@@ -138,6 +141,17 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
                      + 2 * torch.finfo(case.dtype).eps * t.abs().max().item())
         if not err <= limit:
             bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    # bytes sent: the window formula for this rank, never more than without a window
+    shape = mm.AttentionShape(seq, 1, case.q_heads, case.kv_heads, 8, case.dtype.itemsize)
+    plan = resolve_plan(shape, grid.rows, grid.cols, schedule, heads=grid.heads)
+    e = case.dtype.itemsize
+    formula = window_traffic(shape, grid.heads, grid.rows, grid.cols, case.window, case.causal,
+                             grid.mesh_rank, plan.dq_bytes(e), plan.dkv_bytes(e), docs)
+    if counter.total_bytes != formula.total:
+        bad.append(f"{where}: sent {counter.total_bytes} B, window formula {formula.total} B")
+    if counter.total_bytes > mm.mesh_traffic(shape, plan).total:
+        bad.append(f"{where}: sent {counter.total_bytes} B, more than without a window "
+                   f"({mm.mesh_traffic(shape, plan).total} B)")
     return bad
 
 
@@ -229,3 +243,24 @@ def test_flash_window_of_a_block_gives_its_tile() -> None:
                                                             torch.arange(sk))
                 assert torch.equal(flash, blk.mask.seen), (window, x, y)
     assert offered > 0
+
+
+@pytest.mark.parametrize("cp_size", [8, 16])
+def test_window_bytes_grow_with_the_window(cp_size: int) -> None:
+    """The window formula (checked against the byte counter above at P = 2, 4, 8): with a
+    window of half a sub-chunk the ring corner (P x 1) sends at most 20% of its bytes
+    without a window, and no grid sends more with any window than without one."""
+    seq = 2 * cp_size * 64
+    sub = seq // (2 * cp_size)
+    shape = mm.AttentionShape(seq, 1, 8, 2, 16, 2)
+    for a, r, c in grid_shapes(cp_size):
+        if a > 4:
+            continue
+        plan = resolve_plan(shape, r, c, "streamed", heads=a)
+        dense = mesh_traffic(shape, plan).total
+        for left in (1, sub // 2, sub, 3 * sub, seq + 1):
+            windowed = window_traffic(shape, a, r, c, (left, 0), True, None,
+                                      plan.dq_bytes(2), plan.dkv_bytes(2)).total
+            assert windowed <= dense, (a, r, c, left, windowed, dense)
+            if (a, r, c) == (1, cp_size, 1) and left == sub // 2:
+                assert windowed <= 0.2 * dense, (windowed, dense)
