@@ -8,7 +8,14 @@ from .attention import MeshAttentionFunction, mesh_attention
 from .comm import TrafficCounter
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
-from .traffic import AttentionShape, Traffic, best_mesh_shape, mesh_shapes, mesh_traffic
+from .traffic import (
+    AttentionShape,
+    Traffic,
+    best_mesh_shape,
+    mesh_shapes,
+    mesh_traffic,
+    window_traffic,
+)
 
 __version__ = "0.1.0"
 
@@ -22,6 +29,7 @@ __all__ = [
     "mesh_attention",
     "mesh_shapes",
     "mesh_traffic",
+    "window_traffic",
     "zigzag_merge",
     "zigzag_split",
 ]
