@@ -11,6 +11,7 @@ from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
 from .traffic import Traffic, best_mesh_shape, mesh_traffic
 from .values import AttentionShape, mesh_shapes
+from .windowed import window_traffic
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "thd_merge",
     "thd_partition_indices",
     "thd_split",
+    "window_traffic",
     "zigzag_merge",
     "zigzag_split",
 ]

@@ -17,35 +17,42 @@ outputs in fp32):
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
-from . import gathered, heads, streamed_kv, streamed_q
+from . import gathered, heads, streamed_kv, streamed_q, windowed
 from .checks import check_inputs, check_same_shapes
 from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
-from .kernels import TileKernel, get_kernel, takes_documents
+from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
 from .layout import AttentionMask
 from .plan import resolve_plan
 from .values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, AttentionShape, GradDtype, MeshPlan, Schedule
+from .window import Window, window_of
 
 _SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
               Schedule.STREAMED_Q: streamed_q}
 
 
-def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid) -> AttentionShape:
-    """The layer these local q [s, b, hq, d], k [s, b, hkv, d] are one rank's share of."""
+def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
+                v: torch.Tensor | None = None) -> AttentionShape:
+    """The layer these local q [s, b, hq, d], k [s, b, hkv, d] (and v [s, b, hkv, dv],
+    dv = d when not given) are one rank's share of."""
     s, b, hq, d = q.shape
-    return AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size())
+    dv = None if v is None or v.shape[-1] == d else v.shape[-1]
+    return AttentionShape(s * grid.cp_size, b, hq, k.shape[2], d, q.element_size(),
+                          v_head_dim=dv)
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
              schedule: str | Schedule = DEFAULT_SCHEDULE,
-             grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> MeshPlan:
-    """The plan that runs for these q, k on this grid (`plan.resolve_plan`)."""
-    return resolve_plan(layer_shape(q, k, grid), grid.rows, grid.cols, schedule,
+             grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+             v: torch.Tensor | None = None) -> MeshPlan:
+    """The plan that runs for these q, k (, v) on this grid (`plan.resolve_plan`)."""
+    return resolve_plan(layer_shape(q, k, grid, v), grid.rows, grid.cols, schedule,
                         grad_reduce_dtype, heads=grid.heads)
 
 
@@ -56,12 +63,18 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
                       torch.float32 if grads.dkv_in_fp32 else dtype)
 
 
+def _schedule(schedule: Schedule, mask: AttentionMask):
+    """The module that runs: the sparse exchange of `windowed` under a sliding window (it
+    moves only the rows the blocks use), else the plan's schedule."""
+    return windowed if mask.window is not None else _SCHEDULES[schedule]
+
+
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads):
-        out, lse = _SCHEDULES[schedule].forward(q, k, v, grid, mask, scale, kernel)
+        out, lse = _schedule(schedule, mask).forward(q, k, v, grid, mask, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (grid, mask, scale, kernel, grads)
         ctx.schedule = schedule
@@ -70,7 +83,8 @@ class MeshAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _SCHEDULES[ctx.schedule].backward(dout, q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = _schedule(ctx.schedule, ctx.args[1]).backward(dout, q, k, v, out, lse,
+                                                                   *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -87,41 +101,48 @@ class MeshAttention:
     causal: bool
     softmax_scale: float
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
+    window: Window | None = None  # the sliding window (`window.window_of`), None: none
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
               causal: bool = True, softmax_scale: float | None = None,
               backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
-              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False
-              ) -> MeshAttention:
+              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
+              window_size: tuple[int, int] | None = None) -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
-        and decide the layer's plan and kernel (`packed`: for packed documents)."""
+        and decide the layer's plan and kernel (`packed`: for packed documents;
+        `window_size`: a sliding window, `window.window_of`)."""
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
-        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype)
+        window = window_of(window_size, causal)
+        if window is not None:
+            backend = window_backend(backend)
+        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        backend = v_head_dim_backend(backend, q.shape[-1], v.shape[-1])
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
-        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k))
+        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window)
 
-    def matches(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether q, k have the shapes, dtype and device this layer was built for."""
-        return _signature(q, k) == self.signature
+    def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+        """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
+        return _signature(q, k, v) == self.signature
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: Documents | None = None) -> torch.Tensor:
-        """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d]; with `documents`
-        (packed sequences, b = 1) the local tensors are this rank's THD share."""
-        if not self.matches(q, k) or v.shape != k.shape:
+        """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
+        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share."""
+        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
             raise ValueError(
-                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes), got "
-                f"{tuple(q.shape)}, {tuple(k.shape)}, v {tuple(v.shape)}; build one per shape")
+                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
+                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}; build one per shape")
         grid = self.grid
         if documents is not None and not takes_documents(self.kernel):
             raise ValueError("this MeshAttention was built without packed documents "
                              "(MeshAttention.build(..., packed=True) takes them)")
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
-        check_same_shapes(q, k, grid, documents)
-        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols)
+        check_same_shapes(q, k, grid, documents, v.shape[-1])
+        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)
         out = MeshAttentionFunction.apply(
@@ -131,8 +152,38 @@ class MeshAttention:
         return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor) -> tuple:
-    return tuple(q.shape), tuple(k.shape), q.dtype, q.device
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
+    dv = k.shape[-1] if v is None else v.shape[-1]
+    return tuple(q.shape), tuple(k.shape), q.dtype, q.device, dv
+
+
+def window_backend(backend: str | TileKernel) -> str | TileKernel:
+    """The backend that runs sliding-window tiles (a `mask` keyword): torch's ops for
+    'auto'; a named backend or kernel object without them is a ValueError."""
+    if backend == "auto":
+        return "torch"
+    if is_kernel(backend):
+        if "mask" not in inspect.signature(backend.forward).parameters:
+            raise ValueError(f"the tile kernel {getattr(backend, 'name', backend)!r} takes no "
+                             "sliding-window mask; use backend='torch' or 'auto'")
+        return backend
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r} does not take sliding windows (window_size); "
+                         "use backend='torch' or 'auto'")
+    return backend
+
+
+def v_head_dim_backend(backend: str | TileKernel, head_dim: int, v_head_dim: int
+                       ) -> str | TileKernel:
+    """The backend that runs V of its own head dim (multi-latent attention): torch's ops
+    (`kernels.torch_flash.padded_head_dim`) for 'auto'; 'cudnn' and 'te' tiles take one
+    head dim here, so naming them with dv != d is a ValueError."""
+    if v_head_dim == head_dim or is_kernel(backend) or backend == "torch":
+        return backend
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"backend={backend!r} takes one head dim for q, k and v, but v has head "
+                     f"dim {v_head_dim} and q, k {head_dim}; use backend='torch' or 'auto'")
 
 
 def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
@@ -175,11 +226,13 @@ def mesh_attention(
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     cu_seqlens: torch.Tensor | Documents | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
-    q [s, b, hq, d], k / v [s, b, hkv, d] (Megatron's sbhd; s = S / P, sub-chunks r and
-    2P-1-r of 2P for CP rank r) -> out [s, b, hq, d] in q's dtype, differentiable in q, k, v.
+    q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] (Megatron's sbhd; s = S / P,
+    sub-chunks r and 2P-1-r of 2P for CP rank r; dv = d, or V's own head dim as in
+    multi-latent attention) -> out [s, b, hq, dv] in q's dtype, differentiable in q, k, v.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
     dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
     backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`), or a
@@ -197,10 +250,15 @@ def mesh_attention(
     each a multiple of 2P (without it the lengths themselves must be). Attention never
     crosses a document; padding tokens get output 0 and zero gradients. A `Documents`
     value may stand for both (resolved once by the caller).
+    window_size: a sliding window (left, right) as Transformer Engine and flash-attention
+    define it: query i sees keys i - left .. i + right of the whole sequence (of its
+    document when packed), -1 unbounded; with causal=True right is 0 or -1 (both mean 0).
+    Blocks with no pair inside the window are not computed (`window.py`).
     """
     documents = packed_documents(cu_seqlens, cu_seqlens_padded)
     q, k, v = as_sbhd(documents, q, k, v)
     layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=documents is not None)
+                                grad_reduce_dtype, packed=documents is not None,
+                                window_size=window_size)
     out = layer(q, k, v, documents)
     return out if documents is None else out.squeeze(1)

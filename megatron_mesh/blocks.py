@@ -1,8 +1,11 @@
 """One rank-block's kernel calls, shared by every schedule."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from .flat import flat_size, views
 from .kernels import TileKernel
 from .layout import AttentionMask, block_for
 from .merge import merge_into
@@ -58,11 +61,11 @@ def backward_block(
     mask: AttentionMask,
     scale: float,
     dq_acc: torch.Tensor,
-    dkv_acc: torch.Tensor,
+    dkv_acc: Sequence[torch.Tensor],
 ) -> None:
     """Gradients of block (x, y) added (fp32) into dq_acc [s, b, hq, d] of x and
-    dkv_acc [2, s, b, hkv, d] of y. out_x / lse_x are x's whole-row output (or a stand-in
-    with the same D) and lse."""
+    dkv_acc = (dk [s, b, hkv, d], dv [s, b, hkv, dv]) of y (`kv_grads`). out_x / lse_x
+    are x's whole-row output (or a stand-in with the same D) and lse."""
     blk = block_for(x, y, q_x.shape[0], mask, q_x.device)
     if blk.empty:
         return
@@ -71,17 +74,44 @@ def backward_block(
         rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
         rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale, **_documents(blk),
     )
-    if isinstance(q_rows, slice):
-        dq_acc[q_rows] += dq
-        dkv_acc[0, kv_rows] += dk
-        dkv_acc[1, kv_rows] += dv
-        return
-    dq_acc.index_add_(0, q_rows, dq.to(dq_acc.dtype))
-    dkv_acc[0].index_add_(0, kv_rows, dk.to(dkv_acc.dtype))
-    dkv_acc[1].index_add_(0, kv_rows, dv.to(dkv_acc.dtype))
+    _add_rows(dq_acc, q_rows, dq)
+    _add_rows(dkv_acc[0], kv_rows, dk)
+    _add_rows(dkv_acc[1], kv_rows, dv)
+
+
+def _add_rows(acc: torch.Tensor, index: slice | torch.Tensor, t: torch.Tensor) -> None:
+    """acc[index] += t along dim 0 (index: a slice, or an index tensor)."""
+    if isinstance(index, slice):
+        acc[index] += t
+    else:
+        acc.index_add_(0, index, t.to(acc.dtype))
+
+
+def kv_grads(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) views of one K/V chunk's flat gradient buffer [|k| + |v|] (V may have its
+    own head dim)."""
+    return views(flat, (k.shape, v.shape))
+
+
+def kv_grad_buffer(k: torch.Tensor, v: torch.Tensor, chunks: int | None = None
+                   ) -> torch.Tensor:
+    """Zero fp32 gradient buffer of one K/V chunk, flat [|k| + |v|], or [chunks, |k| + |v|]."""
+    n = flat_size((k.shape, v.shape))
+    shape = (n,) if chunks is None else (chunks, n)
+    return torch.zeros(shape, dtype=torch.float32, device=k.device)
+
+
+def split_kv_grads(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk, dv in k's and v's dtypes from a flat gradient buffer of their chunk."""
+    dk, dv = kv_grads(flat.reshape(-1), k, v)
+    return dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _documents(blk) -> dict:
-    """The kernel's keyword for a block over packed documents (none for a dense block, so
-    kernels without document support keep their signature)."""
+    """The kernel's keywords for a block over packed documents or under a sliding window
+    (none for a plain block, so kernels without them keep their signature)."""
+    if blk.mask is not None:
+        return {"mask": blk.mask}
     return {} if blk.segments is None else {"segments": blk.segments}

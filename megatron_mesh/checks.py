@@ -59,8 +59,10 @@ def check_inputs(
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; they must match")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}; they must match")
-    if k.shape != v.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}; they must match")
+    if k.shape[:3] != v.shape[:3] or v.shape[3] < 1:
+        raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} must agree in "
+                         "s, b and heads ([s, b, hkv, d] vs [s, b, hkv, dv]; V may have its "
+                         "own head dim dv)")
     s, b, hq, d = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (s, b, d):
         raise ValueError(
@@ -89,17 +91,20 @@ _AGREED: dict[tuple, None] = {}
 _AGREED_KEPT = 256
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor, documents=None) -> tuple[int, ...]:
-    """q [s, b, hq, d] and k [s, b, hkv, d] as numbers: (s, b, hq, hkv, d, dtype index,
-    packed documents' key or -1)."""
+def _signature(q: torch.Tensor, k: torch.Tensor, documents=None,
+               v_head_dim: int | None = None) -> tuple[int, ...]:
+    """q [s, b, hq, d], k [s, b, hkv, d] and v's head dim as numbers: (s, b, hq, hkv, d,
+    dtype index, packed documents' key or -1, dv)."""
     s, b, hq, d = q.shape
     docs = -1 if documents is None else documents.agreement_key()
-    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs)
+    dv = d if v_head_dim is None else v_head_dim
+    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs, dv)
 
 
 def _signature_text(sig: tuple[int, ...]) -> str:
-    s, b, hq, hkv, d, dtype, docs = sig
-    return (f"q [{s}, {b}, {hq}, {d}] k/v [{s}, {b}, {hkv}, {d}] {str(DTYPES[dtype])[6:]}"
+    s, b, hq, hkv, d, dtype, docs, dv = sig
+    kv = f"k/v [{s}, {b}, {hkv}, {d}]" if dv == d else f"k [{s}, {b}, {hkv}, {d}] dv {dv}"
+    return (f"q [{s}, {b}, {hq}, {d}] {kv} {str(DTYPES[dtype])[6:]}"
             + ("" if docs == -1 else f" documents #{docs:x}"))
 
 
@@ -111,13 +116,13 @@ def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
 
 
 def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
-                      documents=None) -> None:
+                      documents=None, v_head_dim: int | None = None) -> None:
     """ValueError on every rank of the grid unless all its ranks pass the same q / k shapes
     and dtype (and packed documents, `documents.Documents`). Collective over the grid, but
     only the first time this rank sees a signature: the signatures are gathered over the
     row, then the rows' over the column, then the meshes' over the heads group, so every
     rank holds all P of them (three small all_gathers)."""
-    sig = _signature(q, k, documents)
+    sig = _signature(q, k, documents, v_head_dim)
     key = (grid.cp_ranks, grid.heads, grid.rows, grid.cols, sig)
     if key in _AGREED or grid.cp_size == 1:
         return

@@ -23,6 +23,8 @@ from typing import Iterator, Literal, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from .flat import flat_size, pack, views
+
 Phase = Literal["forward", "backward"]
 Direction = Literal["row", "column", "heads"]  # `values.ROW`, `COLUMN`, `HEADS`
 
@@ -33,7 +35,7 @@ class Transfer:
     `per_link` bytes to each peer: the global rank `peer` (a ring step) or every other
     member of `group` (a collective; the default group when None)."""
 
-    op: str  # "all_gather", "reduce_scatter", "all_to_all" or "ring"
+    op: str  # "all_gather", "reduce_scatter", "all_to_all", "ring" or "p2p"
     phase: Phase
     direction: Direction
     nbytes: int
@@ -190,7 +192,7 @@ def all_gather_stacked(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
     direction: Direction,
 ) -> Sequence[Sequence[torch.Tensor]]:
-    """Tensors of one shape and dtype, gathered in one collective: result[r][i] is group
+    """Tensors of one dtype (shapes may differ), gathered in one collective: result[r][i] is group
     rank r's parts[i]. A group of one gets its own parts back, uncopied."""
     out, pending = all_gather_stacked_async(parts, group, phase, direction)
     pending.wait()
@@ -263,20 +265,22 @@ def all_gather_stacked_async(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
     direction: Direction,
 ) -> tuple[Sequence[Sequence[torch.Tensor]], Pending]:
-    """Like `all_gather_stacked`, started in the background: read the result after `wait()`."""
+    """Like `all_gather_stacked`, started in the background: read the result after `wait()`.
+    The parts share a dtype; their shapes may differ (K and V of different head dims): each
+    rank's parts lie back to back in its slot of one flat buffer (`flat.py`)."""
     n = dist.get_world_size(group)
     if n == 1:
         return [tuple(parts)], Pending([])
     # this rank's parts are written straight into its slot of the result, which is the
     # collective's input: no stacked copy of them is made (nor held while the gather runs)
-    out = parts[0].new_empty((n, len(parts), *parts[0].shape))
-    mine = out[dist.get_rank(group)]
-    for slot, part in zip(mine, parts):
-        slot.copy_(part)
+    shapes = [p.shape for p in parts]
+    out = parts[0].new_empty((n, flat_size(shapes)))
+    mine = pack(parts, out[dist.get_rank(group)])
     done_at = _observe(Transfer("all_gather", phase, direction, (n - 1) * mine.nbytes,
                                 mine.nbytes, group))
-    return out, Pending([_transport[-1].all_gather(out.view(-1), mine.view(-1), group,
-                                                   async_op=True)], done_at)
+    pending = Pending([_transport[-1].all_gather(out.view(-1), mine, group, async_op=True)],
+                      done_at)
+    return [views(out[r], shapes) for r in range(n)], pending
 
 
 def ring_exchange(
@@ -299,3 +303,21 @@ def ring_exchange(
     nbytes = sum(t.nbytes for t in sends)
     done_at = _observe(Transfer("ring", phase, direction, nbytes, nbytes, group, next_rank))
     return Pending(_transport[-1].batch_isend_irecv(ops), done_at)
+
+
+def exchange(
+    sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+    phase: Phase, direction: Direction,
+) -> Pending:
+    """Point-to-point sends and receives, (global peer rank, tensor) each, started together;
+    tensors without elements are skipped (both sides know the sizes). Bytes: each send's."""
+    ops, done = [], []
+    for peer, t in sends:
+        if t.numel():
+            at = _observe(Transfer("p2p", phase, direction, t.nbytes, t.nbytes, None, peer))
+            done += [] if at is None else [at]
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), peer))
+    for peer, t in recvs:
+        if t.numel():
+            ops.append(dist.P2POp(dist.irecv, t, peer))
+    return Pending(_transport[-1].batch_isend_irecv(ops) if ops else [], max(done, default=None))

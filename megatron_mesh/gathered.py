@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .blocks import backward_block, forward_block
+from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
 from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
@@ -14,7 +14,7 @@ from .merge import empty_accumulators, merge_into
 
 
 def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dtype):
-    """Send each row member x its partial (out [s, b, hq, d], lse [b, hq, s]) and merge the
+    """Send each row member x its partial (out [s, b, hq, dv], lse [b, hq, s]) and merge the
     C partials of this rank's own chunk in fp32 -> out in `dtype`, lse fp32."""
     c, s, b, hq, d = partial_out.shape
     if c == 1:  # the only partial is already the whole row's
@@ -28,15 +28,17 @@ def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dt
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
+    lse [b, hq, s] fp32."""
     s, b, hq, d = q.shape
+    dv = v.shape[-1]
     q_row = comm.all_gather(q, grid.row_group, "forward", "row").view(grid.cols, s, b, hq, d)
     kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "column")
 
-    partial_out = q.new_empty(grid.cols, s, b, hq, d)
+    partial_out = q.new_empty(grid.cols, s, b, hq, dv)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
     for j, x in enumerate(grid.row_mesh_ranks):
-        out_acc, lse_acc = empty_accumulators(s, b, hq, d, q.device)
+        out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
         for i, y in enumerate(grid.col_mesh_ranks):
             forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, mask, scale,
                           out_acc, lse_acc)
@@ -47,7 +49,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
 
 
 def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
-    """Row all-gathers of backward, by column index j: (Q, dO) [s, b, hq, d] and (lse, D)
+    """Row all-gathers of backward, by column index j: (Q [s, b, hq, d], dO [s, b, hq, dv]) and (lse, D)
     [b, hq, s] of row member j, and its output or a stand-in with the same D."""
     qdo = comm.all_gather_stacked([q, dout], grid.row_group, "backward", "row")
     if grid.cols == 1:  # no other rank's rows: D is not needed, the kernel forms it from out
@@ -61,20 +63,21 @@ def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
-    """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
+    """Gradients dq [s, b, hq, d], dk [s, b, hkv, d], dv [s, b, hkv, dv] in the inputs'
+    dtype; partials are
     summed locally in fp32 and reduce-scattered in grad_dtypes (dq, dkv)."""
     s, b, hq, d = q.shape
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "column")
 
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
-    dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
+    dkv_part = kv_grad_buffer(k, v, grid.rows)
     for j, x in enumerate(grid.row_mesh_ranks):
         for i, y in enumerate(grid.col_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
-                           kv_col[i][1], x, y, mask, scale, dq_part[j], dkv_part[i])
+                           kv_col[i][1], x, y, mask, scale, dq_part[j],
+                           kv_grads(dkv_part[i], k, v))
     del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
     dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
-    dq, dkv = dq.view(s, b, hq, d), dkv.view(2, *k.shape)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq.view(s, b, hq, d).to(q.dtype), *split_kv_grads(dkv, k, v))

@@ -6,9 +6,11 @@ and the mesh's output) counts as extra.
 Bytes of one rank's chunk (element counts as in `traffic.py`: q, kv, l), e = input bytes,
 g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
 
-    Q = q e, KV = kv e, L = 4 l (lse, D: fp32), FQ = 4 q, FKV = 4 kv (fp32 partials)
-    acc = FQ + L: one fp32 accumulator pair (output, lse)
-    block forward = Q + 3 L: one block's output and lse, and the merge's new lse and one
+    Q = q e, KV = kv e, L = 4 l (lse, D: fp32), FQ = 4 q, FKV = 4 kv (fp32 partials);
+    O = o e, FO = 4 o for outputs and dO (O = Q, FO = FQ unless V has its own head dim;
+    the terms below say Q for both where they are equal)
+    acc = FO + L: one fp32 accumulator pair (output, lse)
+    block forward = O + 3 L: one block's output and lse, and the merge's new lse and one
         weight (the merge works in place: nothing of the output's size)
     block backward = Q + KV (dq, dk, dv of the diagonal block); off the diagonal, where
         every streamed step is, a block has half its query rows or half its keys:
@@ -65,6 +67,8 @@ class _Chunk:
 
     q: int  # Q
     kv: int  # KV
+    o: int  # O (= Q unless V has its own head dim)
+    fo: int  # FO
     lse: int  # L
     fq: int  # FQ
     fkv: int  # FKV
@@ -75,17 +79,18 @@ class _Chunk:
     @classmethod
     def of(cls, shape: AttentionShape, cp_size: int, grads: GradDtype) -> "_Chunk":
         q, kv, lse = shape.local_elements(cp_size)
+        o = shape.out_elements(cp_size)
         e = shape.dtype_bytes
-        return cls(q * e, kv * e, FP32 * lse, FP32 * q, FP32 * kv, e,
+        return cls(q * e, kv * e, o * e, FP32 * o, FP32 * lse, FP32 * q, FP32 * kv, e,
                    q * grads.dq_bytes(e), kv * grads.dkv_bytes(e))
 
     @property
     def acc(self) -> int:
-        return self.fq + self.lse
+        return self.fo + self.lse
 
     @property
     def block_forward(self) -> int:
-        return self.q + 3 * self.lse
+        return self.o + 3 * self.lse
 
     @property
     def block_backward(self) -> int:
@@ -97,26 +102,26 @@ class _Chunk:
 
     @property
     def result(self) -> dict[str, int]:
-        return {"forward": self.q, "backward": self.q + self.kv}
+        return {"forward": self.o, "backward": self.q + self.kv}
 
     def merge(self, c: int) -> int:
         """The row's partials merged at their owner (none when C = 1)."""
         if c == 1:
             return 0
-        return 2 * c * (self.q + self.lse) + self.acc + max(2 * self.lse,
-                                                             self.q if self.e < FP32 else 0)
+        return 2 * c * (self.o + self.lse) + self.acc + max(2 * self.lse,
+                                                             self.o if self.e < FP32 else 0)
 
 
 def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
-    rows = 2 * c * (m.q + m.lse) + (c - 1) * m.q if c > 1 else 0
+    rows = c * (m.q + m.o + 2 * m.lse) + (c - 1) * m.o if c > 1 else 0
     if schedule not in tuple(Schedule):
         raise ValueError(
             f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
     if Schedule(schedule).runs_gathered(r, c):  # no ring to run: the gathered code runs
-        return {"forward": max(row_q + col_kv + c * (m.q + m.lse) + m.acc + m.block_forward,
+        return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}
     if schedule == "streamed_kv":
@@ -127,7 +132,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
             sent = (1 + (m.dkv_exchange < m.fkv)) * m.dkv_exchange
             partials = 2 * m.fkv + max(m.block_backward_off_diagonal, sent)
         return {"forward": max(row_q + c * m.acc + ring_kv + m.block_forward,
-                               c * (m.acc + m.q + m.lse), m.merge(c)),
+                               c * (m.acc + m.o + m.lse), m.merge(c)),
                 "backward": rows + c * m.fq + ring_kv + partials}
     if schedule == "streamed_q":
         ring_q = min(2, c - 1) * m.q
@@ -135,9 +140,9 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
             accs = 4 * m.acc + m.block_forward
         else:  # the one partial is sent after its blocks
             accs = max(2 * m.acc + m.block_forward, 3 * m.acc)
-        chunk = 2 * m.q + 2 * m.lse  # (Q, dO) and (lse, D)
-        stand_in = max(m.q + m.block_backward_off_diagonal,
-                       m.fq + (m.q if m.e < FP32 else 0) + 3 * m.lse)
+        chunk = m.q + m.o + 2 * m.lse  # (Q, dO) and (lse, D)
+        stand_in = max(m.o + m.block_backward_off_diagonal,
+                       m.fo + (m.o if m.e < FP32 else 0) + 3 * m.lse)
         if c > 2:
             steps = 2 * chunk + 2 * m.fq + 2 * m.dq_exchange + stand_in
         else:
@@ -189,9 +194,9 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
     # received; the repeated K/V heads held meanwhile), the mesh, or the output's
     # all-to-all (the mesh's output and lse, sent and received)
     forward = max(repeated + max(2 * m.q, m.q + 3 * m.kv // 2), relaid + mesh["forward"],
-                  relaid + 3 * m.q + m.lse)
+                  relaid + 3 * m.o + m.lse)
     grads = m.q + m.kv  # the mesh's dq, dk, dv, relaid back one at a time
-    backward = max(mesh["backward"] + m.q, grads + 2 * m.q)
+    backward = max(mesh["backward"] + m.o, grads + 2 * m.q)
     return {"forward": forward - outer.result["forward"],
             "backward": backward - outer.result["backward"]}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import comm, gathered
-from .blocks import backward_block, forward_block
+from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .dtypes import FP32_GRADS, GradDtypes
 from .gathered import gather_row_grads_inputs, merge_row_partials
 from .grid import MeshGrid
@@ -26,13 +26,15 @@ from .rings import TrailingPartial, ring_steps
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
+    lse [b, hq, s] fp32."""
     if grid.rows == 1:
         return gathered.forward(q, k, v, grid, mask, scale, kernel)
-    s, b, hq, d = q.shape
+    s, b, hq, _ = q.shape
+    dv = v.shape[-1]
     me = grid.col_index
     q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
-    accs = [empty_accumulators(s, b, hq, d, q.device) for _ in range(grid.cols)]
+    accs = [empty_accumulators(s, b, hq, dv, q.device) for _ in range(grid.cols)]
     ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "column")
     for t, (k_y, v_y) in ring:
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
@@ -44,7 +46,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
             if not (t == 0 and j == me):
                 forward_block(kernel, q_row[j], k_y, v_y, x, y, mask, scale, *accs[j])
     del q_row, k_y, v_y  # the row's Q and the last K/V chunk: used up
-    partial_out = q.new_empty(grid.cols, s, b, hq, d)
+    partial_out = q.new_empty(grid.cols, s, b, hq, dv)
     partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
     for j in range(grid.cols):  # each fp32 accumulator goes as soon as it is copied
         (out, lse), accs[j] = accs[j], None
@@ -64,14 +66,14 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
     dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
     neighbors = grid.col_neighbors()
-    dkv_own = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
+    dkv_own = kv_grad_buffer(k, v)  # flat: dK, dV of this rank's chunk
     trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "column")
     for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "column"):
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         for j, x in enumerate(grid.row_mesh_ranks):
             backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
-                           x, y, mask, scale, dq_part[j], dkv)
+                           x, y, mask, scale, dq_part[j], kv_grads(dkv, k, v))
         if t >= 1:  # chunk y's partial goes on behind its K/V (the send holds what it needs)
             trailing.pass_on((dkv,), grad_dtypes.dkv)
         dkv = None  # not held while the next one is zeroed
@@ -79,4 +81,4 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
     dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
     dq = dq.view(s, b, hq, d)
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
+    return (dq.to(q.dtype), *split_kv_grads(dkv_own, k, v))

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from . import comm, gathered
-from .blocks import backward_block, forward_block
+from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
 from .dtypes import FP32_GRADS, GradDtypes
+from .flat import pack, views
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask
@@ -32,19 +33,21 @@ def merge_partial(mine, arriving) -> None:
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k / v [s, b, hkv, d] -> out [s, b, hq, d], lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
+    lse [b, hq, s] fp32."""
     if grid.cols == 1:
         return gathered.forward(q, k, v, grid, mask, scale, kernel)
-    s, b, hq, d = q.shape
+    s, b, hq, _ = q.shape
+    dv = v.shape[-1]
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "column")
     neighbors = grid.row_neighbors()
-    own = empty_accumulators(s, b, hq, d, q.device)
+    own = empty_accumulators(s, b, hq, dv, q.device)
     # fp32 partials: rounding the running merge at every hop would add up
     trailing = TrailingPartial(*neighbors, grid.row_group, "forward", "row", merge_partial)
     for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", "row"):
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
-        acc = own if t == 0 else empty_accumulators(s, b, hq, d, q.device)
+        acc = own if t == 0 else empty_accumulators(s, b, hq, dv, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
             forward_block(kernel, q, k, v, x, grid.mesh_rank, mask, scale, *acc)
             kv_pending.wait()
@@ -69,30 +72,32 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column")
     dout = dout.contiguous()
     # D's temporary comes and goes before the gradient buffers are made
-    rows_in = (torch.stack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
+    # Q and dO back to back in one flat buffer (dO has V's head dim)
+    rows_in = (pack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
     neighbors = grid.row_neighbors()
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv_part = torch.zeros(grid.rows, 2, *k.shape, dtype=torch.float32, device=q.device)
+    dkv_part = kv_grad_buffer(k, v, grid.rows)
     trailing = TrailingPartial(*neighbors, grid.row_group, "backward", "row")
     ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
     del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
-    for t, (qdo_x, stats_x) in ring:
+    for t, (qdo_flat, stats_x) in ring:
+        qdo_x = views(qdo_flat, (q.shape, dout.shape))
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         dq = dq_own if t == 0 else torch.zeros_like(dq_own)
         if t == 0:  # own block first, while the column's K/V arrive
             backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, mask, scale,
-                           dq, dkv_part[my_row])
+                           dq, kv_grads(dkv_part[my_row], k, v))
             kv_pending.wait()
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
         for i, y in enumerate(grid.col_mesh_ranks):
             if not (t == 0 and i == my_row):
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
-                               kv_col[i][1], x, y, mask, scale, dq, dkv_part[i])
+                               kv_col[i][1], x, y, mask, scale, dq,
+                               kv_grads(dkv_part[i], k, v))
         if t >= 1:  # chunk x's dQ partial goes on behind its Q (the send holds what it needs)
             trailing.pass_on((dq,), grad_dtypes.dq)
         dq = out_x = None  # not held while the next step's are made
-    del kv_col, qdo_x, stats_x  # used up: the reduce-scatter does not hold them
+    del kv_col, qdo_x, qdo_flat, stats_x  # used up: the reduce-scatter does not hold them
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
     dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
-    dkv = dkv.view(2, *k.shape)
-    return dq_own.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

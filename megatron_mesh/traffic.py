@@ -4,21 +4,23 @@ Counting convention (also used by the byte counters in `comm.py`): for a collect
 n ranks, all_gather of an m-byte input sends (n-1)*m, reduce_scatter to an m-byte output
 sends (n-1)*m, all_to_all of an M-byte input sends M*(n-1)/n (its own piece stays).
 
-Per rank (i, j) of an R x C grid, with q = s*b*hq*d (local Q or O chunk, elements),
-kv = 2*s*b*hkv*d (local K and V), l = b*hq*s (one lse / D value per query row), e = bytes
-per element of the input dtype, fp32 = 4:
+Per rank (i, j) of an R x C grid, with q = s*b*hq*d (local Q chunk, elements), o =
+s*b*hq*dv (local O or dO chunk; dv = V's head dim, d unless multi-latent attention gives V
+its own), kv = s*b*hkv*(d + dv) (local K and V), l = b*hq*s (one lse / D value per query
+row), e = bytes per element of the input dtype, fp32 = 4:
 
     forward : row all-gather Q            (C-1) * q  * e
               column all-gather K, V      (R-1) * kv * e
-              row all-to-all partial O     (C-1) * q  * e   (streamed_q: fp32, below)
+              row all-to-all partial O     (C-1) * o  * e   (streamed_q: fp32, below)
               row all-to-all partial lse   (C-1) * l  * 4
-    backward: row all-gather Q, dO        (C-1) * 2q * e
+    backward: row all-gather Q, dO        (C-1) * (q + o) * e
               row all-gather lse, D       (C-1) * 2l * 4
               column all-gather K, V      (R-1) * kv * e
               row reduce-scatter dQ       (C-1) * q  * 4
               column reduce-scatter dK,dV (R-1) * kv * e   (fp32: * 4)
 
-In elements this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D terms.
+In elements (o = q) this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D
+terms.
 By default (grad_reduce_dtype="mixed") dK, dV travel in the input dtype, as in Transformer
 Engine's ring, and dQ in fp32 (twice its element size with bf16 inputs); "fp32" sends both in
 fp32, "input" both in the input dtype (`values.GradDtype`).
@@ -29,8 +31,8 @@ running merge to bf16 at every hop would lose precision as C grows.
 With a heads dimension (A x R x C = P, `heads.py`), each rank first sends and receives an
 all-to-all over its A-rank heads group, in the input dtype, (A-1)/A of each tensor:
 
-    forward : Q, K, V in, O out           (A-1)/A * (2q + f kv) * e
-    backward: dO in, dQ, dK, dV out       (A-1)/A * (2q + f kv) * e
+    forward : Q, K, V in, O out           (A-1)/A * (q + o + f kv) * e
+    backward: dO in, dQ, dK, dV out       (A-1)/A * (q + o + f kv) * e
 
 and then runs the R x C mesh over P/A ranks with the same q and f kv elements per rank,
 where f = A / gcd(A, hkv) counts K/V heads repeated so that each head slice has its own
@@ -101,15 +103,16 @@ def mesh_traffic(
     if cols is None:
         raise TypeError("mesh_traffic takes (shape, plan) or (shape, rows, cols)")
     q, kv, lse = shape.local_elements(rows * cols)
+    o = shape.out_elements(rows * cols)
     e = shape.dtype_bytes
-    o = e if out_bytes is None else out_bytes
+    o_e = e if out_bytes is None else out_bytes
     g_kv = grad_bytes if dkv_grad_bytes is None else dkv_grad_bytes
     return Traffic(
-        forward_row=(cols - 1) * (q * e + q * o + lse * FP32_BYTES),
+        forward_row=(cols - 1) * (q * e + o * o_e + lse * FP32_BYTES),
         forward_col=(rows - 1) * kv * e,
-        backward_row=(cols - 1) * (2 * q * e + 2 * lse * FP32_BYTES + q * grad_bytes),
+        backward_row=(cols - 1) * ((q + o) * e + 2 * lse * FP32_BYTES + q * grad_bytes),
         backward_col=(rows - 1) * (kv * e + kv * g_kv),
-        forward_row_partials=(cols - 1) * (q * o + lse * FP32_BYTES),
+        forward_row_partials=(cols - 1) * (o * o_e + lse * FP32_BYTES),
         backward_row_partials=(cols - 1) * q * grad_bytes,
         backward_col_partials=(rows - 1) * kv * g_kv,
     )
@@ -126,7 +129,8 @@ def grid_traffic(
     inner = heads_shape(shape, heads)
     mesh = mesh_traffic(inner, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     q, kv, _ = inner.local_elements(rows * cols)
-    a2a = (2 * q + kv) * shape.dtype_bytes * (heads - 1) // heads
+    o = inner.out_elements(rows * cols)
+    a2a = (q + o + kv) * shape.dtype_bytes * (heads - 1) // heads
     return replace(mesh, forward_heads=a2a, backward_heads=a2a)
 
 

@@ -142,14 +142,25 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    v_head_dim: int | None = None  # V's own head dim (multi-latent attention); None: head_dim
+
+    @property
+    def dv(self) -> int:
+        """V's head dim (that of O, dO and dV too)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def local_elements(self, cp_size: int) -> tuple[int, int, int]:
-        """(q, kv, l) element counts of one rank's share (`traffic.py`'s module docstring)."""
+        """(q, kv, l) element counts of one rank's share (`traffic.py`'s module docstring):
+        kv = |K| + |V|, each with its own head dim."""
         s = self.seq_len // cp_size
         q = s * self.batch * self.q_heads * self.head_dim
-        kv = 2 * s * self.batch * self.kv_heads * self.head_dim
+        kv = s * self.batch * self.kv_heads * (self.head_dim + self.dv)
         lse = s * self.batch * self.q_heads
         return q, kv, lse
+
+    def out_elements(self, cp_size: int) -> int:
+        """o: elements of one rank's O (or dO) chunk, q with V's head dim."""
+        return self.seq_len // cp_size * self.batch * self.q_heads * self.dv
 
 
 def heads_shape(shape: AttentionShape, heads: int) -> AttentionShape:
@@ -157,7 +168,7 @@ def heads_shape(shape: AttentionShape, heads: int) -> AttentionShape:
     lcm(A, hkv)/A K/V heads (repeated when A does not divide hkv), the whole sequence."""
     kv_heads = shape.kv_heads * kv_repeats(heads, shape.kv_heads)
     return AttentionShape(shape.seq_len, shape.batch, shape.q_heads // heads, kv_heads // heads,
-                          shape.head_dim, shape.dtype_bytes)
+                          shape.head_dim, shape.dtype_bytes, shape.v_head_dim)
 
 
 def attention_flops(q_len: int, kv_len: int, batch: int, q_heads: int, head_dim: int,

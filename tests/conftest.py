@@ -20,7 +20,9 @@ DISTRIBUTED_FILES = {
     "test_benchmarks.py", "test_checkpoint_interchange.py", "test_cluster_emulation.py", "test_heads.py",
     "test_host_staging.py", "test_megatron_parity.py", "test_memory.py",
     "test_mesh_attention.py", "test_planner.py", "test_training_driver.py",
-    "test_validation.py",
+    "test_validation.py", "test_packed_documents.py", "test_document_masking.py",
+    "test_training_eval.py", "test_window.py", "test_mla.py", "test_megatron_mla.py",
+    "test_kernels_meta.py",
 }
 # spawned one-offs in otherwise fast files
 DISTRIBUTED_TESTS = {"test_bad_flags_fail_fast_on_every_rank"}
@@ -43,8 +45,10 @@ def tier_of(item: pytest.Item) -> str:
 # queued per worker): the two longest files first, one per worker, each followed by quick
 # unit files, so that the other worker takes the rest meanwhile; then the next longest.
 LONGEST_FIRST = ("test_slurm.py", "test_benchmarks.py")
-LONG_NEXT = ("test_training_driver.py", "test_reliability.py", "test_megatron_parity.py",
-             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py")
+LONG_NEXT = ("test_training_driver.py", "test_training_eval.py", "test_reliability.py",
+             "test_megatron_parity.py", "test_window.py", "test_document_masking.py",
+             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py",
+             "test_packed_documents.py", "test_mla.py")
 
 
 def _start_rank(item: pytest.Item) -> int:

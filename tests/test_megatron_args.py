@@ -251,8 +251,10 @@ def test_layer_spec_rejects_bad_requests():
 
     with pytest.raises(ValueError, match="'ring'.*mesh"):
         get_gpt_layer_spec("ring")
-    with pytest.raises(ValueError, match="multi_latent_attention"):
-        get_gpt_layer_spec(multi_latent_attention=True)
+    # multi-latent attention is taken (tests/test_megatron_mla.py): its spec holds the mesh
+    mla = get_gpt_layer_spec(multi_latent_attention=True)
+    assert mla.submodules.self_attention.submodules.core_attention.module.__name__ == \
+        "MeshDotProductAttention"
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ValueError, match="Transformer Engine.*use_te=False"):
             get_gpt_layer_spec(use_te=True)

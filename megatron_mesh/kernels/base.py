@@ -66,6 +66,32 @@ class Segments:
         return mask.masked_fill_(~seen, float("-inf")).to(device)
 
 
+@dataclass(frozen=True, eq=False)
+class TileMask:
+    """An explicit tile mask (sliding windows, alone or inside packed documents): `seen`
+    bool [sq, sk] on the CPU, True where query row i may see key row j; every query row
+    sees at least one key. `flash_window` is (left, right) as flash-attention's
+    window_size_left / right (bottom-right aligned, -1 unbounded) when that window alone
+    gives exactly `seen` (a dense tile of contiguous positions), else None.
+
+    `bias` is the additive form on the tiles' device, made once."""
+
+    seen: torch.Tensor = field(compare=False, repr=False)
+    flash_window: tuple[int, int] | None = None
+    bias: torch.Tensor = field(compare=False, repr=False, default=None)
+
+    @classmethod
+    def build(cls, seen: torch.Tensor, device: torch.device,
+              flash_window: tuple[int, int] | None = None) -> TileMask:
+        bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))
+        return cls(seen, flash_window, bias.to(device))
+
+    def additive_mask(self, causal: bool, device: torch.device) -> torch.Tensor:
+        """[sq, sk] fp32: 0 where a query row may see a key row, -inf elsewhere (`causal`
+        is folded into `seen` already and ignored)."""
+        return self.bias if self.bias.device == torch.device(device) else self.bias.to(device)
+
+
 class TileKernel(Protocol):
     """Forward and backward of one attention tile."""
 
@@ -79,11 +105,14 @@ class TileKernel(Protocol):
         causal: bool,
         softmax_scale: float,
         segments: Segments | None = None,
+        mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns out [sq, b, hq, d] in q's dtype and lse [b, hq, sq] in fp32.
+        """Returns out [sq, b, hq, dv] in q's dtype and lse [b, hq, sq] in fp32.
 
         `causal` is top-left aligned and only used with sq == sk. With `segments` (packed
-        documents; b = 1) attention stays inside each document's rows (`Segments`).
+        documents; b = 1) attention stays inside each document's rows (`Segments`). With
+        `mask` (sliding windows; then causal is False and segments None) query row i sees
+        key row j where mask.seen[i, j].
         """
         ...
 
@@ -98,6 +127,7 @@ class TileKernel(Protocol):
         causal: bool,
         softmax_scale: float,
         segments: Segments | None = None,
+        mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns dq [sq, b, hq, d], dk, dv [sk, b, hkv, d] in the inputs' dtype.
 

@@ -6,13 +6,15 @@ kernel takes fewer K/V heads and returns dK / dV with hkv heads) or the memory-e
 (fp32, or GPUs older than sm80), which needs as many K/V heads as query heads: there K/V
 heads are repeated inside the kernel call (after all communication) and dK / dV summed back.
 Which CUDA op runs is decided by `choice.choose` and given to the kernel (`flash`).
+V may have its own head dim (multi-latent attention): zero-padded where an op needs one
+head dim (`padded_head_dim`).
 Inputs of any strides: a copy is made only where the head dim is not dense.
 """
 from __future__ import annotations
 
 import torch
 
-from .base import Segments, dense_last_dim
+from .base import Segments, TileMask, dense_last_dim
 
 aten = torch.ops.aten
 
@@ -40,6 +42,24 @@ def sum_kv_grad(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, s, d).sum(2)
 
 
+def padded_head_dim(q: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The head dim to pad q, k, v to when V's head dim differs from Q's and K's (multi-
+    latent attention) and the op needs them equal: the CPU flash op and CUDA's flash op
+    (dense and variable-length) do, CUDA's memory-efficient op (fp32) takes V's own.
+    None when nothing is padded. Zero columns are exact: padding V adds zero output
+    columns (sliced off), padding Q and K adds nothing to the scores (the softmax scale
+    is passed explicitly)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv or (q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16)):
+        return None
+    return max(d, dv)
+
+
+def pad_head_dim(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [..., d] with zero columns appended up to `width` (t itself when d == width)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 class TorchFlashKernel:
     """The TileKernel of `kernels/base.py` on torch's aten attention ops.
 
@@ -57,9 +77,17 @@ class TorchFlashKernel:
         return self.flash and q.dtype in (torch.float16, torch.bfloat16)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float,
-                segments: Segments | None = None):
+                segments: Segments | None = None, mask: TileMask | None = None):
+        width = padded_head_dim(q, v)
+        if width:  # V of its own head dim where the op takes one: pad, exactly
+            out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
+                                    pad_head_dim(v, width), causal, softmax_scale, segments,
+                                    mask)
+            return out[..., :v.shape[-1]], lse
+        varlen = q.device.type != "cpu" and self._uses_flash(q)
+        if mask is not None:
+            return masked_forward(q, k, v, softmax_scale, mask, varlen)
         if segments is not None:
-            varlen = q.device.type != "cpu" and self._uses_flash(q)
             return documents_forward(q, k, v, causal, softmax_scale, segments, varlen)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
         if q.device.type == "cpu":
@@ -81,9 +109,17 @@ class TorchFlashKernel:
         return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                 segments: Segments | None = None):
+                 segments: Segments | None = None, mask: TileMask | None = None):
+        width = padded_head_dim(q, v)
+        if width:  # the padded columns' gradients are dropped
+            dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),
+                                       lse, causal, softmax_scale, segments, mask)
+            d = q.shape[-1]
+            return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
+        varlen = q.device.type != "cpu" and self._uses_flash(q)
+        if mask is not None:
+            return masked_backward(dout, q, k, v, out, lse, softmax_scale, mask, varlen)
         if segments is not None:
-            varlen = q.device.type != "cpu" and self._uses_flash(q)
             return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments,
                                       varlen)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
@@ -121,23 +157,24 @@ class TorchFlashKernel:
 # across documents and takes GQA as it is.
 
 
-def _mask(segments: Segments, causal: bool, q: torch.Tensor) -> torch.Tensor:
-    """The additive mask for q [sq, 1, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
+def _mask(segments: Segments | TileMask, causal: bool, q: torch.Tensor) -> torch.Tensor:
+    """The additive mask for q [sq, b, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
     q's dtype, its rows padded to 16 elements (the memory-efficient op reads them aligned)
-    and expanded to [1, hq, sq, sk]."""
+    and expanded to [b, hq, sq, sk]."""
     mask = segments.additive_mask(causal, q.device)
     if q.device.type == "cpu":
         return mask[None, None]
     sq, sk = mask.shape
     mask = torch.nn.functional.pad(mask.to(q.dtype), (0, -sk % 16))[:, :sk]
-    return mask.expand(1, q.shape[2], sq, sk)
+    return mask.expand(q.shape[1], q.shape[2], sq, sk)
 
 
 def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments,
                       varlen: bool):
     """The tile over packed documents: q [sq, 1, hq, d], k / v [sk, 1, hkv, d] ->
-    out [sq, 1, hq, d], lse [1, hq, sq] fp32 (`varlen`: CUDA's variable-length flash op)."""
-    if varlen:
+    out [sq, 1, hq, d], lse [1, hq, sq] fp32 (`varlen`: CUDA's variable-length flash op).
+    A `TileMask` in place of the segments takes the additive-mask calls (any b)."""
+    if varlen and isinstance(segments, Segments):
         out, lse, *_ = aten._flash_attention_forward(
             dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
             segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
@@ -160,7 +197,7 @@ def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: flo
                        segments: Segments, varlen: bool):
     """Gradients of `documents_forward`'s tile: dq [sq, 1, hq, d], dk, dv [sk, 1, hkv, d];
     lse [1, hq, sq] is the whole row's."""
-    if varlen:
+    if varlen and isinstance(segments, Segments):
         no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
         dq, dk, dv = aten._flash_attention_backward(
             dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
@@ -194,3 +231,39 @@ def _empty_philox(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _PHILOX[device] = torch.empty(0, dtype=torch.int64, device=device)
     return t
+
+
+# Sliding windows (`TileMask`): CUDA's flash op (fp16 / bf16) with its own window where that
+# window is exact for the tile (`TileMask.flash_window`), else the additive mask of the
+# document tiles (CPU flash op; CUDA memory-efficient op, any dtype).
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, s, h, d] view, its last dim made dense."""
+    return dense_last_dim(t).transpose(0, 1)
+
+
+def masked_forward(q, k, v, softmax_scale: float, mask: TileMask, flash: bool):
+    """The tile under an explicit mask: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
+    out [sq, b, hq, d], lse [b, hq, sq] fp32 (`flash`: CUDA's flash op may run)."""
+    if flash and mask.flash_window is not None:
+        left, right = mask.flash_window
+        out, lse, *_ = aten._flash_attention_forward(
+            _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, False,
+            False, scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return out.transpose(0, 1), lse
+    return documents_forward(q, k, v, False, softmax_scale, mask, False)
+
+
+def masked_backward(dout, q, k, v, out, lse, softmax_scale: float, mask: TileMask,
+                    flash: bool):
+    """Gradients of `masked_forward`'s tile; lse [b, hq, sq] is the whole row's."""
+    if flash and mask.flash_window is not None:
+        left, right = mask.flash_window
+        no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(
+            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(),
+            None, None, q.shape[0], k.shape[0], 0.0, False, no_dropout, no_dropout,
+            scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+    return documents_backward(dout, q, k, v, out, lse, False, softmax_scale, mask, False)

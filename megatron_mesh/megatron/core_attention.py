@@ -124,6 +124,8 @@ class MeshDotProductAttention(MegatronModule):
         backend: str = "auto",
         schedule: str = DEFAULT_SCHEDULE,
         grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         self.context_parallel_algo = resolve_algorithm(context_parallel_algo, cp_comm_type, config)
@@ -155,7 +157,9 @@ class MeshDotProductAttention(MegatronModule):
         check_mesh_heads(self.grid.heads, self.grid.cp_size,
                          *local_head_counts(config.num_attention_heads, config.num_query_groups,
                                             tp_size), tp_size)
-        head_dim = config.kv_channels
+        # multi-latent attention passes its Q / K head dim and V's own (the mesh reads both
+        # from the tensors; only the default softmax scale needs K's)
+        head_dim = config.kv_channels if k_channels is None else k_channels
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
@@ -294,7 +298,5 @@ def _check_supported(
         problems.append(f"softmax_type {config.softmax_type!r} (only 'vanilla')")
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         problems.append("qk_clip / log_max_attention_logit")
-    if getattr(config, "multi_latent_attention", False):
-        problems.append("multi-latent attention")
     if problems:
         raise ValueError("MeshDotProductAttention does not support: " + "; ".join(problems))

@@ -124,8 +124,6 @@ def get_gpt_layer_spec(
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention is not supported by MeshDotProductAttention")
     if use_te:
         if not have_transformer_engine():
             raise ValueError(

@@ -1,0 +1,81 @@
+"""Sliding windows: `window_size=(left, right)` as Transformer Engine and flash-attention
+define it. Query i sees key j when i - left <= j <= i + right, -1 meaning unbounded on that
+side; with a causal mask right is 0 (given as 0 or -1). Positions are global: the token's
+index in the whole sequence (dense zigzag layout) or within its document (packed documents).
+
+`Window` is the checked value (decided once per call); `token_positions` gives the global
+positions of a rank's local rows, from which `layout.block_for` cuts each block's rows and
+tile mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .documents import Documents
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window that limits something: left, right >= 0, or -1 for unbounded."""
+
+    left: int
+    right: int
+
+    def sees(self, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        """[sq, sk] bool: key position kv_pos[j] inside query position q_pos[i]'s window."""
+        delta = kv_pos[None, :] - q_pos[:, None]  # j - i
+        seen = torch.ones(delta.shape, dtype=torch.bool)
+        if self.left >= 0:
+            seen &= delta >= -self.left
+        if self.right >= 0:
+            seen &= delta <= self.right
+        return seen
+
+
+def window_of(window_size: tuple[int, int] | list[int] | None, causal: bool) -> Window | None:
+    """The checked `Window` of `window_size` (None when it limits nothing). ValueError
+    naming the bad value: not a pair of ints, below -1, or right > 0 with causal."""
+    if window_size is None:
+        return None
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size={window_size!r} must be None or a pair (left, right) "
+                         "of ints, -1 meaning unbounded")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(window_size)}: left and right must be >= -1 "
+                         "(-1: unbounded)")
+    if causal:
+        if right > 0:
+            raise ValueError(f"window_size={tuple(window_size)} with causal=True: right "
+                             "must be 0 or -1 (a causal query sees no later key)")
+        right = 0
+    if left == -1 and (right == -1 or causal):
+        return None  # the plain (causal) mask
+    return Window(left, right)
+
+
+def token_positions(ranks: int, rank: int, local_len: int,
+                    documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position, document) int64 [local_len] of `rank`'s local rows in the zigzag layout of
+    `ranks` shares: the global position (within its document when packed) and the document
+    index (0 when dense; -1 on padding tokens, which see and are seen by nothing)."""
+    if documents is None:
+        half = local_len // 2
+        rows = torch.arange(local_len)
+        second = (2 * ranks - 1 - rank) * half + rows - half
+        pos = torch.where(rows < half, rank * half + rows, second)
+        return pos, torch.zeros(local_len, dtype=torch.int64)
+    pos = torch.empty(local_len, dtype=torch.int64)
+    doc = torch.empty(local_len, dtype=torch.int64)
+    for d, (offset, piece) in enumerate(documents.pieces(ranks)):
+        pieces = (rank,) if ranks == 1 else (rank, 2 * ranks - 1 - rank)
+        for half, index in enumerate(pieces):
+            start = offset + half * piece
+            pos[start:start + piece] = torch.arange(piece) + index * piece
+            doc[start:start + piece] = d
+        end = offset + len(pieces) * piece
+        doc[offset:end] = torch.where(pos[offset:end] < documents.lengths[d], d, -1)
+    return pos, doc

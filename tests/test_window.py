@@ -1,0 +1,268 @@
+"""Sliding windows through the mesh against whole-sequence SDPA in fp64 with the explicit
+windowed mask, forward and backward, on gloo ranks: P = 2, 4, 8; windows of 1 token, half a
+sub-chunk, one sub-chunk, three sub-chunks and longer than S; every 2D and heads x mesh grid
+and every schedule; GQA; causal and two-sided windows; bf16 within twice SDPA's own error;
+dense and packed documents (the window on positions within each document)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_mesh as mm
+from megatron_mesh.documents import Documents, thd_split
+from megatron_mesh.layout import zigzag_split
+from megatron_mesh.plan import resolve_plan
+from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.values import grid_shapes
+from megatron_mesh.windowed import window_traffic
+
+from dist_utils import run_distributed
+
+LOCAL = 8  # tokens per rank: sub-chunks of 4
+SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+
+
+@dataclass(frozen=True)
+class WindowCase:
+    window: tuple[int, int]
+    causal: bool = True
+    dtype: torch.dtype = torch.float32
+    lengths: tuple[int, ...] | None = None  # packed documents' actual lengths
+    padded: tuple[int, ...] | None = None
+    q_heads: int = 4
+    kv_heads: int = 2
+    seed: int = 0
+
+    @property
+    def documents(self) -> Documents | None:
+        if self.lengths is None:
+            return None
+        cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
+        return Documents.from_cu_seqlens(torch.tensor(cum(self.lengths), dtype=torch.int32),
+                                         torch.tensor(cum(self.padded), dtype=torch.int32))
+
+    def __str__(self) -> str:
+        docs = "" if self.lengths is None else f" docs={self.lengths}/{self.padded}"
+        return (f"window={self.window} causal={self.causal} {str(self.dtype)[6:]} "
+                f"hq={self.q_heads} hkv={self.kv_heads}{docs}")
+
+
+def window_cases(cp_size: int) -> list[WindowCase]:
+    seq, sub = LOCAL * cp_size, LOCAL // 2
+    unit = 2 * cp_size
+    docs = dict(lengths=(3 * unit, unit - 3, 4 * unit - 1), padded=(3 * unit, unit, 4 * unit))
+    return [
+        WindowCase((1, 0)),  # one token back
+        WindowCase((sub // 2, 0), seed=1),  # half a sub-chunk
+        WindowCase((sub, -1), seed=2, kv_heads=1),  # one sub-chunk (right -1 = 0), MQA
+        WindowCase((3 * sub, 0), seed=3),  # three sub-chunks
+        WindowCase((seq + 5, 0), seed=4),  # longer than S
+        WindowCase((sub // 2, 3), causal=False, seed=5),  # two-sided
+        WindowCase((sub // 2, 0), dtype=torch.bfloat16, seed=6),
+        WindowCase((sub // 2, 0), seed=7, **docs),  # inside packed documents
+        WindowCase((3 * sub, 2), causal=False, seed=8, **docs),
+    ]
+
+
+def positions(case: WindowCase, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(position, document, real) [T] of the whole sequence: position within its document."""
+    docs = case.documents
+    if docs is None:
+        return torch.arange(seq), torch.zeros(seq, dtype=torch.int64), torch.ones(seq, dtype=torch.bool)
+    pos, doc = torch.empty(docs.total, dtype=torch.int64), torch.empty(docs.total, dtype=torch.int64)
+    real = torch.zeros(docs.total, dtype=torch.bool)
+    for d, (start, n, length) in enumerate(zip(docs.cu_padded, docs.padded_lengths, docs.lengths)):
+        pos[start:start + n] = torch.arange(n)
+        doc[start:start + n] = d
+        real[start:start + length] = True
+    return pos, doc, real
+
+
+def windowed_mask(case: WindowCase, seq: int) -> torch.Tensor:
+    """[T, T] bool: query i sees key j (same document, both real, causal, in the window);
+    a padding query sees only itself (its output is zeroed)."""
+    pos, doc, real = positions(case, seq)
+    left, right = case.window
+    right = 0 if case.causal else right
+    delta = pos[None, :] - pos[:, None]
+    seen = (doc[:, None] == doc[None, :]) & real[:, None] & real[None, :]
+    if left >= 0:
+        seen &= delta >= -left
+    if right >= 0:
+        seen &= delta <= right
+    return seen | torch.diag(~real)
+
+
+def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
+    docs = case.documents
+    seq = LOCAL * grid.cp_size if docs is None else docs.total
+    g = torch.Generator().manual_seed(case.seed)
+    shapes = {"q": case.q_heads, "k": case.kv_heads, "v": case.kv_heads, "dout": case.q_heads}
+    x = {n: torch.randn(seq, 1, h, 8, generator=g, dtype=torch.float64) for n, h in shapes.items()}
+    real = positions(case, seq)[2]
+    x["dout"][~real] = 0
+    if docs is None:
+        mine = lambda t: zigzag_split(t, grid.cp_size)[grid.cp_rank]  # noqa: E731
+    else:
+        mine = lambda t: thd_split(t[:, 0], docs, grid.cp_size)[grid.cp_rank]  # noqa: E731
+    share = {n: mine(t).to(case.dtype) for n, t in x.items()}
+    q, k, v = (share[n].requires_grad_() for n in "qkv")
+    kwargs = {} if docs is None else dict(
+        cu_seqlens=torch.tensor([0] + [sum(docs.lengths[:i + 1]) for i in range(docs.count)],
+                                dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor(docs.cu_padded, dtype=torch.int32))
+    with mm.TrafficCounter() as counter:
+        out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=schedule,
+                                backend="torch", window_size=case.window, **kwargs)
+        out.backward(share["dout"])
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+    def reference(dtype):
+        t = {n: x[n].to(dtype).permute(1, 2, 0, 3).requires_grad_() for n in "qkv"}
+        o = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], enable_gqa=True,
+                                           attn_mask=windowed_mask(case, seq))
+        o = o * real[None, None, :, None]
+        o.backward(x["dout"].to(dtype).permute(1, 2, 0, 3))
+        sbhd = lambda r: mine(r.detach().permute(2, 0, 1, 3).double())  # noqa: E731
+        return {"out": sbhd(o), "dq": sbhd(t["q"].grad), "dk": sbhd(t["k"].grad),
+                "dv": sbhd(t["v"].grad)}
+
+    ref = reference(torch.float64)
+    same = reference(case.dtype) if case.dtype != torch.float32 else None
+    where = f"{case} grid {grid.shape_text} {schedule} rank {grid.cp_rank}"
+    bad = []
+    for n, t in ref.items():
+        err = (got[n].double() - t).abs().max().item()
+        if same is None:
+            limit = 1e-5 * max(1.0, t.abs().max().item())
+        else:  # twice SDPA's own error in this dtype, plus a few ulps
+            limit = (2 * (same[n] - t).abs().max().item()
+                     + 2 * torch.finfo(case.dtype).eps * t.abs().max().item())
+        if not err <= limit:
+            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    # bytes sent: the window formula for this rank, never more than without a window
+    shape = mm.AttentionShape(seq, 1, case.q_heads, case.kv_heads, 8, case.dtype.itemsize)
+    plan = resolve_plan(shape, grid.rows, grid.cols, schedule, heads=grid.heads)
+    e = case.dtype.itemsize
+    formula = window_traffic(shape, grid.heads, grid.rows, grid.cols, case.window, case.causal,
+                             grid.mesh_rank, plan.dq_bytes(e), plan.dkv_bytes(e), docs)
+    if counter.total_bytes != formula.total:
+        bad.append(f"{where}: sent {counter.total_bytes} B, window formula {formula.total} B")
+    if counter.total_bytes > mm.mesh_traffic(shape, plan).total:
+        bad.append(f"{where}: sent {counter.total_bytes} B, more than without a window "
+                   f"({mm.mesh_traffic(shape, plan).total} B)")
+    return bad
+
+
+def grids(cp_size: int) -> list[tuple[int, int, int]]:
+    """Every (A, R, C) with A x R x C = P and A in 1, 2, 4."""
+    return [(a, r, cp_size // (a * r)) for a in (1, 2, 4) if cp_size % a == 0
+            for r in range(1, cp_size // a + 1) if (cp_size // a) % r == 0]
+
+
+def _run(rank: int, world: int) -> list[str]:
+    bad = []
+    cases = window_cases(world)
+    for g, (a, r, c) in enumerate(grids(world)):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for i, case in enumerate(cases):
+            if world == 8 and a == 4 and i % 2:  # P = 8: the A = 4 grids take every other case
+                continue
+            schedule = SCHEDULES[(g + i) % 3]
+            try:
+                bad += check(case, grid, schedule)
+            except Exception as e:  # noqa: BLE001 (reported with the case)
+                bad.append(f"{case} grid {grid.shape_text} {schedule} rank {rank}: "
+                           f"{type(e).__name__}: {e}")
+    return bad
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8])
+def test_windows_exact_on_every_grid(cp_size: int) -> None:
+    bad = [b for rank_bad in run_distributed(_run, cp_size) for b in rank_bad]
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("window, causal, message", [
+    ((-2, 0), True, ">= -1"),
+    ((3, -5), False, ">= -1"),
+    ((3, 1), True, "right must be 0 or -1"),
+    ((3,), True, "pair"),
+    ((1.5, 0), True, "pair"),
+])
+def test_bad_windows_are_named_before_any_collective(window, causal, message) -> None:
+    # a grid over ranks that do not exist: any collective would fail, not raise ValueError
+    grid = mm.MeshGrid(rows=2, cols=1, cp_rank=0, cp_ranks=(0, 1), row_group=None,
+                       col_group=None)
+    q = torch.randn(8, 1, 4, 8)
+    with pytest.raises(ValueError, match=message):
+        mm.mesh_attention(q, q, q, grid, causal=causal, window_size=window)
+    with pytest.raises(ValueError, match="sliding windows"):
+        mm.mesh_attention(q, q, q, grid, window_size=(2, 0), backend="cudnn")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("flash", [True, False])
+def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, flash: bool) -> None:
+    """The CUDA calls of a windowed tile run on meta tensors: flash with its own window
+    (fp16 / bf16, where the window is exact for the tile), else the memory-efficient op
+    with the additive bias; V of its own head dim too."""
+    from megatron_mesh.kernels.base import TileMask
+    from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+    from megatron_mesh.window import Window
+
+    meta = torch.device("meta")
+    seen = Window(2, 0).sees(torch.arange(6) + 2, torch.arange(8))
+    mask = TileMask.build(seen, meta, (2, 0) if flash else None)
+    q = torch.empty(6, 2, 4, 16, device=meta, dtype=dtype)
+    k = torch.empty(8, 2, 2, 16, device=meta, dtype=dtype)
+    for v in (k, torch.empty(8, 2, 2, 8, device=meta, dtype=dtype)):
+        out, lse = TorchFlashKernel().forward(q, k, v, False, 0.25, mask=mask)
+        assert (out.shape, out.dtype, lse.shape) == ((6, 2, 4, v.shape[-1]), dtype, (2, 4, 6))
+        dq, dk, dv = TorchFlashKernel().backward(out, q, k, v, out, lse, False, 0.25, mask=mask)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_flash_window_of_a_block_gives_its_tile() -> None:
+    """Where block_for offers flash-attention's window, that window alone gives the tile."""
+    from megatron_mesh.layout import AttentionMask, block_for
+    from megatron_mesh.window import Window
+
+    offered = 0
+    for window in (Window(1, 0), Window(3, 0), Window(2, 5), Window(9, -1)):
+        mask = AttentionMask(window.right == 0, None, 4, window)
+        for x in range(4):
+            for y in range(4):
+                blk = block_for(x, y, 8, mask)
+                if blk.mask is None or blk.mask.flash_window is None:
+                    continue
+                offered += 1
+                sq, sk = blk.mask.seen.shape
+                flash = Window(*blk.mask.flash_window).sees(torch.arange(sq) + sk - sq,
+                                                            torch.arange(sk))
+                assert torch.equal(flash, blk.mask.seen), (window, x, y)
+    assert offered > 0
+
+
+@pytest.mark.parametrize("cp_size", [8, 16])
+def test_window_bytes_grow_with_the_window(cp_size: int) -> None:
+    """The window formula (checked against the byte counter above at P = 2, 4, 8): with a
+    window of half a sub-chunk the ring corner (P x 1) sends at most 20% of its bytes
+    without a window, and no grid sends more with any window than without one."""
+    seq = 2 * cp_size * 64
+    sub = seq // (2 * cp_size)
+    shape = mm.AttentionShape(seq, 1, 8, 2, 16, 2)
+    for a, r, c in grid_shapes(cp_size):
+        if a > 4:
+            continue
+        plan = resolve_plan(shape, r, c, "streamed", heads=a)
+        dense = mesh_traffic(shape, plan).total
+        for left in (1, sub // 2, sub, 3 * sub, seq + 1):
+            windowed = window_traffic(shape, a, r, c, (left, 0), True, None,
+                                      plan.dq_bytes(2), plan.dkv_bytes(2)).total
+            assert windowed <= dense, (a, r, c, left, windowed, dense)
+            if (a, r, c) == (1, cp_size, 1) and left == sub // 2:
+                assert windowed <= 0.2 * dense, (windowed, dense)
