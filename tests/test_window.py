@@ -175,7 +175,18 @@ def _run(rank: int, world: int) -> list[str]:
             except Exception as e:  # noqa: BLE001 (reported with the case)
                 bad.append(f"{case} grid {grid.shape_text} {schedule} rank {rank}: "
                            f"{type(e).__name__}: {e}")
-    return bad
+    return bad + _disagreeing_windows(rank, world)
+
+
+def _disagreeing_windows(rank: int, world: int) -> list[str]:
+    """Rank 0 passes another window: every rank raises, none hangs."""
+    grid = mm.MeshGrid.build(rows=world, cols=1)
+    q = torch.randn(LOCAL, 1, 2, 8)
+    try:
+        mm.mesh_attention(q, q, q, grid, window_size=(2 if rank else 3, 0))
+    except ValueError as e:
+        return [] if "window_size" in str(e) else [f"rank {rank}: unclear error {e}"]
+    return [f"rank {rank}: different windows on different ranks were not refused"]
 
 
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
