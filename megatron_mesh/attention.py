@@ -141,7 +141,7 @@ class MeshAttention:
                              "(MeshAttention.build(..., packed=True) takes them)")
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
-        check_same_shapes(q, k, grid, documents, v.shape[-1])
+        check_same_shapes(q, k, grid, documents, v.shape[-1], self.window)
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)

@@ -92,20 +92,22 @@ _AGREED_KEPT = 256
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, documents=None,
-               v_head_dim: int | None = None) -> tuple[int, ...]:
-    """q [s, b, hq, d], k [s, b, hkv, d] and v's head dim as numbers: (s, b, hq, hkv, d,
-    dtype index, packed documents' key or -1, dv)."""
+               v_head_dim: int | None = None, window=None) -> tuple[int, ...]:
+    """q [s, b, hq, d], k [s, b, hkv, d], v's head dim and the window as numbers: (s, b,
+    hq, hkv, d, dtype index, packed documents' key or -1, dv, window left, right or -2)."""
     s, b, hq, d = q.shape
     docs = -1 if documents is None else documents.agreement_key()
     dv = d if v_head_dim is None else v_head_dim
-    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs, dv)
+    left, right = (-2, -2) if window is None else (window.left, window.right)
+    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs, dv, left, right)
 
 
 def _signature_text(sig: tuple[int, ...]) -> str:
-    s, b, hq, hkv, d, dtype, docs, dv = sig
+    s, b, hq, hkv, d, dtype, docs, dv, left, right = sig
     kv = f"k/v [{s}, {b}, {hkv}, {d}]" if dv == d else f"k [{s}, {b}, {hkv}, {d}] dv {dv}"
     return (f"q [{s}, {b}, {hq}, {d}] {kv} {str(DTYPES[dtype])[6:]}"
-            + ("" if docs == -1 else f" documents #{docs:x}"))
+            + ("" if docs == -1 else f" documents #{docs:x}")
+            + ("" if left == -2 else f" window ({left}, {right})"))
 
 
 def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -116,13 +118,13 @@ def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
 
 
 def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
-                      documents=None, v_head_dim: int | None = None) -> None:
+                      documents=None, v_head_dim: int | None = None, window=None) -> None:
     """ValueError on every rank of the grid unless all its ranks pass the same q / k shapes
     and dtype (and packed documents, `documents.Documents`). Collective over the grid, but
     only the first time this rank sees a signature: the signatures are gathered over the
     row, then the rows' over the column, then the meshes' over the heads group, so every
     rank holds all P of them (three small all_gathers)."""
-    sig = _signature(q, k, documents, v_head_dim)
+    sig = _signature(q, k, documents, v_head_dim, window)
     key = (grid.cp_ranks, grid.heads, grid.rows, grid.cols, sig)
     if key in _AGREED or grid.cp_size == 1:
         return
@@ -137,7 +139,7 @@ def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
             f"ranks of one {grid.shape_text} grid pass different shapes to mesh_attention: "
             f"{_signature_text(sig)} here (CP rank {grid.cp_rank}), "
             + "; ".join(_signature_text(o) for o in others) + " on another; every rank of "
-            "a CP group must pass the same shapes, dtype and cu_seqlens")
+            "a CP group must pass the same shapes, dtype, cu_seqlens and window_size")
     _AGREED[key] = None
     if len(_AGREED) > _AGREED_KEPT:
         del _AGREED[next(iter(_AGREED))]

@@ -40,6 +40,12 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
                        ring, K/V and dK, dV in flight; a model for comparison)
 
+    windowed (sliding windows, `windowed.py`; every schedule runs it): forward
+                       max(C Q + R KV + C acc + block, C (acc + O) + FO + 3 L);
+                       backward C (Q + O + 2 L) + 2 L + R KV + C FQ + R FKV + block
+                       (+ O, a stand-in output, when C > 1). The tile masks a layer
+                       makes once per shape and keeps (cached) are not counted.
+
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
 the heads (`values.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
 with the repeated K/V heads), or the relayout of Q, K, V one at a time (2 x each: sent,
@@ -104,6 +110,11 @@ class _Chunk:
     def result(self) -> dict[str, int]:
         return {"forward": self.o, "backward": self.q + self.kv}
 
+    @property
+    def merge_rows(self) -> int:
+        """A merge of received rows: their accumulator rows taken out, new lse, weight."""
+        return self.fo + 3 * self.lse
+
     def merge(self, c: int) -> int:
         """The row's partials merged at their owner (none when C = 1)."""
         if c == 1:
@@ -124,6 +135,12 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
         return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}
+    if schedule == "windowed":  # sliding windows' sparse exchange: the gathered buffers
+        stand_in = (m.o if c > 1 else 0) + m.block_backward  # own rows use out itself
+        return {"forward": max(c * m.q + r * m.kv + c * m.acc + m.block_forward,
+                               c * (m.acc + m.o) + m.merge_rows),
+                "backward": c * (m.q + m.o + 2 * m.lse) + 2 * m.lse + r * m.kv + c * m.fq
+                + r * m.fkv + stand_in}
     if schedule == "streamed_kv":
         ring_kv = min(2, r - 1) * m.kv
         if r > 2:
@@ -156,7 +173,8 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
 
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
                  schedule: str | None = None,
-                 grad_dtype: GradDtype | str = GradDtype.MIXED) -> dict[str, int]:
+                 grad_dtype: GradDtype | str = GradDtype.MIXED,
+                 windowed: bool = False) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
@@ -165,9 +183,11 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
-            return heads_extra_memory(shape, rows)
+            return heads_extra_memory(shape, rows, windowed)
         rows, cols, schedule, grad_dtype = (rows.rows, rows.cols, rows.schedule.value,
                                             rows.grad_dtype)
+    if windowed:  # under a sliding window every schedule runs the sparse exchange
+        schedule = "windowed"
     if cols is None or schedule is None:
         raise TypeError("extra_memory takes (shape, plan) or (shape, rows, cols, schedule)")
     if schedule == "ring":
@@ -179,14 +199,15 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     return {phase: peaks[phase] - m.result[phase] for phase in peaks}
 
 
-def heads_extra_memory(shape: AttentionShape, plan: MeshPlan) -> dict[str, int]:
+def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
+                       windowed: bool = False) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
-    mesh = _peaks(m, plan.rows, plan.cols, plan.schedule.value)
+    mesh = _peaks(m, plan.rows, plan.cols, "windowed" if windowed else plan.schedule.value)
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0

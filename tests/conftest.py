@@ -22,7 +22,7 @@ DISTRIBUTED_FILES = {
     "test_mesh_attention.py", "test_planner.py", "test_training_driver.py",
     "test_validation.py", "test_packed_documents.py", "test_document_masking.py",
     "test_training_eval.py", "test_window.py", "test_mla.py", "test_megatron_mla.py",
-    "test_kernels_meta.py",
+    "test_kernels_meta.py", "test_megatron_window.py", "test_training_window.py",
 }
 # spawned one-offs in otherwise fast files
 DISTRIBUTED_TESTS = {"test_bad_flags_fail_fast_on_every_rank"}

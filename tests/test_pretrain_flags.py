@@ -96,6 +96,16 @@ def test_recompute_flags_reach_the_transformer_config() -> None:
     assert selective.recompute_granularity == "selective"
 
 
+def test_window_flags_reach_the_transformer_config() -> None:
+    from megatron_mesh.training.model import transformer_config
+
+    common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
+    config = transformer_config(parse_args(common + ["--window-size", "16", "0",
+                                                     "--window-attn-skip-freq", "2"]))
+    assert (tuple(config.window_size), config.window_attn_skip_freq) == ((16, 0), 2)
+    assert transformer_config(parse_args(common)).window_size is None
+
+
 def test_pipeline_stages_share_the_world() -> None:
     """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches, and
     the default wandb run name says PP."""
@@ -171,6 +181,9 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--use-distributed-optimizer", "--optimizer", "sgd"], "--use-distributed-optimizer with "
      "--optimizer sgd on a CPU: megatron-core's distributed optimizer over torch's optimizers"),
     (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
+    (["--window-size", "16", "4"], "right must be 0 or -1"),
+    (["--window-size", "-3", "0"], ">= -1"),
+    (["--window-attn-skip-freq", "2"], "needs --window-size"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"],
      "--sequence-parallel: the 63 tokens per context-parallel rank (--seq-length 63 / CP 1) are "
      "not divisible by --tensor-model-parallel-size 2"),

@@ -31,6 +31,7 @@ from megatron_mesh.megatron.groups import (
 )
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
+from megatron_mesh.window import window_of
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 # with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)
@@ -138,6 +139,8 @@ class MeshDotProductAttention(MegatronModule):
         self.schedule = schedule
         self.grad_reduce_dtype = grad_reduce_dtype
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
+        self.window_size = layer_window(config, self.layer_number)
+        window_of(self.window_size, _MASKS.get(attn_mask_type, True))  # ValueError if bad
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
@@ -169,14 +172,15 @@ class MeshDotProductAttention(MegatronModule):
     def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                causal: bool, packed: bool) -> MeshAttention:
         """The layer's MeshAttention for these inputs, decided at their first forward."""
-        signature = (tuple(query.shape), tuple(key.shape), query.dtype, query.device, causal,
-                     packed)
+        signature = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
+                     query.device, causal, packed)
         layer = self._layers.get(signature)
         if layer is None:
             layer = MeshAttention.build(
                 query, key, value, self.grid, causal=causal, softmax_scale=self.softmax_scale,
                 backend=self.backend, schedule=self.schedule,
-                grad_reduce_dtype=self.grad_reduce_dtype, packed=packed)
+                grad_reduce_dtype=self.grad_reduce_dtype, packed=packed,
+                window_size=self.window_size)
             self._layers[signature] = layer
             if self.grid.cp_size > 1:
                 _log_schedule(layer, self.schedule)
@@ -198,7 +202,7 @@ class MeshDotProductAttention(MegatronModule):
 
         `attention_mask` is not read: the mask is the causal (or no) mask of
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
-        document when packed.
+        document when packed, and this layer's sliding window (`layer_window`).
         """
         if attention_bias is not None:
             raise ValueError("MeshDotProductAttention does not support attention_bias")
@@ -259,6 +263,20 @@ class MeshDotProductAttentionInTEState(MeshDotProductAttention):
             self._te_extra_state = torch.empty(0, dtype=torch.uint8)
 
 
+def layer_window(config: TransformerConfig, layer_number: int) -> tuple[int, int] | None:
+    """The sliding window of layer `layer_number` (1-based): config.window_size, unless
+    config.window_attn_skip_freq makes it a global layer (megatron-core's rule,
+    `is_layer_window_attention`: every n-th layer global for an int n, or per layer for a
+    list); None for a global layer."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = getattr(config, "window_size", None)
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if not window or not is_layer_window_attention(window, skip, layer_number):
+        return None
+    return tuple(window)
+
+
 def _check_algorithm(algo: str, config: TransformerConfig) -> None:
     """ValueError unless this class can run `algo`: 'mesh', or any algorithm at CP = 1."""
     if algo == "mesh" or config.context_parallel_size == 1:
@@ -292,8 +310,6 @@ def _check_supported(
         problems.append(f"attention_type {attention_type!r} (only 'self')")
     if attn_mask_type not in _MASKS:
         problems.append(f"attn_mask_type {attn_mask_type} (only causal or no_mask)")
-    if getattr(config, "window_size", None) is not None:
-        problems.append(f"sliding window {config.window_size}")
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         problems.append(f"softmax_type {config.softmax_type!r} (only 'vanilla')")
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):

@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--untie-embeddings-and-output-weights", type=bool, default=False)
     _flag(g, "--hidden-dropout", type=float, default=0.0)
     _flag(g, "--attention-dropout", type=float, default=0.0)
+    _flag(g, "--window-size", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+          help="sliding window (left, right) as Transformer Engine defines it, -1 unbounded; "
+          "causal: right 0 or -1")
+    _flag(g, "--window-attn-skip-freq", type=int, default=None,
+          help="with --window-size, every n-th layer is global (full causal attention)")
     _flag(g, "--init-method-std", type=float, default=0.02)
     _flag(g, "--make-vocab-size-divisible-by", type=int, default=128)
 
@@ -259,6 +264,21 @@ def _check_document_masking(args: argparse.Namespace, pp: int, cp: int) -> None:
               "a2a+p2p")
 
 
+def _check_window(args: argparse.Namespace) -> None:
+    """--window-size: a causal window (right 0 or -1, both >= -1); --window-attn-skip-freq
+    a positive integer, only with a window."""
+    from megatron_mesh.window import window_of
+
+    if args.window_size is not None:
+        try:
+            window_of(tuple(args.window_size), causal=True)
+        except ValueError as e:
+            _fail(f"--window-size {' '.join(map(str, args.window_size))}: {e}")
+    freq = args.window_attn_skip_freq
+    if freq is not None and (args.window_size is None or freq < 1):
+        _fail(f"--window-attn-skip-freq {freq} needs --window-size and must be >= 1")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check flags against each other and the world size; fill in derived defaults."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -272,6 +292,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(str(e))
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
+    _check_window(args)
     args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
     if args.distributed_backend == "nccl" and not has_cuda():
         _fail("--distributed-backend nccl needs CUDA; use gloo on a CPU")

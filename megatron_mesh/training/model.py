@@ -35,6 +35,8 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
+        window_size=None if args.window_size is None else tuple(args.window_size),
+        window_attn_skip_freq=args.window_attn_skip_freq,
         init_method_std=args.init_method_std,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,

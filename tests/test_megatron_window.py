@@ -1,0 +1,165 @@
+"""Sliding windows in a megatron-core GPTModel (config.window_size with
+window_attn_skip_freq = 2: layer 1 windowed, layer 2 global) with the mesh core attention
+match the same model at CP = 1 whose core attention is torch SDPA on the whole sequence with
+the explicit windowed mask, on 4 gloo ranks: 2x2, 4x1, 1x4 and heads x mesh 2x2x1 grids,
+windows of 3 tokens (less than a sub-chunk of 4) and 9."""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from preloaded import context, free_port
+
+WORLD, SEQ, BATCH, VOCAB = 4, 32, 2, 64
+HEADS, HIDDEN, LAYERS = 4, 64, 2
+GRIDS = [(2, 2), (4, 1), (1, 4), (2, 2, 1)]
+WINDOWS = [(3, 0), (9, 0)]
+
+
+def _sdpa_class():
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                     pg_collection=None):
+            from megatron_mesh.megatron.core_attention import layer_window
+
+            super().__init__(config=config)
+            self.window = layer_window(config, layer_number)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            i = torch.arange(q.shape[2])
+            seen = i[None, :] <= i[:, None]
+            if self.window is not None:
+                seen &= i[None, :] >= i[:, None] - self.window[0]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    return SDPACoreAttention
+
+
+def _config(cp: int, window):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=2,
+        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+        params_dtype=torch.float32, context_parallel_size=cp, window_size=window,
+        window_attn_skip_freq=2)
+
+
+def _model(cp: int, reference: bool, window):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mesh.megatron import get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec("mesh")
+    if reference:
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_class()
+    return GPTModel(_config(cp, window), spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def _loss_and_grads(model, batch, denominator):
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss = (per_token * batch["loss_mask"]).sum() / denominator
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _init(cp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron.groups import destroy_mesh_grids
+
+    destroy_mesh_grids()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, context_parallel_size=cp, create_gloo_process_groups=False)
+
+
+def _run_window(window, full, denominator, out) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron import initialize_mesh_grids
+    from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
+
+    _init(1)
+    torch.manual_seed(1234)
+    reference = _model(1, True, window)
+    ref_loss, ref_grads = _loss_and_grads(reference, full, denominator)
+    for shape in GRIDS:
+        _init(WORLD)
+        initialize_mesh_grids(shape, num_attention_heads=HEADS, num_query_groups=2,
+                              seq_length=SEQ)
+        model = _model(WORLD, False, window)
+        model.load_state_dict(reference.state_dict())
+        loss, grads = _loss_and_grads(model, get_batch_on_this_cp_rank(dict(full)), denominator)
+        group = ps.get_context_parallel_group()
+        dist.all_reduce(loss, group=group)
+        for t in grads.values():
+            dist.all_reduce(t, group=group)
+        cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+        out[window, shape] = {
+            "windows": [c.window_size for c in cores],
+            "loss": (loss.item(), ref_loss.item()),
+            "grad_err": max((grads[n] - ref_grads[n]).abs().max().item()
+                            / (ref_grads[n].abs().max().item() + 1e-6) for n in grads),
+            "core": type(cores[0]).__name__,
+        }
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    from megatron_mesh.megatron.cpu import megatron_on_cpu
+
+    out = {}
+    try:
+        with megatron_on_cpu():
+            g = torch.Generator().manual_seed(7)
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+            full = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                    "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
+                    "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
+            denominator = full["loss_mask"].sum()
+            for window in WINDOWS:
+                _run_window(window, full, denominator, out)
+        torch.save(out, os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context()
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(WORLD, free_port(), outdir), nprocs=WORLD,
+                           join=True, start_method="forkserver")
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
+                for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("shape", GRIDS)
+def test_windowed_gpt_matches_cp1(results, window, shape) -> None:
+    for rank, res in enumerate(results):
+        r = res[window, shape]
+        assert r["core"] == "MeshDotProductAttention"
+        assert r["windows"] == [window, None]  # layer 2 is global (window_attn_skip_freq)
+        loss, ref = r["loss"]
+        assert math.isclose(loss, ref, rel_tol=1e-5), (rank, loss, ref)
+        assert r["grad_err"] < 1e-5, (rank, r["grad_err"])
