@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--eod-mask-loss", type=bool, default=False)
     _flag(g, "--reset-position-ids", type=bool, default=False)
     _flag(g, "--reset-attention-mask", type=bool, default=False)
+    _flag(g, "--num-workers", type=int, default=0,
+          help="torch DataLoader worker processes reading the samples (0: the training "
+               "process reads them; Megatron-LM's default is 2); the batches are the same")
 
     g = p.add_argument_group("checkpointing")
     _flag(g, "--save", default=None, help="checkpoint directory")
@@ -425,6 +428,9 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.mock_data and (args.data_path or per_split):
         _fail(f"--mock-data and {_flag_name(per_split[0]) if per_split else '--data-path'} "
               "are exclusive")
+    if args.num_workers is None or args.num_workers < 0:
+        _fail(f"--num-workers {args.num_workers}: must be 0 (read in the training process) "
+              "or more")
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 1:
             _fail("--tokenizer-type NullTokenizer needs --vocab-size N")

@@ -1,10 +1,13 @@
 """Training data: tokenizer, megatron-core GPT datasets, and this rank's micro-batches.
 
 Sample order is a pure function of the sample index, so the data position of a run is just
-the number of samples consumed; a resumed run starts its iterator there.
+the number of samples consumed; a resumed run starts its iterator there. --num-workers N
+reads the samples in N torch DataLoader worker processes, in the same order: the batches do
+not depend on N.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -13,13 +16,14 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
+from torch.utils.data import DataLoader, Sampler
 
 from megatron_mesh.megatron.compat import (
     get_batch_on_this_cp_rank,
     null_tokenizer_library,
     null_tokenizer_options,
 )
-from megatron_mesh.training.device import device
+from megatron_mesh.training.device import device, has_cuda
 from megatron_mesh.training.packing import pack_documents
 from megatron_mesh.training.pipeline import batch_keys
 from megatron_mesh.training.validation import split_weights
@@ -111,32 +115,74 @@ def build_datasets(args: TrainingConfig, tokenizer: MegatronTokenizerBase
     return tuple(datasets)
 
 
+class SampleIndices(Sampler[int]):
+    """The sample indices one data-parallel rank reads, in reading order: from global
+    batch k = `first` / GBS on, micro-batch m of global batch k holds the ``mbs`` samples
+    from k * GBS + (m * DP + d) * mbs (d: the data-parallel rank). Ends before the first
+    micro-batch that does not fit in `total` samples, so no reader runs past the dataset.
+    """
+
+    def __init__(self, first: int, total: int, dp_rank: int, args: TrainingConfig) -> None:
+        self.first, self.total, self.dp_rank = first, total, dp_rank
+        self.mbs, self.dp = args.micro_batch_size, args.data_parallel_size
+        self.num_microbatches, self.gbs = args.num_microbatches, args.global_batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.first + self.dp_rank * self.mbs
+        while True:
+            for m in range(self.num_microbatches):
+                first = start + m * self.dp * self.mbs
+                if first + self.mbs > self.total:
+                    return
+                yield from range(first, first + self.mbs)
+            start += self.gbs
+
+
+@dataclass(frozen=True)
+class StackFields:
+    """collate_fn: the samples' `keys` fields stacked into [mbs, s] tensors (runs in the
+    loader's worker processes)."""
+
+    keys: tuple[str, ...]
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in self.keys}
+
+
+def sample_loader(dataset: GPTDataset, args: TrainingConfig, consumed_samples: int,
+                  keys: tuple[str, ...]) -> DataLoader:
+    """This rank's micro-batches of `keys` ([mbs, s] tensors, on the CPU) from
+    ``consumed_samples`` on, read by --num-workers worker processes (0: in this process);
+    pinned for the copy to the GPU where there is one."""
+    sampler = SampleIndices(consumed_samples, len(dataset),
+                            parallel_state.get_data_parallel_rank(), args)
+    return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler,
+                      num_workers=args.num_workers, collate_fn=StackFields(keys),
+                      pin_memory=has_cuda())
+
+
 def micro_batches(dataset: GPTDataset, args: TrainingConfig,
                   consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches from ``consumed_samples`` on, already split for CP.
 
-    Global batch k holds samples [k * GBS, (k + 1) * GBS); micro-batch m of data-parallel
-    rank d takes the ``micro_batch_size`` samples from k * GBS + (m * DP + d) * mbs. All TP
-    and CP ranks of a replica read the same samples; get_batch_on_this_cp_rank then keeps
-    this CP rank's two zigzag chunks. Each pipeline stage gets only the fields it reads
-    (`pipeline.batch_keys`); a middle stage reads no samples.
+    The samples are those of `SampleIndices`, read by `sample_loader` (--num-workers
+    processes or this one; the same batches either way). All TP and CP ranks of a replica
+    read the same samples; get_batch_on_this_cp_rank then keeps this CP rank's two zigzag
+    chunks (--reset-attention-mask: `pack_documents` its share of the packed documents).
+    Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
+    stage reads no samples.
     """
     keys = batch_keys()
-    mbs, dp = args.micro_batch_size, args.data_parallel_size
-    dp_rank = parallel_state.get_data_parallel_rank()
-    start = consumed_samples + dp_rank * mbs
+    if not keys:
+        while True:
+            yield get_batch_on_this_cp_rank({})
     dev = device()
     cp_size, cp_rank = args.context_parallel_size, parallel_state.get_context_parallel_rank()
     sp_split = args.tensor_model_parallel_size if args.sequence_parallel else 1
     eod = dataset.config.tokenizer.eod
-    while True:
-        for m in range(args.num_microbatches):
-            first = start + m * dp * mbs
-            samples = [dataset[i] for i in range(first, first + mbs)] if keys else []
-            batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(dev)
-                     for k in keys}
-            if args.reset_attention_mask:
-                yield pack_documents(batch, eod, cp_size, cp_rank, sp_split)
-            else:
-                yield get_batch_on_this_cp_rank(batch)
-        start += args.global_batch_size
+    for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
+        batch = {k: v.to(dev) for k, v in cpu_batch.items()}
+        if args.reset_attention_mask:
+            yield pack_documents(batch, eod, cp_size, cp_rank, sp_split)
+        else:
+            yield get_batch_on_this_cp_rank(batch)

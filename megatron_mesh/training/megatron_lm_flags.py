@@ -4,7 +4,7 @@ A Megatron-LM command line (its GPT example scripts) carries flags for fused ker
 communication overlap, profiling and the like. The driver accepts each of them so that the
 command line carries over, and says at start-up which were given and why they change nothing
 here, so that none is dropped silently. Flags that do mean something here (evaluation,
-TensorBoard, --calculate-per-token-loss, ...) are ordinary flags in `arguments.py`.
+TensorBoard, --calculate-per-token-loss, --num-workers, ...) are ordinary flags in `arguments.py`.
 """
 from __future__ import annotations
 
@@ -76,9 +76,6 @@ NO_EFFECT: tuple[NoEffectFlag, ...] = (
                  "the step time is the one timer here (see --log-timers-to-tensorboard)"),
     NoEffectFlag("--timing-log-option", 1, "the step time is the one timer here"),
     # data loading and checkpoint format
-    NoEffectFlag("--num-workers", 1,
-                 "samples are read in the training process: a sample is a slice of the "
-                 "memory-mapped .bin files"),
     NoEffectFlag("--dataloader-type", 1,
                  "samples are read in order from the consumed-sample count (Megatron-LM's "
                  "'single')"),
