@@ -128,10 +128,11 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
     rows = c * (m.q + m.o + 2 * m.lse) + (c - 1) * m.o if c > 1 else 0
-    if schedule not in tuple(Schedule):
-        raise ValueError(
-            f"schedule={schedule!r} is not one of gathered, streamed_kv, streamed_q, ring")
-    if Schedule(schedule).runs_gathered(r, c):  # no ring to run: the gathered code runs
+    if schedule != "windowed" and schedule not in tuple(Schedule):
+        raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
+                         "streamed_q, ring or windowed")
+    # the schedule has no ring to run here: the gathered code runs
+    if schedule != "windowed" and Schedule(schedule).runs_gathered(r, c):
         return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}

@@ -6,20 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preloaded import launch
+from preloaded import TINY, build_indexed_dataset, launch
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 ITERS = 4
 WINDOW = ["--window-size", "6", "0", "--window-attn-skip-freq", "2"]
 MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape", "2x2"]
 
 
 def test_windowed_mesh_matches_cp1(tmp_path: Path) -> None:
-    from test_training_driver import _build_indexed_dataset
-
     prefix = str(tmp_path / "arith")
-    _build_indexed_dataset(prefix)
+    build_indexed_dataset(prefix)
     common = ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
               "--data-cache-path", str(tmp_path / "index-cache")]
     ref = launch(1, [*common, *WINDOW])
