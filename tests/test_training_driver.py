@@ -108,7 +108,7 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
 def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
         cp1_run: Run, distopt_run: Run, data_args: list[str], work: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each optimizer lays out its checkpoint state its own way (torch's, megatron-core's, the
+    """Each optimizer lays out its checkpoint state its own way (megatron-core's, the
     distributed optimizer's DP x CP shards): the saved kind is checked on load, before any
     tensor is read, with an error that says which flags resume it or --no-load-optim."""
     from megatron.core import dist_checkpointing
@@ -119,19 +119,21 @@ def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
 
     assert cp1_run.returncode == 0 and distopt_run.returncode == 0
     monkeypatch.setenv("WORLD_SIZE", "2")
-    torch_args = parse_args(data_args)
+    plain_args = parse_args(data_args)
     distopt_args = parse_args([*data_args, "--use-distributed-optimizer"])
     sp_args = parse_args([*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
     name = f"iter_{SAVE_EVERY:07d}"
-    torch_saved = dist_checkpointing.load_common_state_dict(str(work / "cp1-ckpt" / name))
+    plain_saved = dist_checkpointing.load_common_state_dict(str(work / "cp1-ckpt" / name))
     distopt_saved = dist_checkpointing.load_common_state_dict(str(work / "distopt-ckpt" / name))
-    check_saved_optimizer(torch_saved, [1, 2, 2], "ckpt", torch_args)
+    assert plain_saved["optimizer_kind"] == "megatron-core"
+    check_saved_optimizer(plain_saved, [1, 2, 2], "ckpt", plain_args)
+    check_saved_optimizer(plain_saved, [1, 2, 2], "ckpt", sp_args)  # same kind with SP
     check_saved_optimizer(distopt_saved, [1, 1, 2], "ckpt", distopt_args)  # DP x CP reshards
-    with pytest.raises(CheckpointError, match="holds torch optimizer state .* this run's "
-                       "optimizer is megatron-core distributed's: resume on a CPU without "
-                       "--use-distributed-optimizer or --sequence-parallel, or load the "
-                       "weights only with --no-load-optim"):
-        check_saved_optimizer(torch_saved, [1, 1, 4], "ckpt", distopt_args)
+    with pytest.raises(CheckpointError, match="holds megatron-core optimizer state .* this run's "
+                       "optimizer is megatron-core distributed's: resume without "
+                       "--use-distributed-optimizer, or load the weights only with "
+                       "--no-load-optim"):
+        check_saved_optimizer(plain_saved, [1, 1, 4], "ckpt", distopt_args)
     with pytest.raises(CheckpointError, match="holds megatron-core distributed optimizer state "
                        r"\(saved with --use-distributed-optimizer\); this run's optimizer is "
                        "megatron-core's"):
@@ -140,6 +142,38 @@ def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
                        "those .* this run has PP 1 x TP 2"):
         check_saved_optimizer(distopt_saved, [1, 2, 2], "ckpt", parse_args(
             [*data_args, "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"]))
+
+
+def test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it(
+        cp1_run: Run, data_args: list[str], work: Path) -> None:
+    """Earlier releases stepped a torch optimizer outside megatron-core on a CPU and recorded
+    its checkpoints' optimizer kind as 'torch'. Every run now steps megatron-core's optimizer,
+    which cannot read that state: --load of such a checkpoint exits 2 before training, naming
+    the old format and --no-load-optim, with no traceback."""
+    import shutil
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_mesh.training.checksums import write_manifest
+
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    legacy = work / "legacy-torch-ckpt"
+    shutil.copytree(work / "cp1-ckpt", legacy)
+    folder = legacy / f"iter_{ITERS:07d}"  # the latest
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    assert common["optimizer_kind"] == "megatron-core"
+    common["optimizer_kind"] = "torch"  # what a CPU run of an earlier release recorded
+    # common.pt: where megatron-core up to 0.18 keeps the common state; 0.19 reads it first
+    torch.save(common, folder / "common.pt")
+    write_manifest(str(folder))  # a consistent checkpoint, not a corrupted one
+    run = launch(1, [*data_args, "--load", str(legacy)])
+    assert run.returncode == 2, run.output[-3000:]
+    assert "Traceback" not in run.output
+    assert (f"checkpoint {folder} holds optimizer state of the old 'torch' kind (a torch "
+            "optimizer outside megatron-core, written by CPU runs of earlier megatron-mesh "
+            "releases); every run now steps megatron-core's optimizer, which cannot load it: "
+            "load the weights only with --no-load-optim") in run.output
 
 
 def _checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict:
