@@ -20,6 +20,7 @@ TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_chec
        "tests/test_training_driver.py::test_data_parallel_with_cp_and_distributed_optimizer_matches_cp1"
        "tests/test_training_driver.py::test_distributed_optimizer_resumes_on_fewer_ranks"
        "tests/test_training_driver.py::test_optimizer_state_of_another_kind_or_tp_is_refused_by_name"
+       "tests/test_training_driver.py::test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it"
        "tests/test_training_driver.py::test_sequence_parallel_tp2_x_mesh_2_matches_cp1"
        # the loss across CP with masked tokens, validation, TensorBoard, the NullTokenizer's EOD
        tests/test_training_eval.py)
