@@ -11,7 +11,7 @@ from preloaded import Job, job_env
 from megatron_mesh.pretrain_gpt import main
 from megatron_mesh.training.arguments import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 
 # GPT-3 paper, Table 2.1: n_layers, d_model, n_heads, d_head
@@ -186,6 +186,7 @@ def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
     assert message in err, err
 
 
+@pytest.mark.distributed  # forks a driver job on every rank
 def test_bad_flags_fail_fast_on_every_rank() -> None:
     """Four ranks of a job with a bad mesh shape: each exits 2 with the message by itself
     (no rank is stopped for another's failure), before any group exists, so none hangs."""

@@ -8,16 +8,14 @@ a DP 2 x CP 2 run with the distributed optimizer.
 from __future__ import annotations
 
 import glob
-import json
-import os
 import re
-import struct
 from pathlib import Path
 
 import pytest
 from preloaded import TINY, Run, build_indexed_dataset, launch, launch_nodes
+from wandb_records import wandb_history, wandb_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ITERS = 8
 SAVE_EVERY = 4
 DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
@@ -237,52 +235,6 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
-def _wandb_records(run_dir: str) -> list:
-    """The wandb Records of an offline run, read from its .wandb transaction log.
-
-    The file is a 7-byte header then LevelDB-log records (32 KiB blocks; each chunk has a
-    crc32, a 2-byte length and a type: 1 full, 2 first, 3 middle, 4 last) of wandb Records.
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, pending, records = 7, b"", []
-    while pos + 7 <= len(data):
-        room = 32768 - pos % 32768
-        if room < 7:
-            pos += room
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            pos += room
-            continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
-def _wandb_history(run_dir: str) -> list[dict]:
-    """History rows of an offline run."""
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json)
-             for item in record.history.item}
-            for record in _wandb_records(run_dir)
-            if record.WhichOneof("record_type") == "history"]
-
-
-def _wandb_run(run_dir: str) -> tuple[str, dict]:
-    """(display name, config) of an offline run."""
-    (run,) = [r.run for r in _wandb_records(run_dir) if r.WhichOneof("record_type") == "run"]
-    config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    return run.display_name, {k: v.get("value", v) if isinstance(v, dict) else v
-                              for k, v in config.items()}
-
-
 def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
         cp1_run: Run, data_args: list[str]) -> None:
     """Without TE, CP = 1 runs the mesh tile kernel (one fused call over the sequence), not
@@ -329,7 +281,7 @@ def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
     per_layer = mesh_traffic(AttentionShape(64, 2, 4, 2, 16, dtype_bytes=4), 2, 2).total
     expected = 2 * 2 * per_layer
     (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
-    rows = _wandb_history(run_dir)
+    rows = wandb_history(run_dir)
     assert [r["_step"] for r in rows] == list(range(1, ITERS + 1))
     losses = mesh_run.losses()
     for row in rows:
@@ -379,7 +331,7 @@ def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
     for it, loss in got.items():
         assert loss == pytest.approx(ref[it], rel=2e-5), (it, ref, got)
     (run_dir,) = glob.glob(str(work / "wandb-3d" / "wandb" / "offline-run-*"))
-    name, config = _wandb_run(run_dir)
+    name, config = wandb_run(run_dir)
     assert name == f"mesh-{grid}-tp1-dp1"
     assert config["mesh_grid"] == grid and config["mesh_heads"] == chosen[0]
     assert config["mesh_shape"] == list(chosen)
