@@ -9,21 +9,24 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
 MCORE=megatron-core==0.19.2
-TESTS=(tests/test_megatron_args.py tests/test_megatron_parity.py tests/test_checkpoint_interchange.py
-       tests/test_document_masking.py  # --reset-attention-mask: packed documents in the driver
-       tests/test_patches.py  # every patched name exists in this megatron-core
+TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.py
+       tests/distributed/test_checkpoint_interchange.py
+       tests/distributed/test_document_masking.py  # --reset-attention-mask: packed documents
+       tests/distributed/test_megatron_window.py tests/distributed/test_megatron_mla.py
+       tests/unit/test_patches.py  # every patched name exists in this megatron-core
        # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid, PP 2,
        # the distributed optimizer, sequence parallelism
-       "tests/test_training_driver.py::test_mesh_2x2_matches_cp1_and_loss_falls"
-       "tests/test_training_driver.py::test_mesh_traffic_and_wandb_series"
-       "tests/test_training_driver.py::test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built"
-       "tests/test_training_driver.py::test_pipeline_2_x_mesh_2_matches_cp1"
-       "tests/test_training_driver.py::test_data_parallel_with_cp_and_distributed_optimizer_matches_cp1"
-       "tests/test_training_driver.py::test_distributed_optimizer_resumes_on_fewer_ranks"
-       "tests/test_training_driver.py::test_optimizer_state_of_another_kind_or_tp_is_refused_by_name"
-       "tests/test_training_driver.py::test_sequence_parallel_tp2_x_mesh_2_matches_cp1"
+       "tests/distributed/test_training_driver.py::test_mesh_2x2_matches_cp1_and_loss_falls"
+       "tests/distributed/test_training_driver.py::test_mesh_traffic_and_wandb_series"
+       "tests/distributed/test_training_driver.py::test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built"
+       "tests/distributed/test_training_driver.py::test_pipeline_2_x_mesh_2_matches_cp1"
+       "tests/distributed/test_training_driver.py::test_data_parallel_with_cp_and_distributed_optimizer_matches_cp1"
+       "tests/distributed/test_training_driver.py::test_distributed_optimizer_resumes_on_fewer_ranks"
+       "tests/distributed/test_training_driver.py::test_optimizer_state_of_another_kind_or_tp_is_refused_by_name"
+       "tests/distributed/test_training_driver.py::test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it"
+       "tests/distributed/test_training_driver.py::test_sequence_parallel_tp2_x_mesh_2_matches_cp1"
        # the loss across CP with masked tokens, validation, TensorBoard, the NullTokenizer's EOD
-       tests/test_training_eval.py)
+       tests/distributed/test_training_eval.py)
 if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
   "$VENV/bin/pip" install "numpy<2.4" triton

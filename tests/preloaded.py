@@ -7,7 +7,7 @@ gives it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADD
 MASTER_PORT) and runs the driver's ``main`` as ``python -m megatron_mesh.pretrain_gpt``
 would. As under torchrun, when one rank fails the others are stopped (SIGTERM, then SIGKILL).
 The ranks are forked from the server, which runs no threads, not from a launcher that does.
-torchrun itself runs in the Slurm tests (tests/test_slurm.py).
+torchrun itself runs in the Slurm tests (tests/system/test_slurm.py).
 """
 from __future__ import annotations
 

@@ -37,10 +37,29 @@ MEGATRON_DEFAULT_CP_COMM_TYPE = ["p2p"]
 __all__ = [
     "ALGORITHMS",
     "add_mesh_args",
+    "check_algorithm",
+    "mesh_active",
     "parse_mesh_shape",
     "resolve_context_parallel_algo",
     "validate_mesh_args",
 ]
+
+
+def check_algorithm(algo: str) -> str:
+    """`algo` if it is one of ALGORITHMS, else ValueError naming it and the valid ones."""
+    if algo not in ALGORITHMS:
+        raise ValueError(
+            f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
+        )
+    return algo
+
+
+def mesh_active(args: Any) -> bool:
+    """Whether the mesh runs: algorithm 'mesh' with a context-parallel size above 1 (at
+    CP = 1 every algorithm is plain attention). `args` is a namespace or TrainingConfig with
+    the algorithm resolved (`resolve_context_parallel_algo`)."""
+    cp_size = getattr(args, "context_parallel_size", None) or 1
+    return getattr(args, "context_parallel_algo", None) == "mesh" and cp_size > 1
 
 
 def _mesh_shape_type(text: str) -> tuple[int, ...]:
@@ -157,10 +176,8 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     chosen = getattr(args, "context_parallel_algo", None)
     comm = _comm_types(args)
     for algo in [chosen, *(comm or [])]:
-        if algo is not None and algo not in ALGORITHMS:
-            raise ValueError(
-                f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
-            )
+        if algo is not None:
+            check_algorithm(algo)
     if comm and "mesh" in comm and set(comm) != {"mesh"}:
         raise ValueError(
             f"--cp-comm-type {' '.join(comm)}: mesh cannot be mixed with other per-layer "

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import weakref
@@ -23,7 +22,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
 from megatron_mesh.documents import Documents
-from megatron_mesh.megatron.arguments import ALGORITHMS
+from megatron_mesh.megatron.arguments import check_algorithm
+from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.megatron.groups import (
     get_mesh_grid,
     mesh_grid_is_initialized,
@@ -83,17 +83,13 @@ def resolve_algorithm(
     for algo in (context_parallel_algo, cp_comm_type, configured):
         if algo is None or isinstance(algo, list):
             continue
-        if algo not in ALGORITHMS:
-            raise ValueError(
-                f"unknown context-parallel algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}"
-            )
-        return algo
+        return check_algorithm(algo)
     return "mesh"
 
 
 def transformer_engine_attention() -> type | None:
     """Megatron's TEDotProductAttention, or None when Transformer Engine is missing."""
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not have_transformer_engine():
         return None
     try:
         from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention

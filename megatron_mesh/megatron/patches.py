@@ -5,7 +5,7 @@ why. `patched(*names)` applies them for the duration of a `with` block and resto
 originals on exit, in reverse order, also when the block raises. Each patch is behind a
 guard: its module must import and hold the name (else RuntimeError naming the patch, never
 a silent no-op), and the package's version must lie in the range the patch was checked
-against (outside it: one warning, and the patch still applies). `tests/test_patches.py`
+against (outside it: one warning, and the patch still applies). `tests/unit/test_patches.py`
 fails when a patched name disappears from the installed packages.
 """
 from __future__ import annotations

@@ -15,7 +15,9 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
+from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training import validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
@@ -342,7 +344,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.context_parallel_algo is None:
         _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
               "every layer; give one value")
-    if cp > 1 and args.context_parallel_algo != "mesh" and not _have_transformer_engine():
+    if cp > 1 and args.context_parallel_algo != "mesh" and not have_transformer_engine():
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "
               "--context-parallel-algo mesh (works without it) or install transformer-engine")
@@ -350,7 +352,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--attention-backend local with --context-parallel-size {cp}: megatron-core's "
               "local attention has no context parallelism; use --attention-backend auto or flash")
     if (args.bf16 or args.fp16) and not torch.cuda.is_available():
-        _fail(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA; CPU runs train in fp32 (drop the flag)")
+        _fail(f"--{flag_dtype_name(args.bf16, args.fp16)} needs CUDA; CPU runs train in fp32 (drop the flag)")
     if args.use_distributed_optimizer and args.optimizer != "adam" and not has_cuda():
         _fail(f"--use-distributed-optimizer with --optimizer {args.optimizer} on a CPU: "
               "megatron-core's distributed optimizer over torch's optimizers (no Transformer "
@@ -480,6 +482,3 @@ def _is_number(text: str) -> bool:
         return False
     return True
 
-
-def _have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None

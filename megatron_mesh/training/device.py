@@ -1,4 +1,4 @@
-"""Where the job runs: CUDA with NCCL, or CPU with gloo (fp32, torch DDP)."""
+"""Where the job runs: CUDA with NCCL, or CPU with gloo (fp32)."""
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.values import shape_text
@@ -93,7 +94,7 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
 
 def mesh_grid_label(args: TrainingConfig) -> str | None:
     """'AxRxC' ('RxC' with A = 1) of the grid the flag check decided; None without a mesh."""
-    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1:
+    if not mesh_active(args):
         return None
     return shape_text(*args.mesh_shape)
 

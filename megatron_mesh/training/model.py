@@ -12,7 +12,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron_mesh.dtypes import flag_dtype
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.pipeline import finalize_grads
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -147,54 +146,35 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
     return model
 
 
-def megatron_ddp(args: TrainingConfig) -> bool:
-    """Whether gradients live in megatron-core's DDP grad buffers and megatron-core's optimizer
-    steps: always on a GPU; on a CPU for the distributed optimizer (which shards those
-    buffers) and for sequence parallelism (whose norm gradients its finalize step sums over
-    TP), run there inside `megatron_on_cpu()`."""
-    return has_cuda() or args.use_distributed_optimizer or args.sequence_parallel
-
-
 def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
-    """Data parallelism over the data-parallel-with-CP group.
+    """megatron-core's DistributedDataParallel over the data-parallel-with-CP group (and
+    Float16Module for bf16 / fp16), on every device (on a CPU inside `megatron_on_cpu()`).
 
-    `megatron_ddp`: megatron-core's DistributedDataParallel (and Float16Module for bf16 /
-    fp16), whose finalize step also handles sequence-parallel norms and tied embeddings; with
-    the distributed optimizer it reduce-scatters the gradients and all-gathers the updated
-    parameters (gloo does both on a CPU). Otherwise (CPU): torch's DistributedDataParallel; it
-    averages gradients over the same group, which is what megatron-core's DDP does when the
-    loss is averaged per rank; with pipeline stages or --calculate-per-token-loss (gradients
-    summed, then divided by the global batch's token count), `pipeline.finalize_grads` does
-    it after the last micro-batch instead.
+    Gradients live in its grad buffers; its finalize step (megatron-core's
+    finalize_model_grads, called by the schedule after the last micro-batch) averages them
+    over DP x CP, or with --calculate-per-token-loss sums them and divides by the global
+    batch's token count, and also sums sequence-parallel norm gradients over TP and the
+    tied embeddings' gradients over the first and last pipeline stage. With the distributed
+    optimizer it reduce-scatters the gradients and all-gathers the updated parameters (gloo
+    does both on a CPU).
     """
-    config = model.config
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if megatron_ddp(args):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.transformer.module import Float16Module
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
 
-        module = Float16Module(config, model) if (args.bf16 or args.fp16) else model
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=args.bf16 or args.fp16,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        )
-        wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-        config.no_sync_func = wrapped.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
-        return wrapped
-    if args.pipeline_model_parallel_size > 1 or args.calculate_per_token_loss:
-        # 1F1B, or the token count known only after the last micro-batch: one reduction then
-        config.finalize_model_grads_func = finalize_grads
-        return model
-    if torch.distributed.get_world_size(dp_cp_group) == 1:
-        return model
-    wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_cp_group)
+    config = model.config
+    module = Float16Module(config, model) if (args.bf16 or args.fp16) else model
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     config.no_sync_func = wrapped.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
 

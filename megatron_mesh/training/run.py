@@ -5,7 +5,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.grid import MeshGrid
+from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.training import distributed
@@ -26,7 +28,7 @@ from megatron_mesh.training.model import (
 )
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.trainer import train
-from megatron_mesh.values import STREAMED, AttentionShape
+from megatron_mesh.values import DTYPE_BYTES, STREAMED, AttentionShape
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -35,13 +37,13 @@ if TYPE_CHECKING:
 def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     """' RxC, schedule S' of the grid this job built ('' without one); for 'streamed', the
     ring it runs on this TP rank's share of the heads."""
-    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1 or grid is None:
+    if not mesh_active(args) or grid is None:
         return ""
     tp = args.tensor_model_parallel_size
     local = AttentionShape(args.seq_length, args.micro_batch_size,
                            args.num_attention_heads // tp,
                            max(1, (args.num_query_groups or args.num_attention_heads) // tp),
-                           args.kv_channels, 2 if args.bf16 or args.fp16 else 4)
+                           args.kv_channels, DTYPE_BYTES[flag_dtype_name(args.bf16, args.fp16)])
     plan = resolve_plan(local, grid.rows, grid.cols, args.mesh_schedule,
                         args.mesh_grad_reduce_dtype, heads=grid.heads)
     how = f" ({STREAMED})" if args.mesh_schedule == STREAMED else ""
@@ -82,7 +84,7 @@ def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: i
         f"{args.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
         f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
         f"{_attention_label(args)} | "
-        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
+        f"{flag_dtype_name(args.bf16, args.fp16)}\n"
         f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
         f"{args.num_attention_heads} (query groups {args.num_query_groups}), seq "
         f"{args.seq_length}, vocab {vocab} | parameters on this rank {n_params:,} | "

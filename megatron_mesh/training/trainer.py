@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training import faults
 from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import peak_memory_bytes, synchronize
@@ -47,7 +48,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
 
 def _traffic_counter(args: TrainingConfig):
     """A byte counter of mesh collectives when the mesh runs, else None (traffic n/a)."""
-    if args.context_parallel_algo != "mesh" or args.context_parallel_size == 1:
+    if not mesh_active(args):
         return None
     from megatron_mesh.comm import TrafficCounter
 

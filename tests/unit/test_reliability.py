@@ -18,7 +18,7 @@ from megatron_mesh.pretrain_gpt import main
 
 from reference import Failure, assert_no_failures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--config", TINY, "--train-iters", "4", "--log-interval", "1"]  # mock data
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "scripts" / "apply_megatron_patch.sh"
 EXAMPLE = REPO / "examples" / "megatron_lm_pretrain_mesh.py"
 PATCHED = ("gpt_builders.py", "megatron/training/arguments.py", "megatron/training/initialize.py")

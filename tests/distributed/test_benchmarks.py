@@ -15,7 +15,7 @@ import pytest
 import megatron_mesh as mm
 from megatron_mesh.memory import streamed_schedule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_script(name: str, *args: str) -> str:

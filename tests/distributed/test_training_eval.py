@@ -12,10 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preloaded import Run, launch
-from test_training_driver import TINY, _wandb_history
-
-pytestmark = pytest.mark.distributed
+from preloaded import TINY, Run, launch
+from wandb_records import wandb_history
 
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254, end of document 255
 EOD = VOCAB
@@ -205,7 +203,7 @@ def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
         line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]
         assert float(line.split(" ")[0]) == pytest.approx(valid[it], rel=1e-6)
     (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
-    logged = [(row["_step"], row["lm loss validation"]) for row in _wandb_history(run_dir)
+    logged = [(row["_step"], row["lm loss validation"]) for row in wandb_history(run_dir)
               if "lm loss validation" in row]
     assert [step for step, _ in logged] == [10, 20, 30, 40], logged  # one row per step
     assert logged[-1][1] == pytest.approx(valid[40], rel=1e-6)

@@ -18,8 +18,6 @@ from test_training_eval import _build_documents, tensorboard_scalars
 from megatron_mesh.training.arguments import ConfigError, parse_args
 from megatron_mesh.training.data import SampleIndices
 
-pytestmark = pytest.mark.distributed
-
 ITERS = 4
 SAVE_AT = 2
 EVAL = ["--eval-interval", "2", "--eval-iters", "1", "--split", "90,5,5"]
@@ -123,17 +121,3 @@ def test_negative_workers_are_refused() -> None:
     with pytest.raises(ConfigError, match="--num-workers -1: must be 0"):
         parse_args(["--vocab-size", "255", "--num-workers", "-1"])
     assert parse_args(["--vocab-size", "255"]).num_workers == 0
-
-
-@pytest.mark.unit
-def test_megatron_lm_command_line_sets_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPT example's command line (with --num-workers 2) gives 2 workers, and the flag is
-    not among those reported as having no effect."""
-    from test_pretrain_flags import MEGATRON_LM_GPT_FLAGS
-
-    from megatron_mesh.training.megatron_lm_flags import no_effect_report
-
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
-    assert args.num_workers == 2
-    assert not [line for line in no_effect_report(args) if "--num-workers" in line]

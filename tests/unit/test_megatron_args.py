@@ -251,7 +251,7 @@ def test_layer_spec_rejects_bad_requests():
 
     with pytest.raises(ValueError, match="'ring'.*mesh"):
         get_gpt_layer_spec("ring")
-    # multi-latent attention is taken (tests/test_megatron_mla.py): its spec holds the mesh
+    # multi-latent attention is taken (tests/distributed/test_megatron_mla.py): its spec holds the mesh
     mla = get_gpt_layer_spec(multi_latent_attention=True)
     assert mla.submodules.self_attention.submodules.core_attention.module.__name__ == \
         "MeshDotProductAttention"

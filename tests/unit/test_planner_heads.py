@@ -17,7 +17,7 @@ from megatron_mesh.planner.methods import (
 from megatron_mesh.planner.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, grid_shapes
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def total(transfers) -> int:

@@ -5,7 +5,7 @@ builder (each document ends in the NullTokenizer's EOD id, --vocab-size). With
 --reset-attention-mask --reset-position-ids, CP = 1's losses differ from its losses without
 the flags (the mask does something), and the mesh (2x2, 1x4, 2x1x2) matches CP = 1 with
 documents masked. That a packed document's loss and gradients equal those of the document
-run alone is checked on the model in tests/test_megatron_parity.py.
+run alone is checked on the model in tests/distributed/test_megatron_parity.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from preloaded import Run, launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 ITERS = 6
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: the NullTokenizer's EOD id

@@ -11,7 +11,7 @@ from preloaded import Job, job_env
 from megatron_mesh.pretrain_gpt import main
 from megatron_mesh.training.arguments import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 
 # GPT-3 paper, Table 2.1: n_layers, d_model, n_heads, d_head
@@ -199,6 +199,7 @@ def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
     assert message in err, err
 
 
+@pytest.mark.distributed  # forks a driver job on every rank
 def test_bad_flags_fail_fast_on_every_rank() -> None:
     """Four ranks of a job with a bad mesh shape: each exits 2 with the message by itself
     (no rank is stopped for another's failure), before any group exists, so none hangs."""
@@ -279,3 +280,14 @@ def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
         "iteration uses --global-batch-size)" in report
     assert "--step-batch-size-schedule 0:16 2.4B:320 4.8B:624: no effect here" in "\n".join(report)
     assert no_effect_report(parse_args(["--vocab-size", "255"])) == []
+
+
+def test_megatron_lm_command_line_sets_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPT example's command line (with --num-workers 2) gives 2 workers, and the flag is
+    not among those reported as having no effect."""
+    from megatron_mesh.training.megatron_lm_flags import no_effect_report
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
+    assert args.num_workers == 2
+    assert not [line for line in no_effect_report(args) if "--num-workers" in line]

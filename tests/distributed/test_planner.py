@@ -35,7 +35,7 @@ from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GradDtype, Schedule
 from dist_utils import run_distributed
 from reference import count_sent_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -20,7 +20,7 @@ from megatron_mesh.planner import Cluster
 
 from dist_utils import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODELLED = Cluster(gpus=4, gpus_per_node=2, intra_node_bw=360.0, inter_node_bw=45.0)
 SLOWDOWN = 1500.0  # intra-node 240 MB/s, inter-node 30 MB/s
 MB = 3_000_000  # bytes per transfer: 0.1 s through an emulated NIC, 12.5 ms over NVLink

@@ -8,16 +8,14 @@ a DP 2 x CP 2 run with the distributed optimizer.
 from __future__ import annotations
 
 import glob
-import json
-import os
 import re
-import struct
 from pathlib import Path
 
 import pytest
 from preloaded import TINY, Run, build_indexed_dataset, launch, launch_nodes
+from wandb_records import wandb_history, wandb_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ITERS = 8
 SAVE_EVERY = 4
 DIES_AT = 6  # rank 2 dies when iteration 6 starts, after the checkpoint of iteration 4
@@ -108,7 +106,7 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
 def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
         cp1_run: Run, distopt_run: Run, data_args: list[str], work: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each optimizer lays out its checkpoint state its own way (torch's, megatron-core's, the
+    """Each optimizer lays out its checkpoint state its own way (megatron-core's, the
     distributed optimizer's DP x CP shards): the saved kind is checked on load, before any
     tensor is read, with an error that says which flags resume it or --no-load-optim."""
     from megatron.core import dist_checkpointing
@@ -119,19 +117,21 @@ def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
 
     assert cp1_run.returncode == 0 and distopt_run.returncode == 0
     monkeypatch.setenv("WORLD_SIZE", "2")
-    torch_args = parse_args(data_args)
+    plain_args = parse_args(data_args)
     distopt_args = parse_args([*data_args, "--use-distributed-optimizer"])
     sp_args = parse_args([*data_args, "--tensor-model-parallel-size", "2", "--sequence-parallel"])
     name = f"iter_{SAVE_EVERY:07d}"
-    torch_saved = dist_checkpointing.load_common_state_dict(str(work / "cp1-ckpt" / name))
+    plain_saved = dist_checkpointing.load_common_state_dict(str(work / "cp1-ckpt" / name))
     distopt_saved = dist_checkpointing.load_common_state_dict(str(work / "distopt-ckpt" / name))
-    check_saved_optimizer(torch_saved, [1, 2, 2], "ckpt", torch_args)
+    assert plain_saved["optimizer_kind"] == "megatron-core"
+    check_saved_optimizer(plain_saved, [1, 2, 2], "ckpt", plain_args)
+    check_saved_optimizer(plain_saved, [1, 2, 2], "ckpt", sp_args)  # same kind with SP
     check_saved_optimizer(distopt_saved, [1, 1, 2], "ckpt", distopt_args)  # DP x CP reshards
-    with pytest.raises(CheckpointError, match="holds torch optimizer state .* this run's "
-                       "optimizer is megatron-core distributed's: resume on a CPU without "
-                       "--use-distributed-optimizer or --sequence-parallel, or load the "
-                       "weights only with --no-load-optim"):
-        check_saved_optimizer(torch_saved, [1, 1, 4], "ckpt", distopt_args)
+    with pytest.raises(CheckpointError, match="holds megatron-core optimizer state .* this run's "
+                       "optimizer is megatron-core distributed's: resume without "
+                       "--use-distributed-optimizer, or load the weights only with "
+                       "--no-load-optim"):
+        check_saved_optimizer(plain_saved, [1, 1, 4], "ckpt", distopt_args)
     with pytest.raises(CheckpointError, match="holds megatron-core distributed optimizer state "
                        r"\(saved with --use-distributed-optimizer\); this run's optimizer is "
                        "megatron-core's"):
@@ -140,6 +140,38 @@ def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
                        "those .* this run has PP 1 x TP 2"):
         check_saved_optimizer(distopt_saved, [1, 2, 2], "ckpt", parse_args(
             [*data_args, "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"]))
+
+
+def test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it(
+        cp1_run: Run, data_args: list[str], work: Path) -> None:
+    """Earlier releases stepped a torch optimizer outside megatron-core on a CPU and recorded
+    its checkpoints' optimizer kind as 'torch'. Every run now steps megatron-core's optimizer,
+    which cannot read that state: --load of such a checkpoint exits 2 before training, naming
+    the old format and --no-load-optim, with no traceback."""
+    import shutil
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_mesh.training.checksums import write_manifest
+
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    legacy = work / "legacy-torch-ckpt"
+    shutil.copytree(work / "cp1-ckpt", legacy)
+    folder = legacy / f"iter_{ITERS:07d}"  # the latest
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    assert common["optimizer_kind"] == "megatron-core"
+    common["optimizer_kind"] = "torch"  # what a CPU run of an earlier release recorded
+    # common.pt: where megatron-core up to 0.18 keeps the common state; 0.19 reads it first
+    torch.save(common, folder / "common.pt")
+    write_manifest(str(folder))  # a consistent checkpoint, not a corrupted one
+    run = launch(1, [*data_args, "--load", str(legacy)])
+    assert run.returncode == 2, run.output[-3000:]
+    assert "Traceback" not in run.output
+    assert (f"checkpoint {folder} holds optimizer state of the old 'torch' kind (a torch "
+            "optimizer outside megatron-core, written by CPU runs of earlier megatron-mesh "
+            "releases); every run now steps megatron-core's optimizer, which cannot load it: "
+            "load the weights only with --no-load-optim") in run.output
 
 
 def _checkpoint_tensors(checkpoint: Path, scratch: Path) -> dict:
@@ -203,52 +235,6 @@ def test_pipeline_2_x_mesh_2_matches_cp1(cp1_run: Run, data_args: list[str], wor
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
-def _wandb_records(run_dir: str) -> list:
-    """The wandb Records of an offline run, read from its .wandb transaction log.
-
-    The file is a 7-byte header then LevelDB-log records (32 KiB blocks; each chunk has a
-    crc32, a 2-byte length and a type: 1 full, 2 first, 3 middle, 4 last) of wandb Records.
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, pending, records = 7, b"", []
-    while pos + 7 <= len(data):
-        room = 32768 - pos % 32768
-        if room < 7:
-            pos += room
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            pos += room
-            continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
-def _wandb_history(run_dir: str) -> list[dict]:
-    """History rows of an offline run."""
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json)
-             for item in record.history.item}
-            for record in _wandb_records(run_dir)
-            if record.WhichOneof("record_type") == "history"]
-
-
-def _wandb_run(run_dir: str) -> tuple[str, dict]:
-    """(display name, config) of an offline run."""
-    (run,) = [r.run for r in _wandb_records(run_dir) if r.WhichOneof("record_type") == "run"]
-    config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    return run.display_name, {k: v.get("value", v) if isinstance(v, dict) else v
-                              for k, v in config.items()}
-
-
 def test_cp1_attention_is_the_fused_kernel_and_matches_local_attention(
         cp1_run: Run, data_args: list[str]) -> None:
     """Without TE, CP = 1 runs the mesh tile kernel (one fused call over the sequence), not
@@ -295,7 +281,7 @@ def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
     per_layer = mesh_traffic(AttentionShape(64, 2, 4, 2, 16, dtype_bytes=4), 2, 2).total
     expected = 2 * 2 * per_layer
     (run_dir,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*"))
-    rows = _wandb_history(run_dir)
+    rows = wandb_history(run_dir)
     assert [r["_step"] for r in rows] == list(range(1, ITERS + 1))
     losses = mesh_run.losses()
     for row in rows:
@@ -345,7 +331,7 @@ def test_3d_grid_chosen_for_the_node_matches_cp1_and_is_logged_as_built(
     for it, loss in got.items():
         assert loss == pytest.approx(ref[it], rel=2e-5), (it, ref, got)
     (run_dir,) = glob.glob(str(work / "wandb-3d" / "wandb" / "offline-run-*"))
-    name, config = _wandb_run(run_dir)
+    name, config = wandb_run(run_dir)
     assert name == f"mesh-{grid}-tp1-dp1"
     assert config["mesh_grid"] == grid and config["mesh_heads"] == chosen[0]
     assert config["mesh_shape"] == list(chosen)

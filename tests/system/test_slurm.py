@@ -19,7 +19,7 @@ import pytest
 
 from slurm_cluster import TERMINAL_STATES, SlurmCluster, ensure_slurm, free_ports
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt_mesh_cpu.sbatch"
 ITERS = 20
 WAIT_AT = 3  # the time-limited job's ranks wait at this iteration for Slurm's warning

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "megatron_mesh"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
