@@ -5,17 +5,14 @@ the explicit windowed mask, on 4 gloo ranks: 2x2, 4x1, 1x4 and heads x mesh 2x2x
 windows of 3 tokens (less than a sub-chunk of 4) and 9."""
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from preloaded import context, free_port
+from gpt_parity import compare_on_grids, init_parallel, random_batch
+
+from dist_utils import run_distributed
 
 WORLD, SEQ, BATCH, VOCAB = 4, 32, 2, 64
 HEADS, HIDDEN, LAYERS = 4, 64, 2
@@ -70,87 +67,30 @@ def _model(cp: int, reference: bool, window):
                     position_embedding_type="rope")
 
 
-def _loss_and_grads(model, batch, denominator):
-    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss = (per_token * batch["loss_mask"]).sum() / denominator
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+def _describe(model) -> dict:
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    return {"windows": [c.window_size for c in cores], "core": type(cores[0]).__name__}
 
 
-def _init(cp: int) -> None:
-    from megatron.core import parallel_state as ps
-
-    from megatron_mesh.megatron.groups import destroy_mesh_grids
-
-    destroy_mesh_grids()
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1, context_parallel_size=cp, create_gloo_process_groups=False)
-
-
-def _run_window(window, full, denominator, out) -> None:
-    from megatron.core import parallel_state as ps
-
-    from megatron_mesh.megatron import initialize_mesh_grids
-    from megatron_mesh.megatron.compat import get_batch_on_this_cp_rank
-
-    _init(1)
-    torch.manual_seed(1234)
-    reference = _model(1, True, window)
-    ref_loss, ref_grads = _loss_and_grads(reference, full, denominator)
-    for shape in GRIDS:
-        _init(WORLD)
-        initialize_mesh_grids(shape, num_attention_heads=HEADS, num_query_groups=2,
-                              seq_length=SEQ)
-        model = _model(WORLD, False, window)
-        model.load_state_dict(reference.state_dict())
-        loss, grads = _loss_and_grads(model, get_batch_on_this_cp_rank(dict(full)), denominator)
-        group = ps.get_context_parallel_group()
-        dist.all_reduce(loss, group=group)
-        for t in grads.values():
-            dist.all_reduce(t, group=group)
-        cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
-        out[window, shape] = {
-            "windows": [c.window_size for c in cores],
-            "loss": (loss.item(), ref_loss.item()),
-            "grad_err": max((grads[n] - ref_grads[n]).abs().max().item()
-                            / (ref_grads[n].abs().max().item() + 1e-6) for n in grads),
-            "core": type(cores[0]).__name__,
-        }
-
-
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _job(rank: int, world: int) -> dict:
     from megatron_mesh.megatron.cpu import megatron_on_cpu
 
     out = {}
-    try:
-        with megatron_on_cpu():
-            g = torch.Generator().manual_seed(7)
-            tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-            full = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
-                    "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
-            denominator = full["loss_mask"].sum()
-            for window in WINDOWS:
-                _run_window(window, full, denominator, out)
-        torch.save(out, os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    with megatron_on_cpu():
+        full, denominator = random_batch(BATCH, SEQ, VOCAB)
+        for window in WINDOWS:
+            init_parallel(1)
+            torch.manual_seed(1234)
+            reference = _model(1, True, window)
+            per_grid = compare_on_grids(reference, lambda: _model(world, False, window), GRIDS,
+                                        world, HEADS, 2, SEQ, full, denominator, _describe)
+            out.update(((window, shape), r) for shape, r in per_grid.items())
+    return out
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context()
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(WORLD, free_port(), outdir), nprocs=WORLD,
-                           join=True, start_method="forkserver")
-        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
-                for r in range(WORLD)]
+    return run_distributed(_job, WORLD)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
