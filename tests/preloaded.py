@@ -107,6 +107,9 @@ def _rank(args: list[str], env: dict[str, str], log: str) -> None:
     sys.stderr.reconfigure(line_buffering=True)
     import importlib
 
+    # a process started from the forkserver inherits its start method; `python -m` starts
+    # with the platform's default (what the driver's DataLoader workers use under torchrun)
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [DRIVER, *args]
     sys.exit(importlib.import_module(DRIVER).main(args))
 
