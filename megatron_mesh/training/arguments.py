@@ -339,6 +339,10 @@ def _check_mla(args: argparse.Namespace) -> None:
         _fail(f"--kv-channels {args.kv_channels} with --multi-latent-attention: MLA's head dims "
               "are --qk-head-dim + --qk-pos-emb-head-dim (Q, K) and --v-head-dim (V); drop "
               "--kv-channels")
+    if args.attention_backend == "local":
+        _fail("--attention-backend local with --multi-latent-attention: megatron-core's local "
+              "attention takes no head dims of its own for K and V; use --attention-backend "
+              "auto or flash")
     reason = mla_unbuildable_reason()
     if reason is not None:
         _fail(f"--multi-latent-attention: {reason}; use megatron-core >= 0.17 (0.19.2 is "
