@@ -37,6 +37,7 @@ MEGATRON_DEFAULT_CP_COMM_TYPE = ["p2p"]
 __all__ = [
     "ALGORITHMS",
     "add_mesh_args",
+    "attention_head_dims",
     "check_algorithm",
     "mesh_active",
     "parse_mesh_shape",
@@ -149,12 +150,20 @@ def _head_counts(args: Any) -> tuple[int | None, int | None]:
     return heads, groups
 
 
-def _head_dim(args: Any) -> int | None:
+def attention_head_dims(args: Any) -> tuple[int | None, int | None]:
+    """(Q / K head dim, V head dim) of the core attention, from Megatron-LM's arguments:
+    with --multi-latent-attention, --qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim
+    (what megatron-core's MLA passes its core attention as k_channels and v_channels);
+    otherwise --kv-channels (default hidden size / heads) for both. None where unknown."""
+    if getattr(args, "multi_latent_attention", False):
+        qk, rope = getattr(args, "qk_head_dim", None), getattr(args, "qk_pos_emb_head_dim", None)
+        return (qk + rope if qk and rope else None), getattr(args, "v_head_dim", None)
     kv_channels = getattr(args, "kv_channels", None)
-    if kv_channels:
-        return kv_channels
-    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
-    return hidden // heads if heads and hidden else None
+    if not kv_channels:
+        heads = getattr(args, "num_attention_heads", None)
+        hidden = getattr(args, "hidden_size", None)
+        kv_channels = hidden // heads if heads and hidden else None
+    return kv_channels, kv_channels
 
 
 def _comm_types(args: Any) -> list[str] | None:
@@ -241,7 +250,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         tensor_parallel_size=tp_size,
         num_attention_heads=heads,
         num_query_groups=groups,
-        head_dim=_head_dim(args),
+        head_dim=attention_head_dims(args)[0],
         seq_length=seq_length,
         schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
         grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE),

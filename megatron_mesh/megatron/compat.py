@@ -17,6 +17,7 @@ __all__ = [
     "SUPPORTED",
     "check_supported_version",
     "have_transformer_engine",
+    "mla_unbuildable_reason",
     "get_batch_on_this_cp_rank",
     "null_tokenizer_library",
     "null_tokenizer_options",
@@ -49,6 +50,10 @@ _HYBRID_CP_BATCHES = Version("0.18")
 defaulting its group to the CP group."""
 _NULL_TEXT_TOKENIZER = Version("0.17")
 """0.17 renamed the NullTokenizer's metadata library 'null' to 'null-text'."""
+_MLA_WITHOUT_TE = Version("0.17")
+"""0.17 builds MLASelfAttention without Transformer Engine (0.16's __init__ checks
+`isinstance(linear_proj, TELinear)` against the stand-in class its TE extension defines when
+TE is missing, which raises TypeError)."""
 
 
 def check_supported_version(version: Version = MEGATRON_CORE_VERSION) -> None:
@@ -65,6 +70,18 @@ def check_supported_version(version: Version = MEGATRON_CORE_VERSION) -> None:
             f"megatron-core {version} is newer than megatron-mesh was tested with "
             f"(>={low},<{high})", stacklevel=2,
         )
+
+
+def mla_unbuildable_reason(version: Version = MEGATRON_CORE_VERSION,
+                           transformer_engine: bool | None = None) -> str | None:
+    """Why this megatron-core cannot build multi-latent attention (MLASelfAttention), or None
+    when it can: megatron-core 0.17 or later, or Transformer Engine installed."""
+    te = have_transformer_engine() if transformer_engine is None else transformer_engine
+    if Version(version.base_version) >= _MLA_WITHOUT_TE or te:
+        return None
+    return (f"megatron-core {version} cannot build multi-latent attention without Transformer "
+            "Engine (its MLASelfAttention tests isinstance against TE's stand-in TELinear, "
+            "which raises TypeError)")
 
 
 def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,8 +16,12 @@ import torch
 import yaml
 
 from megatron_mesh.dtypes import flag_dtype_name
-from megatron_mesh.megatron.arguments import add_mesh_args, validate_mesh_args
-from megatron_mesh.megatron.compat import have_transformer_engine
+from megatron_mesh.megatron.arguments import (
+    add_mesh_args,
+    attention_head_dims,
+    validate_mesh_args,
+)
+from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
 from megatron_mesh.training import validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
@@ -35,6 +39,16 @@ class ConfigError(ValueError):
 
 
 ATTENTION_BACKENDS = ("auto", "flash", "local")
+
+MLA_DIMS: dict[str, int | None] = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+}
+"""The multi-latent attention sizes and Megatron-LM's defaults for them (q_lora_rank None:
+Q is projected without a low-rank step); they take effect with --multi-latent-attention."""
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
@@ -78,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
           "causal: right 0 or -1")
     _flag(g, "--window-attn-skip-freq", type=int, default=None,
           help="with --window-size, every n-th layer is global (full causal attention)")
+    _flag(g, "--multi-latent-attention", type=bool, default=False,
+          help="multi-latent attention (megatron-core's MLASelfAttention): K and V from a "
+               "low-rank latent, Q / K head dim --qk-head-dim + --qk-pos-emb-head-dim, V head "
+               "dim --v-head-dim; needs megatron-core >= 0.17 or Transformer Engine")
+    mla_help = {
+        "q_lora_rank": "with --multi-latent-attention: rank of Q's low-rank projection "
+                       "(default: none, Q projected directly)",
+        "kv_lora_rank": "with --multi-latent-attention: rank of K and V's low-rank latent",
+        "qk_head_dim": "with --multi-latent-attention: Q / K head dim without the RoPE part",
+        "qk_pos_emb_head_dim": "with --multi-latent-attention: the RoPE part of the Q / K "
+                               "head dim",
+        "v_head_dim": "with --multi-latent-attention: V head dim",
+    }
+    for name, default in MLA_DIMS.items():
+        _flag(g, "--" + name.replace("_", "-"), type=int, default=default, help=mla_help[name])
     _flag(g, "--init-method-std", type=float, default=0.02)
     _flag(g, "--make-vocab-size-divisible-by", type=int, default=128)
 
@@ -284,6 +313,42 @@ def _check_window(args: argparse.Namespace) -> None:
         _fail(f"--window-attn-skip-freq {freq} needs --window-size and must be >= 1")
 
 
+def _check_mla(args: argparse.Namespace) -> None:
+    """--multi-latent-attention: positive sizes (--q-lora-rank may stay unset), no GQA and
+    no --kv-channels (MLA has its own head dims), a megatron-core that builds it. Without
+    it, an MLA size other than Megatron-LM's default is refused (it would do nothing)."""
+    if not args.multi_latent_attention:
+        for name, default in MLA_DIMS.items():
+            if getattr(args, name) != default:
+                _fail(f"{_flag_name(name)} {getattr(args, name)} needs --multi-latent-attention "
+                      "(it sizes multi-latent attention; without it the attention head dim is "
+                      "--kv-channels)")
+        return
+    for name in MLA_DIMS:
+        value = getattr(args, name)
+        if value is None and name == "q_lora_rank":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(f"{_flag_name(name)} {value}: must be a positive integer with "
+                  "--multi-latent-attention")
+    if args.group_query_attention:
+        _fail("--multi-latent-attention and --group-query-attention are exclusive (MLA's K and V "
+              "come from one latent for all heads, as in Megatron-LM); drop "
+              "--group-query-attention")
+    if args.kv_channels is not None:
+        _fail(f"--kv-channels {args.kv_channels} with --multi-latent-attention: MLA's head dims "
+              "are --qk-head-dim + --qk-pos-emb-head-dim (Q, K) and --v-head-dim (V); drop "
+              "--kv-channels")
+    if args.attention_backend == "local":
+        _fail("--attention-backend local with --multi-latent-attention: megatron-core's local "
+              "attention takes no head dims of its own for K and V; use --attention-backend "
+              "auto or flash")
+    reason = mla_unbuildable_reason()
+    if reason is not None:
+        _fail(f"--multi-latent-attention: {reason}; use megatron-core >= 0.17 (0.19.2 is "
+              "tested) or install Transformer Engine")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check flags against each other and the world size; fill in derived defaults."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -298,6 +363,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
     _check_window(args)
+    _check_mla(args)
     args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
     if args.distributed_backend == "nccl" and not has_cuda():
         _fail("--distributed-backend nccl needs CUDA; use gloo on a CPU")
@@ -318,11 +384,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     elif args.num_query_groups is None or args.num_attention_heads % args.num_query_groups:
         _fail(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
               f"{args.num_attention_heads}")
-    if args.kv_channels is None:
+    if args.kv_channels is None and not args.multi_latent_attention:
         if args.hidden_size % args.num_attention_heads:
             _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                   f"{args.num_attention_heads}; give --kv-channels")
         args.kv_channels = args.hidden_size // args.num_attention_heads
+    args.k_channels, args.v_channels = attention_head_dims(args)  # the core attention's
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
         if args.swiglu:  # keep the parameter count of the 4h MLP, as Megatron-LM does

@@ -18,6 +18,8 @@ DERIVED: dict[str, Any] = {
     "data_parallel_size": int,
     "num_microbatches": int,
     "mesh_shape_chosen_by_planner": bool,
+    "k_channels": int,  # the core attention's Q / K head dim (MLA: qk + rope, else kv_channels)
+    "v_channels": int,  # its V head dim (MLA: v_head_dim, else kv_channels)
 }
 
 

@@ -56,7 +56,7 @@ def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         seq_length=args.seq_length,
-        head_dim=args.kv_channels,
+        head_dim=args.k_channels,
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         schedule=args.mesh_schedule,
         grad_reduce_dtype=args.mesh_grad_reduce_dtype,

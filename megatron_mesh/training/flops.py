@@ -7,16 +7,27 @@ if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
 
 
+def _qkv_projection_flops(args: TrainingConfig) -> float:
+    """Forward FLOPs per token of the projections that make Q, K and V from the hidden state."""
+    h, n_q, d_k = args.hidden_size, args.num_attention_heads, args.k_channels
+    if not args.multi_latent_attention:
+        return 2 * h * (n_q + 2 * args.num_query_groups) * d_k
+    r_q, r_kv = args.q_lora_rank, args.kv_lora_rank
+    q = 2 * h * n_q * d_k if r_q is None else 2 * h * r_q + 2 * r_q * n_q * d_k
+    kv_down = 2 * h * (r_kv + args.qk_pos_emb_head_dim)  # latent + the shared RoPE key part
+    kv_up = 2 * r_kv * n_q * (args.qk_head_dim + args.v_channels)
+    return q + kv_down + kv_up
+
+
 def flops_per_token_forward(args: TrainingConfig, vocab_size: int) -> float:
     """Forward FLOPs per token: matmuls count 2 per multiply-add; causal attention is halved."""
-    h, s, d = args.hidden_size, args.seq_length, args.kv_channels
-    q_width = args.num_attention_heads * d
-    kv_width = args.num_query_groups * d
+    h, s, n_q = args.hidden_size, args.seq_length, args.num_attention_heads
+    d_k, d_v = args.k_channels, args.v_channels
     mlp_mats = 3 if args.swiglu else 2
     per_layer = (
-        2 * h * (q_width + 2 * kv_width)      # Q, K, V projections
-        + 2 * 2 * s * q_width / 2             # Q K^T and P V over s keys, causal: half
-        + 2 * q_width * h                     # output projection
+        _qkv_projection_flops(args)           # Q, K, V projections
+        + 2 * s * n_q * (d_k + d_v) / 2       # Q K^T and P V over s keys, causal: half
+        + 2 * n_q * d_v * h                   # output projection
         + 2 * mlp_mats * h * args.ffn_hidden_size  # MLP
     )
     return args.num_layers * per_layer + 2 * h * vocab_size  # + logits

@@ -24,8 +24,11 @@ def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:
 
 
 def transformer_config(args: TrainingConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig of the flags; with --multi-latent-attention its
+    MLATransformerConfig (RoPE as 'rope': Megatron-LM's MLA default, YaRN, with its default
+    --rotary-scaling-factor 1 gives the same frequencies and softmax scale)."""
     dtype = flag_dtype(args.bf16, args.fp16)
-    return TransformerConfig(
+    common = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -62,6 +65,21 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+    if not args.multi_latent_attention:
+        return TransformerConfig(**common)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        **common,
+        multi_latent_attention=True,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rope_type="rope",
+        rotary_base=args.rotary_base,
     )
 
 
@@ -110,13 +128,15 @@ def layer_spec(args: TrainingConfig):
     if algo is None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization=args.normalization)
+        return get_gpt_layer_local_spec(normalization=args.normalization,
+                                        multi_latent_attention=args.multi_latent_attention)
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     return get_gpt_layer_spec(context_parallel_algo=algo,
                               use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
                               grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
-                              normalization=args.normalization)
+                              normalization=args.normalization,
+                              multi_latent_attention=args.multi_latent_attention)
 
 
 def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:

@@ -43,7 +43,8 @@ def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     local = AttentionShape(args.seq_length, args.micro_batch_size,
                            args.num_attention_heads // tp,
                            max(1, (args.num_query_groups or args.num_attention_heads) // tp),
-                           args.kv_channels, DTYPE_BYTES[flag_dtype_name(args.bf16, args.fp16)])
+                           args.k_channels, DTYPE_BYTES[flag_dtype_name(args.bf16, args.fp16)],
+                           v_head_dim=args.v_channels)
     plan = resolve_plan(local, grid.rows, grid.cols, args.mesh_schedule,
                         args.mesh_grad_reduce_dtype, heads=grid.heads)
     how = f" ({STREAMED})" if args.mesh_schedule == STREAMED else ""
@@ -63,6 +64,16 @@ def _attention_label(args: TrainingConfig) -> str:
     if algo is None:
         return "megatron-core local (unfused)"
     return "mesh tile kernel" if algo == "mesh" else f"Transformer Engine ({algo})"
+
+
+def _heads_label(args: TrainingConfig) -> str:
+    """'query groups G', or multi-latent attention's head dims and latent ranks."""
+    if not args.multi_latent_attention:
+        return f"query groups {args.num_query_groups}"
+    q_rank = "none" if args.q_lora_rank is None else args.q_lora_rank
+    return (f"multi-latent attention: Q/K head dim {args.k_channels} = {args.qk_head_dim} + "
+            f"{args.qk_pos_emb_head_dim} RoPE, V head dim {args.v_channels}, latent ranks "
+            f"Q {q_rank}, KV {args.kv_lora_rank}")
 
 
 def _data_label(args: TrainingConfig) -> str:
@@ -86,7 +97,7 @@ def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: i
         f"{_attention_label(args)} | "
         f"{flag_dtype_name(args.bf16, args.fp16)}\n"
         f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
-        f"{args.num_attention_heads} (query groups {args.num_query_groups}), seq "
+        f"{args.num_attention_heads} ({_heads_label(args)}), seq "
         f"{args.seq_length}, vocab {vocab} | parameters on this rank {n_params:,} | "
         f"model FLOPs per iteration {flops:.4e}\n"
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
