@@ -71,7 +71,7 @@ class TrailingPartial:
             self.arriving = None  # folded: gone before the next one is allocated
         sending = partial if dtype is None else (partial[0].to(dtype), *partial[1:])
         self.arriving = tuple(torch.empty_like(t) for t in sending)
-        self.pending = comm.ring_exchange(sending, self.arriving, *self.ring)
+        self.pending = comm.ring_exchange(sending, self.arriving, *self.ring, partial=True)
 
     def land(self, own: Tensors) -> None:
         """Fold this rank's own chunk's partial, back from its hops, into `own`."""
