@@ -23,16 +23,24 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                        C acc + C (Q + L) (accumulators copied into the partials); the merge
     streamed_q fwd   : R KV + min(2, C-1) Q + 4 acc (own, the one being built, the one in
                        flight, the one arriving) + block; C = 2: max(2 acc + block, 3 acc)
-    gathered backward: rows + R KV + C FQ (dQ partials) + R FKV (dK, dV partials) + block,
-                       rows = 2 C Q + 2 C L (Q, dO, lse, D of the row) + (C-1) Q (stand-in
-                       outputs), none when C = 1
-    streamed_kv bwd  : rows + C FQ + min(2, R-1) KV + 2 FKV (own and the one being built)
-                       + 2 kv g_kv (in flight and arriving) + block off the diagonal; R = 2:
-                       2 FKV + max(block, (1 + [g_kv < 4]) kv g_kv) (sent after the blocks)
+    stand-in = max(Q + block off the diagonal, FQ + [e < 4] Q + 3 L) (a stand-in output
+        with its block, or while it is made: u, its rows' max, norm and scale)
+    gathered backward: 2 C Q + 2 C L (Q, dO, lse, D of the row) + R KV + R FKV (dK, dV
+                       partials) + 2 FQ (own dQ, the one being built) + 2 q g_q (the one in
+                       flight and the one arriving on the row ring) + stand-in; C = 2: the
+                       one partial is sent after its blocks (max(stand-in, (1 + [g_q < 4])
+                       q g_q + Q)); C = 1: R KV + FQ + R FKV + block
+    streamed_kv bwd  : rows + 2 FKV (own and the one being built) + 2 kv g_kv (in flight
+                       and arriving) + the larger of a step before the last (C FQ + 2 KV +
+                       block off the diagonal) and the last step (KV + max(C FQ, (C-1) FQ
+                       + 2 q g_q) + block off the diagonal: the dQ partials leave on the row
+                       ring one by one, one in flight, one arriving; while one is converted,
+                       g_q < 4: C FQ + 2 q g_q); rows = 2 C Q + 2 C L + (C-1) Q (the row's
+                       inputs and stand-in outputs), none when C = 1; R = 2: 2 FKV + KV +
+                       max(last step, FQ + 2 q g_q + (1 + [g_kv < 4]) kv g_kv) (the dK/dV
+                       partial sent after the blocks)
     streamed_q bwd   : R KV + R FKV + 2 (2 Q + 2 L) ((Q, dO), (lse, D) in hand and arriving)
-                       + 2 FQ + 2 q g_q + step; step = max(Q + block off the diagonal,
-                       FQ + [e < 4] Q + 3 L) (the stand-in output with its block, or while
-                       it is made: u, its rows' max, norm and scale); C = 2: the own
+                       + 2 FQ + 2 q g_q + stand-in; C = 2: the own
                        block with the ring's input and first arrival (2 (2 Q + 2 L) + FQ
                        + diagonal block), or one step with one Q in hand and the dQ
                        partial sent after it

@@ -4,11 +4,13 @@ Rank (i, j) gathers its row's Q in the background while it computes its own diag
 block, then, at ring step t, holds the K/V chunk of column position i - t, starts passing
 it on, and computes that chunk's C blocks (one per query chunk of the row) while the next
 chunk arrives. With the row's Q in hand, each K/V arrival unlocks C blocks and nothing else
-unlocks any, so this is the greedy order. Backward: K/V take the same ring; each chunk's
-dK/dV partial travels behind it, gaining each column member's part, and lands at its owner
-after R-1 hops. Bytes sent equal the gathered schedule's (`traffic.py`); K/V memory is two
-chunks (plus two dK/dV partials) instead of R. A grid of one row has no column ring: there
-this schedule is the gathered one.
+unlocks any, so this is the greedy order. Backward: the row's Q, dO, lse and D are
+gathered while the diagonal block runs; K/V take the same ring; each chunk's dK/dV partial
+travels behind it, gaining each column member's part, and lands at its owner after R-1
+hops; at the last step each query chunk's dQ, final once its block has run, goes around
+the row ring the same way while the next block runs. Bytes sent equal the gathered
+schedule's (`traffic.py`); K/V memory is two chunks (plus two dK/dV partials) instead of
+R. A grid of one row has no column ring: there this schedule is the gathered one.
 """
 from __future__ import annotations
 
