@@ -6,7 +6,9 @@ j - t, starts passing it on, and computes that chunk's R blocks (one per K/V chu
 column) while the next Q arrives. A chunk's partial output (out and lse, fp32) travels one
 hop behind its Q, merged by log-sum-exp at each row member, and lands at its owner after
 C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same ring and dQ
-partials travel behind them; dK, dV are reduce-scattered over the column at the end. Bytes
+partials travel behind them (the own chunk's last off-diagonal blocks run after the last
+step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over the
+column at the end. Bytes
 sent equal the other schedules' except that the partial outputs travel in fp32
 (`values.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
 grid of one column has no row ring: there this schedule is the gathered one.
