@@ -118,6 +118,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
             backward_block(kernel, dout, q, out, lse, kv_col[i][0], kv_col[i][1], me, y, mask,
                            scale, dq_own, kv_grads(dkv_part[i], k, v))
     del kv_col  # used up: the reduction does not hold it
-    trailing.land((dq_own,))  # this rank's own chunk's dQ, back from its C-1 hops
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
+    dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
+                                                 "backward", "column")
+    trailing.land((dq_own,))  # this rank's own chunk's dQ, back from its C-1 hops, meanwhile
+    dkv_pending.wait()
     return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))
