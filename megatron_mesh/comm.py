@@ -7,7 +7,10 @@ and copy nothing.
 
 Observers (`observing`): every transfer is shown to each observer in force before it runs,
 as a `Transfer` (the `TrafficCounter` counts it; emulated links, `megatron_mesh.emulation`,
-return when it would be done, and the call returns no sooner). The transport (`using`)
+return when it would be done, and the call returns no sooner); an observer that has a
+`waited(transfer)` method is also told when the caller has waited for the transfer to end
+(at once for the blocking calls; at `Pending.wait()` for those started in the background),
+so the order of starts, waits and the work between them can be recorded. The transport (`using`)
 runs the collectives themselves: torch.distributed's by default (`TorchTransport`); another
 (e.g. one that stages every tensor through host memory) plugs in without touching
 torch.distributed.
@@ -42,6 +45,7 @@ class Transfer:
     per_link: int
     group: dist.ProcessGroup | None
     peer: int | None = None
+    partial: bool = False  # partial results reduced on the way (outputs, gradients)
 
     def group_ranks(self) -> list[int]:
         """Global ranks of the group the transfer runs over."""
@@ -58,7 +62,8 @@ class Transfer:
 
 class Observer(Protocol):
     """Sees every transfer before it runs; returns the time.monotonic() before which the
-    call must not return (emulated links), or None."""
+    call must not return (emulated links), or None. May also have `waited(transfer)`,
+    called once the caller has waited for the transfer (module docstring)."""
 
     def observe(self, transfer: Transfer) -> float | None:
         ...
@@ -72,7 +77,7 @@ class Transport(Protocol):
                    group: dist.ProcessGroup | None, async_op: bool = False): ...
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
-                       group: dist.ProcessGroup | None) -> None: ...
+                       group: dist.ProcessGroup | None, async_op: bool = False): ...
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
                    group: dist.ProcessGroup | None) -> None: ...
@@ -93,9 +98,9 @@ class TorchTransport:
         return _collective("all_gather_single", "all_gather_into_tensor")(
             out, inp, group=group, async_op=async_op)
 
-    def reduce_scatter(self, out, inp, group):
-        _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-            out, inp, op=dist.ReduceOp.SUM, group=group)
+    def reduce_scatter(self, out, inp, group, async_op=False):
+        return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     def all_to_all(self, out, inp, group):
         dist.all_to_all_single(out, inp, group=group)
@@ -146,6 +151,15 @@ def _observe(transfer: Transfer) -> float | None:
     """Show `transfer` to every observer: the latest time any of them asks to wait for."""
     done = [t for obs in list(_observers) if (t := obs.observe(transfer)) is not None]
     return max(done) if done else None
+
+
+def _waited(transfers: Sequence[Transfer]) -> None:
+    """Tell the observers that have a `waited` method that `transfers` were waited for."""
+    for obs in list(_observers):
+        hook = getattr(obs, "waited", None)
+        if hook is not None:
+            for transfer in transfers:
+                hook(transfer)
 
 
 def _wait_until(done_at: float | None) -> None:
@@ -203,41 +217,58 @@ def reduce_scatter(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
 ) -> torch.Tensor:
     """[n * m, ...] on each rank -> this rank's [m, ...] piece of the sum over ranks."""
-    n = dist.get_world_size(group)
-    if n == 1:
-        return t
-    t = t.contiguous()
-    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    done_at = _observe(Transfer("reduce_scatter", phase, direction, (n - 1) * out.nbytes,
-                                out.nbytes, group))
-    _transport[-1].reduce_scatter(out, t, group)
-    _wait_until(done_at)
+    out, pending = reduce_scatter_async(t, group, phase, direction)
+    pending.wait()
     return out
 
 
-def all_to_all(
+def reduce_scatter_async(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+) -> tuple[torch.Tensor, "Pending"]:
+    """Like `reduce_scatter`, started in the background: read the result after `wait()`
+    (t must not be written meanwhile)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t, Pending([])
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    transfer = Transfer("reduce_scatter", phase, direction, (n - 1) * out.nbytes, out.nbytes,
+                        group, partial=True)
+    done_at = _observe(transfer)
+    work = _transport[-1].reduce_scatter(out, t, group, async_op=True)
+    return out, Pending([work], done_at, [transfer])
+
+
+def all_to_all(
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+    partial: bool = False,
 ) -> torch.Tensor:
-    """[n * m, ...]: piece k goes to group rank k; returns the n pieces received, in order."""
+    """[n * m, ...]: piece k goes to group rank k; returns the n pieces received, in order.
+    `partial`: the pieces are partial results (`Transfer.partial`)."""
     n = dist.get_world_size(group)
     if n == 1:
         return t
     t = t.contiguous()
     out = torch.empty_like(t)
-    done_at = _observe(Transfer("all_to_all", phase, direction, t.nbytes * (n - 1) // n,
-                                t.nbytes // n, group))
+    transfer = Transfer("all_to_all", phase, direction, t.nbytes * (n - 1) // n,
+                        t.nbytes // n, group, partial=partial)
+    done_at = _observe(transfer)
     _transport[-1].all_to_all(out, t, group)
     _wait_until(done_at)
+    _waited([transfer])
     return out
 
 
 class Pending:
     """Handles of collectives in flight; `wait()` returns once all have finished (and,
-    under emulated links, not before the links would have carried the bytes)."""
+    under emulated links, not before the links would have carried the bytes), then tells
+    the observers that `transfers` were waited for (once)."""
 
-    def __init__(self, works: list, done_at: float | None = None) -> None:
+    def __init__(self, works: list, done_at: float | None = None,
+                 transfers: Sequence[Transfer] = ()) -> None:
         self.works = [w for w in works if w is not None]
         self.done_at = done_at
+        self.transfers = list(transfers)
 
     def wait(self) -> None:
         for work in self.works:
@@ -245,6 +276,15 @@ class Pending:
         self.works = []
         _wait_until(self.done_at)
         self.done_at = None
+        transfers, self.transfers = self.transfers, []
+        _waited(transfers)
+
+    @classmethod
+    def joined(cls, *pendings: "Pending") -> "Pending":
+        """One handle for several (their waits in order, the latest emulated end)."""
+        ends = [p.done_at for p in pendings if p.done_at is not None]
+        return cls([w for p in pendings for w in p.works], max(ends, default=None),
+                   [t for p in pendings for t in p.transfers])
 
 
 def all_gather_async(
@@ -256,9 +296,10 @@ def all_gather_async(
         return t, Pending([])
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    done_at = _observe(Transfer("all_gather", phase, direction, (n - 1) * t.nbytes, t.nbytes,
-                                group))
-    return out, Pending([_transport[-1].all_gather(out, t, group, async_op=True)], done_at)
+    transfer = Transfer("all_gather", phase, direction, (n - 1) * t.nbytes, t.nbytes, group)
+    done_at = _observe(transfer)
+    return out, Pending([_transport[-1].all_gather(out, t, group, async_op=True)], done_at,
+                        [transfer])
 
 
 def all_gather_stacked_async(
@@ -276,10 +317,11 @@ def all_gather_stacked_async(
     shapes = [p.shape for p in parts]
     out = parts[0].new_empty((n, flat_size(shapes)))
     mine = pack(parts, out[dist.get_rank(group)])
-    done_at = _observe(Transfer("all_gather", phase, direction, (n - 1) * mine.nbytes,
-                                mine.nbytes, group))
+    transfer = Transfer("all_gather", phase, direction, (n - 1) * mine.nbytes, mine.nbytes,
+                        group)
+    done_at = _observe(transfer)
     pending = Pending([_transport[-1].all_gather(out.view(-1), mine, group, async_op=True)],
-                      done_at)
+                      done_at, [transfer])
     return [views(out[r], shapes) for r in range(n)], pending
 
 
@@ -291,9 +333,10 @@ def ring_exchange(
     group: dist.ProcessGroup | None,
     phase: Phase,
     direction: Direction,
+    partial: bool = False,
 ) -> Pending:
     """Send `send` (a tensor or several) to global rank next_rank while receiving `recv`
-    (the same shapes) from prev_rank."""
+    (the same shapes) from prev_rank. `partial`: partial results (`Transfer.partial`)."""
     sends = [send] if isinstance(send, torch.Tensor) else list(send)
     recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
     ops = []
@@ -301,8 +344,9 @@ def ring_exchange(
         ops.append(dist.P2POp(dist.isend, out_t.contiguous(), next_rank, group=group))
         ops.append(dist.P2POp(dist.irecv, in_t, prev_rank, group=group))
     nbytes = sum(t.nbytes for t in sends)
-    done_at = _observe(Transfer("ring", phase, direction, nbytes, nbytes, group, next_rank))
-    return Pending(_transport[-1].batch_isend_irecv(ops), done_at)
+    transfer = Transfer("ring", phase, direction, nbytes, nbytes, group, next_rank, partial)
+    done_at = _observe(transfer)
+    return Pending(_transport[-1].batch_isend_irecv(ops), done_at, [transfer])
 
 
 def exchange(
@@ -311,13 +355,15 @@ def exchange(
 ) -> Pending:
     """Point-to-point sends and receives, (global peer rank, tensor) each, started together;
     tensors without elements are skipped (both sides know the sizes). Bytes: each send's."""
-    ops, done = [], []
+    ops, done, transfers = [], [], []
     for peer, t in sends:
         if t.numel():
-            at = _observe(Transfer("p2p", phase, direction, t.nbytes, t.nbytes, None, peer))
+            transfers.append(Transfer("p2p", phase, direction, t.nbytes, t.nbytes, None, peer))
+            at = _observe(transfers[-1])
             done += [] if at is None else [at]
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer))
     for peer, t in recvs:
         if t.numel():
             ops.append(dist.P2POp(dist.irecv, t, peer))
-    return Pending(_transport[-1].batch_isend_irecv(ops) if ops else [], max(done, default=None))
+    return Pending(_transport[-1].batch_isend_irecv(ops) if ops else [], max(done, default=None),
+                   transfers)

@@ -1,4 +1,8 @@
-"""The gathered schedule: collect the whole tile's Q and K/V, then compute every block."""
+"""The gathered schedule: collect the whole tile's Q and K/V, then compute every block.
+
+Forward gathers first and computes after. Backward starts the gathers in the background
+and computes the diagonal block meanwhile, and sends dQ around the row ring behind the
+blocks (`backward`)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +15,7 @@ from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
+from .rings import TrailingPartial
 
 
 def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dtype):
@@ -19,8 +24,8 @@ def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dt
     c, s, b, hq, d = partial_out.shape
     if c == 1:  # the only partial is already the whole row's
         return partial_out[0], partial_lse[0]
-    partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", "row")
-    partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", "row")
+    partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", "row", partial=True)
+    partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", "row", partial=True)
     out_acc, lse_acc = empty_accumulators(s, b, hq, d, partial_out.device)
     for j in range(c):
         merge_into(out_acc, lse_acc, partial_out[j], partial_lse[j])
@@ -48,36 +53,73 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
 
 
-def gather_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
-    """Row all-gathers of backward, by column index j: (Q [s, b, hq, d], dO [s, b, hq, dv]) and (lse, D)
-    [b, hq, s] of row member j, and its output or a stand-in with the same D."""
-    qdo = comm.all_gather_stacked([q, dout], grid.row_group, "backward", "row")
+def start_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
+    """Start backward's row all-gathers in the background: by column index j, (Q [s, b, hq, d],
+    dO [s, b, hq, dv]) and (lse, D) [b, hq, s] of row member j; read them after the returned
+    `comm.Pending`'s wait(). D is formed here, before any gathered buffer is made."""
     if grid.cols == 1:  # no other rank's rows: D is not needed, the kernel forms it from out
-        return qdo, [(lse, None)], [out]
+        return [(q, dout)], [(lse, None)], comm.Pending([])
     delta = attention_delta(dout, out)
-    stats = comm.all_gather_stacked([lse, delta], grid.row_group, "backward", "row")
-    outs = [out if j == grid.col_index else out_with_delta(qdo[j][1], stats[j][1])
+    qdo, qdo_pending = comm.all_gather_stacked_async([q, dout], grid.row_group, "backward", "row")
+    stats, stats_pending = comm.all_gather_stacked_async([lse, delta], grid.row_group, "backward",
+                                                         "row")
+    return qdo, stats, comm.Pending.joined(qdo_pending, stats_pending)
+
+
+def stand_in_outputs(qdo, stats, out, grid: MeshGrid) -> list[torch.Tensor]:
+    """Per row member j, its output [s, b, hq, dv] for the backward kernel: this rank's own,
+    or a stand-in with j's D (`delta.out_with_delta`)."""
+    return [out if j == grid.col_index else out_with_delta(qdo[j][1], stats[j][1])
             for j in range(grid.cols)]
-    return qdo, stats, outs
+
+
+def row_order(grid: MeshGrid) -> list[int]:
+    """Column indices of the row's query chunks in the order their dQ partials leave on the
+    row ring (`rings.TrailingPartial`): j - 1, j - 2, ..., j + 1, then this rank's own j."""
+    me = grid.col_index
+    return [(me - t) % grid.cols for t in range(1, grid.cols)] + [me]
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk [s, b, hkv, d], dv [s, b, hkv, dv] in the inputs'
-    dtype; partials are
-    summed locally in fp32 and reduce-scattered in grad_dtypes (dq, dkv)."""
-    s, b, hq, d = q.shape
-    qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
-    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "backward", "column")
+    dtype; partials are summed locally in fp32 and travel in grad_dtypes (dq, dkv).
 
-    dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
+    The diagonal block runs while the row's and the column's chunks are gathered; then
+    each other query chunk's R blocks, whose dQ partial goes on around the row ring (one hop
+    behind, `rings.TrailingPartial`) while the next chunk's blocks run; the own chunk's
+    other blocks run last, while its own dQ partial travels; dK, dV are reduce-scattered
+    over the column at the end."""
+    dout = dout.contiguous()
+    me, my_row = grid.mesh_rank, grid.row_index
+    qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward",
+                                                       "column")
+    dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
-    for j, x in enumerate(grid.row_mesh_ranks):
+    # the diagonal block needs nothing from anyone
+    backward_block(kernel, dout, q, out, lse, k, v, me, me, mask, scale, dq_own,
+                   kv_grads(dkv_part[my_row], k, v))
+    kv_pending.wait()
+    row_pending.wait()
+    trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", "row")
+    for j in row_order(grid)[:-1]:
+        x = grid.row_mesh_ranks[j]
+        dq = torch.zeros_like(dq_own)
+        out_x = out_with_delta(qdo[j][1], stats[j][1])
         for i, y in enumerate(grid.col_mesh_ranks):
-            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], kv_col[i][0],
-                           kv_col[i][1], x, y, mask, scale, dq_part[j],
-                           kv_grads(dkv_part[i], k, v))
-    del qdo, stats, outs, kv_col  # used up: the reductions do not hold them
-    dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
-    return (dq.view(s, b, hq, d).to(q.dtype), *split_kv_grads(dkv, k, v))
+            backward_block(kernel, qdo[j][1], qdo[j][0], out_x, stats[j][0], kv_col[i][0],
+                           kv_col[i][1], x, y, mask, scale, dq, kv_grads(dkv_part[i], k, v))
+        trailing.pass_on((dq,), grad_dtypes.dq)  # the send holds what it needs
+        dq = out_x = None  # not held while the next ones are made
+    del qdo, stats  # the row's inputs: used up
+    for i, y in enumerate(grid.col_mesh_ranks):  # the own chunk's other blocks
+        if i != my_row:
+            backward_block(kernel, dout, q, out, lse, kv_col[i][0], kv_col[i][1], me, y, mask,
+                           scale, dq_own, kv_grads(dkv_part[i], k, v))
+    del kv_col  # used up: the reduction does not hold it
+    dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
+                                                 "backward", "column")
+    trailing.land((dq_own,))  # this rank's own chunk's dQ, back from its C-1 hops, meanwhile
+    dkv_pending.wait()
+    return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

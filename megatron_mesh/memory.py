@@ -23,16 +23,24 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                        C acc + C (Q + L) (accumulators copied into the partials); the merge
     streamed_q fwd   : R KV + min(2, C-1) Q + 4 acc (own, the one being built, the one in
                        flight, the one arriving) + block; C = 2: max(2 acc + block, 3 acc)
-    gathered backward: rows + R KV + C FQ (dQ partials) + R FKV (dK, dV partials) + block,
-                       rows = 2 C Q + 2 C L (Q, dO, lse, D of the row) + (C-1) Q (stand-in
-                       outputs), none when C = 1
-    streamed_kv bwd  : rows + C FQ + min(2, R-1) KV + 2 FKV (own and the one being built)
-                       + 2 kv g_kv (in flight and arriving) + block off the diagonal; R = 2:
-                       2 FKV + max(block, (1 + [g_kv < 4]) kv g_kv) (sent after the blocks)
+    stand-in = max(Q + block off the diagonal, FQ + [e < 4] Q + 3 L) (a stand-in output
+        with its block, or while it is made: u, its rows' max, norm and scale)
+    gathered backward: 2 C Q + 2 C L (Q, dO, lse, D of the row) + R KV + R FKV (dK, dV
+                       partials) + 2 FQ (own dQ, the one being built) + 2 q g_q (the one in
+                       flight and the one arriving on the row ring) + stand-in; C = 2: the
+                       one partial is sent after its blocks (max(stand-in, (1 + [g_q < 4])
+                       q g_q + Q)); C = 1: R KV + FQ + R FKV + block
+    streamed_kv bwd  : rows + 2 FKV (own and the one being built) + 2 kv g_kv (in flight
+                       and arriving) + the larger of a step before the last (C FQ + 2 KV +
+                       block off the diagonal) and the last step (KV + max(C FQ, (C-1) FQ
+                       + 2 q g_q) + block off the diagonal: the dQ partials leave on the row
+                       ring one by one, one in flight, one arriving; while one is converted,
+                       g_q < 4: C FQ + 2 q g_q); rows = 2 C Q + 2 C L + (C-1) Q (the row's
+                       inputs and stand-in outputs), none when C = 1; R = 2: 2 FKV + KV +
+                       max(last step, FQ + 2 q g_q + (1 + [g_kv < 4]) kv g_kv) (the dK/dV
+                       partial sent after the blocks)
     streamed_q bwd   : R KV + R FKV + 2 (2 Q + 2 L) ((Q, dO), (lse, D) in hand and arriving)
-                       + 2 FQ + 2 q g_q + step; step = max(Q + block off the diagonal,
-                       FQ + [e < 4] Q + 3 L) (the stand-in output with its block, or while
-                       it is made: u, its rows' max, norm and scale); C = 2: the own
+                       + 2 FQ + 2 q g_q + stand-in; C = 2: the own
                        block with the ring's input and first arrival (2 (2 Q + 2 L) + FQ
                        + diagonal block), or one step with one Q in hand and the dQ
                        partial sent after it
@@ -107,6 +115,13 @@ class _Chunk:
         return max(self.q // 2 + self.kv, self.q + self.kv // 2)
 
     @property
+    def stand_in(self) -> int:
+        """A stand-in output with its block off the diagonal, or while it is made (u, its
+        rows' max, norm and scale)."""
+        return max(self.o + self.block_backward_off_diagonal,
+                   self.fo + (self.o if self.e < FP32 else 0) + 3 * self.lse)
+
+    @property
     def result(self) -> dict[str, int]:
         return {"forward": self.o, "backward": self.q + self.kv}
 
@@ -123,11 +138,41 @@ class _Chunk:
                                                              self.o if self.e < FP32 else 0)
 
 
+def _gathered_backward(m: _Chunk, r: int, c: int) -> int:
+    """The gathered backward's peak (module docstring): the row's (Q, dO), (lse, D), the
+    column's K/V and the dK/dV partials held while the dQ partials go around the row."""
+    col_kv = r * m.kv if r > 1 else 0
+    if c == 1:  # no row: this rank's dQ and one block
+        return col_kv + m.fq + r * m.fkv + m.block_backward
+    held = c * (m.q + m.o + 2 * m.lse) + col_kv + r * m.fkv + 2 * m.fq  # own dQ, one built
+    if c > 2:  # one dQ partial in flight, one arriving
+        return held + 2 * m.dq_exchange + m.stand_in
+    sent = (1 + (m.dq_exchange < m.fq)) * m.dq_exchange + m.o  # the one partial, sent last
+    return held + max(m.stand_in, sent)
+
+
+def _streamed_kv_backward(m: _Chunk, r: int, c: int) -> int:
+    """The streamed_kv backward's peak (module docstring): a step before the last (C dQ
+    partials, two K/V chunks) or the last (the dQ partials leaving, one K/V chunk)."""
+    rows = c * (m.q + m.o + 2 * m.lse) + (c - 1) * m.o if c > 1 else 0
+    if c == 1:  # no row ring: this rank's dQ only
+        dq_blocks, dq_sending, dq_after = m.fq, 0, m.fq
+    else:  # the last step: the partials left, one in flight and one arriving
+        dq_blocks = max(c * m.fq, (c - 1) * m.fq + 2 * m.dq_exchange)
+        dq_sending = c * m.fq + 2 * m.dq_exchange if m.dq_exchange < m.fq else 0
+        dq_after = m.fq + 2 * m.dq_exchange
+    last = m.kv + max(dq_blocks + m.block_backward_off_diagonal, dq_sending)
+    if r > 2:
+        before = c * m.fq + 2 * m.kv + m.block_backward_off_diagonal
+        return rows + 2 * m.fkv + 2 * m.dkv_exchange + max(before, last)
+    sent = (1 + (m.dkv_exchange < m.fkv)) * m.dkv_exchange  # the one partial, sent last
+    return rows + 2 * m.fkv + max(last, m.kv + dq_after + sent)
+
+
 def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
-    rows = c * (m.q + m.o + 2 * m.lse) + (c - 1) * m.o if c > 1 else 0
     if schedule != "windowed" and schedule not in tuple(Schedule):
         raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
                          "streamed_q, ring or windowed")
@@ -135,7 +180,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     if schedule != "windowed" and Schedule(schedule).runs_gathered(r, c):
         return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
-                "backward": rows + col_kv + c * m.fq + r * m.fkv + m.block_backward}
+                "backward": _gathered_backward(m, r, c)}
     if schedule == "windowed":  # sliding windows' sparse exchange: the gathered buffers
         stand_in = (m.o if c > 1 else 0) + m.block_backward  # own rows use out itself
         return {"forward": max(c * m.q + r * m.kv + c * m.acc + m.block_forward,
@@ -144,14 +189,9 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
                 + r * m.fkv + stand_in}
     if schedule == "streamed_kv":
         ring_kv = min(2, r - 1) * m.kv
-        if r > 2:
-            partials = 2 * m.fkv + 2 * m.dkv_exchange + m.block_backward_off_diagonal
-        else:  # the one partial is sent after its blocks
-            sent = (1 + (m.dkv_exchange < m.fkv)) * m.dkv_exchange
-            partials = 2 * m.fkv + max(m.block_backward_off_diagonal, sent)
         return {"forward": max(row_q + c * m.acc + ring_kv + m.block_forward,
                                c * (m.acc + m.o + m.lse), m.merge(c)),
-                "backward": rows + c * m.fq + ring_kv + partials}
+                "backward": _streamed_kv_backward(m, r, c)}
     if schedule == "streamed_q":
         ring_q = min(2, c - 1) * m.q
         if c > 2:
@@ -159,8 +199,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
         else:  # the one partial is sent after its blocks
             accs = max(2 * m.acc + m.block_forward, 3 * m.acc)
         chunk = m.q + m.o + 2 * m.lse  # (Q, dO) and (lse, D)
-        stand_in = max(m.o + m.block_backward_off_diagonal,
-                       m.fo + (m.o if m.e < FP32 else 0) + 3 * m.lse)
+        stand_in = m.stand_in
         if c > 2:
             steps = 2 * chunk + 2 * m.fq + 2 * m.dq_exchange + stand_in
         else:

@@ -25,7 +25,8 @@ def ring_steps(
     """Yield (t, chunks held at step t) for t < steps; step t + 1's arrive meanwhile.
 
     Two receive buffers take turns (the input chunks are never written), so the chunks
-    yielded at step t are valid until the next step only.
+    yielded at step t are valid until the next step only; at the last step, which receives
+    nothing, only the chunks in hand are held.
     """
     chunks, spare = tuple(chunks), None
     for t in range(steps):
@@ -37,7 +38,7 @@ def ring_steps(
         yield t, chunks
         if t < steps - 1:
             pending.wait()  # also ends the send of this step's chunks: their buffer is free
-            spare = chunks if t > 0 else None
+            spare = chunks if 0 < t < steps - 2 else None  # receives again at t + 1
             chunks = arriving
 
 
@@ -71,7 +72,7 @@ class TrailingPartial:
             self.arriving = None  # folded: gone before the next one is allocated
         sending = partial if dtype is None else (partial[0].to(dtype), *partial[1:])
         self.arriving = tuple(torch.empty_like(t) for t in sending)
-        self.pending = comm.ring_exchange(sending, self.arriving, *self.ring)
+        self.pending = comm.ring_exchange(sending, self.arriving, *self.ring, partial=True)
 
     def land(self, own: Tensors) -> None:
         """Fold this rank's own chunk's partial, back from its hops, into `own`."""

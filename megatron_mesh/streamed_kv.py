@@ -4,11 +4,13 @@ Rank (i, j) gathers its row's Q in the background while it computes its own diag
 block, then, at ring step t, holds the K/V chunk of column position i - t, starts passing
 it on, and computes that chunk's C blocks (one per query chunk of the row) while the next
 chunk arrives. With the row's Q in hand, each K/V arrival unlocks C blocks and nothing else
-unlocks any, so this is the greedy order. Backward: K/V take the same ring; each chunk's
-dK/dV partial travels behind it, gaining each column member's part, and lands at its owner
-after R-1 hops. Bytes sent equal the gathered schedule's (`traffic.py`); K/V memory is two
-chunks (plus two dK/dV partials) instead of R. A grid of one row has no column ring: there
-this schedule is the gathered one.
+unlocks any, so this is the greedy order. Backward: the row's Q, dO, lse and D are
+gathered while the diagonal block runs; K/V take the same ring; each chunk's dK/dV partial
+travels behind it, gaining each column member's part, and lands at its owner after R-1
+hops; at the last step each query chunk's dQ, final once its block has run, goes around
+the row ring the same way while the next block runs. Bytes sent equal the gathered
+schedule's (`traffic.py`); K/V memory is two chunks (plus two dK/dV partials) instead of
+R. A grid of one row has no column ring: there this schedule is the gathered one.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from . import comm, gathered
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .dtypes import FP32_GRADS, GradDtypes
-from .gathered import gather_row_grads_inputs, merge_row_partials
+from .gathered import merge_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask
@@ -59,26 +61,46 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
-    summed in fp32 and travel (dK, dV around the ring, dQ in the reduce-scatter) in grad_dtypes."""
+    summed in fp32 and travel (dK, dV around the column ring, dQ around the row ring) in
+    grad_dtypes.
+
+    The diagonal block runs while the row's Q, dO, lse and D are gathered. At the last ring
+    step each query chunk's dQ is final once its block has run: the blocks run in the order
+    the dQ partials leave on the row ring (`gathered.row_order`), each partial goes on one
+    hop behind (`rings.TrailingPartial`) while the next block runs, the own chunk's last."""
     if grid.rows == 1:
         return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
-    s, b, hq, d = q.shape
-    qdo, stats, outs = gather_row_grads_inputs(dout.contiguous(), q, out, lse, grid)
-    dq_part = torch.zeros(grid.cols, s, b, hq, d, dtype=torch.float32, device=q.device)
+    dout = dout.contiguous()
+    me = grid.col_index
+    qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)
+    dq_part = [torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+               for _ in range(grid.cols)]
     neighbors = grid.col_neighbors()
     dkv_own = kv_grad_buffer(k, v)  # flat: dK, dV of this rank's chunk
     trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "column")
+    dq_ring = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", "row")
+    order = row_order(grid)
     for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "column"):
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
-        for j, x in enumerate(grid.row_mesh_ranks):
-            backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
-                           x, y, mask, scale, dq_part[j], kv_grads(dkv, k, v))
+        if t == 0:  # this rank's own block needs nothing from anyone
+            backward_block(kernel, dout, q, out, lse, k, v, grid.mesh_rank, y, mask, scale,
+                           dq_part[me], kv_grads(dkv, k, v))
+            row_pending.wait()
+            outs = stand_in_outputs(qdo, stats, out, grid)
+        last = t == grid.rows - 1
+        for j in order:
+            if not (t == 0 and j == me):
+                backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
+                               grid.row_mesh_ranks[j], y, mask, scale, dq_part[j],
+                               kv_grads(dkv, k, v))
+            if last and j != me:  # chunk j's dQ is final: on around the row ring
+                dq_ring.pass_on((dq_part[j],), grad_dtypes.dq)
+                dq_part[j] = None  # the send holds what it needs
         if t >= 1:  # chunk y's partial goes on behind its K/V (the send holds what it needs)
             trailing.pass_on((dkv,), grad_dtypes.dkv)
         dkv = None  # not held while the next one is zeroed
     del qdo, stats, outs, k_y, v_y  # the row's inputs and the last K/V chunk: used up
     trailing.land((dkv_own,))  # this rank's own chunk, back from its R-1 hops
-    dq = comm.reduce_scatter(dq_part.to(grad_dtypes.dq), grid.row_group, "backward", "row")
-    dq = dq.view(s, b, hq, d)
-    return (dq.to(q.dtype), *split_kv_grads(dkv_own, k, v))
+    dq_ring.land((dq_part[me],))  # this rank's own query chunk, back from its C-1 hops
+    return (dq_part[me].to(q.dtype), *split_kv_grads(dkv_own, k, v))

@@ -6,7 +6,9 @@ j - t, starts passing it on, and computes that chunk's R blocks (one per K/V chu
 column) while the next Q arrives. A chunk's partial output (out and lse, fp32) travels one
 hop behind its Q, merged by log-sum-exp at each row member, and lands at its owner after
 C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same ring and dQ
-partials travel behind them; dK, dV are reduce-scattered over the column at the end. Bytes
+partials travel behind them (the own chunk's last off-diagonal blocks run after the last
+step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over the
+column at the end. Bytes
 sent equal the other schedules' except that the partial outputs travel in fp32
 (`values.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
 grid of one column has no row ring: there this schedule is the gathered one.
@@ -62,6 +64,14 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     return own[0].to(q.dtype), own[1]
 
 
+def own_blocks_later(grid: MeshGrid) -> list[int]:
+    """Row indices i of the own query chunk's off-diagonal blocks kept for after the last
+    ring step, to run while the last dQ partial travels: all but the first (R - 1) // 2
+    (those run at step 0, while the first Q chunk arrives)."""
+    off = [i for i in range(grid.rows) if i != grid.row_index]
+    return off[(grid.rows - 1) // 2:]
+
+
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
@@ -80,6 +90,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     trailing = TrailingPartial(*neighbors, grid.row_group, "backward", "row")
     ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
     del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
+    later = own_blocks_later(grid)
     for t, (qdo_flat, stats_x) in ring:
         qdo_x = views(qdo_flat, (q.shape, dout.shape))
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
@@ -90,14 +101,20 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
             kv_pending.wait()
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
         for i, y in enumerate(grid.col_mesh_ranks):
-            if not (t == 0 and i == my_row):
+            if not (t == 0 and (i == my_row or i in later)):
                 backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
                                kv_col[i][1], x, y, mask, scale, dq,
                                kv_grads(dkv_part[i], k, v))
         if t >= 1:  # chunk x's dQ partial goes on behind its Q (the send holds what it needs)
             trailing.pass_on((dq,), grad_dtypes.dq)
         dq = out_x = None  # not held while the next step's are made
-    del kv_col, qdo_x, qdo_flat, stats_x  # used up: the reduce-scatter does not hold them
-    trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops
-    dkv = comm.reduce_scatter(dkv_part.to(grad_dtypes.dkv), grid.col_group, "backward", "column")
+    del qdo_x, qdo_flat, stats_x  # used up: the rest does not hold them
+    for i in later:  # the own chunk's last blocks, while its dQ partial makes its last hop
+        backward_block(kernel, dout, q, out, lse, kv_col[i][0], kv_col[i][1], grid.mesh_rank,
+                       grid.col_mesh_ranks[i], mask, scale, dq_own, kv_grads(dkv_part[i], k, v))
+    del kv_col  # used up: the reduce-scatter does not hold it
+    dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
+                                                 "backward", "column")
+    trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops, meanwhile
+    dkv_pending.wait()
     return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

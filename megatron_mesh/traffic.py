@@ -16,7 +16,7 @@ row), e = bytes per element of the input dtype, fp32 = 4:
     backward: row all-gather Q, dO        (C-1) * (q + o) * e
               row all-gather lse, D       (C-1) * 2l * 4
               column all-gather K, V      (R-1) * kv * e
-              row reduce-scatter dQ       (C-1) * q  * 4
+              row dQ partials             (C-1) * q  * 4   (a ring of C-1 hops)
               column reduce-scatter dK,dV (R-1) * kv * e   (fp32: * 4)
 
 In elements (o = q) this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D

@@ -53,9 +53,10 @@ class HostStaging:
         self._out_in("all_gather", out, inp, lambda o, i: self.inner.all_gather(o, i, group))
         return Completed() if async_op else None
 
-    def reduce_scatter(self, out, inp, group):
+    def reduce_scatter(self, out, inp, group, async_op=False):
         self._out_in("reduce_scatter", out, inp,
                      lambda o, i: self.inner.reduce_scatter(o, i, group))
+        return Completed() if async_op else None
 
     def all_to_all(self, out, inp, group):
         self._out_in("all_to_all", out, inp, lambda o, i: self.inner.all_to_all(o, i, group))

@@ -182,9 +182,9 @@ class CountingTransport:
         self.sent[0] += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
         return self.inner.all_gather(out, inp, group, async_op)
 
-    def reduce_scatter(self, out, inp, group):
+    def reduce_scatter(self, out, inp, group, async_op=False):
         self.sent[0] += (dist.get_world_size(group) - 1) * out.numel() * out.element_size()
-        self.inner.reduce_scatter(out, inp, group)
+        return self.inner.reduce_scatter(out, inp, group, async_op)
 
     def all_to_all(self, out, inp, group):
         n = dist.get_world_size(group)
