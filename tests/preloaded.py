@@ -83,6 +83,36 @@ def build_indexed_dataset(prefix: str) -> None:
     builder.finalize(prefix + ".idx")
 
 
+TINY_VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254; the NullTokenizer's EOD is 255
+
+
+def build_eod_documents(prefix: str, documents: int, lengths: tuple[int, int],
+                        seed: int = 0) -> None:
+    """`documents` short arithmetic documents of lengths[0] .. lengths[1] - 1 tokens (ids below
+    TINY_VOCAB), each ending with the EOD id TINY_VOCAB, as Megatron-LM's preprocess_data.py
+    --append-eod writes them, as a Megatron indexed dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    for _ in range(documents):
+        start, step = rng.integers(0, TINY_VOCAB), rng.integers(1, 4)
+        n = rng.integers(*lengths)
+        ids = np.append((start + step * np.arange(n)) % TINY_VOCAB, TINY_VOCAB)
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(prefix + ".idx")
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of the event files in `folder`, read by TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]}
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a driver job: one thread per rank, wandb offline, no fault."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",

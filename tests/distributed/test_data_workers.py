@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Run, launch
-from test_training_eval import _build_documents, tensorboard_scalars
+from preloaded import TINY, Run, build_eod_documents, launch, tensorboard_scalars
 
 from megatron_mesh.training.arguments import ConfigError, parse_args
 from megatron_mesh.training.data import SampleIndices
@@ -33,7 +32,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
     prefix = str(work / "docs")
-    _build_documents(prefix, 300, seed=1)
+    build_eod_documents(prefix, 300, (20, 50), seed=1)
     return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
             "--data-cache-path", str(work / "index-cache"), *EVAL]
 

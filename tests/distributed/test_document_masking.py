@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-from preloaded import Run, launch
+from preloaded import Run, build_eod_documents, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -22,24 +21,11 @@ VOCAB = 255  # tiny-cpu.yaml's --vocab-size: the NullTokenizer's EOD id
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
 
 
-def _build_documents(prefix: str) -> None:
-    """Short arithmetic documents (5 to 40 tokens), each ending in EOD."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(5, 40)
-        doc = np.append((start + step * np.arange(n)) % VOCAB, VOCAB)
-        builder.add_document(doc, [len(doc)])
-    builder.finalize(prefix + ".idx")
-
-
 @pytest.fixture(scope="module")
 def data_args(tmp_path_factory) -> list[str]:
     work = tmp_path_factory.mktemp("documents")
     prefix = str(work / "docs")
-    _build_documents(prefix)
+    build_eod_documents(prefix, 300, (5, 40), seed=1)
     return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
             "--data-cache-path", str(work / "index-cache")]
 

@@ -12,37 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preloaded import TINY, Run, launch
+from preloaded import TINY, Run, build_eod_documents, launch, tensorboard_scalars
 from wandb_records import wandb_history
 
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254, end of document 255
 EOD = VOCAB
 ITERS = 4
 EVAL = ["--eval-interval", "2", "--eval-iters", "1", "--split", "90,5,5"]
-
-
-def _build_documents(prefix: str, documents: int, seed: int = 0) -> None:
-    """Short documents (20 .. 50 tokens, about 35) of arithmetic token sequences, each ending
-    with the EOD id, as Megatron-LM's preprocess_data.py --append-eod writes them."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    rng = np.random.default_rng(seed)
-    for _ in range(documents):
-        start, step, n = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 50)
-        ids = np.append((start + step * np.arange(n)) % VOCAB, EOD)
-        builder.add_document(ids, [len(ids)])
-    builder.finalize(prefix + ".idx")
-
-
-def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} of the event files in `folder`, read by TensorBoard's reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder))
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)}
-            for tag in events.Tags()["scalars"]}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +29,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def eod_args(work: Path) -> list[str]:
     prefix = str(work / "docs")
-    _build_documents(prefix, 300)
+    build_eod_documents(prefix, 300, (20, 50))
     return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
             "--data-cache-path", str(work / "index-cache"), "--eod-mask-loss", *EVAL]
 

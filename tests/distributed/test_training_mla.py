@@ -15,8 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Job, build_indexed_dataset, job_env, launch
-from test_document_masking import _build_documents
+from preloaded import TINY, Job, build_eod_documents, build_indexed_dataset, job_env, launch
 
 from megatron_mesh.megatron.compat import mla_unbuildable_reason
 
@@ -100,7 +99,7 @@ def test_mla_packed_documents_mesh_matches_cp1(tmp_path: Path) -> None:
     whose losses differ from CP = 1's without the mask. On a megatron-core that cannot build
     MLA, asserts the refusal instead."""
     prefix = str(tmp_path / "docs")
-    _build_documents(prefix)
+    build_eod_documents(prefix, 300, (5, 40), seed=1)
     common = ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
               "--data-cache-path", str(tmp_path / "index-cache"), *MLA]
     if mla_unbuildable_reason() is not None:

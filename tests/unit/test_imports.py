@@ -136,3 +136,17 @@ def test_algorithm_layer_never_imports_megatron():
                      else [])
             bad = [n for n in names if n and n.split(".")[0] == "megatron"]
             assert not bad, f"{module} imports {bad}"
+
+
+def test_no_test_module_imports_another():
+    """Tests share helpers through the modules beside conftest.py (preloaded.py, reference.py,
+    ...), never by importing another test file (its tier folder may not be on the path)."""
+    tests = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(tests)}: {n}" for n in names
+                      if n.split(".")[0].startswith("test_")]
+    assert not found, found

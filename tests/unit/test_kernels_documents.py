@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from test_kernels_te import _FWD_REQUIRED, ATTENTION_PARAMS, BACKEND, RELEASES, SIGNATURES, TE_BF16
+from te_releases import ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
 from megatron_mesh.documents import Documents, thd_partition_indices
 from megatron_mesh.kernels import (
@@ -63,7 +63,7 @@ def test_thd_kwargs_match_real_signature(release: str, causal: bool) -> None:
     fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
     fwd, bwd, _, _ = _thd_build(release, causal)
     assert set(fwd) <= set(fwd_params), set(fwd) - set(fwd_params)
-    assert set(_FWD_REQUIRED) <= set(fwd), set(_FWD_REQUIRED) - set(fwd)
+    assert set(FWD_REQUIRED) <= set(fwd), set(FWD_REQUIRED) - set(fwd)
     assert set(bwd) <= set(bwd_params), set(bwd) - set(bwd_params)
     assert set(bwd_required) <= set(bwd), set(bwd_required) - set(bwd)
 

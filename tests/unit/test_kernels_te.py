@@ -2,8 +2,7 @@
 
 Part 1 runs anywhere: the module imports without TE, and the keyword arguments built for
 each TE version are exactly ones that version's `fused_attn_fwd` / `fused_attn_bwd` accept.
-The parameter names below were read from each release's
-transformer_engine/pytorch/cpp_extensions/fused_attn.py (facts, kept as data).
+The parameter names of every release are data in tests/te_releases.py.
 
 Part 2 needs CUDA and TE: TEFusedKernel against torch SDPA (out, lse, dq, dk, dv), and the
 "global out / lse" property that makes tile gradients exact partial sums.
@@ -16,140 +15,10 @@ import sys
 
 import pytest
 import torch
+from te_releases import AP_NEEDED, ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
 from megatron_mesh.kernels import te_fused
 from megatron_mesh.kernels.te_fused import TEFusedKernel, bwd_kwargs, fwd_kwargs
-
-# ---------------------------------------------------------------- real TE signatures (data)
-
-_FWD_REQUIRED = [
-    "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv",
-    "q", "k", "v", "fake_dtype", "fused_attention_backend",
-]
-_BWD_REQUIRED_OLD = [
-    "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "o",
-    "d_o", "fake_dtype", "dqkv_dtype", "aux_ctx_tensors", "fused_attention_backend",
-]
-_BWD_REQUIRED_NEW = [n for n in _BWD_REQUIRED_OLD if n != "dqkv_dtype"]
-
-# name -> (fwd parameters, bwd parameters, bwd required), in signature order.
-SIGNATURES = {
-    "2.1": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer",
-            "o_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "window_size", "rng_gen",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.2": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "window_size",
-            "rng_gen",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "window_size", "deterministic",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.8": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
-            "window_size", "rng_gen", "softmax_offset",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.9": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
-            "window_size", "rng_gen", "softmax_offset", "return_max_logit",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.10": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
-            "window_size", "rng_gen", "softmax_offset", "return_max_logit", "cuda_graph",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size", "deterministic",
-            "cuda_graph",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.12": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "attn_bias_type", "attn_mask_type", "softmax_type",
-            "window_size", "bottom_right_diagonal", "rng_gen", "softmax_offset",
-            "return_max_logit", "cuda_graph",
-        ],
-        _BWD_REQUIRED_OLD + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
-            "bottom_right_diagonal", "deterministic", "cuda_graph",
-        ],
-        _BWD_REQUIRED_OLD,
-    ),
-    "2.15": (
-        _FWD_REQUIRED + [
-            "attn_bias", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "page_table_k",
-            "page_table_v", "s_quantizer", "o_quantizer", "attn_scale", "dropout",
-            "fast_zero_fill", "qkv_layout", "o_format", "qkv_scale_inv_format",
-            "attn_bias_type", "attn_mask_type", "softmax_type", "window_size",
-            "bottom_right_diagonal", "rng_gen", "softmax_offset", "return_max_logit",
-            "cuda_graph",
-        ],
-        _BWD_REQUIRED_NEW + [
-            "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "s_quantizer", "dp_quantizer",
-            "dqkv_quantizer", "attn_scale", "dropout", "fast_zero_fill", "qkv_layout",
-            "o_format", "do_format", "dqkv_layout", "qkv_scale_inv_format",
-            "do_scale_inv_format", "attn_bias_type", "attn_mask_type", "softmax_type",
-            "window_size", "bottom_right_diagonal", "deterministic", "cuda_graph",
-        ],
-        _BWD_REQUIRED_NEW,
-    ),
-}
-
-# Every release read, and the signature it has (releases in between share it).
-RELEASES = {
-    "2.1.0": "2.1", "2.2.0": "2.2", "2.3.0": "2.2", "2.4.0": "2.2", "2.5.0": "2.2",
-    "2.6.0.post1": "2.2", "2.7.0": "2.2", "2.8.0": "2.8", "2.9.0": "2.9", "2.10.0": "2.10",
-    "2.11.0": "2.10", "2.12.0": "2.12", "2.13.0": "2.12", "2.14.1": "2.12", "2.15.0": "2.15",
-    "2.16.1": "2.15", "2.17.1": "2.15", "2.18.0": "2.15", "2.19.0": "2.15", "2.20.2": "2.15",
-}
-
-BACKEND = object()  # stands in for FusedAttnBackend["F16_arbitrary_seqlen"] (opaque here)
-TE_BF16 = object()  # stands in for TE's DType.kBFloat16 (opaque here)
 
 
 def _tile(sq=8, sk=4, b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16):
@@ -192,7 +61,7 @@ def test_kwargs_match_real_signature(release: str, causal: bool):
     fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
     fwd, bwd, _ = _build(release, causal)
     assert set(fwd) <= set(fwd_params), set(fwd) - set(fwd_params)
-    assert set(_FWD_REQUIRED) <= set(fwd), set(_FWD_REQUIRED) - set(fwd)
+    assert set(FWD_REQUIRED) <= set(fwd), set(FWD_REQUIRED) - set(fwd)
     assert set(bwd) <= set(bwd_params), set(bwd) - set(bwd_params)
     assert set(bwd_required) <= set(bwd), set(bwd_required) - set(bwd)
 
@@ -271,31 +140,6 @@ def test_non_te_inputs_fall_back_to_torch(dtype):
         torch.testing.assert_close(got.float(), want, atol=tol * 4, rtol=tol * 4)
 
 
-# TE's AttentionParams fields (the backend query's input), read from the wheels of these
-# releases (2.1: transformer_engine/pytorch/attention.py; 2.2:
-# transformer_engine/pytorch/dot_product_attention/utils.py; 2.5 and later:
-# transformer_engine/pytorch/attention/dot_product_attention/utils.py).
-_AP_21 = [
-    "qkv_type", "qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
-    "max_seqlen_q", "max_seqlen_kv", "head_dim_qk", "head_dim_v", "attn_mask_type",
-    "window_size", "alibi_slopes_shape", "core_attention_bias_type",
-    "core_attention_bias_shape", "core_attention_bias_requires_grad", "pad_between_seqs",
-    "attention_dropout", "context_parallel", "deterministic", "is_training", "fp8", "fp8_meta",
-]
-_AP_25 = _AP_21 + ["inference_params"]
-_AP_210 = _AP_25[:19] + ["cp_comm_type"] + _AP_25[19:] + [
-    "softmax_type", "return_max_logit", "cuda_graph", "num_splits"]
-_AP_214 = _AP_210[:12] + ["bottom_right_diagonal"] + _AP_210[12:]
-_AP_220 = _AP_214 + [
-    "nominal_dtype", "num_tokens_q", "num_tokens_kv", "softcap", "cp_size", "cp_size_a2a",
-    "softmax_scale", "fp8_output", "checkpoint_core_attention", "has_score_mod",
-    "has_score_mod_bprop"]
-ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.2.0": _AP_25, "2.5.0": _AP_25, "2.10.0": _AP_210, "2.14.1": _AP_214,
-                    "2.20.2": _AP_220}
-# Every field we must set for the query to describe our tile (the rest keep TE's defaults).
-_AP_NEEDED = {"qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
-              "max_seqlen_q", "max_seqlen_kv", "head_dim_qk", "head_dim_v", "attn_mask_type",
-              "window_size", "attention_dropout", "deterministic", "is_training"}
 
 
 @pytest.mark.parametrize("release", sorted(ATTENTION_PARAMS))
@@ -305,7 +149,7 @@ def test_backend_query_params_match_real_fields(release: str, causal: bool):
     spec = te_fused.TileSpec(torch.bfloat16, 2, 16, 4, 2048, 1024, 128, causal, False, False)
     kw = te_fused.attention_params(fields, spec)
     assert set(kw) <= set(fields), set(kw) - set(fields)
-    assert _AP_NEEDED <= set(kw), _AP_NEEDED - set(kw)
+    assert AP_NEEDED <= set(kw), AP_NEEDED - set(kw)
     assert (kw["num_heads"], kw["num_gqa_groups"], kw["head_dim_qk"]) == (16, 4, 128)
     assert (kw["max_seqlen_q"], kw["max_seqlen_kv"], kw["batch_size"]) == (2048, 1024, 2)
     assert kw["qkv_layout"] == "sbhd_sbhd_sbhd" and kw["qkv_dtype"] == torch.bfloat16
