@@ -110,7 +110,8 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; R "
                    "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
                    "(only the pairs it keeps; ring and a2a+p2p do not take windows in "
-                   "Transformer Engine) and the whole model")
+                   "Transformer Engine) and the whole model; write --window-size=-1,R when L "
+                   "is -1")
     p.add_argument("--window-attn-skip-freq", type=_positive_int, metavar="N",
                    help="Megatron-Core's window_attn_skip_freq: layer n (1-indexed) is global "
                    "(full attention) when n %% N == 0, windowed otherwise; prices both kinds "

@@ -71,8 +71,8 @@ class Workload:
     def _check_window(self) -> None:
         w = self.window
         if not isinstance(w, Window) or window_of((w.left, w.right), self.causal) != w:
-            raise ValueError(f"window {w!r} is not a checked window for causal={self.causal}: "
-                             "pass window_of((left, right), causal)")
+            raise ValueError(f"window {w!r} is not a checked window for causal={self.causal} "
+                             "(one that limits something): pass window_of((left, right), causal)")
         if self.doc_lengths is not None:
             raise ValueError("a sliding window inside packed documents is not priced: give "
                              "the window or the document lengths, not both")
