@@ -220,7 +220,7 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, generator=gen, dtype=dtype)
     rate = emulation.flops_rate / compute_scale if compute_scale else float("inf")
-    times, compute, links = [], 0.0, {}
+    times, compute, links, sent = [], 0.0, {}, {}
     for it in range(warmup + repeats):
         kernel = EmulatedKernel(rate)
         q.grad = k.grad = v.grad = None
@@ -237,9 +237,9 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
             elapsed = time.perf_counter() - t0
         if it >= warmup:
             times.append(elapsed)
-        compute, links = kernel.seconds, dict(links_here.seconds)
+        compute, links, sent = kernel.seconds, dict(links_here.seconds), dict(links_here.bytes)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "compute_s": compute, "link_s": links}
+            "compute_s": compute, "link_s": links, "link_bytes": sent}
 
 
 def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int:
