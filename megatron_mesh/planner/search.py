@@ -176,6 +176,7 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         for a, r, c in grid_shapes(p) if a in sizes
     )
     best_grid = min(meshes + grids, key=grid_key)
+    sparse = workload.window is not None
     return Plan(
         workload=workload,
         cluster=cluster,
@@ -185,10 +186,10 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         meshes=meshes,
         unavailable=tuple(unavailable),
         best_mesh=best_mesh,
-        placement=mesh_placement(*best_mesh.mesh_shape, cluster),
+        placement=mesh_placement(*best_mesh.mesh_shape, cluster, sparse=sparse),
         grids=grids,
         best_grid=best_grid,
-        grid_placement=mesh_placement(*best_grid.mesh_shape, cluster, best_grid.heads),
+        grid_placement=mesh_placement(*best_grid.mesh_shape, cluster, best_grid.heads, sparse),
     )
 
 
