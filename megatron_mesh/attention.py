@@ -30,7 +30,15 @@ from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
 from .layout import AttentionMask
 from .plan import resolve_plan
-from .values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, AttentionShape, GradDtype, MeshPlan, Schedule
+from .values import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    AttentionShape,
+    GradDtype,
+    MeshPlan,
+    Schedule,
+    one_of,
+)
 from .window import Window, window_of
 
 _SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
@@ -63,29 +71,37 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
                       torch.float32 if grads.dkv_in_fp32 else dtype)
 
 
-def _schedule(schedule: Schedule, mask: AttentionMask):
-    """The module that runs: the sparse exchange of `windowed` under a sliding window (it
-    moves only the rows the blocks use), else the plan's schedule."""
-    return windowed if mask.window is not None else _SCHEDULES[schedule]
+WINDOW_EXCHANGES = ("sparse", "gathered")
+
+
+def _schedule(schedule: Schedule, mask: AttentionMask, window_exchange: str = "sparse"):
+    """The module that runs: under a sliding window the sparse exchange of `windowed` (it
+    moves only the rows the blocks use), or with window_exchange 'gathered' the gathered
+    schedule (whole chunks, as Transformer Engine's all_gather does under a window); else
+    the plan's schedule."""
+    if mask.window is None:
+        return _SCHEDULES[schedule]
+    return windowed if window_exchange == "sparse" else gathered
 
 
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads):
-        out, lse = _schedule(schedule, mask).forward(q, k, v, grid, mask, scale, kernel)
+    def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads,
+                window_exchange="sparse"):
+        runner = _schedule(schedule, mask, window_exchange)
+        out, lse = runner.forward(q, k, v, grid, mask, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (grid, mask, scale, kernel, grads)
-        ctx.schedule = schedule
+        ctx.runner = runner
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _schedule(ctx.schedule, ctx.args[1]).backward(dout, q, k, v, out, lse,
-                                                                   *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = ctx.runner.backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -102,17 +118,21 @@ class MeshAttention:
     softmax_scale: float
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
     window: Window | None = None  # the sliding window (`window.window_of`), None: none
+    window_exchange: str = "sparse"  # under a window: 'sparse' rows or 'gathered' chunks
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
               causal: bool = True, softmax_scale: float | None = None,
               backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
               grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
-              window_size: tuple[int, int] | None = None) -> MeshAttention:
+              window_size: tuple[int, int] | None = None,
+              window_exchange: str = "sparse") -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
         and decide the layer's plan and kernel (`packed`: for packed documents;
-        `window_size`: a sliding window, `window.window_of`)."""
+        `window_size`: a sliding window, `window.window_of`; `window_exchange`: what
+        travels under it, `mesh_attention`)."""
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
+        one_of("window_exchange", window_exchange, WINDOW_EXCHANGES)
         window = window_of(window_size, causal)
         if window is not None:
             backend = window_backend(backend)
@@ -120,7 +140,8 @@ class MeshAttention:
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         backend = v_head_dim_backend(backend, q.shape[-1], v.shape[-1])
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
-        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window)
+        return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
+                   window_exchange)
 
     def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
@@ -147,7 +168,7 @@ class MeshAttention:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)
         out = MeshAttentionFunction.apply(
             q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.schedule,
-            grad_dtypes(self.plan.grad_dtype, q.dtype),
+            grad_dtypes(self.plan.grad_dtype, q.dtype), self.window_exchange,
         )
         return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
 
@@ -227,6 +248,7 @@ def mesh_attention(
     cu_seqlens: torch.Tensor | Documents | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
+    window_exchange: str = "sparse",
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -254,11 +276,15 @@ def mesh_attention(
     define it: query i sees keys i - left .. i + right of the whole sequence (of its
     document when packed), -1 unbounded; with causal=True right is 0 or -1 (both mean 0).
     Blocks with no pair inside the window are not computed (`window.py`).
+    window_exchange: under a window, 'sparse' (default: each rank receives only the rows its
+    blocks use, `windowed.py`, whatever the schedule) or 'gathered' (the gathered schedule's
+    whole chunks: on a P x 1 grid what Transformer Engine's all_gather moves under a window,
+    O(S) bytes; for comparison).
     """
     documents = packed_documents(cu_seqlens, cu_seqlens_padded)
     q, k, v = as_sbhd(documents, q, k, v)
     layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
                                 grad_reduce_dtype, packed=documents is not None,
-                                window_size=window_size)
+                                window_size=window_size, window_exchange=window_exchange)
     out = layer(q, k, v, documents)
     return out if documents is None else out.squeeze(1)

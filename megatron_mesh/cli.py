@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from megatron_mesh.planner import hardware
+from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
+from megatron_mesh.planner.model_report import format_model, model_to_dict
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_table, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan
@@ -19,6 +21,7 @@ from megatron_mesh.values import (
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
 )
+from megatron_mesh.window import Window, window_of
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).
@@ -103,6 +106,19 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       "of L): compute counts only in-document attention; bytes are unchanged")
     docs.add_argument("--doc-lengths", metavar="L1,L2,...",
                       help="packed documents of these lengths (summing to --seq-length)")
+    p.add_argument("--window-size", metavar="L[,R]",
+                   help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; R "
+                   "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
+                   "(only the pairs it keeps; ring and a2a+p2p do not take windows in "
+                   "Transformer Engine) and the whole model; write --window-size=-1,R when L "
+                   "is -1")
+    p.add_argument("--window-attn-skip-freq", type=_positive_int, metavar="N",
+                   help="Megatron-Core's window_attn_skip_freq: layer n (1-indexed) is global "
+                   "(full attention) when n %% N == 0, windowed otherwise; prices both kinds "
+                   "and the model (needs --window-size)")
+    p.add_argument("--num-layers", type=_positive_int,
+                   help="layers of the model for --window-size (default: "
+                   "--window-attn-skip-freq, or 1)")
     p.add_argument("--mesh-grad-reduce-dtype", choices=GRAD_DTYPE_NAMES,
                    default=DEFAULT_GRAD_DTYPE,
                    help="dtypes of the mesh's gradient exchange: mixed (dQ fp32, dK, dV in the "
@@ -129,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(args: argparse.Namespace, gpus: int) -> Plan:
+def _plan(args: argparse.Namespace, gpus: int, window: Window | None = None) -> Plan:
     return plan(
         gpus,
         seq_length=args.seq_length,
@@ -148,6 +164,7 @@ def _plan(args: argparse.Namespace, gpus: int) -> Plan:
         mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
         mesh_schedule=args.mesh_schedule,
         doc_lengths=args.documents,
+        window=window,
     )
 
 
@@ -170,6 +187,36 @@ def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
         parser.error(f"--doc-lengths {args.doc_lengths}: positive lengths summing to "
                      f"--seq-length {args.seq_length} (they sum to {sum(lengths)})")
     return lengths
+
+
+def _window(args: argparse.Namespace) -> tuple[Window | None, LayerMix | None]:
+    """--window-size, --window-attn-skip-freq and --num-layers as the checked window and
+    the model's layers (None, None without a window); exits 2 naming the bad value."""
+    parser: argparse.ArgumentParser = args.command_parser
+    if args.window_size is None:
+        for flag in ("window_attn_skip_freq", "num_layers"):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} needs --window-size")
+        return None, None
+    text = args.window_size
+    try:
+        sides = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        sides = ()
+    if len(sides) not in (1, 2):
+        parser.error(f"--window-size {text!r}: give L or L,R, integers >= -1 (-1: unbounded)")
+    left, right = sides if len(sides) == 2 else (sides[0], 0)
+    try:
+        window = window_of((left, right), args.causal)
+    except ValueError as exc:
+        parser.error(f"--window-size {text}: {exc}")
+    if window is None:
+        parser.error(f"--window-size {text} limits nothing (unbounded on both sides"
+                     + (", causal" if args.causal else "") + "); leave it out for full attention")
+    if args.documents is not None:
+        parser.error("--window-size with --doc-length / --doc-lengths is not priced; give one")
+    layers = args.num_layers or args.window_attn_skip_freq or 1
+    return window, LayerMix(layers, args.window_attn_skip_freq)
 
 
 def _fills_nodes(gpus: int, gpus_per_node: int) -> bool:
@@ -202,10 +249,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         _check_plot_path(parser, args.plot)
     args.documents = _documents(args)
+    window, layers = _window(args)
+    if window is not None and args.plot:
+        parser.error("--plot does not take --window-size; leave one out")
     try:
-        result = _plan(args, args.gpus)
+        result = _plan(args, args.gpus, window)
+        if layers is not None:
+            full = _plan(args, args.gpus) if layers.full else None
+            mixed = model_plan(result, full, layers)
     except ValueError as exc:
         parser.error(str(exc))
+    if layers is not None:
+        _print_model(mixed, args.json)
+        return 0
     if args.json:
         print(json.dumps(plan_to_dict(result), indent=2))
     else:
@@ -216,6 +272,22 @@ def _run_plan(args: argparse.Namespace) -> int:
         draw(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _print_model(mixed: ModelPlan, as_json: bool) -> None:
+    """The windowed layer's table, the global layer's (when the model has any) and the
+    whole model's verdict; or all of it as JSON."""
+    if as_json:
+        print(json.dumps(model_to_dict(mixed), indent=2))
+        return
+    print(f"windowed layers ({mixed.layers.windowed} of {mixed.layers.num_layers}):")
+    print(format_table(mixed.windowed))
+    if mixed.full is not None:
+        print(f"\nglobal layers ({mixed.layers.full} of {mixed.layers.num_layers}): "
+              "full attention")
+        print(format_table(mixed.full))
+    print()
+    print(format_model(mixed))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

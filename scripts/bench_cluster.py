@@ -11,6 +11,13 @@ rank (measured on CPU tensors, and the model of `megatron_mesh.memory`).
 
     python scripts/bench_cluster.py                       # P = 8 and 16, two nodes, 4 workloads
     python scripts/bench_cluster.py --cp-sizes 4 --seq-lengths 4096 --repeats 2 --json out.json
+    python scripts/bench_cluster.py --cp-sizes 8 --seq-lengths 32768 --window-size 1024
+
+With --window-size L (a causal sliding window of L tokens back): the windowed layer, run by
+all_gather (P x 1, every rank gathers all K/V: what Transformer Engine's all_gather moves
+under a window), a2a (Ulysses, P x 1 x 1) where the heads allow, every 2D mesh shape and the
+planner's heads x rows x cols choice, all with the sparse exchange; ring (p2p) and a2a+p2p
+do not take windows in Transformer Engine and are not run.
 
 Methods: ring (P x 1, K/V streamed: Transformer Engine's p2p), all_gather (P x 1 gathered),
 a2a (Ulysses, P x 1 x 1) where the heads allow it, a2a+p2p (A x P/A x 1) for every A the
@@ -43,6 +50,7 @@ from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
 from megatron_mesh.spawn import run_gloo
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE
+from megatron_mesh.window import window_of
 
 MIB = 2**20
 FLOOR_BOUND = 0.8  # floor / prediction from which a row is bound by this machine
@@ -59,6 +67,7 @@ class Method:
     schedule: str  # what runs: streamed_kv, streamed_q or gathered
     grad_reduce_dtype: str  # "input" for TE's methods, the default exchange for the mesh
     heads: int = 1
+    window_exchange: str = "sparse"  # under a window: "gathered" for TE's all_gather
 
     @property
     def grid_shape(self) -> tuple[int, int, int]:
@@ -92,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "machine itself takes (Python, gloo moving the real bytes), below which no "
                    "measurement can go; rows whose floor is 0.8 of the prediction or more are "
                    "marked bound by this machine")
+    p.add_argument("--window-size", type=int, default=None, metavar="L",
+                   help="a causal sliding window of L tokens back (window_size (L, 0)): time the "
+                   "windowed layer with all_gather, a2a and the mesh")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--plot", default=None, help="measured vs predicted PNG (needs matplotlib)")
     args = p.parse_args(argv)
@@ -111,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for h in args.kv_heads:
         if h < 1 or args.heads % h:
             p.error(f"--kv-heads entry {h} must divide --heads {args.heads}")
+    if args.window_size is not None and args.window_size < 1:
+        p.error(f"--window-size must be a positive number of tokens, got {args.window_size}")
     for name in ("repeats", "slowdown"):
         if not getattr(args, name) > 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -125,13 +139,32 @@ def emulation_for(args: argparse.Namespace, cp_size: int) -> Emulation:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
+    window = None if args.window_size is None else window_of((args.window_size, 0), True)
     return [Workload(seq_length=s, num_heads=args.heads, num_kv_heads=h, head_dim=args.head_dim,
-                     dtype=args.dtype) for s in args.seq_lengths for h in args.kv_heads]
+                     dtype=args.dtype, window=window)
+            for s in args.seq_lengths for h in args.kv_heads]
+
+
+def window_methods(workload: Workload, cluster: Cluster) -> list[Method]:
+    """Under a window: all_gather (whole chunks), a2a where the heads allow, every 2D shape
+    and the planner's best grid (the sparse exchange, whatever the schedule)."""
+    p = cluster.gpus
+    out = [Method("all_gather", p, 1, "gathered", "input", window_exchange="gathered")]
+    if workload.num_heads % p == 0 and workload.num_kv_heads % p == 0:
+        out.append(Method("a2a", 1, 1, "gathered", "input", p))
+    out += [Method(f"mesh {r}x{c} sparse", r, c, "gathered", DEFAULT_GRAD_DTYPE)
+            for r, c in mm.mesh_shapes(p)]
+    a, r, c = search(workload, cluster).best_grid.grid_shape
+    if all(m.grid_shape != (a, r, c) for m in out):
+        out.append(Method(f"mesh {a}x{r}x{c} sparse", r, c, "gathered", DEFAULT_GRAD_DTYPE, a))
+    return out
 
 
 def methods_for(workload: Workload, cluster: Cluster) -> list[Method]:
     """ring, all_gather, a2a and every a2a+p2p the heads allow, every 2D shape with
     'streamed', the planner's best 2D shape with each schedule and its best grid."""
+    if workload.window is not None:
+        return window_methods(workload, cluster)
     p = cluster.gpus
     shape = workload.attention_shape()
     out = [Method("ring", p, 1, "streamed_kv", "input"),
@@ -187,7 +220,7 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, generator=gen, dtype=dtype)
     rate = emulation.flops_rate / compute_scale if compute_scale else float("inf")
-    times, compute, links = [], 0.0, {}
+    times, compute, links, sent = [], 0.0, {}, {}
     for it in range(warmup + repeats):
         kernel = EmulatedKernel(rate)
         q.grad = k.grad = v.grad = None
@@ -196,15 +229,17 @@ def time_method(method: Method, grid: mm.MeshGrid, workload: Workload, emulation
         with links_here if shaped else contextlib.nullcontext():
             t0 = time.perf_counter()
             out = mm.mesh_attention(q, k, v, grid, w.causal, w.head_dim ** -0.5, kernel,
-                                    method.schedule, method.grad_reduce_dtype)
+                                    method.schedule, method.grad_reduce_dtype,
+                                    window_size=window_size(w),
+                                    window_exchange=method.window_exchange)
             out.backward(dout)
             dist.barrier()
             elapsed = time.perf_counter() - t0
         if it >= warmup:
             times.append(elapsed)
-        compute, links = kernel.seconds, dict(links_here.seconds)
+        compute, links, sent = kernel.seconds, dict(links_here.seconds), dict(links_here.bytes)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "compute_s": compute, "link_s": links}
+            "compute_s": compute, "link_s": links, "link_bytes": sent}
 
 
 def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int:
@@ -216,11 +251,28 @@ def measure_memory(method: Method, grid: mm.MeshGrid, workload: Workload) -> int
                for h in (w.num_heads, w.num_kv_heads, w.num_kv_heads))
     dout = torch.randn(s, w.batch, w.num_heads, w.head_dim, dtype=dtype)
     kernel = EmulatedKernel(float("inf"))
-    peaks = pass_peaks(lambda: mm.mesh_attention(q, k, v, grid, True, 1.0, kernel, method.schedule,
-                                                 method.grad_reduce_dtype), dout)
+    peaks = pass_peaks(lambda: mm.mesh_attention(
+        q, k, v, grid, True, 1.0, kernel, method.schedule, method.grad_reduce_dtype,
+        window_size=window_size(w), window_exchange=method.window_exchange), dout)
     mine = torch.tensor(max(peaks.values()))
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return int(mine)
+
+
+def window_size(workload: Workload) -> tuple[int, int] | None:
+    """mesh_attention's window_size of the workload's window."""
+    w = workload.window
+    return None if w is None else (w.left, w.right)
+
+
+def model_memory(method: Method, workload: Workload) -> int:
+    """`memory.extra_memory` of the rank holding most: the sparse exchange's under a window
+    (all_gather's whole chunks: the gathered schedule's)."""
+    attention = workload.attention_shape()
+    plan = resolve_plan(attention, method.rows, method.cols, method.schedule,
+                        method.grad_reduce_dtype, heads=method.heads)
+    sparse = workload.window is not None and method.window_exchange == "sparse"
+    return max(extra_memory(attention, plan, windowed=sparse).values())
 
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -253,10 +305,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                                     0.0, shaped=False)
                 row.update(floor_s=floor["median_s"])
             attention = workload.attention_shape()
-            plan = resolve_plan(attention, method.rows, method.cols, method.schedule,
-                                method.grad_reduce_dtype, heads=method.heads)
             row.update(memory=measure_memory(method, grid, workload),
-                       model_memory=max(extra_memory(attention, plan).values()),
+                       model_memory=model_memory(method, workload),
                        te_ring_memory=max(extra_memory(attention, world, 1, "ring").values()))
             rows.append(row)
     return rows
@@ -273,13 +323,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
     for key in dict.fromkeys((r["P"], r["S"], r["kv_heads"]) for r in rows):
         case = [r for r in rows if (r["P"], r["S"], r["kv_heads"]) == key]
         p, s, kv = key
-        ring = next(r for r in case if r["method"] == "ring")
+        ring = next(r for r in case if r["method"] in ("ring", "all_gather"))
+        ref = ring["method"]
+        window = ("" if args.window_size is None else
+                  f", sliding window ({args.window_size}, 0): ring (p2p) and a2a+p2p not run "
+                  "(Transformer Engine refuses windows)")
         lines += ["", emulation_for(args, p).describe(),
                   f"P={p} ({args.nodes} x {p // args.nodes}), S={s}, heads {case[0]['heads']}/{kv} "
-                  f"x {args.head_dim} (real tensors), {args.dtype}, causal; EMULATED compute and "
-                  f"links; {args.repeats} repeats",
-                  f"{'method':<24} {'measured ms':>11} {'spread':>7} {'predicted':>9} "
-                  f"{'ratio':>6} {'vs ring':>7} {'pred vs ring':>12} {'extra MiB':>9} "
+                  f"x {args.head_dim} (real tensors), {args.dtype}, causal{window}; EMULATED "
+                  f"compute and links; {args.repeats} repeats",
+                  f"{'method':<24} {'EMULATED ms':>11} {'spread':>7} {'MODEL ms':>9} "
+                  f"{'ratio':>6} {'vs ' + ref:>13} {'MODEL vs ' + ref:>19} {'extra MiB':>9} "
                   f"{'model MiB':>9}" + ("  hidden  heavy/compute" if args.overlap else "")
                   + ("  floor ms  floor/pred" if args.floor else "")]
         measured_rank = sorted(case, key=lambda r: r["median_s"])
@@ -287,8 +341,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
             spread = (r["max_s"] - r["min_s"]) / r["median_s"]
             line = (f"{r['method']:<24} {r['median_s'] * 1e3:11.1f} {spread:7.1%} "
                     f"{r['predicted_s'] * 1e3:9.1f} {r['median_s'] / r['predicted_s']:6.2f} "
-                    f"{ring['median_s'] / r['median_s']:6.2f}x "
-                    f"{ring['predicted_s'] / r['predicted_s']:11.2f}x "
+                    f"{ring['median_s'] / r['median_s']:12.2f}x "
+                    f"{ring['predicted_s'] / r['predicted_s']:18.2f}x "
                     f"{r['memory'] / MIB:9.2f} {r['model_memory'] / MIB:9.2f}")
             if args.overlap:
                 hidden = hidden_fraction(r["comm_only_s"], r["compute_s"], r["median_s"])
@@ -298,13 +352,15 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
                 line += (f"  {r['floor_s'] * 1e3:8.1f}  {bound:10.2f}"
                          + (" bound by this machine" if bound >= FLOOR_BOUND else ""))
             lines.append(line)
-        lines.append("fastest measured: " + ", ".join(r["method"] for r in measured_rank[:3])
-                     + "; planner: " + ", ".join(
+        lines.append("fastest measured (EMULATED): "
+                     + ", ".join(r["method"] for r in measured_rank[:3])
+                     + "; planner (MODEL): " + ", ".join(
                          r["method"] for r in sorted(case, key=lambda r: r["predicted_s"])[:3]))
-    lines += ["", "measured = median forward + backward per layer, EMULATED (shaped links, "
-              "sleeping tile kernel); spread = (max - min) / median; predicted = planner for the "
-              "same emulated cluster; ratio = measured / predicted; extra MiB = peak extra memory "
-              "per rank (the rank holding most), measured on CPU tensors; model MiB = megatron_mesh.memory"]
+    lines += ["", "EMULATED ms = measured median forward + backward per layer on the EMULATED "
+              "cluster (shaped links, sleeping tile kernel); spread = (max - min) / median; MODEL "
+              "ms = the planner's prediction for the same emulated cluster; ratio = EMULATED / "
+              "MODEL; extra MiB = peak extra memory per rank (the rank holding most), measured on "
+              "CPU tensors; model MiB = megatron_mesh.memory (MODEL)"]
     if args.floor:
         lines.append(f"floor = median time with links unshaped and compute off (this machine "
                      f"alone); a row whose floor is {FLOOR_BOUND} of its prediction or more is "

@@ -4,7 +4,9 @@ The interface of `megatron_mesh.kernels.base.TileKernel`; the results are zeros 
 shapes and dtypes (out [sq, b, hq, d], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
 every schedule runs its real communication and merging around tiles that cost what the
 planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), backward
-`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s.
+`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under an
+explicit mask (sliding windows) costs 4 hq d b per (query, key) pair the mask keeps, as the
+planner prices windows (`planner.windows.kept_pairs`).
 """
 from __future__ import annotations
 
@@ -14,10 +16,26 @@ import torch
 
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
+_PAIRS: dict[int, tuple[torch.Tensor, int]] = {}  # id(mask.seen) -> (mask.seen, pairs)
 
-def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
-    """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]."""
+
+def kept_pairs(seen: torch.Tensor) -> int:
+    """True entries of a tile mask, counted once per mask (a layer's masks are made once
+    and kept, `layout.block_for`), so counting does not add to the emulated time."""
+    found = _PAIRS.get(id(seen))
+    if found is None or found[0] is not seen:
+        if len(_PAIRS) > 4096:
+            _PAIRS.clear()
+        found = _PAIRS[id(seen)] = (seen, int(seen.sum()))
+    return found[1]
+
+
+def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None) -> float:
+    """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]; with a
+    `TileMask`, of the pairs it keeps."""
     sq, b, hq, d = q.shape
+    if mask is not None:
+        return 4.0 * kept_pairs(mask.seen) * b * hq * d
     return attention_flops(sq, k.shape[0], b, hq, d, causal)
 
 
@@ -37,14 +55,15 @@ class EmulatedKernel:
         self.seconds += seconds
         time.sleep(seconds)
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float):
-        self._compute(tile_flops(q, k, causal))
+    def forward(self, q, k, v, causal: bool, softmax_scale: float, mask=None):
+        self._compute(tile_flops(q, k, causal, mask))
         sq, b, hq, _ = q.shape
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
-        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal))
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                 mask=None):
+        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask))
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))

@@ -21,6 +21,7 @@ class Placement:
     col_nodes: int
     heads: int = 1
     heads_nodes: int = 1
+    sparse: bool = False  # a sliding window's sparse exchange: point to point, only used rows
 
     @property
     def rows_inside_node(self) -> bool:
@@ -37,18 +38,21 @@ class Placement:
         a2a = (f"heads: all-to-all over {self.heads} consecutive CP ranks "
                f"{_where(self.heads_nodes)}\n" if self.heads > 1 else "")
         ranks = f"CP ranks {self.heads} apart" if self.heads > 1 else "consecutive CP ranks"
-        rows = (f"rows: {self.cols} {ranks} each (Q, dO, lse, D gathers, partial O "
-                f"exchange, dQ reduce-scatter) {row}\n" if self.cols > 1
+        q_side, kv_side = (("the window's Q, dO, lse, D rows in, partial O and dQ rows back",
+                            "the window's K,V rows in, dK,dV rows back") if self.sparse else
+                           ("Q, dO, lse, D gathers, partial O exchange, dQ reduce-scatter",
+                            "K,V gathers, dK,dV reduce-scatter"))
+        rows = (f"rows: {self.cols} {ranks} each ({q_side}) {row}\n" if self.cols > 1
                 else "rows: one rank each (no row traffic)\n")
-        cols = (f"columns: {self.rows} CP ranks {self.cols * self.heads} apart (K,V gathers, "
-                f"dK,dV reduce-scatter) {col}" if self.rows > 1
-                else "columns: one rank each (no column traffic)")
+        cols = (f"columns: {self.rows} CP ranks {self.cols * self.heads} apart ({kv_side}) "
+                f"{col}" if self.rows > 1 else "columns: one rank each (no column traffic)")
         return a2a + rows + cols
 
 
-def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1) -> Placement:
+def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1,
+                   sparse: bool = False) -> Placement:
     """The placement of a heads x rows x cols grid over `cluster` (most nodes any group
-    spans)."""
+    spans); `sparse`: under a sliding window."""
     p = cluster.gpus
     GridShape(heads, rows, cols).check_cp_size(p)
     col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)
@@ -65,6 +69,7 @@ def mesh_placement(rows: int, cols: int, cluster: Cluster, heads: int = 1) -> Pl
         col_nodes=span(col_groups),
         heads=heads,
         heads_nodes=span(heads_groups),
+        sparse=sparse,
     )
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.search import Plan
+from megatron_mesh.planner.windows import kept_pairs
 
 MIB = 2**20
 COLUMNS = (
@@ -12,6 +13,11 @@ COLUMNS = (
     ("inter-node MiB", ">"), ("comm ms", ">"), ("fwd ms", ">"), ("bwd ms", ">"),
     ("total ms", ">"), ("vs ring", ">"),
 )
+
+
+def reference_name(plan: Plan) -> str:
+    """The method speedups are measured against: ring, or all_gather under a window."""
+    return plan.reference.method
 
 
 def _row(plan: Plan, e: Estimate) -> list[str]:
@@ -33,17 +39,20 @@ def _row(plan: Plan, e: Estimate) -> list[str]:
 def format_table(plan: Plan) -> str:
     """The whole report: configuration, chosen mesh and placement, and the method table."""
     w, c = plan.workload, plan.cluster
-    compute = plan.ring.compute_s
+    compute = plan.reference.compute_s
     overlap = ("on: hidden transfers run under compute" if plan.overlap
                else "off: compute + all transfers")
-    rows = [[name for name, _ in COLUMNS]] + [_row(plan, e) for e in plan.estimates]
+    ref = reference_name(plan)
+    heads = [name for name, _ in COLUMNS[:-1]] + [f"vs {ref}"]
+    rows = [heads] + [_row(plan, e) for e in plan.estimates]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [
         f"context parallelism over {c.gpus} GPUs ({c.nodes} node(s) x {c.gpus_per_node} GPUs)",
         f"attention: S={w.seq_length}, batch {w.batch}, {w.num_heads} q / {w.num_kv_heads} kv "
         f"heads x {w.head_dim}, {w.dtype}, {'causal' if w.causal else 'full'}"
         + ("" if w.doc_lengths is None else f", {len(w.doc_lengths)} packed documents "
-           f"(longest {max(w.doc_lengths)}: compute counts in-document pairs only)"),
+           f"(longest {max(w.doc_lengths)}: compute counts in-document pairs only)")
+        + _window_text(w),
         f"links per GPU: intra-node {c.intra_node_bw:g} GB/s, inter-node {c.inter_node_bw:g} "
         f"GB/s; attention {c.attention_tflops:g} TFLOP/s per GPU",
         f"compute per GPU: forward {compute['forward'] * 1e3:.3f} ms, backward "
@@ -51,10 +60,11 @@ def format_table(plan: Plan) -> str:
         "",
         f"best mesh: {plan.best_mesh.mesh_shape[0]} x {plan.best_mesh.mesh_shape[1]} "
         f"(rows x cols), {plan.best_mesh.total_s * 1e3:.3f} ms per layer, "
-        f"{plan.speedup(plan.best_mesh):.2f}x over ring, "
-        f"{1 - plan.best_mesh.total_bytes / plan.ring.total_bytes:.1%} less traffic than ring",
+        f"{plan.speedup(plan.best_mesh):.2f}x over {ref}, "
+        f"{1 - plan.best_mesh.total_bytes / plan.reference.total_bytes:.1%} less traffic than "
+        f"{ref}",
         *("  " + line for line in plan.placement.describe().splitlines()),
-        *_grid_lines(plan),
+        *_grid_lines(plan, ref),
         f"fastest overall: {plan.best.label}",
         "",
     ]
@@ -64,12 +74,23 @@ def format_table(plan: Plan) -> str:
         ).rstrip())
     for u in plan.unavailable:
         lines.append(f"{u.method}: not applicable: {u.reason}")
-    lines.append("per layer, per GPU; traffic = bytes each GPU sends; * = best 2D mesh; "
+    lines.append(("MODEL (planner predictions); " if w.window is not None else "")
+                 + "per layer, per GPU; traffic = bytes each GPU sends; * = best 2D mesh; "
                  "+ = best heads x rows x cols (the choice)")
     return "\n".join(lines)
 
 
-def _grid_lines(plan: Plan) -> list[str]:
+def _window_text(w) -> str:
+    """The sliding window and the share of the unwindowed layer's pairs it keeps."""
+    if w.window is None:
+        return ""
+    full = w.seq_length * w.seq_length / (2 if w.causal else 1)
+    kept = kept_pairs(w.seq_length, w.window, w.causal)
+    return (f", sliding window ({w.window.left}, {w.window.right}): {kept / full:.2%} of the "
+            f"{'causal' if w.causal else 'full'} pairs")
+
+
+def _grid_lines(plan: Plan, ref: str) -> list[str]:
     """The heads x rows x cols choice and its placement, when it is not the 2D mesh."""
     g = plan.best_grid
     if g is None or g is plan.best_mesh or plan.grid_placement is None:
@@ -77,7 +98,7 @@ def _grid_lines(plan: Plan) -> list[str]:
     a, r, c = g.grid_shape
     return [
         f"best heads x rows x cols: {a} x {r} x {c}, {g.total_s * 1e3:.3f} ms per layer, "
-        f"{plan.speedup(g):.2f}x over ring (the choice)",
+        f"{plan.speedup(g):.2f}x over {ref} (the choice)",
         *("  " + line for line in plan.grid_placement.describe().splitlines()),
     ]
 
@@ -99,15 +120,23 @@ def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
         "compute_s": dict(e.compute_s),
         "comm_s": dict(e.comm_s),
         "time_s": {**e.time_s, "total": e.total_s},
-        "speedup_over_ring": plan.speedup(e),
+        f"speedup_over_{plan.reference.method}": plan.speedup(e),
     }
+
+
+def _workload_dict(plan: Plan) -> dict[str, Any]:
+    out = vars(plan.workload).copy()
+    w = plan.workload.window
+    out["window"] = None if w is None else [w.left, w.right]
+    return out
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Everything in the table, machine-readable."""
     pl = plan.placement
     return {
-        "workload": vars(plan.workload).copy(),
+        "workload": _workload_dict(plan),
+        "reference": plan.reference.method,
         "cluster": vars(plan.cluster).copy(),
         "overlap": plan.overlap,
         "best_mesh": {

@@ -20,6 +20,7 @@ from megatron_mesh.planner.methods import (
     mesh_transfers,
     ring_transfers,
 )
+from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.values import (
@@ -30,6 +31,7 @@ from megatron_mesh.values import (
     mesh_shapes,
     shapes_text,
 )
+from megatron_mesh.window import Window, window_of
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Plan:
     workload: Workload
     cluster: Cluster
     overlap: bool
-    ring: Estimate
+    ring: Estimate | None  # None under a sliding window (Transformer Engine's ring refuses)
     baselines: tuple[Estimate, ...]
     meshes: tuple[Estimate, ...]
     unavailable: tuple[Unavailable, ...]
@@ -53,7 +55,18 @@ class Plan:
     def estimates(self) -> tuple[Estimate, ...]:
         """Table order: ring, the other baselines, mesh shapes from P x 1 to 1 x P, then
         heads x rows x cols grids by heads."""
-        return (self.ring, *self.baselines, *self.meshes, *self.grids)
+        ring = () if self.ring is None else (self.ring,)
+        return (*ring, *self.baselines, *self.meshes, *self.grids)
+
+    @property
+    def reference(self) -> Estimate:
+        """What speedups are measured against: ring, or all_gather where ring does not run
+        (sliding windows)."""
+        if self.ring is not None:
+            return self.ring
+        found = self.method("all_gather")
+        assert found is not None
+        return found
 
     @property
     def mesh_plan(self) -> MeshPlan:
@@ -68,12 +81,14 @@ class Plan:
         return min(self.estimates, key=time_key)
 
     def speedup(self, estimate: Estimate) -> float:
-        """Predicted ring time over `estimate`'s time."""
-        return self.ring.total_s / estimate.total_s
+        """Predicted time of the reference (ring; all_gather under a window) over
+        `estimate`'s time."""
+        return self.reference.total_s / estimate.total_s
 
     def method(self, name: str) -> Estimate | None:
         """The baseline called `name` ("ring", "all_gather", "a2a", "a2a+p2p"), if priced."""
-        return next((e for e in (self.ring, *self.baselines) if e.method == name), None)
+        return next((e for e in (self.ring, *self.baselines) if e is not None and e.method == name),
+                    None)
 
     def mesh(self, rows: int, cols: int) -> Estimate:
         """The estimate of the rows x cols mesh."""
@@ -123,20 +138,28 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     def priced(method: str, label: str, transfers, shape=None, heads=1) -> Estimate:
         return price(method, label, transfers, workload, cluster, overlap, shape, heads)
 
-    ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster))
-    baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster))]
     unavailable = []
+    try:
+        ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster))
+    except NotApplicable as exc:
+        ring = None
+        unavailable.append(Unavailable("ring", str(exc)))
+    baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster))]
     try:
         baselines.append(priced("a2a", "a2a (Ulysses)", a2a_transfers(workload, cluster)))
     except NotApplicable as exc:
         unavailable.append(Unavailable("a2a", str(exc)))
-    hierarchical = [
+    try:
+        check_takes_window(workload, "a2a+p2p")
+    except NotApplicable as exc:
+        unavailable.append(Unavailable("a2a+p2p", str(exc)))
+    hierarchical = [] if workload.window is not None else [
         priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a))
         for a in a2a_sizes(workload, p)
     ]
     if hierarchical:
         baselines.append(min(hierarchical, key=time_key))
-    else:
+    elif workload.window is None:
         unavailable.append(Unavailable(
             "a2a+p2p",
             f"needs an all-to-all size 1 < A < {p} dividing {p}, num_heads "
@@ -153,6 +176,7 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         for a, r, c in grid_shapes(p) if a in sizes
     )
     best_grid = min(meshes + grids, key=grid_key)
+    sparse = workload.window is not None
     return Plan(
         workload=workload,
         cluster=cluster,
@@ -162,10 +186,10 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         meshes=meshes,
         unavailable=tuple(unavailable),
         best_mesh=best_mesh,
-        placement=mesh_placement(*best_mesh.mesh_shape, cluster),
+        placement=mesh_placement(*best_mesh.mesh_shape, cluster, sparse=sparse),
         grids=grids,
         best_grid=best_grid,
-        grid_placement=mesh_placement(*best_grid.mesh_shape, cluster, best_grid.heads),
+        grid_placement=mesh_placement(*best_grid.mesh_shape, cluster, best_grid.heads, sparse),
     )
 
 
@@ -202,9 +226,13 @@ def plan(
     mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     mesh_schedule: str = DEFAULT_SCHEDULE,
     doc_lengths: tuple[int, ...] | None = None,
+    window: Window | tuple[int, int] | None = None,
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`);
-    `doc_lengths`: packed documents filling the sequence (`Workload`)."""
+    `doc_lengths`: packed documents filling the sequence (`Workload`); `window`: a sliding
+    window (left, right), checked here once (`window.window_of`)."""
+    if window is not None and not isinstance(window, Window):
+        window = window_of(window, causal)
     workload = Workload(
         seq_length=seq_length,
         num_heads=num_heads,
@@ -216,6 +244,7 @@ def plan(
         mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
         mesh_schedule=mesh_schedule,
         doc_lengths=doc_lengths,
+        window=window,
     )
     cluster = Cluster(
         gpus=gpus,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from megatron_mesh.checks import check_zigzag_divisible
 from megatron_mesh.plan import resolve_plan
+from megatron_mesh.planner.windows import kept_pairs
 from megatron_mesh.values import (
     BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,
@@ -18,6 +19,7 @@ from megatron_mesh.values import (
     check_positive_int,
     one_of,
 )
+from megatron_mesh.window import Window, window_of
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,10 @@ class Workload:
     the dtype the mesh's gradient exchange uses and the mesh schedule (mesh_attention's
     grad_reduce_dtype and schedule). `doc_lengths`: packed documents (their lengths sum to
     S); attention stays inside each, so compute counts only in-document FLOPs, while the
-    bytes are those of the whole sequence (every rank holds a share of every document)."""
+    bytes are those of the whole sequence (every rank holds a share of every document).
+    `window`: a sliding window (`window.window_of`, decided once): compute counts only the
+    (query, key) pairs it keeps, and each method moves what it moves under a window
+    (`planner.methods`)."""
 
     seq_length: int
     num_heads: int
@@ -38,6 +43,7 @@ class Workload:
     mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE
     mesh_schedule: str = DEFAULT_SCHEDULE
     doc_lengths: tuple[int, ...] | None = None
+    window: Window | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
@@ -59,6 +65,17 @@ class Workload:
             if sum(self.doc_lengths) != self.seq_length:
                 raise ValueError(f"doc_lengths sum to {sum(self.doc_lengths)}, but seq_length "
                                  f"is {self.seq_length}; packed documents fill the sequence")
+        if self.window is not None:
+            self._check_window()
+
+    def _check_window(self) -> None:
+        w = self.window
+        if not isinstance(w, Window) or window_of((w.left, w.right), self.causal) != w:
+            raise ValueError(f"window {w!r} is not a checked window for causal={self.causal} "
+                             "(one that limits something): pass window_of((left, right), causal)")
+        if self.doc_lengths is not None:
+            raise ValueError("a sliding window inside packed documents is not priced: give "
+                             "the window or the document lengths, not both")
 
     @property
     def dtype_bytes(self) -> int:
@@ -89,7 +106,11 @@ class Workload:
 
     def forward_flops(self) -> float:
         """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal. With
-        packed documents, the sum of that over the documents (each its own S)."""
+        packed documents, the sum of that over the documents (each its own S). Under a
+        sliding window: 4 * (pairs the window keeps) * heads * head_dim * batch."""
+        if self.window is not None:
+            pairs = kept_pairs(self.seq_length, self.window, self.causal)
+            return 4.0 * pairs * self.batch * self.num_heads * self.head_dim
         if self.doc_lengths is None:
             return attention_flops(self.seq_length, self.seq_length, self.batch,
                                    self.num_heads, self.head_dim, self.causal)

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from megatron_mesh import comm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
-from megatron_mesh.planner import Cluster
+from megatron_mesh.planner import Cluster, Workload, search
+from megatron_mesh.window import window_of
+from megatron_mesh.windowed import window_traffic
 
 from dist_utils import run_distributed
 
@@ -78,7 +80,8 @@ def test_emulated_kernel_sleeps_the_planner_compute_time() -> None:
 
 def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
     out_json = tmp_path / "rows.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's package, not an installed one
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
          "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
@@ -101,6 +104,46 @@ def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
         assert 0.9 * r["model_memory"] <= r["memory"] <= 1.1 * r["model_memory"], r
     assert "EMULATED" in proc.stdout and "fastest measured" in proc.stdout
     assert "floor = median time with links unshaped and compute off" in proc.stdout
+
+
+def test_bench_cluster_windowed_mode_runs_all_gather_a2a_and_the_mesh(tmp_path: Path) -> None:
+    """--window-size: all_gather (whole chunks), a2a and every mesh shape (sparse exchange)
+    on P = 4 as two nodes, each beside the planner's prediction; ring and a2a+p2p, which
+    Transformer Engine refuses under a window, are not run. The bytes each method sent
+    (rank 0, counted at the shaped links) are the planner's / the window formula's."""
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
+         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "4", "--head-dim", "4",
+         "--repeats", "1", "--warmup", "0", "--slowdown", "2000", "--window-size", "64",
+         "--json", str(out_json)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert list(rows)[:2] == ["all_gather", "a2a"]
+    assert {"mesh 4x1 sparse", "mesh 2x2 sparse", "mesh 1x4 sparse"} <= rows.keys()
+    assert not any(m.startswith(("ring", "a2a+p2p")) for m in rows)
+    workload = Workload(seq_length=1024, num_heads=8, num_kv_heads=4, head_dim=4,
+                        window=window_of((64, 0), True))
+    cluster = Emulation(MODELLED, 2000.0).cluster
+    planned = search(workload, cluster)
+    shape = workload.attention_shape()
+    kv_chunk = 2 * (1024 // 4) * 4 * 4 * 2  # K and V of one rank: 256 tokens, 4 heads x 4, bf16
+    expected = {"all_gather": 3 * 3 * kv_chunk,  # TE's: gather K,V twice, reduce dK,dV
+                "a2a": planned.method("a2a").total_bytes,
+                "mesh 4x1 sparse": window_traffic(shape, 1, 4, 1, (64, 0), True, 0, 4, 2).total,
+                "mesh 2x2 sparse": window_traffic(shape, 1, 2, 2, (64, 0), True, 0, 4, 2).total}
+    for method, nbytes in expected.items():
+        assert sum(rows[method]["link_bytes"].values()) == nbytes, method
+    assert rows["all_gather"]["predicted_s"] == pytest.approx(planned.method("all_gather").total_s)
+    for r in rows.values():
+        assert r["median_s"] >= r["compute_s"] > 0 and r["predicted_s"] > 0, r
+        assert r["memory"] > 0 and r["model_memory"] > 0, r
+    for text in ("EMULATED ms", "MODEL ms", "sliding window (64, 0): ring (p2p) and a2a+p2p "
+                 "not run", "fastest measured (EMULATED)"):
+        assert text in proc.stdout, text
 
 
 def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:

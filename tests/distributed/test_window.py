@@ -96,7 +96,8 @@ def windowed_mask(case: WindowCase, seq: int) -> torch.Tensor:
     return seen | torch.diag(~real)
 
 
-def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
+def check(case: WindowCase, grid: mm.MeshGrid, schedule: str,
+          window_exchange: str = "sparse") -> list[str]:
     docs = case.documents
     seq = LOCAL * grid.cp_size if docs is None else docs.total
     g = torch.Generator().manual_seed(case.seed)
@@ -116,7 +117,8 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
         cu_seqlens_padded=torch.tensor(docs.cu_padded, dtype=torch.int32))
     with mm.TrafficCounter() as counter:
         out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=schedule,
-                                backend="torch", window_size=case.window, **kwargs)
+                                backend="torch", window_size=case.window,
+                                window_exchange=window_exchange, **kwargs)
         out.backward(share["dout"])
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -132,7 +134,7 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
 
     ref = reference(torch.float64)
     same = reference(case.dtype) if case.dtype != torch.float32 else None
-    where = f"{case} grid {grid.shape_text} {schedule} rank {grid.cp_rank}"
+    where = f"{case} grid {grid.shape_text} {schedule} {window_exchange} rank {grid.cp_rank}"
     bad = []
     for n, t in ref.items():
         err = (got[n].double() - t).abs().max().item()
@@ -149,6 +151,8 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str) -> list[str]:
     e = case.dtype.itemsize
     formula = window_traffic(shape, grid.heads, grid.rows, grid.cols, case.window, case.causal,
                              grid.mesh_rank, plan.dq_bytes(e), plan.dkv_bytes(e), docs)
+    if window_exchange == "gathered":  # whole chunks: the gathered schedule's bytes
+        formula = mm.mesh_traffic(shape, plan)
     if counter.total_bytes != formula.total:
         bad.append(f"{where}: sent {counter.total_bytes} B, window formula {formula.total} B")
     if counter.total_bytes > mm.mesh_traffic(shape, plan).total:
@@ -194,6 +198,27 @@ def _disagreeing_windows(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_windows_exact_on_every_grid(cp_size: int) -> None:
     bad = [b for rank_bad in run_distributed(_run, cp_size) for b in rank_bad]
+    assert not bad, "\n".join(bad[:20])
+
+
+def _run_gathered(rank: int, world: int) -> list[str]:
+    bad = []
+    for a, r, c in ((1, world, 1), (1, 2, world // 2), (2, world // 2, 1)):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for case in window_cases(world):
+            try:
+                bad += check(case, grid, "gathered", "gathered")
+            except Exception as e:  # noqa: BLE001 (reported with the case)
+                bad.append(f"{case} grid {grid.shape_text} gathered exchange rank {rank}: "
+                           f"{type(e).__name__}: {e}")
+    return bad
+
+
+def test_gathered_window_exchange_is_exact_and_moves_whole_chunks() -> None:
+    """window_exchange='gathered' (what Transformer Engine's all_gather moves under a
+    window, on P x 1; the emulated cluster's all_gather runs it): exact on every case, and
+    the bytes of the gathered schedule without a window."""
+    bad = [b for rank_bad in run_distributed(_run_gathered, 4) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
 
 
@@ -324,3 +349,11 @@ def test_window_memory_model_against_measurement() -> None:
                 bad.append(f"{key} {phase}: measured {worst} B, model {model} B "
                            f"({worst / model:.2f})")
     assert not bad, "\n".join(bad)
+
+
+def test_an_unknown_window_exchange_is_named() -> None:
+    grid = mm.MeshGrid(rows=2, cols=1, cp_rank=0, cp_ranks=(0, 1), row_group=None,
+                       col_group=None)
+    q = torch.randn(8, 1, 4, 8)
+    with pytest.raises(ValueError, match="window_exchange='rows' is not one of sparse, gathered"):
+        mm.mesh_attention(q, q, q, grid, window_size=(2, 0), window_exchange="rows")

@@ -7,7 +7,8 @@ reduce-scatters dK,dV, in the input dtype:
 
 This is the P x 1 mesh's traffic except that the mesh reduce-scatters dK,dV in fp32: for
 fp32 inputs the two agree byte for byte. The gathers run before the tiles compute and the
-reduce-scatter after, so nothing is hidden.
+reduce-scatter after, so nothing is hidden. Under a sliding window Transformer Engine still
+gathers every K,V chunk (the bytes do not change; only the compute shrinks).
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from megatron_mesh.planner.cost import NotApplicable, Transfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.methods.ulysses import a2a_pair, check_heads
 from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
 from megatron_mesh.planner.workload import Workload
@@ -26,6 +27,7 @@ def a2a_sizes(workload: Workload, cp_size: int) -> list[int]:
 
 
 def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> list[Transfer]:
+    check_takes_window(workload, "a2a+p2p")
     p = cluster.gpus
     if not 1 < a2a_size < p or p % a2a_size:
         raise NotApplicable(

@@ -13,12 +13,15 @@ nothing.
 With a heads dimension A (A x R x C = P), the all-to-all over A consecutive CP ranks comes
 first (exposed, like Ulysses'), and the R x C mesh runs over the P/A ranks that share a head
 slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
+
+Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
 """
 from __future__ import annotations
 
 from megatron_mesh.grid import dim_groups
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.methods.sparse import sparse_transfers
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
@@ -30,6 +33,8 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                    heads: int = 1) -> list[Transfer]:
     p = cluster.gpus
     GridShape(heads, rows, cols).check_cp_size(p)
+    if workload.window is not None:
+        return sparse_transfers(workload, cluster, rows, cols, heads)
     plan = workload.mesh_plan(rows, cols, heads)
     traffic = mesh_traffic(workload.attention_shape(), plan)
     col_groups, row_groups, heads_groups = dim_groups(range(p), rows, cols, heads)

@@ -11,13 +11,22 @@ dK,dV trail their K,V).
 """
 from __future__ import annotations
 
-from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.cost import NotApplicable, Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
 
 
+def check_takes_window(workload: Workload, method: str) -> None:
+    """Transformer Engine's rings (p2p, a2a+p2p) refuse sliding windows."""
+    if workload.window is not None:
+        raise NotApplicable(
+            f"Transformer Engine's {method} refuses sliding windows (window_size); Megatron "
+            "runs windowed layers with cp_comm_type all_gather or a2a")
+
+
 def ring_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+    check_takes_window(workload, "p2p ring")
     p = cluster.gpus
     shape = workload.attention_shape()
     _, kv, _ = shape.local_elements(p)

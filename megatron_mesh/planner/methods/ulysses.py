@@ -6,7 +6,8 @@ forward Q, K, V in and O out; backward dO in and dQ, dK, dV out, in the input dt
     forward (2q + kv) * e * (P-1)/P       backward (2q + kv) * e * (P-1)/P
 
 Needs both head counts divisible by P. The all-to-alls sit before and after the attention
-kernel, so nothing is hidden.
+kernel, so nothing is hidden. Under a sliding window the all-to-alls move the same bytes
+(each rank then holds the whole sequence for its heads); only the compute shrinks.
 """
 from __future__ import annotations
 
