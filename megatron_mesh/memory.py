@@ -48,11 +48,33 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
                        ring, K/V and dK, dV in flight; a model for comparison)
 
-    windowed (sliding windows, `windowed.py`; every schedule runs it): forward
-                       max(C Q + R KV + C acc + block, C (acc + O) + FO + 3 L);
-                       backward C (Q + O + 2 L) + 2 L + R KV + C FQ + R FKV + block
-                       (+ O, a stand-in output, when C > 1). The tile masks a layer
-                       makes once per shape and keeps (cached) are not counted.
+    windowed (sliding windows, `windowed.py`; every schedule runs it): with qi, qo the
+                       Q rows a rank receives from and sends to its row, ki, ko the K/V
+                       rows from and to its column (in chunks, `windowed.needed_rows`;
+                       C - 1 and R - 1 each when no window is given), the most of
+                       forward : C Q + (qi + qo) Q (the row's Q laid into whole chunks,
+                                 its rows in flight); C Q + R KV + (ki + ko) KV;
+                                 C Q + R KV + C acc + block; C acc (+ C O if e < 4: the
+                                 outputs in the input dtype); held + (qi + qo) O (the
+                                 rows sent back: held = C acc, or acc + (C-1) L + C O if
+                                 e < 4, the other rows' fp32 accumulators freed); held +
+                                 qo O + (qi + qo) L (their lse); acc + qo (O + L) + FO
+                                 + 3 L (the received rows merged one by one)
+                       backward: rows = C (Q + O + 2 L) + 2 L (the row's Q, dO, (lse, D),
+                                 and the stacked (lse, D)): rows + 2 L + (qi + qo) (Q + O
+                                 + 2 L); rows + R KV + (ki + ko) KV; rows + R KV + C FQ
+                                 + R FKV + the larger of the diagonal block (Q + KV + L)
+                                 and another row's block (its rows' share of Q + L and
+                                 KV) with its stand-in output O, or the stand-in being
+                                 made (FO (+ O if e < 4) + 3 L); grads = 2 L + C FQ
+                                 + R FKV, then + (qi + qo) q g_q (+ one peer's rows of FQ
+                                 each way: converted to g_q, or received as g_q and
+                                 converted back) for the dQ rows sent back, then dK and
+                                 dV one at a time likewise (K's share of (ki + ko) kv g_kv)
+                       minus the result, the most over the ranks. In fp32 the returned dq,
+                       dk, dv are views of the partials' buffers and keep them (result C FQ
+                       + R FKV). The tile masks a layer makes once per shape and keeps
+                       (cached) are not counted.
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
 the heads (`values.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
@@ -70,6 +92,7 @@ together at some moment, which two buffers per side cannot give for C, R > 2.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .values import FP32_BYTES as FP32
 from .values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
@@ -169,6 +192,88 @@ def _streamed_kv_backward(m: _Chunk, r: int, c: int) -> int:
     return rows + 2 * m.fkv + max(last, m.kv + dq_after + sent)
 
 
+def _bound(r: int, c: int) -> tuple:
+    """Rows exchanged when every peer's whole chunk is used (no window given): (Q rows
+    received, sent, K/V rows received, sent, in chunks; the (Q, K/V) rows, in chunks, of
+    the blocks of the other rows' queries)."""
+    return (c - 1, c - 1, r - 1, r - 1, [(1, 1)] * (c > 1))
+
+
+def _exchanged(shape: AttentionShape, r: int, c: int, window: tuple[int, int],
+               causal: bool) -> list[tuple]:
+    """`_bound`'s tuple for each rank of the mesh under `window` (`windowed.needed_rows`)."""
+    from .layout import AttentionMask, block_for
+    from .window import window_of
+    from .windowed import needed_rows
+
+    mesh = r * c
+    local = shape.seq_len // mesh
+    mask = AttentionMask(causal, None, mesh, window_of(window, causal))
+    n = lambda a, o, side: Fraction(len(needed_rows(mask, r, c, local, a, o, side)),  # noqa: E731
+                                    local)
+    out = []
+    for me in range(mesh):
+        i, j = divmod(me, c)
+        row = [i * c + x for x in range(c) if i * c + x != me]
+        col = [y * c + j for y in range(r) if y * c + j != me]
+        blocks = [block_for(x, y * c + j, local, mask) for x in row for y in range(r)]
+        out.append((sum((n(me, x, "q") for x in row), Fraction(0)),
+                    sum((n(x, me, "q") for x in row), Fraction(0)),
+                    sum((n(me, y, "kv") for y in col), Fraction(0)),
+                    sum((n(y, me, "kv") for y in col), Fraction(0)),
+                    [(Fraction(_count(b.q_rows, local), local),
+                      Fraction(_count(b.kv_rows, local), local))
+                     for b in blocks if not b.empty]))
+    return out
+
+
+def _count(rows, local: int) -> int:
+    """How many rows a block's slice or index tensor takes."""
+    return len(range(local)[rows]) if isinstance(rows, slice) else rows.numel()
+
+
+def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
+                    exchanged: list[tuple]) -> dict[str, int]:
+    """The sparse exchange's peaks (module docstring), the most over the ranks whose rows
+    are `exchanged` (`_bound`); k_share: K's part of a K/V row."""
+    worst = {"forward": 0, "backward": 0}
+    fp32 = m.e >= FP32
+    for q_in, q_out, kv_in, kv_out, others in exchanged:
+        f = lambda rows, size: int(rows * size)  # noqa: E731
+        row_q, col_kv = c * m.q, r * m.kv
+        held = c * m.acc if fp32 else m.acc + (c - 1) * m.lse + c * m.o
+        forward = max(
+            row_q + f(q_in + q_out, m.q),  # the row's Q gathered: sent and received rows
+            row_q + col_kv + f(kv_in + kv_out, m.kv),  # the column's K/V
+            row_q + col_kv + c * m.acc + m.block_forward,
+            c * m.acc + (0 if fp32 else c * m.o),  # the outputs in the input dtype
+            held + f(q_in + q_out, m.o),  # outputs sent and received
+            held + f(q_out, m.o) + f(q_in + q_out, m.lse),  # then the lse rows
+            m.acc + f(q_out, m.o + m.lse) + m.merge_rows)  # merged at their owner
+        chunk = m.q + m.o + 2 * m.lse  # Q, dO, (lse, D)
+        rows = c * chunk + 2 * m.lse  # the row gathered, the stacked (lse, D) kept
+        block = m.block_backward + m.lse
+        # another row's block with its stand-in output, or the stand-in being made
+        stand_in = max((m.o + f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in others),
+                       default=0)
+        if others:
+            stand_in = max(stand_in, m.fo + (0 if fp32 else m.o) + 3 * m.lse)
+        grads = 2 * m.lse + c * m.fq + r * m.fkv
+        dkv_out = f(kv_in, m.dkv_exchange) + (0 if m.dkv_exchange >= m.fkv
+                                              else f(min(kv_in, 1), m.fkv))
+        backward = max(
+            rows + 2 * m.lse + f(q_in + q_out, chunk),  # (lse, D) copied to be sent
+            rows + col_kv + f(kv_in + kv_out, m.kv),
+            rows + col_kv + c * m.fq + r * m.fkv + max(block, stand_in),
+            grads + f(q_in, m.dq_exchange) + f(q_out, m.dq_exchange)  # dQ rows sent back
+            + (0 if m.dq_exchange >= m.fq else f(min(q_in, 1), m.fq)) + f(min(q_out, 1), m.fq),
+            grads + f(k_share, dkv_out + f(kv_out, m.dkv_exchange)  # dK, then dV rows
+                      + f(min(kv_out, 1), m.fkv)))
+        worst = {"forward": max(worst["forward"], forward),
+                 "backward": max(worst["backward"], backward)}
+    return worst
+
+
 def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included."""
     row_q = c * m.q if c > 1 else 0
@@ -181,12 +286,8 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
         return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": _gathered_backward(m, r, c)}
-    if schedule == "windowed":  # sliding windows' sparse exchange: the gathered buffers
-        stand_in = (m.o if c > 1 else 0) + m.block_backward  # own rows use out itself
-        return {"forward": max(c * m.q + r * m.kv + c * m.acc + m.block_forward,
-                               c * (m.acc + m.o) + m.merge_rows),
-                "backward": c * (m.q + m.o + 2 * m.lse) + 2 * m.lse + r * m.kv + c * m.fq
-                + r * m.fkv + stand_in}
+    if schedule == "windowed":  # the bound; `_windowed_memory` for a given window
+        return _windowed_peaks(m, r, c, Fraction(1, 2), [_bound(r, c)])
     if schedule == "streamed_kv":
         ring_kv = min(2, r - 1) * m.kv
         return {"forward": max(row_q + c * m.acc + ring_kv + m.block_forward,
@@ -211,10 +312,21 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     raise AssertionError(schedule)
 
 
+def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,
+                     windowed: bool | tuple[int, int], causal: bool) -> dict[str, int]:
+    """The sparse exchange's peaks on an R x C mesh of `shape`: under the window (left,
+    right) given, or every peer's whole chunk exchanged (windowed=True)."""
+    exchanged = ([_bound(r, c)] if windowed is True
+                 else _exchanged(shape, r, c, tuple(windowed), causal))
+    return _windowed_peaks(m, r, c, Fraction(shape.head_dim, shape.head_dim + shape.dv),
+                           exchanged)
+
+
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
                  schedule: str | None = None,
                  grad_dtype: GradDtype | str = GradDtype.MIXED,
-                 windowed: bool = False) -> dict[str, int]:
+                 windowed: bool | tuple[int, int] = False,
+                 causal: bool = True) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
@@ -223,7 +335,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
-            return heads_extra_memory(shape, rows, windowed)
+            return heads_extra_memory(shape, rows, windowed, causal)
         rows, cols, schedule, grad_dtype = (rows.rows, rows.cols, rows.schedule.value,
                                             rows.grad_dtype)
     if windowed:  # under a sliding window every schedule runs the sparse exchange
@@ -235,19 +347,27 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
         e = shape.dtype_bytes
         return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
     m = _Chunk.of(shape, rows * cols, GradDtype(grad_dtype))
-    peaks = _peaks(m, rows, cols, schedule)
-    return {phase: peaks[phase] - m.result[phase] for phase in peaks}
+    if schedule != "windowed":
+        peaks = _peaks(m, rows, cols, schedule)
+        return {phase: peaks[phase] - m.result[phase] for phase in peaks}
+    peaks = _windowed_memory(shape, m, rows, cols, windowed or True, causal)
+    result = dict(m.result)
+    if m.e >= FP32:  # fp32 dq, dk, dv are views of the partials' buffers, which they keep
+        result["backward"] = cols * m.fq + rows * m.fkv
+    return {phase: peaks[phase] - result[phase] for phase in peaks}
 
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
-                       windowed: bool = False) -> dict[str, int]:
+                       windowed: bool | tuple[int, int] = False,
+                       causal: bool = True) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
-    mesh = _peaks(m, plan.rows, plan.cols, "windowed" if windowed else plan.schedule.value)
+    mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed, causal) if windowed
+            else _peaks(m, plan.rows, plan.cols, plan.schedule.value))
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0

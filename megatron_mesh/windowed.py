@@ -9,8 +9,8 @@ those rows, point to point; partial outputs and gradients go back for the same r
 Ranks that share no row send nothing. So the bytes per rank grow with the window, not
 with S: with a window of at most a sub-chunk the ring corner (P x 1) exchanges `left` rows
 with each of its two zigzag neighbours. Received rows are laid into buffers of the whole
-chunk (zeros elsewhere), so memory is the gathered schedule's.
-"""
+chunk (zeros elsewhere), as in the gathered schedule; the rows in flight grow with the
+window (`memory.extra_memory(..., windowed=(left, right))`)."""
 from __future__ import annotations
 
 import functools
@@ -119,14 +119,17 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     own_out, own_lse = accs[grid.col_index]
     outs = [a[0].to(q.dtype) for a in accs]
     lses = [a[1].permute(2, 0, 1) for a in accs]  # [s, b, hq]: rows first
+    del accs  # e < 4: the other rows' fp32 outputs, copied into outs
     got_out = _return_rows(outs, peers.row, "forward", "row")
     got_lse = _return_rows(lses, peers.row, "forward", "row")
+    del outs, lses  # sent: only this rank's accumulators and the received rows are held
     for (rows, out), (_, lse) in zip(got_out, got_lse):
         if len(rows):
             acc_o, acc_l = own_out.index_select(0, rows), own_lse.index_select(-1, rows)
             merge_into(acc_o, acc_l, out, lse.permute(1, 2, 0))
             own_out.index_copy_(0, rows, acc_o)
             own_lse.index_copy_(-1, rows, acc_l)
+            del acc_o, acc_l  # before the next row's are taken out
     return own_out.to(q.dtype), own_lse
 
 
@@ -149,6 +152,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
         for i, y in enumerate(grid.col_mesh_ranks):
             backward_block(kernel, do_row[j], q_row[j], out_x, lse_x, k_col[i], v_col[i],
                            x, y, mask, scale, dq_part[j], kv_grads(dkv_part[i], k, v))
+        del out_x  # a stand-in output goes before the next one is made
     del q_row, do_row, st_row, k_col, v_col
     dq = dq_part[grid.col_index]
     for rows, got in _return_rows(list(dq_part), peers.row, "backward", "row", grad_dtypes.dq):
