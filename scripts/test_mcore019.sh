@@ -14,6 +14,7 @@ TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.p
        tests/distributed/test_document_masking.py  # --reset-attention-mask: packed documents
        tests/distributed/test_megatron_window.py tests/distributed/test_megatron_mla.py
        tests/unit/test_patches.py  # every patched name exists in this megatron-core
+       tests/unit/test_merge_triton.py  # the Triton merge in Triton's CPU interpreter (triton is here)
        # --multi-latent-attention: refused on 0.16 without TE, trained on 0.17+
        tests/unit/test_mla_flags.py tests/distributed/test_training_mla.py
        # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid, PP 2,
