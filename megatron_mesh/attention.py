@@ -138,8 +138,8 @@ class MeshAttention:
             backend = window_backend(backend)
         plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        backend = v_head_dim_backend(backend, q.shape[-1], v.shape[-1])
-        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed)
+        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed,
+                            v_head_dim=v.shape[-1])
         return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
                    window_exchange)
 
@@ -192,19 +192,6 @@ def window_backend(backend: str | TileKernel) -> str | TileKernel:
         raise ValueError(f"backend={backend!r} does not take sliding windows (window_size); "
                          "use backend='torch' or 'auto'")
     return backend
-
-
-def v_head_dim_backend(backend: str | TileKernel, head_dim: int, v_head_dim: int
-                       ) -> str | TileKernel:
-    """The backend that runs V of its own head dim (multi-latent attention): torch's ops
-    (`kernels.torch_flash.padded_head_dim`) for 'auto'; 'cudnn' and 'te' tiles take one
-    head dim here, so naming them with dv != d is a ValueError."""
-    if v_head_dim == head_dim or is_kernel(backend) or backend == "torch":
-        return backend
-    if backend == "auto":
-        return "torch"
-    raise ValueError(f"backend={backend!r} takes one head dim for q, k and v, but v has head "
-                     f"dim {v_head_dim} and q, k {head_dim}; use backend='torch' or 'auto'")
 
 
 def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,

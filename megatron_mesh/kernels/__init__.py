@@ -39,8 +39,10 @@ def get_kernel(
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
     documents: bool = False,
+    v_head_dim: int | None = None,
 ) -> TileKernel:
-    """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim`.
+    """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim` (V's
+    `v_head_dim` where it differs: multi-latent attention; None or equal: the same).
 
     The ops come from `choice.choose` (the one place that decides; see its docstring):
     'auto' asks Transformer Engine per tile shape, then takes torch's cuDNN op, flash op or
@@ -54,24 +56,26 @@ def get_kernel(
     'cudnn' raises ValueError.
     """
     check_backend(backend)
+    if v_head_dim == head_dim:
+        v_head_dim = None
     if is_kernel(backend):
         kernel = backend
     else:
-        kernel = _kernel_for(backend, torch.device(device), dtype, head_dim)
+        kernel = _kernel_for(backend, torch.device(device), dtype, head_dim, v_head_dim)
     if documents and not takes_documents(kernel):
         if backend != "auto":
             name = getattr(kernel, "name", type(kernel).__name__)
             raise ValueError(f"backend={name!r} does not take packed documents (cu_seqlens); "
                              "use backend='torch' or 'auto'")
-        return _kernel_for("torch", torch.device(device), dtype, head_dim)
+        return _kernel_for("torch", torch.device(device), dtype, head_dim, v_head_dim)
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel_for(backend: str, device: torch.device, dtype: torch.dtype | None,
-                head_dim: int | None) -> TileKernel:
+                head_dim: int | None, v_head_dim: int | None = None) -> TileKernel:
     facts = DeviceFacts.of(device, want_te=backend in ("auto", "te"))
-    chosen = choose(backend, facts, dtype, head_dim)
+    chosen = choose(backend, facts, dtype, head_dim, v_head_dim)
     log_skips(chosen, f"backend={backend!r} on {device}")
     return build(chosen)
 

@@ -2,9 +2,12 @@
 
 Order for 'auto' on CUDA: Transformer Engine (when installed and its own backend query
 accepts the tile; asked per tile shape inside `te_fused.TEFusedKernel`), then torch's cuDNN
-op (sm80 to sm121, cuDNN >= 9, fp16 / bf16, head dim a multiple of 8 up to 128), then
-torch's flash op (sm80+, fp16 / bf16, head dim a multiple of 8 up to 256), then torch's
-memory-efficient op (any CUDA GPU and dtype). 'te' and 'cudnn' put their op first and raise
+op (sm80 to sm121, cuDNN >= 9, fp16 / bf16, Q/K's and V's head dims each a multiple of 8
+up to 128), then torch's flash op (sm80+, fp16 / bf16, the larger head dim a multiple of 8
+up to 256: V of its own head dim is padded for it), then torch's memory-efficient op (any
+CUDA GPU and dtype). V's head dim (`v_head_dim`, multi-latent attention) is decided here
+too: TE's query is given it per tile, torch's cuDNN op takes it (its output and dV have
+V's head dim), the flash op pads. 'te' and 'cudnn' put their op first and raise
 when it cannot run at all; 'torch' starts at flash. Every skip comes with its reason,
 logged once per distinct reason (`log_skips`).
 """
@@ -68,8 +71,9 @@ class Choice:
 
 
 def cudnn_unsupported(facts: DeviceFacts, dtype: torch.dtype | None,
-                      head_dim: int | None) -> str | None:
-    """Why torch's cuDNN attention op cannot run these tiles, or None."""
+                      head_dim: int | None, v_head_dim: int | None = None) -> str | None:
+    """Why torch's cuDNN attention op cannot run these tiles, or None. `v_head_dim`: V's
+    head dim where it differs from Q's and K's (None: the same); both are checked."""
     if not facts.torch_has_cudnn_op:
         return f"torch {torch.__version__} has no _scaled_dot_product_cudnn_attention op"
     if facts.type == "meta":
@@ -86,8 +90,9 @@ def cudnn_unsupported(facts: DeviceFacts, dtype: torch.dtype | None,
         return "dtype and head dim not given"
     if dtype not in HALF:
         return f"dtype {dtype} is not one of float16, bfloat16"
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
-        return f"head dim {head_dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    for what, dim in (("head dim", head_dim), ("V head dim", v_head_dim)):
+        if dim is not None and (dim % 8 or dim > CUDNN_MAX_HEAD_DIM):
+            return f"{what} {dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
     return None
 
 
@@ -104,8 +109,9 @@ def flash_unsupported(facts: DeviceFacts, dtype: torch.dtype | None,
 
 
 def choose(backend: str, facts: DeviceFacts, dtype: torch.dtype | None,
-           head_dim: int | None) -> Choice:
-    """The ops for `backend` ('auto' | 'torch' | 'cudnn' | 'te') given the device facts.
+           head_dim: int | None, v_head_dim: int | None = None) -> Choice:
+    """The ops for `backend` ('auto' | 'torch' | 'cudnn' | 'te') given the device facts,
+    for tiles of Q/K head dim `head_dim` and V head dim `v_head_dim` (None: the same).
 
     ValueError (saying why) when 'te' or 'cudnn' cannot run at all. Off CUDA (and on
     'meta' for 'auto' / 'torch'): 'cpu' on CPU, else the CUDA torch ops.
@@ -129,14 +135,15 @@ def choose(backend: str, facts: DeviceFacts, dtype: torch.dtype | None,
         else:
             skipped.append(("te", why))
     if backend in ("auto", "te", "cudnn"):
-        why = cudnn_unsupported(facts, dtype, head_dim)
+        why = cudnn_unsupported(facts, dtype, head_dim, v_head_dim)
         if why is None:
             ops.append("cudnn")
         elif backend == "cudnn":
             raise ValueError(f"backend='cudnn' cannot run here: {why}; use backend='torch'")
         else:
             skipped.append(("cudnn", why))
-    why = flash_unsupported(facts, dtype, head_dim)
+    padded = head_dim if head_dim is None or v_head_dim is None else max(head_dim, v_head_dim)
+    why = flash_unsupported(facts, dtype, padded)  # V of its own head dim is padded for it
     if why is None:
         ops.append("flash")
     else:

@@ -2,7 +2,10 @@
 and its backward): the cuDNN kernels Transformer Engine's fused attention calls, without TE.
 
 fp16 / bf16 CUDA tensors on sm80 to sm121 with cuDNN >= 9, head dim a multiple of 8 up to
-128 (`choice.cudnn_unsupported` says which inputs it takes). K/V heads are repeated for GQA
+128 (`choice.cudnn_unsupported` says which inputs it takes). V may have its own head dim dv
+(multi-latent attention; also a multiple of 8 up to 128): the op's schema has no head-dim
+argument, and its meta function (torch/_meta_registrations.py) gives the output V's head
+dim and dV V's shape, as its CUDA implementation (d_qk and d_v) does. K/V heads are repeated for GQA
 inside the call: the op's acceptance of fewer K/V heads is not the same over the torch
 releases this package supports (>= 2.5), so the kernel does not rely on it.
 
@@ -21,9 +24,11 @@ from .torch_flash import sbhd, sum_kv_grad
 aten = torch.ops.aten
 
 
-def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why this kernel cannot run tiles of `dtype` with `head_dim` on `device`, or None."""
-    return cudnn_unsupported(DeviceFacts.of(device, want_te=False), dtype, head_dim)
+def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                v_head_dim: int | None = None) -> str | None:
+    """Why this kernel cannot run tiles of `dtype` with `head_dim` (and V's `v_head_dim`)
+    on `device`, or None."""
+    return cudnn_unsupported(DeviceFacts.of(device, want_te=False), dtype, head_dim, v_head_dim)
 
 
 def one_layout(t: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -52,7 +57,7 @@ class CudnnKernel:
     name = "cudnn"
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float):
-        """out [sq, b, hq, d] in q's dtype, lse [b, hq, sq] fp32."""
+        """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32."""
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
@@ -62,7 +67,8 @@ class CudnnKernel:
         return sbhd(out), lse.reshape(b, hq, sq).float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
-        """dq [sq, b, hq, d], dk, dv [sk, b, hkv, d]; out / lse are the whole row's."""
+        """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
+        row's."""
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))

@@ -1,13 +1,15 @@
 """Tile kernel on Transformer Engine's fused attention (cuDNN, F16_arbitrary_seqlen backend).
 
 Calls `transformer_engine.pytorch.cpp_extensions.fused_attn.fused_attn_fwd` / `_bwd` on
-q [sq, b, hq, d], k / v [sk, b, hkv, d] ("sbhd_sbhd_sbhd"; GQA / MQA run natively, dk / dv
-come back with hkv heads), after TE's own backend query (`get_attention_backend`) has
-accepted the tile's shape, dtype, heads, mask and window. The keyword arguments come from
+q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, dv] ("sbhd_sbhd_sbhd"; GQA / MQA run
+natively, dk / dv come back with hkv heads; dv, V's head dim, may differ from d as in
+multi-latent attention: TE's output takes V's head dim and dV V's shape), after TE's own
+backend query (`get_attention_backend`) has accepted the tile's shape, dtype, heads, head
+dims (`head_dim_qk`, `head_dim_v`), mask and window. The keyword arguments come from
 `fwd_kwargs` / `bwd_kwargs`, pure functions of the installed function's parameter names
 (its Python signature changed in 2.8, 2.9, 2.10, 2.12 and 2.15, see docs/kernels.md).
 Packed documents (a tile's `Segments`) run as TE's "thd_thd_thd" layout: q [t, hq, d],
-k / v [t, hkv, d] with cu_seqlens = the documents' bounds, masks "padding" /
+k [t, hkv, d], v [t, hkv, dv] with cu_seqlens = the documents' bounds, masks "padding" /
 "padding_causal"; TE's softmax stats come back per token ([t', hq, 1], cuDNN >= 9.6) or per
 document ([docs, hq, max_q, 1], older cuDNN and sm120 from TE 2.14) and are converted to
 and from our [1, hq, t] (`lse_from_te`, `lse_to_te`).
@@ -138,7 +140,8 @@ def fwd_kwargs(
     """Keyword arguments of a `fused_attn_fwd` whose parameter names are `params` (read from
     the installed function's signature) for one tile, no bias / dropout.
 
-    q [sq, b, hq, d], k / v [sk, b, hkv, d]; cu_seqlens_* [b + 1] int32; `backend` is
+    q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, dv]; cu_seqlens_* [b + 1] int32;
+    `backend` is
     FusedAttnBackend["F16_arbitrary_seqlen"] of that TE.
     """
     kw = _common_kwargs(params, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, softmax_scale,
@@ -168,7 +171,7 @@ def bwd_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of a `fused_attn_bwd` whose parameter names are `params` for one tile.
 
-    out, dout [sq, b, hq, d]; aux_ctx_tensors = [lse [b, hq, sq, 1] fp32, rng_state [2] int64];
+    out, dout [sq, b, hq, dv]; aux_ctx_tensors = [lse [b, hq, sq, 1] fp32, rng_state [2] int64];
     dqkv_te_dtype is TE's DType of the gradients (passed where the function takes
     `dqkv_dtype`, releases before 2.15).
     """
@@ -215,7 +218,8 @@ def thd_fwd_kwargs(
     cuda_graph: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of `fused_attn_fwd` (parameter names `params`) for one tile of
-    packed documents: q [t_q, hq, d], k / v [t_kv, hkv, d] (t = the documents' rows)."""
+    packed documents: q [t_q, hq, d], k [t_kv, hkv, d], v [t_kv, hkv, dv] (t = the documents'
+    rows)."""
     kw = fwd_kwargs(params, q, k, v, segments.cu_q_tensor, segments.cu_kv_tensor, causal,
                     softmax_scale, backend, cuda_graph)
     return _thd(kw, segments, causal)
@@ -238,7 +242,7 @@ def thd_bwd_kwargs(
     deterministic: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of `fused_attn_bwd` (parameter names `params`) for one tile of
-    packed documents: out, dout [t_q, hq, d]; aux_ctx_tensors = [softmax stats in TE's
+    packed documents: out, dout [t_q, hq, dv]; aux_ctx_tensors = [softmax stats in TE's
     layout (`lse_to_te`), rng_state]."""
     kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, segments.cu_q_tensor,
                     segments.cu_kv_tensor, causal, softmax_scale, backend, dqkv_te_dtype,
@@ -342,16 +346,35 @@ class TileSpec:
     documents: int = 0  # packed documents in the tile (thd); 0: dense sbhd
     tokens_q: int = 0  # thd: the tile's query rows (sq, sk are the longest document's)
     tokens_kv: int = 0
+    head_dim_v: int = 0  # V's head dim (multi-latent attention); 0: head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """V's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @classmethod
     def of_documents(cls, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                     segments: Segments, causal: bool, deterministic: bool, cuda_graph: bool
-                     ) -> TileSpec:
+                     segments: Segments, causal: bool, deterministic: bool, cuda_graph: bool,
+                     head_dim_v: int = 0) -> TileSpec:
         """The spec of a tile over packed documents (`segments`)."""
         return cls(dtype, len(segments.cu_q) - 1, heads, kv_heads, segments.max_q,
                    segments.max_kv, head_dim, causal, deterministic, cuda_graph,
                    documents=len(segments.cu_q) - 1, tokens_q=segments.cu_q[-1],
-                   tokens_kv=segments.cu_kv[-1])
+                   tokens_kv=segments.cu_kv[-1], head_dim_v=head_dim_v)
+
+
+def tile_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              deterministic: bool, cuda_graph: bool, segments: Segments | None = None
+              ) -> TileSpec:
+    """The spec of one tile: q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, dv] (dv, V's
+    head dim, goes to the query as head_dim_v); with `segments`, their packed documents."""
+    sq, b, hq, d = q.shape
+    if segments is None:
+        return TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal, deterministic,
+                        cuda_graph, head_dim_v=v.shape[-1])
+    return TileSpec.of_documents(q.dtype, hq, k.shape[2], d, segments, causal, deterministic,
+                                 cuda_graph, head_dim_v=v.shape[-1])
 
 
 def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
@@ -364,7 +387,7 @@ def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
         qkv_layout=THD_LAYOUT if thd else QKV_LAYOUT,
         batch_size=spec.batch, num_heads=spec.heads, num_gqa_groups=spec.kv_heads,
         max_seqlen_q=spec.sq, max_seqlen_kv=spec.sk, head_dim_qk=spec.head_dim,
-        head_dim_v=spec.head_dim, attn_mask_type=mask, window_size=window,
+        head_dim_v=spec.v_dim, attn_mask_type=mask, window_size=window,
         bottom_right_diagonal=False, core_attention_bias_type="no_bias",
         attention_dropout=0.0, deterministic=spec.deterministic, is_training=True, fp8=False,
         softmax_type="vanilla", return_max_logit=False, cuda_graph=spec.cuda_graph,
@@ -392,11 +415,15 @@ def te_rejects(spec: TileSpec) -> str | None:
         return f"Transformer Engine {te.version} has no get_attention_backend to ask"
     params_cls = te.selection.AttentionParams
     names = {f.name for f in dataclasses.fields(params_cls)}
+    if spec.v_dim != spec.head_dim and "head_dim_v" not in names:
+        return (f"Transformer Engine {te.version}'s backend query has no head_dim_v to ask "
+                f"about V's head dim {spec.v_dim} (Q/K {spec.head_dim})")
     result = te.selection.get_attention_backend(params_cls(**attention_params(names, spec)))
     backend = fused_backend_of(result)
     if backend is None:
         return (f"Transformer Engine {te.version} has no fused attention for {spec.dtype}, "
-                f"{spec.heads}/{spec.kv_heads} heads of {spec.head_dim}, sq {spec.sq}, "
+                f"{spec.heads}/{spec.kv_heads} heads of {spec.head_dim}"
+                f"{f' (V {spec.v_dim})' if spec.v_dim != spec.head_dim else ''}, sq {spec.sq}, "
                 f"sk {spec.sk}, {_mask(spec.causal, spec.documents > 0)[0]}"
                 f"{f', {spec.documents} documents (thd)' if spec.documents else ''} "
                 "on this GPU / cuDNN")
@@ -487,30 +514,25 @@ class TEFusedKernel:
         self._takes: dict[tuple, bool] = {}
         self._told_documents = False
 
-    def _te_takes(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
+    def _te_takes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   segments: Segments | None = None) -> bool:
-        """Whether TE runs this tile (asked once per shape, dtype, mask and documents)."""
+        """Whether TE runs this tile (asked once per shape, V head dim, dtype, mask and
+        documents)."""
         if not _uses_te(q):
             return False
         capturing = torch.cuda.is_current_stream_capturing()
         if segments is None:
-            key: tuple = (q.shape, k.shape, q.dtype, causal, capturing)
+            key: tuple = (q.shape, k.shape, v.shape[-1], q.dtype, causal, capturing)
         else:  # what TileSpec.of_documents reads: the documents change every batch
-            key = (q.shape[2:], k.shape[2], q.dtype, causal, capturing, len(segments.cu_q),
+            key = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, capturing,
+                   len(segments.cu_q),
                    segments.max_q, segments.max_kv, segments.cu_q[-1], segments.cu_kv[-1])
         takes = self._takes.get(key)
         if takes is None:
             if len(self._takes) >= MAX_ASKED:
                 self._takes.clear()  # documents of ever new lengths: ask again, bounded
-            sq, b, hq, d = q.shape
-            if segments is None:
-                spec = TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal,
-                                self.deterministic, capturing)
-                fallback = self._fallback
-            else:
-                spec = TileSpec.of_documents(q.dtype, hq, k.shape[2], d, segments, causal,
-                                             self.deterministic, capturing)
-                fallback = self._documents_fallback
+            spec = tile_spec(q, k, v, causal, self.deterministic, capturing, segments)
+            fallback = self._fallback if segments is None else self._documents_fallback
             try:
                 why = te_rejects(spec)
             except Exception as e:  # a query that fails says no more than a refusal
@@ -529,13 +551,14 @@ class TEFusedKernel:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         softmax_scale: float, segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [sq, b, hq, d] in q's dtype, lse [b, hq, sq] fp32 (b = 1 with `segments`)."""
+        """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
+        with `segments`)."""
         if segments is not None:
-            if not self._te_takes(q, k, causal, segments):
+            if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
                                                         segments=segments)
             return self._documents_forward(q, k, v, causal, softmax_scale, segments)
-        if not self._te_takes(q, k, causal):
+        if not self._te_takes(q, k, v, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
         te = _load()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -569,14 +592,15 @@ class TEFusedKernel:
         softmax_scale: float,
         segments: Segments | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq [sq, b, hq, d], dk, dv [sk, b, hkv, d]; out / lse are the whole row's."""
+        """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
+        row's."""
         if segments is not None:
-            if not self._te_takes(q, k, causal, segments):
+            if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
                                                          softmax_scale, segments=segments)
             return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
                                             segments)
-        if not self._te_takes(q, k, causal):
+        if not self._te_takes(q, k, v, causal):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         te = _load()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -599,7 +623,7 @@ class TEFusedKernel:
     def _documents_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool, softmax_scale: float, segments: Segments
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [t_q, 1, hq, d], lse [1, hq, t_q] fp32 of one tile over packed documents."""
+        """out [t_q, 1, hq, dv], lse [1, hq, t_q] fp32 of one tile over packed documents."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         fn = te.fused_attn.fused_attn_fwd
@@ -627,7 +651,7 @@ class TEFusedKernel:
                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
                             softmax_scale: float, segments: Segments
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq [t_q, 1, hq, d], dk, dv [t_kv, 1, hkv, d]; out / lse are the whole row's."""
+        """dq [t_q, 1, hq, d], dk [t_kv, 1, hkv, d], dv [t_kv, 1, hkv, dv]; out / lse are the whole row's."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         out3, dout3 = (t[:, 0].to(q.dtype).contiguous() for t in (out, dout))
@@ -646,4 +670,5 @@ class TEFusedKernel:
 
 __all__ = ["TEFusedKernel", "TileSpec", "attention_params", "bwd_kwargs", "fwd_kwargs",
            "is_available", "lse_from_te", "lse_to_te", "packed_stats", "stats_rows",
-           "te_rejects", "te_version", "thd_bwd_kwargs", "thd_fwd_kwargs", "unavailable"]
+           "te_rejects", "te_version", "thd_bwd_kwargs", "thd_fwd_kwargs", "tile_spec",
+           "unavailable"]

@@ -111,11 +111,17 @@ def test_cuda_calls_take_v_head_dim_on_meta(dtype: torch.dtype, packed: bool) ->
     k = torch.empty(8, b, 2, D, device=meta, dtype=dtype)
     v = torch.empty(8, b, 2, DV, device=meta, dtype=dtype)
     assert padded_head_dim(q, v) == (None if dtype == torch.float32 else D)
-    kernel = TorchFlashKernel()
-    out, lse = kernel.forward(q, k, v, True, 0.25, segments=segments)
-    assert (out.shape, out.dtype, lse.shape) == ((8, b, 4, DV), dtype, (b, 4, 8))
-    dq, dk, dv = kernel.backward(out, q, k, v, out, lse, True, 0.25, segments=segments)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    kernels = [TorchFlashKernel()]
+    if dtype != torch.float32 and not packed:  # torch's cuDNN op: fp16 / bf16, no documents
+        from megatron_mesh.kernels.cudnn import CudnnKernel
+
+        kernels.append(CudnnKernel())  # takes V's head dim as it is (no padding)
+    for kernel in kernels:
+        kw = {"segments": segments} if packed else {}
+        out, lse = kernel.forward(q, k, v, True, 0.25, **kw)
+        assert (out.shape, out.dtype, lse.shape) == ((8, b, 4, DV), dtype, (b, 4, 8))
+        dq, dk, dv = kernel.backward(out, q, k, v, out, lse, True, 0.25, **kw)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 def test_cpu_tile_pads_v_exactly() -> None:
@@ -138,5 +144,21 @@ def test_bad_v_shapes_are_named() -> None:
     q = torch.randn(4, 1, 4, 8)
     with pytest.raises(ValueError, match="must agree in s, b and heads"):
         mm.mesh_attention(q, q[:, :, :2], torch.randn(4, 1, 3, 6), grid)
-    with pytest.raises(ValueError, match="one head dim"):
+    # named kernels take V's head dim where they can; where they cannot run, the reason
+    with pytest.raises(ValueError, match="backend='cudnn' cannot run here: tensors are on cpu"):
         mm.mesh_attention(q, q, torch.randn(4, 1, 4, 6), grid, backend="cudnn")
+    with pytest.raises(ValueError, match="backend='te' cannot run here"):
+        mm.mesh_attention(q, q, torch.randn(4, 1, 4, 6), grid, backend="te")
+
+
+def test_named_backends_take_v_head_dim() -> None:
+    """backend='cudnn' gets a kernel for dv != d (multi-latent attention) where both head
+    dims fit torch's cuDNN op, and names the head dim where one does not ('meta' stands in
+    for a GPU: the choice needs no device)."""
+    from megatron_mesh.kernels import get_kernel
+
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="backend='cudnn' cannot run here: head dim 192"):
+        get_kernel("cudnn", meta, torch.bfloat16, 192, v_head_dim=128)
+    assert get_kernel("cudnn", meta, torch.bfloat16, 128, v_head_dim=64).name == "cudnn"
+    assert get_kernel("auto", meta, torch.bfloat16, 192, v_head_dim=128).name == "torch"

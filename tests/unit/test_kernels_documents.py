@@ -96,6 +96,34 @@ def test_thd_kwargs_values(release: str, causal: bool) -> None:
         assert not {"o_format", "do_format", "dqkv_layout"} & (set(fwd) | set(bwd))
 
 
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_thd_kwargs_with_v_head_dim(release: str) -> None:
+    """Packed documents with V of its own head dim (multi-latent attention): q, k [t, h, d],
+    v, out, dout [t, h, dv] go to TE's "thd_thd_thd" call as they are, in each release's
+    argument lists; the backend query is asked with head_dim_v = dv."""
+    fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
+    segments = Segments.build(CU_Q, CU_KV, torch.device("cpu"))
+    q = torch.randn(CU_Q[-1], 4, 24, dtype=torch.bfloat16)
+    k = torch.randn(CU_KV[-1], 2, 24, dtype=torch.bfloat16)
+    v = torch.randn(CU_KV[-1], 2, 16, dtype=torch.bfloat16)
+    out = torch.randn(CU_Q[-1], 4, 16, dtype=torch.bfloat16)
+    fwd = thd_fwd_kwargs(fwd_params, q, k, v, segments, False, 0.25, BACKEND)
+    aux = [torch.zeros(CU_Q[-1], 4, 1), torch.zeros(2, dtype=torch.int64)]
+    bwd = thd_bwd_kwargs(bwd_params, out, q, k, v, out, aux, segments, False, 0.25, BACKEND,
+                         TE_BF16)
+    assert set(fwd) <= set(fwd_params) and set(FWD_REQUIRED) <= set(fwd)
+    assert set(bwd) <= set(bwd_params) and set(bwd_required) <= set(bwd)
+    for kw in (fwd, bwd):
+        assert kw["qkv_layout"] == "thd_thd_thd" and kw["v"] is v and kw["k"] is k
+    assert bwd["o"] is out and bwd["d_o"] is out
+    spec = te_fused.tile_spec(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), False, False,
+                              False, segments)
+    for fields in ATTENTION_PARAMS.values():
+        kw = te_fused.attention_params(fields, spec)
+        assert (kw["head_dim_qk"], kw["head_dim_v"]) == (24, 16)
+        assert kw["qkv_layout"] == "thd_thd_thd" and kw["batch_size"] == 3
+
+
 def test_thd_max_seqlen_is_the_longest_document() -> None:
     segments = Segments.build((0, 2, 9), (0, 6, 7), torch.device("cpu"))
     q = torch.randn(9, 4, 16)

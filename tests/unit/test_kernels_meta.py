@@ -94,6 +94,33 @@ def test_cuda_branch_on_meta(op: str, dtype: torch.dtype, heads: str, causal: bo
             assert stride == (h * d, d, b * h * d, 1), (shape, stride)
 
 
+@pytest.mark.parametrize("d,dv", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_takes_v_head_dim_on_meta(dtype: torch.dtype, heads: str, d: int, dv: int) -> None:
+    """Multi-latent attention on torch's cuDNN op: v [sk, b, hkv, dv] goes in as it is (no
+    padding), out comes back [sq, b, hq, dv] and dV [sk, b, hkv, dv] (the op's meta function
+    reads V's head dim, as its CUDA implementation does)."""
+    hq, hkv = HEADS[heads]
+    q, k, _ = tile(dtype, hq, hkv, sk=128, d=d)
+    v = meta(128, 2, hkv, dv, dtype=dtype)
+    kernel = CudnnKernel()
+    with OpLog() as fwd_log:
+        out, lse = kernel.forward(q, k, v, True, 0.125)
+    assert (out.shape, out.dtype, lse.shape) == ((128, 2, hq, dv), dtype, (2, hq, 128))
+    with OpLog() as bwd_log:
+        dq, dk, dvv = kernel.backward(out, q, k, v, out, lse, True, 0.125)
+    assert (dq.shape, dk.shape, dvv.shape) == (q.shape, k.shape, v.shape)
+    (fwd_args,) = fwd_log.named("_scaled_dot_product_cudnn_attention")
+    (bwd_args,) = bwd_log.named("_scaled_dot_product_cudnn_attention_backward")
+    assert [a[0] for a in fwd_args[:3]] == [(2, hq, 128, d), (2, hq, 128, d), (2, hq, 128, dv)]
+    # grad_out, q, k, v, out: dout / out / v of V's head dim, [b, h, s, .] views of sbhd
+    assert [a[0][-1] for a in bwd_args[:5]] == [dv, d, d, dv, dv]
+    for shape, stride, _ in bwd_args[:5]:
+        b, h, _, n = shape
+        assert stride == (h * n, n, b * h * n, 1), (shape, stride)
+
+
 def test_cudnn_backward_forces_one_layout_for_out_and_dout() -> None:
     """out / dout given in another layout (bhsd-dense, a transposed view) reach the op laid
     out like q: the graph torch caches on q / k / v strides fits them."""
@@ -209,6 +236,55 @@ def test_explicit_backends_raise_or_lead() -> None:
         choose("te", _with_te(H100, None), torch.float32, 128)
     assert choose("auto", DeviceFacts("cpu"), torch.bfloat16, 128).ops == ("cpu",)
     assert choose("auto", DeviceFacts("meta"), torch.float32, 64).ops == ("efficient",)
+
+
+@pytest.mark.parametrize("facts,d,dv,ops", [
+    (_with_te(H100, None), 192, 128, ("te", "flash", "efficient")),  # TE asks per tile
+    (_with_te(H100, NO_TE), 128, 64, ("cudnn", "flash", "efficient")),
+    (_with_te(H100, NO_TE), 64, 128, ("cudnn", "flash", "efficient")),
+    (_with_te(H100, NO_TE), 192, 128, ("flash", "efficient")),  # flash pads V to 192
+    (_with_te(H100, NO_TE), 128, 192, ("flash", "efficient")),
+    (_with_te(H100, NO_TE), 128, 100, ("flash", "efficient")),  # cuDNN: dv 100
+    (_with_te(H100, NO_TE), 256, 320, ("efficient",)),  # flash would pad to 320 > 256
+])
+def test_auto_choice_with_v_head_dim(facts: DeviceFacts, d: int, dv: int, ops: tuple) -> None:
+    """V of its own head dim (multi-latent attention): the cuDNN op checks Q/K's and V's
+    head dims, the flash op the one both are padded to; TE's query is asked per tile."""
+    chosen = choose("auto", facts, torch.bfloat16, d, dv)
+    assert chosen.ops == ops
+    skipped = dict(chosen.skipped)
+    if "cudnn" in skipped:
+        assert "head dim" in skipped["cudnn"]
+
+
+def test_named_cudnn_with_v_head_dim() -> None:
+    assert choose("cudnn", H100, torch.bfloat16, 128, 64).first == "cudnn"
+    assert choose("cudnn", H100, torch.bfloat16, 64, 64).first == "cudnn"
+    with pytest.raises(ValueError, match="backend='cudnn' cannot run here: V head dim 192"):
+        choose("cudnn", H100, torch.bfloat16, 128, 192)
+    with pytest.raises(ValueError, match="backend='cudnn' cannot run here: head dim 192"):
+        choose("cudnn", H100, torch.bfloat16, 192, 128)
+    with pytest.raises(ValueError, match="V head dim 100"):
+        choose("cudnn", H100, torch.bfloat16, 64, 100)
+    assert choose("te", _with_te(H100, None), torch.bfloat16, 192, 128).first == "te"
+    assert cudnn_kernel_unsupported(128, 64) is None
+    assert "V head dim 136" in cudnn_kernel_unsupported(128, 136)
+
+
+def cudnn_kernel_unsupported(d: int, dv: int) -> str | None:
+    from megatron_mesh.kernels.cudnn import unsupported
+
+    return unsupported(torch.device("meta"), torch.bfloat16, d, dv)
+
+
+def test_get_kernel_with_v_head_dim() -> None:
+    from megatron_mesh.kernels import get_kernel
+
+    meta_dev = torch.device("meta")
+    assert get_kernel("cudnn", meta_dev, torch.bfloat16, 128, v_head_dim=64).name == "cudnn"
+    assert get_kernel("auto", meta_dev, torch.bfloat16, 192, v_head_dim=128).name == "torch"
+    with pytest.raises(ValueError, match="V head dim 192"):
+        get_kernel("cudnn", meta_dev, torch.bfloat16, 64, v_head_dim=192)
 
 
 def test_te_is_not_imported_unless_it_can_be_chosen() -> None:

@@ -168,6 +168,101 @@ def test_fused_backend_read_from_both_result_shapes():
     assert te_fused.fused_backend_of((True, "fa2", False, None, False, [True, False, True])) is None
 
 
+# ------------------------------------------- V of its own head dim (multi-latent attention)
+
+D_QK, D_V = 24, 16  # dv != d: TE takes V's head dim from v (the output and dV follow it)
+
+
+def _mla_tile(dtype=torch.bfloat16):
+    q = torch.randn(8, 2, 4, D_QK, dtype=dtype)
+    k = torch.randn(4, 2, 2, D_QK, dtype=dtype)
+    v = torch.randn(4, 2, 2, D_V, dtype=dtype)
+    out = torch.randn(8, 2, 4, D_V, dtype=dtype)
+    return q, k, v, out
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_kwargs_with_v_head_dim_match_real_signature(release: str):
+    """q, k of head dim d and v, out, dout of dv go to fused_attn_fwd / _bwd as they are
+    (separate tensors in "sbhd_sbhd_sbhd"): the argument lists are each release's."""
+    fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
+    q, k, v, out = _mla_tile()
+    cu_q = torch.arange(0, 3 * 8, 8, dtype=torch.int32)
+    cu_kv = torch.arange(0, 3 * 4, 4, dtype=torch.int32)
+    fwd = fwd_kwargs(fwd_params, q, k, v, cu_q, cu_kv, True, 0.25, BACKEND)
+    aux = [torch.zeros(2, 4, 8, 1), torch.zeros(2, dtype=torch.int64)]
+    bwd = bwd_kwargs(bwd_params, out, q, k, v, out, aux, cu_q, cu_kv, True, 0.25, BACKEND,
+                     TE_BF16)
+    assert set(fwd) <= set(fwd_params) and set(FWD_REQUIRED) <= set(fwd)
+    assert set(bwd) <= set(bwd_params) and set(bwd_required) <= set(bwd)
+    for kw in (fwd, bwd):
+        assert kw["qkv_layout"] == "sbhd_sbhd_sbhd"  # TE's MLA needs separate q, k, v
+        assert kw["q"].shape[-1] == kw["k"].shape[-1] == D_QK and kw["v"].shape[-1] == D_V
+    assert bwd["o"].shape[-1] == bwd["d_o"].shape[-1] == D_V
+
+
+@pytest.mark.parametrize("release", sorted(ATTENTION_PARAMS))
+@pytest.mark.parametrize("dv", [D_QK, D_V])
+def test_backend_query_carries_head_dim_v(release: str, dv: int):
+    """TE's query is told V's head dim, read from v's last dim (not Q's)."""
+    q, k, v, _ = _mla_tile()
+    v = v[..., :1].expand(*v.shape[:-1], dv)
+    spec = te_fused.tile_spec(q, k, v, True, False, False)
+    assert (spec.head_dim, spec.v_dim) == (D_QK, dv)
+    kw = te_fused.attention_params(ATTENTION_PARAMS[release], spec)
+    assert (kw["head_dim_qk"], kw["head_dim_v"]) == (D_QK, dv)
+    assert (kw["num_heads"], kw["num_gqa_groups"], kw["max_seqlen_q"]) == (4, 2, 8)
+
+
+def _stub_te(monkeypatch, fields, answer):
+    """te_fused._load replaced by TE's pieces as stand-ins: AttentionParams a dataclass of
+    a release's `fields`, get_attention_backend recording what it is asked and answering
+    `answer(params)`."""
+    import dataclasses
+    import types
+
+    asked = []
+    params_cls = dataclasses.make_dataclass(
+        "AttentionParams", [(n, object, dataclasses.field(default=None)) for n in fields])
+
+    def get_attention_backend(params):
+        asked.append(params)
+        fused = answer(params)
+        return (False, None, fused, 1 if fused else None, False, [False, fused, False])
+
+    selection = types.SimpleNamespace(AttentionParams=params_cls,
+                                      get_attention_backend=get_attention_backend)
+    stub = te_fused._TE("2.20.2", None, 1, {}, selection, lambda: (9, 10, 0))
+    monkeypatch.setattr(te_fused, "_load", lambda: stub)
+    return asked
+
+
+def test_te_rejects_asks_with_head_dim_v(monkeypatch):
+    """TE's own query decides MLA tiles: asked with head_dim_v = dv; its refusal is
+    named (and the kernel then runs the tile on its fallback)."""
+    mla_ok = [True]
+    asked = _stub_te(monkeypatch, ATTENTION_PARAMS["2.20.2"],
+                     lambda p: p.head_dim_qk == p.head_dim_v or mla_ok[0])
+    q, k, v, _ = _mla_tile()
+    spec = te_fused.tile_spec(q, k, v, False, False, False)
+    assert te_fused.te_rejects(spec) is None
+    assert (asked[-1].head_dim_qk, asked[-1].head_dim_v) == (D_QK, D_V)
+    assert asked[-1].qkv_layout == "sbhd_sbhd_sbhd"
+    mla_ok[0] = False
+    why = te_fused.te_rejects(spec)
+    assert why is not None and f"heads of {D_QK} (V {D_V})" in why
+    same = te_fused.tile_spec(q, k, k, False, False, False)
+    assert te_fused.te_rejects(same) is None and asked[-1].head_dim_v == D_QK
+
+
+def test_te_without_head_dim_v_field_is_not_asked_about_mla(monkeypatch):
+    fields = [n for n in ATTENTION_PARAMS["2.20.2"] if n != "head_dim_v"]
+    asked = _stub_te(monkeypatch, fields, lambda p: True)
+    q, k, v, _ = _mla_tile()
+    why = te_fused.te_rejects(te_fused.tile_spec(q, k, v, True, False, False))
+    assert "no head_dim_v" in why and not asked
+
+
 # ---------------------------------------------------------------- references
 
 
@@ -235,12 +330,13 @@ DTYPES = [torch.bfloat16, torch.float16]
 HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA, GQA, MQA
 
 
-def _cuda_tile(sq, sk, b, hq, hkv, d, dtype, seed=0):
+def _cuda_tile(sq, sk, b, hq, hkv, d, dtype, seed=0, dv=None):
+    dv = d if dv is None else dv
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(sq, b, hq, d, device="cuda", dtype=dtype, generator=gen)
     k = torch.randn(sk, b, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(sk, b, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    dout = torch.randn(sq, b, hq, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(sk, b, hkv, dv, device="cuda", dtype=dtype, generator=gen)
+    dout = torch.randn(sq, b, hq, dv, device="cuda", dtype=dtype, generator=gen)
     return q, k, v, dout
 
 
@@ -270,6 +366,35 @@ def test_te_matches_sdpa(dtype, heads, causal, sq, sk, d):
     for name, got, r, s in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref, same):
         _check(got, r, s, name)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("causal,sq,sk,d,dv", [(True, 256, 256, 192, 128),
+                                                (False, 256, 128, 128, 64)])
+def test_te_v_head_dim_matches_sdpa(dtype, heads, causal, sq, sk, d, dv):
+    """Multi-latent attention's dv != d on TE itself (skipped, saying why, where TE's own
+    query turns the tile down on this GPU / cuDNN): out [sq, b, hq, dv], dv [sk, b, hkv, dv]."""
+    hq, hkv = heads
+    q, k, v, dout = _cuda_tile(sq, sk, 2, hq, hkv, d, dtype, dv=dv)
+    why = te_fused.te_rejects(te_fused.tile_spec(q, k, v, causal, False, False))
+    if why is not None:
+        pytest.skip(why)
+    scale = 1.0 / math.sqrt(d)
+    kern = TEFusedKernel(deterministic=False)
+    out, lse = kern.forward(q, k, v, causal, scale)
+    assert all(kern._takes.values()), "the tile ran on the fallback, not TE"
+    assert out.shape == (sq, 2, hq, dv) and out.dtype == dtype
+    dq, dk, dvv = kern.backward(dout, q, k, v, out, lse, causal, scale)
+    assert (dq.shape, dk.shape, dvv.shape) == (q.shape, k.shape, v.shape)
+    f32 = [t.float() for t in (q, k, v)]
+    ref = _grads(lambda a, b, c: _reference(a, b, c, causal, scale)[0], *f32, dout.float())
+    same = _grads(lambda a, b, c: _sdpa(a, b, c, causal, scale), q, k, v, dout)
+    for name, got, r, s in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dvv), ref, same):
+        _check(got, r, s, name)
+    torch.testing.assert_close(lse, _reference(*f32, causal, scale)[1], atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.gpu
