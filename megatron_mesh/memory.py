@@ -93,6 +93,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Sequence
 
 from .values import FP32_BYTES as FP32
 from .values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
@@ -199,39 +200,6 @@ def _bound(r: int, c: int) -> tuple:
     return (c - 1, c - 1, r - 1, r - 1, [(1, 1)] * (c > 1))
 
 
-def _exchanged(shape: AttentionShape, r: int, c: int, window: tuple[int, int],
-               causal: bool) -> list[tuple]:
-    """`_bound`'s tuple for each rank of the mesh under `window` (`windowed.needed_rows`)."""
-    from .layout import AttentionMask, block_for
-    from .window import window_of
-    from .windowed import needed_rows
-
-    mesh = r * c
-    local = shape.seq_len // mesh
-    mask = AttentionMask(causal, None, mesh, window_of(window, causal))
-    n = lambda a, o, side: Fraction(len(needed_rows(mask, r, c, local, a, o, side)),  # noqa: E731
-                                    local)
-    out = []
-    for me in range(mesh):
-        i, j = divmod(me, c)
-        row = [i * c + x for x in range(c) if i * c + x != me]
-        col = [y * c + j for y in range(r) if y * c + j != me]
-        blocks = [block_for(x, y * c + j, local, mask) for x in row for y in range(r)]
-        out.append((sum((n(me, x, "q") for x in row), Fraction(0)),
-                    sum((n(x, me, "q") for x in row), Fraction(0)),
-                    sum((n(me, y, "kv") for y in col), Fraction(0)),
-                    sum((n(y, me, "kv") for y in col), Fraction(0)),
-                    [(Fraction(_count(b.q_rows, local), local),
-                      Fraction(_count(b.kv_rows, local), local))
-                     for b in blocks if not b.empty]))
-    return out
-
-
-def _count(rows, local: int) -> int:
-    """How many rows a block's slice or index tensor takes."""
-    return len(range(local)[rows]) if isinstance(rows, slice) else rows.numel()
-
-
 def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
                     exchanged: list[tuple]) -> dict[str, int]:
     """The sparse exchange's peaks (module docstring), the most over the ranks whose rows
@@ -312,12 +280,16 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     raise AssertionError(schedule)
 
 
+Exchanged = Sequence[tuple]
+"""Per rank of the mesh, `_bound`'s tuple of the rows it exchanges under a given window
+(counted by `windowed.exchanged_rows`)."""
+
+
 def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,
-                     windowed: bool | tuple[int, int], causal: bool) -> dict[str, int]:
-    """The sparse exchange's peaks on an R x C mesh of `shape`: under the window (left,
-    right) given, or every peer's whole chunk exchanged (windowed=True)."""
-    exchanged = ([_bound(r, c)] if windowed is True
-                 else _exchanged(shape, r, c, tuple(windowed), causal))
+                     windowed: bool | Exchanged) -> dict[str, int]:
+    """The sparse exchange's peaks on an R x C mesh of `shape`: with the rows each rank
+    exchanges under a window, or every peer's whole chunk exchanged (windowed=True)."""
+    exchanged = [_bound(r, c)] if windowed is True else list(windowed)
     return _windowed_peaks(m, r, c, Fraction(shape.head_dim, shape.head_dim + shape.dv),
                            exchanged)
 
@@ -325,8 +297,7 @@ def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
                  schedule: str | None = None,
                  grad_dtype: GradDtype | str = GradDtype.MIXED,
-                 windowed: bool | tuple[int, int] = False,
-                 causal: bool = True) -> dict[str, int]:
+                 windowed: bool | Exchanged = False) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
@@ -335,7 +306,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
-            return heads_extra_memory(shape, rows, windowed, causal)
+            return heads_extra_memory(shape, rows, windowed)
         rows, cols, schedule, grad_dtype = (rows.rows, rows.cols, rows.schedule.value,
                                             rows.grad_dtype)
     if windowed:  # under a sliding window every schedule runs the sparse exchange
@@ -350,7 +321,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     if schedule != "windowed":
         peaks = _peaks(m, rows, cols, schedule)
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
-    peaks = _windowed_memory(shape, m, rows, cols, windowed or True, causal)
+    peaks = _windowed_memory(shape, m, rows, cols, windowed or True)
     result = dict(m.result)
     if m.e >= FP32:  # fp32 dq, dk, dv are views of the partials' buffers, which they keep
         result["backward"] = cols * m.fq + rows * m.fkv
@@ -358,15 +329,14 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
-                       windowed: bool | tuple[int, int] = False,
-                       causal: bool = True) -> dict[str, int]:
+                       windowed: bool | Exchanged = False) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
-    mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed, causal) if windowed
+    mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
             else _peaks(m, plan.rows, plan.cols, plan.schedule.value))
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)

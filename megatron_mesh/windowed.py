@@ -10,10 +10,11 @@ Ranks that share no row send nothing. So the bytes per rank grow with the window
 with S: with a window of at most a sub-chunk the ring corner (P x 1) exchanges `left` rows
 with each of its two zigzag neighbours. Received rows are laid into buffers of the whole
 chunk (zeros elsewhere), as in the gathered schedule; the rows in flight grow with the
-window (`memory.extra_memory(..., windowed=(left, right))`)."""
+window (`window_extra_memory`)."""
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 
 import torch
 
@@ -24,9 +25,10 @@ from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask, block_for
+from .memory import extra_memory
 from .merge import empty_accumulators, merge_into
 from .traffic import Traffic
-from .values import FP32_BYTES, AttentionShape, heads_shape
+from .values import FP32_BYTES, AttentionShape, MeshPlan, heads_shape
 from .window import window_of
 
 
@@ -209,3 +211,45 @@ def window_traffic(
         q, kv, _ = inner.local_elements(mesh)
         a2a = (q + inner.out_elements(mesh) + kv) * shape.dtype_bytes * (heads - 1) // heads
     return Traffic(fr, fc, br, bc, forward_heads=a2a, backward_heads=a2a)
+
+
+def exchanged_rows(seq_len: int, rows: int, cols: int, window: tuple[int, int],
+                   causal: bool) -> list[tuple]:
+    """Per rank of a rows x cols mesh over `seq_len` tokens under `window`, the rows it
+    exchanges, in chunks (Fractions): (Q rows received, sent, K/V rows received, sent;
+    [(Q rows, K/V rows) of each non-empty block of the other rows' queries]), the input of
+    `memory.extra_memory(..., windowed=...)`."""
+    mesh = rows * cols
+    local = seq_len // mesh
+    mask = AttentionMask(causal, None, mesh, window_of(window, causal))
+
+    def share(me: int, owner: int, side: str) -> Fraction:
+        return Fraction(len(needed_rows(mask, rows, cols, local, me, owner, side)), local)
+
+    out = []
+    for me in range(mesh):
+        i, j = divmod(me, cols)
+        row = [i * cols + x for x in range(cols) if i * cols + x != me]
+        col = [y * cols + j for y in range(rows) if y * cols + j != me]
+        blocks = [block_for(x, y * cols + j, local, mask) for x in row for y in range(rows)]
+        out.append((sum((share(me, x, "q") for x in row), Fraction(0)),
+                    sum((share(x, me, "q") for x in row), Fraction(0)),
+                    sum((share(me, y, "kv") for y in col), Fraction(0)),
+                    sum((share(y, me, "kv") for y in col), Fraction(0)),
+                    [(Fraction(_row_count(b.q_rows, local), local),
+                      Fraction(_row_count(b.kv_rows, local), local))
+                     for b in blocks if not b.empty]))
+    return out
+
+
+def _row_count(rows, local: int) -> int:
+    """How many rows a block's slice or index tensor takes."""
+    return len(range(local)[rows]) if isinstance(rows, slice) else rows.numel()
+
+
+def window_extra_memory(shape: AttentionShape, plan: MeshPlan, window: tuple[int, int],
+                        causal: bool = True) -> dict[str, int]:
+    """{'forward', 'backward'} extra bytes of the sparse exchange under `window` on the
+    rank holding most (`memory.extra_memory` with the rows `exchanged_rows` counts)."""
+    moved = exchanged_rows(shape.seq_len, plan.rows, plan.cols, window, causal)
+    return extra_memory(shape, plan, windowed=moved)

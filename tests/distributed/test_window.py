@@ -309,9 +309,9 @@ MEMORY_SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
 
 
 def _memory(rank: int, world: int) -> dict:
-    from megatron_mesh.memory import extra_memory
     from megatron_mesh.peak_memory import pass_peaks
     from megatron_mesh.plan import MeshPlan
+    from megatron_mesh.windowed import window_extra_memory
 
     results = {}
     for size, p in MEMORY_SIZES.items():
@@ -330,8 +330,8 @@ def _memory(rank: int, world: int) -> dict:
                 q.grad = k.grad = v.grad = None
                 measured = pass_peaks(run, dout)
                 shape = mm.AttentionShape(s * world, b, hq, hkv, d, dtype.itemsize)
-                model = extra_memory(shape, MeshPlan(r, c, "gathered", heads=a),
-                                     windowed=(left, 0))
+                model = window_extra_memory(shape, MeshPlan(r, c, "gathered", heads=a),
+                                            (left, 0))
                 results[(size, a, r, c, left)] = {ph: (measured[ph], model[ph])
                                                   for ph in ("forward", "backward")}
     return results
@@ -339,8 +339,8 @@ def _memory(rank: int, world: int) -> dict:
 
 def test_window_memory_model_against_measurement() -> None:
     """Extra memory of the sparse exchange on the rank holding most, P = 4, windows from 1
-    token to longer than S: within 0.97x - 1.03x of `memory.extra_memory(...,
-    windowed=(left, 0))`, which counts the rows each rank exchanges under the window
+    token to longer than S: within 0.97x - 1.03x of `windowed.window_extra_memory`, which
+    counts the rows each rank exchanges under the window
     (measured 1.00 on every case, to the byte)."""
     per_rank = run_distributed(_memory, 4)
     bad = []
