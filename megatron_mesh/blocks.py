@@ -33,19 +33,17 @@ def forward_block(
 ) -> None:
     """Attention of Q(x) [s, b, hq, d] over K/V(y) [s, b, hkv, d], merged into x's fp32
     accumulators out_acc [s, b, hq, d] and lse_acc [b, hq, s]."""
-    blk = block_for(x, y, q_x.shape[0], mask, q_x.device)
-    if blk.empty:
-        return
-    kv = blk.kv_rows
-    out, lse = kernel.forward(rows(q_x, blk.q_rows), rows(k_y, kv), rows(v_y, kv), blk.causal,
-                              scale, **_documents(blk))
-    if isinstance(blk.q_rows, slice):
-        merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
-        return
-    acc_out, acc_lse = rows(out_acc, blk.q_rows), rows(lse_acc, blk.q_rows, -1)
-    merge_into(acc_out, acc_lse, out, lse)
-    out_acc.index_copy_(0, blk.q_rows, acc_out)
-    lse_acc.index_copy_(-1, blk.q_rows, acc_lse)
+    for blk in block_for(x, y, q_x.shape[0], mask, q_x.device).calls:
+        kv = blk.kv_rows
+        out, lse = kernel.forward(rows(q_x, blk.q_rows), rows(k_y, kv), rows(v_y, kv),
+                                  blk.causal, scale, **_documents(blk))
+        if isinstance(blk.q_rows, slice):
+            merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
+            continue
+        acc_out, acc_lse = rows(out_acc, blk.q_rows), rows(lse_acc, blk.q_rows, -1)
+        merge_into(acc_out, acc_lse, out, lse)
+        out_acc.index_copy_(0, blk.q_rows, acc_out)
+        lse_acc.index_copy_(-1, blk.q_rows, acc_lse)
 
 
 def backward_block(
@@ -66,17 +64,16 @@ def backward_block(
     """Gradients of block (x, y) added (fp32) into dq_acc [s, b, hq, d] of x and
     dkv_acc = (dk [s, b, hkv, d], dv [s, b, hkv, dv]) of y (`kv_grads`). out_x / lse_x
     are x's whole-row output (or a stand-in with the same D) and lse."""
-    blk = block_for(x, y, q_x.shape[0], mask, q_x.device)
-    if blk.empty:
-        return
-    q_rows, kv_rows = blk.q_rows, blk.kv_rows
-    dq, dk, dv = kernel.backward(
-        rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
-        rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale, **_documents(blk),
-    )
-    _add_rows(dq_acc, q_rows, dq)
-    _add_rows(dkv_acc[0], kv_rows, dk)
-    _add_rows(dkv_acc[1], kv_rows, dv)
+    for blk in block_for(x, y, q_x.shape[0], mask, q_x.device).calls:
+        q_rows, kv_rows = blk.q_rows, blk.kv_rows
+        dq, dk, dv = kernel.backward(
+            rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
+            rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale,
+            **_documents(blk),
+        )
+        _add_rows(dq_acc, q_rows, dq)
+        _add_rows(dkv_acc[0], kv_rows, dk)
+        _add_rows(dkv_acc[1], kv_rows, dv)
 
 
 def _add_rows(acc: torch.Tensor, index: slice | torch.Tensor, t: torch.Tensor) -> None:

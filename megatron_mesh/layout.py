@@ -70,13 +70,17 @@ class AttentionMask:
 @dataclass(frozen=True)
 class Block:
     """One kernel call: the query rows and key rows of the local shares it uses (slices,
-    or int64 index tensors for packed documents), and the tile's documents."""
+    or int64 index tensors for packed documents), and the tile's documents.
+
+    Under a sliding window a block is the union of the rows its `tiles` use, and the tiles
+    are its kernel calls (each a `Block` of contiguous rows with its window as a `TileMask`)."""
 
     kind: BlockKind
     q_rows: slice | torch.Tensor
     kv_rows: slice | torch.Tensor
     segments: Segments | None = None
-    mask: TileMask | None = None  # sliding windows: the tile's explicit mask
+    mask: TileMask | None = None  # sliding windows: the tile's mask
+    tiles: tuple[Block, ...] | None = None  # sliding windows: the kernel calls
 
     @property
     def causal(self) -> bool:
@@ -88,6 +92,13 @@ class Block:
         if isinstance(self.q_rows, slice):
             return self.q_rows.stop <= self.q_rows.start
         return self.q_rows.numel() == 0
+
+    @property
+    def calls(self) -> tuple[Block, ...]:
+        """The kernel calls computing the block: its tiles, or the block itself."""
+        if self.empty:
+            return ()
+        return (self,) if self.tiles is None else self.tiles
 
 
 def block_kind(q_rank: int, kv_rank: int, causal: bool) -> BlockKind:
@@ -106,7 +117,7 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     if isinstance(mask, bool):
         mask = AttentionMask(mask)
     kind = block_kind(q_rank, kv_rank, mask.causal)
-    if mask.window is not None:
+    if mask.window is not None and not _window_spares(mask, q_rank, kv_rank, local_len):
         return _window_block(mask, q_rank, kv_rank, local_len, torch.device(device))
     if mask.documents is not None:
         return _documents_block(mask.documents, mask.ranks, q_rank, kv_rank, kind,
@@ -154,28 +165,122 @@ def _as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tens
     return index.to(device)
 
 
+# A dense block under a window whose shares hold at most this many rows is one kernel call
+# over the rows it uses, with its mask made once; taller ones are cut into band tiles, each
+# query slab at most MIN_SLAB_ROWS rows or twice the window's width where that is more, so
+# a tile's work and mask stay within a band of the window, not the whole block.
+ONE_CALL_ROWS = 1024
+MIN_SLAB_ROWS = 1024
+
+
+def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> bool:
+    """Whether the window leaves every pair of a dense block that the causal (or full)
+    mask keeps: then the block is the plain one. Positions: each rank's zigzag sub-chunks."""
+    if mask.documents is not None:
+        return False
+    half = local_len // 2
+    q_first, q_second = (c * half for c in zigzag_chunks(mask.ranks, q_rank))
+    kv_first, kv_second = (c * half for c in zigzag_chunks(mask.ranks, kv_rank))
+    left, right = mask.window.left, mask.window.right
+    return ((left < 0 or q_second + half - 1 - kv_first <= left)
+            and (mask.causal or right < 0 or kv_second + half - 1 - q_first <= right))
+
+
 @functools.lru_cache(maxsize=4096)
 def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
                   device: torch.device) -> Block:
     """A block under a sliding window: the query rows that see some key and the key rows
-    some query sees, with the tile's mask (none where the tile is full or plainly causal)."""
+    some query sees, with its kernel calls as `tiles`."""
     kind = block_kind(q_rank, kv_rank, mask.causal)
+    if mask.documents is not None or local_len <= ONE_CALL_ROWS:
+        tile = _one_call(mask, q_rank, kv_rank, local_len, device)
+        if tile is None:
+            return Block(kind, slice(0, 0), slice(0, 0), tiles=())
+        return Block(kind, tile.q_rows, tile.kv_rows, tiles=(tile,))
+    tiles = tuple(_band_tiles(mask, q_rank, kv_rank, local_len))
+    q_used = torch.zeros(local_len, dtype=torch.bool)
+    kv_used = torch.zeros(local_len, dtype=torch.bool)
+    for tile in tiles:
+        q_used[tile.q_rows] = True
+        kv_used[tile.kv_rows] = True
+    return Block(kind, _as_rows(q_used, device), _as_rows(kv_used, device), tiles=tiles)
+
+
+def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int):
+    """The tiles of a dense block under a window, in closed form: each of the two
+    contiguous runs of query positions (the zigzag sub-chunks), cut into slabs, against
+    each run of key positions, trimmed to the rows the window keeps. Every tile is exactly
+    flash-attention's bottom-right window over its rows (`TileMask.band`), so no mask of
+    the block is ever made."""
+    lo = -mask.window.left if mask.window.left >= 0 else None  # key pos - query pos >= lo
+    hi = mask.window.right if mask.window.right >= 0 else None  # ... <= hi
+    if mask.causal:
+        hi = 0 if hi is None else min(hi, 0)
+    slab = MIN_SLAB_ROWS if lo is None or hi is None else max(MIN_SLAB_ROWS, 2 * (hi - lo + 1))
+    half = local_len // 2
+    q_runs = [(row * half, chunk * half) for row, chunk in
+              enumerate(zigzag_chunks(mask.ranks, q_rank))]
+    kv_runs = [(row * half, chunk * half) for row, chunk in
+               enumerate(zigzag_chunks(mask.ranks, kv_rank))]
+    for q_row, q_pos in q_runs:
+        for start in range(0, half, slab):
+            for kv_row, kv_pos in kv_runs:
+                tile = _band_tile(q_pos, start, min(start + slab, half), kv_pos, half, lo, hi)
+                if tile is not None:
+                    (i0, i1), (j0, j1), kind, band = tile
+                    yield Block(kind, slice(q_row + i0, q_row + i1),
+                                slice(kv_row + j0, kv_row + j1), mask=band)
+
+
+def _band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,
+               lo: int | None, hi: int | None):
+    """Query rows [i_start, i_stop) of a run at position q_pos against a run of kv_len keys
+    at kv_pos, where query i sees key j when lo <= (kv_pos + j) - (q_pos + i) <= hi (None:
+    unbounded): ((i0, i1), (j0, j1), kind, TileMask or None) of the rows that see or are
+    seen, or None when none does."""
+    off = kv_pos - q_pos
+    i0 = i_start if hi is None else max(i_start, off - hi)
+    i1 = i_stop if lo is None else min(i_stop, kv_len + off - lo)
+    if i1 <= i0:
+        return None
+    j0 = 0 if lo is None else max(0, i0 - off + lo)
+    j1 = kv_len if hi is None else min(kv_len, i1 - off + hi)
+    if j1 <= j0:
+        return None
+    sq, sk, shift = i1 - i0, j1 - j0, off + j0 - i0  # key pos - query pos at (0, 0)
+    full = ((lo is None or shift - (sq - 1) >= lo) and (hi is None or shift + sk - 1 <= hi))
+    if full:
+        return (i0, i1), (j0, j1), BlockKind.FULL, None
+    if sq == sk and shift == 0 and hi == 0 and (lo is None or lo <= -(sq - 1)):
+        return (i0, i1), (j0, j1), BlockKind.DIAGONAL, None
+    left = -1 if lo is None else sk - sq + shift - lo
+    right = -1 if hi is None else hi - (sk - sq) - shift
+    return (i0, i1), (j0, j1), BlockKind.FULL, TileMask.band(sq, sk, left, right)
+
+
+def _one_call(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
+              device: torch.device) -> Block | None:
+    """A block under a window (inside packed documents, or on short shares) as one kernel
+    call over the rows it uses, with its mask: flash-attention's window where that alone
+    gives it, else explicit (None when no row sees any key)."""
     seen = block_pairs(mask, q_rank, kv_rank, local_len)
     q_any, kv_any = seen.any(1), seen.any(0)
-    q_rows, kv_rows = _as_rows(q_any, device), _as_rows(kv_any, device)
     if not bool(q_any.any()):
-        return Block(kind, q_rows, kv_rows)
+        return None
+    kind = block_kind(q_rank, kv_rank, mask.causal)
+    q_rows, kv_rows = _as_rows(q_any, device), _as_rows(kv_any, device)
     tile = seen[q_any][:, kv_any]
     if bool(tile.all()):
         return Block(BlockKind.FULL, q_rows, kv_rows)
     if tile.shape[0] == tile.shape[1] and torch.equal(tile, torch.ones_like(tile).tril()):
         return Block(BlockKind.DIAGONAL, q_rows, kv_rows)
-    flash = None
     if mask.documents is None:
         pos_q, _ = token_positions(mask.ranks, q_rank, local_len)
         pos_k, _ = token_positions(mask.ranks, kv_rank, local_len)
         flash = _flash_window(pos_q[q_any], pos_k[kv_any], tile, mask.window)
-    return Block(kind, q_rows, kv_rows, mask=TileMask.build(tile, device, flash))
+        if flash is not None:
+            return Block(kind, q_rows, kv_rows, mask=TileMask.band(*tile.shape, *flash))
+    return Block(kind, q_rows, kv_rows, mask=TileMask.explicit(tile, device))
 
 
 def _flash_window(pos_q: torch.Tensor, pos_k: torch.Tensor, tile: torch.Tensor,

@@ -16,26 +16,13 @@ import torch
 
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
-_PAIRS: dict[int, tuple[torch.Tensor, int]] = {}  # id(mask.seen) -> (mask.seen, pairs)
-
-
-def kept_pairs(seen: torch.Tensor) -> int:
-    """True entries of a tile mask, counted once per mask (a layer's masks are made once
-    and kept, `layout.block_for`), so counting does not add to the emulated time."""
-    found = _PAIRS.get(id(seen))
-    if found is None or found[0] is not seen:
-        if len(_PAIRS) > 4096:
-            _PAIRS.clear()
-        found = _PAIRS[id(seen)] = (seen, int(seen.sum()))
-    return found[1]
-
 
 def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None) -> float:
     """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]; with a
     `TileMask`, of the pairs it keeps."""
     sq, b, hq, d = q.shape
     if mask is not None:
-        return 4.0 * kept_pairs(mask.seen) * b * hq * d
+        return 4.0 * mask.pairs * b * hq * d
     return attention_flops(sq, k.shape[0], b, hq, d, causal)
 
 

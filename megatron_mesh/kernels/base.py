@@ -68,28 +68,79 @@ class Segments:
 
 @dataclass(frozen=True, eq=False)
 class TileMask:
-    """An explicit tile mask (sliding windows, alone or inside packed documents): `seen`
-    bool [sq, sk] on the CPU, True where query row i may see key row j; every query row
-    sees at least one key. `flash_window` is (left, right) as flash-attention's
-    window_size_left / right (bottom-right aligned, -1 unbounded) when that window alone
-    gives exactly `seen` (a dense tile of contiguous positions), else None.
+    """The mask of a tile under a sliding window: query row i of sq sees key row j of sk
+    where `seen` says so; every query row sees at least one key.
 
-    `bias` is the additive form on the tiles' device, made once."""
+    Either a band, `flash_window` = (left, right) as flash-attention's window_size_left /
+    right (bottom-right aligned: j - i - (sk - sq) in [-left, right], -1 unbounded), which
+    every dense window tile is (`TileMask.band`; nothing of size sq x sk is kept), or an
+    explicit bool [sq, sk] (windows inside packed documents, `TileMask.explicit`, its
+    additive form made once on the tiles' device)."""
 
-    seen: torch.Tensor = field(compare=False, repr=False)
+    shape: tuple[int, int]
     flash_window: tuple[int, int] | None = None
-    bias: torch.Tensor = field(compare=False, repr=False, default=None)
+    explicit_seen: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    explicit_bias: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def build(cls, seen: torch.Tensor, device: torch.device,
-              flash_window: tuple[int, int] | None = None) -> TileMask:
+    def band(cls, sq: int, sk: int, left: int, right: int) -> TileMask:
+        if left < -1 or right < -1:
+            raise ValueError(f"a band's window ({left}, {right}) must be >= -1 on each side")
+        return cls((sq, sk), (left, right))
+
+    @classmethod
+    def explicit(cls, seen: torch.Tensor, device: torch.device) -> TileMask:
         bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))
-        return cls(seen, flash_window, bias.to(device))
+        return cls(tuple(seen.shape), None, seen, bias.to(device))
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """bool [sq, sk] on the CPU (made on each call for a band)."""
+        if self.flash_window is None:
+            return self.explicit_seen
+        return _band_seen(self.shape, self.flash_window, torch.device("cpu"))
+
+    @functools.cached_property
+    def pairs(self) -> int:
+        """How many (query, key) pairs the mask keeps (a band's counted in closed form)."""
+        if self.flash_window is None:
+            return int(self.explicit_seen.sum())
+        sq, sk = self.shape
+        left, right = self.flash_window
+        i = torch.arange(sq) + (sk - sq)
+        first = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+        last = (i + right).clamp(max=sk - 1) if right >= 0 else torch.full_like(i, sk - 1)
+        return int((last - first + 1).clamp(min=0).sum())
 
     def additive_mask(self, causal: bool, device: torch.device) -> torch.Tensor:
         """[sq, sk] fp32: 0 where a query row may see a key row, -inf elsewhere (`causal`
-        is folded into `seen` already and ignored)."""
-        return self.bias if self.bias.device == torch.device(device) else self.bias.to(device)
+        is folded into the mask already and ignored)."""
+        if self.flash_window is not None:
+            return _band_bias(self.shape, self.flash_window, torch.device(device))
+        bias = self.explicit_bias
+        return bias if bias.device == torch.device(device) else bias.to(device)
+
+
+def _band_seen(shape: tuple[int, int], window: tuple[int, int], device: torch.device
+               ) -> torch.Tensor:
+    """bool [sq, sk]: key j - query i - (sk - sq) within [-left, right] (-1 unbounded)."""
+    sq, sk = shape
+    left, right = window
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        seen = seen.tril(right + sk - sq)
+    if left >= 0:
+        seen = seen.triu(sk - sq - left)
+    return seen
+
+
+@functools.lru_cache(maxsize=256)
+def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.device
+               ) -> torch.Tensor:
+    """The additive form of a band (0 seen, -inf not), made once per shape, window and
+    device: a layer's window tiles take a few shapes, kept as the tiles are."""
+    bias = torch.zeros(shape, dtype=torch.float32, device=device)
+    return bias.masked_fill_(~_band_seen(shape, window, device), float("-inf"))
 
 
 class TileKernel(Protocol):

@@ -35,6 +35,7 @@ class WindowCase:
     q_heads: int = 4
     kv_heads: int = 2
     seed: int = 0
+    local: int = LOCAL  # tokens per rank (dense)
 
     @property
     def documents(self) -> Documents | None:
@@ -99,7 +100,7 @@ def windowed_mask(case: WindowCase, seq: int) -> torch.Tensor:
 def check(case: WindowCase, grid: mm.MeshGrid, schedule: str,
           window_exchange: str = "sparse") -> list[str]:
     docs = case.documents
-    seq = LOCAL * grid.cp_size if docs is None else docs.total
+    seq = case.local * grid.cp_size if docs is None else docs.total
     g = torch.Generator().manual_seed(case.seed)
     shapes = {"q": case.q_heads, "k": case.kv_heads, "v": case.kv_heads, "dout": case.q_heads}
     x = {n: torch.randn(seq, 1, h, 8, generator=g, dtype=torch.float64) for n, h in shapes.items()}
@@ -201,6 +202,33 @@ def test_windows_exact_on_every_grid(cp_size: int) -> None:
     assert not bad, "\n".join(bad[:20])
 
 
+def _run_long(rank: int, world: int) -> list[str]:
+    local = 2176  # sub-chunks of 1088 rows: above layout.ONE_CALL_ROWS and MIN_SLAB_ROWS
+    cases = [WindowCase((64, 0), q_heads=2, kv_heads=1, local=local),
+             WindowCase((1500, 0), q_heads=2, kv_heads=1, local=local, seed=1),
+             WindowCase((40, 70), causal=False, q_heads=2, kv_heads=2, local=local, seed=2)]
+    bad = []
+    for g, (a, r, c) in enumerate(((1, world, 1), (1, 1, world), (world, 1, 1))):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for i, case in enumerate(cases):
+            schedule = SCHEDULES[(g + i) % 3]
+            try:
+                bad += check(case, grid, schedule)
+            except Exception as e:  # noqa: BLE001 (reported with the case)
+                bad.append(f"{case} grid {grid.shape_text} {schedule} rank {rank}: "
+                           f"{type(e).__name__}: {e}")
+    return bad
+
+
+def test_band_tiles_exact_on_long_shares() -> None:
+    """Shares too long for one call per block take the closed-form band tiles (slabs of
+    the sub-chunks, no mask of the block made): exact against fp64 SDPA at P = 2 on the
+    2D and heads grids (the heads grid's shares are the whole 4352-token sequence), and
+    the bytes of the window formula."""
+    bad = [b for rank_bad in run_distributed(_run_long, 2) for b in rank_bad]
+    assert not bad, "\n".join(bad[:20])
+
+
 def _run_gathered(rank: int, world: int) -> list[str]:
     bad = []
     for a, r, c in ((1, world, 1), (1, 2, world // 2), (2, world // 2, 1)):
@@ -241,18 +269,18 @@ def test_bad_windows_are_named_before_any_collective(window, causal, message) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("flash", [True, False])
-def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, flash: bool) -> None:
-    """The CUDA calls of a windowed tile run on meta tensors: flash with its own window
-    (fp16 / bf16, where the window is exact for the tile), else the memory-efficient op
-    with the additive bias; V of its own head dim too."""
+@pytest.mark.parametrize("band", [True, False])
+def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> None:
+    """The CUDA calls of a windowed tile run on meta tensors: flash with the band's own
+    window (fp16 / bf16), else the memory-efficient op with the additive bias (a band's
+    made on the device; an explicit mask's); V of its own head dim too."""
     from megatron_mesh.kernels.base import TileMask
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
     from megatron_mesh.window import Window
 
     meta = torch.device("meta")
     seen = Window(2, 0).sees(torch.arange(6) + 2, torch.arange(8))
-    mask = TileMask.build(seen, meta, (2, 0) if flash else None)
+    mask = TileMask.band(6, 8, 2, 0) if band else TileMask.explicit(seen, meta)
     q = torch.empty(6, 2, 4, 16, device=meta, dtype=dtype)
     k = torch.empty(8, 2, 2, 16, device=meta, dtype=dtype)
     for v in (k, torch.empty(8, 2, 2, 8, device=meta, dtype=dtype)):
@@ -262,25 +290,65 @@ def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, flash: bool) -> 
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
-def test_flash_window_of_a_block_gives_its_tile() -> None:
-    """Where block_for offers flash-attention's window, that window alone gives the tile."""
-    from megatron_mesh.layout import AttentionMask, block_for
+def test_band_mask_counts_and_draws_the_same_pairs() -> None:
+    """A band's closed-form pair count equals its drawn mask's; its additive form is 0
+    exactly where it sees."""
+    from megatron_mesh.kernels.base import TileMask
+
+    for sq, sk in ((5, 5), (3, 9), (9, 3), (1, 7)):
+        for left in (-1, 0, 1, 4, 20):
+            for right in (-1, 0, 2, 20):
+                band = TileMask.band(sq, sk, left, right)
+                e = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+                want = (e >= -left if left >= 0 else True) & (e <= right if right >= 0
+                                                               else True)
+                want = torch.as_tensor(want).expand(sq, sk)
+                assert torch.equal(band.seen, want), (sq, sk, left, right)
+                assert band.pairs == int(want.sum())
+                bias = band.additive_mask(False, torch.device("cpu"))
+                assert torch.equal(bias == 0, want)
+
+
+@pytest.mark.parametrize("ranks,local_len", [(1, 16), (2, 8), (4, 8), (4, 12), (2, 2560)])
+def test_window_tiles_cover_each_block_once(ranks: int, local_len: int) -> None:
+    """The kernel calls of a block under a window together keep exactly the pairs the
+    window keeps on global positions (`block_pairs`, drawn from every token's position),
+    each pair once; every query row of a call sees a key of it and every key row is seen;
+    a call without a mask is full or plainly causal. Short shares make one call per block;
+    local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
+    sub-chunks cut into slabs."""
+    from megatron_mesh.layout import AttentionMask, BlockKind, block_for, block_pairs
     from megatron_mesh.window import Window
 
-    offered = 0
-    for window in (Window(1, 0), Window(3, 0), Window(2, 5), Window(9, -1)):
-        mask = AttentionMask(window.right == 0, None, 4, window)
-        for x in range(4):
-            for y in range(4):
-                blk = block_for(x, y, 8, mask)
-                if blk.mask is None or blk.mask.flash_window is None:
-                    continue
-                offered += 1
-                sq, sk = blk.mask.seen.shape
-                flash = Window(*blk.mask.flash_window).sees(torch.arange(sq) + sk - sq,
-                                                            torch.arange(sk))
-                assert torch.equal(flash, blk.mask.seen), (window, x, y)
-    assert offered > 0
+    sub = local_len // 2
+    windows = [Window(1, 0), Window(sub // 2, 0), Window(sub, 0), Window(3 * sub, 0),
+               Window(2, 5), Window(9, -1), Window(-1, 3), Window(0, 0)]
+    tiles = 0
+    for window in windows:
+        for causal in ((True, False) if window.right == 0 else (False,)):
+            mask = AttentionMask(causal, None, ranks, window)
+            for x in range(ranks):
+                for y in range(ranks):
+                    blk = block_for(x, y, local_len, mask)
+                    want = block_pairs(mask, x, y, local_len)
+                    got = torch.zeros(local_len, local_len, dtype=torch.int64)
+                    for call in blk.calls:
+                        tiles += 1
+                        q_index = torch.arange(local_len)[call.q_rows]
+                        kv_index = torch.arange(local_len)[call.kv_rows]
+                        seen = torch.ones(len(q_index), len(kv_index), dtype=torch.bool)
+                        if call.mask is not None:
+                            seen = call.mask.seen
+                        elif call.kind is BlockKind.DIAGONAL:
+                            seen = seen.tril()
+                        assert bool(seen.any(1).all()) and bool(seen.any(0).all())
+                        got[q_index[:, None], kv_index[None, :]] += seen.long()
+                    assert torch.equal(got, want.long()), (window, causal, x, y)
+    assert tiles > 0
+    if local_len > 2 * 1024:  # slabs: no tile is as tall as a sub-chunk
+        mask = AttentionMask(True, None, ranks, Window(8, 0))
+        calls = block_for(0, 0, local_len, mask).calls
+        assert max(c.q_rows.stop - c.q_rows.start for c in calls) <= 1024
 
 
 @pytest.mark.parametrize("cp_size", [8, 16])
