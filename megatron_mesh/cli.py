@@ -250,8 +250,6 @@ def _run_plan(args: argparse.Namespace) -> int:
         _check_plot_path(parser, args.plot)
     args.documents = _documents(args)
     window, layers = _window(args)
-    if window is not None and args.plot:
-        parser.error("--plot does not take --window-size; leave one out")
     try:
         result = _plan(args, args.gpus, window)
         if layers is not None:
@@ -261,13 +259,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     if layers is not None:
         _print_model(mixed, args.json)
-        return 0
-    if args.json:
+        if not args.plot:
+            return 0
+    elif args.json:
         print(json.dumps(plan_to_dict(result), indent=2))
     else:
         print(format_table(result))
     if args.plot:
-        plans = [_plan(args, n) for n in gpu_counts(args.gpus, args.seq_length)
+        plans = [_plan(args, n, window) for n in gpu_counts(args.gpus, args.seq_length)
                  if _fills_nodes(n, args.gpus_per_node)]
         draw(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Predicted speedup over ring against GPU count (strong scaling: fixed sequence)."""
+"""Predicted speedup against GPU count (strong scaling: fixed sequence), over ring, or over
+all_gather for a sliding-window layer (Transformer Engine's ring refuses windows)."""
 from __future__ import annotations
 
 from megatron_mesh.planner.search import Plan
@@ -18,12 +19,15 @@ def gpu_counts(max_gpus: int, seq_length: int) -> list[int]:
 
 
 def speedup_series(plans: list[Plan]) -> dict[str, list[tuple[int, float]]]:
-    """(GPUs, speedup over ring) points per series; a2a points only where heads divide."""
-    series: dict[str, list[tuple[int, float]]] = {name: [] for name in SERIES}
+    """(GPUs, speedup over the plans' reference) points per series, the reference itself
+    left out; a2a points only where heads divide, none for a method that does not run."""
+    reference = plans[-1].reference.method
+    series: dict[str, list[tuple[int, float]]] = {name: [] for name in SERIES
+                                                  if name != reference}
     for p in plans:
         n = p.cluster.gpus
         series["best mesh"].append((n, p.speedup(p.best_mesh)))
-        for name in SERIES[1:]:
+        for name in series.keys() - {"best mesh"}:
             e = p.method(name)
             if e is not None:
                 series[name].append((n, p.speedup(e)))
@@ -46,14 +50,16 @@ def draw(plans: list[Plan], path: str) -> None:
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=name)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="ring (p2p)")
+    reference = last.reference.label
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label=reference)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"GPUs ({last.cluster.gpus_per_node} per node)")
-    ax.set_ylabel("predicted attention speedup over ring")
+    ax.set_ylabel(f"predicted attention speedup over {reference} (MODEL)")
     w = last.workload
+    window = "" if w.window is None else f", window ({w.window.left}, {w.window.right})"
     ax.set_title(
-        f"S={w.seq_length}, {w.num_heads}/{w.num_kv_heads} heads x {w.head_dim}, {w.dtype}, "
-        f"{last.cluster.intra_node_bw:g}/{last.cluster.inter_node_bw:g} GB/s",
+        f"S={w.seq_length}, {w.num_heads}/{w.num_kv_heads} heads x {w.head_dim}, {w.dtype}"
+        f"{window}, {last.cluster.intra_node_bw:g}/{last.cluster.inter_node_bw:g} GB/s",
         fontsize=9,
     )
     ax.grid(True, which="both", alpha=0.3)

@@ -480,6 +480,31 @@ def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_cli_plot_of_a_windowed_layer(tmp_path: Path):
+    """--plot with --window-size draws the windowed layer against all_gather (ring refuses
+    windows), with --window-attn-skip-freq beside the model's verdict."""
+    pytest.importorskip("matplotlib", reason="--plot needs the 'plot' extra (matplotlib)")
+    for extra in ([], ["--window-attn-skip-freq", "4", "--num-layers", "8"]):
+        png = tmp_path / f"window{len(extra)}.png"
+        done = run_cli(*PLAN_ARGS, "--window-size", "512", *extra, "--plot", str(png))
+        assert done.returncode == 0, done.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert "all_gather" in done.stdout
+
+
+def test_plot_series_of_a_windowed_layer_are_over_all_gather():
+    from megatron_mesh.planner.plot import speedup_series
+
+    plans = [plan(n, seq_length=131072, num_heads=32, num_kv_heads=8, head_dim=128,
+                  window=(1024, 0)) for n in (8, 64)]
+    series = speedup_series(plans)
+    assert "all_gather" not in series  # the reference
+    assert series["a2a+p2p"] == []  # refuses windows in Transformer Engine
+    assert [n for n, _ in series["a2a"]] == [8]
+    best = plans[1].method("all_gather").total_s / plans[1].best_mesh.total_s
+    assert series["best mesh"][1] == (64, pytest.approx(best))
+
+
 def test_plot_series_points():
     from megatron_mesh.planner.plot import gpu_counts, speedup_series
 
