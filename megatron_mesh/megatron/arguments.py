@@ -28,7 +28,8 @@ from megatron_mesh.values import (
 
 logger = logging.getLogger(__name__)
 
-ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "mesh")
+MESH = "mesh"
+ALGORITHMS = ("p2p", "all_gather", "a2a", "a2a+p2p", MESH)
 """Megatron's four context-parallel algorithms (Transformer Engine) and the mesh."""
 
 MEGATRON_DEFAULT_CP_COMM_TYPE = ["p2p"]
@@ -36,14 +37,29 @@ MEGATRON_DEFAULT_CP_COMM_TYPE = ["p2p"]
 
 __all__ = [
     "ALGORITHMS",
+    "MESH",
     "add_mesh_args",
     "attention_head_dims",
     "check_algorithm",
+    "is_mesh",
     "mesh_active",
     "parse_mesh_shape",
     "resolve_context_parallel_algo",
+    "te_cp_comm_type",
     "validate_mesh_args",
 ]
+
+
+def is_mesh(algo: str | None) -> bool:
+    """Whether `algo` is the mesh; every other algorithm of ALGORITHMS runs in Transformer
+    Engine (None: Megatron's per-layer mix, never the mesh)."""
+    return algo == MESH
+
+
+def te_cp_comm_type(algo: str) -> str:
+    """The cp_comm_type megatron-core's config gets for `algo`: its own name, or for the
+    mesh 'p2p' (megatron-core checks the value; the mesh's core attention ignores it)."""
+    return "p2p" if is_mesh(algo) else algo
 
 
 def check_algorithm(algo: str) -> str:
@@ -60,7 +76,7 @@ def mesh_active(args: Any) -> bool:
     CP = 1 every algorithm is plain attention). `args` is a namespace or TrainingConfig with
     the algorithm resolved (`resolve_context_parallel_algo`)."""
     cp_size = getattr(args, "context_parallel_size", None) or 1
-    return getattr(args, "context_parallel_algo", None) == "mesh" and cp_size > 1
+    return is_mesh(getattr(args, "context_parallel_algo", None)) and cp_size > 1
 
 
 def _mesh_shape_type(text: str) -> tuple[int, ...]:
@@ -187,7 +203,7 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     for algo in [chosen, *(comm or [])]:
         if algo is not None:
             check_algorithm(algo)
-    if comm and "mesh" in comm and set(comm) != {"mesh"}:
+    if comm and MESH in comm and set(comm) != {MESH}:
         raise ValueError(
             f"--cp-comm-type {' '.join(comm)}: mesh cannot be mixed with other per-layer "
             "algorithms; give --cp-comm-type mesh (every layer) or leave mesh out"
@@ -200,7 +216,7 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
         )
     if chosen is None:
         chosen = "p2p" if not comm else comm[0] if len(set(comm)) == 1 else None
-    elif chosen != "mesh" and comm is not None:
+    elif not is_mesh(chosen) and comm is not None:
         args.cp_comm_type = [chosen]
     args.context_parallel_algo = chosen
     return chosen
@@ -228,7 +244,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         check_zigzag_divisible(seq_length, cp_size, "--seq-length", "--context-parallel-size")
     mesh_shape = getattr(args, "mesh_shape", None)
     mesh_heads = getattr(args, "mesh_heads", None)
-    if algo != "mesh":
+    if not is_mesh(algo):
         for flag, value in (("--mesh-shape", mesh_shape), ("--mesh-heads", mesh_heads)):
             if value is not None:
                 logger.warning("%s %s is ignored: --context-parallel-algo is %s", flag, value,

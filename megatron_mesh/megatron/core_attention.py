@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
 from megatron_mesh.documents import Documents
-from megatron_mesh.megatron.arguments import check_algorithm
+from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.megatron.groups import (
     get_mesh_grid,
@@ -275,7 +275,7 @@ def layer_window(config: TransformerConfig, layer_number: int) -> tuple[int, int
 
 def _check_algorithm(algo: str, config: TransformerConfig) -> None:
     """ValueError unless this class can run `algo`: 'mesh', or any algorithm at CP = 1."""
-    if algo == "mesh" or config.context_parallel_size == 1:
+    if is_mesh(algo) or config.context_parallel_size == 1:
         return
     if transformer_engine_attention() is None:
         raise ValueError(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_mesh.megatron.arguments import ALGORITHMS
+from megatron_mesh.megatron.arguments import ALGORITHMS, is_mesh
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.megatron.core_attention import (
     MeshDotProductAttention,
@@ -41,7 +41,7 @@ def mesh_core_attention_spec(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
             f"valid: {', '.join(ALGORITHMS)}"
         )
-    te_attention = transformer_engine_attention() if context_parallel_algo != "mesh" else None
+    te_attention = None if is_mesh(context_parallel_algo) else transformer_engine_attention()
     if te_attention is not None:
         return ModuleSpec(module=te_attention, params={"cp_comm_type": context_parallel_algo})
     params: dict[str, Any] = {"context_parallel_algo": context_parallel_algo}

@@ -19,6 +19,7 @@ from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.megatron.arguments import (
     add_mesh_args,
     attention_head_dims,
+    is_mesh,
     validate_mesh_args,
 )
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
@@ -411,7 +412,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.context_parallel_algo is None:
         _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
               "every layer; give one value")
-    if cp > 1 and args.context_parallel_algo != "mesh" and not have_transformer_engine():
+    if cp > 1 and not is_mesh(args.context_parallel_algo) and not have_transformer_engine():
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "
               "--context-parallel-algo mesh (works without it) or install transformer-engine")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_mesh.grid import MeshGrid
+from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.training.device import has_cuda
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    if args.context_parallel_algo != "mesh":
+    if not is_mesh(args.context_parallel_algo):
         return None
     from megatron_mesh.megatron.groups import initialize_mesh_grids
 

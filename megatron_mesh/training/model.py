@@ -10,6 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_mesh.dtypes import flag_dtype
+from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
 
@@ -86,7 +87,7 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
 def _cp_comm_type(args: TrainingConfig) -> str | None:
     if args.context_parallel_size == 1:
         return None
-    return "p2p" if args.context_parallel_algo == "mesh" else args.context_parallel_algo
+    return te_cp_comm_type(args.context_parallel_algo)
 
 
 def use_transformer_engine(args: TrainingConfig) -> bool:
@@ -113,10 +114,10 @@ def attention_algo(args: TrainingConfig, use_te: bool) -> str | None:
     if args.attention_backend == "local":
         return None
     algo = args.context_parallel_algo
-    if algo == "mesh" or not use_te:
-        return "mesh"
+    if is_mesh(algo) or not use_te:
+        return MESH
     if args.attention_backend == "flash" and args.context_parallel_size == 1:
-        return "mesh"
+        return MESH
     return algo
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.grid import MeshGrid
-from megatron_mesh.megatron.arguments import mesh_active
+from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.training import distributed
@@ -63,7 +63,7 @@ def _attention_label(args: TrainingConfig) -> str:
     algo = attention_algo(args, use_transformer_engine(args))
     if algo is None:
         return "megatron-core local (unfused)"
-    return "mesh tile kernel" if algo == "mesh" else f"Transformer Engine ({algo})"
+    return "mesh tile kernel" if is_mesh(algo) else f"Transformer Engine ({algo})"
 
 
 def _heads_label(args: TrainingConfig) -> str:
