@@ -283,13 +283,9 @@ def _fail(msg: str) -> None:
     raise ConfigError(msg)
 
 
-def _check_document_masking(args: argparse.Namespace, pp: int, cp: int) -> None:
+def _check_document_masking(args: argparse.Namespace, cp: int) -> None:
     """--reset-attention-mask packs each micro-batch's documents as THD sequences
     (`training/packing.py`); fail for what cannot take them."""
-    if pp > 1:
-        _fail(f"--reset-attention-mask with --pipeline-model-parallel-size {pp}: packed "
-              "documents change the micro-batch's token count, which pipeline stages must "
-              "agree on beforehand; use --pipeline-model-parallel-size 1")
     if args.attention_backend == "local":
         _fail("--reset-attention-mask with --attention-backend local: megatron-core's local "
               "attention takes no packed documents; use --attention-backend auto or flash")
@@ -427,7 +423,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
               "Engine / Apex) keeps and checkpoints Adam's state only; use --optimizer adam, or "
               "drop --use-distributed-optimizer")
     if args.reset_attention_mask:
-        _check_document_masking(args, pp, cp)
+        _check_document_masking(args, cp)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.sequence_parallel and (args.seq_length // cp) % tp:

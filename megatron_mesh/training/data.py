@@ -170,9 +170,10 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     read the same samples; get_batch_on_this_cp_rank then keeps this CP rank's two zigzag
     chunks (--reset-attention-mask: `pack_documents` its share of the packed documents).
     Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
-    stage reads no samples.
+    stage reads no samples (with --reset-attention-mask their token ids, for the
+    documents).
     """
-    keys = batch_keys()
+    keys = batch_keys(args.reset_attention_mask)
     if not keys:
         while True:
             yield get_batch_on_this_cp_rank({})

@@ -13,6 +13,7 @@ from megatron_mesh.dtypes import flag_dtype
 from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.pipeline import varies_in_length
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -61,6 +62,7 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        variable_seq_lengths=varies_in_length(args),
         use_cpu_initialization=not has_cuda(),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -3,8 +3,8 @@
 A dataset of real EOD-separated documents is built with megatron-core's indexed dataset
 builder (each document ends in the NullTokenizer's EOD id, --vocab-size). With
 --reset-attention-mask --reset-position-ids, CP = 1's losses differ from its losses without
-the flags (the mask does something), and the mesh (2x2, 1x4, 2x1x2) matches CP = 1 with
-documents masked. That a packed document's loss and gradients equal those of the document
+the flags (the mask does something), and the mesh (2x2, 1x4, 2x1x2; 2x1 under two
+pipeline stages) and two pipeline stages at CP = 1 match CP = 1 with documents masked. That a packed document's loss and gradients equal those of the document
 run alone is checked on the model in tests/distributed/test_megatron_parity.py.
 """
 from __future__ import annotations
@@ -19,6 +19,9 @@ TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 ITERS = 6
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: the NullTokenizer's EOD id
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
+# two stages of one layer each, two micro-batches per iteration: 1F1B sends activations of
+# packed micro-batches whose token counts differ
+PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,10 @@ def runs(data_args: list[str]) -> dict[str, Run]:
         "2x2 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "2x2"]),
         "1x4 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "1x4"]),
         "2x1x2 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "2x1x2"]),
+        "pp2 2x1 documents": launch(4, [*data_args, *DOCUMENTS, *PP2, "--context-parallel-size",
+                                        "2", "--context-parallel-algo", "mesh",
+                                        "--mesh-shape", "2x1"]),
+        "pp2 cp1 documents": launch(2, [*data_args, *DOCUMENTS, *PP2]),
     }
 
 
@@ -51,7 +58,7 @@ def test_document_mask_changes_cp1_losses(runs: dict[str, Run]) -> None:
     assert all(abs(plain[it] - masked[it]) > 1e-4 for it in plain), (plain, masked)
 
 
-@pytest.mark.parametrize("grid", ["2x2", "1x4", "2x1x2"])
+@pytest.mark.parametrize("grid", ["2x2", "1x4", "2x1x2", "pp2 2x1", "pp2 cp1"])
 def test_mesh_with_documents_matches_cp1(runs: dict[str, Run], grid: str) -> None:
     run = runs[f"{grid} documents"]
     assert run.returncode == 0, run.output[-3000:]
