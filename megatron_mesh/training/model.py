@@ -63,6 +63,9 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         variable_seq_lengths=varies_in_length(args),
+        # megatron-core refuses variable lengths beside its default MoE dispatcher even
+        # without experts; this model has none, so the dispatcher named is never built
+        **({"moe_token_dispatcher_type": "alltoall"} if varies_in_length(args) else {}),
         use_cpu_initialization=not has_cuda(),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
