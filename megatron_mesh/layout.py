@@ -165,12 +165,16 @@ def _as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tens
     return index.to(device)
 
 
-# A dense block under a window whose shares hold at most this many rows is one kernel call
-# over the rows it uses, with its mask made once; taller ones are cut into band tiles, each
-# query slab at most MIN_SLAB_ROWS rows or twice the window's width where that is more, so
-# a tile's work and mask stay within a band of the window, not the whole block.
+# A block under a window whose shares hold at most this many rows is one kernel call over
+# the rows it uses, with its mask made once; on taller shares each contiguous run of
+# positions (a zigzag sub-chunk, or a document's piece) is cut into band tiles, each query
+# slab at most MIN_SLAB_ROWS rows or twice the window's width where that is more, so a
+# tile's work and mask stay within a band of the window, not the whole block. Documents of
+# fewer than SMALL_DOCUMENT_ROWS rows on the query side are grouped, consecutive ones, into
+# one call of at least MIN_SLAB_ROWS query rows with an explicit mask of the group.
 ONE_CALL_ROWS = 1024
 MIN_SLAB_ROWS = 1024
+SMALL_DOCUMENT_ROWS = 256
 
 
 def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> bool:
@@ -192,44 +196,109 @@ def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int
     """A block under a sliding window: the query rows that see some key and the key rows
     some query sees, with its kernel calls as `tiles`."""
     kind = block_kind(q_rank, kv_rank, mask.causal)
-    if mask.documents is not None or local_len <= ONE_CALL_ROWS:
+    if local_len <= ONE_CALL_ROWS:
         tile = _one_call(mask, q_rank, kv_rank, local_len, device)
         if tile is None:
             return Block(kind, slice(0, 0), slice(0, 0), tiles=())
         return Block(kind, tile.q_rows, tile.kv_rows, tiles=(tile,))
-    tiles = tuple(_band_tiles(mask, q_rank, kv_rank, local_len))
+    tiles = tuple(_band_tiles(mask, q_rank, kv_rank, local_len, device))
     q_used = torch.zeros(local_len, dtype=torch.bool)
     kv_used = torch.zeros(local_len, dtype=torch.bool)
+    on_cpu = lambda rows: rows if isinstance(rows, slice) else rows.cpu()  # noqa: E731
     for tile in tiles:
-        q_used[tile.q_rows] = True
-        kv_used[tile.kv_rows] = True
+        q_used[on_cpu(tile.q_rows)] = True
+        kv_used[on_cpu(tile.kv_rows)] = True
     return Block(kind, _as_rows(q_used, device), _as_rows(kv_used, device), tiles=tiles)
 
 
-def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int):
-    """The tiles of a dense block under a window, in closed form: each of the two
-    contiguous runs of query positions (the zigzag sub-chunks), cut into slabs, against
-    each run of key positions, trimmed to the rows the window keeps. Every tile is exactly
-    flash-attention's bottom-right window over its rows (`TileMask.band`), so no mask of
-    the block is ever made."""
+Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
+
+
+def _runs(mask: AttentionMask, rank: int, local_len: int) -> list[list[Run]]:
+    """Per document (one for a dense sequence), `rank`'s runs of real rows: its zigzag
+    sub-chunks, or its pieces of each document, positions counted within the document and
+    padding rows left out (as `window.token_positions` gives them row by row)."""
+    if mask.documents is None:
+        half = local_len // 2
+        return [[(row * half, chunk * half, half)
+                 for row, chunk in enumerate(zigzag_chunks(mask.ranks, rank))]]
+    out = []
+    ranks = mask.ranks
+    for (offset, piece), length in zip(mask.documents.pieces(ranks), mask.documents.lengths):
+        indices = (rank,) if ranks == 1 else zigzag_chunks(ranks, rank)
+        runs = []
+        for k, index in enumerate(indices):
+            rows = max(0, min(piece, length - index * piece))
+            if rows:
+                runs.append((offset + k * piece, index * piece, rows))
+        out.append(runs)
+    return out
+
+
+def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
+                device: torch.device):
+    """The calls of a block under a window on tall shares, in closed form: each run of
+    query positions, cut into slabs, against each run of key positions of its document,
+    trimmed to the rows the window keeps. Every such tile is exactly flash-attention's
+    bottom-right window over its rows (`TileMask.band`), so no mask of the block is ever
+    made. Short documents go in groups (`_group_call`)."""
     lo = -mask.window.left if mask.window.left >= 0 else None  # key pos - query pos >= lo
     hi = mask.window.right if mask.window.right >= 0 else None  # ... <= hi
     if mask.causal:
         hi = 0 if hi is None else min(hi, 0)
     slab = MIN_SLAB_ROWS if lo is None or hi is None else max(MIN_SLAB_ROWS, 2 * (hi - lo + 1))
-    half = local_len // 2
-    q_runs = [(row * half, chunk * half) for row, chunk in
-              enumerate(zigzag_chunks(mask.ranks, q_rank))]
-    kv_runs = [(row * half, chunk * half) for row, chunk in
-               enumerate(zigzag_chunks(mask.ranks, kv_rank))]
-    for q_row, q_pos in q_runs:
-        for start in range(0, half, slab):
-            for kv_row, kv_pos in kv_runs:
-                tile = _band_tile(q_pos, start, min(start + slab, half), kv_pos, half, lo, hi)
-                if tile is not None:
-                    (i0, i1), (j0, j1), kind, band = tile
-                    yield Block(kind, slice(q_row + i0, q_row + i1),
-                                slice(kv_row + j0, kv_row + j1), mask=band)
+    group: list[tuple[list[Run], list[Run]]] = []
+    for q_runs, kv_runs in zip(_runs(mask, q_rank, local_len), _runs(mask, kv_rank, local_len)):
+        if not q_runs or not kv_runs:
+            continue
+        if mask.documents is not None and sum(n for *_, n in q_runs) < SMALL_DOCUMENT_ROWS:
+            group.append((q_runs, kv_runs))
+            if sum(n for runs, _ in group for *_, n in runs) >= MIN_SLAB_ROWS:
+                yield from _group_call(group, lo, hi, device)
+                group = []
+            continue
+        for q_row, q_pos, q_len in q_runs:
+            for start in range(0, q_len, slab):
+                for kv_row, kv_pos, kv_len in kv_runs:
+                    tile = _band_tile(q_pos, start, min(start + slab, q_len), kv_pos, kv_len,
+                                      lo, hi)
+                    if tile is not None:
+                        (i0, i1), (j0, j1), kind, band = tile
+                        yield Block(kind, slice(q_row + i0, q_row + i1),
+                                    slice(kv_row + j0, kv_row + j1), mask=band)
+    if group:
+        yield from _group_call(group, lo, hi, device)
+
+
+def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: int | None,
+                device: torch.device):
+    """One call over a group of short documents' runs (query and key runs of each): the
+    rows that see or are seen, with the explicit mask of the group (block-diagonal over its
+    documents, each under the window), or nothing when no row sees a key."""
+    def rows_of(side: int):
+        row, pos, doc = [], [], []
+        for d, runs in enumerate(member[side] for member in group):
+            for first, start, n in runs:
+                row.append(torch.arange(first, first + n))
+                pos.append(torch.arange(start, start + n))
+                doc.append(torch.full((n,), d))
+        return torch.cat(row), torch.cat(pos), torch.cat(doc)
+
+    q_row, q_pos, q_doc = rows_of(0)
+    kv_row, kv_pos, kv_doc = rows_of(1)
+    delta = kv_pos[None, :] - q_pos[:, None]
+    seen = q_doc[:, None] == kv_doc[None, :]
+    if lo is not None:
+        seen &= delta >= lo
+    if hi is not None:
+        seen &= delta <= hi
+    q_any, kv_any = seen.any(1), seen.any(0)
+    if not bool(q_any.any()):
+        return
+    seen = seen[q_any][:, kv_any]
+    tile_mask = None if bool(seen.all()) else TileMask.explicit(seen, device)
+    yield Block(BlockKind.FULL, q_row[q_any].to(device), kv_row[kv_any].to(device),
+                mask=tile_mask)
 
 
 def _band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,

@@ -206,7 +206,10 @@ def _run_long(rank: int, world: int) -> list[str]:
     local = 2176  # sub-chunks of 1088 rows: above layout.ONE_CALL_ROWS and MIN_SLAB_ROWS
     cases = [WindowCase((64, 0), q_heads=2, kv_heads=1, local=local),
              WindowCase((1500, 0), q_heads=2, kv_heads=1, local=local, seed=1),
-             WindowCase((40, 70), causal=False, q_heads=2, kv_heads=2, local=local, seed=2)]
+             WindowCase((40, 70), causal=False, q_heads=2, kv_heads=2, local=local, seed=2),
+             WindowCase((64, 0), q_heads=2, kv_heads=1, seed=3, **LONG_DOCUMENTS),
+             WindowCase((300, 20), causal=False, q_heads=2, kv_heads=2, seed=4,
+                        **LONG_DOCUMENTS)]
     bad = []
     for g, (a, r, c) in enumerate(((1, world, 1), (1, 1, world), (world, 1, 1))):
         grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
@@ -222,9 +225,10 @@ def _run_long(rank: int, world: int) -> list[str]:
 
 def test_band_tiles_exact_on_long_shares() -> None:
     """Shares too long for one call per block take the closed-form band tiles (slabs of
-    the sub-chunks, no mask of the block made): exact against fp64 SDPA at P = 2 on the
-    2D and heads grids (the heads grid's shares are the whole 4352-token sequence), and
-    the bytes of the window formula."""
+    the sub-chunks, no mask of the block made; packed documents: band tiles per document
+    piece, short documents grouped): exact against fp64 SDPA at P = 2 on the 2D and heads
+    grids (the heads grid's shares are the whole 4352-token sequence), and the bytes of the
+    window formula."""
     bad = [b for rank_bad in run_distributed(_run_long, 2) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
 
@@ -309,29 +313,38 @@ def test_band_mask_counts_and_draws_the_same_pairs() -> None:
                 assert torch.equal(bias == 0, want)
 
 
-@pytest.mark.parametrize("ranks,local_len", [(1, 16), (2, 8), (4, 8), (4, 12), (2, 2560)])
-def test_window_tiles_cover_each_block_once(ranks: int, local_len: int) -> None:
+LONG_DOCUMENTS = dict(lengths=(1500, 5, 13, 100, 37, 8, 2000, 700, 300, 40),
+                      padded=(1500, 8, 16, 100, 40, 8, 2000, 700, 300, 40))
+
+
+@pytest.mark.parametrize("ranks,local_len,documents", [
+    (1, 16, False), (2, 8, False), (4, 8, False), (4, 12, False), (2, 2560, False),
+    (2, 2356, True), (1, 4712, True)])
+def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
+                                            documents: bool) -> None:
     """The kernel calls of a block under a window together keep exactly the pairs the
     window keeps on global positions (`block_pairs`, drawn from every token's position),
     each pair once; every query row of a call sees a key of it and every key row is seen;
     a call without a mask is full or plainly causal. Short shares make one call per block;
     local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
-    sub-chunks cut into slabs."""
+    sub-chunks cut into slabs; packed documents on tall shares take band tiles per
+    document piece and groups of short documents."""
     from megatron_mesh.layout import AttentionMask, BlockKind, block_for, block_pairs
     from megatron_mesh.window import Window
 
+    docs = WindowCase((1, 0), **LONG_DOCUMENTS).documents if documents else None
     sub = local_len // 2
     windows = [Window(1, 0), Window(sub // 2, 0), Window(sub, 0), Window(3 * sub, 0),
                Window(2, 5), Window(9, -1), Window(-1, 3), Window(0, 0)]
     tiles = 0
     for window in windows:
         for causal in ((True, False) if window.right == 0 else (False,)):
-            mask = AttentionMask(causal, None, ranks, window)
+            mask = AttentionMask(causal, docs, ranks, window)
             for x in range(ranks):
                 for y in range(ranks):
                     blk = block_for(x, y, local_len, mask)
                     want = block_pairs(mask, x, y, local_len)
-                    got = torch.zeros(local_len, local_len, dtype=torch.int64)
+                    got = torch.zeros(local_len, local_len, dtype=torch.int16)
                     for call in blk.calls:
                         tiles += 1
                         q_index = torch.arange(local_len)[call.q_rows]
@@ -342,8 +355,8 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int) -> None:
                         elif call.kind is BlockKind.DIAGONAL:
                             seen = seen.tril()
                         assert bool(seen.any(1).all()) and bool(seen.any(0).all())
-                        got[q_index[:, None], kv_index[None, :]] += seen.long()
-                    assert torch.equal(got, want.long()), (window, causal, x, y)
+                        got[q_index[:, None], kv_index[None, :]] += seen.to(torch.int16)
+                    assert torch.equal(got, want.to(torch.int16)), (window, causal, x, y)
     assert tiles > 0
     if local_len > 2 * 1024:  # slabs: no tile is as tall as a sub-chunk
         mask = AttentionMask(True, None, ranks, Window(8, 0))
