@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -201,13 +201,15 @@ def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int
         if tile is None:
             return Block(kind, slice(0, 0), slice(0, 0), tiles=())
         return Block(kind, tile.q_rows, tile.kv_rows, tiles=(tile,))
-    tiles = tuple(_band_tiles(mask, q_rank, kv_rank, local_len, device))
+    tiles = tuple(_band_tiles(mask, q_rank, kv_rank, local_len, device))  # rows on the CPU
     q_used = torch.zeros(local_len, dtype=torch.bool)
     kv_used = torch.zeros(local_len, dtype=torch.bool)
-    on_cpu = lambda rows: rows if isinstance(rows, slice) else rows.cpu()  # noqa: E731
     for tile in tiles:
-        q_used[on_cpu(tile.q_rows)] = True
-        kv_used[on_cpu(tile.kv_rows)] = True
+        q_used[tile.q_rows] = True
+        kv_used[tile.kv_rows] = True
+    on_device = lambda rows: rows if isinstance(rows, slice) else rows.to(device)  # noqa: E731
+    tiles = tuple(replace(t, q_rows=on_device(t.q_rows), kv_rows=on_device(t.kv_rows))
+                  for t in tiles)
     return Block(kind, _as_rows(q_used, device), _as_rows(kv_used, device), tiles=tiles)
 
 
@@ -273,8 +275,9 @@ def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
 def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: int | None,
                 device: torch.device):
     """One call over a group of short documents' runs (query and key runs of each): the
-    rows that see or are seen, with the explicit mask of the group (block-diagonal over its
-    documents, each under the window), or nothing when no row sees a key."""
+    rows that see or are seen (index tensors on the CPU), with the explicit mask of the
+    group (block-diagonal over its documents, each under the window; its additive form on
+    `device`), or nothing when no row sees a key."""
     def rows_of(side: int):
         row, pos, doc = [], [], []
         for d, runs in enumerate(member[side] for member in group):
@@ -297,8 +300,7 @@ def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: in
         return
     seen = seen[q_any][:, kv_any]
     tile_mask = None if bool(seen.all()) else TileMask.explicit(seen, device)
-    yield Block(BlockKind.FULL, q_row[q_any].to(device), kv_row[kv_any].to(device),
-                mask=tile_mask)
+    yield Block(BlockKind.FULL, q_row[q_any], kv_row[kv_any], mask=tile_mask)
 
 
 def _band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,

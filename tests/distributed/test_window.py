@@ -294,6 +294,68 @@ def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> N
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
+def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
+    """The sparse exchange's forward and backward (what every schedule runs under a window)
+    on 'meta' tensors (the CUDA branches of the torch kernel) on a 1 x 1 grid with a window
+    on a share of 4712 rows: dense band tiles, and packed documents (band tiles per piece,
+    short documents grouped); which attention ops ran, and the shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_mesh import windowed
+    from megatron_mesh.kernels import TorchFlashKernel
+    from megatron_mesh.layout import AttentionMask
+    from megatron_mesh.window import Window
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.overloadpacket.__name__:
+                self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    grid = mm.MeshGrid.build(rows=1, cols=1)
+    docs = WindowCase((64, 0), **LONG_DOCUMENTS).documents
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for packed in (False, True):
+            mask = AttentionMask(True, docs if packed else None, 1, Window(64, 0))
+            q = torch.empty(docs.total, 1, 4, 16, device="meta", dtype=dtype)
+            k, v = (torch.empty(docs.total, 1, 2, 16, device="meta", dtype=dtype)
+                    for _ in range(2))
+            with Ops() as ops:
+                out, lse = windowed.forward(q, k, v, grid, mask, 0.25, TorchFlashKernel())
+                dq, dk, dv = windowed.backward(out, q, k, v, out, lse, grid, mask, 0.25,
+                                               TorchFlashKernel())
+            rows.append((str(dtype), packed, tuple(out.shape), out.dtype == dtype,
+                         tuple(lse.shape), tuple(dq.shape), tuple(dk.shape), tuple(dv.shape),
+                         sorted(ops.names)))
+    return rows
+
+
+def test_tall_window_shares_on_meta() -> None:
+    """The CUDA calls of band tiles and of grouped short documents, built on the tiles'
+    device (meta): flash with each band's own window in bf16, the memory-efficient op with
+    the band's and the group's additive masks in fp32."""
+    (rows,) = run_distributed(_tall_windows_on_meta, 1)
+    assert len(rows) == 4
+    flash = {"_flash_attention_forward", "_flash_attention_backward"}
+    efficient = {"_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_efficient_attention_backward"}
+    for dtype, packed, out_shape, same_dtype, lse, dq, dk, dv, ops in rows:
+        what = (dtype, packed, ops)
+        assert out_shape == dq == (4712, 1, 4, 16) and same_dtype, what
+        assert lse == (1, 4, 4712) and dk == dv == (4712, 1, 2, 16), what
+        if dtype == "torch.bfloat16":
+            assert flash <= set(ops), what  # the bands: flash with their own window
+        else:
+            assert set(ops) == efficient, what
+        if packed:  # the group of short documents: an explicit mask, the efficient op
+            assert efficient <= set(ops), what
+
+
 def test_band_mask_counts_and_draws_the_same_pairs() -> None:
     """A band's closed-form pair count equals its drawn mask's; its additive form is 0
     exactly where it sees."""
