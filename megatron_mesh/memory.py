@@ -29,7 +29,7 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                        partials) + 2 FQ (own dQ, the one being built) + 2 q g_q (the one in
                        flight and the one arriving on the row ring) + stand-in; C = 2: the
                        one partial is sent after its blocks (max(stand-in, (1 + [g_q < 4])
-                       q g_q + Q)); C = 1: R KV + FQ + R FKV + block
+                       q g_q + O)); C = 1: R KV + FQ + R FKV + block
     streamed_kv bwd  : rows + 2 FKV (own and the one being built) + 2 kv g_kv (in flight
                        and arriving) + the larger of a step before the last (C FQ + 2 KV +
                        block off the diagonal) and the last step (KV + max(C FQ, (C-1) FQ
@@ -246,16 +246,14 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
-    if schedule != "windowed" and schedule not in tuple(Schedule):
+    if schedule not in tuple(Schedule):  # ('ring' and 'windowed' go elsewhere: extra_memory)
         raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
                          "streamed_q, ring or windowed")
     # the schedule has no ring to run here: the gathered code runs
-    if schedule != "windowed" and Schedule(schedule).runs_gathered(r, c):
+    if Schedule(schedule).runs_gathered(r, c):
         return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": _gathered_backward(m, r, c)}
-    if schedule == "windowed":  # the bound; `_windowed_memory` for a given window
-        return _windowed_peaks(m, r, c, Fraction(1, 2), [_bound(r, c)])
     if schedule == "streamed_kv":
         ring_kv = min(2, r - 1) * m.kv
         return {"forward": max(row_q + c * m.acc + ring_kv + m.block_forward,

@@ -40,8 +40,8 @@ class Placement:
         ranks = f"CP ranks {self.heads} apart" if self.heads > 1 else "consecutive CP ranks"
         q_side, kv_side = (("the window's Q, dO, lse, D rows in, partial O and dQ rows back",
                             "the window's K,V rows in, dK,dV rows back") if self.sparse else
-                           ("Q, dO, lse, D gathers, partial O exchange, dQ reduce-scatter",
-                            "K,V gathers, dK,dV reduce-scatter"))
+                           ("Q, dO, lse, D gathers, partial O exchange, dQ partials",
+                            "K,V gathers, dK,dV partials"))
         rows = (f"rows: {self.cols} {ranks} each ({q_side}) {row}\n" if self.cols > 1
                 else "rows: one rank each (no row traffic)\n")
         cols = (f"columns: {self.rows} CP ranks {self.cols * self.heads} apart ({kv_side}) "
