@@ -4,9 +4,10 @@ The interface of `megatron_mesh.kernels.base.TileKernel`; the results are zeros 
 shapes and dtypes (out [sq, b, hq, d], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
 every schedule runs its real communication and merging around tiles that cost what the
 planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), backward
-`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under an
-explicit mask (sliding windows) costs 4 hq d b per (query, key) pair the mask keeps, as the
-planner prices windows (`planner.windows.kept_pairs`).
+`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under a
+`TileMask` (sliding windows: a band, or an explicit mask) costs 4 hq d b per (query, key)
+pair the mask keeps (`TileMask.pairs`), as the planner prices windows
+(`planner.windows.kept_pairs`).
 """
 from __future__ import annotations
 
