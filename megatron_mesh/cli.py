@@ -300,9 +300,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         if tp.size > 1:
             print(tp.describe())
         if layers is not None:
-            _print_model(mixed)
+            _print_model(mixed, tp.size)
         else:
-            print(format_table(result))
+            print(format_table(result, tp.size))
         print(f"driver flags of the choice (mesh {'x'.join(map(str, choice))}):\n  "
               + " ".join(flags))
     if args.plot:
@@ -313,15 +313,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_model(mixed: ModelPlan) -> None:
+def _print_model(mixed: ModelPlan, tensor_parallel: int = 1) -> None:
     """The windowed layer's table, the global layer's (when the model has any) and the
     whole model's verdict."""
     print(f"windowed layers ({mixed.layers.windowed} of {mixed.layers.num_layers}):")
-    print(format_table(mixed.windowed))
+    print(format_table(mixed.windowed, tensor_parallel))
     if mixed.full is not None:
         print(f"\nglobal layers ({mixed.layers.full} of {mixed.layers.num_layers}): "
               "full attention")
-        print(format_table(mixed.full))
+        print(format_table(mixed.full, tensor_parallel))
     print()
     print(format_model(mixed))
 

@@ -74,6 +74,7 @@ def test_tensor_parallel_divides_heads_and_gpus_as_the_driver_does(capsys) -> No
     text = run(capsys, "--gpus", "128", "--tensor-model-parallel-size", "2", *MODEL)
     assert text.startswith("tensor parallelism 2: each TP rank holds 16 q / 4 kv heads; "
                            "context parallelism over 128 GPUs / TP 2 = 64 CP ranks, 4 per node")
+    assert "\ncontext parallelism over 64 CP ranks of 2 GPUs each (16 node(s) x 4 CP ranks)\n" in text
 
 
 def test_help_defines_gpus_and_tensor_parallelism(capsys) -> None:
