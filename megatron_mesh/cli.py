@@ -9,11 +9,12 @@ import sys
 from collections.abc import Sequence
 
 from megatron_mesh.planner import hardware
+from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.model_report import format_model, model_to_dict
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_table, plan_to_dict
-from megatron_mesh.planner.search import Plan, plan
+from megatron_mesh.planner.search import Plan, plan, resolve_head_dim
 from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
@@ -73,9 +74,17 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "backward) for each context-parallel method and mesh shape.",
     )
     p.add_argument("--gpus", type=_int_in(2), required=True,
-                   help="context-parallel size P >= 2 (GPUs sharing one sequence)")
+                   help="GPUs sharing one sequence, TP x CP: the context-parallel size P = "
+                   "--gpus / --tensor-model-parallel-size (= --gpus without TP) must be >= 2")
     p.add_argument("--gpus-per-node", type=_positive_int, default=hardware.DEFAULT_GPUS_PER_NODE,
-                   help="CP ranks per node (default %(default)s)")
+                   help="GPUs per node; with TP, CP ranks per node = --gpus-per-node / TP "
+                   "(default %(default)s)")
+    p.add_argument("--tensor-model-parallel-size", dest="tp", type=_positive_int, default=1,
+                   metavar="TP",
+                   help="tensor parallelism TP: each TP rank holds --num-heads / TP query and "
+                   "--num-kv-heads / TP K/V heads, TP consecutive GPUs of a node form one CP "
+                   "rank, so CP = --gpus / TP and CP ranks per node = --gpus-per-node / TP; "
+                   "TP must divide all four (default 1)")
     p.add_argument("--intra-node-bw", type=_positive_float(MAX_GB_PER_S),
                    default=hardware.DEFAULT_INTRA_NODE_BW,
                    help="achieved GB/s per GPU inside a node (default %(default)s)")
@@ -90,9 +99,11 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="whole sequence length S")
     p.add_argument("--hidden-size", type=_positive_int,
                    help="model hidden size (gives head dim = hidden / heads)")
-    p.add_argument("--num-heads", type=_positive_int, required=True, help="query heads")
+    p.add_argument("--num-heads", type=_positive_int, required=True,
+                   help="the model's query heads (per TP rank: / TP)")
     p.add_argument("--num-kv-heads", type=_positive_int,
-                   help="key/value heads (GQA; default: --num-heads)")
+                   help="the model's key/value heads (GQA; default: --num-heads; per TP rank: "
+                   "/ TP)")
     p.add_argument("--head-dim", type=_positive_int,
                    help="head dimension (default: hidden size / heads)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
@@ -132,7 +143,8 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="price every transfer as exposed (compute + comm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="draw predicted speedup over ring against GPU count (2 .. --gpus)")
+                   help="draw predicted speedup over ring against GPU count (TP x CP, CP 2 .. "
+                   "--gpus / TP): the planner's choice, the best 2D mesh and the other methods")
     p.set_defaults(command_parser=p)
 
 
@@ -145,18 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(args: argparse.Namespace, gpus: int, window: Window | None = None) -> Plan:
+def _plan(args: argparse.Namespace, cp_size: int, window: Window | None = None) -> Plan:
+    """The plan of one layer over `cp_size` CP ranks, each TP rank's heads (`args.tensor`)."""
+    tp: TensorParallel = args.tensor
+    q_heads, kv_heads = tp.heads
     return plan(
-        gpus,
+        cp_size,
         seq_length=args.seq_length,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
+        num_heads=q_heads,
+        num_kv_heads=kv_heads,
         head_dim=args.head_dim,
-        hidden_size=args.hidden_size,
         batch=args.batch,
         dtype=args.dtype,
         causal=args.causal,
-        gpus_per_node=args.gpus_per_node,
+        gpus_per_node=tp.cp_per_node,
         intra_node_bw=args.intra_node_bw,
         inter_node_bw=args.inter_node_bw,
         attention_tflops=args.attention_tflops,
@@ -236,10 +250,27 @@ def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
         parser.error(f"--plot {path}: folder {folder} is not writable")
 
 
-def _run_plan(args: argparse.Namespace) -> int:
+def _tensor_parallel(args: argparse.Namespace) -> TensorParallel:
+    """--tensor-model-parallel-size with the GPUs and heads it divides, and the head dim
+    (of the model's heads); exits 2 naming a value that does not divide."""
     parser: argparse.ArgumentParser = args.command_parser
     if args.head_dim is None and args.hidden_size is None:
         parser.error("give --head-dim or --hidden-size (head dim = hidden size / heads)")
+    try:
+        args.head_dim = resolve_head_dim(args.num_heads, args.head_dim, args.hidden_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+    kv = args.num_heads if args.num_kv_heads is None else args.num_kv_heads
+    tp = TensorParallel(args.tp, args.gpus, args.gpus_per_node, args.num_heads, kv)
+    problems = tp.problems()
+    if problems:
+        parser.error(problems[0])
+    return tp
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.command_parser
+    args.tensor = tp = _tensor_parallel(args)
     if not _fills_nodes(args.gpus, args.gpus_per_node):
         fits = [n * args.gpus_per_node for n in (args.gpus // args.gpus_per_node,
                                                  args.gpus // args.gpus_per_node + 1)]
@@ -251,40 +282,46 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.documents = _documents(args)
     window, layers = _window(args)
     try:
-        result = _plan(args, args.gpus, window)
+        result = _plan(args, tp.cp_size, window)
         if layers is not None:
-            full = _plan(args, args.gpus) if layers.full else None
+            full = _plan(args, tp.cp_size) if layers.full else None
             mixed = model_plan(result, full, layers)
     except ValueError as exc:
         parser.error(str(exc))
-    if layers is not None:
-        _print_model(mixed, args.json)
-        if not args.plot:
-            return 0
-    elif args.json:
-        print(json.dumps(plan_to_dict(result), indent=2))
+    choice = mixed.best_grid if layers is not None else result.best_grid.grid_shape
+    flags = driver_flags(tp.cp_size, choice, tp.size, args.mesh_schedule,
+                         args.mesh_grad_reduce_dtype)
+    if args.json:
+        data = model_to_dict(mixed) if layers is not None else plan_to_dict(result)
+        data["tensor_model_parallel_size"] = tp.size
+        data["driver_flags"] = flags
+        print(json.dumps(data, indent=2))
     else:
-        print(format_table(result))
+        if tp.size > 1:
+            print(tp.describe())
+        if layers is not None:
+            _print_model(mixed, tp.size)
+        else:
+            print(format_table(result, tp.size))
+        print(f"driver flags of the choice (mesh {'x'.join(map(str, choice))}):\n  "
+              + " ".join(flags))
     if args.plot:
-        plans = [_plan(args, n, window) for n in gpu_counts(args.gpus, args.seq_length)
-                 if _fills_nodes(n, args.gpus_per_node)]
-        draw(plans, args.plot)
+        plans = [_plan(args, n, window) for n in gpu_counts(tp.cp_size, args.seq_length)
+                 if _fills_nodes(n, tp.cp_per_node)]
+        draw(plans, args.plot, tp.size)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
-def _print_model(mixed: ModelPlan, as_json: bool) -> None:
+def _print_model(mixed: ModelPlan, tensor_parallel: int = 1) -> None:
     """The windowed layer's table, the global layer's (when the model has any) and the
-    whole model's verdict; or all of it as JSON."""
-    if as_json:
-        print(json.dumps(model_to_dict(mixed), indent=2))
-        return
+    whole model's verdict."""
     print(f"windowed layers ({mixed.layers.windowed} of {mixed.layers.num_layers}):")
-    print(format_table(mixed.windowed))
+    print(format_table(mixed.windowed, tensor_parallel))
     if mixed.full is not None:
         print(f"\nglobal layers ({mixed.layers.full} of {mixed.layers.num_layers}): "
               "full attention")
-        print(format_table(mixed.full))
+        print(format_table(mixed.full, tensor_parallel))
     print()
     print(format_model(mixed))
 

@@ -21,9 +21,10 @@ row), e = bytes per element of the input dtype, fp32 = 4:
 
 In elements (o = q) this is docs/design.md's 5 (C-1) q + 3 (R-1) kv plus the small lse / D
 terms.
-By default (grad_reduce_dtype="mixed") dK, dV travel in the input dtype, as in Transformer
-Engine's ring, and dQ in fp32 (twice its element size with bf16 inputs); "fp32" sends both in
-fp32, "input" both in the input dtype (`values.GradDtype`).
+By default (grad_reduce_dtype="mixed", `mesh_attention`'s default and this module's) dK, dV
+travel in the input dtype, as in Transformer Engine's ring, and dQ in fp32 (twice its
+element size with bf16 inputs); "fp32" sends both in fp32, "input" both in the input dtype
+(`values.GradDtype`).
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
 partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
 running merge to bf16 at every hop would lose precision as C grows.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .plan import resolve_plan
 from .values import (
     FP32_BYTES,
     AttentionShape,
@@ -82,48 +84,67 @@ class Traffic:
 
 def mesh_traffic(
     shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
-    grad_bytes: int = FP32_BYTES, out_bytes: int | None = None,
+    grad_bytes: int | None = None, out_bytes: int | None = None,
     dkv_grad_bytes: int | None = None,
 ) -> Traffic:
     """Bytes sent per rank by mesh attention, forward and backward.
 
     mesh_traffic(shape, plan): the plan's grid (with its heads all-to-all, `grid_traffic`),
     gradient and partial-output dtypes.
-    mesh_traffic(shape, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes): a rows x cols
-    grid; grad_bytes: bytes per element of the dQ reduction (fp32 by default), dkv_grad_bytes
-    of the dK, dV reduction (grad_bytes when None); out_bytes: of the partial outputs (the
-    input dtype's by default; `Schedule.partial_out_bytes`).
+    mesh_traffic(shape, rows, cols): what `mesh_attention` sends on a rows x cols grid with
+    its default arguments (grad_reduce_dtype "mixed", the "streamed" schedule resolved for
+    the shape: `plan.resolve_plan(shape, rows, cols)`); the byte counters equal it.
+    grad_bytes: bytes per element of the dQ reduction, dkv_grad_bytes of the dK, dV
+    reduction, out_bytes of the partial outputs (`Schedule.partial_out_bytes`). A value
+    left None takes that default, but dkv_grad_bytes given grad_bytes alone is grad_bytes.
     """
     if isinstance(rows, MeshPlan):
-        plan = rows
-        return grid_traffic(shape, plan.heads, plan.rows, plan.cols,
-                            plan.dq_bytes(shape.dtype_bytes),
-                            plan.partial_out_bytes(shape.dtype_bytes),
-                            plan.dkv_bytes(shape.dtype_bytes))
+        return _plan_traffic(shape, rows)
     if cols is None:
         raise TypeError("mesh_traffic takes (shape, plan) or (shape, rows, cols)")
+    e = shape.dtype_bytes
+    if grad_bytes is None or out_bytes is None:
+        default = resolve_plan(shape, rows, cols)  # mesh_attention's defaults
+        if grad_bytes is None:
+            grad_bytes = default.dq_bytes(e)
+            dkv_grad_bytes = default.dkv_bytes(e) if dkv_grad_bytes is None else dkv_grad_bytes
+        if out_bytes is None:
+            out_bytes = default.partial_out_bytes(e)
+    g_kv = grad_bytes if dkv_grad_bytes is None else dkv_grad_bytes
+    return _mesh_bytes(shape, rows, cols, grad_bytes, out_bytes, g_kv)
+
+
+def _plan_traffic(shape: AttentionShape, plan: MeshPlan) -> Traffic:
+    """`mesh_traffic` of a resolved plan."""
+    e = shape.dtype_bytes
+    return grid_traffic(shape, plan.heads, plan.rows, plan.cols, plan.dq_bytes(e),
+                        plan.partial_out_bytes(e), plan.dkv_bytes(e))
+
+
+def _mesh_bytes(shape: AttentionShape, rows: int, cols: int, grad_bytes: int, out_bytes: int,
+                dkv_grad_bytes: int) -> Traffic:
+    """The module docstring's formula with every dtype given."""
     q, kv, lse = shape.local_elements(rows * cols)
     o = shape.out_elements(rows * cols)
     e = shape.dtype_bytes
-    o_e = e if out_bytes is None else out_bytes
-    g_kv = grad_bytes if dkv_grad_bytes is None else dkv_grad_bytes
     return Traffic(
-        forward_row=(cols - 1) * (q * e + o * o_e + lse * FP32_BYTES),
+        forward_row=(cols - 1) * (q * e + o * out_bytes + lse * FP32_BYTES),
         forward_col=(rows - 1) * kv * e,
         backward_row=(cols - 1) * ((q + o) * e + 2 * lse * FP32_BYTES + q * grad_bytes),
-        backward_col=(rows - 1) * (kv * e + kv * g_kv),
-        forward_row_partials=(cols - 1) * (o * o_e + lse * FP32_BYTES),
+        backward_col=(rows - 1) * (kv * e + kv * dkv_grad_bytes),
+        forward_row_partials=(cols - 1) * (o * out_bytes + lse * FP32_BYTES),
         backward_row_partials=(cols - 1) * q * grad_bytes,
-        backward_col_partials=(rows - 1) * kv * g_kv,
+        backward_col_partials=(rows - 1) * kv * dkv_grad_bytes,
     )
 
 
 def grid_traffic(
-    shape: AttentionShape, heads: int, rows: int, cols: int, grad_bytes: int = FP32_BYTES,
+    shape: AttentionShape, heads: int, rows: int, cols: int, grad_bytes: int | None = None,
     out_bytes: int | None = None, dkv_grad_bytes: int | None = None,
 ) -> Traffic:
     """Bytes sent per rank on a heads x rows x cols grid: the all-to-all of Q, K, V, O (and
-    their gradients) over A ranks plus `mesh_traffic` of the R x C mesh on `heads_shape`."""
+    their gradients) over A ranks plus `mesh_traffic` of the R x C mesh on `heads_shape`
+    (dtypes left None: `mesh_attention`'s defaults, as in `mesh_traffic`)."""
     if heads == 1:
         return mesh_traffic(shape, rows, cols, grad_bytes, out_bytes, dkv_grad_bytes)
     inner = heads_shape(shape, heads)
@@ -135,5 +156,6 @@ def grid_traffic(
 
 
 def best_mesh_shape(shape: AttentionShape, cp_size: int) -> tuple[int, int]:
-    """The grid with the least traffic per rank; ties go to more rows (GQA-friendly)."""
+    """The grid with the least traffic per rank with `mesh_attention`'s defaults
+    (`mesh_traffic`); ties go to more rows (GQA-friendly)."""
     return min(mesh_shapes(cp_size), key=lambda rc: (mesh_traffic(shape, *rc).total, -rc[0]))

@@ -36,8 +36,9 @@ def _row(plan: Plan, e: Estimate) -> list[str]:
     ]
 
 
-def format_table(plan: Plan) -> str:
-    """The whole report: configuration, chosen mesh and placement, and the method table."""
+def format_table(plan: Plan, tensor_parallel: int = 1) -> str:
+    """The whole report: configuration, chosen mesh and placement, and the method table;
+    with `tensor_parallel` > 1 the plan's GPUs are CP ranks of that many GPUs each."""
     w, c = plan.workload, plan.cluster
     compute = plan.reference.compute_s
     overlap = ("on: hidden transfers run under compute" if plan.overlap
@@ -47,7 +48,7 @@ def format_table(plan: Plan) -> str:
     rows = [heads] + [_row(plan, e) for e in plan.estimates]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [
-        f"context parallelism over {c.gpus} GPUs ({c.nodes} node(s) x {c.gpus_per_node} GPUs)",
+        _cp_line(c.gpus, c.nodes, c.gpus_per_node, tensor_parallel),
         f"attention: S={w.seq_length}, batch {w.batch}, {w.num_heads} q / {w.num_kv_heads} kv "
         f"heads x {w.head_dim}, {w.dtype}, {'causal' if w.causal else 'full'}"
         + ("" if w.doc_lengths is None else f", {len(w.doc_lengths)} packed documents "
@@ -78,6 +79,14 @@ def format_table(plan: Plan) -> str:
                  + "per layer, per GPU; traffic = bytes each GPU sends; * = best 2D mesh; "
                  "+ = best heads x rows x cols (the choice)")
     return "\n".join(lines)
+
+
+def _cp_line(cp: int, nodes: int, per_node: int, tp: int) -> str:
+    """The table's first line: GPUs, or CP ranks of TP GPUs each."""
+    if tp == 1:
+        return f"context parallelism over {cp} GPUs ({nodes} node(s) x {per_node} GPUs)"
+    return (f"context parallelism over {cp} CP ranks of {tp} GPUs each ({nodes} node(s) x "
+            f"{per_node} CP ranks)")
 
 
 def _window_text(w) -> str:

@@ -502,7 +502,9 @@ def test_plot_series_of_a_windowed_layer_are_over_all_gather():
     assert series["a2a+p2p"] == []  # refuses windows in Transformer Engine
     assert [n for n, _ in series["a2a"]] == [8]
     best = plans[1].method("all_gather").total_s / plans[1].best_mesh.total_s
-    assert series["best mesh"][1] == (64, pytest.approx(best))
+    assert series["best 2D mesh"][1] == (64, pytest.approx(best))
+    choice = plans[1].method("all_gather").total_s / plans[1].best_grid.total_s
+    assert series["planner's choice"][1] == (64, pytest.approx(choice))
 
 
 def test_plot_series_points():
@@ -515,5 +517,6 @@ def test_plot_series_points():
              for n in (8, 64)]
     series = speedup_series(plans)
     assert [n for n, _ in series["a2a"]] == [8]  # 8 kv heads do not split over 64
-    assert [n for n, _ in series["best mesh"]] == [8, 64]
-    assert series["best mesh"][1][1] == pytest.approx(plans[1].speedup(plans[1].best_mesh))
+    assert [n for n, _ in series["best 2D mesh"]] == [8, 64]
+    assert series["best 2D mesh"][1][1] == pytest.approx(plans[1].speedup(plans[1].best_mesh))
+    assert series["planner's choice"][1][1] == pytest.approx(plans[1].speedup(plans[1].best_grid))
