@@ -138,6 +138,10 @@ class DocumentPlacement:
         """Hashable; equal iff the placements are equal (for the ranks' agreement check)."""
         return (self.cp_size, self.lengths, self.runs)
 
+    def agreement_key(self) -> int:
+        """A number every rank of a group shares when they pass the same placement."""
+        return hash(self.key()) & 0x7FFF_FFFF_FFFF_FFFF
+
     def local_runs_by_document(self, rank: int) -> list[list[tuple[int, int, int]]]:
         """Per document (all, in document order; [] where `rank` holds none): the
         (first local row, first position, tokens) of `rank`'s runs of it."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .checks import check_zigzag_divisible
+from .document_placement import DocumentPlacement
 from .documents import Documents
 from .kernels.base import Segments, TileMask
 from .window import Window, token_positions
@@ -65,6 +66,18 @@ class AttentionMask:
     documents: Documents | None = None
     ranks: int = 1
     window: Window | None = None  # sliding window on global positions (`window.py`)
+    placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
+
+    @property
+    def sparse(self) -> bool:
+        """Whether blocks use only some rows of the shares (a window, placed documents): the
+        exchange then moves only those (`windowed.py`)."""
+        return self.window is not None or self.placement is not None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the shares are packed documents (THD layout or placed)."""
+        return self.documents is not None or self.placement is not None
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,10 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     if isinstance(mask, bool):
         mask = AttentionMask(mask)
     kind = block_kind(q_rank, kv_rank, mask.causal)
+    if mask.placement is not None and mask.window is None:
+        from .placed import placed_block  # placed blocks are built from this module's parts
+
+        return placed_block(mask.placement, mask.causal, q_rank, kv_rank, torch.device(device))
     if mask.window is not None and not _window_spares(mask, q_rank, kv_rank, local_len):
         return _window_block(mask, q_rank, kv_rank, local_len, torch.device(device))
     if mask.documents is not None:
@@ -144,8 +161,8 @@ def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int
 def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
     """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
     kv_rank under `mask` (causal, documents and window on global positions)."""
-    pos_q, doc_q = token_positions(mask.ranks, q_rank, local_len, mask.documents)
-    pos_k, doc_k = token_positions(mask.ranks, kv_rank, local_len, mask.documents)
+    pos_q, doc_q = _positions(mask, q_rank, local_len)
+    pos_k, doc_k = _positions(mask, kv_rank, local_len)
     seen = (doc_q[:, None] == doc_k[None, :]) & (doc_q[:, None] >= 0)
     if mask.causal:
         seen &= pos_k[None, :] <= pos_q[:, None]
@@ -154,7 +171,17 @@ def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) 
     return seen
 
 
-def _as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+def _positions(mask: AttentionMask, rank: int, local_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position, document) int64 [local_len] of `rank`'s rows under `mask`."""
+    if mask.placement is not None:
+        from .placed import positions
+
+        return positions(mask.placement, rank)
+    return token_positions(mask.ranks, rank, local_len, mask.documents)
+
+
+def as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
     """The True rows of a bool vector: a slice when they are contiguous, else an index."""
     index = selected.nonzero().flatten()
     if index.numel() == 0:
@@ -180,7 +207,7 @@ SMALL_DOCUMENT_ROWS = 256
 def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> bool:
     """Whether the window leaves every pair of a dense block that the causal (or full)
     mask keeps: then the block is the plain one. Positions: each rank's zigzag sub-chunks."""
-    if mask.documents is not None:
+    if mask.packed:
         return False
     half = local_len // 2
     q_first, q_second = (c * half for c in zigzag_chunks(mask.ranks, q_rank))
@@ -210,7 +237,7 @@ def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int
     on_device = lambda rows: rows if isinstance(rows, slice) else rows.to(device)  # noqa: E731
     tiles = tuple(replace(t, q_rows=on_device(t.q_rows), kv_rows=on_device(t.kv_rows))
                   for t in tiles)
-    return Block(kind, _as_rows(q_used, device), _as_rows(kv_used, device), tiles=tiles)
+    return Block(kind, as_rows(q_used, device), as_rows(kv_used, device), tiles=tiles)
 
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -220,6 +247,8 @@ def _runs(mask: AttentionMask, rank: int, local_len: int) -> list[list[Run]]:
     """Per document (one for a dense sequence), `rank`'s runs of real rows: its zigzag
     sub-chunks, or its pieces of each document, positions counted within the document and
     padding rows left out (as `window.token_positions` gives them row by row)."""
+    if mask.placement is not None:
+        return mask.placement.local_runs_by_document(rank)
     if mask.documents is None:
         half = local_len // 2
         return [[(row * half, chunk * half, half)
@@ -253,7 +282,7 @@ def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     for q_runs, kv_runs in zip(_runs(mask, q_rank, local_len), _runs(mask, kv_rank, local_len)):
         if not q_runs or not kv_runs:
             continue
-        if mask.documents is not None and sum(n for *_, n in q_runs) < SMALL_DOCUMENT_ROWS:
+        if mask.packed and sum(n for *_, n in q_runs) < SMALL_DOCUMENT_ROWS:
             group.append((q_runs, kv_runs))
             if sum(n for runs, _ in group for *_, n in runs) >= MIN_SLAB_ROWS:
                 yield from _group_call(group, lo, hi, device)
@@ -262,7 +291,7 @@ def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
         for q_row, q_pos, q_len in q_runs:
             for start in range(0, q_len, slab):
                 for kv_row, kv_pos, kv_len in kv_runs:
-                    tile = _band_tile(q_pos, start, min(start + slab, q_len), kv_pos, kv_len,
+                    tile = band_tile(q_pos, start, min(start + slab, q_len), kv_pos, kv_len,
                                       lo, hi)
                     if tile is not None:
                         (i0, i1), (j0, j1), kind, band = tile
@@ -303,7 +332,7 @@ def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: in
     yield Block(BlockKind.FULL, q_row[q_any], kv_row[kv_any], mask=tile_mask)
 
 
-def _band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,
+def band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,
                lo: int | None, hi: int | None):
     """Query rows [i_start, i_stop) of a run at position q_pos against a run of kv_len keys
     at kv_pos, where query i sees key j when lo <= (kv_pos + j) - (q_pos + i) <= hi (None:
@@ -339,13 +368,13 @@ def _one_call(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     if not bool(q_any.any()):
         return None
     kind = block_kind(q_rank, kv_rank, mask.causal)
-    q_rows, kv_rows = _as_rows(q_any, device), _as_rows(kv_any, device)
+    q_rows, kv_rows = as_rows(q_any, device), as_rows(kv_any, device)
     tile = seen[q_any][:, kv_any]
     if bool(tile.all()):
         return Block(BlockKind.FULL, q_rows, kv_rows)
     if tile.shape[0] == tile.shape[1] and torch.equal(tile, torch.ones_like(tile).tril()):
         return Block(BlockKind.DIAGONAL, q_rows, kv_rows)
-    if mask.documents is None:
+    if not mask.packed:
         pos_q, _ = token_positions(mask.ranks, q_rank, local_len)
         pos_k, _ = token_positions(mask.ranks, kv_rank, local_len)
         flash = _flash_window(pos_q[q_any], pos_k[kv_any], tile, mask.window)

@@ -173,8 +173,21 @@ def window_traffic(
     causal: bool = True, mesh_rank: int | None = None, grad_bytes: int = FP32_BYTES,
     dkv_grad_bytes: int | None = None, documents=None,
 ) -> Traffic:
-    """Bytes one rank sends under a sliding window (`windowed.py`): of each row member x
-    the query rows n_q its blocks use, of each column member y the key rows n_kv:
+    """Bytes one rank sends under a sliding window (`windowed.py`; `sparse_traffic` with
+    the window's mask). `mesh_rank` None: the most any rank of the mesh sends (total)."""
+    mask = AttentionMask(causal, documents, rows * cols, window_of(window, causal))
+    return sparse_traffic(shape, heads, rows, cols, mask, mesh_rank, grad_bytes,
+                          dkv_grad_bytes)
+
+
+def sparse_traffic(
+    shape: AttentionShape, heads: int, rows: int, cols: int, mask: AttentionMask,
+    mesh_rank: int | None = None, grad_bytes: int = FP32_BYTES,
+    dkv_grad_bytes: int | None = None,
+) -> Traffic:
+    """Bytes one rank sends in the sparse exchange of `mask` (a window, placed documents):
+    of each row member x the query rows n_q its blocks use, of each column member y the
+    key rows n_kv:
 
         forward : row  sum_x n_q(x, me) (Q row) e + n_q(me, x) (O row e + lse row 4)
                   col  sum_y n_kv(y, me) (K/V row) e
@@ -184,13 +197,12 @@ def window_traffic(
     (n(a, b): rows of b's chunk that rank a uses), plus the heads all-to-all of
     `grid_traffic`. `mesh_rank` None: the most any rank of the mesh sends (total)."""
     if mesh_rank is None:
-        return max((window_traffic(shape, heads, rows, cols, window, causal, m, grad_bytes,
-                                   dkv_grad_bytes, documents) for m in range(rows * cols)),
+        return max((sparse_traffic(shape, heads, rows, cols, mask, m, grad_bytes,
+                                   dkv_grad_bytes) for m in range(rows * cols)),
                    key=lambda t: t.total)
     inner = heads_shape(shape, heads) if heads > 1 else shape
     mesh = rows * cols
     local = inner.seq_len // mesh
-    mask = AttentionMask(causal, documents, mesh, window_of(window, causal))
     b, e = inner.batch, inner.dtype_bytes
     q_row, o_row = b * inner.q_heads * inner.head_dim, b * inner.q_heads * inner.dv
     l_row, kv_row = b * inner.q_heads, b * inner.kv_heads * (inner.head_dim + inner.dv)
