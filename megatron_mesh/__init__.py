@@ -10,10 +10,9 @@ from .document_placement import DocumentPlacement, place_documents, zigzag_place
 from .documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
-from .placed import placement_traffic
 from .traffic import Traffic, best_mesh_shape, mesh_traffic
 from .values import AttentionShape, mesh_shapes
-from .windowed import window_traffic
+from .windowed import placement_traffic, window_traffic
 
 __version__ = "0.1.0"
 

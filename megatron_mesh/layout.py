@@ -7,16 +7,17 @@ rule picks each document's rows of a block.
 """
 from __future__ import annotations
 
-import enum
 import functools
 from dataclasses import dataclass, replace
 
 import torch
 
+from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .checks import check_zigzag_divisible
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .kernels.base import Segments, TileMask
+from .placed import placed_block, positions
 from .window import Window, token_positions
 
 
@@ -45,15 +46,6 @@ def zigzag_merge(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return torch.cat(sub, dim=dim)  # type: ignore[arg-type]
 
 
-class BlockKind(enum.Enum):
-    """What part of block (x, y) survives the causal mask under the zigzag layout."""
-
-    FULL = "full"  # non-causal: all of Q(x) x all of K/V(y)
-    DIAGONAL = "diagonal"  # x == y: local Q x local K/V, causal mask
-    LOWER = "lower"  # x > y: all of Q(x) x first half of K/V(y), no mask
-    UPPER = "upper"  # x < y: second half of Q(x) x all of K/V(y), no mask
-
-
 @dataclass(frozen=True)
 class AttentionMask:
     """What a layer's queries see, decided once per call and passed to every block:
@@ -80,49 +72,6 @@ class AttentionMask:
         return self.documents is not None or self.placement is not None
 
 
-@dataclass(frozen=True)
-class Block:
-    """One kernel call: the query rows and key rows of the local shares it uses (slices,
-    or int64 index tensors for packed documents), and the tile's documents.
-
-    Under a sliding window a block is the union of the rows its `tiles` use, and the tiles
-    are its kernel calls (each a `Block` of contiguous rows with its window as a `TileMask`)."""
-
-    kind: BlockKind
-    q_rows: slice | torch.Tensor
-    kv_rows: slice | torch.Tensor
-    segments: Segments | None = None
-    mask: TileMask | None = None  # sliding windows: the tile's mask
-    tiles: tuple[Block, ...] | None = None  # sliding windows: the kernel calls
-
-    @property
-    def causal(self) -> bool:
-        return self.kind is BlockKind.DIAGONAL and self.mask is None
-
-    @property
-    def empty(self) -> bool:
-        """No query row of the block sees any key (packed documents, sliding windows)."""
-        if isinstance(self.q_rows, slice):
-            return self.q_rows.stop <= self.q_rows.start
-        return self.q_rows.numel() == 0
-
-    @property
-    def calls(self) -> tuple[Block, ...]:
-        """The kernel calls computing the block: its tiles, or the block itself."""
-        if self.empty:
-            return ()
-        return (self,) if self.tiles is None else self.tiles
-
-
-def block_kind(q_rank: int, kv_rank: int, causal: bool) -> BlockKind:
-    """The zigzag rule: which part of block (q_rank, kv_rank) survives the mask."""
-    if not causal:
-        return BlockKind.FULL
-    if q_rank == kv_rank:
-        return BlockKind.DIAGONAL
-    return BlockKind.LOWER if q_rank > kv_rank else BlockKind.UPPER
-
-
 def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | bool,
               device: torch.device | str = "cpu") -> Block:
     """The single kernel call computing block (q_rank, kv_rank) on shares of `local_len`
@@ -131,8 +80,6 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
         mask = AttentionMask(mask)
     kind = block_kind(q_rank, kv_rank, mask.causal)
     if mask.placement is not None and mask.window is None:
-        from .placed import placed_block  # placed blocks are built from this module's parts
-
         return placed_block(mask.placement, mask.causal, q_rank, kv_rank, torch.device(device))
     if mask.window is not None and not _window_spares(mask, q_rank, kv_rank, local_len):
         return _window_block(mask, q_rank, kv_rank, local_len, torch.device(device))
@@ -175,21 +122,8 @@ def _positions(mask: AttentionMask, rank: int, local_len: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(position, document) int64 [local_len] of `rank`'s rows under `mask`."""
     if mask.placement is not None:
-        from .placed import positions
-
         return positions(mask.placement, rank)
     return token_positions(mask.ranks, rank, local_len, mask.documents)
-
-
-def as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
-    """The True rows of a bool vector: a slice when they are contiguous, else an index."""
-    index = selected.nonzero().flatten()
-    if index.numel() == 0:
-        return slice(0, 0)
-    first, last = int(index[0]), int(index[-1])
-    if last - first + 1 == index.numel():
-        return slice(first, last + 1)
-    return index.to(device)
 
 
 # A block under a window whose shares hold at most this many rows is one kernel call over
@@ -330,32 +264,6 @@ def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: in
     seen = seen[q_any][:, kv_any]
     tile_mask = None if bool(seen.all()) else TileMask.explicit(seen, device)
     yield Block(BlockKind.FULL, q_row[q_any], kv_row[kv_any], mask=tile_mask)
-
-
-def band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,
-               lo: int | None, hi: int | None):
-    """Query rows [i_start, i_stop) of a run at position q_pos against a run of kv_len keys
-    at kv_pos, where query i sees key j when lo <= (kv_pos + j) - (q_pos + i) <= hi (None:
-    unbounded): ((i0, i1), (j0, j1), kind, TileMask or None) of the rows that see or are
-    seen, or None when none does."""
-    off = kv_pos - q_pos
-    i0 = i_start if hi is None else max(i_start, off - hi)
-    i1 = i_stop if lo is None else min(i_stop, kv_len + off - lo)
-    if i1 <= i0:
-        return None
-    j0 = 0 if lo is None else max(0, i0 - off + lo)
-    j1 = kv_len if hi is None else min(kv_len, i1 - off + hi)
-    if j1 <= j0:
-        return None
-    sq, sk, shift = i1 - i0, j1 - j0, off + j0 - i0  # key pos - query pos at (0, 0)
-    full = ((lo is None or shift - (sq - 1) >= lo) and (hi is None or shift + sk - 1 <= hi))
-    if full:
-        return (i0, i1), (j0, j1), BlockKind.FULL, None
-    if sq == sk and shift == 0 and hi == 0 and (lo is None or lo <= -(sq - 1)):
-        return (i0, i1), (j0, j1), BlockKind.DIAGONAL, None
-    left = -1 if lo is None else sk - sq + shift - lo
-    right = -1 if hi is None else hi - (sk - sq) - shift
-    return (i0, i1), (j0, j1), BlockKind.FULL, TileMask.band(sq, sk, left, right)
 
 
 def _one_call(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,

@@ -21,20 +21,10 @@ import functools
 
 import torch
 
+from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .kernels.base import Segments
-from .layout import AttentionMask, Block, BlockKind, as_rows, band_tile, block_kind
-from .traffic import Traffic
-from .values import (
-    DEFAULT_GRAD_DTYPE,
-    FP32_BYTES,
-    AttentionShape,
-    GradDtype,
-    GridShape,
-)
-from .window import window_of
-from .windowed import sparse_traffic
 
 
 def mesh_placement(placement: DocumentPlacement, heads: int) -> DocumentPlacement:
@@ -164,25 +154,3 @@ def check_placement_documents(placement: DocumentPlacement, cu_seqlens, cu_seqle
 def _short(values: tuple[int, ...], shown: int = 6) -> str:
     text = ", ".join(map(str, values[:shown]))
     return f"[{text}{', ...' if len(values) > shown else ''}]"
-
-
-def placement_traffic(shape: AttentionShape, placement: DocumentPlacement, rows: int,
-                      cols: int, heads: int = 1, causal: bool = True,
-                      window_size: tuple[int, int] | None = None,
-                      grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
-                      cp_rank: int | None = None) -> Traffic:
-    """Bytes CP rank `cp_rank` sends (None: the most any rank sends) when `mesh_attention`
-    runs `placement` on an heads x rows x cols grid: the sparse exchange of the rows of
-    documents that span ranks (`windowed.sparse_traffic`), plus the heads all-to-all.
-    `shape`: the whole packed sequence (seq_len = placement.total, batch 1)."""
-    if shape.seq_len != placement.total or shape.batch != 1:
-        raise ValueError(f"shape has {shape.seq_len} tokens in a batch of {shape.batch}; the "
-                         f"placement covers {placement.total} tokens of one packed sequence")
-    GridShape(heads, rows, cols).check_cp_size(placement.cp_size)
-    grads = GradDtype(grad_reduce_dtype)
-    dq_bytes = FP32_BYTES if grads.dq_in_fp32 else shape.dtype_bytes
-    dkv_bytes = FP32_BYTES if grads.dkv_in_fp32 else shape.dtype_bytes
-    mask = AttentionMask(causal, None, rows * cols, window_of(window_size, causal),
-                         mesh_placement(placement, heads))
-    mesh_rank = None if cp_rank is None else cp_rank // heads
-    return sparse_traffic(shape, heads, rows, cols, mask, mesh_rank, dq_bytes, dkv_bytes)
