@@ -6,17 +6,19 @@
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .comm import TrafficCounter
+from .document_placement import DocumentPlacement, place_documents, zigzag_placement
 from .documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
 from .traffic import Traffic, best_mesh_shape, mesh_traffic
 from .values import AttentionShape, mesh_shapes
-from .windowed import window_traffic
+from .windowed import placement_traffic, window_traffic
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShape",
+    "DocumentPlacement",
     "Documents",
     "MeshAttention",
     "MeshAttentionFunction",
@@ -27,10 +29,13 @@ __all__ = [
     "mesh_attention",
     "mesh_shapes",
     "mesh_traffic",
+    "place_documents",
+    "placement_traffic",
     "thd_merge",
     "thd_partition_indices",
     "thd_split",
     "window_traffic",
+    "zigzag_placement",
     "zigzag_merge",
     "zigzag_split",
 ]

@@ -24,11 +24,13 @@ import torch
 
 from . import gathered, heads, streamed_kv, streamed_q, windowed
 from .checks import check_inputs, check_same_shapes
+from .document_placement import DocumentPlacement
 from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
 from .layout import AttentionMask
+from .placed import check_placement, check_placement_documents, mesh_placement
 from .plan import resolve_plan
 from .values import (
     DEFAULT_GRAD_DTYPE,
@@ -75,11 +77,11 @@ WINDOW_EXCHANGES = ("sparse", "gathered")
 
 
 def _schedule(schedule: Schedule, mask: AttentionMask, window_exchange: str = "sparse"):
-    """The module that runs: under a sliding window the sparse exchange of `windowed` (it
-    moves only the rows the blocks use), or with window_exchange 'gathered' the gathered
-    schedule (whole chunks, as Transformer Engine's all_gather does under a window); else
-    the plan's schedule."""
-    if mask.window is None:
+    """The module that runs: where blocks use only some rows (a sliding window, placed
+    documents) the sparse exchange of `windowed` (it moves only the rows the blocks use),
+    or with window_exchange 'gathered' the gathered schedule (whole chunks, as Transformer
+    Engine's all_gather does under a window); else the plan's schedule."""
+    if not mask.sparse:
         return _SCHEDULES[schedule]
     return windowed if window_exchange == "sparse" else gathered
 
@@ -148,29 +150,38 @@ class MeshAttention:
         return _signature(q, k, v) == self.signature
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 documents: Documents | None = None) -> torch.Tensor:
+                 documents: Documents | None = None,
+                 placement: DocumentPlacement | None = None) -> torch.Tensor:
         """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
-        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share."""
+        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share,
+        with `placement` its rows of the placed documents (`placement.token_indices`)."""
         if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
             raise ValueError(
                 f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
                 f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"v {tuple(v.shape)}; build one per shape")
         grid = self.grid
-        if documents is not None and not takes_documents(self.kernel):
+        packed = documents if placement is None else placement
+        if packed is not None and not takes_documents(self.kernel):
             raise ValueError("this MeshAttention was built without packed documents "
                              "(MeshAttention.build(..., packed=True) takes them)")
+        if documents is not None and placement is not None:
+            raise ValueError("pass packed documents as cu_seqlens (Transformer Engine's THD "
+                             "layout) or as a placement, not both")
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
-        check_same_shapes(q, k, grid, documents, v.shape[-1], self.window)
-        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window)
+        if placement is not None:
+            check_placement(placement, grid.cp_size, q.shape[0], q.shape[1])
+        check_same_shapes(q, k, grid, packed, v.shape[-1], self.window)
+        mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window,
+                             None if placement is None else mesh_placement(placement, grid.heads))
         if grid.heads > 1:
-            q, k, v = heads.scatter_heads(q, k, v, grid, documents)
+            q, k, v = heads.scatter_heads(q, k, v, grid, packed)
         out = MeshAttentionFunction.apply(
             q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.schedule,
             grad_dtypes(self.plan.grad_dtype, q.dtype), self.window_exchange,
         )
-        return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
+        return heads.gather_heads(out, grid, packed) if grid.heads > 1 else out
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
@@ -209,7 +220,8 @@ def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
     return Documents.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)
 
 
-def as_sbhd(documents: Documents | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def as_sbhd(documents: Documents | DocumentPlacement | None, *tensors: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
     """THD tensors [t, h, d] as [t, 1, h, d] with packed documents (ValueError unless 3-D);
     the tensors as they are without."""
     if documents is None:
@@ -236,6 +248,7 @@ def mesh_attention(
     cu_seqlens_padded: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
     window_exchange: str = "sparse",
+    placement: DocumentPlacement | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -267,11 +280,23 @@ def mesh_attention(
     blocks use, `windowed.py`, whatever the schedule) or 'gathered' (the gathered schedule's
     whole chunks: on a P x 1 grid what Transformer Engine's all_gather moves under a window,
     O(S) bytes; for comparison).
+    placement: packed documents placed by `place_documents` (a `DocumentPlacement`, the
+    same on every rank): q [t, hq, d], k / v [t, hkv, d] are the packed tensors at
+    `placement.token_indices(cp_rank)`. Causal within each document; documents held whole
+    by one rank cost no bytes, only the rows of documents that span ranks travel
+    (`placed.py`, `windowed.py`). Every grid, schedule and window; with cu_seqlens too, they
+    must be the placement's documents.
     """
-    documents = packed_documents(cu_seqlens, cu_seqlens_padded)
-    q, k, v = as_sbhd(documents, q, k, v)
+    if placement is not None:
+        documents = None
+        check_placement_documents(placement, cu_seqlens, cu_seqlens_padded)
+        q, k, v = as_sbhd(placement, q, k, v)
+    else:
+        documents = packed_documents(cu_seqlens, cu_seqlens_padded)
+        q, k, v = as_sbhd(documents, q, k, v)
+    packed = documents is not None or placement is not None
     layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=documents is not None,
+                                grad_reduce_dtype, packed=packed,
                                 window_size=window_size, window_exchange=window_exchange)
-    out = layer(q, k, v, documents)
-    return out if documents is None else out.squeeze(1)
+    out = layer(q, k, v, documents, placement)
+    return out.squeeze(1) if packed else out

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from . import comm
+from .document_placement import DocumentPlacement
 from .documents import Documents
 from .grid import MeshGrid
 from .values import HEADS, kv_repeats
@@ -30,12 +31,16 @@ def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
                       documents: Documents | None = None) -> torch.Tensor:
     """[s, b, h, d] (zigzag of P, all heads) -> [A s, b, h/A, d] (zigzag of P/A, head
     slice `grid.head_index`). Two buffers of x's size: the one sent takes the result.
-    Packed documents (b = 1): the THD layout of P/A (`Documents.heads_order`)."""
+    Packed documents (b = 1): the THD layout of P/A (`Documents.heads_order`); placed
+    documents (`DocumentPlacement`): the members' rows one after another
+    (`placed.mesh_placement`)."""
     s, b, h, d = x.shape
     a, hs = grid.heads, h // grid.heads
     send = x.new_empty(a, s, b, hs, d)  # piece a' goes to rank a'
     send.copy_(x.reshape(s, b, a, hs, d).permute(2, 0, 1, 3, 4))
     recv = comm.all_to_all(send, grid.heads_group, phase, HEADS)  # piece a': rank a''s tokens
+    if isinstance(documents, DocumentPlacement):  # placed: the members' rows one after another
+        return recv.view(a * s, b, hs, d)
     if documents is not None:
         order = _heads_order(documents, grid, x.device)
         return torch.index_select(recv.view(a * s, b, hs, d), 0, order, out=send.view(-1, b, hs, d))
@@ -54,7 +59,9 @@ def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
     a = grid.heads
     s2, b, hs, d = y.shape
     send = y.new_empty(a, 2, s2 // (2 * a), b, hs, d)  # piece a': its tokens' two halves
-    if documents is not None:
+    if isinstance(documents, DocumentPlacement):
+        send.view(s2, b, hs, d).copy_(y)
+    elif documents is not None:
         send.view(s2, b, hs, d).index_copy_(0, _heads_order(documents, grid, y.device), y)
     else:
         first, second = y.view(2, a, s2 // (2 * a), b, hs, d)

@@ -7,15 +7,17 @@ rule picks each document's rows of a block.
 """
 from __future__ import annotations
 
-import enum
 import functools
 from dataclasses import dataclass, replace
 
 import torch
 
+from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .checks import check_zigzag_divisible
+from .document_placement import DocumentPlacement
 from .documents import Documents
 from .kernels.base import Segments, TileMask
+from .placed import placed_block, positions
 from .window import Window, token_positions
 
 
@@ -44,15 +46,6 @@ def zigzag_merge(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return torch.cat(sub, dim=dim)  # type: ignore[arg-type]
 
 
-class BlockKind(enum.Enum):
-    """What part of block (x, y) survives the causal mask under the zigzag layout."""
-
-    FULL = "full"  # non-causal: all of Q(x) x all of K/V(y)
-    DIAGONAL = "diagonal"  # x == y: local Q x local K/V, causal mask
-    LOWER = "lower"  # x > y: all of Q(x) x first half of K/V(y), no mask
-    UPPER = "upper"  # x < y: second half of Q(x) x all of K/V(y), no mask
-
-
 @dataclass(frozen=True)
 class AttentionMask:
     """What a layer's queries see, decided once per call and passed to every block:
@@ -65,49 +58,18 @@ class AttentionMask:
     documents: Documents | None = None
     ranks: int = 1
     window: Window | None = None  # sliding window on global positions (`window.py`)
-
-
-@dataclass(frozen=True)
-class Block:
-    """One kernel call: the query rows and key rows of the local shares it uses (slices,
-    or int64 index tensors for packed documents), and the tile's documents.
-
-    Under a sliding window a block is the union of the rows its `tiles` use, and the tiles
-    are its kernel calls (each a `Block` of contiguous rows with its window as a `TileMask`)."""
-
-    kind: BlockKind
-    q_rows: slice | torch.Tensor
-    kv_rows: slice | torch.Tensor
-    segments: Segments | None = None
-    mask: TileMask | None = None  # sliding windows: the tile's mask
-    tiles: tuple[Block, ...] | None = None  # sliding windows: the kernel calls
+    placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
 
     @property
-    def causal(self) -> bool:
-        return self.kind is BlockKind.DIAGONAL and self.mask is None
+    def sparse(self) -> bool:
+        """Whether blocks use only some rows of the shares (a window, placed documents): the
+        exchange then moves only those (`windowed.py`)."""
+        return self.window is not None or self.placement is not None
 
     @property
-    def empty(self) -> bool:
-        """No query row of the block sees any key (packed documents, sliding windows)."""
-        if isinstance(self.q_rows, slice):
-            return self.q_rows.stop <= self.q_rows.start
-        return self.q_rows.numel() == 0
-
-    @property
-    def calls(self) -> tuple[Block, ...]:
-        """The kernel calls computing the block: its tiles, or the block itself."""
-        if self.empty:
-            return ()
-        return (self,) if self.tiles is None else self.tiles
-
-
-def block_kind(q_rank: int, kv_rank: int, causal: bool) -> BlockKind:
-    """The zigzag rule: which part of block (q_rank, kv_rank) survives the mask."""
-    if not causal:
-        return BlockKind.FULL
-    if q_rank == kv_rank:
-        return BlockKind.DIAGONAL
-    return BlockKind.LOWER if q_rank > kv_rank else BlockKind.UPPER
+    def packed(self) -> bool:
+        """Whether the shares are packed documents (THD layout or placed)."""
+        return self.documents is not None or self.placement is not None
 
 
 def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | bool,
@@ -117,6 +79,8 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     if isinstance(mask, bool):
         mask = AttentionMask(mask)
     kind = block_kind(q_rank, kv_rank, mask.causal)
+    if mask.placement is not None and mask.window is None:
+        return placed_block(mask.placement, mask.causal, q_rank, kv_rank, torch.device(device))
     if mask.window is not None and not _window_spares(mask, q_rank, kv_rank, local_len):
         return _window_block(mask, q_rank, kv_rank, local_len, torch.device(device))
     if mask.documents is not None:
@@ -144,8 +108,8 @@ def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int
 def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
     """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
     kv_rank under `mask` (causal, documents and window on global positions)."""
-    pos_q, doc_q = token_positions(mask.ranks, q_rank, local_len, mask.documents)
-    pos_k, doc_k = token_positions(mask.ranks, kv_rank, local_len, mask.documents)
+    pos_q, doc_q = _positions(mask, q_rank, local_len)
+    pos_k, doc_k = _positions(mask, kv_rank, local_len)
     seen = (doc_q[:, None] == doc_k[None, :]) & (doc_q[:, None] >= 0)
     if mask.causal:
         seen &= pos_k[None, :] <= pos_q[:, None]
@@ -154,15 +118,12 @@ def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) 
     return seen
 
 
-def _as_rows(selected: torch.Tensor, device: torch.device) -> slice | torch.Tensor:
-    """The True rows of a bool vector: a slice when they are contiguous, else an index."""
-    index = selected.nonzero().flatten()
-    if index.numel() == 0:
-        return slice(0, 0)
-    first, last = int(index[0]), int(index[-1])
-    if last - first + 1 == index.numel():
-        return slice(first, last + 1)
-    return index.to(device)
+def _positions(mask: AttentionMask, rank: int, local_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position, document) int64 [local_len] of `rank`'s rows under `mask`."""
+    if mask.placement is not None:
+        return positions(mask.placement, rank)
+    return token_positions(mask.ranks, rank, local_len, mask.documents)
 
 
 # A block under a window whose shares hold at most this many rows is one kernel call over
@@ -180,7 +141,7 @@ SMALL_DOCUMENT_ROWS = 256
 def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> bool:
     """Whether the window leaves every pair of a dense block that the causal (or full)
     mask keeps: then the block is the plain one. Positions: each rank's zigzag sub-chunks."""
-    if mask.documents is not None:
+    if mask.packed:
         return False
     half = local_len // 2
     q_first, q_second = (c * half for c in zigzag_chunks(mask.ranks, q_rank))
@@ -210,7 +171,7 @@ def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int
     on_device = lambda rows: rows if isinstance(rows, slice) else rows.to(device)  # noqa: E731
     tiles = tuple(replace(t, q_rows=on_device(t.q_rows), kv_rows=on_device(t.kv_rows))
                   for t in tiles)
-    return Block(kind, _as_rows(q_used, device), _as_rows(kv_used, device), tiles=tiles)
+    return Block(kind, as_rows(q_used, device), as_rows(kv_used, device), tiles=tiles)
 
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -220,6 +181,8 @@ def _runs(mask: AttentionMask, rank: int, local_len: int) -> list[list[Run]]:
     """Per document (one for a dense sequence), `rank`'s runs of real rows: its zigzag
     sub-chunks, or its pieces of each document, positions counted within the document and
     padding rows left out (as `window.token_positions` gives them row by row)."""
+    if mask.placement is not None:
+        return mask.placement.local_runs_by_document(rank)
     if mask.documents is None:
         half = local_len // 2
         return [[(row * half, chunk * half, half)
@@ -253,7 +216,7 @@ def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     for q_runs, kv_runs in zip(_runs(mask, q_rank, local_len), _runs(mask, kv_rank, local_len)):
         if not q_runs or not kv_runs:
             continue
-        if mask.documents is not None and sum(n for *_, n in q_runs) < SMALL_DOCUMENT_ROWS:
+        if mask.packed and sum(n for *_, n in q_runs) < SMALL_DOCUMENT_ROWS:
             group.append((q_runs, kv_runs))
             if sum(n for runs, _ in group for *_, n in runs) >= MIN_SLAB_ROWS:
                 yield from _group_call(group, lo, hi, device)
@@ -262,7 +225,7 @@ def _band_tiles(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
         for q_row, q_pos, q_len in q_runs:
             for start in range(0, q_len, slab):
                 for kv_row, kv_pos, kv_len in kv_runs:
-                    tile = _band_tile(q_pos, start, min(start + slab, q_len), kv_pos, kv_len,
+                    tile = band_tile(q_pos, start, min(start + slab, q_len), kv_pos, kv_len,
                                       lo, hi)
                     if tile is not None:
                         (i0, i1), (j0, j1), kind, band = tile
@@ -303,32 +266,6 @@ def _group_call(group: list[tuple[list[Run], list[Run]]], lo: int | None, hi: in
     yield Block(BlockKind.FULL, q_row[q_any], kv_row[kv_any], mask=tile_mask)
 
 
-def _band_tile(q_pos: int, i_start: int, i_stop: int, kv_pos: int, kv_len: int,
-               lo: int | None, hi: int | None):
-    """Query rows [i_start, i_stop) of a run at position q_pos against a run of kv_len keys
-    at kv_pos, where query i sees key j when lo <= (kv_pos + j) - (q_pos + i) <= hi (None:
-    unbounded): ((i0, i1), (j0, j1), kind, TileMask or None) of the rows that see or are
-    seen, or None when none does."""
-    off = kv_pos - q_pos
-    i0 = i_start if hi is None else max(i_start, off - hi)
-    i1 = i_stop if lo is None else min(i_stop, kv_len + off - lo)
-    if i1 <= i0:
-        return None
-    j0 = 0 if lo is None else max(0, i0 - off + lo)
-    j1 = kv_len if hi is None else min(kv_len, i1 - off + hi)
-    if j1 <= j0:
-        return None
-    sq, sk, shift = i1 - i0, j1 - j0, off + j0 - i0  # key pos - query pos at (0, 0)
-    full = ((lo is None or shift - (sq - 1) >= lo) and (hi is None or shift + sk - 1 <= hi))
-    if full:
-        return (i0, i1), (j0, j1), BlockKind.FULL, None
-    if sq == sk and shift == 0 and hi == 0 and (lo is None or lo <= -(sq - 1)):
-        return (i0, i1), (j0, j1), BlockKind.DIAGONAL, None
-    left = -1 if lo is None else sk - sq + shift - lo
-    right = -1 if hi is None else hi - (sk - sq) - shift
-    return (i0, i1), (j0, j1), BlockKind.FULL, TileMask.band(sq, sk, left, right)
-
-
 def _one_call(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
               device: torch.device) -> Block | None:
     """A block under a window (inside packed documents, or on short shares) as one kernel
@@ -339,13 +276,13 @@ def _one_call(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     if not bool(q_any.any()):
         return None
     kind = block_kind(q_rank, kv_rank, mask.causal)
-    q_rows, kv_rows = _as_rows(q_any, device), _as_rows(kv_any, device)
+    q_rows, kv_rows = as_rows(q_any, device), as_rows(kv_any, device)
     tile = seen[q_any][:, kv_any]
     if bool(tile.all()):
         return Block(BlockKind.FULL, q_rows, kv_rows)
     if tile.shape[0] == tile.shape[1] and torch.equal(tile, torch.ones_like(tile).tril()):
         return Block(BlockKind.DIAGONAL, q_rows, kv_rows)
-    if mask.documents is None:
+    if not mask.packed:
         pos_q, _ = token_positions(mask.ranks, q_rank, local_len)
         pos_k, _ = token_positions(mask.ranks, kv_rank, local_len)
         flash = _flash_window(pos_q[q_any], pos_k[kv_any], tile, mask.window)

@@ -21,14 +21,24 @@ import torch
 from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
+from .document_placement import DocumentPlacement
 from .dtypes import FP32_GRADS, GradDtypes
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask, block_for
 from .memory import extra_memory
 from .merge import empty_accumulators, merge_into
+from .placed import mesh_placement
 from .traffic import Traffic
-from .values import FP32_BYTES, AttentionShape, MeshPlan, heads_shape
+from .values import (
+    DEFAULT_GRAD_DTYPE,
+    FP32_BYTES,
+    AttentionShape,
+    GradDtype,
+    GridShape,
+    MeshPlan,
+    heads_shape,
+)
 from .window import window_of
 
 
@@ -173,8 +183,21 @@ def window_traffic(
     causal: bool = True, mesh_rank: int | None = None, grad_bytes: int = FP32_BYTES,
     dkv_grad_bytes: int | None = None, documents=None,
 ) -> Traffic:
-    """Bytes one rank sends under a sliding window (`windowed.py`): of each row member x
-    the query rows n_q its blocks use, of each column member y the key rows n_kv:
+    """Bytes one rank sends under a sliding window (`windowed.py`; `sparse_traffic` with
+    the window's mask). `mesh_rank` None: the most any rank of the mesh sends (total)."""
+    mask = AttentionMask(causal, documents, rows * cols, window_of(window, causal))
+    return sparse_traffic(shape, heads, rows, cols, mask, mesh_rank, grad_bytes,
+                          dkv_grad_bytes)
+
+
+def sparse_traffic(
+    shape: AttentionShape, heads: int, rows: int, cols: int, mask: AttentionMask,
+    mesh_rank: int | None = None, grad_bytes: int = FP32_BYTES,
+    dkv_grad_bytes: int | None = None,
+) -> Traffic:
+    """Bytes one rank sends in the sparse exchange of `mask` (a window, placed documents):
+    of each row member x the query rows n_q its blocks use, of each column member y the
+    key rows n_kv:
 
         forward : row  sum_x n_q(x, me) (Q row) e + n_q(me, x) (O row e + lse row 4)
                   col  sum_y n_kv(y, me) (K/V row) e
@@ -184,13 +207,12 @@ def window_traffic(
     (n(a, b): rows of b's chunk that rank a uses), plus the heads all-to-all of
     `grid_traffic`. `mesh_rank` None: the most any rank of the mesh sends (total)."""
     if mesh_rank is None:
-        return max((window_traffic(shape, heads, rows, cols, window, causal, m, grad_bytes,
-                                   dkv_grad_bytes, documents) for m in range(rows * cols)),
+        return max((sparse_traffic(shape, heads, rows, cols, mask, m, grad_bytes,
+                                   dkv_grad_bytes) for m in range(rows * cols)),
                    key=lambda t: t.total)
     inner = heads_shape(shape, heads) if heads > 1 else shape
     mesh = rows * cols
     local = inner.seq_len // mesh
-    mask = AttentionMask(causal, documents, mesh, window_of(window, causal))
     b, e = inner.batch, inner.dtype_bytes
     q_row, o_row = b * inner.q_heads * inner.head_dim, b * inner.q_heads * inner.dv
     l_row, kv_row = b * inner.q_heads, b * inner.kv_heads * (inner.head_dim + inner.dv)
@@ -253,3 +275,25 @@ def window_extra_memory(shape: AttentionShape, plan: MeshPlan, window: tuple[int
     rank holding most (`memory.extra_memory` with the rows `exchanged_rows` counts)."""
     moved = exchanged_rows(shape.seq_len, plan.rows, plan.cols, window, causal)
     return extra_memory(shape, plan, windowed=moved)
+
+
+def placement_traffic(shape: AttentionShape, placement: DocumentPlacement, rows: int,
+                      cols: int, heads: int = 1, causal: bool = True,
+                      window_size: tuple[int, int] | None = None,
+                      grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+                      cp_rank: int | None = None) -> Traffic:
+    """Bytes CP rank `cp_rank` sends (None: the most any rank sends) when `mesh_attention`
+    runs `placement` on an heads x rows x cols grid: the sparse exchange of the rows of
+    documents that span ranks (`windowed.sparse_traffic`), plus the heads all-to-all.
+    `shape`: the whole packed sequence (seq_len = placement.total, batch 1)."""
+    if shape.seq_len != placement.total or shape.batch != 1:
+        raise ValueError(f"shape has {shape.seq_len} tokens in a batch of {shape.batch}; the "
+                         f"placement covers {placement.total} tokens of one packed sequence")
+    GridShape(heads, rows, cols).check_cp_size(placement.cp_size)
+    grads = GradDtype(grad_reduce_dtype)
+    dq_bytes = FP32_BYTES if grads.dq_in_fp32 else shape.dtype_bytes
+    dkv_bytes = FP32_BYTES if grads.dkv_in_fp32 else shape.dtype_bytes
+    mask = AttentionMask(causal, None, rows * cols, window_of(window_size, causal),
+                         mesh_placement(placement, heads))
+    mesh_rank = None if cp_rank is None else cp_rank // heads
+    return sparse_traffic(shape, heads, rows, cols, mask, mesh_rank, dq_bytes, dkv_bytes)
