@@ -36,15 +36,17 @@ from .values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     AttentionShape,
+    Exchange,
     GradDtype,
     MeshPlan,
+    Runner,
     Schedule,
     one_of,
 )
 from .window import Window, window_of
 
-_SCHEDULES = {Schedule.GATHERED: gathered, Schedule.STREAMED_KV: streamed_kv,
-              Schedule.STREAMED_Q: streamed_q}
+RUNNERS = {Runner.GATHERED: gathered, Runner.STREAMED_KV: streamed_kv,
+           Runner.STREAMED_Q: streamed_q, Runner.SPARSE: windowed}  # what `MeshPlan.runner` names
 
 
 def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
@@ -60,10 +62,10 @@ def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
 def plan_for(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
              schedule: str | Schedule = DEFAULT_SCHEDULE,
              grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
-             v: torch.Tensor | None = None) -> MeshPlan:
+             v: torch.Tensor | None = None, exchange: Exchange = Exchange.DENSE) -> MeshPlan:
     """The plan that runs for these q, k (, v) on this grid (`plan.resolve_plan`)."""
     return resolve_plan(layer_shape(q, k, grid, v), grid.rows, grid.cols, schedule,
-                        grad_reduce_dtype, heads=grid.heads)
+                        grad_reduce_dtype, heads=grid.heads, exchange=exchange)
 
 
 def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
@@ -76,23 +78,27 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
 WINDOW_EXCHANGES = ("sparse", "gathered")
 
 
-def _schedule(schedule: Schedule, mask: AttentionMask, window_exchange: str = "sparse"):
-    """The module that runs: where blocks use only some rows (a sliding window, placed
-    documents) the sparse exchange of `windowed` (it moves only the rows the blocks use),
-    or with window_exchange 'gathered' the gathered schedule (whole chunks, as Transformer
-    Engine's all_gather does under a window); else the plan's schedule."""
-    if not mask.sparse:
-        return _SCHEDULES[schedule]
-    return windowed if window_exchange == "sparse" else gathered
+def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: bool
+                ) -> tuple[str | Schedule, Exchange]:
+    """(schedule, exchange) of a layer whose mask may leave rows unused (`sparse_mask`: a
+    sliding window, placed documents): the sparse exchange (only the rows the blocks use
+    travel, whatever the schedule), or with window_exchange 'gathered' the gathered
+    schedule's whole chunks (what Transformer Engine's all_gather moves under a window)."""
+    one_of("window_exchange", window_exchange, WINDOW_EXCHANGES)
+    if not sparse_mask:
+        return schedule, Exchange.DENSE
+    if window_exchange == "gathered":
+        return Schedule.GATHERED, Exchange.DENSE
+    return schedule, Exchange.SPARSE
 
 
 class MeshAttentionFunction(torch.autograd.Function):
-    """Autograd over a schedule's forward / backward; saves only local tensors and the lse."""
+    """Autograd over a runner's forward / backward (`RUNNERS[plan.runner]`); saves only
+    local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, mask, scale, kernel, schedule, grads,
-                window_exchange="sparse"):
-        runner = _schedule(schedule, mask, window_exchange)
+    def forward(ctx, q, k, v, grid, mask, scale, kernel, runner: Runner, grads):
+        runner = RUNNERS[runner]
         out, lse = runner.forward(q, k, v, grid, mask, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (grid, mask, scale, kernel, grads)
@@ -103,7 +109,7 @@ class MeshAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.runner.backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ class MeshAttention:
     softmax_scale: float
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
     window: Window | None = None  # the sliding window (`window.window_of`), None: none
-    window_exchange: str = "sparse"  # under a window: 'sparse' rows or 'gathered' chunks
+    placed: bool = False  # built for placed documents (`DocumentPlacement`)
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
@@ -128,22 +134,22 @@ class MeshAttention:
               backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
               grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
               window_size: tuple[int, int] | None = None,
-              window_exchange: str = "sparse") -> MeshAttention:
+              window_exchange: str = "sparse", placed: bool = False) -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
         and decide the layer's plan and kernel (`packed`: for packed documents;
         `window_size`: a sliding window, `window.window_of`; `window_exchange`: what
-        travels under it, `mesh_attention`)."""
+        travels under it, `mesh_attention`; `placed`: for placed documents)."""
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
-        one_of("window_exchange", window_exchange, WINDOW_EXCHANGES)
         window = window_of(window_size, causal)
         if window is not None:
             backend = window_backend(backend)
-        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v)
+        schedule, exchange = sparse_plan(schedule, window_exchange, window is not None or placed)
+        plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v, exchange)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed,
                             v_head_dim=v.shape[-1])
         return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
-                   window_exchange)
+                   bool(placed))
 
     def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
@@ -168,6 +174,10 @@ class MeshAttention:
         if documents is not None and placement is not None:
             raise ValueError("pass packed documents as cu_seqlens (Transformer Engine's THD "
                              "layout) or as a placement, not both")
+        if (placement is not None) != self.placed:
+            raise ValueError(f"this MeshAttention was built {'for' if self.placed else 'without'}"
+                             " placed documents (MeshAttention.build(..., placed=True) takes "
+                             "a placement, every call)")
         if documents is not None:
             documents.check_cp(grid.cp_size, q.shape[0])
         if placement is not None:
@@ -178,8 +188,8 @@ class MeshAttention:
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, packed)
         out = MeshAttentionFunction.apply(
-            q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.schedule,
-            grad_dtypes(self.plan.grad_dtype, q.dtype), self.window_exchange,
+            q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.runner,
+            grad_dtypes(self.plan.grad_dtype, q.dtype),
         )
         return heads.gather_heads(out, grid, packed) if grid.heads > 1 else out
 
@@ -296,7 +306,8 @@ def mesh_attention(
         q, k, v = as_sbhd(documents, q, k, v)
     packed = documents is not None or placement is not None
     layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=packed,
-                                window_size=window_size, window_exchange=window_exchange)
+                                grad_reduce_dtype, packed=packed, window_size=window_size,
+                                window_exchange=window_exchange,
+                                placed=placement is not None)
     out = layer(q, k, v, documents, placement)
     return out.squeeze(1) if packed else out

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .zigzag import zigzag_chunks
+
 Run = tuple[int, int, int]  # (document index, first position within the document, tokens)
 
 BALANCE_TOLERANCE = 0.05  # rerun with a larger group when the busiest rank is above 1.05 x mean
@@ -181,7 +183,7 @@ def zigzag_placement(total: int, cp_size: int) -> DocumentPlacement:
     total = _positive_int("total", total)
     _check_total(total, cp_size)
     h = total // (2 * cp_size)
-    runs = [((0, r * h, h), (0, (2 * cp_size - 1 - r) * h, h)) for r in range(cp_size)]
+    runs = [tuple((0, c * h, h) for c in zigzag_chunks(cp_size, r)) for r in range(cp_size)]
     return DocumentPlacement.from_runs(cp_size, (total,), runs)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .zigzag import zigzag_chunks
+
 
 @dataclass(frozen=True)
 class Documents:
@@ -99,7 +101,7 @@ class Documents:
         piece follows the first in token order."""
         offset, piece = self.pieces(cp_size)[doc]
         real = [min(piece, max(0, self.lengths[doc] - index * piece))
-                for index in (rank, 2 * cp_size - 1 - rank)]
+                for index in zigzag_chunks(cp_size, rank)]
         start = offset if first else offset + piece
         return range(start, start + (real[0] if first else 0) + (real[1] if second else 0))
 
@@ -176,7 +178,7 @@ def thd_split(full: torch.Tensor, documents: Documents, cp_size: int) -> list[to
         parts = []
         for start, n in zip(documents.cu_padded, documents.padded_lengths):
             piece = n // (2 * cp_size)
-            for index in (rank, 2 * cp_size - 1 - rank):
+            for index in zigzag_chunks(cp_size, rank):
                 parts.append(full[start + index * piece: start + (index + 1) * piece])
         shares.append(torch.cat(parts))
     return shares
@@ -190,7 +192,7 @@ def thd_merge(shares: list[torch.Tensor], documents: Documents) -> torch.Tensor:
     whole = shares[0].new_empty(documents.total, *shares[0].shape[1:])
     for rank, share in enumerate(shares):
         for (offset, piece), start in zip(documents.pieces(cp_size), documents.cu_padded):
-            for half, index in enumerate((rank, 2 * cp_size - 1 - rank)):
+            for half, index in enumerate(zigzag_chunks(cp_size, rank)):
                 whole[start + index * piece: start + (index + 1) * piece] = \
                     share[offset + half * piece: offset + (half + 1) * piece]
     return whole

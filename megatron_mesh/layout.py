@@ -19,11 +19,7 @@ from .documents import Documents
 from .kernels.base import Segments, TileMask
 from .placed import placed_block, positions
 from .window import Window, token_positions
-
-
-def zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two sub-chunk indices (of 2 * cp_size) held by `cp_rank`."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
+from .zigzag import held_pieces, zigzag_chunks
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -190,7 +186,7 @@ def _runs(mask: AttentionMask, rank: int, local_len: int) -> list[list[Run]]:
     out = []
     ranks = mask.ranks
     for (offset, piece), length in zip(mask.documents.pieces(ranks), mask.documents.lengths):
-        indices = (rank,) if ranks == 1 else zigzag_chunks(ranks, rank)
+        indices = held_pieces(ranks, rank)
         runs = []
         for k, index in enumerate(indices):
             rows = max(0, min(piece, length - index * piece))

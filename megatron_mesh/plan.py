@@ -19,6 +19,7 @@ from .values import (
     DEFAULT_SCHEDULE,
     STREAMED,
     AttentionShape,
+    Exchange,
     GradDtype,
     MeshPlan,
     Schedule,
@@ -48,16 +49,19 @@ def resolve_plan(
     grad_reduce_dtype: str | GradDtype = DEFAULT_GRAD_DTYPE,
     heads: int = 1,
     cp_size: int | None = None,
+    exchange: str | Exchange = Exchange.DENSE,
 ) -> MeshPlan:
     """The one place a layer's plan is decided, from user spellings: validates the names,
     resolves "streamed" for `shape` (the layer as one rank's attention sees it: its heads,
     the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks
-    heads * rows * cols against cp_size when given."""
+    heads * rows * cols against cp_size when given. `exchange`: sparse where the mask kind
+    leaves most rows unused and only used rows should travel (`values.Exchange`)."""
     if not isinstance(grad_reduce_dtype, GradDtype):
         check_grad_dtype_name(grad_reduce_dtype)
     if not isinstance(schedule, Schedule):
         check_schedule_name(schedule)
-    plan = MeshPlan(rows=rows, cols=cols, heads=heads, grad_dtype=GradDtype(grad_reduce_dtype))
+    plan = MeshPlan(rows=rows, cols=cols, heads=heads, grad_dtype=GradDtype(grad_reduce_dtype),
+                    exchange=Exchange(exchange))
     if cp_size is not None:
         plan.check_cp_size(cp_size)
     if heads > 1:  # the mesh runs on 1/A of the heads over the whole sequence

@@ -10,13 +10,14 @@ travels behind it, gaining each column member's part, and lands at its owner aft
 hops; at the last step each query chunk's dQ, final once its block has run, goes around
 the row ring the same way while the next block runs. Bytes sent equal the gathered
 schedule's (`traffic.py`); K/V memory is two chunks (plus two dK/dV partials) instead of
-R. A grid of one row has no column ring: there this schedule is the gathered one.
+R. A grid of one row has no column ring: there the plan runs the gathered code
+(`MeshPlan.runner`).
 """
 from __future__ import annotations
 
 import torch
 
-from . import comm, gathered
+from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .dtypes import FP32_GRADS, GradDtypes
 from .gathered import merge_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
@@ -30,8 +31,6 @@ from .rings import TrailingPartial, ring_steps
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
     lse [b, hq, s] fp32."""
-    if grid.rows == 1:
-        return gathered.forward(q, k, v, grid, mask, scale, kernel)
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     me = grid.col_index
@@ -68,8 +67,6 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     step each query chunk's dQ is final once its block has run: the blocks run in the order
     the dQ partials leave on the row ring (`gathered.row_order`), each partial goes on one
     hop behind (`rings.TrailingPartial`) while the next block runs, the own chunk's last."""
-    if grid.rows == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
     dout = dout.contiguous()
     me = grid.col_index
     qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)

@@ -11,13 +11,14 @@ step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over
 column at the end. Bytes
 sent equal the other schedules' except that the partial outputs travel in fp32
 (`values.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
-grid of one column has no row ring: there this schedule is the gathered one.
+grid of one column has no row ring: there the plan runs the gathered code
+(`MeshPlan.runner`).
 """
 from __future__ import annotations
 
 import torch
 
-from . import comm, gathered
+from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
 from .dtypes import FP32_GRADS, GradDtypes
@@ -37,8 +38,6 @@ def merge_partial(mine, arriving) -> None:
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
     """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
     lse [b, hq, s] fp32."""
-    if grid.cols == 1:
-        return gathered.forward(q, k, v, grid, mask, scale, kernel)
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     my_row = grid.row_index
@@ -76,8 +75,6 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
-    if grid.cols == 1:
-        return gathered.backward(dout, q, k, v, out, lse, grid, mask, scale, kernel, grad_dtypes)
     my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column")
     dout = dout.contiguous()

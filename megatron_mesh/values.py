@@ -211,6 +211,30 @@ class Schedule(str, enum.Enum):
         return FP32_BYTES if self is Schedule.STREAMED_Q else dtype_bytes
 
 
+class Exchange(str, enum.Enum):
+    """What travels between ranks: whole chunks (the schedule's gathers and rings) or, where
+    a mask kind leaves most rows unused (sliding windows, placed documents), only the rows
+    each rank's blocks use, point to point (`windowed.py`)."""
+
+    DENSE = "dense"
+    SPARSE = "sparse"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Runner(str, enum.Enum):
+    """The code that runs a plan, one module each (`attention.RUNNERS`)."""
+
+    GATHERED = "gathered"
+    STREAMED_KV = "streamed_kv"
+    STREAMED_Q = "streamed_q"
+    SPARSE = "sparse"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class GradDtype(str, enum.Enum):
     """The dtypes the gradient partials travel in: dQ over the row, dK / dV over the column.
 
@@ -275,11 +299,32 @@ class MeshPlan:
     schedule: Schedule = Schedule.GATHERED
     grad_dtype: GradDtype = GradDtype.MIXED
     heads: int = 1
+    exchange: Exchange = Exchange.DENSE
 
     def __post_init__(self) -> None:
         GridShape(self.heads, self.rows, self.cols)  # positive integers
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "grad_dtype", GradDtype(self.grad_dtype))
+        object.__setattr__(self, "exchange", Exchange(self.exchange))
+
+    @property
+    def runner(self) -> Runner:
+        """The code that runs: the sparse exchange where it is asked for, the gathered code
+        for the gathered schedule and for a ring of one rank (streamed_kv on one row,
+        streamed_q on one column: nothing to stream), else the schedule's ring."""
+        if self.exchange is Exchange.SPARSE:
+            return Runner.SPARSE
+        if self.schedule.runs_gathered(self.rows, self.cols):
+            return Runner.GATHERED
+        return Runner(self.schedule.value)
+
+    @property
+    def describe(self) -> str:
+        """'2x2, schedule streamed_kv, sparse exchange, gradients mixed': what runs, for logs."""
+        ran = {Runner.SPARSE: "sparse exchange (only the rows blocks use)",
+               Runner.GATHERED: "gathered"}.get(self.runner, f"ring {self.runner}")
+        return (f"{self.shape_label}, schedule {self.schedule} (runs {ran}), gradients "
+                f"{self.grad_dtype}")
 
     @property
     def grid(self) -> GridShape:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .documents import Documents
+from .zigzag import held_pieces, zigzag_chunks
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,13 @@ def token_positions(ranks: int, rank: int, local_len: int,
     if documents is None:
         half = local_len // 2
         rows = torch.arange(local_len)
-        second = (2 * ranks - 1 - rank) * half + rows - half
+        second = zigzag_chunks(ranks, rank)[1] * half + rows - half
         pos = torch.where(rows < half, rank * half + rows, second)
         return pos, torch.zeros(local_len, dtype=torch.int64)
     pos = torch.empty(local_len, dtype=torch.int64)
     doc = torch.empty(local_len, dtype=torch.int64)
     for d, (offset, piece) in enumerate(documents.pieces(ranks)):
-        pieces = (rank,) if ranks == 1 else (rank, 2 * ranks - 1 - rank)
+        pieces = held_pieces(ranks, rank)
         for half, index in enumerate(pieces):
             start = offset + half * piece
             pos[start:start + piece] = torch.arange(piece) + index * piece

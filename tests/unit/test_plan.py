@@ -59,3 +59,25 @@ def test_bad_plan_names_the_value(kwargs, message) -> None:
 def test_resolve_plan_rejects_bad_input(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_plan(SHAPES[0], 2, 4, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_plan_says_what_runs(schedule: Schedule) -> None:
+    """`MeshPlan.runner` is the one place that folds the one-rank ring into the gathered code
+    and routes the sparse exchange; the layer dispatches on it."""
+    from megatron_mesh.attention import RUNNERS, sparse_plan
+    from megatron_mesh.values import Exchange, Runner
+
+    for rows, cols in mm.mesh_shapes(4):
+        plan = MeshPlan(rows=rows, cols=cols, schedule=schedule)
+        one_rank_ring = ((schedule is Schedule.STREAMED_KV and rows == 1)
+                         or (schedule is Schedule.STREAMED_Q and cols == 1))
+        expected = (Runner.GATHERED if schedule is Schedule.GATHERED or one_rank_ring
+                    else Runner(schedule.value))
+        assert plan.runner is expected and RUNNERS[plan.runner].__name__.endswith(expected.value)
+        assert MeshPlan(rows=rows, cols=cols, schedule=schedule,
+                        exchange="sparse").runner is Runner.SPARSE
+    assert sparse_plan(schedule, "sparse", True) == (schedule, Exchange.SPARSE)
+    assert sparse_plan(schedule, "gathered", True) == (Schedule.GATHERED, Exchange.DENSE)
+    assert sparse_plan(schedule, "gathered", False) == (schedule, Exchange.DENSE)
+    assert set(RUNNERS) == set(Runner)
