@@ -9,9 +9,12 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .caps import KernelCaps
 
 logger = logging.getLogger("megatron_mesh.kernels")
 
@@ -144,9 +147,14 @@ def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.de
 
 
 class TileKernel(Protocol):
-    """Forward and backward of one attention tile."""
+    """Forward and backward of one attention tile, one signature for every kernel.
+
+    `caps` declares what the kernel takes besides plain tiles (`caps.KernelCaps`:
+    documents, tile masks, V's own head dim); a call carrying an input it does not declare
+    raises ValueError naming the kernel and the capability (`caps.check_call`)."""
 
     name: str
+    caps: KernelCaps
 
     def forward(
         self,
@@ -155,6 +163,7 @@ class TileKernel(Protocol):
         v: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        *,
         segments: Segments | None = None,
         mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +172,9 @@ class TileKernel(Protocol):
         `causal` is top-left aligned and only used with sq == sk. With `segments` (packed
         documents; b = 1) attention stays inside each document's rows (`Segments`). With
         `mask` (sliding windows; then causal is False and segments None) query row i sees
-        key row j where mask.seen[i, j].
+        key row j where mask.seen[i, j]. Segments need `caps.documents`, a band mask
+        `caps.window` (or `tile_mask`), an explicit one `caps.tile_mask`, dv != d
+        `caps.v_head_dim`: ValueError otherwise.
         """
         ...
 
@@ -177,10 +188,12 @@ class TileKernel(Protocol):
         lse: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        *,
         segments: Segments | None = None,
         mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns dq [sq, b, hq, d], dk, dv [sk, b, hkv, d] in the inputs' dtype.
+        """Returns dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv] in the inputs'
+        dtype; `segments` and `mask` as in `forward`.
 
         `out` [sq, b, hq, d] and `lse` [b, hq, sq] (fp32) are those of the WHOLE attention
         row, not of this tile: then the tile's gradients are exact partial sums. The
