@@ -24,6 +24,7 @@ from megatron_mesh.kernels import (
     get_kernel,
 )
 from megatron_mesh.kernels.base import Segments, TileMask
+from megatron_mesh.kernels.caps import NAMES, WHAT
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -65,6 +66,7 @@ def test_each_kernel_declares_its_caps(name: str) -> None:
 
 
 def test_caps_values() -> None:
+    assert set(WHAT) == set(NAMES), "every capability needs its words"
     caps = KernelCaps.of({"documents", "v_head_dim"})
     assert caps == KernelCaps(documents=True, v_head_dim=True) == KernelCaps.of(caps)
     assert KernelCaps.of("window") == KernelCaps(window=True) and KernelCaps.of(None).names == ()
