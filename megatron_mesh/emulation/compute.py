@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from megatron_mesh.kernels.base import Segments, TileMask
-from megatron_mesh.kernels.caps import KernelCaps, check_call
+from megatron_mesh.kernels.base import Segments, TileMask, check_call
+from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 

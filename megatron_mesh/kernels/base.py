@@ -9,12 +9,11 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .caps import KernelCaps
+from .caps import KernelCaps, caps_of, kernel_name, what
 
 logger = logging.getLogger("megatron_mesh.kernels")
 
@@ -151,7 +150,7 @@ class TileKernel(Protocol):
 
     `caps` declares what the kernel takes besides plain tiles (`caps.KernelCaps`:
     documents, tile masks, V's own head dim); a call carrying an input it does not declare
-    raises ValueError naming the kernel and the capability (`caps.check_call`)."""
+    raises ValueError naming the kernel and the capability (`check_call`)."""
 
     name: str
     caps: KernelCaps
@@ -200,6 +199,28 @@ class TileKernel(Protocol):
         kernel uses `out` only through D = rowsum(dout * out) (see `delta.py`).
         """
         ...
+
+
+def call_needs(q: torch.Tensor, v: torch.Tensor, segments: Segments | None,
+               mask: TileMask | None) -> KernelCaps:
+    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask."""
+    return KernelCaps(documents=segments is not None,
+                      tile_mask=mask is not None and mask.flash_window is None,
+                      window=mask is not None and mask.flash_window is not None,
+                      v_head_dim=q.shape[-1] != v.shape[-1])
+
+
+def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
+               segments: Segments | None = None, mask: TileMask | None = None) -> None:
+    """ValueError, naming the kernel and the capability, when the call carries an input
+    `kernel`'s caps do not declare."""
+    if segments is None and mask is None and q.shape[-1] == v.shape[-1]:
+        return  # a plain tile: every kernel takes it
+    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask))
+    if missing:
+        raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
+                         f"(its caps: {caps_of(kernel)}; it declares what it takes in "
+                         "`caps`, a KernelCaps)")
 
 
 def dense_last_dim(t: torch.Tensor) -> torch.Tensor:

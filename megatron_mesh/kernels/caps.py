@@ -2,7 +2,7 @@
 
 Every kernel declares `caps` (a class attribute, or set per object where it depends on the
 kernel's parts, as TE's on its fallbacks); `get_kernel` chooses from the declarations and a
-kernel refuses a call carrying an input its caps do not declare (`check_call`). A new
+kernel refuses a call carrying an input its caps do not declare (`base.check_call`). A new
 capability is a new field (default False: kernels that do not declare it do not take it)
 with its words in `WHAT`.
 """
@@ -11,10 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
-
-import torch
-
-from .base import Segments, TileMask
 
 
 @dataclass(frozen=True)
@@ -105,27 +101,4 @@ def kernel_name(kernel: object) -> str:
     return getattr(kernel, "name", type(kernel).__name__)
 
 
-def call_needs(q: torch.Tensor, v: torch.Tensor, segments: Segments | None,
-               mask: TileMask | None) -> KernelCaps:
-    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask."""
-    return KernelCaps(documents=segments is not None,
-                      tile_mask=mask is not None and mask.flash_window is None,
-                      window=mask is not None and mask.flash_window is not None,
-                      v_head_dim=q.shape[-1] != v.shape[-1])
-
-
-def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
-               segments: Segments | None = None, mask: TileMask | None = None) -> None:
-    """ValueError, naming the kernel and the capability, when the call carries an input
-    `kernel`'s caps do not declare."""
-    if segments is None and mask is None and q.shape[-1] == v.shape[-1]:
-        return  # a plain tile: every kernel takes it
-    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask))
-    if missing:
-        raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
-                         f"(its caps: {caps_of(kernel)}; it declares what it takes in "
-                         "`caps`, a KernelCaps)")
-
-
-__all__ = ["KernelCaps", "NAMES", "NONE", "WHAT", "WINDOWS", "call_needs", "caps_of",
-           "check_call", "kernel_name", "what"]
+__all__ = ["KernelCaps", "NAMES", "NONE", "WHAT", "WINDOWS", "caps_of", "kernel_name", "what"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, TileMask
-from .caps import KernelCaps, check_call
+from .base import Segments, TileMask, check_call
+from .caps import KernelCaps
 from .choice import DeviceFacts, cudnn_unsupported
 from .torch_flash import sbhd, sum_kv_grad
 

@@ -30,8 +30,8 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from .base import Segments, TileMask, log_once
-from .caps import KernelCaps, caps_of, check_call
+from .base import Segments, TileMask, check_call, log_once
+from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
 from .torch_flash import TorchFlashKernel
 

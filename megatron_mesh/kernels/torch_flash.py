@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, TileMask, dense_last_dim
-from .caps import KernelCaps, check_call
+from .base import Segments, TileMask, check_call, dense_last_dim
+from .caps import KernelCaps
 
 aten = torch.ops.aten
 
