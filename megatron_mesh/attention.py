@@ -17,7 +17,6 @@ outputs in fp32):
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,7 @@ from .document_placement import DocumentPlacement
 from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
-from .kernels import TileKernel, get_kernel, is_kernel, takes_documents
+from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
 from .layout import AttentionMask
 from .placed import check_placement, check_placement_documents, mesh_placement
 from .plan import resolve_plan
@@ -168,7 +167,7 @@ class MeshAttention:
                 f"v {tuple(v.shape)}; build one per shape")
         grid = self.grid
         packed = documents if placement is None else placement
-        if packed is not None and not takes_documents(self.kernel):
+        if packed is not None and not caps_of(self.kernel).documents:
             raise ValueError("this MeshAttention was built without packed documents "
                              "(MeshAttention.build(..., packed=True) takes them)")
         if documents is not None and placement is not None:
@@ -200,19 +199,10 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) 
 
 
 def window_backend(backend: str | TileKernel) -> str | TileKernel:
-    """The backend that runs sliding-window tiles (a `mask` keyword): torch's ops for
-    'auto'; a named backend or kernel object without them is a ValueError."""
-    if backend == "auto":
-        return "torch"
-    if is_kernel(backend):
-        if "mask" not in inspect.signature(backend.forward).parameters:
-            raise ValueError(f"the tile kernel {getattr(backend, 'name', backend)!r} takes no "
-                             "sliding-window mask; use backend='torch' or 'auto'")
-        return backend
-    if backend != "torch":
-        raise ValueError(f"backend={backend!r} does not take sliding windows (window_size); "
-                         "use backend='torch' or 'auto'")
-    return backend
+    """The backend that runs sliding-window tiles (caps `tile_mask`, `kernels.backend_for`):
+    torch's ops for 'auto'; a named backend or kernel object whose caps lack them is a
+    ValueError."""
+    return backend_for(backend, WINDOWS)
 
 
 def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,

@@ -36,7 +36,7 @@ def forward_block(
     for blk in block_for(x, y, q_x.shape[0], mask, q_x.device).calls:
         kv = blk.kv_rows
         out, lse = kernel.forward(rows(q_x, blk.q_rows), rows(k_y, kv), rows(v_y, kv),
-                                  blk.causal, scale, **_documents(blk))
+                                  blk.causal, scale, segments=blk.segments, mask=blk.mask)
         if isinstance(blk.q_rows, slice):
             merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
             continue
@@ -69,7 +69,7 @@ def backward_block(
         dq, dk, dv = kernel.backward(
             rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
             rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale,
-            **_documents(blk),
+            segments=blk.segments, mask=blk.mask,
         )
         _add_rows(dq_acc, q_rows, dq)
         _add_rows(dkv_acc[0], kv_rows, dk)
@@ -105,10 +105,3 @@ def split_kv_grads(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dk, dv = kv_grads(flat.reshape(-1), k, v)
     return dk.to(k.dtype), dv.to(v.dtype)
 
-
-def _documents(blk) -> dict:
-    """The kernel's keywords for a block over packed documents or under a sliding window
-    (none for a plain block, so kernels without them keep their signature)."""
-    if blk.mask is not None:
-        return {"mask": blk.mask}
-    return {} if blk.segments is None else {"segments": blk.segments}

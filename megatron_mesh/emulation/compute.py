@@ -1,7 +1,7 @@
 """A tile kernel whose compute is emulated: it sleeps for the tile's modelled time.
 
 The interface of `megatron_mesh.kernels.base.TileKernel`; the results are zeros of the right
-shapes and dtypes (out [sq, b, hq, d], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
+shapes and dtypes (out [sq, b, hq, dv], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
 every schedule runs its real communication and merging around tiles that cost what the
 planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), backward
 `BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under a
@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from megatron_mesh.kernels.base import Segments, TileMask, check_call
+from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
@@ -28,9 +30,11 @@ def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None) -> flo
 
 
 class EmulatedKernel:
-    """TileKernel that sleeps `flops / flops_rate` seconds per call (EMULATED compute)."""
+    """TileKernel that sleeps `flops / flops_rate` seconds per call (EMULATED compute).
+    Takes tile masks (priced by their pairs) and V's own head dim; no packed documents."""
 
     name = "emulated"
+    caps = KernelCaps(tile_mask=True, window=True, v_head_dim=True)
 
     def __init__(self, flops_rate: float) -> None:
         if not flops_rate > 0:
@@ -43,14 +47,19 @@ class EmulatedKernel:
         self.seconds += seconds
         time.sleep(seconds)
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float, mask=None):
+    def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
+                segments: Segments | None = None, mask: TileMask | None = None):
+        """Zeros: out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq] fp32."""
+        check_call(self, q, v, segments, mask)
         self._compute(tile_flops(q, k, causal, mask))
         sq, b, hq, _ = q.shape
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros(sq, b, hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                 mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
+                 segments: Segments | None = None, mask: TileMask | None = None):
+        """Zeros like q, k, v."""
+        check_call(self, q, v, segments, mask)
         self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask))
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros(k.shape, dtype=k.dtype, device=k.device),

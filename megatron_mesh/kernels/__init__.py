@@ -1,18 +1,28 @@
-"""Tile-kernel backends behind one interface (`base.TileKernel`), and the one place that
-chooses among them (`get_kernel`)."""
+"""Tile-kernel backends behind one interface (`base.TileKernel`, what each takes declared
+as `caps.KernelCaps`), and the one place that chooses among them (`get_kernel`)."""
 from __future__ import annotations
 
 import functools
-import inspect
+from typing import Iterable
 
 import torch
 
 from .base import TileKernel
+from .caps import WINDOWS, KernelCaps, caps_of, kernel_name, what
 from .choice import Choice, DeviceFacts, choose, log_skips
 from .cudnn import CudnnKernel
+from .te_fused import TEFusedKernel
 from .torch_flash import TorchFlashKernel
 
 BACKENDS = ("auto", "torch", "cudnn", "te")
+# The kernel each named backend builds; its class's `caps` are what the name takes.
+BACKEND_KERNELS = {"torch": TorchFlashKernel, "cudnn": CudnnKernel, "te": TEFusedKernel}
+
+# The kernel that runs each op of a `choice.Choice`.
+OP_KERNELS = {"te": TEFusedKernel, "cudnn": CudnnKernel, "flash": TorchFlashKernel,
+              "efficient": TorchFlashKernel, "cpu": TorchFlashKernel}
+
+Needs = KernelCaps | Iterable[str] | str | None  # what `KernelCaps.of` takes
 
 
 def is_kernel(backend: object) -> bool:
@@ -28,9 +38,35 @@ def check_backend(backend: str | TileKernel) -> None:
                          "(or a TileKernel object)")
 
 
-def takes_documents(kernel: TileKernel) -> bool:
-    """Whether the kernel takes packed documents (a `segments` keyword)."""
-    return "segments" in inspect.signature(kernel.forward).parameters
+def refuse(backend: str | TileKernel, needs: KernelCaps) -> None:
+    """ValueError when a named backend (its kernel class's caps) or a kernel object (its
+    own caps) does not take `needs`, naming it, what it lacks and what would; 'auto' is
+    never refused here (`get_kernel` decides it per device)."""
+    if isinstance(backend, str):
+        if backend == "auto":
+            return
+        caps, who = BACKEND_KERNELS[backend].caps, f"backend={backend!r}"
+    else:
+        caps, who = caps_of(backend), f"the tile kernel {kernel_name(backend)!r}"
+    missing = caps.missing(needs)
+    if missing:
+        instead = ("use backend='torch' or 'auto'" if TorchFlashKernel.caps.covers(needs)
+                   else "no tile kernel here takes it")
+        raise ValueError(f"{who} does not take {what(missing)}; {instead}")
+
+
+def backend_for(backend: str | TileKernel, needs: Needs) -> str | TileKernel:
+    """The backend for layers that need `needs`, decided from caps alone (no device yet;
+    `attention.window_backend`): a named backend or kernel object as it is where it takes
+    them (else `refuse`'s ValueError); 'auto' as it is where every kernel it may build
+    takes them, else 'torch' (the kernel `get_kernel` falls back to)."""
+    check_backend(backend)
+    needs = KernelCaps.of(needs)
+    refuse(backend, needs)
+    if isinstance(backend, str) and backend == "auto" and not all(
+            k.caps.covers(needs) for k in OP_KERNELS.values()):
+        return "torch"
+    return backend
 
 
 def get_kernel(
@@ -38,11 +74,15 @@ def get_kernel(
     device: torch.device,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
-    documents: bool = False,
+    *,
+    needs: Needs = None,
     v_head_dim: int | None = None,
+    documents: bool = False,
 ) -> TileKernel:
     """The tile kernel for `backend` on `device` for tiles of `dtype` and `head_dim` (V's
-    `v_head_dim` where it differs: multi-latent attention; None or equal: the same).
+    `v_head_dim` where it differs: multi-latent attention; None or equal: the same) whose
+    caps cover `needs` (a `KernelCaps` or capability names, e.g. {'documents'}; V's own
+    head dim adds 'v_head_dim', `documents` 'documents').
 
     The ops come from `choice.choose` (the one place that decides; see its docstring):
     'auto' asks Transformer Engine per tile shape, then takes torch's cuDNN op, flash op or
@@ -50,24 +90,26 @@ def get_kernel(
     'cudnn' raise ValueError, saying why, where they cannot run at all; 'torch' runs
     everywhere. Skipped ops are logged once with their reason. A `TileKernel` object (e.g.
     the emulated one of `megatron_mesh.emulation`) is returned as it is.
-    With `documents` (packed sequences) only kernels that take them (`takes_documents`)
-    are chosen: Transformer Engine's does ("thd", asked per tile; tiles it turns down run
-    on torch's ops), torch's cuDNN op does not: there 'auto' falls back to torch's ops and
-    'cudnn' raises ValueError.
+    Needs are checked against declared caps (`refuse`): a named backend or kernel object
+    without one raises ValueError naming it and what would work (before any device check);
+    where the kernel 'auto' chooses lacks one, torch's ops run (e.g. packed documents
+    where torch's cuDNN op was chosen; TE's kernel takes them, "thd" asked per tile).
     """
     check_backend(backend)
     if v_head_dim == head_dim:
         v_head_dim = None
+    needs = KernelCaps.of(needs) | KernelCaps(documents=documents,
+                                              v_head_dim=v_head_dim is not None)
+    refuse(backend, needs)
     if is_kernel(backend):
-        kernel = backend
-    else:
-        kernel = _kernel_for(backend, torch.device(device), dtype, head_dim, v_head_dim)
-    if documents and not takes_documents(kernel):
-        if backend != "auto":
-            name = getattr(kernel, "name", type(kernel).__name__)
-            raise ValueError(f"backend={name!r} does not take packed documents (cu_seqlens); "
-                             "use backend='torch' or 'auto'")
-        return _kernel_for("torch", torch.device(device), dtype, head_dim, v_head_dim)
+        return backend
+    kernel = _kernel_for(backend, torch.device(device), dtype, head_dim, v_head_dim)
+    if caps_of(kernel).covers(needs):
+        return kernel
+    if backend != "auto":
+        refuse(kernel, needs)  # built with less than its class declares
+    kernel = _kernel_for("torch", torch.device(device), dtype, head_dim, v_head_dim)
+    refuse(kernel, needs)
     return kernel
 
 
@@ -84,15 +126,14 @@ def build(chosen: Choice) -> TileKernel:
     """The kernel running `chosen.ops` (TE falls back per tile to the op after it)."""
     op, rest = chosen.first, chosen.ops[1:]
     if op == "te":
-        from .te_fused import TEFusedKernel
-
-        # packed documents fall back past torch's cuDNN op, which does not take them
-        documents = build(Choice(tuple(o for o in rest if o != "cudnn")))
+        # packed documents fall back past ops that do not take them (torch's cuDNN op)
+        documents = build(Choice(tuple(o for o in rest if OP_KERNELS[o].caps.documents)))
         return TEFusedKernel(fallback=build(Choice(rest)), documents_fallback=documents)
     if op == "cudnn":
         return CudnnKernel()
     return TorchFlashKernel(flash=op in ("cpu", "flash"))
 
 
-__all__ = ["BACKENDS", "Choice", "CudnnKernel", "DeviceFacts", "TileKernel", "TorchFlashKernel",
-           "build", "check_backend", "choose", "get_kernel", "is_kernel", "takes_documents"]
+__all__ = ["BACKENDS", "BACKEND_KERNELS", "WINDOWS", "Choice", "CudnnKernel", "DeviceFacts",
+           "KernelCaps", "TEFusedKernel", "TileKernel", "TorchFlashKernel", "backend_for",
+           "build", "caps_of", "check_backend", "choose", "get_kernel", "is_kernel", "refuse"]

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from .caps import KernelCaps, caps_of, kernel_name, what
+
 logger = logging.getLogger("megatron_mesh.kernels")
 
 
@@ -144,9 +146,14 @@ def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.de
 
 
 class TileKernel(Protocol):
-    """Forward and backward of one attention tile."""
+    """Forward and backward of one attention tile, one signature for every kernel.
+
+    `caps` declares what the kernel takes besides plain tiles (`caps.KernelCaps`:
+    documents, tile masks, V's own head dim); a call carrying an input it does not declare
+    raises ValueError naming the kernel and the capability (`check_call`)."""
 
     name: str
+    caps: KernelCaps
 
     def forward(
         self,
@@ -155,6 +162,7 @@ class TileKernel(Protocol):
         v: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        *,
         segments: Segments | None = None,
         mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +171,9 @@ class TileKernel(Protocol):
         `causal` is top-left aligned and only used with sq == sk. With `segments` (packed
         documents; b = 1) attention stays inside each document's rows (`Segments`). With
         `mask` (sliding windows; then causal is False and segments None) query row i sees
-        key row j where mask.seen[i, j].
+        key row j where mask.seen[i, j]. Segments need `caps.documents`, a band mask
+        `caps.window` (or `tile_mask`), an explicit one `caps.tile_mask`, dv != d
+        `caps.v_head_dim`: ValueError otherwise.
         """
         ...
 
@@ -177,16 +187,40 @@ class TileKernel(Protocol):
         lse: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        *,
         segments: Segments | None = None,
         mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns dq [sq, b, hq, d], dk, dv [sk, b, hkv, d] in the inputs' dtype.
+        """Returns dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv] in the inputs'
+        dtype; `segments` and `mask` as in `forward`.
 
         `out` [sq, b, hq, d] and `lse` [b, hq, sq] (fp32) are those of the WHOLE attention
         row, not of this tile: then the tile's gradients are exact partial sums. The
         kernel uses `out` only through D = rowsum(dout * out) (see `delta.py`).
         """
         ...
+
+
+def call_needs(q: torch.Tensor, v: torch.Tensor, segments: Segments | None,
+               mask: TileMask | None) -> KernelCaps:
+    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask."""
+    return KernelCaps(documents=segments is not None,
+                      tile_mask=mask is not None and mask.flash_window is None,
+                      window=mask is not None and mask.flash_window is not None,
+                      v_head_dim=q.shape[-1] != v.shape[-1])
+
+
+def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
+               segments: Segments | None = None, mask: TileMask | None = None) -> None:
+    """ValueError, naming the kernel and the capability, when the call carries an input
+    `kernel`'s caps do not declare."""
+    if segments is None and mask is None and q.shape[-1] == v.shape[-1]:
+        return  # a plain tile: every kernel takes it
+    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask))
+    if missing:
+        raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
+                         f"(its caps: {caps_of(kernel)}; it declares what it takes in "
+                         "`caps`, a KernelCaps)")
 
 
 def dense_last_dim(t: torch.Tensor) -> torch.Tensor:

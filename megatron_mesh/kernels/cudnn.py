@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import Segments, TileMask, check_call
+from .caps import KernelCaps
 from .choice import DeviceFacts, cudnn_unsupported
 from .torch_flash import sbhd, sum_kv_grad
 
@@ -52,12 +54,16 @@ def _philox_unused(device: torch.device) -> torch.Tensor:
 
 
 class CudnnKernel:
-    """The TileKernel of `kernels/base.py` on torch's cuDNN attention op (CUDA, fp16 / bf16)."""
+    """The TileKernel of `kernels/base.py` on torch's cuDNN attention op (CUDA, fp16 / bf16):
+    dense tiles, V of its own head dim; no packed documents, no tile masks."""
 
     name = "cudnn"
+    caps = KernelCaps(v_head_dim=True)
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float):
+    def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
+                segments: Segments | None = None, mask: TileMask | None = None):
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32."""
+        check_call(self, q, v, segments, mask)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
@@ -66,9 +72,11 @@ class CudnnKernel:
         sq, b, hq, _ = q.shape
         return sbhd(out), lse.reshape(b, hq, sq).float()
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
+                 segments: Segments | None = None, mask: TileMask | None = None):
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
+        check_call(self, q, v, segments, mask)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))

@@ -30,7 +30,8 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from .base import Segments, log_once
+from .base import Segments, TileMask, check_call, log_once
+from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
 from .torch_flash import TorchFlashKernel
 
@@ -494,12 +495,17 @@ class TEFusedKernel:
     to TE's own backend query (`te_rejects`, once per shape); tiles TE turns down, and
     anything not fp16 / bf16 on CUDA, go to `fallback` (the next choice of
     `choice.choose`; torch's ops when not given), tiles of packed documents to
-    `documents_fallback` (`fallback` where it takes documents, else torch's ops), the
+    `documents_fallback` (`fallback` where its caps take documents, else torch's ops), the
     reason logged once. `deterministic` follows TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
     unless given.
+
+    `caps`: packed documents where `documents_fallback` takes them, V's own head dim where
+    both fallbacks do (a tile TE turns down runs on them); no tile masks (windows). The
+    class's `caps` are those with torch's ops as the fallbacks.
     """
 
     name = "te"
+    caps = KernelCaps(documents=True, v_head_dim=True)
 
     def __init__(self, deterministic: bool | None = None, fallback: Any = None,
                  documents_fallback: Any = None) -> None:
@@ -508,9 +514,12 @@ class TEFusedKernel:
         self.deterministic = deterministic
         self._fallback = fallback if fallback is not None else TorchFlashKernel()
         if documents_fallback is None:
-            takes = "segments" in inspect.signature(self._fallback.forward).parameters
+            takes = caps_of(self._fallback).documents
             documents_fallback = self._fallback if takes else TorchFlashKernel()
         self._documents_fallback = documents_fallback
+        fallbacks = caps_of(self._fallback), caps_of(documents_fallback)
+        self.caps = KernelCaps(documents=fallbacks[1].documents,
+                               v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim)
         self._takes: dict[tuple, bool] = {}
         self._told_documents = False
 
@@ -549,10 +558,12 @@ class TEFusedKernel:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-        softmax_scale: float, segments: Segments | None = None,
+        softmax_scale: float, *, segments: Segments | None = None,
+        mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
         with `segments`)."""
+        check_call(self, q, v, segments, mask)
         if segments is not None:
             if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
@@ -590,10 +601,13 @@ class TEFusedKernel:
         lse: torch.Tensor,
         causal: bool,
         softmax_scale: float,
+        *,
         segments: Segments | None = None,
+        mask: TileMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
+        check_call(self, q, v, segments, mask)
         if segments is not None:
             if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,

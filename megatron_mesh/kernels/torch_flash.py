@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, TileMask, dense_last_dim
+from .base import Segments, TileMask, check_call, dense_last_dim
+from .caps import KernelCaps
 
 aten = torch.ops.aten
 
@@ -65,10 +66,11 @@ class TorchFlashKernel:
 
     CPU tensors take the CPU flash op; any other device (CUDA; 'meta' for checking shapes
     without a GPU) takes the CUDA ops: the flash op for fp16 / bf16 when `flash` (the GPU
-    takes it), else the memory-efficient op.
+    takes it), else the memory-efficient op. Takes everything `KernelCaps` names.
     """
 
     name = "torch"
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
 
     def __init__(self, flash: bool = True) -> None:
         self.flash = flash
@@ -76,13 +78,14 @@ class TorchFlashKernel:
     def _uses_flash(self, q: torch.Tensor) -> bool:
         return self.flash and q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float,
+    def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 segments: Segments | None = None, mask: TileMask | None = None):
+        check_call(self, q, v, segments, mask)
         width = padded_head_dim(q, v)
         if width:  # V of its own head dim where the op takes one: pad, exactly
             out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
-                                    pad_head_dim(v, width), causal, softmax_scale, segments,
-                                    mask)
+                                    pad_head_dim(v, width), causal, softmax_scale,
+                                    segments=segments, mask=mask)
             return out[..., :v.shape[-1]], lse
         varlen = q.device.type != "cpu" and self._uses_flash(q)
         if mask is not None:
@@ -108,12 +111,13 @@ class TorchFlashKernel:
         )
         return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+    def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
                  segments: Segments | None = None, mask: TileMask | None = None):
+        check_call(self, q, v, segments, mask)
         width = padded_head_dim(q, v)
         if width:  # the padded columns' gradients are dropped
             dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),
-                                       lse, causal, softmax_scale, segments, mask)
+                                       lse, causal, softmax_scale, segments=segments, mask=mask)
             d = q.shape[-1]
             return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
         varlen = q.device.type != "cpu" and self._uses_flash(q)

@@ -25,7 +25,6 @@ from megatron_mesh.kernels import (
     TorchFlashKernel,
     build,
     get_kernel,
-    takes_documents,
     te_fused,
 )
 from megatron_mesh.kernels.base import Segments
@@ -214,7 +213,7 @@ def test_lse_to_te_by_hand() -> None:
 
 def test_te_kernel_takes_documents_and_falls_back_past_cudnn() -> None:
     kernel = build(Choice(("te", "cudnn", "flash", "efficient")))
-    assert isinstance(kernel, TEFusedKernel) and takes_documents(kernel)
+    assert isinstance(kernel, TEFusedKernel) and kernel.caps.documents
     assert kernel._fallback.name == "cudnn"
     assert isinstance(kernel._documents_fallback, TorchFlashKernel)
     assert kernel._documents_fallback.flash

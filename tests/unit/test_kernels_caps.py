@@ -1,0 +1,225 @@
+"""What tile kernels take, declared (`KernelCaps`): each kernel's caps, kernels refusing
+inputs they do not declare, `get_kernel`'s decision from needs, the window check, and a
+transparent wrapper that declares its kernel's caps running windows and packed documents
+exactly through the mesh (one process, a 1 x 1 grid)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_mesh as mm
+from megatron_mesh.attention import window_backend
+from megatron_mesh.emulation import EmulatedKernel
+from megatron_mesh.kernels import (
+    WINDOWS,
+    CudnnKernel,
+    KernelCaps,
+    TEFusedKernel,
+    TorchFlashKernel,
+    backend_for,
+    get_kernel,
+)
+from megatron_mesh.kernels.base import Segments, TileMask
+from megatron_mesh.kernels.caps import NAMES, WHAT
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+TABLE = {  # docs/kernels.md's caps table
+    "torch": (TorchFlashKernel(), ("documents", "tile_mask", "window", "v_head_dim")),
+    "cudnn": (CudnnKernel(), ("v_head_dim",)),
+    "te": (TEFusedKernel(), ("documents", "v_head_dim")),
+    "emulated": (EmulatedKernel(1e12), ("tile_mask", "window", "v_head_dim")),
+}
+
+
+class Wrapper:
+    """A transparent wrapper: its kernel's name and calls, and (when `declare`) its caps;
+    records which inputs its calls carried."""
+
+    def __init__(self, inner, declare: bool = True) -> None:
+        self.inner, self.name, self.seen = inner, "wrapped", set()
+        if declare:
+            self.caps = inner.caps
+
+    def _note(self, segments, mask) -> None:
+        self.seen |= {n for n, x in (("segments", segments), ("mask", mask)) if x is not None}
+
+    def forward(self, q, k, v, causal, softmax_scale, *, segments=None, mask=None):
+        self._note(segments, mask)
+        return self.inner.forward(q, k, v, causal, softmax_scale, segments=segments, mask=mask)
+
+    def backward(self, dout, q, k, v, out, lse, causal, softmax_scale, *, segments=None,
+                 mask=None):
+        return self.inner.backward(dout, q, k, v, out, lse, causal, softmax_scale,
+                                   segments=segments, mask=mask)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_each_kernel_declares_its_caps(name: str) -> None:
+    kernel, names = TABLE[name]
+    assert isinstance(kernel.caps, KernelCaps) and kernel.caps.names == names
+    assert type(kernel).caps == kernel.caps  # the class says it too (named backends)
+
+
+def test_caps_values() -> None:
+    assert set(WHAT) == set(NAMES), "every capability needs its words"
+    caps = KernelCaps.of({"documents", "v_head_dim"})
+    assert caps == KernelCaps(documents=True, v_head_dim=True) == KernelCaps.of(caps)
+    assert KernelCaps.of("window") == KernelCaps(window=True) and KernelCaps.of(None).names == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.documents = False
+    with pytest.raises(ValueError, match="unknown kernel capabilities \\['sink'\\]"):
+        KernelCaps.of({"sink"})
+    assert KernelCaps(tile_mask=True).covers(KernelCaps(window=True))  # a band is a mask
+    assert not KernelCaps(window=True).covers(WINDOWS)
+    assert KernelCaps(v_head_dim=True).missing(KernelCaps(documents=True, v_head_dim=True)) \
+        == ("documents",)
+
+
+def _tile(device: torch.device, dtype: torch.dtype = torch.bfloat16, dv: int = 16):
+    make = lambda *s: torch.randn(*s, dtype=dtype) if device == CPU else torch.empty(  # noqa: E731
+        *s, dtype=dtype, device=device)
+    return make(8, 1, 4, 16), make(8, 1, 2, 16), make(8, 1, 2, dv)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_kernels_refuse_inputs_they_do_not_declare(name: str) -> None:
+    """A call carrying documents, a band, an explicit mask or dv != d that the kernel's
+    caps do not declare: ValueError naming the kernel and the capability (TE's on CPU
+    tensors would otherwise run it on its torch fallback)."""
+    kernel, names = TABLE[name]
+    device = META if name == "cudnn" else CPU
+    q, k, v = _tile(device)
+    inputs = {
+        "documents": dict(segments=Segments.build((0, 3, 8), (0, 3, 8), device)),
+        "window": dict(mask=TileMask.band(8, 8, 2, 0)),
+        "tile_mask": dict(mask=TileMask.explicit(torch.ones(8, 8, dtype=torch.bool).tril(),
+                                                 device)),
+    }
+    for cap, kw in inputs.items():
+        if cap in names:
+            out, lse = kernel.forward(q, k, v, False, 0.25, **kw)
+            kernel.backward(out, q, k, v, out, lse, False, 0.25, **kw)
+            continue
+        words = "packed documents" if cap == "documents" else "sliding"
+        with pytest.raises(ValueError, match=f"tile kernel '{name}' does not take {words}"):
+            kernel.forward(q, k, v, False, 0.25, **kw)
+        with pytest.raises(ValueError, match=f"tile kernel '{name}' does not take {words}"):
+            kernel.backward(q, q, k, v, q, torch.zeros(1, 4, 8), False, 0.25, **kw)
+    q, k, v = _tile(device, dv=8)
+    out, lse = kernel.forward(q, k, v, True, 0.25)  # every kernel here takes dv != d
+    assert out.shape == (8, 1, 4, 8)
+
+
+def test_te_caps_follow_its_fallbacks() -> None:
+    plain = Wrapper(TorchFlashKernel(), declare=False)  # declares nothing: plain tiles
+    assert TEFusedKernel(fallback=CudnnKernel()).caps == TEFusedKernel.caps
+    te = TEFusedKernel(fallback=plain)  # documents go to torch's ops, dv != d to `plain`
+    assert te.caps == KernelCaps(documents=True)
+    te = TEFusedKernel(fallback=CudnnKernel(), documents_fallback=CudnnKernel())
+    assert te.caps == KernelCaps(v_head_dim=True)
+    q, k, v = _tile(CPU)
+    with pytest.raises(ValueError, match="tile kernel 'te' does not take packed documents"):
+        te.forward(q, k, v, True, 0.25, segments=Segments.build((0, 3, 8), (0, 3, 8), CPU))
+
+
+def test_get_kernel_decides_from_needs() -> None:
+    both = {"documents", "tile_mask"}
+    assert isinstance(get_kernel("auto", CPU, torch.float32, 16, needs=both), TorchFlashKernel)
+    assert get_kernel("auto", META, torch.bfloat16, 64, needs=WINDOWS).name == "torch"
+    assert get_kernel("cudnn", META, torch.bfloat16, 64, needs={"v_head_dim"}).name == "cudnn"
+    # a named backend without a need is refused from its caps, before any device check
+    for backend, words in (("cudnn", "sliding windows"), ("te", "sliding windows")):
+        with pytest.raises(ValueError, match=f"backend='{backend}' does not take {words} "
+                                             "\\(window_size\\); use backend='torch' or 'auto'"):
+            get_kernel(backend, CPU, torch.bfloat16, 64, needs=WINDOWS)
+    with pytest.raises(ValueError, match="backend='cudnn' does not take packed documents"):
+        get_kernel("cudnn", META, torch.bfloat16, 64, needs=KernelCaps(documents=True))
+    plain = Wrapper(TorchFlashKernel(), declare=False)
+    assert get_kernel(plain, CPU, torch.float32, 16) is plain
+    for needs, words in (({"documents"}, "packed documents"), (WINDOWS, "sliding windows")):
+        with pytest.raises(ValueError, match=f"the tile kernel 'wrapped' does not take {words}"):
+            get_kernel(plain, CPU, torch.float32, 16, needs=needs)
+    with pytest.raises(ValueError, match="'wrapped' does not take a V head dim of its own"):
+        get_kernel(plain, CPU, torch.float32, 16, v_head_dim=8)
+    declared = Wrapper(TorchFlashKernel())
+    assert get_kernel(declared, CPU, torch.float32, 16, needs=both, v_head_dim=8) is declared
+
+
+def test_window_backend_is_a_caps_check() -> None:
+    assert window_backend("auto") == "torch" and window_backend("torch") == "torch"
+    assert backend_for("auto", {"v_head_dim"}) == "auto"  # every kernel takes it
+    for backend in ("cudnn", "te"):
+        with pytest.raises(ValueError, match="does not take sliding windows"):
+            window_backend(backend)
+    with pytest.raises(ValueError, match="'wrapped' does not take sliding windows"):
+        window_backend(Wrapper(TorchFlashKernel(), declare=False))
+    wrapped = Wrapper(TorchFlashKernel())
+    assert window_backend(wrapped) is wrapped
+    emulated = EmulatedKernel(1e12)
+    assert window_backend(emulated) is emulated
+
+
+def _reference(q, k, v, dout, cu: list[int], window: int):
+    """fp64 SDPA over [t, 1, h, d] with each document's causal window of `window` keys
+    back; GQA by repeating K/V. Returns out, dq, dk, dv."""
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    doc = torch.repeat_interleave(torch.tensor(cu).diff())
+    pos = torch.arange(cu[-1]) - torch.tensor(cu)[doc]
+    seen = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]) & (
+        pos[:, None] - pos[None, :] <= window)
+    groups = q.shape[2] // k.shape[2]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in x)
+    kb, vb = (t.repeat_interleave(groups, 1) for t in (kb, vb))
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=seen).permute(2, 0, 1, 3)
+    out.backward(dout.double())
+    return [out.detach()] + [t.grad for t in x]
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo group of this process alone (the dense schedules gather over it)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("window,packed", [(3, False), (3, True), (None, True)])
+def test_wrapper_declaring_caps_runs_windows_and_documents_exactly(window, packed,
+                                                                   one_rank) -> None:
+    """mesh_attention on a 1 x 1 grid under a window and / or packed documents: the wrapper
+    gets tile masks (windows; inside documents the masks hold them) or segments, gives what
+    torch's kernel gives bit for bit, and both equal fp64 SDPA with the mask; a wrapper
+    declaring nothing is refused."""
+    grid = mm.MeshGrid(rows=1, cols=1, cp_rank=0, cp_ranks=(0,), row_group=None,
+                       col_group=None)
+    cu = [0, 6, 20, 24] if packed else [0, 24]
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(24, 1, h, 16, generator=g) for h in (4, 2, 2, 4))
+    kw = {} if window is None else dict(window_size=(window, 0))
+    if packed:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    squeeze = (lambda t: t[:, 0]) if packed else (lambda t: t)  # noqa: E731
+
+    def run(backend):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = mm.mesh_attention(*(squeeze(t) for t in x), grid, backend=backend, **kw)
+        out.backward(squeeze(dout))
+        return [out.detach().reshape(q.shape)] + [t.grad for t in x]
+
+    wrapped = Wrapper(TorchFlashKernel())
+    got, want = run(wrapped), run("torch")
+    assert wrapped.seen == ({"segments"} if window is None else {"mask"})
+    ref = _reference(q, k, v, dout, cu, 24 if window is None else window)
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, want, ref):
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=1e-5, msg=name)
+    words = "packed documents" if window is None else "sliding windows"
+    with pytest.raises(ValueError, match=f"'wrapped' does not take {words}"):
+        run(Wrapper(TorchFlashKernel(), declare=False))
