@@ -155,6 +155,85 @@ def _long_dataset(prefix: Path, tokens: int, bad_at: int) -> str:
     return str(prefix)
 
 
+def _damaged_index_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """A good index cut to half, with a garbage document count, with garbage sequence
+    pointers, and with a document index that runs backwards (64 sequences: lengths at
+    bytes 34 .., pointers at 290 .., the document index at 802 ..)."""
+    cases = []
+
+    def damaged(name: str, edit, message: str) -> None:
+        prefix = _dataset(tmp_path / name)
+        data = bytearray(Path(prefix + ".idx").read_bytes())
+        Path(prefix + ".idx").write_bytes(bytes(edit(data)))
+        cases.append((["--data-path", prefix], f"{prefix}.idx is not a Megatron index ({message}"))
+
+    damaged("half", lambda d: d[:len(d) // 2], "its counts (64 sequences, 64 documents) need")
+    damaged("doc_count", lambda d: d[:26] + (123456789).to_bytes(8, "little") + d[34:],
+            "its counts (64 sequences, 123456788 documents) need")
+    pointers = np.random.default_rng(1).integers(0, 1 << 40, 64).astype("<i8").tobytes()
+    damaged("pointers", lambda d: d[:290] + pointers + d[802:], "sequence ")
+    backwards = np.arange(65, dtype="<i8")[::-1].tobytes()
+    damaged("documents", lambda d: d[:802] + backwards, "its document index is not ascending")
+    return cases
+
+
+def _tokenizer_path_cases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                          ) -> list[tuple[list[str], str]]:
+    """Tokenizer files that are not there: a path-like Hugging Face value, any value with the
+    hub offline (and no such model in its cache), a SentencePiece model file."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    missing = tmp_path / "tokenizers" / "llama-tok"
+    return [
+        ([*hf, str(missing)], f"--tokenizer-model {missing}: no such file or folder: {missing} "
+                              "(a local tokenizer folder or a Hugging Face model name)"),
+        ([*hf, "meta-llama/no-such-model"], "no such file or folder: meta-llama/no-such-model "
+                                            "(a local tokenizer folder or a Hugging Face "
+                                            "model name; the hub is offline"),
+        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(missing)],
+         f"--tokenizer-model {missing}: no such file: {missing}"),
+    ]
+
+
+def _sentencepiece_model(folder: Path, vocab: int) -> str:
+    """A character-level SentencePiece model of `vocab` pieces, trained here."""
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed (dev extra)")
+    text = folder / "text.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(50)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "spm"),
+                                   vocab_size=vocab, model_type="char", minloglevel=2)
+    return str(folder / "spm.model")
+
+
+def test_tokenizer_smaller_than_the_data_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SentencePiece tokenizer of 40 pieces (the model's vocabulary: 64 rows, padded to
+    --make-vocab-size-divisible-by 64) over data whose ids reach 254: exit 2 at start-up,
+    naming the file, the id and the valid range; data inside the 64 ids passes."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_mesh.training.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = _sentencepiece_model(tmp_path, 40)
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    data = _dataset(tmp_path / "wide")
+    ids = np.fromfile(data + ".bin", dtype=np.int32)
+    code = main([*QUICK, *tokenizer, "--data-path", data])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"token id {ids.max()} in {data}.bin is outside the model's vocabulary, ids 0 .. 63 "
+            f"(--tokenizer-type SentencePieceTokenizer --tokenizer-model {model}: 40 tokens, "
+            "padded to a multiple of 64") in err, err
+    narrow = tmp_path / "narrow"
+    builder = IndexedDatasetBuilder(str(narrow) + ".bin", dtype=np.int32)
+    for start in range(64):
+        builder.add_document((start + np.arange(80)) % 64, [80])
+    builder.finalize(str(narrow) + ".idx")
+    assert parse_args([*QUICK, *tokenizer, "--data-path", str(narrow)]).tokenizer_model == model
+
+
 def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -196,6 +275,8 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         (["--data-path", noise_bin], "is outside the NullTokenizer's ids for --vocab-size 255"),
         (["--data-path", str(tmp_path / "absent")], "absent"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0"),
+        *_damaged_index_cases(tmp_path),
+        *_tokenizer_path_cases(tmp_path, monkeypatch),
     ]
     problems = []
     for flags, message in cases:
