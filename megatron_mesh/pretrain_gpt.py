@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run
+    from megatron_mesh.training.save_failure import SaveError
     from megatron_mesh.training.stopping import NonFiniteError
 
     try:
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, SaveError) as e:  # stopped; what was saved before is intact
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 1
 

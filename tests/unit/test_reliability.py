@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,45 @@ def test_exit_duration_saves_and_resume_continues_exactly(saved: Path, tmp_path:
     unbroken = _losses((saved.parent / "output.txt").read_text())
     assert _losses(run.output) == {1: unbroken[1]}
     assert _losses(resumed.output) == {i: unbroken[i] for i in (2, 3, 4)}
+
+
+@pytest.fixture
+def small_disk(saved: Path, tmp_path: Path):
+    """A tmpfs of 1.5 times one checkpoint of `saved`: the first save fits, the second
+    fills it. Skips where this process may not mount."""
+    size = sum(f.stat().st_size for f in (saved / "iter_0000004").rglob("*") if f.is_file())
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4}k",
+                           "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({proc.stderr.strip() or proc.returncode}; "
+                    "needs root or CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.distributed
+def test_full_disk_during_a_save_says_so_on_every_rank(small_disk: Path) -> None:
+    """Two ranks save iteration 2, then fill the disk saving iteration 4: both stop with one
+    line that names the folder, the full disk and the intact checkpoint 2, which loads."""
+    root = small_disk / "save"
+    run = Job([*QUICK, "--save", str(root), "--save-interval", "2"], job_env(), nproc=2
+              ).wait(timeout=240)
+    assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
+    message = (f"pretrain_gpt: error: saving checkpoint 4 to {root} failed: the disk is full (")
+    lines = [ln for ln in run.output.splitlines() if ln.startswith(message)]
+    assert len(lines) == 2, run.output[-3000:]
+    assert (f"the previous checkpoint 2 ({root / 'iter_0000002'}) is intact (the unfinished "
+            "iter_0000004.tmp was removed)") in lines[0], lines[0]
+    assert re.search(r"MiB free of [\d.]+ MiB, the last checkpoint took [\d.]+ MiB", lines[0])
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002",
+                                                      "latest_checkpointed_iteration.txt"]
+    resumed = driver([*QUICK, "--load", str(root)])
+    assert resumed.returncode == 0 and f"loaded checkpoint {root / 'iter_0000002'}" in (
+        resumed.output), resumed.output[-2000:]
 
 
 def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
