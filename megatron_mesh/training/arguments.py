@@ -13,7 +13,6 @@ import os
 from typing import Any, Sequence
 
 import torch
-import yaml
 
 from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.megatron.arguments import (
@@ -249,6 +248,11 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """YAML file -> {dest: value}; unknown keys are an error naming the valid ones."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise ConfigError(f"--config {path}: reading YAML needs PyYAML, part of the 'megatron' "
+                          "extra: pip install 'megatron-mesh[megatron]'") from None
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -326,6 +327,31 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         if code != 2 or message not in err or len(lines) != 1:
             problems.append(Failure(" ".join(flags), f"exit {code}, {err!r}"))
     assert_no_failures([problems])
+
+
+def _driver_without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """The driver's command line in a Python where `modules` cannot be imported, as after a
+    plain `pip install .` (None in sys.modules: the import fails as for a missing package)."""
+    code = (f"import sys\nfor m in {modules!r}: sys.modules[m] = None\n"
+            "from megatron_mesh.pretrain_gpt import main\nsys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=job_env(), cwd=ROOT, timeout=120)
+
+
+def test_driver_without_the_megatron_extra_names_it() -> None:
+    """Without PyYAML --help still lists the flags and --config names the extra; without
+    megatron-core even --help says which extra to install. Exit 2, one line, no traceback."""
+    help_ = _driver_without(("yaml",), "--help")
+    assert help_.returncode == 0 and "--tokenizer-model" in help_.stdout, help_.stderr[-2000:]
+    extra = "pip install 'megatron-mesh[megatron]'"
+    for modules, args, message in (
+            (("yaml",), ["--config", TINY], f"--config {TINY}: reading YAML needs PyYAML, part "
+                                            f"of the 'megatron' extra: {extra}"),
+            (("megatron", "yaml"), ["--help"], "the driver needs the 'megatron' extra (no module "
+                                               f"named 'megatron.core'): {extra}")):
+        proc = _driver_without(modules, *args)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
 
 
 def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeypatch):
