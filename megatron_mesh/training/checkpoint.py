@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
+MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout
 
 
 @dataclass
@@ -202,6 +203,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     if with_rng:
         sd["rng_state"] = _rng_object()
     if not loading:
+        sd["checkpoint_version"] = MEGATRON_LM_CHECKPOINT_VERSION
         sd["optimizer_kind"] = optimizer_kind(args)
         sd["iteration"] = state.iteration
         sd["consumed_samples"] = state.consumed_samples
