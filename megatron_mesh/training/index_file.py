@@ -87,16 +87,16 @@ def read_index(path: str, bin_bytes: int) -> IndexSummary:
             i = lo + int(np.argmax(length < 0))
             raise DamagedIndex(f"sequence {i} has a negative length {int(lengths[i])}")
         starts = np.concatenate(([previous], pointer[:-1] + length[:-1] * item))
-        if (pointer < starts).any():
-            i = lo + int(np.argmax(pointer < starts))
-            raise DamagedIndex(f"sequence {i} starts at byte {int(pointers[i])}, before the end of "
-                              "the one before it (pointers must ascend)")
         ends = pointer + length * item
-        if (ends > bin_bytes).any() or (pointer < 0).any():
-            i = lo + int(np.argmax((ends > bin_bytes) | (pointer < 0)))
-            raise DamagedIndex(f"sequence {i} (bytes {int(pointers[i])} .. "
-                              f"{int(pointers[i]) + int(lengths[i]) * item}) lies outside the "
-                              f".bin's {bin_bytes} bytes")
+        outside = (ends > bin_bytes) | (pointer < 0)
+        backwards = pointer < starts
+        if outside.any() or backwards.any():
+            i = int(np.argmax(outside | backwards))
+            if outside[i]:
+                raise DamagedIndex(f"sequence {lo + i} (bytes {int(pointer[i])} .. {int(ends[i])}) "
+                                   f"lies outside the .bin's {bin_bytes} bytes")
+            raise DamagedIndex(f"sequence {lo + i} starts at byte {int(pointer[i])}, before the end "
+                               f"of the one before it ({int(starts[i])}; pointers must ascend)")
         previous = int(ends[-1])
         tokens += int(length.sum())
     for lo, hi in _chunks(d1):

@@ -198,7 +198,7 @@ def _long_dataset(prefix: Path, tokens: int, bad_at: int) -> str:
 
 def _damaged_index_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     """A good index cut to half, with a garbage document count, with garbage sequence
-    pointers, and with a document index that runs backwards (64 sequences: lengths at
+    pointers, a pointer that goes back, and a document index that runs backwards (64 sequences: lengths at
     bytes 34 .., pointers at 290 .., the document index at 802 ..)."""
     cases = []
 
@@ -212,7 +212,14 @@ def _damaged_index_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     damaged("doc_count", lambda d: d[:26] + (123456789).to_bytes(8, "little") + d[34:],
             "its counts (64 sequences, 123456788 documents) need")
     pointers = np.random.default_rng(1).integers(0, 1 << 40, 64).astype("<i8").tobytes()
-    damaged("pointers", lambda d: d[:290] + pointers + d[802:], "sequence ")
+    damaged("pointers", lambda d: d[:290] + pointers + d[802:], "sequence 0 (bytes ")
+
+    def repeat_pointer(d: bytearray) -> bytearray:  # sequence 5 starts where sequence 3 did
+        ptr = np.frombuffer(bytes(d[290:802]), dtype="<i8").copy()
+        ptr[5] = ptr[3]
+        return d[:290] + ptr.tobytes() + d[802:]
+
+    damaged("backwards", repeat_pointer, "sequence 5 starts at byte ")
     backwards = np.arange(65, dtype="<i8")[::-1].tobytes()
     damaged("documents", lambda d: d[:802] + backwards, "its document index is not ascending")
     return cases
