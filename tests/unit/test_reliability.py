@@ -5,6 +5,7 @@ the same collectives at any world size); bad flags run in-process, before any gr
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -336,29 +337,47 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
     assert_no_failures([problems])
 
 
-def _driver_without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
-    """The driver's command line in a Python where `modules` cannot be imported, as after a
-    plain `pip install .` (None in sys.modules: the import fails as for a missing package)."""
-    code = (f"import sys\nfor m in {modules!r}: sys.modules[m] = None\n"
-            "from megatron_mesh.pretrain_gpt import main\nsys.exit(main(sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+def _driver_without(modules: tuple[str, ...], *command_lines: list[str]
+                    ) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of the driver's command lines, run one after the other in
+    a Python where `modules` cannot be imported, as after a plain `pip install .` (None in
+    sys.modules: the import fails as for a missing package)."""
+    code = f"""
+import contextlib, io, json, sys
+for m in {modules!r}:
+    sys.modules[m] = None
+from megatron_mesh.pretrain_gpt import main
+results = []
+for argv in {[list(c) for c in command_lines]!r}:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's --help
+            code = e.code
+    results.append((code, out.getvalue(), err.getvalue()))
+print(json.dumps(results))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=job_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
 
 
 def test_driver_without_the_megatron_extra_names_it() -> None:
     """Without PyYAML --help still lists the flags and --config names the extra; without
     megatron-core even --help says which extra to install. Exit 2, one line, no traceback."""
-    help_ = _driver_without(("yaml",), "--help")
-    assert help_.returncode == 0 and "--tokenizer-model" in help_.stdout, help_.stderr[-2000:]
     extra = "pip install 'megatron-mesh[megatron]'"
-    for modules, args, message in (
-            (("yaml",), ["--config", TINY], f"--config {TINY}: reading YAML needs PyYAML, part "
-                                            f"of the 'megatron' extra: {extra}"),
-            (("megatron", "yaml"), ["--help"], "the driver needs the 'megatron' extra (no module "
-                                               f"named 'megatron.core'): {extra}")):
-        proc = _driver_without(modules, *args)
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    (help_code, help_out, _), config = _driver_without(("yaml",), ["--help"], ["--config", TINY])
+    assert help_code == 0 and "--tokenizer-model" in help_out
+    (no_megatron,) = _driver_without(("megatron", "yaml"), ["--help"])
+    for (code, _, err), message in (
+            (config, f"--config {TINY}: reading YAML needs PyYAML, part of the 'megatron' extra: "
+                     f"{extra}"),
+            (no_megatron, f"the driver needs the 'megatron' extra (no module named "
+                          f"'megatron.core'): {extra}")):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeypatch):
