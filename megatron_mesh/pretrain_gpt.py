@@ -16,7 +16,7 @@ from typing import Sequence
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
-from megatron_mesh.training.arguments import ConfigError, parse_args  # noqa: E402
+EXTRA_MODULES = ("megatron", "yaml", "psutil")  # what the 'megatron' extra installs
 
 
 def _log_to_stdout() -> None:
@@ -33,12 +33,21 @@ def _log_to_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stdout()
     try:
+        from megatron_mesh.training.arguments import ConfigError, parse_args
+    except ModuleNotFoundError as e:  # --help too: the flags are megatron-core's
+        if (e.name or "").split(".")[0] not in EXTRA_MODULES:
+            raise
+        print(f"pretrain_gpt: error: the driver needs the 'megatron' extra (no module named "
+              f"{e.name!r}): pip install 'megatron-mesh[megatron]'", file=sys.stderr, flush=True)
+        return 2
+    try:
         args = parse_args(argv)
     except ConfigError as e:
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 2
     from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run
+    from megatron_mesh.training.save_failure import SaveError
     from megatron_mesh.training.stopping import NonFiniteError
 
     try:
@@ -46,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, SaveError) as e:  # stopped; what was saved before is intact
         print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
         return 1
 

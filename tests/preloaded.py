@@ -32,7 +32,8 @@ TINY = str(ROOT / "configs" / "tiny-cpu.yaml")  # the tiny model the driver test
 # the driver first: it silences megatron-core's import warnings; a module that does not
 # import is skipped
 PRELOAD = [DRIVER, "torch", "torch.distributed", "megatron_mesh", "megatron.core",
-           "megatron.core.models.gpt", "megatron_mesh.megatron", "megatron_mesh.training.run"]
+           "megatron.core.models.gpt", "megatron_mesh.megatron", "megatron_mesh.training.arguments",
+           "megatron_mesh.training.run"]
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)\|$", re.MULTILINE)
 LOSS = re.compile(r"^\d\.\d{6}E[+-]\d\d$")  # Megatron-LM's "lm loss: 5.575325E+00"

@@ -13,7 +13,6 @@ import os
 from typing import Any, Sequence
 
 import torch
-import yaml
 
 from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.megatron.arguments import (
@@ -23,7 +22,7 @@ from megatron_mesh.megatron.arguments import (
     validate_mesh_args,
 )
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
-from megatron_mesh.training import validation
+from megatron_mesh.training import tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
@@ -249,6 +248,11 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """YAML file -> {dest: value}; unknown keys are an error naming the valid ones."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise ConfigError(f"--config {path}: reading YAML needs PyYAML, part of the 'megatron' "
+                          "extra: pip install 'megatron-mesh[megatron]'") from None
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
@@ -469,8 +473,8 @@ def _flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _check_prefixes(flag: str, paths: list[str], args: argparse.Namespace) -> None:
-    """PREFIX.bin / .idx exist and hold token ids of the tokenizer (`validation`)."""
+def _check_prefixes(flag: str, paths: list[str], ids: validation.TokenIds) -> None:
+    """PREFIX.bin / .idx exist and hold token ids of the model's vocabulary (`validation`)."""
     prefixes = [p for p in paths if not _is_number(p)]
     if not prefixes:
         _fail(f"{flag}: no dataset prefix given ([W1] PREFIX1 [W2] PREFIX2 ...)")
@@ -479,9 +483,8 @@ def _check_prefixes(flag: str, paths: list[str], args: argparse.Namespace) -> No
         if missing:
             _fail(f"{flag} {prefix}: missing {', '.join(missing)} (give the prefix of a "
                   "Megatron indexed dataset, PREFIX.bin and PREFIX.idx)")
-    vocab = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
     try:
-        validation.check_data_files(prefixes, vocab)
+        validation.check_data_files(prefixes, ids)
     except ValueError as e:
         _fail(str(e).replace("--data-path", flag, 1))
 
@@ -500,20 +503,25 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None or args.vocab_size < 1:
             _fail("--tokenizer-type NullTokenizer needs --vocab-size N")
-    if args.data_path:
-        _check_prefixes("--data-path", args.data_path, args)
-    for name in per_split:
-        _check_prefixes(_flag_name(name), getattr(args, name), args)
-    if per_split and not args.train_data_path and not args.skip_train:
-        _fail("--valid-data-path / --test-data-path without --data-path: give the training "
-              "set with --train-data-path (or pass --skip-train to evaluate only)")
-    if not (args.data_path or per_split):
-        args.mock_data = True
     if args.tokenizer_type == "GPT2BPETokenizer":
         if not (args.vocab_file and args.merge_file):
             _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     elif args.tokenizer_type != "NullTokenizer" and not args.tokenizer_model:
         _fail(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    try:
+        tokenizer_check.check_tokenizer_files(args)
+        ids = tokenizer_check.model_token_ids(args) if args.data_path or per_split else None
+    except ValueError as e:
+        _fail(str(e))
+    if args.data_path:
+        _check_prefixes("--data-path", args.data_path, ids)
+    for name in per_split:
+        _check_prefixes(_flag_name(name), getattr(args, name), ids)
+    if per_split and not args.train_data_path and not args.skip_train:
+        _fail("--valid-data-path / --test-data-path without --data-path: give the training "
+              "set with --train-data-path (or pass --skip-train to evaluate only)")
+    if not (args.data_path or per_split):
+        args.mock_data = True
 
 
 def _validate_evaluation(args: argparse.Namespace) -> None:

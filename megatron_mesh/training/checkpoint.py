@@ -39,11 +39,13 @@ from megatron_mesh.training.optimizer import (
     check_saved_optimizer,
     optimizer_kind,
 )
+from megatron_mesh.training.save_failure import agreed, folder_bytes, save_failed
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
+MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout
 
 
 @dataclass
@@ -201,6 +203,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     if with_rng:
         sd["rng_state"] = _rng_object()
     if not loading:
+        sd["checkpoint_version"] = MEGATRON_LM_CHECKPOINT_VERSION
         sd["optimizer_kind"] = optimizer_kind(args)
         sd["iteration"] = state.iteration
         sd["consumed_samples"] = state.consumed_samples
@@ -210,26 +213,44 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     return sd
 
 
+def _newest(root: str) -> int | None:
+    """The iteration the marker under root names (None without one or when unreadable)."""
+    try:
+        return latest_iteration(root)
+    except CheckpointError:
+        return None
+
+
 def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                     state: TrainState, args: TrainingConfig) -> str:
-    """Write SAVE/iter_N atomically and point the marker at it; returns its path."""
+    """Write SAVE/iter_N atomically and point the marker at it; returns its path.
+
+    Four steps, each agreed by every rank (`save_failure.agreed`): make iter_N.tmp, write
+    the tensors, write the manifest, rename and move the marker. A step that fails on any
+    rank (a full disk) raises SaveError on every rank; the unfinished folder is removed and
+    the previous checkpoint stays as it was."""
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        for stale in glob.glob(os.path.join(root, "iter_*.tmp")):
-            if stale != tmp:
-                print(f" removing {stale}: an unfinished save of an earlier run", flush=True)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
-                        with_optim=True, with_rng=True)
-    names, values = _writer_patches()
-    with patched(*names, values=values):
-        dist_checkpointing.save(sd, tmp)
-    dist.barrier()
-    write_manifest(tmp)  # collective: its gather also waits for every rank's files
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+
+    def prepare() -> None:
+        if rank0:
+            for stale in glob.glob(os.path.join(root, "iter_*.tmp")):
+                if stale != tmp:
+                    print(f" removing {stale}: an unfinished save of an earlier run", flush=True)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.makedirs(tmp)
+
+    def write() -> None:
+        sd = _sharded_state(model, optimizer, scheduler, state, args, loading=False,
+                            with_optim=True, with_rng=True)
+        names, values = _writer_patches()
+        with patched(*names, values=values):
+            dist_checkpointing.save(sd, tmp)
+
+    def publish() -> None:
+        if not rank0:
+            return
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -239,7 +260,16 @@ def save_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
             f.flush()
             os.fsync(f.fileno())
         os.replace(marker + ".tmp", marker)
-    dist.barrier()
+
+    previous = _newest(root)
+    # write_manifest is collective: its gather also waits for every rank's files
+    for step in (prepare, write, lambda: write_manifest(tmp), publish):
+        outcome = agreed(step)
+        if outcome is not None:
+            previous_bytes = 0 if previous is None else folder_bytes(checkpoint_dir(root, previous))
+            raise save_failed(root, state.iteration, tmp, outcome, previous, previous_bytes)
+    if dist.get_world_size() > 1:
+        dist.barrier()
     print_rank0(f" saved checkpoint at iteration {state.iteration} to {final}")
     return final
 

@@ -33,7 +33,22 @@ def flops_per_token_forward(args: TrainingConfig, vocab_size: int) -> float:
     return args.num_layers * per_layer + 2 * h * vocab_size  # + logits
 
 
+COUNT_CONVENTION = ("Megatron-LM's count: causal attention over the whole --seq-length, "
+                    "not reduced for {what}")
+
+
+def attention_count_note(args: TrainingConfig) -> str:
+    """How the model FLOPs count attention when masks cut it: '' without document masks or a
+    window, else the convention (Megatron-LM's num_floating_point_operations counts every
+    layer's attention as causal over the whole sequence, whatever the masks; so does this
+    driver, so that TFLOP/s compare across the two)."""
+    what = [name for flag, name in ((args.reset_attention_mask, "document masks"),
+                                    (args.window_size is not None, "the window")) if flag]
+    return COUNT_CONVENTION.format(what=" or ".join(what)) if what else ""
+
+
 def flops_per_iteration(args: TrainingConfig, vocab_size: int) -> float:
-    """Forward + backward (2x forward) over one global batch."""
+    """Forward + backward (2x forward) over one global batch; --reset-attention-mask and
+    --window-size do not change it (`attention_count_note`)."""
     tokens = args.global_batch_size * args.seq_length
     return 3 * tokens * flops_per_token_forward(args, vocab_size)

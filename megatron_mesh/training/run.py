@@ -15,7 +15,7 @@ from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.evaluation import Evaluator
-from megatron_mesh.training.flops import flops_per_iteration
+from megatron_mesh.training.flops import attention_count_note, flops_per_iteration
 from megatron_mesh.training.megatron_lm_flags import no_effect_report
 from megatron_mesh.training.metrics import Loggers
 from megatron_mesh.training.model import (
@@ -87,23 +87,44 @@ def _data_label(args: TrainingConfig) -> str:
     return ", ".join(f"{name} {' '.join(p)}" for name, p in paths if p)
 
 
-def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
-            flops: float) -> None:
+def _masks_label(args: TrainingConfig) -> str:
+    """' | documents masked (...) | window ...': what cuts the causal attention ('' if none)."""
+    parts = []
+    if args.reset_attention_mask:
+        parts.append("documents masked (--reset-attention-mask: each attends only within itself)")
+    if args.window_size is not None:
+        left, right = args.window_size
+        every = args.window_attn_skip_freq
+        layers = f"one layer in {every} global" if every else "all layers"
+        parts.append(f"window {left} left, {right} right (--window-size; {layers})")
+    return "".join(f" | {p}" for p in parts)
+
+
+def banner_lines(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
+                 flops: float) -> list[str]:
+    """The start-up banner (rank 0 prints it): layout, model, FLOPs and their counting
+    convention under masks, batch and data."""
     mesh = _mesh_label(args, grid)
-    print_rank0(
+    note = attention_count_note(args)
+    return [
         f" world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
         f"{args.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
         f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
-        f"{_attention_label(args)} | "
-        f"{flag_dtype_name(args.bf16, args.fp16)}\n"
+        f"{_attention_label(args)}{_masks_label(args)} | "
+        f"{flag_dtype_name(args.bf16, args.fp16)}",
         f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
         f"{args.num_attention_heads} ({_heads_label(args)}), seq "
         f"{args.seq_length}, vocab {vocab} | parameters on this rank {n_params:,} | "
-        f"model FLOPs per iteration {flops:.4e}\n"
+        f"model FLOPs per iteration {flops:.4e}" + (f" ({note})" if note else ""),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
         f"{args.data_parallel_size} x {args.num_microbatches} micro-batches | "
-        f"data: {_data_label(args)}"
-    )
+        f"data: {_data_label(args)}",
+    ]
+
+
+def _banner(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
+            flops: float) -> None:
+    print_rank0("\n".join(banner_lines(args, grid, n_params, vocab, flops)))
     for line in no_effect_report(args):
         print_rank0(f" {line}")
 

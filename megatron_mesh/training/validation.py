@@ -12,14 +12,13 @@ import os
 import re
 import signal
 import tempfile
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_mesh.training.index_file import read_index
+
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
-_INDEX_MAGIC = b"MMIDIDX\x00\x00"
-_TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                 6: np.float64, 7: np.float32, 8: np.uint16}
 _SCAN_CHUNK_BYTES = 64 << 20  # the whole .bin is scanned for token ids, this much at a time
 
 
@@ -130,31 +129,42 @@ def check_folders(args: argparse.Namespace) -> None:
                   "--save folder of a first launch)")
 
 
-def check_data_files(prefixes: list[str], vocab_size: int | None) -> None:
-    """PREFIX.idx / .bin: a readable Megatron index, a .bin of the size it says, and, for a
-    NullTokenizer of --vocab-size V (`vocab_size`), token ids in [0, V] through the whole .bin:
-    0 .. V - 1 and V, the end-of-document id (one pass at memory speed, see
-    docs/reliability.md)."""
+@dataclass(frozen=True)
+class TokenIds:
+    """The token ids a run can take: 0 .. count - 1, and what gives them (for the message)."""
+
+    count: int
+    what: str
+
+
+def null_tokenizer_ids(vocab_size: int) -> TokenIds:
+    """A NullTokenizer of --vocab-size V: ids 0 .. V - 1 and the end-of-document id V."""
+    return TokenIds(vocab_size + 1, f"the NullTokenizer's ids for --vocab-size {vocab_size} "
+                                    f"(0 .. {vocab_size - 1} and the end-of-document id "
+                                    f"{vocab_size})")
+
+
+def check_data_files(prefixes: list[str], ids: TokenIds | None) -> None:
+    """PREFIX.idx / .bin: a sound Megatron index (`index_file.read_index`), a .bin of the size
+    it says, and token ids in `ids` through the whole .bin (one pass at memory speed, see
+    docs/reliability.md; None: not checked)."""
     for prefix in prefixes:
         idx, bin_ = prefix + ".idx", prefix + ".bin"
+        size = os.path.getsize(bin_)
         try:
-            header = _read_index(idx)
+            index = read_index(idx, size)
         except (OSError, ValueError) as e:
             _fail(f"--data-path {prefix}: {idx} is not a Megatron index ({e}); rebuild it with "
                   "megatron-core's IndexedDatasetBuilder / tools/preprocess_data.py")
-        dtype, tokens = header
-        size = os.path.getsize(bin_)
-        if size != tokens * np.dtype(dtype).itemsize or tokens == 0:
+        dtype, tokens = index.dtype, index.tokens
+        if size != tokens * dtype.itemsize or tokens == 0:
             _fail(f"--data-path {prefix}: {bin_} has {size} bytes but {idx} lists {tokens} "
-                  f"tokens of {np.dtype(dtype).itemsize} bytes; the pair does not belong together")
-        if vocab_size is not None:
-            ids = vocab_size + 1  # the EOD id V follows the V ordinary ids
-            low, high = _token_id_range(bin_, np.dtype(dtype), tokens, ids)
-            bad = high if high >= ids else low
-            if high >= ids or low < 0:
-                _fail(f"--data-path {prefix}: token id {bad} in {bin_} is outside the "
-                      f"NullTokenizer's ids for --vocab-size {vocab_size} (0 .. {vocab_size - 1} "
-                      f"and the end-of-document id {vocab_size})")
+                  f"tokens of {dtype.itemsize} bytes; the pair does not belong together")
+        if ids is not None:
+            low, high = _token_id_range(bin_, dtype, tokens, ids.count)
+            bad = high if high >= ids.count else low
+            if high >= ids.count or low < 0:
+                _fail(f"--data-path {prefix}: token id {bad} in {bin_} is outside {ids.what}")
 
 
 SPLIT_NAMES = ("training", "validation", "test")
@@ -204,22 +214,6 @@ def _token_id_range(bin_: str, dtype: np.dtype, tokens: int, vocab_size: int) ->
         chunk = ids[start:start + step]
         low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
     return low, high
-
-
-def _read_index(path: str) -> tuple[Any, int]:
-    """(token dtype, total tokens) of a Megatron .idx file."""
-    with open(path, "rb") as f:
-        head = f.read(34)
-        if len(head) < 34 or head[:9] != _INDEX_MAGIC:
-            raise ValueError("bad header" if head else "empty file")
-        code = head[17]
-        count = int.from_bytes(head[18:26], "little")
-        if code not in _TOKEN_DTYPES:
-            raise ValueError(f"unknown dtype code {code}")
-        lengths = np.frombuffer(f.read(4 * count), dtype=np.int32)
-        if len(lengths) != count or (lengths < 0).any():
-            raise ValueError("truncated")
-    return _TOKEN_DTYPES[code], int(lengths.sum(dtype=np.int64))
 
 
 def validate_inputs(args: argparse.Namespace, world_size: int) -> None:

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from preloaded import TINY, Job, job_env
 
 REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "scripts" / "apply_megatron_patch.sh"
@@ -261,3 +262,83 @@ def test_no_patch_example_trains_the_mesh_model_like_megatron_lm_s_own():
     assert "CORE False DotProductAttention" in out
     assert "CORE True MeshDotProductAttention" in out
     assert "SAME True" in out
+
+
+# the tiny driver model in Megatron-LM's flags; the MLP width is given on both sides, as
+# Megatron-LM rounds its SwiGLU default (8h / 3) down to a multiple of 64 and the driver does not
+TINY_IN_MEGATRON_LM = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--tokenizer-type",
+    "NullTokenizer", "--vocab-size", "255", "--make-vocab-size-divisible-by", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
+    "--transformer-impl", "local", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def test_megatron_lm_loads_the_driver_s_checkpoint(tmp_path):
+    """The driver saves iteration 4 (torch_dist, checksums.json beside); Megatron-LM's own
+    load_checkpoint (--ckpt-format torch_dist --no-load-optim --no-load-rng) reads it into
+    the GPT its gpt_builder makes from the same sizes: iteration 4, and every weight equal to
+    the saved tensor."""
+    _needs_patch_tag()  # core_v0.16.1's gpt_builders.gpt_builder builds the model
+    checkout = _checkout()
+    save = tmp_path / "save"
+    run = Job(["--config", TINY, "--train-iters", "4", "--ffn-hidden-size", "128",
+               "--save", str(save)], job_env()).wait(timeout=240)
+    assert run.returncode == 0, run.output[-3000:]
+    assert (save / "iter_0000004" / "checksums.json").is_file()
+    flags = [*TINY_IN_MEGATRON_LM, "--load", str(save), "--ckpt-format", "torch_dist",
+             "--no-load-optim", "--no-load-rng"]
+    proc = _python(
+        f"""
+        import os, sys
+        import torch
+        import torch.distributed as dist
+        from megatron_mesh.megatron.cpu import megatron_on_cpu
+        from megatron_mesh.spawn import free_port
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+        from megatron.training import arguments, global_vars
+        from megatron.training.checkpointing import load_checkpoint
+        from gpt_builders import gpt_builder
+
+        os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        sys.argv = ["pretrain_gpt.py", *{flags!r}]
+        args = arguments.parse_args()
+        arguments.validate_args(args)
+        global_vars.set_global_variables(args, build_tokenizer=True)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        with megatron_on_cpu():
+            torch.manual_seed(0)
+            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            model = gpt_builder(args, True, True)
+            iteration, _ = load_checkpoint([model], None, None, strict=True)
+            print("ITERATION", iteration)
+            saved = dist_checkpointing.load_plain_tensors({str(save / "iter_0000004")!r})
+            same, other = 0, []
+            for t in nested_values(model.sharded_state_dict()):
+                if not isinstance(t, ShardedTensor):
+                    continue
+                n = t.prepend_axis_num  # the layer index of a stacked layer's tensor
+                index = tuple(t.global_offset[:n]) + tuple(
+                    slice(o, o + s) for o, s in zip(t.global_offset[n:], t.data.shape))
+                if t.key in saved and torch.equal(saved[t.key][index], t.data):
+                    same += 1
+                else:
+                    other.append(t.key)
+            print("WEIGHTS", same, "equal; not equal or missing:", other)
+        """,
+        checkout,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
+    assert f"successfully loaded checkpoint from {save}" in out and "ITERATION 4" in out, out
+    assert "checkpoint version 3.0" in out, out
+    assert "WEIGHTS 12 equal; not equal or missing: []" in out, out

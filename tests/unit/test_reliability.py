@@ -5,9 +5,12 @@ the same collectives at any world size); bad flags run in-process, before any gr
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +137,45 @@ def test_exit_duration_saves_and_resume_continues_exactly(saved: Path, tmp_path:
     assert _losses(resumed.output) == {i: unbroken[i] for i in (2, 3, 4)}
 
 
+@pytest.fixture
+def small_disk(saved: Path, tmp_path: Path):
+    """A tmpfs of 1.5 times one checkpoint of `saved`: the first save fits, the second
+    fills it. Skips where this process may not mount."""
+    size = sum(f.stat().st_size for f in (saved / "iter_0000004").rglob("*") if f.is_file())
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4}k",
+                           "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({proc.stderr.strip() or proc.returncode}; "
+                    "needs root or CAP_SYS_ADMIN)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.distributed
+def test_full_disk_during_a_save_says_so_on_every_rank(small_disk: Path) -> None:
+    """Two ranks save iteration 2, then fill the disk saving iteration 4: both stop with one
+    line that names the folder, the full disk and the intact checkpoint 2, which loads."""
+    root = small_disk / "save"
+    run = Job([*QUICK, "--save", str(root), "--save-interval", "2"], job_env(), nproc=2
+              ).wait(timeout=240)
+    assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
+    message = (f"pretrain_gpt: error: saving checkpoint 4 to {root} failed: the disk is full (")
+    lines = [ln for ln in run.output.splitlines() if ln.startswith(message)]
+    assert len(lines) == 2, run.output[-3000:]
+    assert (f"the previous checkpoint 2 ({root / 'iter_0000002'}) is intact (the unfinished "
+            "iter_0000004.tmp was removed)") in lines[0], lines[0]
+    assert re.search(r"MiB free of [\d.]+ MiB, the last checkpoint took [\d.]+ MiB", lines[0])
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002",
+                                                      "latest_checkpointed_iteration.txt"]
+    resumed = driver([*QUICK, "--load", str(root)])
+    assert resumed.returncode == 0 and f"loaded checkpoint {root / 'iter_0000002'}" in (
+        resumed.output), resumed.output[-2000:]
+
+
 def _dataset(prefix: Path, *, bad_ids: bool = False) -> str:
     build_indexed_dataset(str(prefix))
     if bad_ids:
@@ -153,6 +195,92 @@ def _long_dataset(prefix: Path, tokens: int, bad_at: int) -> str:
     builder.add_document(ids, [tokens])
     builder.finalize(str(prefix) + ".idx")
     return str(prefix)
+
+
+def _damaged_index_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """A good index cut to half, with a garbage document count, with garbage sequence
+    pointers, a pointer that goes back, and a document index that runs backwards (64 sequences: lengths at
+    bytes 34 .., pointers at 290 .., the document index at 802 ..)."""
+    cases = []
+
+    def damaged(name: str, edit, message: str) -> None:
+        prefix = _dataset(tmp_path / name)
+        data = bytearray(Path(prefix + ".idx").read_bytes())
+        Path(prefix + ".idx").write_bytes(bytes(edit(data)))
+        cases.append((["--data-path", prefix], f"{prefix}.idx is not a Megatron index ({message}"))
+
+    damaged("half", lambda d: d[:len(d) // 2], "its counts (64 sequences, 64 documents) need")
+    damaged("doc_count", lambda d: d[:26] + (123456789).to_bytes(8, "little") + d[34:],
+            "its counts (64 sequences, 123456788 documents) need")
+    pointers = np.random.default_rng(1).integers(0, 1 << 40, 64).astype("<i8").tobytes()
+    damaged("pointers", lambda d: d[:290] + pointers + d[802:], "sequence 0 (bytes ")
+
+    def repeat_pointer(d: bytearray) -> bytearray:  # sequence 5 starts where sequence 3 did
+        ptr = np.frombuffer(bytes(d[290:802]), dtype="<i8").copy()
+        ptr[5] = ptr[3]
+        return d[:290] + ptr.tobytes() + d[802:]
+
+    damaged("backwards", repeat_pointer, "sequence 5 starts at byte ")
+    backwards = np.arange(65, dtype="<i8")[::-1].tobytes()
+    damaged("documents", lambda d: d[:802] + backwards, "its document index is not ascending")
+    return cases
+
+
+def _tokenizer_path_cases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                          ) -> list[tuple[list[str], str]]:
+    """Tokenizer files that are not there: a path-like Hugging Face value, any value with the
+    hub offline (and no such model in its cache), a SentencePiece model file."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    missing = tmp_path / "tokenizers" / "llama-tok"
+    return [
+        ([*hf, str(missing)], f"--tokenizer-model {missing}: no such file or folder: {missing} "
+                              "(a local tokenizer folder or a Hugging Face model name)"),
+        ([*hf, "meta-llama/no-such-model"], "no such file or folder: meta-llama/no-such-model "
+                                            "(a local tokenizer folder or a Hugging Face "
+                                            "model name; the hub is offline"),
+        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(missing)],
+         f"--tokenizer-model {missing}: no such file: {missing}"),
+    ]
+
+
+def _sentencepiece_model(folder: Path, vocab: int) -> str:
+    """A character-level SentencePiece model of `vocab` pieces, trained here."""
+    spm = pytest.importorskip("sentencepiece", reason="sentencepiece is not installed (dev extra)")
+    text = folder / "text.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(50)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "spm"),
+                                   vocab_size=vocab, model_type="char", minloglevel=2)
+    return str(folder / "spm.model")
+
+
+def test_tokenizer_smaller_than_the_data_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SentencePiece tokenizer of 40 pieces (the model's vocabulary: 64 rows, padded to
+    --make-vocab-size-divisible-by 64) over data whose ids reach 254: exit 2 at start-up,
+    naming the file, the id and the valid range; data inside the 64 ids passes."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_mesh.training.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = _sentencepiece_model(tmp_path, 40)
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    data = _dataset(tmp_path / "wide")
+    ids = np.fromfile(data + ".bin", dtype=np.int32)
+    code = main([*QUICK, *tokenizer, "--data-path", data])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"token id {ids.max()} in {data}.bin is outside the model's vocabulary, ids 0 .. 63 "
+            f"(--tokenizer-type SentencePieceTokenizer --tokenizer-model {model}: 40 tokens, "
+            "padded to a multiple of 64") in err, err
+    narrow = tmp_path / "narrow"
+    builder = IndexedDatasetBuilder(str(narrow) + ".bin", dtype=np.int32)
+    for start in range(64):
+        builder.add_document((start + np.arange(80)) % 64, [80])
+    builder.finalize(str(narrow) + ".idx")
+    assert parse_args([*QUICK, *tokenizer, "--data-path", str(narrow)]).tokenizer_model == model
 
 
 def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -196,6 +324,8 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         (["--data-path", noise_bin], "is outside the NullTokenizer's ids for --vocab-size 255"),
         (["--data-path", str(tmp_path / "absent")], "absent"),
         (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0"),
+        *_damaged_index_cases(tmp_path),
+        *_tokenizer_path_cases(tmp_path, monkeypatch),
     ]
     problems = []
     for flags, message in cases:
@@ -205,6 +335,49 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
         if code != 2 or message not in err or len(lines) != 1:
             problems.append(Failure(" ".join(flags), f"exit {code}, {err!r}"))
     assert_no_failures([problems])
+
+
+def _driver_without(modules: tuple[str, ...], *command_lines: list[str]
+                    ) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of the driver's command lines, run one after the other in
+    a Python where `modules` cannot be imported, as after a plain `pip install .` (None in
+    sys.modules: the import fails as for a missing package)."""
+    code = f"""
+import contextlib, io, json, sys
+for m in {modules!r}:
+    sys.modules[m] = None
+from megatron_mesh.pretrain_gpt import main
+results = []
+for argv in {[list(c) for c in command_lines]!r}:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's --help
+            code = e.code
+    results.append((code, out.getvalue(), err.getvalue()))
+print(json.dumps(results))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=job_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def test_driver_without_the_megatron_extra_names_it() -> None:
+    """Without PyYAML --help still lists the flags and --config names the extra; without
+    megatron-core even --help says which extra to install. Exit 2, one line, no traceback."""
+    extra = "pip install 'megatron-mesh[megatron]'"
+    (help_code, help_out, _), config = _driver_without(("yaml",), ["--help"], ["--config", TINY])
+    assert help_code == 0 and "--tokenizer-model" in help_out
+    (no_megatron,) = _driver_without(("megatron", "yaml"), ["--help"])
+    for (code, _, err), message in (
+            (config, f"--config {TINY}: reading YAML needs PyYAML, part of the 'megatron' extra: "
+                     f"{extra}"),
+            (no_megatron, f"the driver needs the 'megatron' extra (no module named "
+                          f"'megatron.core'): {extra}")):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeypatch):
