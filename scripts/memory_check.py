@@ -24,9 +24,10 @@ from megatron_mesh.memory import extra_memory
 from megatron_mesh.peak_memory import pass_peaks
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.spawn import run_gloo
+from megatron_mesh.values import Schedule
 
 MIB = 2 ** 20
-SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+SCHEDULES = tuple(str(s) for s in Schedule)
 
 
 def methods(world: int, q_heads: int) -> list[tuple[str, int, int, int, str, str]]:

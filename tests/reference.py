@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh import comm
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE
+from megatron_mesh.values import DEFAULT_GRAD_DTYPE, Schedule
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Case:
 
 
 LAYOUTS = ("dense", "last_dim_stride_2", "transposed", "broadcast_batch")
-CONCRETE_SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
+CONCRETE_SCHEDULES = tuple(str(s) for s in Schedule)  # every schedule, new ones included
 
 
 class Failure(NamedTuple):

@@ -18,6 +18,7 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory
 from megatron_mesh.plan import resolve_plan
+from megatron_mesh.values import Schedule
 
 import host_staging
 from dist_utils import run_distributed
@@ -32,7 +33,7 @@ from reference import (
     sdpa_reference,
 )
 
-SCHEDULES = ("streamed_kv", "streamed_q", "gathered")
+SCHEDULES = tuple(str(s) for s in Schedule)
 SHAPES = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
 
 

@@ -10,7 +10,7 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.memory import extra_memory, streamed_schedule
 from megatron_mesh.peak_memory import CpuPeakMemory, pass_peaks
-from megatron_mesh.values import MeshPlan, grid_shapes
+from megatron_mesh.values import MeshPlan, Schedule, grid_shapes
 
 from dist_utils import run_distributed
 from reference import Failure, assert_no_failures
@@ -33,7 +33,7 @@ def test_peak_memory_counts_live_storages() -> None:
 # softmax statistics weigh as much as the chunks themselves
 SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
          "bf16 d4": dict(s=128, b=1, hq=16, hkv=4, d=4, dtype=torch.bfloat16)}
-SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+SCHEDULES = tuple(str(s) for s in Schedule)
 
 
 def problem(size: str, world: int) -> mm.AttentionShape:

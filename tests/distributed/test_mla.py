@@ -11,11 +11,12 @@ import torch.nn.functional as F
 import megatron_mesh as mm
 from megatron_mesh.layout import zigzag_split
 from megatron_mesh.plan import resolve_plan
+from megatron_mesh.values import Schedule
 
 from dist_utils import run_distributed
 
 HQ, HKV, D, DV = 4, 2, 48, 32
-SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+SCHEDULES = tuple(str(s) for s in Schedule)
 
 
 def inputs(seq: int, seed: int) -> dict[str, torch.Tensor]:

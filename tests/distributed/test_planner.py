@@ -38,6 +38,8 @@ from reference import count_sent_bytes
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+SCHEDULES = tuple(str(s) for s in Schedule)  # all must move exactly the planned bytes
+
 
 def total(transfers, phase=None) -> int:
     return sum(t.nbytes for t in transfers if phase in (None, t.phase))
@@ -48,7 +50,7 @@ def total(transfers, phase=None) -> int:
 
 @pytest.mark.parametrize("gpus", [4, 6, 16, 64])
 @pytest.mark.parametrize("heads,kv_heads,dtype", [(8, 8, "bf16"), (32, 8, "fp32"), (6, 1, "fp16")])
-@pytest.mark.parametrize("schedule", ["gathered", "streamed_kv", "streamed_q"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mesh_bytes_are_traffic_mesh_traffic(gpus: int, heads: int, kv_heads: int, dtype: str,
                                              schedule: str):
     result = plan(gpus, seq_length=2 * gpus * 24, num_heads=heads, num_kv_heads=kv_heads,
@@ -75,7 +77,6 @@ MEASURED_CASES = [  # (batch, q heads, kv heads, head dim, dtype, causal, gradie
     (1, 4, 1, 8, "fp16", True, "mixed"),  # MQA, dK, dV in fp16, dQ in fp32
     (1, 4, 2, 8, "bf16", True, "input"),  # gradients in bf16: half the gradient bytes
 ]
-SCHEDULES = ("gathered", "streamed_kv", "streamed_q")  # all must move exactly the planned bytes
 
 
 def measure_worker(rank: int, world: int) -> list[dict]:

@@ -16,13 +16,13 @@ from megatron_mesh.documents import Documents, thd_split
 from megatron_mesh.layout import zigzag_split
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.traffic import mesh_traffic
-from megatron_mesh.values import grid_shapes
+from megatron_mesh.values import Schedule, grid_shapes
 from megatron_mesh.windowed import window_traffic
 
 from dist_utils import run_distributed
 
 LOCAL = 8  # tokens per rank: sub-chunks of 4
-SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+SCHEDULES = tuple(str(s) for s in Schedule)
 
 
 @dataclass(frozen=True)

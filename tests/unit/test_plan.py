@@ -14,7 +14,7 @@ SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("schedule", ["streamed", "streamed_kv", "streamed_q", "gathered"])
+@pytest.mark.parametrize("schedule", ["streamed", *(str(s) for s in Schedule)])
 @pytest.mark.parametrize("grads", ["fp32", "input", "mixed"])
 def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
     for rows, cols in mm.mesh_shapes(8):
