@@ -91,6 +91,14 @@ def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: boo
     return schedule, Exchange.SPARSE
 
 
+def finish_rows(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one finish point of every runner: its rows' fp32 out [s, b, hq, dv] and lse
+    [b, hq, s], merged over the whole sequence, become the layer's output in `dtype`
+    (owner-side steps, such as a sink's extra logit, go here, once per row)."""
+    return out.to(dtype), lse
+
+
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a runner's forward / backward (`RUNNERS[plan.runner]`); saves only
     local tensors and the lse."""
@@ -98,7 +106,7 @@ class MeshAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, grid, mask, scale, kernel, runner: Runner, grads):
         runner = RUNNERS[runner]
-        out, lse = runner.forward(q, k, v, grid, mask, scale, kernel)
+        out, lse = finish_rows(*runner.forward(q, k, v, grid, mask, scale, kernel), q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (grid, mask, scale, kernel, grads)
         ctx.runner = runner
