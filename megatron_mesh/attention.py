@@ -31,6 +31,7 @@ from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
 from .layout import AttentionMask
 from .placed import check_placement, check_placement_documents, mesh_placement
 from .plan import resolve_plan
+from .sink import add_sink, check_offset, sink_grad
 from .values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
@@ -91,24 +92,39 @@ def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: boo
     return schedule, Exchange.SPARSE
 
 
+def finish_rows(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
+                softmax_offset: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one finish point of every runner: its rows' fp32 out [s, b, hq, dv] and lse
+    [b, hq, s], merged over the whole sequence, become the layer's output in `dtype`.
+    Owner-side steps run here, once per row: the sink's extra logit (`sink.add_sink`)."""
+    if softmax_offset is not None:
+        out, lse = add_sink(out, lse, softmax_offset)
+    return out.to(dtype), lse
+
+
 class MeshAttentionFunction(torch.autograd.Function):
     """Autograd over a runner's forward / backward (`RUNNERS[plan.runner]`); saves only
     local tensors and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, grid, mask, scale, kernel, runner: Runner, grads):
+    def forward(ctx, q, k, v, softmax_offset, grid, mask, scale, kernel, runner: Runner, grads):
         runner = RUNNERS[runner]
-        out, lse = runner.forward(q, k, v, grid, mask, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = finish_rows(*runner.forward(q, k, v, grid, mask, scale, kernel), q.dtype,
+                               softmax_offset)
+        ctx.save_for_backward(q, k, v, out, lse, softmax_offset)
         ctx.args = (grid, mask, scale, kernel, grads)
         ctx.runner = runner
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, offset = ctx.saved_tensors
         dq, dk, dv = ctx.runner.backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        d_offset = None
+        if offset is not None and ctx.needs_input_grad[3]:
+            d_offset = sink_grad(dout, out, lse, offset)
+        return dq, dk, dv, d_offset, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -156,10 +172,12 @@ class MeshAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: Documents | None = None,
-                 placement: DocumentPlacement | None = None) -> torch.Tensor:
+                 placement: DocumentPlacement | None = None,
+                 softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
         """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
         `documents` (packed sequences, b = 1) the local tensors are this rank's THD share,
-        with `placement` its rows of the placed documents (`placement.token_indices`)."""
+        with `placement` its rows of the placed documents (`placement.token_indices`);
+        `softmax_offset` [hq] fp32: each head's sink logit (`sink.py`)."""
         if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
             raise ValueError(
                 f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
@@ -184,11 +202,14 @@ class MeshAttention:
         check_same_shapes(q, k, grid, packed, v.shape[-1], self.window)
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window,
                              None if placement is None else mesh_placement(placement, grid.heads))
+        check_offset(softmax_offset, q.shape[2])
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, packed)
+            if softmax_offset is not None:  # this rank's head slice
+                softmax_offset = softmax_offset.view(grid.heads, -1)[grid.head_index]
         out = MeshAttentionFunction.apply(
-            q, k, v, grid, mask, self.softmax_scale, self.kernel, self.plan.runner,
-            grad_dtypes(self.plan.grad_dtype, q.dtype),
+            q, k, v, softmax_offset, grid, mask, self.softmax_scale, self.kernel,
+            self.plan.runner, grad_dtypes(self.plan.grad_dtype, q.dtype),
         )
         return heads.gather_heads(out, grid, packed) if grid.heads > 1 else out
 
@@ -249,6 +270,7 @@ def mesh_attention(
     window_size: tuple[int, int] | None = None,
     window_exchange: str = "sparse",
     placement: DocumentPlacement | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -286,6 +308,11 @@ def mesh_attention(
     by one rank cost no bytes, only the rows of documents that span ranks travel
     (`placed.py`, `windowed.py`). Every grid, schedule and window; with cu_seqlens too, they
     must be the placement's documents.
+    softmax_offset: attention sinks, a float32 [hq] tensor the same on every rank: each query
+    row's softmax gets one more logit offset[h] whose value is 0 (gpt-oss; Megatron-Core's
+    softmax_type "learnable", zeros for "off-by-one"), merged once per row at its owner
+    (`sink.py`). With offset.requires_grad its gradient is this rank's partial (the sum over
+    the CP group is the whole gradient, as Megatron's data x context parallel reduction sums).
     """
     if placement is not None:
         documents = None
@@ -299,5 +326,5 @@ def mesh_attention(
                                 grad_reduce_dtype, packed=packed, window_size=window_size,
                                 window_exchange=window_exchange,
                                 placed=placement is not None)
-    out = layer(q, k, v, documents, placement)
+    out = layer(q, k, v, documents, placement, softmax_offset)
     return out.squeeze(1) if packed else out

@@ -18,39 +18,57 @@ from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial
 
 
-def merge_row_partials(partial_out, partial_lse, grid: MeshGrid, dtype: torch.dtype):
+def finish_row_partials(accs: list, grid: MeshGrid, dtype: torch.dtype):
+    """The fp32 (out, lse) of this rank's own rows from the per row member accumulators
+    [(out [s, b, hq, dv], lse [b, hq, s]) fp32] (each entry is taken): on one column they
+    are its own; else each goes to its member in `dtype` (`merge_row_partials`)."""
+    if grid.cols == 1:
+        return accs[0]
+    out, lse = accs[0]
+    partial_out = out.new_empty(grid.cols, *out.shape, dtype=dtype)
+    partial_lse = torch.empty(grid.cols, *lse.shape, dtype=torch.float32, device=lse.device)
+    for j in range(grid.cols):  # each fp32 accumulator goes as soon as it is copied
+        (out, lse), accs[j] = accs[j], None
+        partial_out[j].copy_(out)
+        partial_lse[j].copy_(lse)
+    del out, lse
+    return merge_row_partials(partial_out, partial_lse, grid)
+
+
+def merge_row_partials(partial_out, partial_lse, grid: MeshGrid):
     """Send each row member x its partial (out [s, b, hq, dv], lse [b, hq, s]) and merge the
-    C partials of this rank's own chunk in fp32 -> out in `dtype`, lse fp32."""
+    C partials of this rank's own chunk in fp32 -> (out, lse) fp32."""
     c, s, b, hq, d = partial_out.shape
-    if c == 1:  # the only partial is already the whole row's
-        return partial_out[0], partial_lse[0]
     partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", "row", partial=True)
     partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", "row", partial=True)
     out_acc, lse_acc = empty_accumulators(s, b, hq, d, partial_out.device)
     for j in range(c):
         merge_into(out_acc, lse_acc, partial_out[j], partial_lse[j])
-    return out_acc.to(dtype), lse_acc
+    return out_acc, lse_acc
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
-    lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> (out [s, b, hq, dv],
+    lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, d = q.shape
     dv = v.shape[-1]
     q_row = comm.all_gather(q, grid.row_group, "forward", "row").view(grid.cols, s, b, hq, d)
     kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "column")
 
-    partial_out = q.new_empty(grid.cols, s, b, hq, dv)
-    partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
+    if grid.cols > 1:  # partials of the other members' rows, sent in the input dtype
+        partial_out = q.new_empty(grid.cols, s, b, hq, dv)
+        partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
     for j, x in enumerate(grid.row_mesh_ranks):
         out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
         for i, y in enumerate(grid.col_mesh_ranks):
             forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, mask, scale,
                           out_acc, lse_acc)
+        if grid.cols == 1:  # the only partial is the whole row's
+            return out_acc, lse_acc
         partial_out[j].copy_(out_acc)
         partial_lse[j].copy_(lse_acc)
     del q_row, kv_col, out_acc, lse_acc  # used up: the merge does not hold them
-    return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
+    return merge_row_partials(partial_out, partial_lse, grid)
 
 
 def start_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):

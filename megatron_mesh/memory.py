@@ -18,7 +18,8 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
     merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
 
     gathered forward : C Q (row's Q; none when C = 1) + R KV (column's K/V; none when R = 1)
-                       + C (Q + L) (the partials) + acc + block; or the merge
+                       + C (Q + L) (the partials; none when C = 1, where the fp32
+                       accumulator is the row's result) + acc + block; or the merge
     streamed_kv fwd  : C Q + C acc + min(2, R-1) KV (K/V in hand and arriving) + block;
                        C acc + C (Q + L) (accumulators copied into the partials); the merge
     streamed_q fwd   : R KV + min(2, C-1) Q + 4 acc (own, the one being built, the one in
@@ -251,7 +252,8 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
                          "streamed_q, ring or windowed")
     # the schedule has no ring to run here: the gathered code runs
     if Schedule(schedule).runs_gathered(r, c):
-        return {"forward": max(row_q + col_kv + c * (m.o + m.lse) + m.acc + m.block_forward,
+        partials = c * (m.o + m.lse) if c > 1 else 0  # one column: the accumulator is the row's
+        return {"forward": max(row_q + col_kv + partials + m.acc + m.block_forward,
                                m.merge(c)),
                 "backward": _gathered_backward(m, r, c)}
     if schedule == "streamed_kv":

@@ -20,7 +20,7 @@ import torch
 from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .dtypes import FP32_GRADS, GradDtypes
-from .gathered import merge_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
+from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
 from .grid import MeshGrid
 from .kernels import TileKernel
 from .layout import AttentionMask
@@ -29,8 +29,8 @@ from .rings import TrailingPartial, ring_steps
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
-    lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> (out [s, b, hq, dv],
+    lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     me = grid.col_index
@@ -47,14 +47,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
             if not (t == 0 and j == me):
                 forward_block(kernel, q_row[j], k_y, v_y, x, y, mask, scale, *accs[j])
     del q_row, k_y, v_y  # the row's Q and the last K/V chunk: used up
-    partial_out = q.new_empty(grid.cols, s, b, hq, dv)
-    partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
-    for j in range(grid.cols):  # each fp32 accumulator goes as soon as it is copied
-        (out, lse), accs[j] = accs[j], None
-        partial_out[j].copy_(out)
-        partial_lse[j].copy_(lse)
-    del out, lse
-    return merge_row_partials(partial_out, partial_lse, grid, q.dtype)
+    return finish_row_partials(accs, grid, q.dtype)
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,

@@ -36,8 +36,8 @@ def merge_partial(mine, arriving) -> None:
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
-    lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> (out [s, b, hq, dv],
+    lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     my_row = grid.row_index
@@ -60,7 +60,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
         acc = None  # not held while the next one is made
     del kv_col, q_x  # the column's K/V and the last Q chunk: used up
     trailing.land(own)  # this rank's own chunk, back from its C-1 hops
-    return own[0].to(q.dtype), own[1]
+    return own
 
 
 def own_blocks_later(grid: MeshGrid) -> list[int]:

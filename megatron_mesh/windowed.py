@@ -113,8 +113,8 @@ def _return_rows(parts: list[torch.Tensor], peers, phase, direction, dtype=None)
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
-    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv],
-    lse [b, hq, s] fp32."""
+    """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> (out [s, b, hq, dv],
+    lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     peers = _Peers(grid, mask, s, q.device)
@@ -142,7 +142,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
             own_out.index_copy_(0, rows, acc_o)
             own_lse.index_copy_(-1, rows, acc_l)
             del acc_o, acc_l  # before the next row's are taken out
-    return own_out.to(q.dtype), own_lse
+    return own_out, own_lse
 
 
 def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,

@@ -304,7 +304,7 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     on a 1 x 1 grid (one rank: no collective carries data, every tile call is made)."""
     import megatron_mesh as mm
     from megatron_mesh import gathered, streamed_kv, streamed_q
-    from megatron_mesh.attention import grad_dtypes
+    from megatron_mesh.attention import finish_rows, grad_dtypes
     from megatron_mesh.plan import GradDtype
 
     grid = mm.MeshGrid.build(rows=1, cols=1)
@@ -318,7 +318,8 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
                     q, k, v = tile(dtype, hq, hkv, sq=64, sk=64)
                     kernel = make()
                     with OpLog() as log:
-                        out, lse = sched.forward(q, k, v, grid, True, 0.125, kernel)
+                        out, lse = finish_rows(*sched.forward(q, k, v, grid, True, 0.125,
+                                                              kernel), dtype)
                         grads = sched.backward(out, q, k, v, out, lse, grid, True, 0.125, kernel,
                                                grad_dtypes(GradDtype.MIXED, dtype))
                     calls = sorted({n for n, _ in log.calls if n.startswith("_scaled_dot")})
