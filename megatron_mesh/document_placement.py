@@ -31,7 +31,7 @@ Algorithm (python ints only, deterministic, from the lengths alone):
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 import operator
 from dataclasses import dataclass, field
 
@@ -41,6 +41,7 @@ Run = tuple[int, int, int]  # (document index, first position within the documen
 
 BALANCE_TOLERANCE = 0.05  # rerun with a larger group when the busiest rank is above 1.05 x mean
 MAX_REFINEMENTS = 12
+WHOLE_SLACK = 0.02  # a dense document stays whole if it overshoots a rank's target by this much
 
 
 def run_work(first: int, tokens: int) -> int:
@@ -218,15 +219,23 @@ class _Placer:
         self.node = gpus_per_node if gpus_per_node and gpus_per_node < cp_size else cp_size
         self.capacity = sum(lengths) // cp_size
         self.mean_work = sum(document_work(n) for n in lengths) / cp_size
-        ordered = sorted(lengths)
-        self.filler_density = (ordered[len(ordered) // 2] + 1) / 2
-        self.order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+        self.filler_density = self.light_density()
+
+    def light_density(self) -> float:
+        """Mean work per token of the documents lighter than the mean (the filler)."""
+        mean_density = self.mean_work / self.capacity
+        light = [n for n in self.lengths if (n + 1) / 2 <= mean_density]
+        tokens = sum(light)
+        return sum(document_work(n) for n in light) / tokens if tokens else mean_density
 
     def place(self) -> DocumentPlacement:
-        sizes = {d: g for d in self.order if (g := self.planned_size(self.lengths[d])) > 1}
+        sizes = {}
+        for doc, length in enumerate(self.lengths):
+            if (g := self.planned_size(length)) > 1:
+                sizes[doc] = g
         best = None
         for _ in range(MAX_REFINEMENTS):
-            runs, works = self.assign(sizes)
+            runs, works = _Assignment(self, sizes).run()
             busiest = max(works)
             if best is None or busiest < best[0]:
                 best = (busiest, runs)
@@ -249,15 +258,17 @@ class _Placer:
         return self.allowed_size(g + 1)
 
     def planned_size(self, length: int) -> int:
-        """The fewest ranks whose share of the document, plus a light filler for the rest of
-        each member's tokens, stays within the mean work per rank."""
-        work = document_work(length)
-        g = max(1, -(-length // self.capacity))
+        """The fewest ranks whose share of the document, plus filler of the light documents'
+        density for the rest of each member's tokens, stays within the mean work per rank."""
+        if length <= self.capacity and (
+                document_work(length) + (self.capacity - length) * self.filler_density
+                <= self.mean_work * (1 + BALANCE_TOLERANCE)):
+            return 1
+        density = (length + 1) / 2
+        g = max(2, -(-length // self.capacity))
         while g < self.cp_size:
-            share_tokens = length / g
-            if share_tokens <= self.capacity and (
-                    work / g + (self.capacity - share_tokens) * self.filler_density
-                    <= self.mean_work):
+            share = length / g
+            if share * density + (self.capacity - share) * self.filler_density <= self.mean_work:
                 break
             g += 1
         return self.allowed_size(g)
@@ -270,104 +281,165 @@ class _Placer:
         candidates = [d for d in work_of if sizes.get(d, 1) < self.cp_size]
         return max(candidates, key=lambda d: (work_of[d], -d)) if candidates else None
 
-    def assign(self, sizes: dict[int, int]) -> tuple[list[list[Run]], list[int]]:
-        """Steps 2-4: groups, whole documents, folded cuts. Returns runs and work per rank."""
-        runs: list[list[Run]] = [[] for _ in range(self.cp_size)]
-        room = [self.capacity] * self.cp_size
-        works = [0] * self.cp_size
-        leftover = []
-        for doc in sorted(sizes, key=lambda d: (-sizes[d], -self.lengths[d], d)):
-            if not self.place_group(doc, sizes[doc], runs, room, works):
-                leftover.append(doc)
-        whole = [d for d in self.order if d not in sizes]
-        leftover += self.place_whole(whole, runs, room, works)
-        for doc in leftover:
-            self.place_cut(doc, runs, room, works)
-        return runs, works
 
-    def place_group(self, doc: int, g: int, runs, room, works) -> bool:
+class _Assignment:
+    """Steps 2-4 for given group sizes: groups, then one sweep over the ranks in order."""
+
+    def __init__(self, placer: _Placer, sizes: dict[int, int]):
+        self.placer = placer
+        self.lengths = placer.lengths
+        self.sizes = sizes
+        count, ranks = len(placer.lengths), placer.cp_size
+        self.runs: list[list[Run]] = [[] for _ in range(ranks)]
+        self.room = [placer.capacity] * ranks
+        self.works = [0] * ranks
+        self.rest = list(placer.lengths)  # tokens of each document not placed yet
+        self.front = [0] * count  # next free position from the start (folds)
+        self.back = list(placer.lengths)  # end of the free positions (folds)
+
+    def run(self) -> tuple[list[list[Run]], list[int]]:
+        pool = []
+        for doc in sorted(self.sizes, key=lambda d: (-self.sizes[d], -self.lengths[d], d)):
+            if not self.place_group(doc, self.sizes[doc]):
+                pool.append(doc)
+        pool += [d for d in range(len(self.lengths)) if d not in self.sizes]
+        pool.sort(key=lambda d: (-self.lengths[d], d))
+        _Sweep(self, pool).run()
+        return self.runs, self.works
+
+    def place_group(self, doc: int, g: int) -> bool:
         """Zigzag over the least loaded window of g consecutive ranks with room; False if none."""
-        length = self.lengths[doc]
-        pieces = _nearly_equal(length, 2 * g)
-        shares = [pieces[k] + pieces[2 * g - 1 - k] for k in range(g)]
+        pieces = _nearly_equal(self.lengths[doc], 2 * g)
+        pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
         best = None
         for start in self.window_starts(g):
-            if all(room[start + k] >= shares[k] for k in range(g)):
-                load = (max(works[start:start + g]), sum(works[start:start + g]), start)
+            if all(self.room[start + k] >= a + b for k, (a, b) in enumerate(pairs)):
+                window = self.works[start:start + g]
+                load = (max(window), sum(window), start)
                 if best is None or load < best:
                     best = load
         if best is None:
             return False
-        members = range(best[2], best[2] + g)
-        pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
-        self.fold(doc, members, pairs, runs, room, works)
+        for k, (head, tail) in enumerate(pairs):
+            self.take(doc, best[2] + k, head, tail)
         return True
 
     def window_starts(self, g: int) -> list[int]:
         """First ranks of windows of g consecutive ranks: inside one node when g fits one,
         else aligned to node starts."""
-        if g <= self.node:
-            return [s for s in range(self.cp_size - g + 1) if s // self.node == (s + g - 1) // self.node]
-        return list(range(0, self.cp_size - g + 1, self.node))
+        node, ranks = self.placer.node, self.placer.cp_size
+        if g <= node:
+            return [s for s in range(ranks - g + 1) if s // node == (s + g - 1) // node]
+        return list(range(0, ranks - g + 1, node))
 
-    def place_whole(self, docs: list[int], runs, room, works) -> list[int]:
-        """Longest first, each to the rank needing the most work per free token that has room
-        for it. Returns the documents no rank has room for."""
-        mean = self.mean_work
-        heap = [(-(mean - works[r]) / room[r], r) for r in range(self.cp_size) if room[r] > 0]
-        heapq.heapify(heap)
-        leftover = []
-        for doc in docs:
-            length = self.lengths[doc]
-            skipped = []
-            while heap and room[heap[0][1]] < length:
-                skipped.append(heapq.heappop(heap))
-            if heap:
-                _, rank = heapq.heappop(heap)
-                runs[rank].append((doc, 0, length))
-                room[rank] -= length
-                works[rank] += document_work(length)
-                if room[rank]:
-                    heapq.heappush(heap, (-(mean - works[rank]) / room[rank], rank))
-            else:
-                leftover.append(doc)
-            for item in skipped:
-                heapq.heappush(heap, item)
-        return leftover
+    def take(self, doc: int, rank: int, head: int, tail: int) -> None:
+        """Give `rank` the next `head` free positions from the start of `doc` and the last
+        `tail` free positions from its end (a fold)."""
+        for first, n in ((self.front[doc], head), (self.back[doc] - tail, tail)):
+            if n:
+                self.runs[rank].append((doc, first, n))
+                self.works[rank] += run_work(first, n)
+        self.front[doc] += head
+        self.back[doc] -= tail
+        self.rest[doc] -= head + tail
+        self.room[rank] -= head + tail
 
-    def place_cut(self, doc: int, runs, room, works) -> None:
-        """Fold a document over the ranks with the most room left (fewest ranks), each taking
-        what room it has (or what is left of the document)."""
-        left = self.lengths[doc]
-        members, shares = [], []
-        for rank in sorted(range(self.cp_size), key=lambda r: (-room[r], r)):
-            if left == 0:
-                break
-            take = min(room[rank], left)
-            if take:
-                members.append(rank)
-                shares.append(take)
-                left -= take
-        if left:
-            raise AssertionError("placement: tokens left with every rank full")  # cannot happen
-        order = sorted(range(len(members)), key=members.__getitem__)
-        members = [members[i] for i in order]
-        pairs = [(shares[i] - shares[i] // 2, shares[i] // 2) for i in order]
-        self.fold(doc, members, pairs, runs, room, works)
+    def take_share(self, doc: int, rank: int, tokens: int) -> None:
+        """`tokens` of `doc` to `rank`: whole if all of it, else folded, the front and back
+        pieces chosen to keep the used start and end of the document equally long."""
+        if tokens == self.lengths[doc]:
+            self.take(doc, rank, tokens, 0)
+            return
+        used_front, used_back = self.front[doc], self.lengths[doc] - self.back[doc]
+        head = min(tokens, max(0, (tokens + used_back - used_front + 1) // 2))
+        self.take(doc, rank, head, tokens - head)
 
-    def fold(self, doc: int, members, pairs, runs, room, works) -> None:
-        """Member k takes a front piece (positions laid from 0 up) and a back piece (laid
-        from the end down): with equal pieces, Megatron's zigzag over the members."""
-        length = self.lengths[doc]
-        front, back = 0, length
-        for rank, (head, tail) in zip(members, pairs):
-            for first, n in ((front, head), (back - tail, tail)):
-                if n:
-                    runs[rank].append((doc, first, n))
-                    works[rank] += run_work(first, n)
-            room[rank] -= head + tail
-            front += head
-            back -= tail
+
+class _Sweep:
+    """Step 3-4: ranks in order; each takes dense documents from the heavy end of the pool
+    (sorted longest first) until its work target is in reach of light filler, then light
+    documents from the other end to fill its tokens exactly. A document cut at the end of a
+    rank continues on the next rank (folded over the ranks it spans)."""
+
+    def __init__(self, assignment: _Assignment, pool: list[int]):
+        self.a = assignment
+        self.heavy = pool  # longest first
+        self.light = pool[::-1]  # shortest first
+        self.hi = 0
+        self.lo = 0
+        self.cum_tokens = [0]
+        self.cum_work = [0]
+        for doc in self.light:
+            n = assignment.lengths[doc]
+            self.cum_tokens.append(self.cum_tokens[-1] + n)
+            self.cum_work.append(self.cum_work[-1] + document_work(n))
+        self.pool_work = float(self.cum_work[-1])
+
+    def run(self) -> None:
+        a, ranks = self.a, self.a.placer.cp_size
+        for rank in range(ranks):
+            if a.room[rank] == 0:
+                continue
+            target = (sum(a.works[rank:]) + self.pool_work) / (ranks - rank)
+            self.take_heavy(rank, target)
+            self.fill_light(rank)
+
+    def density(self, doc: int) -> float:
+        return (self.a.lengths[doc] + 1) / 2
+
+    def give(self, doc: int, rank: int, tokens: int) -> None:
+        self.a.take_share(doc, rank, tokens)
+        self.pool_work -= tokens * self.density(doc)
+
+    def light_work(self, tokens: int) -> float:
+        """Work of the next `tokens` tokens from the light end (densities, interpolated)."""
+        doc = self.light[self.lo]
+        start = self.cum_tokens[self.lo] + self.a.lengths[doc] - self.a.rest[doc]
+        return self.work_upto(start + tokens) - self.work_upto(start)
+
+    def work_upto(self, offset: int) -> float:
+        k = min(bisect.bisect_right(self.cum_tokens, offset) - 1, len(self.light) - 1)
+        return self.cum_work[k] + (offset - self.cum_tokens[k]) * self.density(self.light[k])
+
+    def next_heavy(self) -> int | None:
+        while self.hi < len(self.heavy) and self.a.rest[self.heavy[self.hi]] == 0:
+            self.hi += 1
+        return self.heavy[self.hi] if self.hi < len(self.heavy) else None
+
+    def skip_used_light(self) -> None:
+        while self.a.rest[self.light[self.lo]] == 0:
+            self.lo += 1
+
+    def take_heavy(self, rank: int, target: float) -> None:
+        """Dense documents, whole while the target stays in reach, then a cut one."""
+        a = self.a
+        while a.room[rank]:
+            doc = self.next_heavy()
+            self.skip_used_light()
+            if doc is None or doc == self.light[self.lo]:
+                return
+            room, rest = a.room[rank], a.rest[doc]
+            filler = self.light_work(room)
+            need = target - a.works[rank]
+            if filler >= need:
+                return
+            gain = self.density(doc) - filler / room  # work per token of heavy over light
+            wanted = (need - filler) / gain if gain > 0 else room
+            if rest <= room and (rest <= wanted or (rest - wanted) * gain <= WHOLE_SLACK * target):
+                self.give(doc, rank, rest)
+                continue
+            tokens = min(room, rest, round(wanted))
+            if tokens >= 1:
+                self.give(doc, rank, tokens)
+            return
+
+    def fill_light(self, rank: int) -> None:
+        """The lightest documents, whole, the last one cut to fill the rank exactly."""
+        a = self.a
+        while a.room[rank]:
+            self.skip_used_light()
+            doc = self.light[self.lo]
+            self.give(doc, rank, min(a.rest[doc], a.room[rank]))
 
 
 def _nearly_equal(total: int, parts: int) -> list[int]:
