@@ -356,10 +356,11 @@ class _Assignment:
 
 
 class _Sweep:
-    """Step 3-4: ranks in order; each takes dense documents from the heavy end of the pool
-    (sorted longest first) until its work target is in reach of light filler, then light
-    documents from the other end to fill its tokens exactly. A document cut at the end of a
-    rank continues on the next rank (folded over the ranks it spans)."""
+    """Steps 3-4: the ranks in order. Each continues the documents cut at the end of the rank
+    before it, then takes dense documents from the heavy end of the pool (whole, the largest
+    that keeps its work target in reach of light filler; a cut of the densest when no whole one
+    does), then the lightest documents, whole, the last one cut to fill its tokens exactly. A
+    cut document continues on the next rank (folded over the consecutive ranks it spans)."""
 
     def __init__(self, assignment: _Assignment, pool: list[int]):
         self.a = assignment
@@ -374,6 +375,7 @@ class _Sweep:
             self.cum_tokens.append(self.cum_tokens[-1] + n)
             self.cum_work.append(self.cum_work[-1] + document_work(n))
         self.pool_work = float(self.cum_work[-1])
+        self.carried: list[tuple[int, bool]] = []  # (document, heavy) cut on the rank before
 
     def run(self) -> None:
         a, ranks = self.a, self.a.placer.cp_size
@@ -381,18 +383,29 @@ class _Sweep:
             if a.room[rank] == 0:
                 continue
             target = (sum(a.works[rank:]) + self.pool_work) / (ranks - rank)
+            carried, self.carried = self.carried, []
+            for doc, heavy in carried:
+                if heavy:
+                    self.take_heavy_doc(rank, doc, target, whole_only=False)
+                elif a.room[rank]:
+                    self.give(doc, rank, min(a.rest[doc], a.room[rank]), heavy=False)
             self.take_heavy(rank, target)
             self.fill_light(rank)
 
     def density(self, doc: int) -> float:
         return (self.a.lengths[doc] + 1) / 2
 
-    def give(self, doc: int, rank: int, tokens: int) -> None:
+    def give(self, doc: int, rank: int, tokens: int, heavy: bool) -> None:
         self.a.take_share(doc, rank, tokens)
         self.pool_work -= tokens * self.density(doc)
+        if self.a.rest[doc]:
+            self.carried.append((doc, heavy))
 
     def light_work(self, tokens: int) -> float:
         """Work of the next `tokens` tokens from the light end (densities, interpolated)."""
+        if tokens <= 0:
+            return 0.0
+        self.skip_used_light()
         doc = self.light[self.lo]
         start = self.cum_tokens[self.lo] + self.a.lengths[doc] - self.a.rest[doc]
         return self.work_upto(start + tokens) - self.work_upto(start)
@@ -402,36 +415,78 @@ class _Sweep:
         return self.cum_work[k] + (offset - self.cum_tokens[k]) * self.density(self.light[k])
 
     def next_heavy(self) -> int | None:
+        """The densest document not placed yet (untouched or cut)."""
         while self.hi < len(self.heavy) and self.a.rest[self.heavy[self.hi]] == 0:
             self.hi += 1
         return self.heavy[self.hi] if self.hi < len(self.heavy) else None
 
     def skip_used_light(self) -> None:
-        while self.a.rest[self.light[self.lo]] == 0:
+        while self.lo < len(self.light) - 1 and self.a.rest[self.light[self.lo]] == 0:
             self.lo += 1
 
     def take_heavy(self, rank: int, target: float) -> None:
-        """Dense documents, whole while the target stays in reach, then a cut one."""
+        """Whole dense documents while they keep the target in reach, then one cut."""
+        while self.a.room[rank]:
+            doc = self.best_fit(rank, target)
+            if doc is None:
+                doc = self.next_heavy()
+                if doc is None or self.a.rest[doc] != self.a.lengths[doc]:
+                    return
+                self.take_heavy_doc(rank, doc, target, whole_only=False)
+                return
+            if not self.take_heavy_doc(rank, doc, target, whole_only=True):
+                return
+
+    def take_heavy_doc(self, rank: int, doc: int, target: float, whole_only: bool) -> bool:
+        """`doc` (what is left of it) whole if that stays within the target, else (unless
+        `whole_only`) a cut of the tokens that reach the target. True if it took it whole."""
         a = self.a
-        while a.room[rank]:
-            doc = self.next_heavy()
-            self.skip_used_light()
-            if doc is None or doc == self.light[self.lo]:
-                return
-            room, rest = a.room[rank], a.rest[doc]
-            filler = self.light_work(room)
-            need = target - a.works[rank]
-            if filler >= need:
-                return
-            gain = self.density(doc) - filler / room  # work per token of heavy over light
-            wanted = (need - filler) / gain if gain > 0 else room
-            if rest <= room and (rest <= wanted or (rest - wanted) * gain <= WHOLE_SLACK * target):
-                self.give(doc, rank, rest)
-                continue
-            tokens = min(room, rest, round(wanted))
-            if tokens >= 1:
-                self.give(doc, rank, tokens)
-            return
+        room, rest = a.room[rank], a.rest[doc]
+        need = target - a.works[rank]
+        slack = WHOLE_SLACK * target
+        if rest <= room and rest * self.density(doc) + self.light_work(room - rest) <= need + slack:
+            self.give(doc, rank, rest, heavy=True)
+            return True
+        if whole_only:
+            return False
+        filler = self.light_work(room)
+        gain = self.density(doc) - filler / room  # work per token of heavy over light
+        wanted = (need - filler) / gain if gain > 0 else room
+        carried = rest < a.lengths[doc]  # keep a cut document on consecutive ranks
+        tokens = min(room, rest, max(1 if carried else 0, round(wanted)))
+        if tokens >= 1:
+            self.give(doc, rank, tokens, heavy=True)
+        return False
+
+    def best_fit(self, rank: int, target: float) -> int | None:
+        """The longest untouched document that, whole on `rank` with light filler for the rest
+        of its room, stays within the target, provided the target is then still in reach (the
+        rest of the room holding the densest document); None if the light filler alone reaches
+        the target, or no document fits."""
+        a, light = self.a, self.light
+        room, need = a.room[rank], target - a.works[rank]
+        slack = WHOLE_SLACK * target
+        if self.light_work(room) >= need - slack:
+            return None
+        densest = self.next_heavy()
+        top_density = self.density(densest) if densest is not None else 0.0
+        lo, hi = self.lo + 1, len(light) - 1
+        best = None
+        while lo <= hi:  # f(k) = work(light[k]) + filler(room - length) grows with k
+            mid = (lo + hi) // 2
+            length = a.lengths[light[mid]]
+            if length <= room and document_work(length) + self.light_work(room - length) <= need + slack:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        while best is not None and best > self.lo and a.rest[light[best]] != a.lengths[light[best]]:
+            best -= 1  # taken already: the next shorter one
+        if best is None or best <= self.lo:
+            return None
+        length = a.lengths[light[best]]
+        if need - slack - document_work(length) > (room - length) * top_density:
+            return None  # whole, it would leave the target out of reach: cut the densest instead
+        return light[best]
 
     def fill_light(self, rank: int) -> None:
         """The lightest documents, whole, the last one cut to fill the rank exactly."""
@@ -439,7 +494,7 @@ class _Sweep:
         while a.room[rank]:
             self.skip_used_light()
             doc = self.light[self.lo]
-            self.give(doc, rank, min(a.rest[doc], a.room[rank]))
+            self.give(doc, rank, min(a.rest[doc], a.room[rank]), heavy=False)
 
 
 def _nearly_equal(total: int, parts: int) -> list[int]:
