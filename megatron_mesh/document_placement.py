@@ -59,8 +59,9 @@ class DocumentPlacement:
     """Which tokens of which documents each CP rank holds (python ints, the same on every rank).
 
     `runs[r]` are rank r's local rows in local order, as runs of contiguous positions inside one
-    document, sorted by (document, position) and with touching runs merged (a canonical form,
-    so equal placements compare equal). `groups[d]` are the sorted CP ranks holding document d.
+    document (`place_documents` sorts them by (document, position); a zigzag member's two pieces
+    stay two runs even where they touch). Placements are equal iff their runs are.
+    `groups[d]` are the sorted CP ranks holding document d.
     """
 
     cp_size: int
@@ -173,10 +174,13 @@ class DocumentPlacement:
 
 def zigzag_placement(total: int, cp_size: int) -> DocumentPlacement:
     """One document of `total` tokens in Megatron's zigzag layout: 2P sub-chunks of h = T / 2P,
-    rank r holds sub-chunks r and 2P-1-r."""
+    rank r holds sub-chunks r and 2P-1-r, two runs (also where they touch, on rank P-1).
+    With one rank there is no split: the document is one run, as `place_documents` gives."""
     cp_size = _positive_int("cp_size", cp_size)
     total = _positive_int("total", total)
     _check_total(total, cp_size)
+    if cp_size == 1:
+        return DocumentPlacement.from_runs(1, (total,), (((0, 0, total),),))
     h = total // (2 * cp_size)
     runs = [((0, r * h, h), (0, (2 * cp_size - 1 - r) * h, h)) for r in range(cp_size)]
     return DocumentPlacement.from_runs(cp_size, (total,), runs)
@@ -245,7 +249,7 @@ class _Placer:
             if doc is None:
                 break
             sizes[doc] = self.next_size(sizes.get(doc, 1))
-        runs = tuple(tuple(_merge_touching(sorted(r))) for r in best[1])
+        runs = tuple(tuple(sorted(r)) for r in best[1])
         return DocumentPlacement(self.cp_size, self.lengths, runs, _groups(runs, len(self.lengths)))
 
     def allowed_size(self, g: int) -> int:
@@ -296,6 +300,7 @@ class _Assignment:
         self.rest = list(placer.lengths)  # tokens of each document not placed yet
         self.front = [0] * count  # next free position from the start (folds)
         self.back = list(placer.lengths)  # end of the free positions (folds)
+        self.held: dict[tuple[int, int], list[int]] = {}  # (rank, document) -> indices of its runs
 
     def run(self) -> tuple[list[list[Run]], list[int]]:
         pool = []
@@ -308,20 +313,23 @@ class _Assignment:
         return self.runs, self.works
 
     def place_group(self, doc: int, g: int) -> bool:
-        """Zigzag over the least loaded window of g consecutive ranks with room; False if none."""
+        """Zigzag over the least loaded window of g consecutive ranks with room, preferring
+        windows that fill no rank entirely (a full rank would break a later cut's span in
+        two); False if none has room."""
         pieces = _nearly_equal(self.lengths[doc], 2 * g)
         pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
         best = None
         for start in self.window_starts(g):
             if all(self.room[start + k] >= a + b for k, (a, b) in enumerate(pairs)):
                 window = self.works[start:start + g]
-                load = (max(window), sum(window), start)
+                walls = sum(self.room[start + k] == a + b for k, (a, b) in enumerate(pairs))
+                load = (walls, max(window), sum(window), start)
                 if best is None or load < best:
                     best = load
         if best is None:
             return False
         for k, (head, tail) in enumerate(pairs):
-            self.take(doc, best[2] + k, head, tail)
+            self.take(doc, best[-1] + k, head, tail)
         return True
 
     def window_starts(self, g: int) -> list[int]:
@@ -334,15 +342,31 @@ class _Assignment:
 
     def take(self, doc: int, rank: int, head: int, tail: int) -> None:
         """Give `rank` the next `head` free positions from the start of `doc` and the last
-        `tail` free positions from its end (a fold)."""
+        `tail` free positions from its end (a fold). A piece that continues a run the rank
+        took of `doc` before extends that run."""
+        earlier = self.held.setdefault((rank, doc), [])
+        added = []
         for first, n in ((self.front[doc], head), (self.back[doc] - tail, tail)):
             if n:
-                self.runs[rank].append((doc, first, n))
                 self.works[rank] += run_work(first, n)
+                added.append(self.extend_run(rank, doc, earlier, first, n))
+        earlier.extend(i for i in added if i is not None)
         self.front[doc] += head
         self.back[doc] -= tail
         self.rest[doc] -= head + tail
         self.room[rank] -= head + tail
+
+    def extend_run(self, rank: int, doc: int, earlier: list[int], first: int, n: int) -> int | None:
+        """Extend a run of `earlier` (indices into the rank's runs) that touches positions
+        first .. first + n - 1, or append a new run; the new run's index, None if extended."""
+        runs = self.runs[rank]
+        for i in earlier:
+            _, start, count = runs[i]
+            if start + count == first or first + n == start:
+                runs[i] = (doc, min(start, first), count + n)
+                return None
+        runs.append((doc, first, n))
+        return len(runs) - 1
 
     def take_share(self, doc: int, rank: int, tokens: int) -> None:
         """`tokens` of `doc` to `rank`: whole if all of it, else folded, the front and back
@@ -383,14 +407,28 @@ class _Sweep:
             if a.room[rank] == 0:
                 continue
             target = (sum(a.works[rank:]) + self.pool_work) / (ranks - rank)
-            carried, self.carried = self.carried, []
-            for doc, heavy in carried:
-                if heavy:
-                    self.take_heavy_doc(rank, doc, target, whole_only=False)
-                elif a.room[rank]:
-                    self.give(doc, rank, min(a.rest[doc], a.room[rank]), heavy=False)
+            self.continue_carried(rank, target)
             self.take_heavy(rank, target)
             self.fill_light(rank)
+
+    def continue_carried(self, rank: int, target: float) -> None:
+        """The documents cut on the rank before continue here: the light one first (what is
+        left of it, leaving a token for a dense one when one is carried too), then the dense
+        one (whole if that stays within the target, else cut again)."""
+        a = self.a
+        carried, self.carried = self.carried, []
+        dense = [doc for doc, heavy in carried if heavy]
+        for doc in (doc for doc, heavy in carried if not heavy):
+            room = a.room[rank] - (1 if dense and a.room[rank] > 1 else 0)
+            if room:
+                self.give(doc, rank, min(a.rest[doc], room), heavy=False)
+            else:
+                self.carried.append((doc, False))
+        for doc in dense:
+            if a.room[rank]:
+                self.take_heavy_doc(rank, doc, target, whole_only=False)
+            else:
+                self.carried.append((doc, True))
 
     def density(self, doc: int) -> float:
         return (self.a.lengths[doc] + 1) / 2
@@ -503,19 +541,8 @@ def _nearly_equal(total: int, parts: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(parts)]
 
 
-def _merge_touching(runs: list[Run]) -> list[Run]:
-    """Consecutive runs of one document whose positions continue become one run."""
-    out: list[Run] = []
-    for doc, first, n in runs:
-        if out and out[-1][0] == doc and out[-1][1] + out[-1][2] == first:
-            out[-1] = (doc, out[-1][1], out[-1][2] + n)
-        else:
-            out.append((doc, first, n))
-    return out
-
-
 def _canonical_runs(rank: int, runs, lengths: tuple[int, ...]) -> tuple[Run, ...]:
-    """Rank's runs checked (inside a document, at least one token), sorted, touching merged."""
+    """Rank's runs checked (inside a document, at least one token), in the order given."""
     checked = []
     for run in runs:
         if len(run) != 3:
@@ -528,7 +555,7 @@ def _canonical_runs(rank: int, runs, lengths: tuple[int, ...]) -> tuple[Run, ...
             raise ValueError(f"rank {rank}: run {run!r} must hold >= 1 token inside document "
                              f"{doc} of {lengths[doc]} tokens (positions 0..{lengths[doc] - 1})")
         checked.append((doc, first, n))
-    return tuple(_merge_touching(sorted(checked)))
+    return tuple(checked)
 
 
 def _check_cover(runs: tuple[tuple[Run, ...], ...], lengths: tuple[int, ...]) -> None:
