@@ -32,6 +32,8 @@ Algorithm (python ints only, deterministic, from the lengths alone):
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -308,7 +310,8 @@ class _Assignment:
             if not self.place_group(doc, self.sizes[doc]):
                 pool.append(doc)
         pool += [d for d in range(len(self.lengths)) if d not in self.sizes]
-        pool.sort(key=lambda d: (-self.lengths[d], d))
+        pool.sort()
+        pool.sort(key=self.lengths.__getitem__, reverse=True)  # longest first, then by index
         _Sweep(self, pool).run()
         return self.runs, self.works
 
@@ -318,11 +321,13 @@ class _Assignment:
         two); False if none has room."""
         pieces = _nearly_equal(self.lengths[doc], 2 * g)
         pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
+        shares = [head + tail for head, tail in pairs]
         best = None
         for start in self.window_starts(g):
-            if all(self.room[start + k] >= a + b for k, (a, b) in enumerate(pairs)):
+            rooms = self.room[start:start + g]
+            if all(map(operator.ge, rooms, shares)):
                 window = self.works[start:start + g]
-                walls = sum(self.room[start + k] == a + b for k, (a, b) in enumerate(pairs))
+                walls = sum(map(operator.eq, rooms, shares))
                 load = (walls, max(window), sum(window), start)
                 if best is None or load < best:
                     best = load
@@ -368,11 +373,19 @@ class _Assignment:
         runs.append((doc, first, n))
         return len(runs) - 1
 
+    def take_whole(self, doc: int, rank: int) -> None:
+        """All of an untouched document to `rank`, one run."""
+        n = self.lengths[doc]
+        self.runs[rank].append((doc, 0, n))
+        self.works[rank] += n * (n + 1) // 2
+        self.rest[doc] = 0
+        self.room[rank] -= n
+
     def take_share(self, doc: int, rank: int, tokens: int) -> None:
         """`tokens` of `doc` to `rank`: whole if all of it, else folded, the front and back
         pieces chosen to keep the used start and end of the document equally long."""
         if tokens == self.lengths[doc]:
-            self.take(doc, rank, tokens, 0)
+            self.take_whole(doc, rank)
             return
         used_front, used_back = self.front[doc], self.lengths[doc] - self.back[doc]
         head = min(tokens, max(0, (tokens + used_back - used_front + 1) // 2))
@@ -392,13 +405,14 @@ class _Sweep:
         self.light = pool[::-1]  # shortest first
         self.hi = 0
         self.lo = 0
-        self.cum_tokens = [0]
-        self.cum_work = [0]
-        for doc in self.light:
-            n = assignment.lengths[doc]
-            self.cum_tokens.append(self.cum_tokens[-1] + n)
-            self.cum_work.append(self.cum_work[-1] + document_work(n))
+        self.light_lengths = [assignment.lengths[doc] for doc in self.light]
+        self.cum_tokens = list(itertools.accumulate(self.light_lengths, initial=0))
+        self.cum_work = list(itertools.accumulate((n * (n + 1) // 2 for n in self.light_lengths),
+                                                  initial=0))
         self.pool_work = float(self.cum_work[-1])
+        self.light_index = dict(zip(self.light, range(len(self.light))))
+        self.untouched = list(range(len(self.light)))  # union-find: k, or a lower index if touched
+        self.touched = [False] * len(self.light)
         self.carried: list[tuple[int, bool]] = []  # (document, heavy) cut on the rank before
 
     def run(self) -> None:
@@ -434,6 +448,10 @@ class _Sweep:
         return (self.a.lengths[doc] + 1) / 2
 
     def give(self, doc: int, rank: int, tokens: int, heavy: bool) -> None:
+        if self.a.rest[doc] == self.a.lengths[doc]:
+            k = self.light_index[doc]
+            self.untouched[k] = k - 1
+            self.touched[k] = True
         self.a.take_share(doc, rank, tokens)
         self.pool_work -= tokens * self.density(doc)
         if self.a.rest[doc]:
@@ -449,8 +467,9 @@ class _Sweep:
         return self.work_upto(start + tokens) - self.work_upto(start)
 
     def work_upto(self, offset: int) -> float:
+        """Work of the first `offset` tokens of the pool, shortest documents first."""
         k = min(bisect.bisect_right(self.cum_tokens, offset) - 1, len(self.light) - 1)
-        return self.cum_work[k] + (offset - self.cum_tokens[k]) * self.density(self.light[k])
+        return self.cum_work[k] + (offset - self.cum_tokens[k]) * (self.a.lengths[self.light[k]] + 1) / 2
 
     def next_heavy(self) -> int | None:
         """The densest document not placed yet (untouched or cut)."""
@@ -504,35 +523,80 @@ class _Sweep:
         a, light = self.a, self.light
         room, need = a.room[rank], target - a.works[rank]
         slack = WHOLE_SLACK * target
-        if self.light_work(room) >= need - slack:
+        filler = self.light_work(room)
+        if filler >= need - slack:
             return None
         densest = self.next_heavy()
-        top_density = self.density(densest) if densest is not None else 0.0
-        lo, hi = self.lo + 1, len(light) - 1
-        best = None
-        while lo <= hi:  # f(k) = work(light[k]) + filler(room - length) grows with k
-            mid = (lo + hi) // 2
-            length = a.lengths[light[mid]]
-            if length <= room and document_work(length) + self.light_work(room - length) <= need + slack:
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        while best is not None and best > self.lo and a.rest[light[best]] != a.lengths[light[best]]:
-            best -= 1  # taken already: the next shorter one
-        if best is None or best <= self.lo:
+        if densest is None:
             return None
-        length = a.lengths[light[best]]
-        if need - slack - document_work(length) > (room - length) * top_density:
+        if a.rest[densest] == a.lengths[densest] != light[self.lo]:
+            length = a.lengths[densest]  # the densest whole fits: the common case early on
+            if length <= room and document_work(length) + self.light_work(room - length) <= need + slack:
+                return densest
+        k = self.longest_within(room, need + slack, filler / room)
+        if k is None:
+            return None
+        length = self.light_lengths[k]
+        if need - slack - document_work(length) > (room - length) * self.density(densest):
             return None  # whole, it would leave the target out of reach: cut the densest instead
-        return light[best]
+        return light[k]
+
+    def longest_within(self, room: int, limit: float, filler_density: float) -> int | None:
+        """Index (in `light`) of the longest untouched document of at most `room` tokens whose
+        work plus light filler for the rest of the room stays within `limit`: the bound on
+        its length solves L(L+1)/2 + (room - L) x filler density = limit, then a few exact
+        checks step down through the untouched documents."""
+        linear = 2 * filler_density - 1
+        discriminant = linear * linear + 8 * (limit - room * filler_density)
+        if discriminant < 0:
+            return None
+        bound = min(room, int((linear + math.sqrt(discriminant)) / 2))
+        k = self.untouched_at_or_below(bisect.bisect_right(self.light_lengths, bound) - 1)
+        for _ in range(4):
+            if k is None or k <= self.lo:
+                return None
+            length = self.light_lengths[k]
+            if document_work(length) + self.light_work(room - length) <= limit:
+                return k
+            k = self.untouched_at_or_below(k - 1)
+        return None
+
+    def untouched_at_or_below(self, k: int) -> int | None:
+        """The largest index <= k (in `light`) of a document no rank holds a part of."""
+        parent = self.untouched
+        root = k
+        while root >= 0 and parent[root] != root:
+            root = parent[root]
+        while k >= 0 and parent[k] != k:  # path compression
+            parent[k], k = root, parent[k]
+        return root if root >= 0 else None
 
     def fill_light(self, rank: int) -> None:
         """The lightest documents, whole, the last one cut to fill the rank exactly."""
         a = self.a
         while a.room[rank]:
             self.skip_used_light()
-            doc = self.light[self.lo]
-            self.give(doc, rank, min(a.rest[doc], a.room[rank]), heavy=False)
+            if not self.take_light_run(rank):
+                doc = self.light[self.lo]
+                self.give(doc, rank, min(a.rest[doc], a.room[rank]), heavy=False)
+
+    def take_light_run(self, rank: int) -> bool:
+        """The untouched documents from the light end that fit the room whole, at once
+        (prefix sums); False if the first one is touched or does not fit."""
+        a, lo = self.a, self.lo
+        end = bisect.bisect_right(self.cum_tokens, self.cum_tokens[lo] + a.room[rank], lo) - 1
+        if end <= lo or any(self.touched[lo:end]):
+            return False
+        docs = self.light[lo:end]
+        a.runs[rank].extend(zip(docs, itertools.repeat(0), self.light_lengths[lo:end]))
+        work = self.cum_work[end] - self.cum_work[lo]
+        a.works[rank] += work
+        a.room[rank] -= self.cum_tokens[end] - self.cum_tokens[lo]
+        self.pool_work -= work
+        for doc in docs:
+            a.rest[doc] = 0
+        self.lo = end
+        return True
 
 
 def _nearly_equal(total: int, parts: int) -> list[int]:
