@@ -224,21 +224,33 @@ class _Placer:
         self.cp_size = cp_size
         self.node = gpus_per_node if gpus_per_node and gpus_per_node < cp_size else cp_size
         self.capacity = sum(lengths) // cp_size
-        self.mean_work = sum(document_work(n) for n in lengths) / cp_size
+        self.mean_work = sum(n * (n + 1) for n in lengths) / 2 / cp_size
         self.filler_density = self.light_density()
 
     def light_density(self) -> float:
         """Mean work per token of the documents lighter than the mean (the filler)."""
         mean_density = self.mean_work / self.capacity
-        light = [n for n in self.lengths if (n + 1) / 2 <= mean_density]
+        light = [n for n in self.lengths if n + 1 <= 2 * mean_density]
         tokens = sum(light)
-        return sum(document_work(n) for n in light) / tokens if tokens else mean_density
+        return sum(n * (n + 1) for n in light) / 2 / tokens if tokens else mean_density
 
-    def place(self) -> DocumentPlacement:
+    def planned_sizes(self) -> dict[int, int]:
+        """Group size of every document to split (`planned_size` > 1). Below the length where
+        a whole document and its filler reach the mean work (a root of that quadratic) every
+        document stays whole, so only the longer ones are checked one by one."""
+        density, bound = self.filler_density, self.mean_work * (1 + BALANCE_TOLERANCE)
+        linear = 2 * density - 1  # L(L+1)/2 + (C - L) density <= bound  <=>  L^2 - linear L <= ...
+        discriminant = linear * linear + 8 * (bound - self.capacity * density)
+        whole = (linear + math.sqrt(discriminant)) / 2 if discriminant >= 0 else 0.0
+        shortest_checked = min(self.capacity, int(whole) - 1)
         sizes = {}
         for doc, length in enumerate(self.lengths):
-            if (g := self.planned_size(length)) > 1:
+            if length > shortest_checked and (g := self.planned_size(length)) > 1:
                 sizes[doc] = g
+        return sizes
+
+    def place(self) -> DocumentPlacement:
+        sizes = self.planned_sizes()
         best = None
         for _ in range(MAX_REFINEMENTS):
             runs, works = _Assignment(self, sizes).run()
@@ -440,7 +452,7 @@ class _Sweep:
                 self.carried.append((doc, False))
         for doc in dense:
             if a.room[rank]:
-                self.take_heavy_doc(rank, doc, target, whole_only=False)
+                self.take_heavy_doc(rank, doc, target)
             else:
                 self.carried.append((doc, True))
 
@@ -462,9 +474,11 @@ class _Sweep:
         if tokens <= 0:
             return 0.0
         self.skip_used_light()
-        doc = self.light[self.lo]
-        start = self.cum_tokens[self.lo] + self.a.lengths[doc] - self.a.rest[doc]
-        return self.work_upto(start + tokens) - self.work_upto(start)
+        lo = self.lo
+        doc = self.light[lo]
+        used = self.a.lengths[doc] - self.a.rest[doc]
+        start = self.cum_tokens[lo] + used
+        return self.work_upto(start + tokens) - self.cum_work[lo] - used * (self.a.lengths[doc] + 1) / 2
 
     def work_upto(self, offset: int) -> float:
         """Work of the first `offset` tokens of the pool, shortest documents first."""
@@ -483,49 +497,48 @@ class _Sweep:
 
     def take_heavy(self, rank: int, target: float) -> None:
         """Whole dense documents while they keep the target in reach, then one cut."""
-        while self.a.room[rank]:
-            doc = self.best_fit(rank, target)
-            if doc is None:
-                doc = self.next_heavy()
-                if doc is None or self.a.rest[doc] != self.a.lengths[doc]:
-                    return
-                self.take_heavy_doc(rank, doc, target, whole_only=False)
+        a, slack = self.a, WHOLE_SLACK * target
+        while a.room[rank]:
+            room, need = a.room[rank], target - a.works[rank]
+            filler = self.light_work(room)
+            if filler >= need - slack:
                 return
-            if not self.take_heavy_doc(rank, doc, target, whole_only=True):
-                return
+            doc = self.best_fit(room, need, slack, filler)
+            if doc is not None:
+                self.give(doc, rank, a.lengths[doc], heavy=True)
+                continue
+            doc = self.next_heavy()
+            if doc is not None and a.rest[doc] == a.lengths[doc]:
+                self.cut_heavy(rank, doc, need, filler)
+            return
 
-    def take_heavy_doc(self, rank: int, doc: int, target: float, whole_only: bool) -> bool:
-        """`doc` (what is left of it) whole if that stays within the target, else (unless
-        `whole_only`) a cut of the tokens that reach the target. True if it took it whole."""
+    def take_heavy_doc(self, rank: int, doc: int, target: float) -> None:
+        """What is left of `doc`, whole if that stays within the target, else the tokens
+        that reach it (at least one: a cut document keeps to consecutive ranks)."""
         a = self.a
-        room, rest = a.room[rank], a.rest[doc]
-        need = target - a.works[rank]
-        slack = WHOLE_SLACK * target
-        if rest <= room and rest * self.density(doc) + self.light_work(room - rest) <= need + slack:
+        room, rest, need = a.room[rank], a.rest[doc], target - a.works[rank]
+        limit = need + WHOLE_SLACK * target
+        if rest <= room and rest * self.density(doc) + self.light_work(room - rest) <= limit:
             self.give(doc, rank, rest, heavy=True)
-            return True
-        if whole_only:
-            return False
-        filler = self.light_work(room)
+        else:
+            self.cut_heavy(rank, doc, need, self.light_work(room))
+
+    def cut_heavy(self, rank: int, doc: int, need: float, filler: float) -> None:
+        """The tokens of `doc` that, with light filler for the rest of the room, reach `need`."""
+        a = self.a
+        room = a.room[rank]
         gain = self.density(doc) - filler / room  # work per token of heavy over light
         wanted = (need - filler) / gain if gain > 0 else room
-        carried = rest < a.lengths[doc]  # keep a cut document on consecutive ranks
-        tokens = min(room, rest, max(1 if carried else 0, round(wanted)))
+        carried = a.rest[doc] < a.lengths[doc]  # keep a cut document on consecutive ranks
+        tokens = min(room, a.rest[doc], max(1 if carried else 0, round(wanted)))
         if tokens >= 1:
             self.give(doc, rank, tokens, heavy=True)
-        return False
 
-    def best_fit(self, rank: int, target: float) -> int | None:
-        """The longest untouched document that, whole on `rank` with light filler for the rest
-        of its room, stays within the target, provided the target is then still in reach (the
-        rest of the room holding the densest document); None if the light filler alone reaches
-        the target, or no document fits."""
+    def best_fit(self, room: int, need: float, slack: float, filler: float) -> int | None:
+        """The longest untouched document that, whole with light filler for the rest of the
+        room, stays within `need` (+ slack), provided `need` is then still in reach (the rest
+        of the room holding the densest document); None if no document fits."""
         a, light = self.a, self.light
-        room, need = a.room[rank], target - a.works[rank]
-        slack = WHOLE_SLACK * target
-        filler = self.light_work(room)
-        if filler >= need - slack:
-            return None
         densest = self.next_heavy()
         if densest is None:
             return None
@@ -693,15 +706,17 @@ def _lengths_from_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
             raise ValueError(f"cu_seqlens must be 1-D [n + 1], got shape {tuple(cu_seqlens.shape)}")
         values = cu_seqlens.tolist()
     elif isinstance(cu_seqlens, (list, tuple)):
-        values = [_int(f"cu_seqlens[{i}]", v) for i, v in enumerate(cu_seqlens)]
+        values = list(cu_seqlens)
+        if not all(type(v) is int for v in values):  # noqa: E721 (bools and floats are not ints here)
+            values = [_int(f"cu_seqlens[{i}]", v) for i, v in enumerate(values)]
     else:
         raise ValueError(f"cu_seqlens must be an int32 tensor or a list / tuple of ints, "
                          f"got {type(cu_seqlens).__name__}")
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"cu_seqlens={_short(values)} must start at 0 and hold n + 1 >= 2 "
                          "cumulative lengths")
-    lengths = tuple(b - a for a, b in zip(values, values[1:]))
-    for i, n in enumerate(lengths):
+    lengths = tuple(map(operator.sub, values[1:], values[:-1]))
+    for i, n in enumerate(lengths if min(lengths) < 1 else ()):
         if n < 1:
             raise ValueError(f"cu_seqlens must be strictly increasing: cu_seqlens[{i + 1}]="
                              f"{values[i + 1]} <= cu_seqlens[{i}]={values[i]} (document {i} "
