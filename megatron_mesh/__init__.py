@@ -34,7 +34,7 @@ __all__ = [
     "thd_partition_indices",
     "thd_split",
     "window_traffic",
-    "zigzag_placement",
     "zigzag_merge",
+    "zigzag_placement",
     "zigzag_split",
 ]

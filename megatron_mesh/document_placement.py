@@ -259,10 +259,11 @@ class _Placer:
                 best = (busiest, runs)
             if busiest <= (1 + BALANCE_TOLERANCE) * self.mean_work:
                 break
-            doc = self.heaviest_document(runs[works.index(busiest)], sizes)
-            if doc is None:
+            found = self.heaviest_document(runs[works.index(busiest)], sizes)
+            if found is None:
                 break
-            sizes[doc] = self.next_size(sizes.get(doc, 1))
+            doc, share = found
+            sizes[doc] = self.larger_size(doc, sizes.get(doc, 1), share, busiest - self.mean_work)
         runs = tuple(tuple(sorted(r)) for r in best[1])
         return DocumentPlacement(self.cp_size, self.lengths, runs, _groups(runs, len(self.lengths)))
 
@@ -271,9 +272,6 @@ class _Placer:
         if g > self.node:
             g = -(-g // self.node) * self.node
         return min(g, self.cp_size)
-
-    def next_size(self, g: int) -> int:
-        return self.allowed_size(g + 1)
 
     def planned_size(self, length: int) -> int:
         """The fewest ranks whose share of the document, plus filler of the light documents'
@@ -291,13 +289,24 @@ class _Placer:
             g += 1
         return self.allowed_size(g)
 
-    def heaviest_document(self, runs: list[Run], sizes: dict[int, int]) -> int | None:
-        """The document with the most work on a rank that can still take a larger group."""
+    def larger_size(self, doc: int, g: int, share: int, excess: float) -> int:
+        """A group size for `doc` whose share takes `excess` work off the busiest rank (which
+        holds `share` of its work), at least the next size."""
+        work = document_work(self.lengths[doc])
+        wanted = math.ceil(work / max(share - excess, work / self.cp_size, 1))
+        return self.allowed_size(max(g + 1, wanted))
+
+    def heaviest_document(self, runs: list[Run], sizes: dict[int, int]) -> tuple[int, int] | None:
+        """The document with the most work on a rank (and that work) among those that can
+        still take a larger group."""
         work_of: dict[int, int] = {}
         for doc, first, n in runs:
             work_of[doc] = work_of.get(doc, 0) + run_work(first, n)
         candidates = [d for d in work_of if sizes.get(d, 1) < self.cp_size]
-        return max(candidates, key=lambda d: (work_of[d], -d)) if candidates else None
+        if not candidates:
+            return None
+        doc = max(candidates, key=lambda d: (work_of[d], -d))
+        return doc, work_of[doc]
 
 
 class _Assignment:
@@ -328,25 +337,26 @@ class _Assignment:
         return self.runs, self.works
 
     def place_group(self, doc: int, g: int) -> bool:
-        """Zigzag over the least loaded window of g consecutive ranks with room, preferring
-        windows that fill no rank entirely (a full rank would break a later cut's span in
-        two); False if none has room."""
+        """Zigzag over the least loaded window of g consecutive ranks with room (least work so
+        far), preferring windows that fill no rank entirely (a full rank would break a later
+        cut's span in two); False if none has room."""
         pieces = _nearly_equal(self.lengths[doc], 2 * g)
         pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
         shares = [head + tail for head, tail in pairs]
-        best = None
-        for start in self.window_starts(g):
+        prefix = list(itertools.accumulate(self.works, initial=0))
+        starts = sorted(self.window_starts(g), key=lambda s: (prefix[s + g] - prefix[s], s))
+        chosen = None
+        for start in starts:
             rooms = self.room[start:start + g]
             if all(map(operator.ge, rooms, shares)):
-                window = self.works[start:start + g]
-                walls = sum(map(operator.eq, rooms, shares))
-                load = (walls, max(window), sum(window), start)
-                if best is None or load < best:
-                    best = load
-        if best is None:
+                if not any(map(operator.eq, rooms, shares)):
+                    chosen = start
+                    break
+                chosen = start if chosen is None else chosen
+        if chosen is None:
             return False
         for k, (head, tail) in enumerate(pairs):
-            self.take(doc, best[-1] + k, head, tail)
+            self.take(doc, chosen + k, head, tail)
         return True
 
     def window_starts(self, g: int) -> list[int]:
