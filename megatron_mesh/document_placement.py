@@ -670,12 +670,24 @@ def _check_equal_tokens(runs: tuple[tuple[Run, ...], ...], lengths: tuple[int, .
 
 
 def _groups(runs: tuple[tuple[Run, ...], ...], count: int) -> tuple[tuple[int, ...], ...]:
-    members: list[list[int]] = [[] for _ in range(count)]
+    """Per document the sorted ranks holding it (no list per document: thousands of small
+    lists cost more in garbage-collector passes than the loop itself)."""
+    singles = tuple((rank,) for rank in range(len(runs)))
+    owner = [0] * count
+    seen = [False] * count
+    shared: dict[int, list[int]] = {}
     for rank, rank_runs in enumerate(runs):
         for doc, _, _ in rank_runs:
-            if not members[doc] or members[doc][-1] != rank:
-                members[doc].append(rank)
-    return tuple(tuple(m) for m in members)
+            if not seen[doc]:
+                seen[doc], owner[doc] = True, rank
+            elif owner[doc] != rank:
+                ranks = shared.setdefault(doc, [owner[doc]])
+                if ranks[-1] != rank:
+                    ranks.append(rank)
+    groups = [singles[rank] for rank in owner]
+    for doc, ranks in shared.items():
+        groups[doc] = tuple(sorted(ranks))
+    return tuple(groups)
 
 
 def _histogram(sizes: list[int]) -> str:
