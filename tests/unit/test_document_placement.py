@@ -10,6 +10,7 @@ import torch
 
 from megatron_mesh.document_placement import (
     DocumentPlacement,
+    enough_documents,
     place_documents,
     zigzag_placement,
 )
@@ -99,6 +100,32 @@ def test_mixes_hold_invariants_and_balance(mix: str, cp_size: int) -> None:
     placement = place_documents(cumulative(lengths), cp_size)
     check_invariants(placement, lengths)
     assert busiest_over_mean(placement) <= 1.10, placement.summary()
+
+
+def test_balanced_when_there_are_enough_documents() -> None:
+    """Random log-normal mixes (sizes, medians and spreads drawn): every one that meets
+    `enough_documents` is balanced within 10%."""
+    rng = random.Random(7)
+    checked = 0
+    for trial in range(80):
+        cp_size = rng.choice([4, 8, 16, 32, 64])
+        total = rng.choice([16384, 65536, 131072])
+        lengths = lognormal_mix(trial, total=total, median=rng.choice([64, 256, 1024, 4096]),
+                                low=1, high=total, sigma=rng.choice([0.5, 1.0, 1.5, 2.0]))
+        lengths[-1] += -sum(lengths) % (2 * cp_size)
+        if not enough_documents(lengths, cp_size):
+            continue
+        placement = place_documents(cumulative(lengths), cp_size)
+        check_invariants(placement, lengths)
+        assert busiest_over_mean(placement) <= 1.10, placement.summary()
+        checked += 1
+    assert checked >= 20, checked
+
+
+def test_enough_documents() -> None:
+    assert enough_documents([100] * 64, 8) and enough_documents(MIXES["all_short"], 16)
+    assert not enough_documents([S // 2, S // 2], 8)
+    assert not enough_documents([1024] * 64, 64)  # every document fills a rank
 
 
 @pytest.mark.parametrize("cp_size", [2, 4, 64])
