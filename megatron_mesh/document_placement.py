@@ -357,12 +357,48 @@ class _Assignment:
         return self.runs, self.works
 
     def place_group(self, doc: int, g: int) -> bool:
-        """Zigzag over the least loaded window of g consecutive ranks with room (least work so
-        far), preferring windows that fill no rank entirely (a full rank would break a later
-        cut's span in two); False if none has room."""
-        pieces = _nearly_equal(self.lengths[doc], 2 * g)
-        pairs = [(pieces[k], pieces[2 * g - 1 - k]) for k in range(g)]
-        shares = [head + tail for head, tail in pairs]
+        """Zigzag over a window of g consecutive ranks; where every window with room would
+        push a member past the mean work (+5%, counting light filler for its free room: the
+        window overlaps other split documents), over the next larger group that does not, if
+        any (`sizes` records it). False if no window has room."""
+        fallback = None
+        size = g
+        while True:
+            pieces = _nearly_equal(self.lengths[doc], 2 * size)
+            pairs = [(pieces[k], pieces[2 * size - 1 - k]) for k in range(size)]
+            start = self.best_window(size, [head + tail for head, tail in pairs])
+            if start is not None:
+                if self.fits_work(start, pairs, doc):
+                    break
+                fallback = fallback or (start, pairs, size)
+            if size == self.placer.cp_size:
+                if fallback is None:
+                    return False
+                start, pairs, size = fallback
+                break
+            size = self.placer.allowed_size(size + 1)
+        self.sizes[doc] = size
+        for k, (head, tail) in enumerate(pairs):
+            self.take(doc, start + k, head, tail)
+        return True
+
+    def fits_work(self, start: int, pairs: list[tuple[int, int]], doc: int) -> bool:
+        """Whether every member of the window stays within the mean work (+5%) with its share
+        and light filler for the rest of its room."""
+        placer, length = self.placer, self.lengths[doc]
+        limit = placer.mean_work * (1 + BALANCE_TOLERANCE)
+        density = (length + 1) / 2
+        for k, (head, tail) in enumerate(pairs):
+            rank = start + k
+            share = head + tail
+            if self.works[rank] + share * density + (self.room[rank] - share) * placer.filler_density > limit:
+                return False
+        return True
+
+    def best_window(self, g: int, shares: list[int]) -> int | None:
+        """The first rank of the window of g consecutive ranks with room for `shares` and the
+        least work so far, preferring windows that fill no rank entirely (a full rank would
+        break a later cut's span in two); None if none has room."""
         prefix = list(itertools.accumulate(self.works, initial=0))
         starts = sorted(self.window_starts(g), key=lambda s: (prefix[s + g] - prefix[s], s))
         chosen = None
@@ -370,14 +406,9 @@ class _Assignment:
             rooms = self.room[start:start + g]
             if all(map(operator.ge, rooms, shares)):
                 if not any(map(operator.eq, rooms, shares)):
-                    chosen = start
-                    break
+                    return start
                 chosen = start if chosen is None else chosen
-        if chosen is None:
-            return False
-        for k, (head, tail) in enumerate(pairs):
-            self.take(doc, chosen + k, head, tail)
-        return True
+        return chosen
 
     def window_starts(self, g: int) -> list[int]:
         """First ranks of windows of g consecutive ranks: inside one node when g fits one,
