@@ -53,6 +53,7 @@ Run = tuple[int, int, int]  # (document index, first position within the documen
 
 BALANCE_TOLERANCE = 0.05  # rerun with a larger group when the busiest rank is above 1.05 x mean
 MAX_REFINEMENTS = 12
+GROUP_ATTEMPTS = 4  # group sizes tried for a split document that overlaps others
 WHOLE_SLACK = 0.02  # a dense document stays whole if it overshoots a rank's target by this much
 
 
@@ -365,24 +366,35 @@ class _Assignment:
         any (`sizes` records it). False if no window has room."""
         fallback = None
         size = g
-        while True:
+        for attempt in range(GROUP_ATTEMPTS):
             pieces = _nearly_equal(self.lengths[doc], 2 * size)
             pairs = [(pieces[k], pieces[2 * size - 1 - k]) for k in range(size)]
             start = self.best_window(size, [head + tail for head, tail in pairs])
-            if start is not None:
-                if self.fits_work(start, pairs, doc):
-                    break
+            if start is None:  # no room: shares that fit the roomiest rank
+                wanted = -(-self.lengths[doc] // max(1, max(self.room)))
+            elif self.fits_work(start, pairs, doc):
+                break
+            else:
                 fallback = fallback or (start, pairs, size)
-            if size == self.placer.cp_size:
+                wanted = self.size_beside(doc, start, size)
+            if size == self.placer.cp_size or attempt == GROUP_ATTEMPTS - 1:
                 if fallback is None:
                     return False
                 start, pairs, size = fallback
                 break
-            size = self.placer.allowed_size(size + 1)
+            size = self.placer.allowed_size(max(size + 1, wanted))
         self.sizes[doc] = size
         for k, (head, tail) in enumerate(pairs):
             self.take(doc, start + k, head, tail)
         return True
+
+    def size_beside(self, doc: int, start: int, g: int) -> int:
+        """The group size whose share fits beside the busiest member of the window (its
+        work so far), within the mean work (+5%): a jump instead of one size at a time."""
+        placer = self.placer
+        free = placer.mean_work * (1 + BALANCE_TOLERANCE) - max(self.works[start:start + g])
+        work = document_work(self.lengths[doc])
+        return math.ceil(work / max(free, work / placer.cp_size, 1))
 
     def fits_work(self, start: int, pairs: list[tuple[int, int]], doc: int) -> bool:
         """Whether every member of the window stays within the mean work (+5%) with its share
