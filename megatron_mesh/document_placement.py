@@ -80,7 +80,11 @@ class DocumentPlacement:
     cp_size: int
     lengths: tuple[int, ...]
     runs: tuple[tuple[Run, ...], ...]
-    groups: tuple[tuple[int, ...], ...] = field(compare=False, repr=False)
+    groups: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.groups is None:  # built from runs directly (unvalidated: use from_runs)
+            object.__setattr__(self, "groups", _groups(self.runs, len(self.lengths)))
 
     @classmethod
     def from_runs(cls, cp_size: int, lengths, runs) -> DocumentPlacement:
@@ -91,7 +95,7 @@ class DocumentPlacement:
         if len(runs) != cp_size:
             raise ValueError(f"runs has {len(runs)} ranks' runs, cp_size={cp_size}; "
                              "give one tuple of runs per CP rank")
-        canonical = tuple(_canonical_runs(rank, rank_runs, lengths)
+        canonical = tuple(_checked_runs(rank, rank_runs, lengths)
                           for rank, rank_runs in enumerate(runs))
         _check_cover(canonical, lengths)
         _check_equal_tokens(canonical, lengths)
@@ -272,6 +276,7 @@ class _Placer:
         return sizes
 
     def place(self) -> DocumentPlacement:
+        """Steps 1-5: plan, assign, refine; the placement with the least busy busiest rank."""
         sizes = self.planned_sizes()
         best = None
         for _ in range(MAX_REFINEMENTS):
@@ -692,7 +697,7 @@ def _nearly_equal(total: int, parts: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(parts)]
 
 
-def _canonical_runs(rank: int, runs, lengths: tuple[int, ...]) -> tuple[Run, ...]:
+def _checked_runs(rank: int, runs, lengths: tuple[int, ...]) -> tuple[Run, ...]:
     """Rank's runs checked (inside a document, at least one token), in the order given."""
     checked = []
     for run in runs:

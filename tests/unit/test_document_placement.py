@@ -302,6 +302,11 @@ def test_from_runs_rejects_what_is_not_a_placement(runs, match: str) -> None:
         DocumentPlacement.from_runs(2, (8, 4), runs)
 
 
+def test_direct_construction_fills_in_the_groups() -> None:
+    placement = DocumentPlacement(2, (8, 4), (((1, 0, 2), (0, 4, 4)), ((0, 0, 4), (1, 2, 2))))
+    assert placement.spans(0) == (0, 1) and placement.spans(1) == (0, 1)
+
+
 def test_from_runs_keeps_the_local_order() -> None:
     runs = (((1, 0, 2), (0, 4, 4)), ((0, 0, 4), (1, 2, 2)))
     placement = DocumentPlacement.from_runs(2, (8, 4), runs)
