@@ -216,7 +216,8 @@ def place_documents(cu_seqlens, cp_size: int, gpus_per_node: int | None = None
     A document is one run on one rank unless it is too long or too heavy for one rank (then
     zigzag over g consecutive ranks, two runs each) or cut at a rank boundary to fill that
     rank's tokens or reach its work (at most two such per boundary; they continue on the next
-    rank, stepping over a rank only where split documents fill it completely).
+    rank, stepping over a rank only where pieces of other split or cut documents fill it, as
+    happens when ranks hold few tokens beside the documents).
 
     Balance: the busiest rank's work is within 10% of the mean when there are enough
     documents (`enough_documents`): the documents of at most C / 2 tokens (C = T / P) hold at
