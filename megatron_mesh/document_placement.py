@@ -251,7 +251,7 @@ class _Placer:
         self.cp_size = cp_size
         self.node = gpus_per_node if gpus_per_node and gpus_per_node < cp_size else cp_size
         self.capacity = sum(lengths) // cp_size
-        self.mean_work = sum(n * (n + 1) for n in lengths) / 2 / cp_size
+        self.mean_work = _total_work(lengths) / cp_size
         self.filler_density = self.light_density()
 
     def light_density(self) -> float:
@@ -259,7 +259,7 @@ class _Placer:
         mean_density = self.mean_work / self.capacity
         light = [n for n in self.lengths if n + 1 <= 2 * mean_density]
         tokens = sum(light)
-        return sum(n * (n + 1) for n in light) / 2 / tokens if tokens else mean_density
+        return _total_work(light) / tokens if tokens else mean_density
 
     def planned_sizes(self) -> dict[int, int]:
         """Group size of every document to split (`planned_size` > 1). Below the length where
@@ -497,10 +497,11 @@ class _Sweep:
         self.light = pool[::-1]  # shortest first
         self.hi = 0
         self.lo = 0
-        self.light_lengths = [assignment.lengths[doc] for doc in self.light]
+        self.light_lengths = list(map(assignment.lengths.__getitem__, self.light))
         self.cum_tokens = list(itertools.accumulate(self.light_lengths, initial=0))
-        self.cum_work = list(itertools.accumulate((n * (n + 1) // 2 for n in self.light_lengths),
-                                                  initial=0))
+        self.cum_work = [(c + t) // 2 for c, t in zip(
+            itertools.accumulate(map(operator.mul, self.light_lengths, self.light_lengths), initial=0),
+            self.cum_tokens)]  # sum of n(n+1)/2 = (sum of n^2 + sum of n) / 2
         self.pool_work = float(self.cum_work[-1])
         self.light_index = dict(zip(self.light, range(len(self.light))))
         self.untouched = list(range(len(self.light)))  # union-find: k, or a lower index if touched
@@ -690,6 +691,11 @@ class _Sweep:
             a.rest[doc] = 0
         self.lo = end
         return True
+
+
+def _total_work(lengths) -> int:
+    """Causal work of whole documents: the sum of L(L+1)/2 (as (sum L^2 + sum L) / 2)."""
+    return (sum(map(operator.mul, lengths, lengths)) + sum(lengths)) // 2
 
 
 def _nearly_equal(total: int, parts: int) -> list[int]:
