@@ -6,7 +6,7 @@
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .comm import TrafficCounter
-from .document_placement import DocumentPlacement, place_documents, zigzag_placement
+from .document_placement import DocumentPlacement, place_documents, zigzag_placement  # noqa: F401
 from .documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .grid import MeshGrid
 from .layout import zigzag_merge, zigzag_split
@@ -18,7 +18,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionShape",
-    "DocumentPlacement",
     "Documents",
     "MeshAttention",
     "MeshAttentionFunction",
@@ -29,12 +28,10 @@ __all__ = [
     "mesh_attention",
     "mesh_shapes",
     "mesh_traffic",
-    "place_documents",
     "thd_merge",
     "thd_partition_indices",
     "thd_split",
     "window_traffic",
     "zigzag_merge",
-    "zigzag_placement",
     "zigzag_split",
 ]
