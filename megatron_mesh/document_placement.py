@@ -21,9 +21,9 @@ W(L) = L(L+1)/2 the causal work of a whole document, "density" = work per token 
 2. Groups: split documents, largest group first, zigzag (2g nearly equal pieces, member k
    takes pieces k and 2g-1-k) over the window of g consecutive ranks with room and the least
    work so far, inside one node when g fits one (else node-aligned), preferring windows that
-   fill no rank completely. Where every such window would push a member past the mean work
-   (+5%, with light filler: it overlaps other split documents), the next larger group that
-   does not.
+   fill no rank completely. Where the window would push a member past the mean work (+5%,
+   with light filler: it overlaps other split documents), a larger group: the size whose
+   share fits beside the window's busiest member (at most 4 sizes tried).
 3. Sweep: the ranks in order, each aiming at (work left) / (ranks left). A rank first
    continues the documents cut at the end of the rank before it; then takes dense documents
    whole (best fit: the longest whose work, with the lightest documents filling the rest of
