@@ -1,7 +1,8 @@
 """The package's import graph: no cycle anywhere, and the layers import only what is below.
 
 Every module of megatron_mesh/ is parsed (ast, nothing is imported): each `import` and
-`from ... import` statement, at module level or inside a function, is an edge to the
+`from ... import` statement, at module level or inside a function (not in an
+`if TYPE_CHECKING:` block, which never runs: annotations only), is an edge to the
 project module it names (`from pkg import name` goes to pkg.name when that is a module,
 else to pkg).
 """
@@ -47,14 +48,22 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
     return out
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    """An `if TYPE_CHECKING:` block: its imports name types for annotations and never run."""
+    return (isinstance(node, ast.If) and isinstance(node.test, (ast.Name, ast.Attribute))
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING")
+
+
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the project modules it imports (anywhere in its body)."""
     graph = {}
     for module, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                       for n in ast.walk(block)}
         edges = set()
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
                 edges.update(_targets(node, module, path.name == "__init__.py", mods))
         edges.discard(module)
         graph[module] = edges
@@ -95,6 +104,13 @@ def test_finder_sees_cycles_through_function_level_imports(tmp_path):
     assert find_cycle(graph) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.a"]
     (pkg / "c.py").write_text("import os\n")
     assert find_cycle(import_graph(module_files(pkg))) is None
+    # an import for annotations only never runs; the same import outside the block does
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from . import a\n")
+    assert find_cycle(import_graph(module_files(pkg))) is None
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    pass\nfrom . import a\n")
+    assert find_cycle(import_graph(module_files(pkg))) is not None
 
 
 def test_no_import_cycle_in_the_package():
