@@ -13,6 +13,7 @@ which pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all): `values.A
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,6 +74,23 @@ class MeshGrid:
     def col_mesh_ranks(self) -> list[int]:
         """Mesh ranks of this rank's column: the key/value owners of its tile, by row index."""
         return [i * self.cols + self.col_index for i in range(self.rows)]
+
+    @functools.cached_property
+    def row_order(self) -> tuple[int, ...] | None:
+        """Rank in `row_group` of the row member at each column index (None: the same)."""
+        return group_order(self.row_group, row_of(self.mesh_ranks, self.cols, self.row_index))
+
+    @functools.cached_property
+    def col_order(self) -> tuple[int, ...] | None:
+        """Rank in `col_group` of the column member at each row index (None: the same)."""
+        return group_order(self.col_group, column_of(self.mesh_ranks, self.cols,
+                                                     self.col_index))
+
+    @functools.cached_property
+    def heads_order(self) -> tuple[int, ...] | None:
+        """Rank in `heads_group` of the member at each head index (None: the same)."""
+        first = self.mesh_rank * self.heads
+        return group_order(self.heads_group, self.cp_ranks[first:first + self.heads])
 
     def col_neighbors(self) -> tuple[int, int]:
         """Global ranks (next, previous) of this rank in its column's ring."""
@@ -196,6 +214,19 @@ def grid_device_mesh(
         if n not in groups:
             groups[n] = dist.new_group([me], timeout=timeout, use_local_synchronization=True)
     return mesh, groups
+
+
+def group_order(group: dist.ProcessGroup | None, members: Sequence[int]
+                ) -> tuple[int, ...] | None:
+    """The rank in `group` of each of `members` (global ranks in grid order), or None when
+    that is 0, 1, 2, ... (or the group has one rank). torch numbers a group's ranks in
+    ascending global order, while a CP group given as, e.g., [1, 0, 2, 3] puts rank 1 first:
+    the collectives use this order to read and write their pieces in grid order
+    (`comm.all_gather`'s `order`)."""
+    if group is None or len(members) <= 1:
+        return None
+    order = tuple(dist.get_group_rank(group, rank) for rank in members)
+    return None if order == tuple(range(len(order))) else order
 
 
 def dim_groups(ranks: Sequence[int], rows: int, cols: int,
