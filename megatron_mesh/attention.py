@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import gathered, heads, streamed_kv, streamed_q, windowed
-from .checks import check_inputs, check_same_shapes
+from . import agreement, gathered, heads, streamed_kv, streamed_q, windowed
+from .agreement import CallSignature
+from .checks import check_inputs
 from .documents import Documents
 from .dtypes import GradDtypes
 from .grid import MeshGrid
@@ -150,19 +151,16 @@ class MeshAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: Documents | None = None) -> torch.Tensor:
         """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
-        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share."""
-        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
-            raise ValueError(
-                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
-                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                f"v {tuple(v.shape)}; build one per shape")
+        `documents` (packed sequences, b = 1) the local tensors are this rank's THD share.
+        Collective: every rank of the grid first agrees on the call (`agreement.agree`:
+        ValueError on every rank unless all pass the same shapes, documents and options)."""
         grid = self.grid
-        if documents is not None and not takes_documents(self.kernel):
-            raise ValueError("this MeshAttention was built without packed documents "
-                             "(MeshAttention.build(..., packed=True) takes them)")
-        if documents is not None:
-            documents.check_cp(grid.cp_size, q.shape[0])
-        check_same_shapes(q, k, grid, documents, v.shape[-1], self.window)
+        try:
+            self.check_call(q, k, v, documents)
+            signature = self.call_signature(q, k, v, documents)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            agreement.refuse(grid, error)
+        agreement.agree(grid, signature)
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, documents)
@@ -171,6 +169,30 @@ class MeshAttention:
             grad_dtypes(self.plan.grad_dtype, q.dtype), self.window_exchange,
         )
         return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
+
+
+    def check_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   documents: Documents | None = None) -> None:
+        """ValueError unless q, k, v (and `documents`) fit this layer; local, no collective."""
+        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
+            raise ValueError(
+                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
+                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}; build one per shape")
+        if documents is not None and not takes_documents(self.kernel):
+            raise ValueError("this MeshAttention was built without packed documents "
+                             "(MeshAttention.build(..., packed=True) takes them)")
+        if documents is not None:
+            documents.check_cp(self.grid.cp_size, q.shape[0])
+
+    def call_signature(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       documents: Documents | None = None) -> CallSignature:
+        """What every rank of the grid must pass alike for this call (`agreement.py`)."""
+        window = None if self.window is None else (self.window.left, self.window.right)
+        return CallSignature(
+            tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, documents, self.causal,
+            self.softmax_scale, self.plan.schedule.value, GradDtype(self.plan.grad_dtype).value,
+            window, self.window_exchange, (self.grid.heads, self.grid.rows, self.grid.cols))
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
@@ -268,10 +290,16 @@ def mesh_attention(
     whole chunks: on a P x 1 grid what Transformer Engine's all_gather moves under a window,
     O(S) bytes; for comparison).
     """
-    documents = packed_documents(cu_seqlens, cu_seqlens_padded)
-    q, k, v = as_sbhd(documents, q, k, v)
-    layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=documents is not None,
-                                window_size=window_size, window_exchange=window_exchange)
+    if not isinstance(grid, MeshGrid):  # no group to tell the other ranks
+        raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got "
+                         f"{type(grid).__name__}")
+    try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
+        documents = packed_documents(cu_seqlens, cu_seqlens_padded)
+        q, k, v = as_sbhd(documents, q, k, v)
+        layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
+                                    grad_reduce_dtype, packed=documents is not None,
+                                    window_size=window_size, window_exchange=window_exchange)
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it
+        agreement.refuse(grid, error)
     out = layer(q, k, v, documents)
     return out if documents is None else out.squeeze(1)

@@ -23,6 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
 
+# The per-call agreement (`agreement.py`) runs on the CPU: it never waits for a GPU stream.
+AGREEMENT_BACKEND = "gloo"
+
 
 @dataclass(frozen=True)
 class MeshGrid:
@@ -37,6 +40,9 @@ class MeshGrid:
     heads: int = 1
     heads_group: dist.ProcessGroup | None = None
     device_mesh: DeviceMesh | None = None  # dims of `AXES` with more than one rank
+    # the whole CP group on gloo, for the per-call agreement of `agreement.py` (None: it
+    # reduces over the row, column and heads groups in turn)
+    agreement_group: dist.ProcessGroup | None = None
 
     @property
     def cp_size(self) -> int:
@@ -134,8 +140,10 @@ class MeshGrid:
         mine = [next(g for g in dim if dist.get_rank() in g)
                 for dim in dim_groups(ranks, rows, cols, heads)[:3 if heads > 1 else 2]]
         new = [dist.new_group(g, timeout=timeout, use_local_synchronization=True) for g in mine]
+        agreeing = group if "gloo" in str(dist.get_backend(group)) else dist.new_group(
+            ranks, timeout=timeout, backend=AGREEMENT_BACKEND, use_local_synchronization=True)
         return cls(rows, cols, cp_rank, tuple(ranks), new[1], new[0], heads,
-                   new[2] if heads > 1 else None)
+                   new[2] if heads > 1 else None, agreement_group=agreeing)
 
     @classmethod
     def build_many(
@@ -149,11 +157,12 @@ class MeshGrid:
     ) -> "MeshGrid | None":
         """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
 
-        Every rank builds every CP group's DeviceMesh in the same order, as torch.distributed
-        requires; it returns the grid of the CP group holding this rank, or None when no group
-        holds it. `cp_group`, when every rank passes its existing CP process group
-        (Megatron's), is checked against the CP group holding this rank. `timeout` bounds every
-        collective of the new groups (torch's default when None).
+        Every rank builds every CP group's DeviceMesh (and its gloo group for the per-call
+        agreement, `agreement.py`) in the same order, as torch.distributed requires; the
+        ranks of a group may come in any order. It returns the grid of the CP group holding
+        this rank, or None when no group holds it. `cp_group`, when every rank passes its
+        existing CP process group (Megatron's), is checked against the CP group holding this
+        rank. `timeout` bounds every collective of the new groups (torch's default when None).
         """
         world = dist.get_world_size()
         seen: set[int] = set()
@@ -178,9 +187,11 @@ class MeshGrid:
         mine: MeshGrid | None = None
         for ranks in cp_groups:
             mesh, groups = grid_device_mesh(ranks, rows, cols, heads, timeout)
+            agreeing = None if len(ranks) == 1 else dist.new_group(
+                list(ranks), timeout=timeout, backend=AGREEMENT_BACKEND)
             if me in ranks:
                 mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), groups[ROW],
-                           groups[COLUMN], heads, groups.get(HEADS), mesh)
+                           groups[COLUMN], heads, groups.get(HEADS), mesh, agreeing)
         return mine
 
 

@@ -19,6 +19,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mesh import agreement
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
 from megatron_mesh.documents import Documents
@@ -200,24 +201,27 @@ class MeshDotProductAttention(MegatronModule):
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
         document when packed, and this layer's sliding window (`layer_window`).
         """
-        if attention_bias is not None:
-            raise ValueError("MeshDotProductAttention does not support attention_bias")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
-        if mask_type not in masks:
-            raise ValueError(
-                f"MeshDotProductAttention supports attn_mask_type "
-                f"{' or '.join(m.name for m in masks)}, got {mask_type}"
-            )
-        documents = None if packed_seq_params is None else documents_of(packed_seq_params)
-        query, key, value = as_sbhd(documents, query, key, value)
-        if query.shape[0] != key.shape[0]:
-            raise ValueError(
-                f"MeshDotProductAttention needs as many queries as keys per rank (got "
-                f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
-            )
-        layer = self._layer(query, key, value, masks[mask_type], documents is not None)
-        out = layer(query, key, value, documents)
+        try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
+            if attention_bias is not None:
+                raise ValueError("MeshDotProductAttention does not support attention_bias")
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+            masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
+            if mask_type not in masks:
+                raise ValueError(
+                    f"MeshDotProductAttention supports attn_mask_type "
+                    f"{' or '.join(m.name for m in masks)}, got {mask_type}"
+                )
+            documents = None if packed_seq_params is None else documents_of(packed_seq_params)
+            query, key, value = as_sbhd(documents, query, key, value)
+            if query.shape[0] != key.shape[0]:
+                raise ValueError(
+                    f"MeshDotProductAttention needs as many queries as keys per rank (got "
+                    f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not "
+                    "supported")
+            layer = self._layer(query, key, value, masks[mask_type], documents is not None)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            agreement.refuse(self.grid, error)
+        out = layer(query, key, value, documents)  # agrees with the other ranks first
         if documents is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
