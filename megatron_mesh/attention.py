@@ -227,6 +227,10 @@ def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
             raise ValueError("cu_seqlens_padded was given without cu_seqlens")
         return None
     if isinstance(cu_seqlens, Documents):
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens is a Documents value, which holds the padded lengths "
+                             f"already (cu_padded {list(cu_seqlens.cu_padded)}); pass "
+                             "cu_seqlens_padded=None with it, or both as cumulative lengths")
         return cu_seqlens
     return Documents.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)
 

@@ -55,6 +55,11 @@ def check_inputs(
             raise ValueError(f"{name} is a meta tensor (no data); pass tensors on a CPU or CUDA device")
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={t.dtype} is not one of float32, bfloat16, float16")
+    for name, t, dims in (("q", q, "s b hq d"), ("k", k, "s b hkv d"), ("v", v, "s b hkv dv")):
+        for dim, n in zip(dims.split(), t.shape):
+            if n < 1:
+                raise ValueError(f"{name} shape {tuple(t.shape)} [{', '.join(dims.split())}] "
+                                 f"has {dim} = {n}; every dimension must be at least 1")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; they must match")
     if not (q.device == k.device == v.device):

@@ -15,6 +15,7 @@ from reference import Failure, assert_no_failures, case_id
 
 def bad_calls(grid: mm.MeshGrid) -> dict[str, tuple]:
     q, k = torch.randn(4, 1, 4, 16), torch.randn(4, 1, 2, 16)
+    thd = (torch.randn(16, 4, 16), torch.randn(16, 2, 16), torch.randn(16, 2, 16))
     return {
         "4-D": (torch.randn(4, 4, 16), k, k, {}),
         "multiple of k/v heads 3": (q, torch.randn(4, 1, 3, 16), torch.randn(4, 1, 3, 16), {}),
@@ -33,6 +34,14 @@ def bad_calls(grid: mm.MeshGrid) -> dict[str, tuple]:
         "schedule='ring'": (q, k, k, {"schedule": "ring"}),
         "grad_reduce_dtype='bf16'": (q, k, k, {"grad_reduce_dtype": "bf16"}),
         "grid must be a MeshGrid": (q, k, k, {"grid": "2x1"}),
+        "has d = 0": (q[..., :0], k[..., :0], k[..., :0], {}),
+        "has dv = 0": (q, k, k[..., :0], {}),
+        "has b = 0": (q[:, :0], k[:, :0], k[:, :0], {}),
+        "holds 16.5: cumulative lengths must be integers": (
+            *thd, {"cu_seqlens": [0, 16.5, 32]}),
+        "pass cu_seqlens_padded=None with it": (
+            *thd, {"cu_seqlens": mm.Documents.from_cu_seqlens([0, 16, 32]),
+                   "cu_seqlens_padded": [0, 16, 32]}),
     }
 
 
