@@ -8,11 +8,11 @@ rule picks each document's rows of a block.
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 
+from .caches import per_documents
 from .checks import check_zigzag_divisible
 from .documents import Documents
 from .kernels.base import Segments, TileMask
@@ -130,7 +130,8 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     return Block(kind, whole, whole)
 
 
-@functools.lru_cache(maxsize=128)  # a micro-batch's blocks: at most R x C per rank and layer
+# a micro-batch's blocks (at most R x C per rank), for its documents only (`caches.py`)
+@per_documents(lambda documents, *_: documents)
 def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int,
                      kind: BlockKind, device: torch.device) -> Block:
     """A block over packed documents, its index tensors made once per block and device."""
@@ -190,7 +191,8 @@ def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: in
             and (mask.causal or right < 0 or kv_second + half - 1 - q_first <= right))
 
 
-@functools.lru_cache(maxsize=4096)
+# per shape without documents; with them, for the last few micro-batches only (`caches.py`)
+@per_documents(lambda mask, *_: mask.documents)
 def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
                   device: torch.device) -> Block:
     """A block under a sliding window: the query rows that see some key and the key rows
