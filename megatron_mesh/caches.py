@@ -8,7 +8,8 @@ pipeline schedules keep a few micro-batches in flight) and drops every entry of 
 one together; a backward that finds its micro-batch dropped makes its blocks again (the
 same values). Entries without documents depend on shapes only and sit in an LRU of
 `dense_size`. `held_bytes` counts what the caches hold (tensors by storage, tuples of ints
-at 8 bytes an element).
+at 8 bytes an element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a
+band's additive mask: shapes vary with the documents, and one can be hundreds of MiB).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from .documents import Documents
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
-_CACHES: list[PerDocuments] = []
+_CACHES: list[PerDocuments | BytesLRU] = []
 
 
 class PerDocuments:
@@ -69,6 +70,39 @@ class PerDocuments:
             yield from table.values()
 
 
+class BytesLRU:
+    """Memoizes fn(*args) -> tensor (hashable args) in an LRU holding at most `max_bytes` of
+    tensors in all; a tensor larger than that is returned uncached (made on every call)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_bytes: int) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.max_bytes = fn, max_bytes
+        self.entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self.held = 0
+        _CACHES.append(self)
+
+    def __call__(self, *args: Hashable) -> torch.Tensor:
+        if args in self.entries:
+            self.entries.move_to_end(args)
+            return self.entries[args]
+        value = self.fn(*args)
+        size = value.untyped_storage().nbytes()
+        if size <= self.max_bytes:
+            self.entries[args] = value
+            self.held += size
+            while self.held > self.max_bytes:
+                _, old = self.entries.popitem(last=False)
+                self.held -= old.untyped_storage().nbytes()
+        return value
+
+    def cache_clear(self) -> None:
+        self.entries.clear()
+        self.held = 0
+
+    def values(self) -> Iterator[Any]:
+        yield from self.entries.values()
+
+
 def per_documents(documents_of: Callable[..., Documents | None], keep: int = KEEP_DOCUMENTS,
                   dense_size: int = 4096) -> Callable[[Callable], PerDocuments]:
     """Decorator form of `PerDocuments`."""
@@ -76,7 +110,7 @@ def per_documents(documents_of: Callable[..., Documents | None], keep: int = KEE
 
 
 def held_bytes() -> int:
-    """Bytes the `PerDocuments` caches hold: every tensor's storage once, tuples of ints at
+    """Bytes the caches of this module hold: every tensor's storage once, tuples of ints at
     8 bytes an element (what a run's memory of them grows with)."""
     seen: set[tuple[str, int]] = set()
     return sum(_bytes(value, seen) for cache in _CACHES for value in cache.values())
