@@ -170,7 +170,6 @@ class MeshAttention:
         )
         return heads.gather_heads(out, grid, documents) if grid.heads > 1 else out
 
-
     def check_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    documents: Documents | None = None) -> None:
         """ValueError unless q, k, v (and `documents`) fit this layer; local, no collective."""
