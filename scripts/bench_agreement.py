@@ -4,8 +4,9 @@
 
 Spawns P gloo ranks on this machine per CP size and prints, per call: the signature's
 digest alone (local), `agreement.agree` (the digest and one all_reduce of three int64 over
-the CP group's gloo group), and a whole mesh_attention forward + backward on a small
-shape for scale. Microseconds: median and 90th percentile over --calls calls.
+the CP group's gloo group), a bare all_reduce of the same three int64 on that group (what
+the agreement adds beyond it is Python), and a whole mesh_attention forward + backward on a
+small shape for scale. Microseconds: median and 90th percentile over --calls calls.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 import megatron_mesh as mm
 from megatron_mesh import agreement
@@ -40,7 +42,18 @@ def _rank(rank: int, world: int, calls: int) -> dict[str, tuple[float, float]]:
     out = {"digest": _timed(signature.digest, calls)}
     for _ in range(50):  # warm-up
         agreement.agree(grid, signature)
-    out["agree"] = _timed(lambda: agreement.agree(grid, signature), calls)
+    three = torch.zeros(3, dtype=torch.int64)
+    bare, agreed = [], []  # alternated, so that both see the same load
+    for _ in range(calls):
+        start = time.perf_counter()
+        dist.all_reduce(three, op=dist.ReduceOp.MAX, group=grid.agreement_group)
+        middle = time.perf_counter()
+        agreement.agree(grid, signature)
+        bare.append((middle - start) * 1e6)
+        agreed.append((time.perf_counter() - middle) * 1e6)
+    for name, times in (("all_reduce", bare), ("agree", agreed)):
+        times.sort()
+        out[name] = statistics.median(times), times[int(0.9 * (len(times) - 1))]
 
     def attention():
         layer(q, q, q).sum().backward()
@@ -58,7 +71,7 @@ def main() -> None:
     print("per call, microseconds (median / p90), gloo on this machine's CPUs")
     for world in map(int, args.cp_sizes.split(",")):
         results = run_gloo(_rank, world, args.calls)
-        for name in ("digest", "agree", "attention"):
+        for name in ("digest", "all_reduce", "agree", "attention"):
             per_rank = ", ".join(f"{r[name][0]:.1f} / {r[name][1]:.1f}" for r in results)
             print(f"P={world} {name:9s} {per_rank}")
 
