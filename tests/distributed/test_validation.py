@@ -154,6 +154,16 @@ def disagreements(rank: int, grid: mm.MeshGrid, odd_rank: int) -> list[Failure]:
         except ValueError as e:
             problems += [Failure(case, f"rank {rank}: {str(e)!r} does not say {text!r}")
                          for text in (*texts, f"CP rank {odd_rank}") if text not in str(e)]
+    case = case_id(f"cu_seqlens differ on CP rank {odd_rank}", grid)
+    thd = torch.randn(8, 4, 16)  # 32 packed tokens over 4 ranks
+    try:
+        mm.mesh_attention(thd, thd, thd, grid,
+                          cu_seqlens=[0, 8, 32] if rank == odd_rank else [0, 16, 32])
+        problems.append(Failure(case, f"rank {rank}: accepted"))
+    except ValueError as e:
+        problems += [Failure(case, f"rank {rank}: {str(e)!r} does not say {text!r}")
+                     for text in ("documents", "cu_seqlens [0, 16, 32]", "cu_seqlens [0, 8, 32]",
+                                  f"CP rank {odd_rank}") if text not in str(e)]
     after = good_call(grid, causal=True, softmax_scale=SCALE)
     if not torch.equal(before, after):
         problems.append(Failure(case_id("after the disagreements", grid), "output changed"))
