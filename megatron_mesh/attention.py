@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import gathered, heads, streamed_kv, streamed_q, windowed
-from .checks import check_inputs, check_same_shapes
+from . import agreement, gathered, heads, streamed_kv, streamed_q, windowed
+from .agreement import CallSignature
+from .checks import check_inputs
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .dtypes import GradDtypes
@@ -177,32 +178,19 @@ class MeshAttention:
         """q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] -> out [s, b, hq, dv]; with
         `documents` (packed sequences, b = 1) the local tensors are this rank's THD share,
         with `placement` its rows of the placed documents (`placement.token_indices`);
-        `softmax_offset` [hq] fp32: each head's sink logit (`sink.py`)."""
-        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
-            raise ValueError(
-                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
-                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                f"v {tuple(v.shape)}; build one per shape")
+        `softmax_offset` [hq] fp32: each head's sink logit (`sink.py`). Collective: every
+        rank of the grid first agrees on the call (`agreement.agree`: ValueError on every
+        rank unless all pass the same shapes, documents and options)."""
         grid = self.grid
+        try:
+            self.check_call(q, k, v, documents, placement, softmax_offset)
+            signature = self.call_signature(q, k, v, documents, placement, softmax_offset)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            agreement.refuse(grid, error)
+        agreement.agree(grid, signature)
         packed = documents if placement is None else placement
-        if packed is not None and not caps_of(self.kernel).documents:
-            raise ValueError("this MeshAttention was built without packed documents "
-                             "(MeshAttention.build(..., packed=True) takes them)")
-        if documents is not None and placement is not None:
-            raise ValueError("pass packed documents as cu_seqlens (Transformer Engine's THD "
-                             "layout) or as a placement, not both")
-        if (placement is not None) != self.placed:
-            raise ValueError(f"this MeshAttention was built {'for' if self.placed else 'without'}"
-                             " placed documents (MeshAttention.build(..., placed=True) takes "
-                             "a placement, every call)")
-        if documents is not None:
-            documents.check_cp(grid.cp_size, q.shape[0])
-        if placement is not None:
-            check_placement(placement, grid.cp_size, q.shape[0], q.shape[1])
-        check_same_shapes(q, k, grid, packed, v.shape[-1], self.window)
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window,
                              None if placement is None else mesh_placement(placement, grid.heads))
-        check_offset(softmax_offset, q.shape[2])
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, packed)
             if softmax_offset is not None:  # this rank's head slice
@@ -212,6 +200,47 @@ class MeshAttention:
             self.plan.runner, grad_dtypes(self.plan.grad_dtype, q.dtype),
         )
         return heads.gather_heads(out, grid, packed) if grid.heads > 1 else out
+
+    def check_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   documents: Documents | None = None,
+                   placement: DocumentPlacement | None = None,
+                   softmax_offset: torch.Tensor | None = None) -> None:
+        """ValueError unless q, k, v (and `documents`, `placement`, `softmax_offset`) fit
+        this layer; local, no collective."""
+        if not self.matches(q, k, v) or v.shape[:3] != k.shape[:3]:
+            raise ValueError(
+                f"this MeshAttention was built for {self.signature[:2]} (q, k shapes) and V "
+                f"head dim {self.signature[4]}, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}; build one per shape")
+        if documents is not None and placement is not None:
+            raise ValueError("pass packed documents as cu_seqlens (Transformer Engine's THD "
+                             "layout) or as a placement, not both")
+        packed = documents if placement is None else placement
+        if packed is not None and not caps_of(self.kernel).documents:
+            raise ValueError("this MeshAttention was built without packed documents "
+                             "(MeshAttention.build(..., packed=True) takes them)")
+        if (placement is not None) != self.placed:
+            raise ValueError(f"this MeshAttention was built {'for' if self.placed else 'without'}"
+                             " placed documents (MeshAttention.build(..., placed=True) takes "
+                             "a placement, every call)")
+        if documents is not None:
+            documents.check_cp(self.grid.cp_size, q.shape[0])
+        if placement is not None:
+            check_placement(placement, self.grid.cp_size, q.shape[0], q.shape[1])
+        check_offset(softmax_offset, q.shape[2])
+
+    def call_signature(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       documents: Documents | None = None,
+                       placement: DocumentPlacement | None = None,
+                       softmax_offset: torch.Tensor | None = None) -> CallSignature:
+        """What every rank of the grid must pass alike for this call (`agreement.py`)."""
+        window = None if self.window is None else (self.window.left, self.window.right)
+        plan = self.plan
+        return CallSignature(
+            tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype,
+            documents if placement is None else placement, self.causal, self.softmax_scale,
+            plan.schedule.value, GradDtype(plan.grad_dtype).value, window, plan.exchange.value,
+            (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None)
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
@@ -237,6 +266,10 @@ def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
             raise ValueError("cu_seqlens_padded was given without cu_seqlens")
         return None
     if isinstance(cu_seqlens, Documents):
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens is a Documents value, which holds the padded lengths "
+                             f"already (cu_padded {list(cu_seqlens.cu_padded)}); pass "
+                             "cu_seqlens_padded=None with it, or both as cumulative lengths")
         return cu_seqlens
     return Documents.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)
 
@@ -314,17 +347,23 @@ def mesh_attention(
     (`sink.py`). With offset.requires_grad its gradient is this rank's partial (the sum over
     the CP group is the whole gradient, as Megatron's data x context parallel reduction sums).
     """
-    if placement is not None:
-        documents = None
-        check_placement_documents(placement, cu_seqlens, cu_seqlens_padded)
-        q, k, v = as_sbhd(placement, q, k, v)
-    else:
-        documents = packed_documents(cu_seqlens, cu_seqlens_padded)
-        q, k, v = as_sbhd(documents, q, k, v)
-    packed = documents is not None or placement is not None
-    layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                grad_reduce_dtype, packed=packed, window_size=window_size,
-                                window_exchange=window_exchange,
-                                placed=placement is not None)
+    if not isinstance(grid, MeshGrid):  # no group to tell the other ranks
+        raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got "
+                         f"{type(grid).__name__}")
+    try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
+        if placement is not None:
+            documents = None
+            check_placement_documents(placement, cu_seqlens, cu_seqlens_padded)
+            q, k, v = as_sbhd(placement, q, k, v)
+        else:
+            documents = packed_documents(cu_seqlens, cu_seqlens_padded)
+            q, k, v = as_sbhd(documents, q, k, v)
+        packed = documents is not None or placement is not None
+        layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
+                                    grad_reduce_dtype, packed=packed, window_size=window_size,
+                                    window_exchange=window_exchange,
+                                    placed=placement is not None)
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it
+        agreement.refuse(grid, error)
     out = layer(q, k, v, documents, placement, softmax_offset)
     return out.squeeze(1) if packed else out

@@ -1,11 +1,11 @@
-"""Input validation for mesh attention: every check is local, so a bad call fails on
-every rank before any collective starts (no rank is left waiting)."""
+"""Input validation for mesh attention: every check is local (no collective). A call's
+rejection reaches every rank of its grid through `agreement.refuse`, and whether the ranks
+pass the same arguments is `agreement.agree`'s."""
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.distributed as dist
 
 from .grid import MeshGrid
 from .kernels import check_backend
@@ -55,6 +55,11 @@ def check_inputs(
             raise ValueError(f"{name} is a meta tensor (no data); pass tensors on a CPU or CUDA device")
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={t.dtype} is not one of float32, bfloat16, float16")
+    for name, t, dims in (("q", q, "s b hq d"), ("k", k, "s b hkv d"), ("v", v, "s b hkv dv")):
+        for dim, n in zip(dims.split(), t.shape):
+            if n < 1:
+                raise ValueError(f"{name} shape {tuple(t.shape)} [{', '.join(dims.split())}] "
+                                 f"has {dim} = {n}; every dimension must be at least 1")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; they must match")
     if not (q.device == k.device == v.device):
@@ -83,63 +88,3 @@ def check_inputs(
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False")
     check_options(backend, schedule, grad_reduce_dtype)
-
-
-# (grid ranks and shape, this rank's signature) already agreed; insertion-ordered, and only the
-# newest are kept, since packed documents bring a new signature with every micro-batch
-_AGREED: dict[tuple, None] = {}
-_AGREED_KEPT = 256
-
-
-def _signature(q: torch.Tensor, k: torch.Tensor, documents=None,
-               v_head_dim: int | None = None, window=None) -> tuple[int, ...]:
-    """q [s, b, hq, d], k [s, b, hkv, d], v's head dim and the window as numbers: (s, b,
-    hq, hkv, d, dtype index, packed documents' key or -1, dv, window left, right or -2)."""
-    s, b, hq, d = q.shape
-    docs = -1 if documents is None else documents.agreement_key()
-    dv = d if v_head_dim is None else v_head_dim
-    left, right = (-2, -2) if window is None else (window.left, window.right)
-    return (s, b, hq, k.shape[2], d, DTYPES.index(q.dtype), docs, dv, left, right)
-
-
-def _signature_text(sig: tuple[int, ...]) -> str:
-    s, b, hq, hkv, d, dtype, docs, dv, left, right = sig
-    kv = f"k/v [{s}, {b}, {hkv}, {d}]" if dv == d else f"k [{s}, {b}, {hkv}, {d}] dv {dv}"
-    return (f"q [{s}, {b}, {hq}, {d}] {kv} {str(DTYPES[dtype])[6:]}"
-            + ("" if docs == -1 else f" documents #{docs:x}")
-            + ("" if left == -2 else f" window ({left}, {right})"))
-
-
-def _gather_signatures(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[n, 6] signatures of this rank's part -> [group size * n, 6] over `group`."""
-    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, rows, group=group)
-    return torch.cat(parts)
-
-
-def check_same_shapes(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
-                      documents=None, v_head_dim: int | None = None, window=None) -> None:
-    """ValueError on every rank of the grid unless all its ranks pass the same q / k shapes
-    and dtype (and packed documents, `documents.Documents`). Collective over the grid, but
-    only the first time this rank sees a signature: the signatures are gathered over the
-    row, then the rows' over the column, then the meshes' over the heads group, so every
-    rank holds all P of them (three small all_gathers)."""
-    sig = _signature(q, k, documents, v_head_dim, window)
-    key = (grid.cp_ranks, grid.heads, grid.rows, grid.cols, sig)
-    if key in _AGREED or grid.cp_size == 1:
-        return
-    device = q.device if q.is_cuda else torch.device("cpu")
-    every = torch.tensor([sig], dtype=torch.int64, device=device)
-    for group in (grid.row_group, grid.col_group, grid.heads_group):
-        if group is not None and dist.get_world_size(group) > 1:
-            every = _gather_signatures(every, group)
-    others = sorted({tuple(row) for row in every.tolist()} - {sig})
-    if others:
-        raise ValueError(
-            f"ranks of one {grid.shape_text} grid pass different shapes to mesh_attention: "
-            f"{_signature_text(sig)} here (CP rank {grid.cp_rank}), "
-            + "; ".join(_signature_text(o) for o in others) + " on another; every rank of "
-            "a CP group must pass the same shapes, dtype, cu_seqlens and window_size")
-    _AGREED[key] = None
-    if len(_AGREED) > _AGREED_KEPT:
-        del _AGREED[next(iter(_AGREED))]

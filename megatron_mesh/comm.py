@@ -5,6 +5,11 @@ reduce_scatter to an m-byte output (n-1)*m; all_to_all of an M-byte input M*(n-1
 ring_exchange of an m-byte tensor m. Groups of one rank skip the collective, send nothing
 and copy nothing.
 
+Pieces are in grid order: with `order` (the group rank of each grid position,
+`grid.MeshGrid.row_order` and the like; None when they are the same) a collective reads and
+writes its pieces by grid position, though torch numbers a group's ranks by ascending global
+rank. Only such grids pay a copy of the pieces.
+
 Observers (`observing`): every transfer is shown to each observer in force before it runs,
 as a `Transfer` (the `TrafficCounter` counts it; emulated links, `megatron_mesh.emulation`,
 return when it would be done, and the call returns no sooner); an observer that has a
@@ -194,43 +199,48 @@ class TrafficCounter(Observing):
 
 
 def all_gather(
-    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[m, ...] on each of n ranks -> [n * m, ...], in group-rank order."""
-    out, pending = all_gather_async(t, group, phase, direction)
+    """[m, ...] on each of n ranks -> [n * m, ...], in grid order (`order`, module docstring)."""
+    out, pending = all_gather_async(t, group, phase, direction, order)
     pending.wait()
     return out
 
 
 def all_gather_stacked(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
-    direction: Direction,
+    direction: Direction, order: Sequence[int] | None = None,
 ) -> Sequence[Sequence[torch.Tensor]]:
-    """Tensors of one dtype (shapes may differ), gathered in one collective: result[r][i] is group
-    rank r's parts[i]. A group of one gets its own parts back, uncopied."""
-    out, pending = all_gather_stacked_async(parts, group, phase, direction)
+    """Tensors of one dtype (shapes may differ), gathered in one collective: result[r][i] is
+    parts[i] of the member at grid position r (`order`). A group of one gets its own parts
+    back, uncopied."""
+    out, pending = all_gather_stacked_async(parts, group, phase, direction, order)
     pending.wait()
     return out
 
 
 def reduce_scatter(
-    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[n * m, ...] on each rank -> this rank's [m, ...] piece of the sum over ranks."""
-    out, pending = reduce_scatter_async(t, group, phase, direction)
+    """[n * m, ...] on each rank, piece p for grid position p (`order`) -> this rank's
+    [m, ...] piece of the sum over ranks."""
+    out, pending = reduce_scatter_async(t, group, phase, direction, order)
     pending.wait()
     return out
 
 
 def reduce_scatter_async(
-    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+    order: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, "Pending"]:
     """Like `reduce_scatter`, started in the background: read the result after `wait()`
     (t must not be written meanwhile)."""
     n = dist.get_world_size(group)
     if n == 1:
         return t, Pending([])
-    t = t.contiguous()
+    t = to_group_order(t.contiguous(), order)
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
     transfer = Transfer("reduce_scatter", phase, direction, (n - 1) * out.nbytes, out.nbytes,
                         group, partial=True)
@@ -241,14 +251,14 @@ def reduce_scatter_async(
 
 def all_to_all(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
-    partial: bool = False,
+    partial: bool = False, order: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[n * m, ...]: piece k goes to group rank k; returns the n pieces received, in order.
-    `partial`: the pieces are partial results (`Transfer.partial`)."""
+    """[n * m, ...]: piece k goes to the member at grid position k (`order`); returns the n
+    pieces received, by grid position. `partial`: partial results (`Transfer.partial`)."""
     n = dist.get_world_size(group)
     if n == 1:
         return t
-    t = t.contiguous()
+    t = to_group_order(t.contiguous(), order)
     out = torch.empty_like(t)
     transfer = Transfer("all_to_all", phase, direction, t.nbytes * (n - 1) // n,
                         t.nbytes // n, group, partial=partial)
@@ -256,6 +266,33 @@ def all_to_all(
     _transport[-1].all_to_all(out, t, group)
     _wait_until(done_at)
     _waited([transfer])
+    return to_grid_order(out, order)
+
+
+def to_group_order(t: torch.Tensor, order: Sequence[int] | None) -> torch.Tensor:
+    """t [n * m, ...] with piece p for grid position p -> piece g for group rank g (a copy;
+    t itself when `order` is None)."""
+    if order is None:
+        return t
+    n = len(order)
+    by_group = [0] * n
+    for position, rank in enumerate(order):
+        by_group[rank] = position
+    index = torch.tensor(by_group, device=t.device)
+    return t.view(n, -1).index_select(0, index).view(t.shape)
+
+
+def to_grid_order(t: torch.Tensor, order: Sequence[int] | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `to_group_order`: piece g of group rank g -> piece p of grid position p
+    (into `out` when given)."""
+    if order is None:
+        return t
+    n = len(order)
+    index = torch.tensor(list(order), device=t.device)
+    if out is None:
+        return t.view(n, -1).index_select(0, index).view(t.shape)
+    torch.index_select(t.view(n, -1), 0, index, out=out.view(n, -1))
     return out
 
 
@@ -265,15 +302,19 @@ class Pending:
     the observers that `transfers` were waited for (once)."""
 
     def __init__(self, works: list, done_at: float | None = None,
-                 transfers: Sequence[Transfer] = ()) -> None:
+                 transfers: Sequence[Transfer] = (), then: Sequence = ()) -> None:
         self.works = [w for w in works if w is not None]
         self.done_at = done_at
         self.transfers = list(transfers)
+        self.then = list(then)  # callables run once the works are done (reordering)
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
         self.works = []
+        then, self.then = self.then, []
+        for step in then:
+            step()
         _wait_until(self.done_at)
         self.done_at = None
         transfers, self.transfers = self.transfers, []
@@ -284,11 +325,13 @@ class Pending:
         """One handle for several (their waits in order, the latest emulated end)."""
         ends = [p.done_at for p in pendings if p.done_at is not None]
         return cls([w for p in pendings for w in p.works], max(ends, default=None),
-                   [t for p in pendings for t in p.transfers])
+                   [t for p in pendings for t in p.transfers],
+                   [step for p in pendings for step in p.then])
 
 
 def all_gather_async(
-    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction
+    t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
+    order: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, Pending]:
     """Like `all_gather`, started in the background: read the result after `wait()`."""
     n = dist.get_world_size(group)
@@ -296,15 +339,17 @@ def all_gather_async(
         return t, Pending([])
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    landing = out if order is None else torch.empty_like(out)  # by group rank, then reordered
     transfer = Transfer("all_gather", phase, direction, (n - 1) * t.nbytes, t.nbytes, group)
     done_at = _observe(transfer)
-    return out, Pending([_transport[-1].all_gather(out, t, group, async_op=True)], done_at,
-                        [transfer])
+    then = () if order is None else (lambda: to_grid_order(landing, order, out),)
+    return out, Pending([_transport[-1].all_gather(landing, t, group, async_op=True)], done_at,
+                        [transfer], then)
 
 
 def all_gather_stacked_async(
     parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None, phase: Phase,
-    direction: Direction,
+    direction: Direction, order: Sequence[int] | None = None,
 ) -> tuple[Sequence[Sequence[torch.Tensor]], Pending]:
     """Like `all_gather_stacked`, started in the background: read the result after `wait()`.
     The parts share a dtype; their shapes may differ (K and V of different head dims): each
@@ -322,7 +367,8 @@ def all_gather_stacked_async(
     done_at = _observe(transfer)
     pending = Pending([_transport[-1].all_gather(out.view(-1), mine, group, async_op=True)],
                       done_at, [transfer])
-    return [views(out[r], shapes) for r in range(n)], pending
+    slots = range(n) if order is None else order  # group rank of each grid position
+    return [views(out[r], shapes) for r in slots], pending
 
 
 def ring_exchange(

@@ -17,6 +17,7 @@ answers which local rows of a rank-block meet which (`rows_of_block`).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,10 @@ def _cumulative(name: str, values: torch.Tensor | list[int] | tuple[int, ...], s
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D [n + 1], got shape {tuple(values.shape)}")
         values = values.tolist()
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"{name}={list(values)} holds {v!r}: cumulative lengths must be "
+                             "integers (an int32 tensor or a list of ints)")
     values = tuple(int(v) for v in values)
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"{name}={list(values)} must start at 0 and hold n + 1 >= 2 "

@@ -13,6 +13,7 @@ which pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all): `values.A
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +22,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
+
+# The per-call agreement (`agreement.py`) runs on the CPU: it never waits for a GPU stream.
+AGREEMENT_BACKEND = "gloo"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class MeshGrid:
     heads: int = 1
     heads_group: dist.ProcessGroup | None = None
     device_mesh: DeviceMesh | None = None  # dims of `AXES` with more than one rank
+    # the whole CP group on gloo, for the per-call agreement of `agreement.py` (None: it
+    # reduces over the row, column and heads groups in turn)
+    agreement_group: dist.ProcessGroup | None = None
 
     @property
     def cp_size(self) -> int:
@@ -73,6 +80,23 @@ class MeshGrid:
     def col_mesh_ranks(self) -> list[int]:
         """Mesh ranks of this rank's column: the key/value owners of its tile, by row index."""
         return [i * self.cols + self.col_index for i in range(self.rows)]
+
+    @functools.cached_property
+    def row_order(self) -> tuple[int, ...] | None:
+        """Rank in `row_group` of the row member at each column index (None: the same)."""
+        return group_order(self.row_group, row_of(self.mesh_ranks, self.cols, self.row_index))
+
+    @functools.cached_property
+    def col_order(self) -> tuple[int, ...] | None:
+        """Rank in `col_group` of the column member at each row index (None: the same)."""
+        return group_order(self.col_group, column_of(self.mesh_ranks, self.cols,
+                                                     self.col_index))
+
+    @functools.cached_property
+    def heads_order(self) -> tuple[int, ...] | None:
+        """Rank in `heads_group` of the member at each head index (None: the same)."""
+        first = self.mesh_rank * self.heads
+        return group_order(self.heads_group, self.cp_ranks[first:first + self.heads])
 
     def col_neighbors(self) -> tuple[int, int]:
         """Global ranks (next, previous) of this rank in its column's ring."""
@@ -116,8 +140,10 @@ class MeshGrid:
         mine = [next(g for g in dim if dist.get_rank() in g)
                 for dim in dim_groups(ranks, rows, cols, heads)[:3 if heads > 1 else 2]]
         new = [dist.new_group(g, timeout=timeout, use_local_synchronization=True) for g in mine]
+        agreeing = group if "gloo" in str(dist.get_backend(group)) else dist.new_group(
+            ranks, timeout=timeout, backend=AGREEMENT_BACKEND, use_local_synchronization=True)
         return cls(rows, cols, cp_rank, tuple(ranks), new[1], new[0], heads,
-                   new[2] if heads > 1 else None)
+                   new[2] if heads > 1 else None, agreement_group=agreeing)
 
     @classmethod
     def build_many(
@@ -131,11 +157,12 @@ class MeshGrid:
     ) -> "MeshGrid | None":
         """Collective over ALL ranks: the grids of many CP groups (global ranks, CP order).
 
-        Every rank builds every CP group's DeviceMesh in the same order, as torch.distributed
-        requires; it returns the grid of the CP group holding this rank, or None when no group
-        holds it. `cp_group`, when every rank passes its existing CP process group
-        (Megatron's), is checked against the CP group holding this rank. `timeout` bounds every
-        collective of the new groups (torch's default when None).
+        Every rank builds every CP group's DeviceMesh (and its gloo group for the per-call
+        agreement, `agreement.py`) in the same order, as torch.distributed requires; the
+        ranks of a group may come in any order. It returns the grid of the CP group holding
+        this rank, or None when no group holds it. `cp_group`, when every rank passes its
+        existing CP process group (Megatron's), is checked against the CP group holding this
+        rank. `timeout` bounds every collective of the new groups (torch's default when None).
         """
         world = dist.get_world_size()
         seen: set[int] = set()
@@ -160,9 +187,11 @@ class MeshGrid:
         mine: MeshGrid | None = None
         for ranks in cp_groups:
             mesh, groups = grid_device_mesh(ranks, rows, cols, heads, timeout)
+            agreeing = None if len(ranks) == 1 else dist.new_group(
+                list(ranks), timeout=timeout, backend=AGREEMENT_BACKEND)
             if me in ranks:
                 mine = cls(rows, cols, list(ranks).index(me), tuple(ranks), groups[ROW],
-                           groups[COLUMN], heads, groups.get(HEADS), mesh)
+                           groups[COLUMN], heads, groups.get(HEADS), mesh, agreeing)
         return mine
 
 
@@ -196,6 +225,19 @@ def grid_device_mesh(
         if n not in groups:
             groups[n] = dist.new_group([me], timeout=timeout, use_local_synchronization=True)
     return mesh, groups
+
+
+def group_order(group: dist.ProcessGroup | None, members: Sequence[int]
+                ) -> tuple[int, ...] | None:
+    """The rank in `group` of each of `members` (global ranks in grid order), or None when
+    that is 0, 1, 2, ... (or the group has one rank). torch numbers a group's ranks in
+    ascending global order, while a CP group given as, e.g., [1, 0, 2, 3] puts rank 1 first:
+    the collectives use this order to read and write their pieces in grid order
+    (`comm.all_gather`'s `order`)."""
+    if group is None or len(members) <= 1:
+        return None
+    order = tuple(dist.get_group_rank(group, rank) for rank in members)
+    return None if order == tuple(range(len(order))) else order
 
 
 def dim_groups(ranks: Sequence[int], rows: int, cols: int,

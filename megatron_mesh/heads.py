@@ -38,7 +38,8 @@ def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
     a, hs = grid.heads, h // grid.heads
     send = x.new_empty(a, s, b, hs, d)  # piece a' goes to rank a'
     send.copy_(x.reshape(s, b, a, hs, d).permute(2, 0, 1, 3, 4))
-    recv = comm.all_to_all(send, grid.heads_group, phase, HEADS)  # piece a': rank a''s tokens
+    recv = comm.all_to_all(send, grid.heads_group, phase, HEADS,
+                           order=grid.heads_order)  # piece a': rank a''s tokens
     if isinstance(documents, DocumentPlacement):  # placed: the members' rows one after another
         return recv.view(a * s, b, hs, d)
     if documents is not None:
@@ -68,7 +69,8 @@ def sequence_to_heads(y: torch.Tensor, grid: MeshGrid, phase: comm.Phase,
         send[:, 0].copy_(first)
         for i in range(a):
             send[i, 1].copy_(second[a - 1 - i])
-    recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, HEADS)
+    recv = comm.all_to_all(send.view(a, -1, b, hs, d), grid.heads_group, phase, HEADS,
+                           order=grid.heads_order)
     out = send.view(-1, b, a, hs, d)  # piece a' of recv: head slice a'
     out.copy_(recv.permute(1, 2, 0, 3, 4))
     return out.view(-1, b, a * hs, d)

@@ -7,12 +7,12 @@ rule picks each document's rows of a block.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
+from .caches import per_documents
 from .checks import check_zigzag_divisible
 from .document_placement import DocumentPlacement
 from .documents import Documents
@@ -63,6 +63,12 @@ class AttentionMask:
         return self.window is not None or self.placement is not None
 
     @property
+    def packing(self) -> Documents | DocumentPlacement | None:
+        """The packed documents, THD or placed (None: one dense sequence): what block data
+        depends on beyond shapes (`caches.per_documents` keys on it)."""
+        return self.documents if self.documents is not None else self.placement
+
+    @property
     def packed(self) -> bool:
         """Whether the shares are packed documents (THD layout or placed)."""
         return self.documents is not None or self.placement is not None
@@ -90,7 +96,8 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     return Block(kind, whole, whole)
 
 
-@functools.lru_cache(maxsize=128)  # a micro-batch's blocks: at most R x C per rank and layer
+# a micro-batch's blocks (at most R x C per rank), for its documents only (`caches.py`)
+@per_documents(lambda documents, *_: documents)
 def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int,
                      kind: BlockKind, device: torch.device) -> Block:
     """A block over packed documents, its index tensors made once per block and device."""
@@ -147,7 +154,8 @@ def _window_spares(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: in
             and (mask.causal or right < 0 or kv_second + half - 1 - q_first <= right))
 
 
-@functools.lru_cache(maxsize=4096)
+# per shape without documents; with them, for the last few micro-batches only (`caches.py`)
+@per_documents(lambda mask, *_: mask.packing)
 def _window_block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
                   device: torch.device) -> Block:
     """A block under a sliding window: the query rows that see some key and the key rows

@@ -17,11 +17,10 @@ window the blocks are cut by `layout`'s band tiles over the same runs.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
+from .caches import per_documents
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .kernels.base import Segments
@@ -49,7 +48,7 @@ def positions(placement: DocumentPlacement, rank: int) -> tuple[torch.Tensor, to
     return torch.cat(pos), torch.cat(doc)
 
 
-@functools.lru_cache(maxsize=64)  # one micro-batch's blocks per rank: R + C of them, A x R x C
+@per_documents(lambda placement, *_: placement)  # the last few micro-batches' blocks
 def placed_block(placement: DocumentPlacement, causal: bool, q_rank: int, kv_rank: int,
                  device: torch.device) -> Block:
     """Block (q_rank, kv_rank) of `placement` without a window: at most one causal varlen

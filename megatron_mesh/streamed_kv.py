@@ -34,7 +34,8 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     me = grid.col_index
-    q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row")
+    q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row",
+                                                grid.row_order)
     accs = [empty_accumulators(s, b, hq, dv, q.device) for _ in range(grid.cols)]
     ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "column")
     for t, (k_y, v_y) in ring:

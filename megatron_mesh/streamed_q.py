@@ -41,7 +41,8 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "column")
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "column",
+                                                       grid.col_order)
     neighbors = grid.row_neighbors()
     own = empty_accumulators(s, b, hq, dv, q.device)
     # fp32 partials: rounding the running merge at every hop would add up
@@ -76,7 +77,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column")
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column",
+                                                       grid.col_order)
     dout = dout.contiguous()
     # D's temporary comes and goes before the gradient buffers are made
     # Q and dO back to back in one flat buffer (dO has V's head dim)
@@ -111,7 +113,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                        grid.col_mesh_ranks[i], mask, scale, dq_own, kv_grads(dkv_part[i], k, v))
     del kv_col  # used up: the reduce-scatter does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
-                                                 "backward", "column")
+                                                 "backward", "column", grid.col_order)
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops, meanwhile
     dkv_pending.wait()
     return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

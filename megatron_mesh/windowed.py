@@ -20,6 +20,7 @@ import torch
 
 from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .caches import per_documents
 from .delta import attention_delta, out_with_delta
 from .document_placement import DocumentPlacement
 from .dtypes import FP32_GRADS, GradDtypes
@@ -42,7 +43,8 @@ from .values import (
 from .window import window_of
 
 
-@functools.lru_cache(maxsize=4096)
+# per shape without documents; with them, for the last few micro-batches only (`caches.py`)
+@per_documents(lambda mask, *_: mask.packing)
 def needed_rows(mask: AttentionMask, rows: int, cols: int, local_len: int, mesh_rank: int,
                 owner: int, side: str) -> tuple[int, ...]:
     """The local rows of `owner`'s chunk that rank `mesh_rank` of a rows x cols mesh uses:

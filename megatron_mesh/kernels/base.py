@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from ..caches import BytesLRU
 from .caps import KernelCaps, caps_of, kernel_name, what
 
 logger = logging.getLogger("megatron_mesh.kernels")
@@ -136,11 +137,16 @@ def _band_seen(shape: tuple[int, int], window: tuple[int, int], device: torch.de
     return seen
 
 
-@functools.lru_cache(maxsize=256)
+# at most this many bytes of band masks are kept (a larger one is made per call)
+BAND_MASK_BYTES = 64 << 20
+
+
+@functools.partial(BytesLRU, max_bytes=BAND_MASK_BYTES)
 def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.device
                ) -> torch.Tensor:
     """The additive form of a band (0 seen, -inf not), made once per shape, window and
-    device: a layer's window tiles take a few shapes, kept as the tiles are."""
+    device while the kept ones fit in `BAND_MASK_BYTES`: a layer's dense window tiles take
+    a few shapes; packed documents bring new ones with their lengths."""
     bias = torch.zeros(shape, dtype=torch.float32, device=device)
     return bias.masked_fill_(~_band_seen(shape, window, device), float("-inf"))
 

@@ -19,6 +19,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mesh import agreement
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
 from megatron_mesh.documents import Documents
@@ -52,14 +53,45 @@ def _log_schedule(layer: MeshAttention, schedule: str) -> None:
     logger.info("mesh attention: %s grid, schedule %s%s", layer.grid.shape_text, ran, how)
 
 
-_resolved: list = [None, None]  # [weak reference to the last PackedSeqParams, its Documents]
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+# the last PackedSeqParams resolved: (weak reference to it, its tensors' stamps, its Documents)
+_resolved: list = [None, None, None]
+
+
+def _stamps(params: PackedSeqParams) -> tuple:
+    """What says the cumulative lengths of `params` are unchanged: per tensor attribute, the
+    tensor itself (weakly), its version counter (bumped by every in-place write: a static
+    buffer refilled with copy_, CUDA-graph style) and its storage address."""
+    out = []
+    for name in _CU_FIELDS:
+        t = getattr(params, name, None)
+        out.append(None if not isinstance(t, torch.Tensor)
+                   else (weakref.ref(t), t._version, t.data_ptr()))
+    return tuple(out)
+
+
+def _same_stamps(params: PackedSeqParams, stamps: tuple) -> bool:
+    for name, stamp in zip(_CU_FIELDS, stamps):
+        t = getattr(params, name, None)
+        if not isinstance(t, torch.Tensor) or stamp is None:
+            if isinstance(t, torch.Tensor) or stamp is not None:
+                return False  # a tensor now where none was, or the other way round
+            continue
+        ref, version, pointer = stamp
+        if ref() is not t or t._version != version or t.data_ptr() != pointer:
+            return False
+    return True
 
 
 def documents_of(params: PackedSeqParams) -> Documents:
     """The packed documents of Megatron's PackedSeqParams (qkv_format "thd"), read from its
-    tensors once per params object: every layer of a micro-batch gets the same object."""
-    if _resolved[0] is not None and _resolved[0]() is params:
-        return _resolved[1]
+    tensors once per params object and contents: every layer of a micro-batch gets the same
+    object, and one whose tensors are replaced or written in place (their version counters
+    move) is read again. Writes that bypass the version counter (through .data or numpy)
+    are not seen: refill a static buffer with copy_."""
+    if (_resolved[0] is not None and _resolved[0]() is params
+            and _same_stamps(params, _resolved[1])):
+        return _resolved[2]
     if getattr(params, "qkv_format", None) != "thd":
         raise ValueError(f"packed_seq_params.qkv_format="
                          f"{getattr(params, 'qkv_format', None)!r}: the mesh takes packed "
@@ -70,8 +102,9 @@ def documents_of(params: PackedSeqParams) -> Documents:
             raise ValueError(f"packed_seq_params.cu_seqlens_q{suffix} and cu_seqlens_kv{suffix} "
                              "differ; self-attention over packed documents needs the same "
                              "documents for both")
+    stamps = _stamps(params)  # before reading: a write meanwhile is seen next time
     documents = packed_documents(params.cu_seqlens_q, params.cu_seqlens_q_padded)
-    _resolved[:] = [weakref.ref(params), documents]
+    _resolved[:] = [weakref.ref(params), stamps, documents]
     return documents
 
 
@@ -200,24 +233,27 @@ class MeshDotProductAttention(MegatronModule):
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
         document when packed, and this layer's sliding window (`layer_window`).
         """
-        if attention_bias is not None:
-            raise ValueError("MeshDotProductAttention does not support attention_bias")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
-        if mask_type not in masks:
-            raise ValueError(
-                f"MeshDotProductAttention supports attn_mask_type "
-                f"{' or '.join(m.name for m in masks)}, got {mask_type}"
-            )
-        documents = None if packed_seq_params is None else documents_of(packed_seq_params)
-        query, key, value = as_sbhd(documents, query, key, value)
-        if query.shape[0] != key.shape[0]:
-            raise ValueError(
-                f"MeshDotProductAttention needs as many queries as keys per rank (got "
-                f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
-            )
-        layer = self._layer(query, key, value, masks[mask_type], documents is not None)
-        out = layer(query, key, value, documents)
+        try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
+            if attention_bias is not None:
+                raise ValueError("MeshDotProductAttention does not support attention_bias")
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+            masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
+            if mask_type not in masks:
+                raise ValueError(
+                    f"MeshDotProductAttention supports attn_mask_type "
+                    f"{' or '.join(m.name for m in masks)}, got {mask_type}"
+                )
+            documents = None if packed_seq_params is None else documents_of(packed_seq_params)
+            query, key, value = as_sbhd(documents, query, key, value)
+            if query.shape[0] != key.shape[0]:
+                raise ValueError(
+                    f"MeshDotProductAttention needs as many queries as keys per rank (got "
+                    f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not "
+                    "supported")
+            layer = self._layer(query, key, value, masks[mask_type], documents is not None)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            agreement.refuse(self.grid, error)
+        out = layer(query, key, value, documents)  # agrees with the other ranks first
         if documents is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)

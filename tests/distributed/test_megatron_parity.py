@@ -344,6 +344,14 @@ def _bad_configurations(out):
         lambda: chosen(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd")),
         ValueError
     )
+    # one CP rank of each group rejects its input, or passes another mask: every rank raises
+    odd = rank % 4 == 0
+    errors["packed_on_one_rank"] = _expect_error(
+        lambda: chosen(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd")
+                       if odd else None), ValueError)
+    errors["causal_on_one_rank"] = _expect_error(
+        lambda: chosen(q, k, k, None, attn_mask_type=AttnMaskType.no_mask if odd else None),
+        ValueError)
     model = dict(num_attention_heads=HEADS, num_query_groups=GROUPS)
     _init_parallel(2, 4)  # TP 2: 2 query heads per rank, but A = 4
     errors["heads_after_tp"] = _expect_error(
@@ -512,6 +520,8 @@ def test_two_cp_groups_get_separate_grids(results):
         ("backend", ["flash3", "auto"]),
         ("padding_mask", ["padding", "causal"]),
         ("packed", ["packed"]),
+        ("packed_on_one_rank", ["qkv_format='sbhd'", "CP rank 0 of the 2x2 grid"]),
+        ("causal_on_one_rank", ["causal", "True", "False", "CP rank 0"]),
         ("stale_grid", ["CP group", "initialize_mesh_grids"]),
         ("mesh_class_asked_for_a2a", ["'a2a'", "Transformer Engine"]),
         ("heads_after_tp", ["--mesh-heads 4", "2 query heads (1 K/V heads) per rank after "

@@ -1,0 +1,131 @@
+"""Caches of block data that stay bounded over a run of weeks.
+
+The blocks of packed documents (index tensors, segments, sliding-window masks on the tiles'
+device) depend on the micro-batch's documents, and a run sees new documents every
+micro-batch. `per_documents` keeps such entries for the last `KEEP_DOCUMENTS` Documents
+values only (one micro-batch's blocks are reused by every layer, forward and backward, and
+pipeline schedules keep a few micro-batches in flight) and drops every entry of an older
+one together; a backward that finds its micro-batch dropped makes its blocks again (the
+same values). Entries without documents depend on shapes only and sit in an LRU of
+`dense_size`. `held_bytes` counts what the caches hold (tensors by storage, tuples of ints
+at 8 bytes an element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a
+band's additive mask: shapes vary with the documents, and one can be hundreds of MiB).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Iterator
+
+import torch
+
+from .documents import Documents
+
+KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
+_CACHES: list[PerDocuments | BytesLRU] = []
+
+
+class PerDocuments:
+    """Memoizes fn(*args) (hashable args): entries of the last `keep` Documents values that
+    `documents_of(*args)` names, and an LRU of `dense_size` entries where it names None."""
+
+    def __init__(self, fn: Callable, documents_of: Callable[..., Documents | None],
+                 keep: int = KEEP_DOCUMENTS, dense_size: int = 4096) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.documents_of = fn, documents_of
+        self.keep, self.dense_size = keep, dense_size
+        self.by_documents: OrderedDict[Documents, dict[Hashable, Any]] = OrderedDict()
+        self.dense: OrderedDict[Hashable, Any] = OrderedDict()
+        _CACHES.append(self)
+
+    def __call__(self, *args: Hashable) -> Any:
+        documents = self.documents_of(*args)
+        if documents is None:
+            table = self.dense
+        else:
+            table = self.by_documents.get(documents)
+            if table is None:
+                table = self.by_documents[documents] = {}
+                while len(self.by_documents) > self.keep:
+                    self.by_documents.popitem(last=False)  # the oldest micro-batch's blocks
+            else:
+                self.by_documents.move_to_end(documents)
+        if args in table:
+            if documents is None:
+                self.dense.move_to_end(args)
+            return table[args]
+        value = table[args] = self.fn(*args)
+        while len(self.dense) > self.dense_size:
+            self.dense.popitem(last=False)
+        return value
+
+    def cache_clear(self) -> None:
+        self.by_documents.clear()
+        self.dense.clear()
+
+    def values(self) -> Iterator[Any]:
+        yield from self.dense.values()
+        for table in self.by_documents.values():
+            yield from table.values()
+
+
+class BytesLRU:
+    """Memoizes fn(*args) -> tensor (hashable args) in an LRU holding at most `max_bytes` of
+    tensors in all; a tensor larger than that is returned uncached (made on every call)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_bytes: int) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.max_bytes = fn, max_bytes
+        self.entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self.held = 0
+        _CACHES.append(self)
+
+    def __call__(self, *args: Hashable) -> torch.Tensor:
+        if args in self.entries:
+            self.entries.move_to_end(args)
+            return self.entries[args]
+        value = self.fn(*args)
+        size = value.untyped_storage().nbytes()
+        if size <= self.max_bytes:
+            self.entries[args] = value
+            self.held += size
+            while self.held > self.max_bytes:
+                _, old = self.entries.popitem(last=False)
+                self.held -= old.untyped_storage().nbytes()
+        return value
+
+    def cache_clear(self) -> None:
+        self.entries.clear()
+        self.held = 0
+
+    def values(self) -> Iterator[Any]:
+        yield from self.entries.values()
+
+
+def per_documents(documents_of: Callable[..., Documents | None], keep: int = KEEP_DOCUMENTS,
+                  dense_size: int = 4096) -> Callable[[Callable], PerDocuments]:
+    """Decorator form of `PerDocuments`."""
+    return lambda fn: PerDocuments(fn, documents_of, keep, dense_size)
+
+
+def held_bytes() -> int:
+    """Bytes the caches of this module hold: every tensor's storage once, tuples of ints at
+    8 bytes an element (what a run's memory of them grows with)."""
+    seen: set[tuple[str, int]] = set()
+    return sum(_bytes(value, seen) for cache in _CACHES for value in cache.values())
+
+
+def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        key = (str(value.device), storage.data_ptr())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
+    return 0

@@ -1,0 +1,31 @@
+"""The caches of block data stay bounded (`megatron_mesh/caches.py`): band masks by bytes,
+whatever shapes packed documents bring."""
+from __future__ import annotations
+
+import torch
+
+from megatron_mesh import caches
+from megatron_mesh.kernels import base
+
+
+def test_band_masks_kept_within_their_byte_bound() -> None:
+    made = []
+
+    def bias(shape: tuple[int, int], window: tuple[int, int], device: torch.device):
+        made.append(shape)
+        return base._band_bias.fn(shape, window, device)  # the real band mask
+
+    kept = caches.BytesLRU(bias, max_bytes=1 << 20)  # 1 MiB: a few 256 x 256 fp32 masks
+    cpu = torch.device("cpu")
+    for n in range(64):  # shapes as documents' lengths bring them
+        shape = (256, 256 + n)
+        got = kept(shape, (16, 0), cpu)
+        assert torch.equal(got, base._band_bias(shape, (16, 0), cpu)), shape
+        assert kept.held <= 1 << 20
+        assert sum(t.untyped_storage().nbytes() for t in kept.values()) == kept.held
+    assert kept((256, 319), (16, 0), cpu) is kept((256, 319), (16, 0), cpu)  # reused
+    too_big = kept((1024, 1024), (16, 0), cpu)  # 4 MiB: made, never kept
+    assert too_big.shape == (1024, 1024) and kept.held <= 1 << 20
+    assert made.count((1024, 1024)) == 1 and (1024, 1024) not in {k[0] for k in kept.entries}
+    assert isinstance(base._band_bias, caches.BytesLRU)
+    assert base._band_bias.max_bytes == base.BAND_MASK_BYTES == 64 << 20
