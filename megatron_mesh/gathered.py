@@ -16,6 +16,7 @@ from .kernels import TileKernel
 from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial
+from .values import COLUMN, ROW
 
 
 def finish_row_partials(accs: list, grid: MeshGrid, dtype: torch.dtype):
@@ -39,9 +40,9 @@ def merge_row_partials(partial_out, partial_lse, grid: MeshGrid):
     """Send each row member x its partial (out [s, b, hq, dv], lse [b, hq, s]) and merge the
     C partials of this rank's own chunk in fp32 -> (out, lse) fp32."""
     c, s, b, hq, d = partial_out.shape
-    partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", "row", partial=True,
+    partial_out = comm.all_to_all(partial_out, grid.row_group, "forward", ROW, partial=True,
                                   order=grid.row_order)
-    partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", "row", partial=True,
+    partial_lse = comm.all_to_all(partial_lse, grid.row_group, "forward", ROW, partial=True,
                                   order=grid.row_order)
     out_acc, lse_acc = empty_accumulators(s, b, hq, d, partial_out.device)
     for j in range(c):
@@ -54,9 +55,9 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, d = q.shape
     dv = v.shape[-1]
-    q_row = comm.all_gather(q, grid.row_group, "forward", "row", grid.row_order).view(
+    q_row = comm.all_gather(q, grid.row_group, "forward", ROW, grid.row_order).view(
         grid.cols, s, b, hq, d)
-    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", "column",
+    kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", COLUMN,
                                     grid.col_order)
 
     if grid.cols > 1:  # partials of the other members' rows, sent in the input dtype
@@ -82,10 +83,10 @@ def start_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
     if grid.cols == 1:  # no other rank's rows: D is not needed, the kernel forms it from out
         return [(q, dout)], [(lse, None)], comm.Pending([])
     delta = attention_delta(dout, out)
-    qdo, qdo_pending = comm.all_gather_stacked_async([q, dout], grid.row_group, "backward", "row",
+    qdo, qdo_pending = comm.all_gather_stacked_async([q, dout], grid.row_group, "backward", ROW,
                                                       grid.row_order)
     stats, stats_pending = comm.all_gather_stacked_async([lse, delta], grid.row_group, "backward",
-                                                         "row", grid.row_order)
+                                                         ROW, grid.row_order)
     return qdo, stats, comm.Pending.joined(qdo_pending, stats_pending)
 
 
@@ -117,7 +118,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     me, my_row = grid.mesh_rank, grid.row_index
     qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward",
-                                                       "column", grid.col_order)
+                                                       COLUMN, grid.col_order)
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
     # the diagonal block needs nothing from anyone
@@ -125,7 +126,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                    kv_grads(dkv_part[my_row], k, v))
     kv_pending.wait()
     row_pending.wait()
-    trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", "row")
+    trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
     for j in row_order(grid)[:-1]:
         x = grid.row_mesh_ranks[j]
         dq = torch.zeros_like(dq_own)
@@ -142,7 +143,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                            scale, dq_own, kv_grads(dkv_part[i], k, v))
     del kv_col  # used up: the reduction does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
-                                                 "backward", "column", grid.col_order)
+                                                 "backward", COLUMN, grid.col_order)
     trailing.land((dq_own,))  # this rank's own chunk's dQ, back from its C-1 hops, meanwhile
     dkv_pending.wait()
     return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

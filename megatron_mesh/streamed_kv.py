@@ -26,6 +26,7 @@ from .kernels import TileKernel
 from .layout import AttentionMask
 from .merge import empty_accumulators
 from .rings import TrailingPartial, ring_steps
+from .values import COLUMN, ROW
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
@@ -34,10 +35,10 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     me = grid.col_index
-    q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", "row",
+    q_row, q_pending = comm.all_gather_async(q, grid.row_group, "forward", ROW,
                                                 grid.row_order)
     accs = [empty_accumulators(s, b, hq, dv, q.device) for _ in range(grid.cols)]
-    ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", "column")
+    ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", COLUMN)
     for t, (k_y, v_y) in ring:
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         if t == 0:  # this rank's own block needs nothing from anyone
@@ -68,10 +69,10 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                for _ in range(grid.cols)]
     neighbors = grid.col_neighbors()
     dkv_own = kv_grad_buffer(k, v)  # flat: dK, dV of this rank's chunk
-    trailing = TrailingPartial(*neighbors, grid.col_group, "backward", "column")
-    dq_ring = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", "row")
+    trailing = TrailingPartial(*neighbors, grid.col_group, "backward", COLUMN)
+    dq_ring = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
     order = row_order(grid)
-    for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", "column"):
+    for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", COLUMN):
         y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         if t == 0:  # this rank's own block needs nothing from anyone

@@ -28,6 +28,7 @@ from .kernels import TileKernel
 from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
+from .values import COLUMN, ROW
 
 
 def merge_partial(mine, arriving) -> None:
@@ -41,13 +42,13 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", "column",
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", COLUMN,
                                                        grid.col_order)
     neighbors = grid.row_neighbors()
     own = empty_accumulators(s, b, hq, dv, q.device)
     # fp32 partials: rounding the running merge at every hop would add up
-    trailing = TrailingPartial(*neighbors, grid.row_group, "forward", "row", merge_partial)
-    for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", "row"):
+    trailing = TrailingPartial(*neighbors, grid.row_group, "forward", ROW, merge_partial)
+    for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", ROW):
         x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
         acc = own if t == 0 else empty_accumulators(s, b, hq, dv, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
@@ -77,7 +78,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
     my_row = grid.row_index
-    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", "column",
+    kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward", COLUMN,
                                                        grid.col_order)
     dout = dout.contiguous()
     # D's temporary comes and goes before the gradient buffers are made
@@ -86,8 +87,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     neighbors = grid.row_neighbors()
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
-    trailing = TrailingPartial(*neighbors, grid.row_group, "backward", "row")
-    ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", "row")
+    trailing = TrailingPartial(*neighbors, grid.row_group, "backward", ROW)
+    ring = ring_steps(rows_in, grid.cols, *neighbors, grid.row_group, "backward", ROW)
     del rows_in  # (Q, dO), (lse, D): only the ring holds them, for as long as they travel
     later = own_blocks_later(grid)
     for t, (qdo_flat, stats_x) in ring:
@@ -113,7 +114,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
                        grid.col_mesh_ranks[i], mask, scale, dq_own, kv_grads(dkv_part[i], k, v))
     del kv_col  # used up: the reduce-scatter does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
-                                                 "backward", "column", grid.col_order)
+                                                 "backward", COLUMN, grid.col_order)
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops, meanwhile
     dkv_pending.wait()
     return (dq_own.to(q.dtype), *split_kv_grads(dkv, k, v))

@@ -32,8 +32,10 @@ from .merge import empty_accumulators, merge_into
 from .placed import mesh_placement
 from .traffic import Traffic
 from .values import (
+    COLUMN,
     DEFAULT_GRAD_DTYPE,
     FP32_BYTES,
+    ROW,
     AttentionShape,
     GradDtype,
     GridShape,
@@ -120,8 +122,8 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     peers = _Peers(grid, mask, s, q.device)
-    (q_row,) = _gather_rows([q], peers.row, grid.cols, grid.col_index, "forward", "row")
-    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "forward", "column")
+    (q_row,) = _gather_rows([q], peers.row, grid.cols, grid.col_index, "forward", ROW)
+    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "forward", COLUMN)
     accs = []
     for j, x in enumerate(grid.row_mesh_ranks):
         out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
@@ -134,8 +136,8 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     outs = [a[0].to(q.dtype) for a in accs]
     lses = [a[1].permute(2, 0, 1) for a in accs]  # [s, b, hq]: rows first
     del accs  # e < 4: the other rows' fp32 outputs, copied into outs
-    got_out = _return_rows(outs, peers.row, "forward", "row")
-    got_lse = _return_rows(lses, peers.row, "forward", "row")
+    got_out = _return_rows(outs, peers.row, "forward", ROW)
+    got_lse = _return_rows(lses, peers.row, "forward", ROW)
     del outs, lses  # sent: only this rank's accumulators and the received rows are held
     for (rows, out), (_, lse) in zip(got_out, got_lse):
         if len(rows):
@@ -156,8 +158,8 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     peers = _Peers(grid, mask, s, q.device)
     stats = torch.stack([lse, attention_delta(dout, out)]).permute(3, 0, 1, 2)  # [s, 2, b, hq]
     q_row, do_row, st_row = _gather_rows([q, dout, stats.contiguous()], peers.row, grid.cols,
-                                         grid.col_index, "backward", "row")
-    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "backward", "column")
+                                         grid.col_index, "backward", ROW)
+    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "backward", COLUMN)
     dq_part = torch.zeros(grid.cols, *q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
     for j, x in enumerate(grid.row_mesh_ranks):
@@ -169,12 +171,12 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
         del out_x  # a stand-in output goes before the next one is made
     del q_row, do_row, st_row, k_col, v_col
     dq = dq_part[grid.col_index]
-    for rows, got in _return_rows(list(dq_part), peers.row, "backward", "row", grad_dtypes.dq):
+    for rows, got in _return_rows(list(dq_part), peers.row, "backward", ROW, grad_dtypes.dq):
         dq.index_add_(0, rows, got.float())
     dks = [kv_grads(dkv_part[i], k, v) for i in range(grid.rows)]
     dk, dvv = dks[grid.row_index]
     for n, own in enumerate((dk, dvv)):
-        for rows, got in _return_rows([d[n] for d in dks], peers.col, "backward", "column",
+        for rows, got in _return_rows([d[n] for d in dks], peers.col, "backward", COLUMN,
                                       grad_dtypes.dkv):
             own.index_add_(0, rows, got.float())
     return (dq.to(q.dtype), *split_kv_grads(dkv_part[grid.row_index], k, v))
