@@ -218,3 +218,41 @@ def _run(rank: int, world: int) -> list[str]:
 def test_placed_documents_exact_on_every_grid(cp_size: int) -> None:
     bad = [b for rank_bad in run_distributed(_run, cp_size) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
+
+
+def _bad_placements(rank: int, world: int) -> list[str]:
+    """Each bad call raises ValueError naming the problem on every rank (no hang): a
+    placement of another CP size, cu_seqlens of other documents beside it, tensors that are
+    not the placement's share, and a bad one on one rank only."""
+    grid = mm.MeshGrid.build(rows=2, cols=world // 2)
+    cu = torch.tensor([0, 24, 40, 32 * world], dtype=torch.int32)
+    placement = place_documents(cu, world)
+    share = placement.local_tokens
+    q = torch.randn(share, 2, 8)
+    calls = {
+        "another CP size": (dict(placement=place_documents(cu, 2 * world)), q, "CP ranks"),
+        "other documents": (dict(placement=placement, cu_seqlens=torch.tensor(
+            [0, 20, 40, 32 * world], dtype=torch.int32)), q, "lengths"),
+        "padded lengths": (dict(placement=placement, cu_seqlens=cu, cu_seqlens_padded=cu), q,
+                           "not padded"),
+        "a longer share": (dict(placement=placement), torch.randn(share + 2, 2, 8), "tokens"),
+        "one rank's share": (dict(placement=placement),
+                             torch.randn(share + 2 * (rank == 0), 2, 8), "tokens"),
+    }
+    bad = []
+    for name, (kwargs, x, words) in calls.items():
+        try:
+            mm.mesh_attention(x, x, x, grid, backend="torch", **kwargs)
+            bad.append(f"rank {rank}: {name} was accepted")
+        except ValueError as e:
+            if words not in str(e):
+                bad.append(f"rank {rank}: {name}: unclear error {e}")
+    out = mm.mesh_attention(q, q, q, grid, placement=placement, backend="torch")
+    if out.shape != q.shape:  # a good call after the refused ones still runs
+        bad.append(f"rank {rank}: a good call after refused ones gave {tuple(out.shape)}")
+    return bad
+
+
+def test_bad_placements_are_named_on_every_rank() -> None:
+    bad = [b for rank_bad in run_distributed(_bad_placements, 4) for b in rank_bad]
+    assert not bad, "\n".join(bad)
