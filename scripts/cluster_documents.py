@@ -111,16 +111,17 @@ def inputs(case: dict, lengths: tuple[int, ...], grid: mm.MeshGrid, args: argpar
 
 
 def time_case(case: dict, lengths: tuple[int, ...], grid: mm.MeshGrid, emulation: Emulation,
-              args: argparse.Namespace) -> dict:
+              args: argparse.Namespace, machine: bool = False) -> dict:
     """Median / min / max seconds of forward + backward (barrier to barrier: the slowest
-    rank) and the most bytes any rank sent in one layer."""
+    rank), the most bytes any rank sent and the most emulated compute any rank slept in
+    one layer; `machine`: compute off and links unshaped (this machine's own time)."""
     q, k, v, dout, extra = inputs(case, lengths, grid, args)
-    times, sent = [], 0
+    times, sent, slept = [], 0, 0.0
     for it in range(args.warmup + args.repeats):
-        kernel = EmulatedKernel(emulation.flops_rate)
+        kernel = EmulatedKernel(float("inf") if machine else emulation.flops_rate)
         q.grad = k.grad = v.grad = None
         dist.barrier()
-        links = ShapedLinks(emulation, dist.get_rank(), shape=not args.real_links)
+        links = ShapedLinks(emulation, dist.get_rank(), shape=not (args.real_links or machine))
         with links:
             t0 = time.perf_counter()
             out = mm.mesh_attention(q, k, v, grid, True, args.head_dim ** -0.5, kernel,
@@ -130,11 +131,11 @@ def time_case(case: dict, lengths: tuple[int, ...], grid: mm.MeshGrid, emulation
             elapsed = time.perf_counter() - t0
         if it >= args.warmup:
             times.append(elapsed)
-        sent = sum(links.bytes.values())
-    most = torch.tensor(sent, dtype=torch.int64)
+        sent, slept = sum(links.bytes.values()), kernel.seconds
+    most = torch.tensor([sent, round(slept * 1e9)], dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "bytes": int(most)}
+            "bytes": int(most[0]), "compute_s": int(most[1]) / 1e9}
 
 
 def run_documents_rank(rank: int, world: int, args: argparse.Namespace, emulation: Emulation
@@ -150,6 +151,8 @@ def run_documents_rank(rank: int, world: int, args: argparse.Namespace, emulatio
                "model_s": case["model_s"], "model_bytes": case["model_bytes"]}
         row.update({k: case[k] for k in ("floor_s", "summary") if k in case})
         row.update(time_case(case, lengths, grid, emulation, args))
+        if args.floor:
+            row["machine_s"] = time_case(case, lengths, grid, emulation, args, True)["median_s"]
         rows.append(row)
     return rows
 
@@ -171,7 +174,8 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
                   "  " + placed["summary"],
                   f"{'layout':<8} {'grid':>8} {'EMULATED ms':>11} {'spread':>7} {'MODEL ms':>9} "
                   f"{'ratio':>6} {'THD/this':>9} {'MODEL THD/this':>14} {'/floor':>7} "
-                  f"{'MiB/rank':>9} {'MODEL MiB':>9}"]
+                  f"{'MiB/rank':>9} {'MODEL MiB':>9} {'slept ms':>8}"
+                  + (f" {'machine ms':>10}" if args.floor else "")]
         for r in (thd, placed):
             spread = (r["max_s"] - r["min_s"]) / r["median_s"]
             lines.append(
@@ -179,12 +183,17 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
                 f"{spread:7.1%} {r['model_s'] * 1e3:9.1f} {r['median_s'] / r['model_s']:6.2f} "
                 f"{thd['median_s'] / r['median_s']:8.2f}x {thd['model_s'] / r['model_s']:13.2f}x "
                 f"{r['median_s'] / floor:6.2f}x {r['bytes'] / MIB:9.3f} "
-                f"{r['model_bytes'] / MIB:9.3f}")
+                f"{r['model_bytes'] / MIB:9.3f} {r['compute_s'] * 1e3:8.1f}"
+                + (f" {r['machine_s'] * 1e3:10.1f}" if args.floor else ""))
         lines.append(f"compute floor (busiest rank's in-document FLOPs at the emulated GPU's "
                      f"rate, MODEL): {floor * 1e3:.1f} ms")
     lines += ["", "EMULATED ms = measured median forward + backward per layer (slowest rank); "
               "MODEL ms = the planner's prediction for the same emulated cluster; ratio = "
               "EMULATED / MODEL; THD/this = THD's time over this row's; /floor = this row's "
               "time over the compute floor; MiB/rank = bytes the busiest rank sent, counted at "
-              "the exchange; MODEL MiB = mesh_traffic (THD) / placement_traffic (placed)"]
+              "the exchange; MODEL MiB = mesh_traffic (THD) / placement_traffic (placed); slept ms = "
+              "the most emulated compute one rank slept"]
+    if args.floor:
+        lines.append("machine ms = the same layer with compute off and links unshaped: what "
+                     "this machine alone takes (Python, gloo, the schedules' copies)")
     return "\n".join(lines)
