@@ -161,6 +161,7 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
     """One table per P: THD and the placement, EMULATED beside MODEL, and the floor."""
     clock = ("REAL links (network namespaces, tbf between nodes; compute EMULATED)"
              if args.real_links else "EMULATED compute and links")
+    clock_ms = "NETNS ms" if args.real_links else "EMULATED ms"
     lines = []
     for p in dict.fromkeys(r["P"] for r in rows):
         thd, placed = (next(r for r in rows if r["P"] == p and r["layout"] == lay)
@@ -172,7 +173,7 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
                   f"{args.head_dim} (real tensors), {args.dtype}, causal; {clock}; "
                   f"{args.repeats} repeats",
                   "  " + placed["summary"],
-                  f"{'layout':<8} {'grid':>8} {'EMULATED ms':>11} {'spread':>7} {'MODEL ms':>9} "
+                  f"{'layout':<8} {'grid':>8} {clock_ms:>11} {'spread':>7} {'MODEL ms':>9} "
                   f"{'ratio':>6} {'THD/this':>9} {'MODEL THD/this':>14} {'/floor':>7} "
                   f"{'MiB/rank':>9} {'MODEL MiB':>9} {'slept ms':>8}"
                   + (f" {'machine ms':>10}" if args.floor else "")]
@@ -187,7 +188,9 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
                 + (f" {r['machine_s'] * 1e3:10.1f}" if args.floor else ""))
         lines.append(f"compute floor (busiest rank's in-document FLOPs at the emulated GPU's "
                      f"rate, MODEL): {floor * 1e3:.1f} ms")
-    lines += ["", "EMULATED ms = measured median forward + backward per layer (slowest rank); "
+    lines += ["", f"{clock_ms} = measured median forward + backward per layer (slowest rank"
+              + ("; links shaped by the kernel, compute EMULATED" if args.real_links else "")
+              + "); "
               "MODEL ms = the planner's prediction for the same emulated cluster; ratio = "
               "EMULATED / MODEL; THD/this = THD's time over this row's; /floor = this row's "
               "time over the compute floor; MiB/rank = bytes the busiest rank sent, counted at "
