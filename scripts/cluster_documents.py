@@ -190,11 +190,11 @@ def documents_report(rows: list[dict], args: argparse.Namespace, describe: str) 
                      f"rate, MODEL): {floor * 1e3:.1f} ms")
     lines += ["", f"{clock_ms} = measured median forward + backward per layer (slowest rank"
               + ("; links shaped by the kernel, compute EMULATED" if args.real_links else "")
-              + "); "
-              "MODEL ms = the planner's prediction for the same emulated cluster; ratio = "
-              "EMULATED / MODEL; THD/this = THD's time over this row's; /floor = this row's "
-              "time over the compute floor; MiB/rank = bytes the busiest rank sent, counted at "
-              "the exchange; MODEL MiB = mesh_traffic (THD) / placement_traffic (placed); slept ms = "
+              + "); MODEL ms = the planner's prediction for the same emulated cluster; "
+              f"ratio = {clock_ms.split()[0]} / MODEL; THD/this = THD's time over this "
+              "row's; /floor = this row's time over the compute floor; MiB/rank = bytes the "
+              "busiest rank sent, counted at the exchange; MODEL MiB = mesh_traffic (THD) / "
+              "placement_traffic (placed); slept ms = "
               "the most emulated compute one rank slept"]
     if args.floor:
         lines.append("machine ms = the same layer with compute off and links unshaped: what "

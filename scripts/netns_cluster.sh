@@ -80,6 +80,8 @@ for ((r = P - 1; r >= 0; r--)); do
     PIDS+=($!)
 done
 status=0
-for pid in "${PIDS[@]}"; do wait "$pid" || status=$?; done
-PIDS=()
+for ((i = 0; i < P; i++)); do  # a rank that fails ends the run (the trap stops the others)
+    wait -n || { status=$?; echo "a rank exited with status $status; stopping" >&2; break; }
+done
+[[ $status != 0 ]] || PIDS=()
 exit $status

@@ -188,10 +188,10 @@ def format_placed(plan: Plan, placed) -> str:
         "sequence) vs placed whole (place_documents, the sparse exchange of the documents "
         f"that span ranks); the driver runs the placement by default ({PLACEMENT_FLAG})",
         "  " + placed.placement.summary(),
-        f"compute floor (busiest rank's in-document FLOPs): forward "
+        f"compute floor (MODEL: busiest rank's in-document FLOPs): forward "
         f"{placed.floor_s['forward'] * 1e3:.3f} ms, backward "
         f"{placed.floor_s['backward'] * 1e3:.3f} ms, total {floor * 1e3:.3f} ms",
-        f"best placed: {best.label}, {best.total_s * 1e3:.3f} ms per layer, "
+        f"best placed (MODEL): {best.label}, {best.total_s * 1e3:.3f} ms per layer, "
         f"{best_thd.total_s / best.total_s:.2f}x faster than THD's best ({best_thd.label}, "
         f"{best_thd.total_s * 1e3:.3f} ms), {best.total_s / floor:.2f}x the floor",
         "",
