@@ -12,8 +12,9 @@ from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.model_report import format_model, model_to_dict
+from megatron_mesh.planner.placed import PLACEMENT_FLAG, lognormal_lengths, price_placement
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
-from megatron_mesh.planner.report import format_table, plan_to_dict
+from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan, resolve_head_dim
 from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
@@ -114,9 +115,15 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--doc-length", type=_positive_int, metavar="L",
                       help="packed documents of L tokens each (--seq-length must be a multiple "
-                      "of L): compute counts only in-document attention; bytes are unchanged")
+                      "of L): prices Transformer Engine's THD layout (compute counts only "
+                      "in-document attention, bytes of the whole sequence) beside the "
+                      "document placement (documents whole on ranks, the driver's default)")
     docs.add_argument("--doc-lengths", metavar="L1,L2,...",
                       help="packed documents of these lengths (summing to --seq-length)")
+    docs.add_argument("--doc-length-dist", metavar="lognormal:MEDIAN:MAX[:SEED]",
+                      help="packed documents drawn from a log-normal of median MEDIAN (sigma "
+                      "1), clipped to [1, MAX], filling --seq-length (the last one cut to "
+                      "fit); deterministic from SEED (default 0)")
     p.add_argument("--window-size", metavar="L[,R]",
                    help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; R "
                    "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
@@ -191,6 +198,8 @@ def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
             parser.error(f"--doc-length {args.doc_length} does not divide --seq-length "
                          f"{args.seq_length}; give a divisor or --doc-lengths")
         return (args.doc_length,) * (args.seq_length // args.doc_length)
+    if args.doc_length_dist is not None:
+        return _length_dist(parser, args.doc_length_dist, args.seq_length)
     if args.doc_lengths is None:
         return None
     try:
@@ -201,6 +210,23 @@ def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
         parser.error(f"--doc-lengths {args.doc_lengths}: positive lengths summing to "
                      f"--seq-length {args.seq_length} (they sum to {sum(lengths)})")
     return lengths
+
+
+def _length_dist(parser: argparse.ArgumentParser, text: str, seq_length: int
+                 ) -> tuple[int, ...]:
+    """--doc-length-dist lognormal:MEDIAN:MAX[:SEED] as lengths; exits 2 naming the value."""
+    fields = text.split(":")
+    usage = (f"--doc-length-dist {text!r}: give lognormal:MEDIAN:MAX[:SEED] with integers "
+             "1 <= MEDIAN <= MAX and SEED >= 0")
+    if fields[0] != "lognormal" or len(fields) not in (3, 4):
+        parser.error(usage)
+    try:
+        median, longest, *seed = (int(f) for f in fields[1:])
+    except ValueError:
+        parser.error(usage)
+    if not 1 <= median <= longest or (seed and seed[0] < 0):
+        parser.error(usage)
+    return lognormal_lengths(seq_length, median, longest, seed[0] if seed else 0)
 
 
 def _window(args: argparse.Namespace) -> tuple[Window | None, LayerMix | None]:
@@ -228,7 +254,8 @@ def _window(args: argparse.Namespace) -> tuple[Window | None, LayerMix | None]:
         parser.error(f"--window-size {text} limits nothing (unbounded on both sides"
                      + (", causal" if args.causal else "") + "); leave it out for full attention")
     if args.documents is not None:
-        parser.error("--window-size with --doc-length / --doc-lengths is not priced; give one")
+        parser.error("--window-size with --doc-length / --doc-lengths / --doc-length-dist is "
+                     "not priced; give one")
     layers = args.num_layers or args.window_attn_skip_freq or 1
     return window, LayerMix(layers, args.window_attn_skip_freq)
 
@@ -286,15 +313,22 @@ def _run_plan(args: argparse.Namespace) -> int:
         if layers is not None:
             full = _plan(args, tp.cp_size) if layers.full else None
             mixed = model_plan(result, full, layers)
+        placed = None if args.documents is None else price_placement(result)
     except ValueError as exc:
         parser.error(str(exc))
     choice = mixed.best_grid if layers is not None else result.best_grid.grid_shape
+    if placed is not None:
+        choice = placed.best.grid_shape
     flags = driver_flags(tp.cp_size, choice, tp.size, args.mesh_schedule,
                          args.mesh_grad_reduce_dtype)
+    if placed is not None:
+        flags.append(PLACEMENT_FLAG)
     if args.json:
         data = model_to_dict(mixed) if layers is not None else plan_to_dict(result)
         data["tensor_model_parallel_size"] = tp.size
         data["driver_flags"] = flags
+        if placed is not None:
+            data["placed"] = placed_to_dict(result, placed)
         print(json.dumps(data, indent=2))
     else:
         if tp.size > 1:
@@ -303,6 +337,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             _print_model(mixed, tp.size)
         else:
             print(format_table(result, tp.size))
+        if placed is not None:
+            print(format_placed(result, placed))
         print(f"driver flags of the choice (mesh {'x'.join(map(str, choice))}):\n  "
               + " ".join(flags))
     if args.plot:

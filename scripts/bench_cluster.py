@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from cluster_documents import documents_report, parse_lengths, run_documents_rank
 
 import megatron_mesh as mm
 from megatron_mesh.dtypes import TORCH_DTYPES
@@ -104,6 +105,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window-size", type=int, default=None, metavar="L",
                    help="a causal sliding window of L tokens back (window_size (L, 0)): time the "
                    "windowed layer with all_gather, a2a and the mesh")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-length-dist", metavar="lognormal:MEDIAN:MAX[:SEED[:MIN]]",
+                      help="packed documents drawn log-normal (sigma 1, median MEDIAN, clipped "
+                      "to [MIN, MAX], in units of 2P tokens so THD needs no padding): time THD "
+                      "against the document placement (scripts/cluster_documents.py)")
+    docs.add_argument("--doc-lengths", metavar="L1,L2,...",
+                      help="packed documents of these lengths (multiples of 2P summing to S): "
+                      "THD against the document placement")
+    p.add_argument("--doc-long", type=int, default=None, metavar="L",
+                   help="with --doc-length-dist: one document of L tokens first, the drawn ones "
+                   "fill the rest")
+    p.add_argument("--real-links", action="store_true",
+                   help="documents mode: do not shape links (count them only): the links the "
+                   "ranks run on are the clock (scripts/netns_cluster.sh)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="run only this rank (documents mode; with --master, as "
+                   "scripts/netns_cluster.sh starts each rank in its node's namespace)")
+    p.add_argument("--master", default=None, metavar="ADDR:PORT",
+                   help="with --rank: gloo's rendezvous over TCP")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--plot", default=None, help="measured vs predicted PNG (needs matplotlib)")
     args = p.parse_args(argv)
@@ -125,6 +145,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--kv-heads entry {h} must divide --heads {args.heads}")
     if args.window_size is not None and args.window_size < 1:
         p.error(f"--window-size must be a positive number of tokens, got {args.window_size}")
+    args.doc_mode = args.doc_length_dist is not None or args.doc_lengths is not None
+    if args.doc_mode:
+        if len(args.seq_lengths) != 1:
+            p.error("the documents mode takes one --seq-lengths S")
+        args.doc_source = args.doc_lengths and "--doc-lengths" or (
+            f"log-normal {args.doc_length_dist}"
+            + (f" after one of {args.doc_long}" if args.doc_long else ""))
+        args.lengths = {n: parse_lengths(args, p, args.seq_lengths[0], n) for n in args.cp_sizes}
+    elif args.doc_long or args.real_links or args.rank is not None:
+        p.error("--doc-long, --real-links and --rank belong to the documents mode "
+                "(--doc-length-dist / --doc-lengths)")
+    if (args.rank is None) != (args.master is None) or (
+            args.rank is not None and len(args.cp_sizes) != 1):
+        p.error("--rank and --master go together, with one --cp-sizes P")
     for name in ("repeats", "slowdown"):
         if not getattr(args, name) > 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -396,8 +430,50 @@ def draw(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def run_documents(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    """The documents mode on one rank (`cluster_documents.run_documents_rank`)."""
+    return run_documents_rank(rank, world, args, emulation_for(args, world))
+
+
+def one_rank(args: argparse.Namespace) -> list[dict] | None:
+    """Only --rank of P, rendezvous at --master over TCP; rank 0's rows (None elsewhere)."""
+    world = args.cp_sizes[0]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
+                            world_size=world)
+    try:
+        rows = run_documents(args.rank, world, args)
+    finally:
+        dist.destroy_process_group()
+    return rows if args.rank == 0 else None
+
+
+def main_documents(args: argparse.Namespace) -> None:
+    """THD against the document placement on every P (`scripts/cluster_documents.py`)."""
+    if args.rank is not None:
+        rows = one_rank(args)
+        if rows is None:
+            return
+    else:
+        rows = []
+        for world in args.cp_sizes:
+            rows += run_gloo(run_documents, world, args)[0]
+    describe = emulation_for(args, args.cp_sizes[0]).describe()
+    print(documents_report(rows, args, describe))
+    if args.json:
+        keep = [{k: v for k, v in r.items() if k != "placement"} for r in rows]
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "lengths"},
+                       "lengths": {str(k): v for k, v in args.lengths.items()},
+                       "rows": keep}, f, indent=1)
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.doc_mode:
+        main_documents(args)
+        return
     rows = []
     for world in args.cp_sizes:
         rows += run_gloo(run_rank, world, args)[0]

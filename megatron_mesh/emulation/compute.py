@@ -7,7 +7,9 @@ planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), b
 `BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under a
 `TileMask` (sliding windows: a band, or an explicit mask) costs 4 hq d b per (query, key)
 pair the mask keeps (`TileMask.pairs`), as the planner prices windows
-(`planner.windows.kept_pairs`).
+(`planner.windows.kept_pairs`). A varlen tile (packed documents, `Segments`) costs the
+same per in-document pair only: segment i's queries against its own keys (causal: top-left
+aligned, query t sees min(t + 1, keys) of them), never the dense sq x sk.
 """
 from __future__ import annotations
 
@@ -20,12 +22,29 @@ from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
-def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None) -> float:
+def segment_pairs(segments, causal: bool) -> int:
+    """(query, key) pairs of a varlen tile: within each segment only (`Segments`)."""
+    pairs = 0
+    for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_kv,
+                              segments.cu_kv[1:]):
+        nq, nk = q1 - q0, k1 - k0
+        if not causal:
+            pairs += nq * nk
+        else:  # query t sees keys 0 .. min(t, nk - 1)
+            seen = min(nq, nk)
+            pairs += seen * (seen + 1) // 2 + (nq - seen) * nk
+    return pairs
+
+
+def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None,
+               segments=None) -> float:
     """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]; with a
-    `TileMask`, of the pairs it keeps."""
+    `TileMask`, of the pairs it keeps; with `Segments`, of the in-document pairs."""
     sq, b, hq, d = q.shape
     if mask is not None:
         return 4.0 * mask.pairs * b * hq * d
+    if segments is not None:
+        return 4.0 * segment_pairs(segments, causal) * b * hq * d
     return attention_flops(sq, k.shape[0], b, hq, d, causal)
 
 
@@ -34,7 +53,7 @@ class EmulatedKernel:
     Takes tile masks (priced by their pairs) and V's own head dim; no packed documents."""
 
     name = "emulated"
-    caps = KernelCaps(tile_mask=True, window=True, v_head_dim=True)
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
 
     def __init__(self, flops_rate: float) -> None:
         if not flops_rate > 0:
@@ -51,7 +70,7 @@ class EmulatedKernel:
                 segments: Segments | None = None, mask: TileMask | None = None):
         """Zeros: out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq] fp32."""
         check_call(self, q, v, segments, mask)
-        self._compute(tile_flops(q, k, causal, mask))
+        self._compute(tile_flops(q, k, causal, mask, segments))
         sq, b, hq, _ = q.shape
         out = torch.zeros(sq, b, hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
@@ -60,7 +79,7 @@ class EmulatedKernel:
                  segments: Segments | None = None, mask: TileMask | None = None):
         """Zeros like q, k, v."""
         check_call(self, q, v, segments, mask)
-        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask))
+        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask, segments))
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))

@@ -28,11 +28,15 @@ class ShapedLinks(comm.Observing):
         with ShapedLinks(emulation, dist.get_rank()) as links:
             mesh_attention(...).backward(dout)
         links.seconds  # emulated link time reserved, per link
+
+    `shape=False` only counts (bytes per link, the seconds they would take): for links
+    shaped outside the project (`scripts/netns_cluster.sh`: network namespaces and tbf).
     """
 
-    def __init__(self, emulation: Emulation, rank: int) -> None:
+    def __init__(self, emulation: Emulation, rank: int, shape: bool = True) -> None:
         self.emulation = emulation
         self.rank = rank
+        self.shape = shape  # False: count bytes and link seconds, hold nothing (real links)
         self.free_at = {"intra": 0.0, "inter": 0.0}
         self.seconds = {"intra": 0.0, "inter": 0.0}
         self.bytes = {"intra": 0, "inter": 0}
@@ -64,4 +68,4 @@ class ShapedLinks(comm.Observing):
                 self.seconds[link] += nbytes / rate
                 self.bytes[link] += nbytes
                 done = max(done, self.free_at[link])
-        return done
+        return done if self.shape else now

@@ -123,12 +123,16 @@ def price(
     overlap: bool,
     mesh_shape: tuple[int, int] | None = None,
     heads: int = 1,
+    flops: dict[str, float] | None = None,
 ) -> Estimate:
-    """Apply the time model of the module docstring to one method's transfers."""
-    flops = {"forward": workload.forward_flops(), "backward": workload.backward_flops()}
+    """Apply the time model of the module docstring to one method's transfers; `flops`:
+    each pass's FLOPs on the busiest GPU (default: the workload's, shared by all GPUs)."""
+    if flops is None:
+        flops = {"forward": workload.forward_flops() / cluster.gpus,
+                 "backward": workload.backward_flops() / cluster.gpus}
     compute, comm, time = {}, {}, {}
     for phase in PHASES:
-        compute[phase] = cluster.compute_seconds(flops[phase] / cluster.gpus)
+        compute[phase] = cluster.compute_seconds(flops[phase])
         mine = [t for t in transfers if t.phase == phase]
         hidden = [t for t in mine if overlap and t.hidden]
         exposed = sum(t.seconds(cluster) for t in mine if not (overlap and t.hidden))

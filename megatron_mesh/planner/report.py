@@ -160,3 +160,58 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "estimates": [_estimate_dict(plan, e) for e in plan.estimates],
         "unavailable": [{"method": u.method, "reason": u.reason} for u in plan.unavailable],
     }
+
+
+def format_placed(plan: Plan, placed) -> str:
+    """THD beside the document placement (`planner.placed.PlacedPlan`), per mesh shape and
+    grid, with the compute floor; the placement is what the driver runs by default."""
+    from megatron_mesh.planner.placed import PLACEMENT_FLAG  # placed imports this module's peers
+
+    thd = {e.grid_shape: e for e in (*plan.meshes, *plan.grids)}
+    best_thd = plan.best_grid
+    best = placed.best
+    floor = placed.floor_total_s
+    heads = ("method", "THD MiB", "placed MiB", "THD inter MiB", "placed inter MiB",
+             "THD ms", "placed ms", "THD/placed", "placed/floor")
+    rows = [heads]
+    for e in placed.estimates:
+        t = thd[e.grid_shape]
+        mark = (" +" if e is best else "") + (" t" if t is best_thd else "")
+        rows.append((e.label + mark, f"{t.total_bytes / MIB:.1f}", f"{e.total_bytes / MIB:.1f}",
+                     f"{t.inter_node_bytes / MIB:.1f}", f"{e.inter_node_bytes / MIB:.1f}",
+                     f"{t.total_s * 1e3:.3f}", f"{e.total_s * 1e3:.3f}",
+                     f"{t.total_s / e.total_s:.2f}x", f"{e.total_s / floor:.2f}x"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
+    lines = [
+        "",
+        "packed documents, THD layout (every document cut over all ranks: the bytes of one "
+        "sequence) vs placed whole (place_documents, the sparse exchange of the documents "
+        f"that span ranks); the driver runs the placement by default ({PLACEMENT_FLAG})",
+        "  " + placed.placement.summary(),
+        f"compute floor (MODEL: busiest rank's in-document FLOPs): forward "
+        f"{placed.floor_s['forward'] * 1e3:.3f} ms, backward "
+        f"{placed.floor_s['backward'] * 1e3:.3f} ms, total {floor * 1e3:.3f} ms",
+        f"best placed (MODEL): {best.label}, {best.total_s * 1e3:.3f} ms per layer, "
+        f"{best_thd.total_s / best.total_s:.2f}x faster than THD's best ({best_thd.label}, "
+        f"{best_thd.total_s * 1e3:.3f} ms), {best.total_s / floor:.2f}x the floor",
+        "",
+    ]
+    for r in rows:
+        lines.append("  ".join(f"{cell:{'<' if i == 0 else '>'}{w}}"
+                               for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    lines.append("MODEL (planner predictions), per layer, per GPU; MiB = bytes each GPU sends "
+                 "(the rank slowest at each exchange); placed: every transfer exposed, compute "
+                 "of the busiest rank; + = best placed (the choice), t = THD's best")
+    return "\n".join(lines)
+
+
+def placed_to_dict(plan: Plan, placed) -> dict[str, Any]:
+    """The placement's rows of `format_placed`, machine-readable."""
+    return {
+        "summary": placed.placement.summary(),
+        "floor_s": {**placed.floor_s, "total": placed.floor_total_s},
+        "best": placed.best.label,
+        "best_grid": list(placed.best.grid_shape),
+        "thd_best": plan.best_grid.label,
+        "estimates": [_estimate_dict(plan, e) for e in placed.estimates],
+    }

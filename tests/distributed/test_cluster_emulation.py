@@ -157,3 +157,44 @@ def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--cp-sizes entry 6 must be at least 2 and divisible by --nodes 4" in err
+
+
+def test_emulated_kernel_prices_varlen_tiles_by_in_document_pairs() -> None:
+    """A tile of packed documents (Segments) costs its in-document pairs only, not sq x sk."""
+    from megatron_mesh.kernels.base import Segments
+    rate = 1e15  # fast: the price is read from kernel.seconds
+    q = torch.zeros(100, 1, 4, 8)
+    segs = Segments.build((0, 30, 100), (0, 30, 100), torch.device("cpu"))
+    kernel = EmulatedKernel(rate)
+    kernel.forward(q, q, q, True, 1.0, segments=segs)
+    causal_pairs = 30 * 31 // 2 + 70 * 71 // 2
+    assert kernel.seconds == pytest.approx(4 * causal_pairs * 4 * 8 / rate)
+    full = Segments.build((0, 30, 100), (0, 50, 60), torch.device("cpu"))  # 30 x 50, 70 x 10
+    kernel = EmulatedKernel(rate)
+    kernel.backward(q, q, q[:60], q[:60], q, None, False, 1.0, segments=full)
+    assert kernel.seconds == pytest.approx(2.5 * 4 * (30 * 50 + 70 * 10) * 4 * 8 / rate)
+
+
+def test_bench_cluster_documents_mode_thd_and_placement(tmp_path: Path) -> None:
+    """--doc-length-dist: THD and the placement on their planner grids, P = 4 as two nodes;
+    the bytes the busiest rank sent are mesh_traffic's (THD) and placement_traffic's."""
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
+         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
+         "--repeats", "1", "--warmup", "0", "--slowdown", "2000",
+         "--doc-length-dist", "lognormal:64:256:1:8", "--json", str(out_json)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    thd, placed = data["rows"]
+    assert (thd["layout"], placed["layout"]) == ("THD", "placed")
+    assert sum(data["lengths"]["4"]) == 1024 and all(n % 8 == 0 for n in data["lengths"]["4"])
+    for r in (thd, placed):
+        assert r["bytes"] == r["model_bytes"] > 0, r
+        assert r["median_s"] >= r["compute_s"] > 0 and r["model_s"] > 0, r
+    assert placed["bytes"] < thd["bytes"] and placed["floor_s"] > 0
+    for text in ("EMULATED ms", "MODEL ms", "compute floor", "placement of"):
+        assert text in proc.stdout, text

@@ -32,7 +32,7 @@ TABLE = {  # docs/kernels.md's caps table
     "torch": (TorchFlashKernel(), ("documents", "tile_mask", "window", "v_head_dim")),
     "cudnn": (CudnnKernel(), ("v_head_dim",)),
     "te": (TEFusedKernel(), ("documents", "v_head_dim")),
-    "emulated": (EmulatedKernel(1e12), ("tile_mask", "window", "v_head_dim")),
+    "emulated": (EmulatedKernel(1e12), ("documents", "tile_mask", "window", "v_head_dim")),
 }
 
 

@@ -24,6 +24,7 @@ from megatron_mesh.planner.windows import (
     COL_PARTS,
     PARTS,
     ROW_PARTS,
+    RowCounts,
     RowSizes,
     heads_bytes,
     inner_shape,
@@ -46,10 +47,19 @@ def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     """The windowed layer's transfers on a heads x rows x cols grid: for each exchange,
     the bytes of the rank whose part takes longest (the first of them on a tie)."""
     assert workload.window is not None
+    inner = inner_shape(workload.attention_shape(), heads)
+    counts = row_counts(inner.seq_len, rows, cols, workload.window, workload.causal)
+    return exchange_transfers(workload, cluster, counts, heads)
+
+
+def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
+                       heads: int = 1) -> list[Transfer]:
+    """The sparse exchange of `counts` (rows each mesh rank uses of each peer's chunk:
+    a window's, or placed documents' `planner.placed`) on a heads x rows x cols grid."""
+    rows, cols = counts.rows, counts.cols
     plan = workload.mesh_plan(rows, cols, heads)
     shape, e = workload.attention_shape(), workload.dtype_bytes
     inner = inner_shape(shape, heads)
-    counts = row_counts(inner.seq_len, rows, cols, workload.window, workload.causal)
     sizes = RowSizes.of(inner, plan.dq_bytes(e), plan.dkv_bytes(e))
     row_parts, col_parts, row_peer, col_peer = peer_bytes(counts, sizes)
     nic, link = cluster.bandwidth(True), cluster.bandwidth(False)

@@ -1,0 +1,189 @@
+"""Packed documents placed whole on ranks (`megatron_mesh.place_documents`), priced beside
+Transformer Engine's THD layout.
+
+THD cuts every document into 2P pieces over all ranks: compute falls to the in-document
+pairs, the bytes stay those of one sequence of the packed length (`search.plan` with
+`doc_lengths`). The placement keeps a document whole on one rank, or zigzags a long one
+over a few consecutive ranks; `mesh_attention(placement=...)` runs it through the sparse
+exchange, so each rank receives of each peer only the rows of documents both hold.
+
+Rows, in closed form from the placement's runs (equal to `windowed.placement_traffic`,
+which builds every block's rows, tests/unit/test_planner_placed.py). On the mesh
+placement (`placed.mesh_placement`: after a heads all-to-all mesh rank m holds CP ranks
+mA .. mA+A-1's runs), a query run (d, p, n) of rank o and the key runs (d, k, m) of the
+ranks Y of a column (causal: the key at position t is seen by queries at positions >= t):
+
+    query rows of the run that Y's keys reach:  [max(p, min k), p + n) over k < p + n
+    key rows of a key run (d, k, m) that X's queries reach:  [k, min(k + m, max(p + n)))
+                                                             over p + n > k
+
+(non-causal: the whole run when the other side holds any of the document). Compute: the
+busiest mesh rank's (query, key) pairs over its blocks (x in its row, y in its column), in
+closed form per pair of runs. The floor: the busiest CP rank's in-document pairs
+(`DocumentPlacement.works`) at the GPU's rate, what no schedule can beat.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_mesh.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.placed import mesh_placement
+from megatron_mesh.planner.cost import Estimate, price
+from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.methods.sparse import exchange_transfers
+from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
+from megatron_mesh.planner.windows import RowCounts
+from megatron_mesh.planner.workload import Workload
+from megatron_mesh.values import BACKWARD_FLOPS_RATIO, grid_shapes
+
+PLACEMENT_FLAG = "--mesh-document-placement balanced"
+
+
+def lognormal_lengths(seq_length: int, median: int, longest: int, seed: int = 0,
+                      shortest: int = 1) -> tuple[int, ...]:
+    """Document lengths drawn from a log-normal of the given median (sigma 1), rounded and
+    clipped to [shortest, longest], until they fill `seq_length` (the last one cut to fit);
+    deterministic from `seed`."""
+    if not 1 <= shortest <= median <= longest:
+        raise ValueError(f"log-normal lengths need 1 <= shortest ({shortest}) <= median "
+                         f"({median}) <= longest ({longest})")
+    rnd = random.Random(seed)
+    out: list[int] = []
+    left = seq_length
+    while left > 0:
+        n = min(longest, max(shortest, round(rnd.lognormvariate(math.log(median), 1.0))))
+        out.append(min(n, left))
+        left -= out[-1]
+    return tuple(out)
+
+
+def _doc_runs(placement: DocumentPlacement) -> dict[int, list[tuple[int, int, int]]]:
+    """Per document held by more than one rank: its runs as (rank, first position, tokens)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, runs in enumerate(placement.runs):
+        for doc, first, n in runs:
+            if len(placement.groups[doc]) > 1:
+                out.setdefault(doc, []).append((rank, first, n))
+    return out
+
+
+def placement_counts(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
+                     causal: bool = True) -> RowCounts:
+    """`RowCounts` of `placement` on a heads x rows x cols grid: q[j, o] query rows of mesh
+    rank o's chunk that column j's ranks use, kv[i, o] key rows of o's chunk that row i's
+    ranks use (module docstring; the diagonal block never travels)."""
+    mp = mesh_placement(placement, heads)
+    mesh = rows * cols
+    q = np.zeros((cols, mesh), dtype=np.int64)
+    kv = np.zeros((rows, mesh), dtype=np.int64)
+    for runs in _doc_runs(mp).values():
+        for o, p, n in runs:
+            for j in range(cols):
+                keys = [k for y, k, _ in runs if y % cols == j and y != o
+                        and (not causal or k < p + n)]
+                if keys:
+                    q[j, o] += n if not causal else p + n - max(p, min(keys))
+            for i in range(rows):
+                ends = [k + m for x, k, m in runs if x // cols == i and x != o
+                        and (not causal or k + m > p)]
+                if ends:
+                    kv[i, o] += n if not causal else min(n, max(ends) - p)
+    return RowCounts(rows, cols, q, kv)
+
+
+def run_pairs(q_first: int, q_len: int, k_first: int, k_len: int, causal: bool) -> int:
+    """(query, key) pairs of one document between a query run and a key run."""
+    if not causal:
+        return q_len * k_len
+
+    def below(t: int) -> int:  # pairs of the queries at positions < t
+        a = min(max(t - k_first, 0), k_len)
+        return a * (a + 1) // 2 + max(t - k_first - k_len, 0) * k_len
+
+    return below(q_first + q_len) - below(q_first)
+
+
+def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
+               causal: bool = True) -> list[int]:
+    """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
+    its column, of the mesh placement (each pair of the layer once over the mesh)."""
+    mp = mesh_placement(placement, heads)
+    mesh = rows * cols
+    block: dict[tuple[int, int], int] = {}
+    for rank, runs in enumerate(mp.runs):
+        whole = {d for d, _, _ in runs if len(mp.groups[d]) == 1}  # all its runs are here
+        block[rank, rank] = sum(run_pairs(0, n, 0, n, causal)
+                                for n in (mp.lengths[d] for d in whole))
+    for runs in _doc_runs(mp).values():
+        for x, p, n in runs:
+            for y, k, m in runs:
+                key = (x, y)
+                block[key] = block.get(key, 0) + run_pairs(p, n, k, m, causal)
+    out = []
+    for me in range(mesh):
+        i, j = divmod(me, cols)
+        out.append(sum(block.get((i * cols + c, r * cols + j), 0)
+                       for c in range(cols) for r in range(rows)))
+    return out
+
+
+@dataclass(frozen=True)
+class PlacedPlan:
+    """The placement of a plan's documents and its price on every mesh shape and grid."""
+
+    placement: DocumentPlacement
+    estimates: tuple[Estimate, ...]  # by mesh shape, then grids, as the THD table
+    floor_s: dict[str, float]  # busiest CP rank's in-document FLOPs at the GPU's rate
+
+    @property
+    def best(self) -> Estimate:
+        return min(self.estimates, key=grid_key)
+
+    @property
+    def floor_total_s(self) -> float:
+        return self.floor_s["forward"] + self.floor_s["backward"]
+
+
+def pair_flops(workload: Workload, heads: int = 1) -> float:
+    """Forward FLOPs of one (query, key) pair on one GPU of an `heads`-way all-to-all."""
+    return 4.0 * workload.batch * (workload.num_heads / heads) * workload.head_dim
+
+
+def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPlacement,
+                    rows: int, cols: int, heads: int = 1) -> Estimate:
+    """The placement on a heads x rows x cols grid: the sparse exchange of its rows
+    (every transfer exposed) plus the busiest mesh rank's compute."""
+    counts = placement_counts(placement, rows, cols, heads, workload.causal)
+    transfers = exchange_transfers(workload, cluster, counts, heads)
+    busiest = max(mesh_pairs(placement, rows, cols, heads, workload.causal))
+    fwd = busiest * pair_flops(workload, heads)
+    label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
+    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
+                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd})
+
+
+def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:
+    """The placement of `plan`'s documents (`place_documents` with the cluster's ranks per
+    node, unless given) priced on the grids the THD plan prices."""
+    w, c = plan.workload, plan.cluster
+    if w.doc_lengths is None:
+        raise ValueError("the placement needs packed documents (doc_lengths)")
+    if w.window is not None:
+        raise ValueError("a sliding window inside placed documents is not priced")
+    if placement is None:
+        cu = [0]
+        for n in w.doc_lengths:
+            cu.append(cu[-1] + n)
+        placement = place_documents(cu, c.gpus, c.gpus_per_node)
+    sizes = heads_sizes(w, c.gpus)
+    grids = [(1, r, cc) for r, cc in ((e.mesh_shape) for e in plan.meshes)]
+    grids += [(a, r, cc) for a, r, cc in grid_shapes(c.gpus) if a in sizes]
+    estimates = tuple(placed_estimate(w, c, placement, r, cc, a) for a, r, cc in grids)
+    fwd = max(placement.works()) * pair_flops(w)
+    floor = {"forward": c.compute_seconds(fwd),
+             "backward": c.compute_seconds(BACKWARD_FLOPS_RATIO * fwd)}
+    return PlacedPlan(placement, estimates, floor)
