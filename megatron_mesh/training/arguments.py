@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m megatron_mesh.pretrain_gpt",
         description="Pretrain a GPT model on megatron-core with mesh context parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is an error, not that flag
     )
     p.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
 
