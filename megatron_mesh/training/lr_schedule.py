@@ -73,4 +73,16 @@ class CheckedParamScheduler(OptimizerParamScheduler):
                     f"differs from the checkpoint's ({'; '.join(differences)}); give "
                     f"{OVERRIDE} to use this command line's values or {USE_CHECKPOINT} to "
                     "keep the checkpoint's")
+        if self.override_opt_param_scheduler:
+            self._override_param_groups()
         super().load_state_dict(state_dict)
+
+    def _override_param_groups(self) -> None:
+        """megatron-core's param groups carry their own peak and minimum LR, which the
+        optimizer's state (loaded just before) brought back from the checkpoint; with
+        --override-opt_param-scheduler they follow the command line too."""
+        for group in self.optimizer.param_groups:
+            if "max_lr" in group:
+                group["max_lr"] = self.max_lr
+            if "min_lr" in group:
+                group["min_lr"] = self.min_lr
