@@ -439,6 +439,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
     _check_rotary(args)
+    _check_resume_flags(args)
     _check_window(args)
     _check_mla(args)
     args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
@@ -531,7 +532,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         schedule_length.resolve(args, DEFAULT_TRAIN_ITERS)
     except ValueError as e:
         _fail(str(e))
-    _check_resume_flags(args)
     if args.save_interval is not None and args.save_interval < 1:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save and importlib.util.find_spec("psutil") is None:

@@ -186,14 +186,17 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--window-size", "-3", "0"], ">= -1"),
     (["--window-attn-skip-freq", "2"], "needs --window-size"),
     # flags Megatron-LM checks the same way (issue 32)
-    ([*G8, "--mesh-shap", "1x4"], "unrecognized arguments: --mesh-shap 1x4"),
+    ([*G8, "--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-shap", "2x2x"],
+     "unrecognized arguments: --mesh-shap 2x2x"),
     ([*G8, "--train-samples", "40", "--train-iters", "10"],
      "--train-samples 40 with --train-iters: sample-based training counts its schedule"),
     ([*G8, "--lr-decay-samples", "40"], "--lr-decay-samples with iteration-based training"),
     ([*G8, "--train-samples", "3"], "--train-samples 3 is less than one global batch"),
     ([*G8, "--train-samples", "40", "--lr-warmup-samples", "40"],
      "the LR warmup (40 samples) must be shorter than the decay (40 samples)"),
-    ([*G8, "--rampup-batch-size", "2", "2", "8"], "--rampup-batch-size with iteration-based training "
+    # --train-iters 0 (also refused) keeps the case from training where the ramp was ignored
+    ([*G8, "--rampup-batch-size", "2", "2", "8", "--train-iters", "0"],
+     "--rampup-batch-size with iteration-based training "
      "(a batch-size ramp is counted in samples, as in Megatron-LM)"),
     ([*G8, "--train-samples", "40", "--rampup-batch-size", "1", "1", "8"],
      "--rampup-batch-size 1 1 8: START and INCREMENT must be multiples of micro batch 2 x "
@@ -202,7 +205,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
      "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
     ([*G8, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
      "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive"),
-    ([*G8, "--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer and "
+    ([*G8, "--overlap-param-gather", "--use-distributed-optimizer", "--optimizer", "sgd"],
+     "--overlap-param-gather needs --use-distributed-optimizer and "
      "--overlap-grad-reduce"),
     ([*G8, "--rotary-percent", "0.5", "--position-embedding-type", "learned_absolute"],
      "--rotary-percent 0.5 needs --position-embedding-type rope"),
