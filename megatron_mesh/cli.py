@@ -68,7 +68,7 @@ _positive_int = _int_in(1)
 
 def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "plan",
+        "plan", allow_abbrev=False,  # a flag's prefix is an error, as in Megatron-LM
         help="predict attention time and traffic per GPU of ring, all_gather, a2a, "
         "a2a+p2p and every mesh shape, and pick the mesh shape",
         description="Predict one attention layer's traffic and time per GPU (forward + "

@@ -22,11 +22,12 @@ from megatron_mesh.megatron.arguments import (
     validate_mesh_args,
 )
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
-from megatron_mesh.training import tokenizer_check, validation
+from megatron_mesh.training import schedule_length, tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
 
+DEFAULT_TRAIN_ITERS = 10
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "TikTokenizer")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m megatron_mesh.pretrain_gpt",
         description="Pretrain a GPT model on megatron-core with mesh context parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is an error, not that flag
     )
     p.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
 
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--max-position-embeddings", type=int, default=None, help="default seq length")
     _flag(g, "--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
     _flag(g, "--rotary-base", type=int, default=10000)
+    _flag(g, "--rotary-percent", type=float, default=1.0,
+          help="with --position-embedding-type rope: the share of each head's dims rotated "
+               "(megatron-core's rotary_percent)")
     _flag(g, "--normalization", default="LayerNorm", choices=NORMALIZATIONS)
     _flag(g, "--norm-epsilon", type=float, default=1e-5)
     _flag(g, "--swiglu", type=bool, default=False)
@@ -115,7 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--micro-batch-size", type=int, default=1)
     _flag(g, "--global-batch-size", type=int, default=None,
           help="default micro batch size * data-parallel size")
-    _flag(g, "--train-iters", type=int, default=10)
+    _flag(g, "--train-iters", type=int, default=None,
+          help=f"iterations to train (default {DEFAULT_TRAIN_ITERS}); exclusive with "
+               "--train-samples")
+    _flag(g, "--train-samples", type=int, default=None,
+          help="samples to train: iterations = samples / --global-batch-size (with "
+               "--rampup-batch-size, the ramp's batches first), as in Megatron-LM")
+    _flag(g, "--rampup-batch-size", type=int, nargs=3, default=None,
+          metavar=("START", "INCREMENT", "SAMPLES"),
+          help="with --train-samples: start at global batch START, grow by INCREMENT evenly "
+               "over SAMPLES samples up to --global-batch-size (megatron-core's ramp-up "
+               "calculator)")
     _flag(g, "--skip-train", type=bool, default=False,
           help="no training: evaluate the (loaded) model on the validation and test sets")
     _flag(g, "--calculate-per-token-loss", type=bool, default=False,
@@ -130,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--use-distributed-optimizer", type=bool, default=False,
           help="shard the optimizer state (and fp32 main weights) over DP x CP: megatron-core's "
                "DistributedOptimizer, also on a CPU (Adam)")
+    _flag(g, "--overlap-grad-reduce", type=bool, default=False,
+          help="megatron-core's DDP reduces each gradient bucket as soon as backward has "
+               "filled it, overlapping the reduction with the rest of backward")
+    _flag(g, "--overlap-param-gather", type=bool, default=False,
+          help="with --use-distributed-optimizer and --overlap-grad-reduce: the updated "
+               "parameters are gathered bucket by bucket in the next forward pass")
     _flag(g, "--recompute-granularity", default=None, choices=("full", "selective"),
           help="selective: recompute core attention (the mesh re-runs its forward, "
                "communication included) in backward; full: whole layers")
@@ -144,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--min-lr", type=float, default=0.0)
     _flag(g, "--lr-decay-style", default="cosine", choices=LR_DECAY_STYLES)
     _flag(g, "--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    _flag(g, "--lr-decay-samples", type=int, default=None,
+          help="with --train-samples: decay over this many samples (default --train-samples)")
     _flag(g, "--lr-warmup-iters", type=int, default=0)
+    _flag(g, "--lr-warmup-samples", type=int, default=0,
+          help="with --train-samples: linear warmup over this many samples")
     _flag(g, "--lr-warmup-fraction", type=float, default=None)
     _flag(g, "--weight-decay", type=float, default=0.01)
     _flag(g, "--adam-beta1", type=float, default=0.9)
@@ -152,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--adam-eps", type=float, default=1e-8)
     _flag(g, "--sgd-momentum", type=float, default=0.9)
     _flag(g, "--clip-grad", type=float, default=1.0)
+    g.add_argument("--override-opt_param-scheduler", action="store_true", default=False,
+                   help="on --load: use this command line's learning-rate / weight-decay "
+                        "schedule instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true", default=False,
+                   help="on --load: keep the checkpoint's learning-rate / weight-decay schedule, "
+                        "whatever this command line says (default: a difference is an error)")
 
     g = p.add_argument_group("parallelism")
     _flag(g, "--tensor-model-parallel-size", type=int, default=1)
@@ -208,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "--no-load-optim", type=bool, default=False)
     _flag(g, "--no-load-rng", type=bool, default=False)
     _flag(g, "--finetune", type=bool, default=False, help="load weights only, start at iteration 0")
+    _flag(g, "--use-checkpoint-args", type=bool, default=False,
+          help="take the model's shape (layers, hidden size, heads, query groups, FFN size, "
+               "sequence length) from the checkpoint at --load instead of the flags")
 
     g = p.add_argument_group("evaluation")
     _flag(g, "--eval-interval", type=int, default=1000,
@@ -271,16 +305,31 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainingConfig:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
-        parser.set_defaults(**load_config(pre.config, parser))
+        parser.set_defaults(**schedule_length.drop_other_mode(load_config(pre.config, parser),
+                                                              pre))
     args = parser.parse_args(argv)
     for action in parser._actions:  # argparse checks choices on the command line only
         value = getattr(args, action.dest, None)
         if action.choices and value is not None and value not in action.choices:
             raise ConfigError(f"{action.option_strings[0]} {value!r} (from --config): valid "
                               f"values are {', '.join(map(str, action.choices))}")
+    if args.use_checkpoint_args:
+        _use_checkpoint_args(args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world_size)
     return freeze(args, TrainingConfig)
+
+
+def _use_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the checkpoint's model shape replaces the flags'."""
+    from megatron_mesh.training.checkpoint_args import apply_checkpoint_args
+
+    try:
+        changed = apply_checkpoint_args(args)
+    except ValueError as e:
+        _fail(str(e))
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f" --use-checkpoint-args: from the checkpoint {', '.join(changed)}", flush=True)
 
 
 def _fail(msg: str) -> None:
@@ -297,6 +346,36 @@ def _check_document_masking(args: argparse.Namespace, cp: int) -> None:
         _fail("--reset-attention-mask with --context-parallel-algo all_gather: Transformer "
               "Engine's all_gather CP takes no packed (THD) documents; use mesh, p2p, a2a or "
               "a2a+p2p")
+
+
+def _check_rotary(args: argparse.Namespace) -> None:
+    """--rotary-percent: in (0, 1], only with RoPE, rotating an even number of head dims."""
+    pct = args.rotary_percent
+    if pct == 1.0:
+        return
+    if args.position_embedding_type != "rope" or args.multi_latent_attention:
+        _fail(f"--rotary-percent {pct} needs --position-embedding-type rope (without "
+              "--multi-latent-attention, whose rotated dims are --qk-pos-emb-head-dim)")
+    if not 0.0 < pct <= 1.0:
+        _fail(f"--rotary-percent {pct}: must be in (0, 1]")
+    head = args.kv_channels or args.hidden_size // max(1, args.num_attention_heads)
+    rotated = int(head * pct)
+    if rotated < 2 or rotated % 2:
+        _fail(f"--rotary-percent {pct} rotates {rotated} of the {head} head dims; it must be "
+              "an even number, at least 2")
+
+
+def _check_resume_flags(args: argparse.Namespace) -> None:
+    """The LR-schedule-on-resume switches (exclusive) and the overlap flags' requirements."""
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+              "exclusive: the first takes this command line's LR schedule on --load, the "
+              "second the checkpoint's; give one")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          and args.overlap_grad_reduce):
+        _fail("--overlap-param-gather needs --use-distributed-optimizer and "
+              "--overlap-grad-reduce (megatron-core gathers the parameters the distributed "
+              "optimizer updated, overlapped with the next forward)")
 
 
 def _check_window(args: argparse.Namespace) -> None:
@@ -353,7 +432,7 @@ def _check_mla(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check flags against each other and the world size; fill in derived defaults."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "micro_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "log_interval"):
         if getattr(args, name) is None or getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -363,6 +442,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(str(e))
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive")
+    _check_rotary(args)
+    _check_resume_flags(args)
     _check_window(args)
     _check_mla(args)
     args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
@@ -451,13 +532,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--global-batch-size {args.global_batch_size} is not divisible by micro batch "
               f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-              f"{args.lr_decay_iters} (default: --train-iters)")
+    try:
+        schedule_length.resolve(args, DEFAULT_TRAIN_ITERS)
+    except ValueError as e:
+        _fail(str(e))
     if args.save_interval is not None and args.save_interval < 1:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save and importlib.util.find_spec("psutil") is None:

@@ -30,6 +30,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mesh.megatron.patches import patched
+from megatron_mesh.training.checkpoint_args import SHAPE_FLAGS
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest, write_manifest
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
@@ -209,7 +210,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
         sd["consumed_samples"] = state.consumed_samples
         sd["model_shape"] = {k: getattr(args, k) for k in (
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-            "seq_length", "ffn_hidden_size")}
+            "seq_length", "ffn_hidden_size", *SHAPE_FLAGS)}
     return sd
 
 

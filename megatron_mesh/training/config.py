@@ -20,6 +20,9 @@ DERIVED: dict[str, Any] = {
     "mesh_shape_chosen_by_planner": bool,
     "k_channels": int,  # the core attention's Q / K head dim (MLA: qk + rope, else kv_channels)
     "v_channels": int,  # its V head dim (MLA: v_head_dim, else kv_channels)
+    "lr_warmup_steps": int,  # the LR schedule in samples (schedule_length.py)
+    "lr_decay_steps": int,
+    "wd_incr_steps": int,
 }
 
 

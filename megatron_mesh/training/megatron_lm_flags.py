@@ -17,7 +17,8 @@ __all__ = ["NO_EFFECT", "NoEffectFlag", "add_no_effect_flags", "no_effect_report
 _FUSIONS_OFF = "the driver builds its layers without megatron-core's fused kernels"
 _KERNEL = ("the attention kernel follows --attention-backend (the mesh tile kernel runs "
            "torch's flash / cuDNN attention where the device has it)")
-_NO_RAMP = "no batch-size ramp here: every iteration uses --global-batch-size"
+_NO_RAMP = ("no step schedule of batch sizes here: every iteration uses --global-batch-size "
+            "(--rampup-batch-size ramps it linearly)")
 _FP32_SOFTMAX = "softmax is computed in fp32 in every attention kernel here"
 
 
@@ -48,9 +49,6 @@ NO_EFFECT: tuple[NoEffectFlag, ...] = (
                  "gradients are reduced in fp32 with --bf16 / --fp16 already"),
     NoEffectFlag("--use-mcore-models", 0, "the model is megatron-core's GPTModel already"),
     # overlap, memory and profiling
-    NoEffectFlag("--overlap-grad-reduce", 0, "gradients are reduced after the backward pass"),
-    NoEffectFlag("--overlap-param-gather", 0,
-                 "the distributed optimizer gathers parameters after its step"),
     NoEffectFlag("--manual-gc", 0, "Python's garbage collector runs as usual"),
     NoEffectFlag("--empty-unused-memory-level", 1, "the caching allocator is left alone"),
     NoEffectFlag("--profile", 0, "no profiler here; use torch.profiler around the job"),
@@ -58,8 +56,7 @@ NO_EFFECT: tuple[NoEffectFlag, ...] = (
     NoEffectFlag("--profile-step-end", 1, "no profiler here"),
     NoEffectFlag("--profile-ranks", "+", "no profiler here"),
     NoEffectFlag("--use-pytorch-profiler", 0, "no profiler here"),
-    # batch-size ramps
-    NoEffectFlag("--rampup-batch-size", 3, _NO_RAMP),
+    # batch-size schedules
     NoEffectFlag("--step-batch-size-schedule", 1, _NO_RAMP),
     # logging that is always on, or has nothing to show here
     NoEffectFlag("--log-throughput", 0, "throughput is always in the log line"),

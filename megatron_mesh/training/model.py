@@ -13,6 +13,7 @@ from megatron_mesh.dtypes import flag_dtype
 from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.pipeline import varies_in_length
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     )
     if has_cuda():
         model.cuda(torch.cuda.current_device())
@@ -195,13 +197,26 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     module = Float16Module(config, model) if (args.bf16 or args.fp16) else model
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    if args.overlap_grad_reduce:
+        print_rank0(f" {overlap_label(wrapped.ddp_config)}")
     config.no_sync_func = wrapped.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
+
+
+def overlap_label(ddp_config) -> str:
+    """The start-up line of what megatron-core's DDP overlaps on this device (both run on
+    GPUs and, over gloo, on CPUs)."""
+    gather = ("parameter all-gather overlapped with the next forward"
+              if ddp_config.overlap_param_gather else "parameters gathered after the step")
+    where = "GPU (nccl)" if has_cuda() else "CPU (gloo)"
+    return (f"DDP on {where}: gradient reduction overlapped with backward "
+            f"(--overlap-grad-reduce, bucket size {ddp_config.bucket_size}); {gather}")
 
 
 def unwrap(model: torch.nn.Module) -> GPTModel:

@@ -158,18 +158,25 @@ def _state_numel(optimizer: Any) -> int:
 
 
 def build_scheduler(optimizer: Any, args: TrainingConfig) -> OptimizerParamScheduler:
-    """megatron-core's LR / weight-decay schedule, counted in samples as Megatron-LM does."""
-    gbs = args.global_batch_size
-    return OptimizerParamScheduler(
+    """megatron-core's LR / weight-decay schedule, counted in samples as Megatron-LM does
+    (`schedule_length`); on --load it checks the checkpoint's schedule (`lr_schedule`)."""
+    from megatron_mesh.training.lr_schedule import CheckedParamScheduler
+
+    return CheckedParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
+        init_lr=0.0 if args.lr_warmup_steps > 0 else args.lr,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_steps=args.wd_incr_steps,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        refuse_mismatch=not (args.override_opt_param_scheduler
+                             or args.use_checkpoint_opt_param_scheduler),
+        load_root=args.load,
     )

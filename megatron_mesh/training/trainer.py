@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Iterator
@@ -12,6 +13,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training import faults
+from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
 from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import print_rank0
@@ -46,6 +48,24 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
     return global_loss(reports), grad_norm, ok
 
 
+def _sync_params(model: torch.nn.Module, args: TrainingConfig) -> None:
+    """With --overlap-param-gather the updated parameters arrive in the next forward's
+    pre-hooks; gather them now (before evaluation, a save or the end of training)."""
+    if args.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
+
+
+def _step_args(args: TrainingConfig, calculator: Any, consumed_samples: int) -> TrainingConfig:
+    """`args` with this iteration's global batch and micro-batch count (--rampup-batch-size);
+    `args` itself without a ramp."""
+    if calculator is None:
+        return args
+    gbs, micro = batch_at(calculator, args, consumed_samples)
+    if (gbs, micro) == (args.global_batch_size, args.num_microbatches):
+        return args
+    return dataclasses.replace(args, global_batch_size=gbs, num_microbatches=micro)
+
+
 def _traffic_counter(args: TrainingConfig):
     """A byte counter of mesh collectives when the mesh runs, else None (traffic n/a)."""
     if not mesh_active(args):
@@ -65,6 +85,12 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
     stats = IntervalStats()
     rank = dist.get_rank()
     last = args.train_iters
+    ramp = ramp_calculator(args, rank)
+    if ramp is not None:
+        start, increment, samples = args.rampup_batch_size
+        print_rank0(f" batch-size ramp-up: global batch {start} -> {args.global_batch_size} in "
+                    f"steps of {increment} over {samples} samples; {args.train_iters} "
+                    f"iterations for --train-samples {args.train_samples}")
     model.train()
     try:
         while state.iteration < last:
@@ -72,12 +98,15 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             counter = _traffic_counter(args)
             synchronize()
             start = time.perf_counter()
+            step_args = _step_args(args, ramp, state.consumed_samples)
+            flops = flops_per_iter * step_args.global_batch_size / args.global_batch_size
             with counter if counter is not None else contextlib.nullcontext():
-                loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator, args)
+                loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
+                                                 step_args)
             synchronize()
             seconds = time.perf_counter() - start
             state.iteration += 1
-            state.consumed_samples += args.global_batch_size
+            state.consumed_samples += step_args.global_batch_size
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(state.iteration, loss, grad_norm)
             traffic = counter.total_bytes if counter else 0
@@ -86,16 +115,17 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             one = IntervalStats()
             one.add(loss, seconds, grad_norm, traffic, ok)
             loggers.iteration(
-                interval_metrics(one, args, flops_per_iter, lr, state.consumed_samples,
+                interval_metrics(one, step_args, flops, lr, state.consumed_samples,
                                  peak_memory_bytes(), traffic_known=counter is not None),
                 state.iteration, seconds)
             if state.iteration % args.log_interval == 0 or state.iteration == last:
-                m = interval_metrics(stats, args, flops_per_iter, lr, state.consumed_samples,
+                m = interval_metrics(stats, step_args, flops, lr, state.consumed_samples,
                                      peak_memory_bytes(), traffic_known=counter is not None)
-                print_rank0(log_line(state.iteration, args, m))
+                print_rank0(log_line(state.iteration, step_args, m))
                 loggers.interval(m, state.iteration)
                 stats = IntervalStats()
             if evaluator is not None and evaluator.due(state.iteration):
+                _sync_params(model, args)
                 evaluator.validate(state.iteration, state.consumed_samples)
             stop = state.iteration == last or bool(
                 args.exit_interval and state.iteration % args.exit_interval == 0)
@@ -105,9 +135,11 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 stop = True
             if args.save and (stop or (
                     args.save_interval and state.iteration % args.save_interval == 0)):
+                _sync_params(model, args)
                 save_checkpoint(args.save, model, optimizer, scheduler, state, args)
             if stop:
                 break
     finally:
         exits.restore()
+    _sync_params(model, args)
     return state

@@ -13,6 +13,7 @@ from megatron_mesh.training.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
+G8 = ["--global-batch-size", "8"]  # micro batch 2 x DP 4 (WORLD_SIZE 4)
 
 # GPT-3 paper, Table 2.1: n_layers, d_model, n_heads, d_head
 GPT3 = {
@@ -184,6 +185,35 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--window-size", "16", "4"], "right must be 0 or -1"),
     (["--window-size", "-3", "0"], ">= -1"),
     (["--window-attn-skip-freq", "2"], "needs --window-size"),
+    # flags Megatron-LM checks the same way (issue 32)
+    ([*G8, "--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-shap", "2x2x"],
+     "unrecognized arguments: --mesh-shap 2x2x"),
+    ([*G8, "--train-samples", "40", "--train-iters", "10"],
+     "--train-samples 40 with --train-iters: sample-based training counts its schedule"),
+    ([*G8, "--lr-decay-samples", "40"], "--lr-decay-samples with iteration-based training"),
+    ([*G8, "--train-samples", "3"], "--train-samples 3 is less than one global batch"),
+    ([*G8, "--train-samples", "40", "--lr-warmup-samples", "40"],
+     "the LR warmup (40 samples) must be shorter than the decay (40 samples)"),
+    # --train-iters 0 (also refused) keeps the case from training where the ramp was ignored
+    ([*G8, "--rampup-batch-size", "2", "2", "8", "--train-iters", "0"],
+     "--rampup-batch-size with iteration-based training "
+     "(a batch-size ramp is counted in samples, as in Megatron-LM)"),
+    ([*G8, "--train-samples", "40", "--rampup-batch-size", "1", "1", "8"],
+     "--rampup-batch-size 1 1 8: START and INCREMENT must be multiples of micro batch 2 x "
+     "data-parallel 4 = 8"),
+    ([*G8, "--train-samples", "40", "--rampup-batch-size", "2", "4", "8"],
+     "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
+    ([*G8, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive"),
+    ([*G8, "--overlap-param-gather", "--use-distributed-optimizer", "--optimizer", "sgd"],
+     "--overlap-param-gather needs --use-distributed-optimizer and "
+     "--overlap-grad-reduce"),
+    ([*G8, "--rotary-percent", "0.5", "--position-embedding-type", "learned_absolute"],
+     "--rotary-percent 0.5 needs --position-embedding-type rope"),
+    ([*G8, "--rotary-percent", "0.1"], "--rotary-percent 0.1 rotates 1 of the 16 head dims"),
+    ([*G8, "--use-checkpoint-args"], "--use-checkpoint-args needs --load DIR"),
+    ([*G8, "--use-checkpoint-args", "--load", "/nonexistent/ckpt"],
+     "--use-checkpoint-args: no checkpoint under --load /nonexistent/ckpt"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"],
      "--sequence-parallel: the 63 tokens per context-parallel rank (--seq-length 63 / CP 1) are "
      "not divisible by --tensor-model-parallel-size 2"),
@@ -229,9 +259,10 @@ MEGATRON_LM_GPT_FLAGS = [
     # GPT_MODEL_ARGS
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64", "--attention-backend", "auto",
-    # TRAINING_ARGS (core_v0.16.1: --rampup-batch-size; core_v0.19.0: --step-batch-size-schedule)
+    # TRAINING_ARGS (core_v0.19.0: --step-batch-size-schedule; core_v0.16.1's
+    # --rampup-batch-size beside --train-iters is refused, as Megatron-LM's own check does:
+    # test_rampup_batch_size_is_sample_based)
     "--micro-batch-size", "1", "--global-batch-size", "16",
-    "--rampup-batch-size", "16", "16", "5859375",
     "--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624",
     "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9",
     "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
@@ -255,7 +286,7 @@ MEGATRON_LM_GPT_FLAGS = [
     "--no-log-loss-scale-to-tensorboard", "--timing-log-level", "0",
     # common in Megatron-LM's other GPT-family scripts
     "--use-mcore-models", "--ckpt-format", "torch_dist", "--overlap-grad-reduce",
-    "--overlap-param-gather", "--manual-gc", "--cross-entropy-loss-fusion",
+    "--overlap-param-gather", "--use-distributed-optimizer", "--manual-gc", "--cross-entropy-loss-fusion",
     "--attention-softmax-in-fp32", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
     "--no-bias-swiglu-fusion", "--empty-unused-memory-level", "1", "--dataloader-type", "single",
 ]
@@ -276,8 +307,7 @@ def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
     report = no_effect_report(args)
     given = {f.name for f in NO_EFFECT if f.name in MEGATRON_LM_GPT_FLAGS}
     assert sorted(line.split(":")[0].split(" ")[0] for line in report) == sorted(given)
-    assert "--rampup-batch-size 16 16 5859375: no effect here (no batch-size ramp here: every " \
-        "iteration uses --global-batch-size)" in report
+    assert args.overlap_grad_reduce and args.overlap_param_gather  # honoured: megatron-core's DDP
     assert "--step-batch-size-schedule 0:16 2.4B:320 4.8B:624: no effect here" in "\n".join(report)
     assert no_effect_report(parse_args(["--vocab-size", "255"])) == []
 
@@ -291,3 +321,48 @@ def test_megatron_lm_command_line_sets_the_workers(monkeypatch: pytest.MonkeyPat
     args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
     assert args.num_workers == 2
     assert not [line for line in no_effect_report(args) if "--num-workers" in line]
+
+
+def test_sample_based_training_is_megatron_lms_iterations_and_schedule() -> None:
+    """--train-samples N: N / GBS iterations; --lr-decay-samples / --lr-warmup-samples give
+    the schedule in samples, the same as the iteration flags times the global batch. On the
+    command line they replace the config's iteration counts (tiny-cpu.yaml: train-iters 20,
+    lr-warmup-iters 2)."""
+    def schedule(flags: list[str]) -> tuple[int, ...]:
+        a = parse_args(["--config", TINY, "--global-batch-size", "8", *flags])
+        return a.train_iters, a.lr_warmup_steps, a.lr_decay_steps, a.wd_incr_steps
+
+    by_iters = schedule(["--train-iters", "5", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"])
+    by_samples = schedule(["--train-samples", "44", "--lr-decay-samples", "32",
+                           "--lr-warmup-samples", "8"])
+    assert by_iters == (5, 8, 32, 40) and by_samples == (5, 8, 32, 44)
+    assert schedule(["--train-samples", "40", "--lr-warmup-fraction", "0.25"]) == (5, 10, 40, 40)
+    assert schedule([])[:3] == (20, 16, 160)  # the config's iterations, unchanged
+
+
+def test_rampup_batch_size_is_sample_based(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES with --train-samples: the iterations count
+    the ramp's batches first (2, 2, then 4 from 4 consumed samples on), as Megatron-LM does."""
+    from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse_args(["--config", TINY, "--train-samples", "20",
+                       "--rampup-batch-size", "2", "2", "4"])
+    assert args.rampup_batch_size == (2, 2, 4) and args.train_iters == 6
+    calculator, consumed, batches = ramp_calculator(args), 0, []
+    for _ in range(args.train_iters):
+        gbs, micro = batch_at(calculator, args, consumed)
+        batches.append((gbs, micro))
+        consumed += gbs
+    assert batches == [(2, 1), (2, 1), (4, 2), (4, 2), (4, 2), (4, 2)] and consumed == 20
+
+
+def test_plan_cli_refuses_flag_prefixes(capsys: pytest.CaptureFixture) -> None:
+    """megatron-mesh plan: a prefix of a flag is an error naming it, not that flag."""
+    from megatron_mesh.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["plan", "--gpus", "4", "--seq-length", "8192", "--num-heads", "8",
+                  "--hidden-size", "1024", "--num-lay", "2"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --num-lay 2" in capsys.readouterr().err

@@ -82,6 +82,7 @@ def test_corrupted_and_half_written_checkpoints_are_refused(saved: Path, tmp_pat
     assert f"checkpoint {root / 'iter_0000005'} is empty; load an older one" in run.output
     # the older, intact checkpoint loads and the next save removes the stale folder
     run = driver([*QUICK, "--train-iters", "6", "--load", str(root), "--ckpt-step", "2",
+                       "--use-checkpoint-opt_param-scheduler",  # the saved 4-iteration schedule
                        "--save", str(root), "--save-interval", "3"])
     assert run.returncode == 0, run.output[-3000:]
     assert f"loaded checkpoint {root / 'iter_0000002'}" in run.output

@@ -1,0 +1,61 @@
+"""--use-checkpoint-args: the model's shape from the checkpoint at --load, as in Megatron-LM.
+
+Every checkpoint stores the model's shape in its common state (``model_shape``:
+layers, hidden size, heads, query groups, sequence length, FFN size; newer ones also the
+head dim, GQA, SwiGLU, norm, position embedding, RoPE share and bias / tied-embedding
+switches). Read before any process group exists, these values replace the flags'; a
+checkpoint without them, or no checkpoint at all, is an error naming the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_mesh.training.checksums import CheckpointError
+
+SHAPE_FLAGS = ("kv_channels", "group_query_attention", "swiglu", "normalization",
+               "position_embedding_type", "rotary_percent", "max_position_embeddings",
+               "disable_bias_linear", "untie_embeddings_and_output_weights")
+"""Saved in a checkpoint's model shape besides the six every checkpoint has."""
+
+
+def _checkpoint_path(args: argparse.Namespace) -> str:
+    from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
+
+    if not args.load:
+        raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose model "
+                         "shape to use)")
+    try:
+        iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(args.load)
+    except CheckpointError as e:
+        raise ValueError(f"--use-checkpoint-args: {e}") from None
+    if iteration is None:
+        raise ValueError(f"--use-checkpoint-args: no checkpoint under --load {args.load} to take "
+                         "the model's shape from (give the shape flags for a first run)")
+    path = checkpoint_dir(args.load, iteration)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise ValueError(f"--use-checkpoint-args: {path} is not a complete checkpoint")
+    return path
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """Set `args`' model-shape values to the checkpoint's; returns a line per value that
+    replaced a different one ('--hidden-size 64 (was 32)'). Raises ValueError with the reason
+    when the checkpoint cannot provide them."""
+    from megatron.core import dist_checkpointing
+
+    path = _checkpoint_path(args)
+    shape = dist_checkpointing.load_common_state_dict(path).get("model_shape")
+    if not shape:
+        raise ValueError(f"--use-checkpoint-args: checkpoint {path} stores no model shape "
+                         "(saved by an older version); give the shape flags instead")
+    changed = []
+    for name, value in shape.items():
+        if not hasattr(args, name):
+            continue
+        if getattr(args, name) != value:
+            changed.append(f"--{name.replace('_', '-')} {value} (was {getattr(args, name)})")
+        setattr(args, name, value)
+    if "group_query_attention" not in shape:  # older checkpoints: GQA from the group count
+        args.group_query_attention = shape["num_query_groups"] != shape["num_attention_heads"]
+    return changed
