@@ -29,6 +29,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
+from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 from megatron_mesh.window import window_of
@@ -194,7 +195,8 @@ class MeshDotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """q [sq, b, np, hn], k / v [sk, b, ng, hn] -> [sq, b, np * hn]; with
         `packed_seq_params` (qkv_format "thd": packed documents) q [t, np, hn], k / v
-        [t, ng, hn] hold this rank's THD share (`documents.py`) -> [t, np * hn].
+        [t, ng, hn] hold this rank's THD share (`documents.py`) -> [t, np * hn]; a
+        `PlacedSeqParams` (`placement.py`) instead: this rank's rows of the placed documents.
 
         `attention_mask` is not read: the mask is the causal (or no) mask of
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
@@ -209,16 +211,19 @@ class MeshDotProductAttention(MegatronModule):
                 f"MeshDotProductAttention supports attn_mask_type "
                 f"{' or '.join(m.name for m in masks)}, got {mask_type}"
             )
-        documents = None if packed_seq_params is None else documents_of(packed_seq_params)
-        query, key, value = as_sbhd(documents, query, key, value)
+        placement = placement_of(packed_seq_params)  # PlacedSeqParams: documents placed
+        documents = (None if packed_seq_params is None or placement is not None
+                     else documents_of(packed_seq_params))
+        packed = documents if placement is None else placement
+        query, key, value = as_sbhd(packed, query, key, value)
         if query.shape[0] != key.shape[0]:
             raise ValueError(
                 f"MeshDotProductAttention needs as many queries as keys per rank (got "
                 f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not supported"
             )
-        layer = self._layer(query, key, value, masks[mask_type], documents is not None)
-        out = layer(query, key, value, documents)
-        if documents is not None:
+        layer = self._layer(query, key, value, masks[mask_type], packed is not None)
+        out = layer(query, key, value, documents, placement)
+        if packed is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
