@@ -40,8 +40,8 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                         "place_documents (whole documents per rank, long ones zigzag over "
                         "consecutive ranks; only split documents' rows travel), te = "
                         "Transformer Engine's THD layout (every document cut over all "
-                        "ranks). Default: balanced with --context-parallel-algo mesh, te "
-                        "with Transformer Engine's algorithms (they take only that)")
+                        "ranks). Default: balanced with --context-parallel-algo mesh (or CP = 1), "
+                        "te with Transformer Engine's CP algorithms (they take only that)")
     g.add_argument("--mesh-balance-data-parallel", default=None,
                    action=argparse.BooleanOptionalAction,
                    help="regroup the documents of each global batch into the micro-batches "
@@ -62,8 +62,8 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
         fail(f"--mesh-document-placement balanced with --context-parallel-algo "
              f"{args.context_parallel_algo}: Transformer Engine's CP attention takes only its "
              "THD layout; use --mesh-document-placement te, or --context-parallel-algo mesh")
-    if asked is None:
-        asked = BALANCED if mesh else TE
+    if asked is None:  # at CP = 1 both are the documents in order
+        asked = BALANCED if mesh or cp == 1 else TE
     args.mesh_document_placement = asked
     balance = args.mesh_balance_data_parallel
     placed = args.reset_attention_mask and asked == BALANCED

@@ -1,0 +1,100 @@
+"""--mesh-document-placement balanced in the driver: documents placed over the CP ranks.
+
+The reference is CP = 1 with documents masked (--reset-attention-mask, one packed
+sequence per micro-batch in order). With the balanced placement (the default with the
+mesh) every micro-batch's documents are placed by `place_documents` and tokens, labels,
+loss mask and positions permuted by its `token_indices`; the loss and grad norm equal the
+reference on the 2x2, 1x4 and 2x1x2 grids, under two pipeline stages (2x1) and under
+TP 2 x sequence parallelism (2x1). --init-method-std 0.2 makes RoPE matter: rotating the
+placed rows at wrong positions (every row at position 0) moves the first loss by 2% here,
+far outside the tolerance. On these EOD-separated documents the logged attention bytes of
+the balanced placement are below those of --mesh-document-placement te (Transformer
+Engine's layout, every document cut over all ranks), and the two log which one runs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from preloaded import Run, build_eod_documents, driver, launch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
+ITERS = 5
+SAVE_AT = 2  # the pipeline run starts from CP = 1's checkpoint of this iteration
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--init-method-std", "0.2"]
+MESH = ["--context-parallel-algo", "mesh", "--mesh-shape"]
+BALANCED = "placement balanced (place_documents"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("placed")
+
+
+@pytest.fixture(scope="module")
+def data_args(work: Path) -> list[str]:
+    prefix = str(work / "docs")
+    build_eod_documents(prefix, 300, (5, 40), seed=1)
+    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
+            "--data-cache-path", str(work / "index-cache"), *DOCUMENTS]
+
+
+@pytest.fixture(scope="module")
+def runs(data_args: list[str], work: Path) -> dict[str, Run]:
+    ckpt = str(work / "cp1-ckpt")
+    resume = ["--pipeline-model-parallel-size", "2", "--load", ckpt, "--ckpt-step",
+              str(SAVE_AT)]
+    cp2 = ["--context-parallel-size", "2", *MESH, "2x1"]
+    cp4 = ["--context-parallel-size", "4"]
+    return {
+        "cp1": launch(1, [*data_args, "--save", ckpt, "--save-interval", str(SAVE_AT)]),
+        "2x2": launch(4, [*data_args, *cp4, *MESH, "2x2"]),
+        "2x2 te": launch(4, [*data_args, *cp4, *MESH, "2x2", "--mesh-document-placement",
+                             "te"]),
+        "1x4": launch(4, [*data_args, *cp4, *MESH, "1x4"]),
+        "2x1x2": launch(4, [*data_args, *cp4, *MESH, "2x1x2"]),
+        "pp2 2x1": launch(4, [*data_args, *resume, *cp2]),
+        "tp2 sp 2x1": launch(4, [*data_args, "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel", *cp2]),
+    }
+
+
+@pytest.mark.parametrize("name", ["2x2", "1x4", "2x1x2", "pp2 2x1", "tp2 sp 2x1"])
+def test_balanced_placement_matches_cp1(runs: dict[str, Run], name: str) -> None:
+    run, ref = runs[name], runs["cp1"]
+    for r in (run, ref):
+        assert r.returncode == 0, r.output[-3000:]
+    assert BALANCED in run.output
+    first = SAVE_AT + 1 if name.startswith("pp2") else 1
+    got, want = run.lines(), ref.lines()
+    assert sorted(got) == list(range(first, ITERS + 1))
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
+                                                           abs=2e-3)
+
+
+def test_balanced_placement_moves_fewer_bytes_than_te(runs: dict[str, Run]) -> None:
+    balanced, te = runs["2x2"], runs["2x2 te"]
+    for r in (balanced, te):
+        assert r.returncode == 0, r.output[-3000:]
+    assert "placement te (Transformer Engine's THD layout" in te.output
+    assert balanced.losses() == pytest.approx(te.losses(), rel=2e-5)
+    got, base = (list(map(float, r.traffic())) for r in (balanced, te))
+    assert len(got) == len(base) == ITERS
+    for b, t in zip(got, base):
+        assert 0 < b < t, (got, base)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--mesh-document-placement", "zigzag"], "'zigzag'"),
+    (["--mesh-document-placement", "te", "--mesh-balance-data-parallel",
+      "--calculate-per-token-loss"], "--mesh-document-placement balanced"),
+    (["--mesh-balance-data-parallel"], "--calculate-per-token-loss"),
+])
+def test_bad_placement_flags_exit_2(data_args: list[str], flags: list[str], named: str) -> None:
+    run = driver([*data_args, *flags])
+    assert run.returncode == 2, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0], run.output[-3000:]
