@@ -5,9 +5,9 @@ builder (each document ends in the NullTokenizer's EOD id, --vocab-size). With
 --reset-attention-mask --reset-position-ids, CP = 1's losses differ from its losses without
 the flags (the mask does something), and the mesh in Transformer Engine's THD layout
 (--mesh-document-placement te: 2x2, 1x4, 2x1x2; 2x1 under two pipeline stages) and two
-pipeline stages at CP = 1 match CP = 1 with documents masked (the pipeline runs from CP = 1's checkpoint, each stage loading its layers). That a packed
-document's loss and gradients equal those of the document run alone is checked on the
-model in tests/distributed/test_megatron_parity.py.
+pipeline stages at CP = 1 match CP = 1 with documents masked (the pipeline runs from
+CP = 1's checkpoint, each stage loading its layers). That a packed document's loss and gradients
+equal those of the document run alone is checked on the model in tests/distributed/test_megatron_parity.py.
 """
 from __future__ import annotations
 
