@@ -127,6 +127,19 @@ class DocumentPacker:
         flat = {k: v.reshape(-1) for k, v in batch.items()}
         return self.place(flat, document_lengths(batch["tokens"], eod))
 
+    def pack_flat(self, flat: dict[str, torch.Tensor], lengths: list[int]) -> dict:
+        """This rank's share of one packed sequence: fields [n], documents of `lengths` in
+        order (no documents: one padding document)."""
+        if not lengths:
+            unit = 2 * self.cp_size * self.multiple
+            flat = {k: v.new_zeros(unit) for k, v in flat.items()}
+            lengths = [unit]
+        if self.placement == TE or self.cp_size == 1:
+            batch = {k: v.unsqueeze(0) for k, v in flat.items()}
+            return pack_documents(batch, -1, self.cp_size, self.cp_rank, self.multiple,
+                                  lengths=lengths)
+        return self.place(flat, lengths)
+
     def place(self, flat: dict[str, torch.Tensor], lengths: list[int]) -> dict:
         """Fields of one packed sequence ([n] each, documents of `lengths` in order) placed
         over the CP ranks: this rank's [1, T / P] of each, plus 'packed_seq_params'. The

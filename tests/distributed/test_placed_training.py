@@ -10,9 +10,15 @@ placed rows at wrong positions (every row at position 0) moves the first loss by
 far outside the tolerance. On these EOD-separated documents the logged attention bytes of
 the balanced placement are below those of --mesh-document-placement te (Transformer
 Engine's layout, every document cut over all ranks), and the two log which one runs.
+
+DP 2 x CP 2 with --calculate-per-token-loss: --mesh-balance-data-parallel (on by default
+there) regroups each global batch's documents over the replicas' micro-batches by their
+attention work; the losses and grad norms equal those of --no-mesh-balance-data-parallel
+(the batches as read), and the logged work of the busiest replica falls.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -98,3 +104,30 @@ def test_bad_placement_flags_exit_2(data_args: list[str], flags: list[str], name
     assert run.returncode == 2, run.output[-3000:]
     errors = [line for line in run.output.splitlines() if "error:" in line]
     assert len(errors) == 1 and named in errors[0], run.output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def dp_runs(data_args: list[str]) -> dict[str, Run]:
+    dp2_cp2 = [*data_args, "--calculate-per-token-loss", "--global-batch-size", "8",
+               "--context-parallel-size", "2", *MESH, "2x1"]
+    return {"balanced": launch(4, dp2_cp2),
+            "as read": launch(4, [*dp2_cp2, "--no-mesh-balance-data-parallel"])}
+
+
+def test_dp_balance_keeps_per_token_loss_and_grads(dp_runs: dict[str, Run]) -> None:
+    balanced, as_read = dp_runs["balanced"], dp_runs["as read"]
+    for r in (balanced, as_read):
+        assert r.returncode == 0, r.output[-3000:]
+        assert "x DP 2 |" in r.output and "2 micro-batches" in r.output, r.output[-3000:]
+    assert "DP x CP balance of the global batch on" in balanced.output
+    assert "DP x CP balance of the global batch off" in as_read.output
+    got, want = balanced.lines(), as_read.lines()
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
+                                                           abs=2e-3)
+    ratios = re.search(r"busiest DP replica / mean ([0-9.]+) as read, ([0-9.]+) with "
+                       r"documents regrouped", balanced.output)
+    assert ratios, balanced.output[-3000:]
+    assert float(ratios[2]) < float(ratios[1]), ratios[0]
