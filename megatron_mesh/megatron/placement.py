@@ -21,14 +21,15 @@ outside `placed_rope()`, so RoPE at the wrong positions cannot pass silently.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mesh.document_placement import DocumentPlacement
+from megatron_mesh.megatron.rope import POSITIONS as _POSITIONS
+from megatron_mesh.megatron.rope import placed_apply_rotary_pos_emb
 
 __all__ = ["PLACED_ROPE_PATCHES", "PlacedSeqParams", "placed_apply_rotary_pos_emb",
            "placed_rope", "placed_rope_active", "placed_seq_params", "placement_of",
@@ -37,7 +38,6 @@ __all__ = ["PLACED_ROPE_PATCHES", "PlacedSeqParams", "placed_apply_rotary_pos_em
 # the attention modules' own name for megatron-core's RoPE (each imported it by name)
 PLACED_ROPE_PATCHES = ("megatron.core.transformer.attention.apply_rotary_pos_emb",
                        "megatron.core.transformer.multi_latent_attention.apply_rotary_pos_emb")
-_POSITIONS = "_mesh_placed_positions"  # the cu_seqlens tensor's attribute: local rows' positions
 
 
 @dataclass
@@ -99,27 +99,6 @@ def placement_of(params: PackedSeqParams | None) -> DocumentPlacement | None:
                 "Engine's CP positions; run the model inside `with placed_rope():`")
         return params.placement
     return None
-
-
-def placed_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, *args: Any,
-                                **kwargs: Any) -> torch.Tensor:
-    """megatron-core's `apply_rotary_pos_emb`; for the cu_seqlens of a PlacedSeqParams, its
-    sbhd path row by row: t [t, h, d] with freqs [max_s, 1, 1, d] gathered at each row's
-    position within its document."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    original = rope_utils.apply_rotary_pos_emb
-    bound = inspect.signature(original).bind(t, freqs, *args, **kwargs)
-    positions = getattr(bound.arguments.get("cu_seqlens"), _POSITIONS, None)
-    if positions is None:
-        return original(t, freqs, *args, **kwargs)
-    if positions.numel() != t.shape[0]:
-        raise ValueError(f"placed RoPE: {t.shape[0]} rows, but the placement gives this rank "
-                         f"{positions.numel()}")
-    bound.arguments["cu_seqlens"] = None
-    bound.arguments["t"] = t.unsqueeze(1)
-    bound.arguments["freqs"] = freqs.index_select(0, positions.to(freqs.device))
-    return original(*bound.args, **bound.kwargs).squeeze(1)
 
 
 def placed_rope_active() -> bool:

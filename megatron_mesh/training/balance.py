@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -111,16 +111,15 @@ def _ratio(works: list[int]) -> float:
 
 
 def balanced_micro_batches(dataset, args: TrainingConfig, consumed_samples: int,
-                           keys: tuple[str, ...], pack: DocumentPacker, eod: int,
+                           collate: Callable, pack: DocumentPacker, eod: int,
                            dev: torch.device) -> Iterator[dict]:
-    """This rank's micro-batches with the global batch's documents dealt over DP x M."""
-    from megatron_mesh.training.data import StackFields
-
+    """This rank's micro-batches with the global batch's documents dealt over DP x M
+    (`collate`: the samples' fields stacked into [GBS, s] tensors)."""
     dp, dp_rank = args.data_parallel_size, parallel_state.get_data_parallel_rank()
     m_count = args.num_microbatches
     sampler = GlobalBatchIndices(consumed_samples, len(dataset), args.global_batch_size)
     loader = DataLoader(dataset, batch_size=args.global_batch_size, sampler=sampler,
-                        num_workers=args.num_workers, collate_fn=StackFields(keys),
+                        num_workers=args.num_workers, collate_fn=collate,
                         pin_memory=has_cuda())
     logged = False
     for cpu_batch in loader:

@@ -185,7 +185,8 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     if args.mesh_balance_data_parallel:  # documents regrouped over DP x micro-batches
         from megatron_mesh.training.balance import balanced_micro_batches
 
-        yield from balanced_micro_batches(dataset, args, consumed_samples, keys, pack, eod, dev)
+        yield from balanced_micro_batches(dataset, args, consumed_samples, StackFields(keys),
+                                          pack, eod, dev)
         return
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}

@@ -5,7 +5,8 @@ sequence per micro-batch in order). With the balanced placement (the default wit
 mesh) every micro-batch's documents are placed by `place_documents` and tokens, labels,
 loss mask and positions permuted by its `token_indices`; the loss and grad norm equal the
 reference on the 2x2, 1x4 and 2x1x2 grids, under two pipeline stages (2x1) and under
-TP 2 x sequence parallelism (2x1). --init-method-std 0.2 makes RoPE matter: rotating the
+TP 2 x sequence parallelism (2x1), and with a sliding window (2x2 against CP = 1 with the
+same window). --init-method-std 0.2 makes RoPE matter: rotating the
 placed rows at wrong positions (every row at position 0) moves the first loss by 2% here,
 far outside the tolerance. On these EOD-separated documents the logged attention bytes of
 the balanced placement are below those of --mesh-document-placement te (Transformer
@@ -31,6 +32,7 @@ SAVE_AT = 2  # the pipeline run starts from CP = 1's checkpoint of this iteratio
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--init-method-std", "0.2"]
 MESH = ["--context-parallel-algo", "mesh", "--mesh-shape"]
 BALANCED = "placement balanced (place_documents"
+WINDOW = ["--window-size", "12", "0"]  # a sliding window inside each document
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +65,15 @@ def runs(data_args: list[str], work: Path) -> dict[str, Run]:
         "pp2 2x1": launch(4, [*data_args, *resume, *cp2]),
         "tp2 sp 2x1": launch(4, [*data_args, "--tensor-model-parallel-size", "2",
                                  "--sequence-parallel", *cp2]),
+        "cp1 window": launch(1, [*data_args, *WINDOW]),
+        "2x2 window": launch(4, [*data_args, *WINDOW, *cp4, *MESH, "2x2"]),
     }
 
 
-@pytest.mark.parametrize("name", ["2x2", "1x4", "2x1x2", "pp2 2x1", "tp2 sp 2x1"])
+@pytest.mark.parametrize("name", ["2x2", "1x4", "2x1x2", "pp2 2x1", "tp2 sp 2x1",
+                                  "2x2 window"])
 def test_balanced_placement_matches_cp1(runs: dict[str, Run], name: str) -> None:
-    run, ref = runs[name], runs["cp1"]
+    run, ref = runs[name], runs["cp1 window" if "window" in name else "cp1"]
     for r in (run, ref):
         assert r.returncode == 0, r.output[-3000:]
     assert BALANCED in run.output
@@ -79,6 +84,12 @@ def test_balanced_placement_matches_cp1(runs: dict[str, Run], name: str) -> None
         assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
         assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
                                                            abs=2e-3)
+
+
+def test_window_changes_cp1_losses(runs: dict[str, Run]) -> None:
+    plain, window = runs["cp1"].losses(), runs["cp1 window"].losses()
+    assert sorted(plain) == sorted(window) == list(range(1, ITERS + 1))
+    assert all(abs(plain[it] - window[it]) > 1e-4 for it in plain), (plain, window)
 
 
 def test_balanced_placement_moves_fewer_bytes_than_te(runs: dict[str, Run]) -> None:
