@@ -211,7 +211,7 @@ class MeshDotProductAttention(MegatronModule):
                 f"MeshDotProductAttention supports attn_mask_type "
                 f"{' or '.join(m.name for m in masks)}, got {mask_type}"
             )
-        placement = placement_of(packed_seq_params)  # PlacedSeqParams: documents placed
+        placement = placement_of(packed_seq_params, self.config)  # PlacedSeqParams
         documents = (None if packed_seq_params is None or placement is not None
                      else documents_of(packed_seq_params))
         packed = documents if placement is None else placement

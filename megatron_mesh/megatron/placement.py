@@ -89,9 +89,16 @@ def placed_seq_params(placement: DocumentPlacement, cp_rank: int,
                            max_seqlen_q=longest, max_seqlen_kv=longest, placement=placement)
 
 
-def placement_of(params: PackedSeqParams | None) -> DocumentPlacement | None:
-    """The placement a PackedSeqParams carries (None for plain THD documents or none)."""
+def placement_of(params: PackedSeqParams | None, config: object | None = None
+                 ) -> DocumentPlacement | None:
+    """The placement a PackedSeqParams carries (None for plain THD documents or none);
+    refuses what would rotate placed rows at the wrong positions."""
     if isinstance(params, PlacedSeqParams):
+        if (getattr(config, "multi_latent_attention", False)
+                and getattr(config, "apply_rope_fusion", False)):
+            raise ValueError(
+                "PlacedSeqParams with multi-latent attention and apply_rope_fusion: Transformer "
+                "Engine's fused MLA RoPE assumes its own CP layout; set apply_rope_fusion=False")
         if not placed_rope_active():
             raise RuntimeError(
                 "PlacedSeqParams outside megatron_mesh.megatron.placement.placed_rope(): "
