@@ -142,3 +142,28 @@ def test_dp_balance_keeps_per_token_loss_and_grads(dp_runs: dict[str, Run]) -> N
                        r"documents regrouped", balanced.output)
     assert ratios, balanced.output[-3000:]
     assert float(ratios[2]) < float(ratios[1]), ratios[0]
+
+
+MLA = ["--multi-latent-attention", "--no-group-query-attention", "--num-query-groups", "4",
+       "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+
+
+def test_balanced_placement_with_mla_matches_cp1(data_args: list[str]) -> None:
+    """Multi-latent attention (its own RoPE call, MLA-interleaved, on the RoPE part of the
+    head dim) over placed documents on 2x1x2; megatron-core >= 0.17 builds MLA without TE."""
+    from megatron_mesh.megatron.compat import mla_unbuildable_reason
+
+    if mla_unbuildable_reason() is not None:
+        pytest.skip(mla_unbuildable_reason())
+    ref = launch(1, [*data_args, *MLA])
+    run = launch(4, [*data_args, *MLA, "--context-parallel-size", "4", *MESH, "2x1x2"])
+    for r in (ref, run):
+        assert r.returncode == 0, r.output[-3000:]
+    assert BALANCED in run.output
+    got, want = run.lines(), ref.lines()
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
+                                                           abs=2e-3)
