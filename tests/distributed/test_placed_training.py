@@ -5,8 +5,8 @@ sequence per micro-batch in order). With the balanced placement (the default wit
 mesh) every micro-batch's documents are placed by `place_documents` and tokens, labels,
 loss mask and positions permuted by its `token_indices`; the loss and grad norm equal the
 reference on the 2x2, 1x4 and 2x1x2 grids, under two pipeline stages (2x1) and under
-TP 2 x sequence parallelism (2x1), and with a sliding window (2x2 against CP = 1 with the
-same window). --init-method-std 0.2 makes RoPE matter: rotating the
+TP 2 x sequence parallelism (2x1), with a sliding window (2x2 against CP = 1 with the
+same window) and with multi-latent attention (2x1x2, where megatron-core builds it). --init-method-std 0.2 makes RoPE matter: rotating the
 placed rows at wrong positions (every row at position 0) moves the first loss by 2% here,
 far outside the tolerance. On these EOD-separated documents the logged attention bytes of
 the balanced placement are below those of --mesh-document-placement te (Transformer
