@@ -1,6 +1,6 @@
 """--reset-attention-mask's packed documents over the CP ranks: which layout, and packing.
 
-`--mesh-document-placement balanced` (the default where the mesh runs, CP > 1): each
+`--mesh-document-placement balanced` (the default with --context-parallel-algo mesh): each
 micro-batch's documents are placed by `place_documents` (whole documents on one rank, long
 ones zigzag over consecutive ranks, T / P tokens per rank, no padding per document), and
 tokens, labels, loss mask and position ids are permuted by the same
@@ -12,7 +12,8 @@ Only the rows of documents that span ranks travel in attention.
 document padded to 2P and cut into 2P pieces over all ranks): what Transformer Engine's CP
 algorithms take, and what Megatron-LM data paths that partition with TE produce.
 
-At CP = 1 both are the documents in order (`packing.py` with P = 1).
+At CP = 1 both are the documents in order (`packing.py` with P = 1). The choice is made
+once (`resolve_placement_args`) and held by the run's `DocumentPacker`.
 """
 from __future__ import annotations
 
