@@ -122,8 +122,7 @@ def balanced_micro_batches(dataset, args: TrainingConfig, consumed_samples: int,
                         num_workers=args.num_workers, collate_fn=collate,
                         pin_memory=has_cuda())
     logged = False
-    for cpu_batch in loader:
-        batch = {k: v.to(dev) for k, v in cpu_batch.items()}
+    for batch in loader:  # the whole global batch stays on the CPU; micro-batches move
         per_sample = [document_lengths(s.unsqueeze(0), eod) for s in batch["tokens"]]
         lengths = [n for sample in per_sample for n in sample]
         deal = deal_documents(lengths, dp * m_count)
@@ -140,6 +139,6 @@ def balanced_micro_batches(dataset, args: TrainingConfig, consumed_samples: int,
         for m in range(m_count):
             docs = deal.bins[m * dp + dp_rank]
             pieces = {k: [v[starts[i]:starts[i + 1]] for i in docs] for k, v in flat.items()}
-            fields = {k: torch.cat(p) if p else v[:0] for (k, p), v in
+            fields = {k: (torch.cat(p) if p else v[:0]).to(dev) for (k, p), v in
                       zip(pieces.items(), flat.values())}
             yield pack.pack_flat(fields, [lengths[i] for i in docs])

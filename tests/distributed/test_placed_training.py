@@ -6,11 +6,12 @@ mesh) every micro-batch's documents are placed by `place_documents` and tokens, 
 loss mask and positions permuted by its `token_indices`; the loss and grad norm equal the
 reference on the 2x2, 1x4 and 2x1x2 grids, under two pipeline stages (2x1) and under
 TP 2 x sequence parallelism (2x1), with a sliding window (2x2 against CP = 1 with the
-same window) and with multi-latent attention (2x1x2, where megatron-core builds it). --init-method-std 0.2 makes RoPE matter: rotating the
-placed rows at wrong positions (every row at position 0) moves the first loss by 2% here,
-far outside the tolerance. On these EOD-separated documents the logged attention bytes of
-the balanced placement are below those of --mesh-document-placement te (Transformer
-Engine's layout, every document cut over all ranks), and the two log which one runs.
+same window) and with multi-latent attention (2x1x2, where megatron-core builds it).
+--init-method-std 0.2 makes RoPE matter: rotating the placed rows at wrong positions
+(every row at position 0) moves the first loss by 2% here, far outside the tolerance.
+On these EOD-separated documents the logged attention bytes of the balanced placement are
+below those of --mesh-document-placement te (Transformer Engine's layout, every document
+cut over all ranks), and the two log which one runs.
 
 DP 2 x CP 2 with --calculate-per-token-loss: --mesh-balance-data-parallel (on by default
 there) regroups each global batch's documents over the replicas' micro-batches by their
