@@ -47,3 +47,14 @@ def test_packer_places_documents_and_pads_an_empty_micro_batch() -> None:
     empty = packer.pack_flat({"tokens": tokens[:0], "loss_mask": torch.ones(0)}, [])
     assert empty["packed_seq_params"].placement.lengths == (4,)
     assert not empty["loss_mask"].any()
+
+
+def test_cp_ranks_per_node_from_torchrun(monkeypatch) -> None:
+    from megatron_mesh.training.placement import cp_ranks_per_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cp_ranks_per_node(tp=2, cp=8) == 4  # ranks TP fastest: 4 CP ranks per node
+    assert cp_ranks_per_node(tp=2, cp=4) is None  # the CP group fits one node
+    assert cp_ranks_per_node(tp=3, cp=8) is None  # nodes do not hold whole TP groups
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert cp_ranks_per_node(tp=1, cp=8) is None  # unknown
