@@ -12,6 +12,8 @@ MCORE=megatron-core==0.19.2
 TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.py
        tests/distributed/test_checkpoint_interchange.py
        tests/distributed/test_document_masking.py  # --reset-attention-mask: packed documents
+       # placed documents: PlacedSeqParams, RoPE at placed positions, the balanced driver (MLA too)
+       tests/distributed/test_placed_rope.py tests/distributed/test_placed_training.py
        tests/distributed/test_megatron_window.py tests/distributed/test_megatron_mla.py
        tests/unit/test_patches.py  # every patched name exists in this megatron-core
        tests/unit/test_merge_triton.py  # the Triton merge in Triton's CPU interpreter (triton is here)

@@ -30,6 +30,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
+from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 from megatron_mesh.window import window_of
@@ -199,17 +200,18 @@ class MeshDotProductAttention(MegatronModule):
         self._layers: dict[tuple, MeshAttention] = {}  # one per input signature and mask
 
     def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               causal: bool, packed: bool) -> MeshAttention:
-        """The layer's MeshAttention for these inputs, decided at their first forward."""
+               causal: bool, packed: bool, placed: bool = False) -> MeshAttention:
+        """The layer's MeshAttention for these inputs, decided at their first forward
+        (`placed`: for placed documents, `PlacedSeqParams`)."""
         signature = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
-                     query.device, causal, packed)
+                     query.device, causal, packed, placed)
         layer = self._layers.get(signature)
         if layer is None:
             layer = MeshAttention.build(
                 query, key, value, self.grid, causal=causal, softmax_scale=self.softmax_scale,
                 backend=self.backend, schedule=self.schedule,
                 grad_reduce_dtype=self.grad_reduce_dtype, packed=packed,
-                window_size=self.window_size)
+                window_size=self.window_size, placed=placed)
             self._layers[signature] = layer
             if self.grid.cp_size > 1:
                 _log_schedule(layer, self.schedule)
@@ -227,7 +229,8 @@ class MeshDotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """q [sq, b, np, hn], k / v [sk, b, ng, hn] -> [sq, b, np * hn]; with
         `packed_seq_params` (qkv_format "thd": packed documents) q [t, np, hn], k / v
-        [t, ng, hn] hold this rank's THD share (`documents.py`) -> [t, np * hn].
+        [t, ng, hn] hold this rank's THD share (`documents.py`) -> [t, np * hn]; a
+        `PlacedSeqParams` (`placement.py`) instead: this rank's rows of the placed documents.
 
         `attention_mask` is not read: the mask is the causal (or no) mask of
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
@@ -243,18 +246,22 @@ class MeshDotProductAttention(MegatronModule):
                     f"MeshDotProductAttention supports attn_mask_type "
                     f"{' or '.join(m.name for m in masks)}, got {mask_type}"
                 )
-            documents = None if packed_seq_params is None else documents_of(packed_seq_params)
-            query, key, value = as_sbhd(documents, query, key, value)
+            placement = placement_of(packed_seq_params, self.config)  # PlacedSeqParams
+            documents = (None if packed_seq_params is None or placement is not None
+                         else documents_of(packed_seq_params))
+            packed = documents if placement is None else placement
+            query, key, value = as_sbhd(packed, query, key, value)
             if query.shape[0] != key.shape[0]:
                 raise ValueError(
                     f"MeshDotProductAttention needs as many queries as keys per rank (got "
                     f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not "
                     "supported")
-            layer = self._layer(query, key, value, masks[mask_type], documents is not None)
+            layer = self._layer(query, key, value, masks[mask_type], packed is not None,
+                                placement is not None)
         except Exception as error:  # noqa: BLE001 - every rank must hear of it
             agreement.refuse(self.grid, error)
-        out = layer(query, key, value, documents)  # agrees with the other ranks first
-        if documents is not None:
+        out = layer(query, key, value, documents, placement)  # agrees with the other ranks first
+        if packed is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
 

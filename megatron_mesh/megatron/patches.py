@@ -90,6 +90,12 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _placed_rope() -> Callable[..., Any]:
+    from megatron_mesh.megatron.rope import placed_apply_rotary_pos_emb
+
+    return placed_apply_rotary_pos_emb
+
+
 _TORCH = ("2.4", "3")
 _MCORE = tuple(str(v) for v in SUPPORTED)  # the megatron-core releases tested
 
@@ -105,6 +111,11 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           "activation recomputation saves the CUDA generator's state"),
     Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", lambda: _nothing,
           "megatron-core", _MCORE, "activation recomputation restores that state"),
+    *(Patch(module, "apply_rotary_pos_emb", _placed_rope, "megatron-core", _MCORE,
+            "RoPE of documents placed over the CP ranks (PlacedSeqParams) at each row's "
+            "position in its document (megatron_mesh.megatron.placement, rope)")
+      for module in ("megatron.core.transformer.attention",
+                     "megatron.core.transformer.multi_latent_attention")),
     Patch("megatron.core.dist_checkpointing.strategies.filesystem_async", "_results_queue",
           lambda: None, "megatron-core", _MCORE,
           "the checkpoint writer's results queue: one served by a manager process that exits "

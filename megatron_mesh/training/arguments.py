@@ -26,6 +26,7 @@ from megatron_mesh.training import schedule_length, tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
+from megatron_mesh.training.placement import add_placement_args, resolve_placement_args
 
 DEFAULT_TRAIN_ITERS = 10
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                "flash = the mesh tile kernel also with TE layers at CP = 1; local = "
                "megatron-core's local layers, unfused attention (S x S scores; CP = 1 only)")
     add_mesh_args(p)
+    add_placement_args(p)
 
     g = p.add_argument_group("data")
     _flag(g, "--data-path", nargs="*", default=None,
@@ -542,6 +544,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
     _validate_data(args)
     _validate_evaluation(args)
+    resolve_placement_args(args, _fail)
 
 
 _SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")

@@ -24,8 +24,8 @@ from megatron_mesh.megatron.compat import (
     null_tokenizer_options,
 )
 from megatron_mesh.training.device import device, has_cuda
-from megatron_mesh.training.packing import pack_documents
 from megatron_mesh.training.pipeline import batch_keys
+from megatron_mesh.training.placement import document_packer
 from megatron_mesh.training.validation import split_weights
 
 if TYPE_CHECKING:
@@ -168,7 +168,8 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     The samples are those of `SampleIndices`, read by `sample_loader` (--num-workers
     processes or this one; the same batches either way). All TP and CP ranks of a replica
     read the same samples; get_batch_on_this_cp_rank then keeps this CP rank's two zigzag
-    chunks (--reset-attention-mask: `pack_documents` its share of the packed documents).
+    chunks (--reset-attention-mask: `placement.DocumentPacker` its share of the packed
+    documents, placed as --mesh-document-placement says).
     Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
     stage reads no samples (with --reset-attention-mask their token ids, for the
     documents).
@@ -178,12 +179,18 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
         while True:
             yield get_batch_on_this_cp_rank({})
     dev = device()
-    cp_size, cp_rank = args.context_parallel_size, parallel_state.get_context_parallel_rank()
-    sp_split = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    cp_rank = parallel_state.get_context_parallel_rank()
     eod = dataset.config.tokenizer.eod
+    pack = document_packer(args, cp_rank)  # --mesh-document-placement's layout
+    if args.mesh_balance_data_parallel:  # documents regrouped over DP x micro-batches
+        from megatron_mesh.training.balance import balanced_micro_batches
+
+        yield from balanced_micro_batches(dataset, args, consumed_samples, StackFields(keys),
+                                          pack, eod, dev)
+        return
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
         if args.reset_attention_mask:
-            yield pack_documents(batch, eod, cp_size, cp_rank, sp_split)
+            yield pack(batch, eod)
         else:
             yield get_batch_on_this_cp_rank(batch)

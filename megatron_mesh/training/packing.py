@@ -29,12 +29,14 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
 
 
 def pack_documents(batch: dict[str, torch.Tensor], eod: int, cp_size: int, cp_rank: int,
-                   multiple: int = 1) -> dict:
+                   multiple: int = 1, lengths: list[int] | None = None) -> dict:
     """This CP rank's share of a micro-batch of [b, s] tensors packed as THD documents:
     each field becomes [1, t] (t = padded total / P), plus 'packed_seq_params'. The padded
     total is rounded up to `multiple` x 2P by one empty padding document (e.g. for
-    sequence parallelism's split of the local tokens)."""
-    lengths = document_lengths(batch["tokens"], eod)
+    sequence parallelism's split of the local tokens). `lengths`: the documents, when not
+    those the EOD tokens of each sample delimit."""
+    if lengths is None:
+        lengths = document_lengths(batch["tokens"], eod)
     unit = 2 * cp_size if cp_size > 1 else 1
     padded = [-(-n // unit) * unit for n in lengths]
     extra = -sum(padded) % (unit * multiple)

@@ -1,6 +1,7 @@
 """Assemble a training job from parsed flags: groups, data, model, optimizer, resume, loop."""
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -9,6 +10,7 @@ from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
+from megatron_mesh.megatron.placement import placed_rope
 from megatron_mesh.plan import resolve_plan
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
@@ -27,6 +29,7 @@ from megatron_mesh.training.model import (
     wrap_model,
 )
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
+from megatron_mesh.training.placement import placement_label, uses_placement
 from megatron_mesh.training.trainer import train
 from megatron_mesh.values import DTYPE_BYTES, STREAMED, AttentionShape
 
@@ -135,7 +138,8 @@ def run(args: TrainingConfig) -> int:
     Without CUDA everything runs inside ``megatron_on_cpu()``: megatron-core puts a few
     bookkeeping tensors on "cuda" (schedule counters, RoPE indices), which it keeps on the CPU.
     """
-    with megatron_on_cpu():
+    rope = placed_rope() if uses_placement(args) else contextlib.nullcontext()
+    with megatron_on_cpu(), rope:  # placed documents: RoPE at their rows' positions
         return _run(args)
 
 
@@ -159,6 +163,8 @@ def _run(args: TrainingConfig) -> int:
         train_set, valid_set, test_set = build_datasets(args, tokenizer)
         flops = flops_per_iteration(args, vocab)
         _banner(args, grid, n_params, vocab, flops)
+        if placement_label(args):
+            print_rank0(f" {placement_label(args)}")
         loggers = Loggers(args, dist.get_rank(), dist.get_world_size())
         exit_code = 1
         try:

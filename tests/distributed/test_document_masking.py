@@ -3,11 +3,11 @@
 A dataset of real EOD-separated documents is built with megatron-core's indexed dataset
 builder (each document ends in the NullTokenizer's EOD id, --vocab-size). With
 --reset-attention-mask --reset-position-ids, CP = 1's losses differ from its losses without
-the flags (the mask does something), and the mesh (2x2, 1x4, 2x1x2; 2x1 under two
-pipeline stages) and two pipeline stages at CP = 1 match CP = 1 with documents masked (the
-pipeline runs from CP = 1's checkpoint, each stage loading its layers). That a packed
-document's loss and gradients equal those of the document run alone is checked on the
-model in tests/distributed/test_megatron_parity.py.
+the flags (the mask does something), and the mesh in Transformer Engine's THD layout
+(--mesh-document-placement te: 2x2, 1x4, 2x1x2; 2x1 under two pipeline stages) and two
+pipeline stages at CP = 1 match CP = 1 with documents masked (the pipeline runs from
+CP = 1's checkpoint, each stage loading its layers). That a packed document's loss and gradients
+equal those of the document run alone is checked on the model in tests/distributed/test_megatron_parity.py.
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def data_args(work: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(data_args: list[str], work: Path) -> dict[str, Run]:
-    mesh = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape"]
+    # Transformer Engine's THD layout here; the default balanced placement: test_placed_training
+    te = ["--mesh-document-placement", "te"]
+    mesh = [*te, "--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--mesh-shape"]
     ckpt = str(work / "cp1-ckpt")
     # a pipeline run initializes its stages differently from one stage (as Megatron-LM
     # does): the pipeline runs start from CP = 1's checkpoint of iteration SAVE_AT
@@ -53,7 +55,7 @@ def runs(data_args: list[str], work: Path) -> dict[str, Run]:
         "2x2 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "2x2"]),
         "1x4 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "1x4"]),
         "2x1x2 documents": launch(4, [*data_args, *DOCUMENTS, *mesh, "2x1x2"]),
-        "pp2 2x1 documents": launch(4, [*data_args, *DOCUMENTS, *resume,
+        "pp2 2x1 documents": launch(4, [*data_args, *DOCUMENTS, *resume, *te,
                                         "--context-parallel-size", "2",
                                         "--context-parallel-algo", "mesh", "--mesh-shape",
                                         "2x1"]),
