@@ -30,7 +30,6 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mesh.megatron.patches import patched
-from megatron_mesh.training.checkpoint_args import SHAPE_FLAGS
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest, write_manifest
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
@@ -47,6 +46,11 @@ if TYPE_CHECKING:
 
 LATEST = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout
+
+SHAPE_FLAGS = ("kv_channels", "group_query_attention", "swiglu", "normalization",
+               "position_embedding_type", "rotary_percent", "max_position_embeddings",
+               "disable_bias_linear", "untie_embeddings_and_output_weights")
+"""Saved in a checkpoint's model shape besides the six every checkpoint has."""
 
 
 @dataclass

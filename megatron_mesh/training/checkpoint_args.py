@@ -13,12 +13,6 @@ import os
 
 from megatron_mesh.training.checksums import CheckpointError
 
-SHAPE_FLAGS = ("kv_channels", "group_query_attention", "swiglu", "normalization",
-               "position_embedding_type", "rotary_percent", "max_position_embeddings",
-               "disable_bias_linear", "untie_embeddings_and_output_weights")
-"""Saved in a checkpoint's model shape besides the six every checkpoint has."""
-
-
 def _checkpoint_path(args: argparse.Namespace) -> str:
     from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
 
