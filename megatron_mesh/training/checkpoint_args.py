@@ -13,6 +13,7 @@ import os
 
 from megatron_mesh.training.checksums import CheckpointError
 
+
 def _checkpoint_path(args: argparse.Namespace) -> str:
     from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
 
