@@ -476,8 +476,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.k_channels, args.v_channels = attention_head_dims(args)  # the core attention's
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
-        if args.swiglu:  # keep the parameter count of the 4h MLP, as Megatron-LM does
-            args.ffn_hidden_size = int(2 * args.ffn_hidden_size / 3)
+        if args.swiglu:  # about the 4h MLP's parameters, a multiple of 64: Megatron-LM's width
+            args.ffn_hidden_size = int(2 * args.ffn_hidden_size / 3 / 64) * 64
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and (

@@ -20,7 +20,7 @@ from preloaded import TINY, Job, build_eod_documents, build_indexed_dataset, job
 from megatron_mesh.megatron.compat import mla_unbuildable_reason
 
 ITERS = 4
-HIDDEN, HEADS, LAYERS, FFN = 64, 4, 2, 170  # tiny-cpu.yaml (SwiGLU: 2 x 4h / 3)
+HIDDEN, HEADS, LAYERS, FFN = 64, 4, 2, 128  # tiny-cpu.yaml (SwiGLU: 2 x 4h / 3, to 64s)
 Q_RANK, KV_RANK, QK, ROPE, V = 32, 32, 16, 8, 12
 # tiny-cpu.yaml has GQA (2 query groups); MLA has none, as in Megatron-LM
 MLA = ["--multi-latent-attention", "--no-group-query-attention", "--num-query-groups", str(HEADS),

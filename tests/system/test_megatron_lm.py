@@ -264,11 +264,11 @@ def test_no_patch_example_trains_the_mesh_model_like_megatron_lm_s_own():
     assert "SAME True" in out
 
 
-# the tiny driver model in Megatron-LM's flags; the MLP width is given on both sides, as
-# Megatron-LM rounds its SwiGLU default (8h / 3) down to a multiple of 64 and the driver does not
+# the tiny driver model in Megatron-LM's flags; the MLP width is left to both sides' SwiGLU
+# default (8h / 3 rounded down to a multiple of 64), which must agree
 TINY_IN_MEGATRON_LM = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+    "--group-query-attention", "--num-query-groups", "2",
     "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
     "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--tokenizer-type",
     "NullTokenizer", "--vocab-size", "255", "--make-vocab-size-divisible-by", "64",
@@ -286,8 +286,8 @@ def test_megatron_lm_loads_the_driver_s_checkpoint(tmp_path):
     _needs_patch_tag()  # core_v0.16.1's gpt_builders.gpt_builder builds the model
     checkout = _checkout()
     save = tmp_path / "save"
-    run = Job(["--config", TINY, "--train-iters", "4", "--ffn-hidden-size", "128",
-               "--save", str(save)], job_env()).wait(timeout=240)
+    run = Job(["--config", TINY, "--train-iters", "4", "--save", str(save)],
+              job_env()).wait(timeout=240)
     assert run.returncode == 0, run.output[-3000:]
     assert (save / "iter_0000004" / "checksums.json").is_file()
     flags = [*TINY_IN_MEGATRON_LM, "--load", str(save), "--ckpt-format", "torch_dist",
