@@ -5,14 +5,14 @@
     out = mm.mesh_attention(q, k, v, grid, causal=True)
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
-from .comm import TrafficCounter
-from .document_placement import DocumentPlacement, place_documents, zigzag_placement
-from .documents import Documents, thd_merge, thd_partition_indices, thd_split
-from .grid import MeshGrid
-from .layout import zigzag_merge, zigzag_split
-from .traffic import Traffic, best_mesh_shape, mesh_traffic
+from .masks.document_placement import DocumentPlacement, place_documents, zigzag_placement
+from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
+from .masks.layout import zigzag_merge, zigzag_split
+from .models.traffic import Traffic, best_mesh_shape, mesh_traffic
+from .runtime.comm import TrafficCounter
+from .runtime.grid import MeshGrid
+from .schedules.windowed import placement_traffic, window_traffic
 from .values import AttentionShape, mesh_shapes
-from .windowed import placement_traffic, window_traffic
 
 __version__ = "0.1.0"
 

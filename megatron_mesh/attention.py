@@ -21,18 +21,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import agreement, gathered, heads, streamed_kv, streamed_q, windowed
-from .agreement import CallSignature
-from .checks import check_inputs
-from .document_placement import DocumentPlacement
-from .documents import Documents
 from .dtypes import GradDtypes
-from .grid import MeshGrid
 from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
-from .layout import AttentionMask
-from .placed import check_placement, check_placement_documents, mesh_placement
-from .plan import resolve_plan
-from .sink import add_sink, check_offset, sink_grad
+from .masks.document_placement import DocumentPlacement
+from .masks.documents import Documents
+from .masks.layout import AttentionMask
+from .masks.placed import check_placement, check_placement_documents, mesh_placement
+from .masks.sink import add_sink, check_offset, sink_grad
+from .masks.window import Window, window_of
+from .models.plan import resolve_plan
+from .runtime import agreement, heads
+from .runtime.agreement import CallSignature
+from .runtime.checks import check_inputs
+from .runtime.grid import MeshGrid
+from .schedules import gathered, streamed_kv, streamed_q, windowed
 from .values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
@@ -44,7 +46,6 @@ from .values import (
     Schedule,
     one_of,
 )
-from .window import Window, window_of
 
 RUNNERS = {Runner.GATHERED: gathered, Runner.STREAMED_KV: streamed_kv,
            Runner.STREAMED_Q: streamed_q, Runner.SPARSE: windowed}  # what `MeshPlan.runner` names

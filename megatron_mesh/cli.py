@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
@@ -23,7 +24,6 @@ from megatron_mesh.values import (
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
 )
-from megatron_mesh.window import Window, window_of
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).

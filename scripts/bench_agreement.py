@@ -1,4 +1,4 @@
-"""Cost of the per-call agreement of mesh attention (`megatron_mesh/agreement.py`) on gloo.
+"""Cost of the per-call agreement of mesh attention (`megatron_mesh/runtime/agreement.py`) on gloo.
 
     python scripts/bench_agreement.py [--cp-sizes 2,4] [--calls 2000]
 
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
-from megatron_mesh import agreement
 from megatron_mesh.attention import MeshAttention
-from megatron_mesh.spawn import run_gloo
+from megatron_mesh.runtime import agreement
+from megatron_mesh.runtime.spawn import run_gloo
 
 
 def _timed(fn, calls: int) -> tuple[float, float]:

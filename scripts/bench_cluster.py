@@ -7,7 +7,7 @@ the modelled cluster's numbers played --slowdown times slower. The real schedule
 collectives and real bytes run around them. For each method: forward + backward time per
 layer (median and spread of --repeats), the planner's prediction for the same emulated
 cluster, their ratio, speedup over ring measured and predicted, and peak extra memory per
-rank (measured on CPU tensors, and the model of `megatron_mesh.memory`).
+rank (measured on CPU tensors, and the model of `megatron_mesh.models.memory`).
 
     python scripts/bench_cluster.py                       # P = 8 and 16, two nodes, 4 workloads
     python scripts/bench_cluster.py --cp-sizes 4 --seq-lengths 4096 --repeats 2 --json out.json
@@ -43,15 +43,15 @@ from cluster_documents import documents_report, parse_lengths, run_documents_ran
 import megatron_mesh as mm
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
-from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.peak_memory import pass_peaks
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.masks.window import window_of
+from megatron_mesh.models.memory import extra_memory, streamed_schedule
+from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
-from megatron_mesh.spawn import run_gloo
+from megatron_mesh.runtime.peak_memory import pass_peaks
+from megatron_mesh.runtime.spawn import run_gloo
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE
-from megatron_mesh.window import window_of
 
 MIB = 2**20
 FLOOR_BOUND = 0.8  # floor / prediction from which a row is bound by this machine
@@ -395,7 +395,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
               "cluster (shaped links, sleeping tile kernel); spread = (max - min) / median; MODEL "
               "ms = the planner's prediction for the same emulated cluster; ratio = EMULATED / "
               "MODEL; extra MiB = peak extra memory per rank (the rank holding most), measured on "
-              "CPU tensors; model MiB = megatron_mesh.memory (MODEL)"]
+              "CPU tensors; model MiB = megatron_mesh.models.memory (MODEL)"]
     if args.floor:
         lines.append(f"floor = median time with links unshaped and compute off (this machine "
                      f"alone); a row whose floor is {FLOOR_BOUND} of its prediction or more is "

@@ -3,7 +3,7 @@
 A rank of a P-rank mesh computes P rank-blocks on chunks of s = S / P tokens: with causal
 masking one diagonal block (s x s, causal) and P - 1 half blocks (s x s/2 or s/2 x s),
 merged by log-sum-exp (forward) or accumulated in fp32 (backward), exactly as
-`megatron_mesh.blocks` does inside mesh attention. The same FLOPs in one call: the s query
+`megatron_mesh.schedules.blocks` does inside mesh attention. The same FLOPs in one call: the s query
 rows against P * s / 2 keys (P * s without causal masking), no mask.
 
     python scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8    # CUDA, every backend
@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from megatron_mesh import merge_triton
-from megatron_mesh.blocks import backward_block, forward_block
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
-from megatron_mesh.merge import empty_accumulators
+from megatron_mesh.schedules import merge_triton
+from megatron_mesh.schedules.blocks import backward_block, forward_block
+from megatron_mesh.schedules.merge import empty_accumulators
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

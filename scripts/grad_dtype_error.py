@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh.spawn import run_gloo
+from megatron_mesh.runtime.spawn import run_gloo
 
 NAMES = ("out", "dq", "dk", "dv")
 

@@ -1,12 +1,12 @@
 """Run a function on N gloo ranks in processes forked from a preloaded server (tests/preloaded.py)
-and collect each rank's result (`megatron_mesh.spawn.run_gloo`, the one harness)."""
+and collect each rank's result (`megatron_mesh.runtime.spawn.run_gloo`, the one harness)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from preloaded import context
 
-from megatron_mesh.spawn import run_gloo
+from megatron_mesh.runtime.spawn import run_gloo
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, **options: Any) -> list[Any]:

@@ -2,7 +2,7 @@
 
 gloo carries some collectives of CUDA tensors but not point-to-point sends of them (its TCP
 transport reads the CUDA pointer as host memory: `writev ... Bad address`). Inside
-`staged_through_host()` (the `HostStaging` transport of `megatron_mesh.comm`), every
+`staged_through_host()` (the `HostStaging` transport of `megatron_mesh.runtime.comm`), every
 collective the mesh uses (all_gather / reduce_scatter / all_to_all and batch_isend_irecv)
 copies its inputs to fresh host tensors, runs the real gloo collective on those, and copies
 the results back into the caller's tensors before returning. Staging happens for CPU tensors
@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from megatron_mesh import comm
+from megatron_mesh.runtime import comm
 
 GATHER_LIKE = ("all_gather", "reduce_scatter", "all_to_all")
 staged_calls: Counter[str] = Counter()  # name -> calls staged in this process

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron_mesh.spawn import free_port
+from megatron_mesh.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = "megatron_mesh.pretrain_gpt"

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh import comm
+from megatron_mesh.runtime import comm
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, Schedule
 
 
@@ -92,7 +92,7 @@ def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 def expected_traffic(case: Case, grid: mm.MeshGrid) -> int:
     """Bytes per rank `traffic.mesh_traffic` gives for the case on the grid, with the
     gradient and partial-output dtypes of the schedule that runs."""
-    from megatron_mesh.plan import resolve_plan
+    from megatron_mesh.models.plan import resolve_plan
 
     shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
                               case.head_dim, torch.finfo(case.dtype).bits // 8)

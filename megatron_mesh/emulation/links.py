@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from typing import Mapping, Sequence
 
-from megatron_mesh import comm
 from megatron_mesh.emulation.cluster import Emulation
+from megatron_mesh.runtime import comm
 
 RING_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
 class ShapedLinks(comm.Observing):
     """The links of global rank `rank` (on node rank // gpus_per_node), while the context is
-    open: every collective of `megatron_mesh.comm` takes at least the emulated time.
+    open: every collective of `megatron_mesh.runtime.comm` takes at least the emulated time.
 
         with ShapedLinks(emulation, dist.get_rank()) as links:
             mesh_attention(...).backward(dout)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from ..caches import BytesLRU
+from ..runtime.caches import BytesLRU
 from .caps import KernelCaps, caps_of, kernel_name, what
 
 logger = logging.getLogger("megatron_mesh.kernels")

@@ -19,10 +19,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mesh import agreement
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
-from megatron_mesh.checks import check_options
-from megatron_mesh.documents import Documents
+from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.window import window_of
 from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.megatron.groups import (
@@ -32,8 +31,9 @@ from megatron_mesh.megatron.groups import (
 )
 from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
+from megatron_mesh.runtime import agreement
+from megatron_mesh.runtime.checks import check_options
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
-from megatron_mesh.window import window_of
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 # with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)

@@ -14,13 +14,13 @@ import logging
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.shape import (
     GridShape,
     cp_ranks_per_node,
     describe_mesh_shape,
     resolve_mesh_shape,
 )
+from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 
 logger = logging.getLogger(__name__)

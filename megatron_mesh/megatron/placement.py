@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_mesh.document_placement import DocumentPlacement
+from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.megatron.rope import POSITIONS as _POSITIONS
 from megatron_mesh.megatron.rope import placed_apply_rotary_pos_emb
 

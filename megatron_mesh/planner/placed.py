@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_mesh.document_placement import DocumentPlacement, place_documents
-from megatron_mesh.placed import mesh_placement
+from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import exchange_transfers

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mesh import values
+from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
@@ -31,7 +32,6 @@ from megatron_mesh.values import (
     mesh_shapes,
     shapes_text,
 )
-from megatron_mesh.window import Window, window_of
 
 
 @dataclass(frozen=True)

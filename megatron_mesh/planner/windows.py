@@ -1,5 +1,5 @@
 """Sliding windows in closed form: the (query, key) pairs a window keeps, and the bytes of
-the mesh's sparse exchange (`megatron_mesh.windowed`) per rank.
+the mesh's sparse exchange (`megatron_mesh.schedules.windowed`) per rank.
 
 `windowed.window_traffic` counts the rows each rank needs by building every block's mask
 (exact, but O(S^2) work per shape); the planner prices dozens of shapes at S = 1M, so it
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_mesh.traffic import Traffic
+from megatron_mesh.masks.window import Window
+from megatron_mesh.models.traffic import Traffic
 from megatron_mesh.values import AttentionShape, heads_shape
-from megatron_mesh.window import Window
 
 PARTS = (  # (phase, group, tensors) of the sparse exchange, in the planner's table order
     ("forward", "row", "Q"),

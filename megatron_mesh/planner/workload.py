@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.checks import check_zigzag_divisible
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.masks.window import Window, window_of
+from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner.windows import kept_pairs
+from megatron_mesh.runtime.checks import check_zigzag_divisible
 from megatron_mesh.values import (
     BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,
@@ -19,7 +20,6 @@ from megatron_mesh.values import (
     check_positive_int,
     one_of,
 )
-from megatron_mesh.window import Window, window_of
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Workload:
                             self.mesh_grad_reduce_dtype, heads=heads)
 
     def attention_shape(self) -> AttentionShape:
-        """The shape `megatron_mesh.traffic` counts bytes for."""
+        """The shape `megatron_mesh.models.traffic` counts bytes for."""
         return AttentionShape(
             seq_len=self.seq_length,
             batch=self.batch,

@@ -383,7 +383,7 @@ def _check_resume_flags(args: argparse.Namespace) -> None:
 def _check_window(args: argparse.Namespace) -> None:
     """--window-size: a causal window (right 0 or -1, both >= -1); --window-attn-skip-freq
     a positive integer, only with a window."""
-    from megatron_mesh.window import window_of
+    from megatron_mesh.masks.window import window_of
 
     if args.window_size is not None:
         try:

@@ -27,7 +27,7 @@ import torch
 from megatron.core import parallel_state
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mesh.document_placement import document_work
+from megatron_mesh.masks.document_placement import document_work
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.packing import document_lengths

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.arguments import is_mesh
+from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.training.device import has_cuda
 
 if TYPE_CHECKING:

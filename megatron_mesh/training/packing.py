@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_mesh.documents import Documents, thd_partition_indices
+from megatron_mesh.masks.documents import Documents, thd_partition_indices
 
 
 def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from megatron_mesh.document_placement import place_documents
+from megatron_mesh.masks.document_placement import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
 from megatron_mesh.training.packing import document_lengths, pack_documents

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_mesh.dtypes import flag_dtype_name
-from megatron_mesh.grid import MeshGrid
 from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.placement import placed_rope
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches

@@ -70,7 +70,7 @@ def _traffic_counter(args: TrainingConfig):
     """A byte counter of mesh collectives when the mesh runs, else None (traffic n/a)."""
     if not mesh_active(args):
         return None
-    from megatron_mesh.comm import TrafficCounter
+    from megatron_mesh.runtime.comm import TrafficCounter
 
     return TrafficCounter()
 

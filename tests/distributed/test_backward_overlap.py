@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh import comm
 from megatron_mesh.kernels import TileKernel, get_kernel
+from megatron_mesh.runtime import comm
 
 from dist_utils import run_distributed
 from reference import CONCRETE_SCHEDULES

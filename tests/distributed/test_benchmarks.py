@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import megatron_mesh as mm
-from megatron_mesh.memory import streamed_schedule
+from megatron_mesh.models.memory import streamed_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 

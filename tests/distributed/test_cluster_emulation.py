@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_mesh import comm
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
+from megatron_mesh.masks.window import window_of
 from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.window import window_of
-from megatron_mesh.windowed import window_traffic
+from megatron_mesh.runtime import comm
+from megatron_mesh.schedules.windowed import window_traffic
 
 from dist_utils import run_distributed
 

@@ -5,7 +5,7 @@ CPU: every schedule on 2x1, 1x2 (P = 2) and 2x2 (P = 4) through the staging laye
 exact against whole-sequence SDPA, and the staged collectives really ran.
 GPU (`gpu` marker): the same on one CUDA device shared by 2 and 4 ranks, fp32 / bf16 /
 fp16, MHA / GQA / MQA, against SDPA in fp64 to 2x the error SDPA itself makes on that GPU
-in that dtype; and each schedule's peak CUDA memory against `megatron_mesh.memory`.
+in that dtype; and each schedule's peak CUDA memory against `megatron_mesh.models.memory`.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.memory import extra_memory
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.models.memory import extra_memory
+from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.values import Schedule
 
 import host_staging

@@ -123,7 +123,7 @@ def _batch(replica: int) -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(model, batch, denominator, traffic=None):
-    from megatron_mesh.comm import TrafficCounter
+    from megatron_mesh.runtime.comm import TrafficCounter
 
     traffic = {} if traffic is None else traffic
     with TrafficCounter() as forward:

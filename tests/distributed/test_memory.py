@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.peak_memory import CpuPeakMemory, pass_peaks
+from megatron_mesh.models.memory import extra_memory, streamed_schedule
+from megatron_mesh.runtime.peak_memory import CpuPeakMemory, pass_peaks
 from megatron_mesh.values import MeshPlan, Schedule, grid_shapes
 
 from dist_utils import run_distributed

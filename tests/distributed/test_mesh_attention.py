@@ -2,7 +2,7 @@
 
 One spawned process group per CP size runs every R x C factorization and many cases;
 each case also checks the bytes sent (counted on the real collectives) against
-`megatron_mesh.traffic.mesh_traffic`.
+`megatron_mesh.models.traffic.mesh_traffic`.
 """
 from __future__ import annotations
 

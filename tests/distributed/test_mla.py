@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh.layout import zigzag_split
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.masks.layout import zigzag_split
+from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.values import Schedule
 
 from dist_utils import run_distributed

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
-from megatron_mesh.documents import Documents, thd_split
-from megatron_mesh.layout import zigzag_split
+from megatron_mesh.masks.documents import Documents, thd_split
+from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.values import Schedule
 
 from dist_utils import run_distributed
@@ -165,7 +165,7 @@ def test_sinks_exact_on_every_grid(cp_size: int) -> None:
     ([0.0] * 4, "list"), (torch.tensor([0.0, float("nan"), 0.0, 0.0]), "non-finite"),
 ])
 def test_bad_offsets_are_named(offset, message: str) -> None:
-    from megatron_mesh.sink import check_offset
+    from megatron_mesh.masks.sink import check_offset
 
     with pytest.raises(ValueError, match=message):
         check_offset(offset, 4)

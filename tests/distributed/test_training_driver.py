@@ -272,8 +272,8 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
 
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
-    from megatron_mesh.memory import streamed_schedule
-    from megatron_mesh.traffic import mesh_traffic
+    from megatron_mesh.models.memory import streamed_schedule
+    from megatron_mesh.models.traffic import mesh_traffic
     from megatron_mesh.values import AttentionShape
 
     assert mesh_run.returncode == 0, mesh_run.output[-3000:]

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
-from megatron_mesh.documents import Documents, thd_split
-from megatron_mesh.layout import zigzag_split
-from megatron_mesh.plan import resolve_plan
-from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.masks.documents import Documents, thd_split
+from megatron_mesh.masks.layout import zigzag_split
+from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.models.traffic import mesh_traffic
+from megatron_mesh.schedules.windowed import window_traffic
 from megatron_mesh.values import Schedule, grid_shapes
-from megatron_mesh.windowed import window_traffic
 
 from dist_utils import run_distributed
 
@@ -280,7 +280,7 @@ def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> N
     made on the device; an explicit mask's); V of its own head dim too."""
     from megatron_mesh.kernels.base import TileMask
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
-    from megatron_mesh.window import Window
+    from megatron_mesh.masks.window import Window
 
     meta = torch.device("meta")
     seen = Window(2, 0).sees(torch.arange(6) + 2, torch.arange(8))
@@ -301,10 +301,10 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
     short documents grouped); which attention ops ran, and the shapes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_mesh import windowed
     from megatron_mesh.kernels import TorchFlashKernel
-    from megatron_mesh.layout import AttentionMask
-    from megatron_mesh.window import Window
+    from megatron_mesh.masks.layout import AttentionMask
+    from megatron_mesh.masks.window import Window
+    from megatron_mesh.schedules import windowed
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -392,8 +392,8 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
     local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
     sub-chunks cut into slabs; packed documents on tall shares take band tiles per
     document piece and groups of short documents."""
-    from megatron_mesh.layout import AttentionMask, BlockKind, block_for, block_pairs
-    from megatron_mesh.window import Window
+    from megatron_mesh.masks.layout import AttentionMask, BlockKind, block_for, block_pairs
+    from megatron_mesh.masks.window import Window
 
     docs = WindowCase((1, 0), **LONG_DOCUMENTS).documents if documents else None
     sub = local_len // 2
@@ -453,9 +453,9 @@ MEMORY_SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
 
 
 def _memory(rank: int, world: int) -> dict:
-    from megatron_mesh.peak_memory import pass_peaks
-    from megatron_mesh.plan import MeshPlan
-    from megatron_mesh.windowed import window_extra_memory
+    from megatron_mesh.models.plan import MeshPlan
+    from megatron_mesh.runtime.peak_memory import pass_peaks
+    from megatron_mesh.schedules.windowed import window_extra_memory
 
     results = {}
     for size, p in MEMORY_SIZES.items():

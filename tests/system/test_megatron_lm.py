@@ -298,7 +298,7 @@ def test_megatron_lm_loads_the_driver_s_checkpoint(tmp_path):
         import torch
         import torch.distributed as dist
         from megatron_mesh.megatron.cpu import megatron_on_cpu
-        from megatron_mesh.spawn import free_port
+        from megatron_mesh.runtime.spawn import free_port
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor

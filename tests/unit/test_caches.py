@@ -1,11 +1,11 @@
-"""The caches of block data stay bounded (`megatron_mesh/caches.py`): band masks by bytes,
+"""The caches of block data stay bounded (`megatron_mesh/runtime/caches.py`): band masks by bytes,
 whatever shapes packed documents bring."""
 from __future__ import annotations
 
 import torch
 
-from megatron_mesh import caches
 from megatron_mesh.kernels import base
+from megatron_mesh.runtime import caches
 
 
 def test_band_masks_kept_within_their_byte_bound() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mesh.document_placement import document_work
+from megatron_mesh.masks.document_placement import document_work
 from megatron_mesh.training.balance import deal_documents
 from megatron_mesh.training.placement import BALANCED, DocumentPacker
 

@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from megatron_mesh.document_placement import (
+from megatron_mesh.masks.document_placement import (
     DocumentPlacement,
     enough_documents,
     place_documents,
     zigzag_placement,
 )
-from megatron_mesh.layout import zigzag_split
+from megatron_mesh.masks.layout import zigzag_split
 
 S = 65536  # tokens of the packed sequence in the mixes
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_mesh.documents import Documents
+from megatron_mesh.masks.documents import Documents
 from megatron_mesh.megatron.core_attention import documents_of
 
 

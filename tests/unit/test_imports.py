@@ -120,14 +120,71 @@ def test_no_import_cycle_in_the_package():
 
 @pytest.mark.parametrize("module, allowed", [
     ("values", set()),  # the leaf: nothing of the project
-    ("memory", {"values"}),
-    ("plan", {"values", "memory"}),  # resolving a plan sits above the memory model
-    ("traffic", {"values", "plan"}),  # its defaults are mesh_attention's: the resolved plan
+    ("masks.zigzag", set()),  # the zigzag rule: a leaf too
+    ("models.memory", {"values"}),
+    ("models.plan", {"values", "models.memory"}),  # a plan sits above the memory model
+    ("models.traffic", {"values", "models.plan"}),  # its defaults: mesh_attention's plan
 ])
 def test_layers_import_only_what_is_below(module, allowed):
     graph = import_graph(module_files())
     imported = {m.removeprefix(PACKAGE + ".") for m in graph[f"{PACKAGE}.{module}"]}
     assert imported <= allowed, f"{module} imports {sorted(imported - allowed)}"
+
+
+# folder -> folders (and top-level modules) of the package it must never import: the layers
+# in the order data flows (masks -> schedules -> attention), the models beside them
+NEVER = {
+    "masks": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
+              "training"},
+    "kernels": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
+                "training"},
+    "models": {"masks", "schedules", "runtime", "kernels", "attention", "inference",
+               "megatron", "training"},
+    "runtime": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
+                "training"},
+    "schedules": {"attention", "inference", "planner", "megatron", "training"},
+    "planner": {"inference", "megatron", "training"},
+    "emulation": {"megatron", "training"},
+}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("folder", sorted(NEVER))
+def test_folders_keep_their_layer(folder):
+    """Every module of a folder imports none of the folders `NEVER` names for it."""
+    graph = import_graph(module_files())
+    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if _folder(m) == folder
+                 for t in targets if _folder(t) in NEVER[folder])
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("folder", ["planner", "models", "masks"])
+def test_models_planner_and_masks_import_no_torch_distributed(folder):
+    """The planner and the models price plans, the masks describe blocks: none of them
+    talks to other ranks."""
+    for module, path in module_files().items():
+        if _folder(module) != folder:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                  and n.module and not n.level}
+        assert not {n for n in names if n.startswith("torch.distributed")}, (module, names)
+
+
+TOP_LEVEL = {"attention", "values", "dtypes", "cli", "pretrain_gpt", "generate", "masks",
+             "schedules", "models", "runtime", "kernels", "inference", "planner", "emulation",
+             "megatron", "training"}
+
+
+def test_every_algorithm_module_sits_in_a_layer_folder():
+    """The top of the package holds only the entry points, the leaves and the folders."""
+    top = {m.removeprefix(PACKAGE + ".") for m in module_files() if m.count(".") == 1}
+    assert top <= TOP_LEVEL, sorted(top - TOP_LEVEL)
 
 
 def test_values_imports_no_third_party_module():

@@ -19,7 +19,6 @@ import pytest
 import torch
 from te_releases import ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
-from megatron_mesh.documents import Documents, thd_partition_indices
 from megatron_mesh.kernels import (
     Choice,
     TorchFlashKernel,
@@ -35,7 +34,8 @@ from megatron_mesh.kernels.te_fused import (
     thd_bwd_kwargs,
     thd_fwd_kwargs,
 )
-from megatron_mesh.layout import AttentionMask, block_for
+from megatron_mesh.masks.documents import Documents, thd_partition_indices
+from megatron_mesh.masks.layout import AttentionMask, block_for
 
 # ---------------------------------------------------------------- part 1: no TE, no GPU
 

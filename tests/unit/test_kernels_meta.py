@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_mesh.kernels import CudnnKernel, TorchFlashKernel, build
 from megatron_mesh.kernels.choice import Choice, DeviceFacts, choose
-from megatron_mesh.merge import empty_accumulators, merge_into
+from megatron_mesh.schedules.merge import empty_accumulators, merge_into
 
 HEADS = {"MHA": (8, 8), "GQA": (8, 2), "MQA": (8, 1)}
 VIEWS = {"view", "permute", "unsqueeze", "reshape", "expand", "slice", "select", "as_strided",
@@ -303,9 +303,9 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     """Each schedule's forward and backward, with every CUDA kernel branch, on meta tensors,
     on a 1 x 1 grid (one rank: no collective carries data, every tile call is made)."""
     import megatron_mesh as mm
-    from megatron_mesh import gathered, streamed_kv, streamed_q
     from megatron_mesh.attention import finish_rows, grad_dtypes
-    from megatron_mesh.plan import GradDtype
+    from megatron_mesh.models.plan import GradDtype
+    from megatron_mesh.schedules import gathered, streamed_kv, streamed_q
 
     grid = mm.MeshGrid.build(rows=1, cols=1)
     rows = []

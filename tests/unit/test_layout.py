@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mesh.delta import attention_delta, out_with_delta
 from megatron_mesh.kernels import TorchFlashKernel
-from megatron_mesh.layout import block_for, zigzag_chunks, zigzag_merge, zigzag_split
-from megatron_mesh.merge import empty_accumulators, merge_into
+from megatron_mesh.masks.layout import block_for, zigzag_chunks, zigzag_merge, zigzag_split
+from megatron_mesh.schedules.delta import attention_delta, out_with_delta
+from megatron_mesh.schedules.merge import empty_accumulators, merge_into
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 8])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import megatron_mesh as mm
-from megatron_mesh.memory import extra_memory, streamed_schedule
-from megatron_mesh.plan import resolve_plan
+from megatron_mesh.models.memory import extra_memory, streamed_schedule
+from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.values import GradDtype, MeshPlan, Schedule
 
 SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),

@@ -9,7 +9,7 @@ import pytest
 
 import megatron_mesh as mm
 from megatron_mesh.cli import main
-from megatron_mesh.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
 from megatron_mesh.planner import plan
 from megatron_mesh.planner.placed import (
     lognormal_lengths,

@@ -1,4 +1,4 @@
-"""The R x C mesh: bytes straight from `megatron_mesh.traffic.mesh_traffic`, the contract.
+"""The R x C mesh: bytes straight from `megatron_mesh.models.traffic.mesh_traffic`, the contract.
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
@@ -18,14 +18,14 @@ Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
 """
 from __future__ import annotations
 
-from megatron_mesh.grid import dim_groups
+from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import sparse_transfers
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.traffic import mesh_traffic
+from megatron_mesh.runtime.grid import dim_groups
 from megatron_mesh.values import COLUMN, FP32_BYTES, ROW, GridShape
 
 

@@ -1,4 +1,4 @@
-"""The mesh under a sliding window: the sparse exchange of `megatron_mesh.windowed`.
+"""The mesh under a sliding window: the sparse exchange of `megatron_mesh.schedules.windowed`.
 
 Whatever schedule was asked for, each rank receives only the rows its blocks use, point to
 point, before the blocks compute, and sends partial outputs and gradients back for those
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_mesh.grid import dim_groups
 from megatron_mesh.planner.cost import Transfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
@@ -32,6 +31,7 @@ from megatron_mesh.planner.windows import (
     row_counts,
 )
 from megatron_mesh.planner.workload import Workload
+from megatron_mesh.runtime.grid import dim_groups
 
 
 def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -96,8 +96,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
-from .values import FP32_BYTES as FP32
-from .values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
+from ..values import FP32_BYTES as FP32
+from ..values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import FP32_GRADS, GradDtypes
+from ..kernels import TileKernel
+from ..masks.layout import AttentionMask
+from ..runtime.flat import pack, views
+from ..runtime.grid import MeshGrid
+from ..values import COLUMN, ROW
 from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
-from .dtypes import FP32_GRADS, GradDtypes
-from .flat import pack, views
-from .grid import MeshGrid
-from .kernels import TileKernel
-from .layout import AttentionMask
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
-from .values import COLUMN, ROW
 
 
 def merge_partial(mine, arriving) -> None:

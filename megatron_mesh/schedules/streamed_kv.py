@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import FP32_GRADS, GradDtypes
+from ..kernels import TileKernel
+from ..masks.layout import AttentionMask
+from ..runtime.grid import MeshGrid
+from ..values import COLUMN, ROW
 from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
-from .dtypes import FP32_GRADS, GradDtypes
 from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
-from .grid import MeshGrid
-from .kernels import TileKernel
-from .layout import AttentionMask
 from .merge import empty_accumulators
 from .rings import TrailingPartial, ring_steps
-from .values import COLUMN, ROW
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .memory import streamed_schedule
-from .values import (
+from ..values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     STREAMED,
@@ -27,6 +26,7 @@ from .values import (
     check_schedule_name,
     heads_shape,
 )
+from .memory import streamed_schedule
 
 
 def resolve_schedule_name(schedule: str | Schedule, shape: AttentionShape, rows: int,

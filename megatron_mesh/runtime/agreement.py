@@ -28,8 +28,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .document_placement import DocumentPlacement
-from .documents import Documents
+from ..masks.document_placement import DocumentPlacement
+from ..masks.documents import Documents
 from .grid import MeshGrid
 
 # what every rank of a CP group must pass alike, as named in the messages

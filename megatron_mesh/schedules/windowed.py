@@ -18,20 +18,17 @@ from fractions import Fraction
 
 import torch
 
-from . import comm
-from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
-from .caches import per_documents
-from .delta import attention_delta, out_with_delta
-from .document_placement import DocumentPlacement
-from .dtypes import FP32_GRADS, GradDtypes
-from .grid import MeshGrid
-from .kernels import TileKernel
-from .layout import AttentionMask, block_for
-from .memory import extra_memory
-from .merge import empty_accumulators, merge_into
-from .placed import mesh_placement
-from .traffic import Traffic
-from .values import (
+from ..dtypes import FP32_GRADS, GradDtypes
+from ..kernels import TileKernel
+from ..masks.document_placement import DocumentPlacement
+from ..masks.layout import AttentionMask, block_for
+from ..masks.placed import mesh_placement
+from ..masks.window import window_of
+from ..models.memory import extra_memory
+from ..models.traffic import Traffic
+from ..runtime.caches import per_documents
+from ..runtime.grid import MeshGrid
+from ..values import (
     COLUMN,
     DEFAULT_GRAD_DTYPE,
     FP32_BYTES,
@@ -42,7 +39,10 @@ from .values import (
     MeshPlan,
     heads_shape,
 )
-from .window import window_of
+from . import comm
+from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .delta import attention_delta, out_with_delta
+from .merge import empty_accumulators, merge_into
 
 
 # per shape without documents; with them, for the last few micro-batches only (`caches.py`)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
+from ..values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
 
 # The per-call agreement (`agreement.py`) runs on the CPU: it never waits for a GPU stream.
 AGREEMENT_BACKEND = "gloo"

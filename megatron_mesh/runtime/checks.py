@@ -7,9 +7,9 @@ import math
 
 import torch
 
+from ..kernels import check_backend
+from ..values import DEFAULT_SCHEDULE, check_grad_dtype_name, check_heads, check_schedule_name
 from .grid import MeshGrid
-from .kernels import check_backend
-from .values import DEFAULT_SCHEDULE, check_grad_dtype_name, check_heads, check_schedule_name
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -43,14 +43,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import resolve_plan
-from .values import (
+from ..values import (
     FP32_BYTES,
     AttentionShape,
     MeshPlan,
     heads_shape,
     mesh_shapes,
 )
+from .plan import resolve_plan
 
 
 @dataclass(frozen=True)

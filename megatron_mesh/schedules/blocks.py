@@ -5,9 +5,9 @@ from typing import Sequence
 
 import torch
 
-from .flat import flat_size, views
-from .kernels import TileKernel
-from .layout import AttentionMask, block_for
+from ..kernels import TileKernel
+from ..masks.layout import AttentionMask, block_for
+from ..runtime.flat import flat_size, views
 from .merge import merge_into
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.base import Segments
+from ..runtime.caches import per_documents
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
-from .caches import per_documents
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .kernels.base import Segments
 
 
 def mesh_placement(placement: DocumentPlacement, heads: int) -> DocumentPlacement:

@@ -20,11 +20,11 @@ import functools
 
 import torch
 
+from ..masks.document_placement import DocumentPlacement
+from ..masks.documents import Documents
+from ..values import HEADS, kv_repeats
 from . import comm
-from .document_placement import DocumentPlacement
-from .documents import Documents
 from .grid import MeshGrid
-from .values import HEADS, kv_repeats
 
 
 def heads_to_sequence(x: torch.Tensor, grid: MeshGrid, phase: comm.Phase,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from .documents import Documents
+from ..masks.documents import Documents
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
 _CACHES: list[PerDocuments | BytesLRU] = []

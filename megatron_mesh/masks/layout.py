@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels.base import Segments, TileMask
+from ..runtime.caches import per_documents
+from ..runtime.checks import check_zigzag_divisible
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
-from .caches import per_documents
-from .checks import check_zigzag_divisible
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .kernels.base import Segments, TileMask
 from .placed import placed_block, positions
 from .window import Window, token_positions
 from .zigzag import held_pieces, zigzag_chunks
