@@ -110,7 +110,9 @@ class MeshDotProductAttention(MegatronModule):
     The spec chooses this class for the 'mesh' algorithm (`spec.mesh_core_attention_spec`;
     Transformer Engine's attention for the others). With CP = 1 every algorithm is plain
     attention, so this class also runs any algorithm there; with CP > 1 it runs only 'mesh'
-    and names the fix otherwise.
+    and names the fix otherwise. config.softmax_type "off-by-one" / "learnable" adds
+    attention sinks: `softmax_offset` held as megatron-core's DotProductAttention holds it
+    (`megatron/sink.py`).
     """
 
     def __init__(
