@@ -115,13 +115,21 @@ def _check_expert_parallel(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_device(args: argparse.Namespace) -> None:
-    """Refuse what needs a GPU on a CPU, and grouped GEMM without its kernels."""
+    """Refuse what needs a GPU on a CPU, grouped GEMM without its kernels, and linear biases
+    in megatron-core's local experts."""
+    te = importlib.util.find_spec("transformer_engine") is not None
+    te_layers = args.transformer_impl != "local" and te and has_cuda()
+    if not args.disable_bias_linear and not te_layers:
+        raise ValueError("--num-experts with linear biases (no --disable-bias-linear) in "
+                         "megatron-core's local layers: its SequentialMLP adds the expert "
+                         "bias in place on a view autograd refuses (megatron-core 0.16 to "
+                         "0.19); add --disable-bias-linear, or run Transformer Engine layers "
+                         "on a GPU")
     if args.moe_grouped_gemm:
         if not has_cuda():
             raise ValueError("--moe-grouped-gemm needs a GPU (Transformer Engine's "
                              "GroupedLinear or the grouped_gemm package's CUDA kernels); on a "
                              "CPU drop it: the experts run as megatron-core's SequentialMLP")
-        te = importlib.util.find_spec("transformer_engine") is not None
         if not te and importlib.util.find_spec("grouped_gemm") is None:
             raise ValueError("--moe-grouped-gemm needs Transformer Engine or the grouped_gemm "
                              "package, neither is installed; drop it (SequentialMLP experts)")
