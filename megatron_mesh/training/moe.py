@@ -5,7 +5,9 @@ The experts are megatron-core's: with `--num-experts N` every layer's MLP is its
 (a TopKRouter and, on a CPU or without grouped GEMM, SequentialMLP experts: one MLP per
 expert, run one after another). What needs a GPU is refused on a CPU before any process
 group exists: `--moe-grouped-gemm` (Transformer Engine's GroupedLinear, or the grouped_gemm
-package's CUDA kernels) and `--moe-token-dispatcher-type flex` (DeepEP / HybridEP).
+package's CUDA kernels), `--moe-token-dispatcher-type flex` (DeepEP / HybridEP) and alltoall
+(megatron-core's dispatcher creates a CUDA stream); allgather, the default, runs on a CPU,
+also with --expert-model-parallel-size > 1.
 """
 from __future__ import annotations
 
@@ -93,8 +95,8 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
             and args.moe_token_dispatcher_type == "allgather"):
         raise ValueError("--moe-token-dispatcher-type allgather with --reset-attention-mask and "
                          "pipeline stages: megatron-core takes micro-batches of varying length "
-                         "only with the alltoall dispatcher; use --moe-token-dispatcher-type "
-                         "alltoall")
+                         "only with the alltoall dispatcher (a GPU's); use "
+                         "--moe-token-dispatcher-type alltoall")
     _check_expert_parallel(args, world_size)
     _check_device(args)
 
@@ -112,6 +114,21 @@ def _check_expert_parallel(args: argparse.Namespace, world_size: int) -> None:
     if ep > 1 and tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size "
                          f"{tp} needs --sequence-parallel (as in Megatron-LM)")
+
+
+def check_saved_experts(common: dict[str, Any], path: str, args: TrainingConfig) -> None:
+    """CheckpointError when the checkpoint's optimizer state cannot load for this run's
+    --expert-model-parallel-size: megatron-core steps experts in a second (chained)
+    optimizer with EP > 1 only, whose state is keyed apart from EP 1's."""
+    from megatron_mesh.training.checksums import CheckpointError
+
+    saved, ep = common.get("expert_model_parallel_size", 1), args.expert_model_parallel_size
+    if (saved > 1) != (ep > 1):
+        raise CheckpointError(
+            f"checkpoint {path} holds optimizer state saved with --expert-model-parallel-size "
+            f"{saved}, which does not load with {ep} (megatron-core chains a separate expert "
+            "optimizer with EP > 1 only): resume with EP "
+            f"{'> 1' if saved > 1 else '1'}, or load the weights only with --no-load-optim")
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -135,7 +152,10 @@ def _check_device(args: argparse.Namespace) -> None:
                              "package, neither is installed; drop it (SequentialMLP experts)")
     if args.moe_token_dispatcher_type == "flex" and not has_cuda():
         raise ValueError("--moe-token-dispatcher-type flex needs a GPU (DeepEP / HybridEP); "
-                         "on a CPU use allgather or alltoall")
+                         "on a CPU use allgather")
+    if args.moe_token_dispatcher_type == "alltoall" and not has_cuda():
+        raise ValueError("--moe-token-dispatcher-type alltoall needs a GPU (megatron-core's "
+                         "alltoall dispatcher creates a CUDA stream); on a CPU use allgather")
 
 
 def _flag(dest: str) -> str:

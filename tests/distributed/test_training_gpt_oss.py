@@ -6,11 +6,12 @@ run's checkpoint resumes on a 1x2 grid with the losses of the unbroken run. Bad 
 exit 2 with one line naming the value."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from preloaded import ROOT, Run, build_indexed_dataset, launch
+from preloaded import ROOT, TINY, Run, build_indexed_dataset, launch
 
 CONFIG = str(ROOT / "configs" / "gpt-oss-tiny-cpu.yaml")
 ITERS = 4
@@ -34,7 +35,7 @@ def runs(tmp_path_factory) -> dict[str, Run | Path]:
     common = ["--config", CONFIG, "--train-iters", str(ITERS), "--data-path", prefix,
               "--data-cache-path", str(work / "index-cache")]
     save = ["--save-interval", "2", "--save"]
-    out: dict[str, Run | Path] = {"work": work}
+    out: dict[str, Run | Path] = {"work": work, "common": common}
     out["cp1"] = launch(1, [*common, *save, str(work / "cp1")])
     out["2x2"] = launch(4, [*common, *_mesh("2x2"), *save, str(work / "2x2")])
     out["2x1x2"] = launch(4, [*common, *_mesh("2x1x2")])
@@ -87,12 +88,53 @@ def test_checkpoint_resumes_on_another_grid(runs) -> None:
         assert got[it] == pytest.approx(want[it], rel=2e-5), (it, got, want)
 
 
+def test_expert_parallel_2_on_a_mesh_matches_ep1(runs) -> None:
+    """The CP = 1 checkpoint's weights (iteration 2) trained on, with a fresh optimizer, by
+    EP 1 on one rank and by EP 2 over a 1x2 mesh (the experts split between the two CP
+    ranks, megatron-core's allgather dispatcher over gloo): the same losses. Its optimizer
+    state does not load with EP 2 (megatron-core chains an expert optimizer): exit 2."""
+    load = [*runs["common"], "--load", str(runs["work"] / "cp1"), "--ckpt-step", "2"]
+    ep1 = launch(1, [*load, "--no-load-optim"])
+    ep2 = launch(2, [*load, "--no-load-optim", *_mesh("1x2"),
+                     "--expert-model-parallel-size", "2"])
+    for run in (ep1, ep2):
+        assert run.returncode == 0, run.output[-3000:]
+    want, got = ep1.losses(), ep2.losses()
+    assert sorted(got) == sorted(want) and len(got) >= 2
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=2e-5), (it, got, want)
+    refused = launch(2, [*load, *_mesh("1x2"), "--expert-model-parallel-size", "2"])
+    assert refused.returncode == 2
+    assert "saved with --expert-model-parallel-size 1, which does not load with 2" in (
+        refused.output)
+
+
+def test_qk_layernorm_and_off_by_one_on_a_mesh_match_cp1() -> None:
+    """--qk-layernorm with --softmax-type off-by-one (the tiny config): 2x2 equals CP = 1;
+    both flags change the model (the losses differ from the run without them)."""
+    common = ["--config", TINY, "--train-iters", "3", "--mock-data"]
+    flags = ["--qk-layernorm", "--softmax-type", "off-by-one"]
+    ref, mesh, plain = (launch(1, [*common, *flags]), launch(4, [*common, *flags, *_mesh("2x2")]),
+                        launch(1, common))
+    for run in (ref, mesh, plain):
+        assert run.returncode == 0, run.output[-3000:]
+    want, got, without = ref.losses(), mesh.losses(), plain.losses()
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=2e-5), (it, got, want)
+    assert all(abs(without[it] - want[it]) > 1e-4 for it in want), (without, want)
+    # the Q and K norms: 2 layers x 2 norms x head dim 16 weights more than without
+    params = [int(re.search(r"parameters on this rank ([\d,]+)", run.output)[1].replace(",", ""))
+              for run in (ref, plain)]
+    assert params[0] - params[1] == 2 * 2 * 16, params
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs a GPU"),
     (["--moe-router-topk", "5"], "--moe-router-topk 5: must be between 1 and --num-experts 4"),
     (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3: must divide"),
     (["--no-disable-bias-linear"], "add --disable-bias-linear"),
     (["--moe-token-dispatcher-type", "flex"], "flex needs a GPU"),
+    (["--moe-token-dispatcher-type", "alltoall"], "alltoall needs a GPU"),
 ])
 def test_bad_moe_flags_exit_2(flags: list[str], says: str) -> None:
     run = launch(1, ["--config", CONFIG, "--mock-data", *flags])
