@@ -188,6 +188,17 @@ def moe_spec(args: TrainingConfig) -> dict[str, Any]:
     return {"num_experts": args.num_experts, "moe_grouped_gemm": args.moe_grouped_gemm}
 
 
+def moe_label(args: TrainingConfig) -> str:
+    """'MoE 4 experts, top 2, ...' for the start-up banner ('' without --num-experts)."""
+    if args.num_experts is None:
+        return ""
+    experts = "grouped GEMM" if args.moe_grouped_gemm else "SequentialMLP"
+    return (f"MoE {args.num_experts} experts ({experts}, hidden {args.moe_ffn_hidden_size}), "
+            f"top {args.moe_router_topk}, {args.moe_router_load_balancing_type} coeff "
+            f"{args.moe_aux_loss_coeff:g}, EP {args.expert_model_parallel_size}, "
+            f"{args.moe_token_dispatcher_type} dispatcher")
+
+
 def aux_loss_names(args: TrainingConfig) -> list[str]:
     """The aux losses Megatron-LM logs for this run (none without --num-experts)."""
     if args.num_experts is None:
