@@ -64,7 +64,10 @@ def _tp_job(out: dict) -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_mesh.megatron import initialize_mesh_grids
-    from megatron_mesh.megatron.core_attention import MeshDotProductAttention
+    from megatron_mesh.megatron.core_attention import (
+        MeshDotProductAttention,
+        MeshDotProductAttentionInTEState,
+    )
     from megatron_mesh.megatron.groups import destroy_mesh_grids
 
     destroy_mesh_grids()
@@ -83,7 +86,10 @@ def _tp_job(out: dict) -> None:
         entries[name] = (tuple(core.softmax_offset.shape), tensor.key,
                          tuple(tensor.global_shape), tuple(tensor.global_offset),
                          tuple(tensor.axis_fragmentations))
-    out["tp2"] = entries | {"tp_rank": ps.get_tensor_model_parallel_rank()}
+    te_state = MeshDotProductAttentionInTEState(config=_config(2, "learnable", tp=2), **kwargs)
+    out["tp2"] = entries | {"tp_rank": ps.get_tensor_model_parallel_rank(),
+                            "te_state_keys": sorted(te_state.sharded_state_dict(
+                                prefix="x.", metadata=metadata))}
 
 
 def _job(rank: int, world: int) -> dict:
@@ -152,3 +158,5 @@ def test_tp2_holds_its_heads_and_checkpoints_as_megatron(results) -> None:
         assert shape == (HEADS // 2,) and key == "x.softmax_offset"
         assert global_shape == (HEADS,) and offset == (entries["tp_rank"] * HEADS // 2,)
         assert fragments == (2,)
+        # in place of TE's attention: TE's learnable entries, the offset and the extra state
+        assert entries["te_state_keys"] == ["x._extra_state", "x.softmax_offset"]
