@@ -109,6 +109,25 @@ def test_expert_parallel_2_on_a_mesh_matches_ep1(runs) -> None:
         refused.output)
 
 
+def test_tp2_sp_ep2_on_a_mesh_matches_cp1(runs) -> None:
+    """The CP = 1 checkpoint's weights (--finetune: weights only) trained by TP 2 (each rank
+    2 of the 4 heads' sinks) x CP 2 (mesh) with sequence parallelism and the experts over EP
+    2, and at CP = 1: the same losses, load-balancing losses and grad norms."""
+    load = [*runs["common"], "--load", str(runs["work"] / "cp1"), "--ckpt-step", "2",
+            "--finetune"]
+    ref = launch(1, load)
+    tp = launch(4, [*load, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                    *_mesh("1x2"), "--expert-model-parallel-size", "2"])
+    for run in (ref, tp):
+        assert run.returncode == 0, run.output[-3000:]
+    want, got = ref.lines(), tp.lines()
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it in want:
+        for field in ("lm loss", AUX, "grad norm"):
+            assert float(got[it][field]) == pytest.approx(float(want[it][field]), rel=2e-5), (
+                it, field, got[it], want[it])
+
+
 def test_qk_layernorm_and_off_by_one_on_a_mesh_match_cp1() -> None:
     """--qk-layernorm with --softmax-type off-by-one (the tiny config): 2x2 equals CP = 1;
     both flags change the model (the losses differ from the run without them)."""
