@@ -15,6 +15,8 @@ TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.p
        # placed documents: PlacedSeqParams, RoPE at placed positions, the balanced driver (MLA too)
        tests/distributed/test_placed_rope.py tests/distributed/test_placed_training.py
        tests/distributed/test_megatron_window.py tests/distributed/test_megatron_mla.py
+       # attention sinks (softmax_type) against megatron-core's own attention; the gpt-oss config
+       tests/distributed/test_megatron_sinks.py tests/distributed/test_training_gpt_oss.py
        tests/unit/test_patches.py  # every patched name exists in this megatron-core
        tests/unit/test_merge_triton.py  # the Triton merge in Triton's CPU interpreter (triton is here)
        # --multi-latent-attention: refused on 0.16 without TE, trained on 0.17+

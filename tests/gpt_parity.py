@@ -46,7 +46,8 @@ def compare_on_grids(reference: torch.nn.Module, build: Callable[[], torch.nn.Mo
                      describe: Callable[[torch.nn.Module], dict]) -> dict[tuple[int, ...], dict]:
     """For each grid: `build()` on `world` CP ranks with the reference's weights, its loss
     and gradients summed over CP (as finalize_model_grads does) against the reference's:
-    {grid: {"loss": (mesh, reference), "grad_err": largest relative error, **describe(model)}}."""
+    {grid: {"loss": (mesh, reference), "grad_err": largest relative error, "grad_errs":
+    {parameter: its relative error}, **describe(model)}}."""
     from megatron.core import parallel_state as ps
 
     from megatron_mesh.megatron import initialize_mesh_grids
@@ -65,10 +66,12 @@ def compare_on_grids(reference: torch.nn.Module, build: Callable[[], torch.nn.Mo
         dist.all_reduce(loss, group=group)
         for t in grads.values():
             dist.all_reduce(t, group=group)
+        errors = {n: (grads[n] - ref_grads[n]).abs().max().item()
+                  / (ref_grads[n].abs().max().item() + 1e-6) for n in grads}
         out[shape] = {
             "loss": (loss.item(), ref_loss.item()),
-            "grad_err": max((grads[n] - ref_grads[n]).abs().max().item()
-                            / (ref_grads[n].abs().max().item() + 1e-6) for n in grads),
+            "grad_err": max(errors.values()),
+            "grad_errs": errors,
             **describe(model),
         }
     return out

@@ -19,6 +19,7 @@ __all__ = [
     "have_transformer_engine",
     "mla_unbuildable_reason",
     "get_batch_on_this_cp_rank",
+    "define_moe_names_without_te",
     "null_tokenizer_library",
     "null_tokenizer_options",
 ]
@@ -82,6 +83,16 @@ def mla_unbuildable_reason(version: Version = MEGATRON_CORE_VERSION,
     return (f"megatron-core {version} cannot build multi-latent attention without Transformer "
             "Engine (its MLASelfAttention tests isinstance against TE's stand-in TELinear, "
             "which raises TypeError)")
+
+
+def define_moe_names_without_te() -> None:
+    """megatron-core 0.16 without Transformer Engine: `moe_utils` defines `te_general_gemm`
+    only when TE imports, yet its router gating reads it (NameError in every MoE forward).
+    Define it as None, what 0.17 and later define it as without TE; a no-op otherwise."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

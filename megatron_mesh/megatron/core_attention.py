@@ -31,6 +31,12 @@ from megatron_mesh.megatron.groups import (
 )
 from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
+from megatron_mesh.megatron.sink import (
+    SOFTMAX_TYPES,
+    init_softmax_offset,
+    mesh_offset,
+    offset_sharded_state_dict,
+)
 from megatron_mesh.runtime import agreement
 from megatron_mesh.runtime.checks import check_options
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
@@ -138,7 +144,9 @@ class MeshDotProductAttention(MegatronModule):
     The spec chooses this class for the 'mesh' algorithm (`spec.mesh_core_attention_spec`;
     Transformer Engine's attention for the others). With CP = 1 every algorithm is plain
     attention, so this class also runs any algorithm there; with CP > 1 it runs only 'mesh'
-    and names the fix otherwise.
+    and names the fix otherwise. config.softmax_type "off-by-one" / "learnable" adds
+    attention sinks: `softmax_offset` held as megatron-core's DotProductAttention holds it
+    (`megatron/sink.py`).
     """
 
     def __init__(
@@ -197,6 +205,7 @@ class MeshDotProductAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
         self.current_max_attn_logits = None
+        init_softmax_offset(self, config, config.num_attention_heads // tp_size)
         self._layers: dict[tuple, MeshAttention] = {}  # one per input signature and mask
 
     def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -260,10 +269,17 @@ class MeshDotProductAttention(MegatronModule):
                                 placement is not None)
         except Exception as error:  # noqa: BLE001 - every rank must hear of it
             agreement.refuse(self.grid, error)
-        out = layer(query, key, value, documents, placement)  # agrees with the other ranks first
+        out = layer(query, key, value, documents, placement,  # agrees with the others first
+                    softmax_offset=mesh_offset(self.softmax_offset))
         if packed is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """megatron-core's: a learnable `softmax_offset` sharded over TP heads (`sink.py`)."""
+        return offset_sharded_state_dict(self, self.config, self.pg_collection.tp, prefix,
+                                         sharded_offsets, metadata)
 
 
 class MeshDotProductAttentionInTEState(MeshDotProductAttention):
@@ -272,9 +288,11 @@ class MeshDotProductAttentionInTEState(MeshDotProductAttention):
     TE's attention saves an `_extra_state` (its FP8 metadata: an empty uint8 tensor without
     FP8, else pickled bytes); this class keeps whatever was loaded there and saves it back
     unchanged, so a TE checkpoint loads strictly into a mesh run and back without losing or
-    inventing state. In the dist-checkpoint format neither contributes anything (TE's
-    attention returns no sharded state for vanilla softmax); loading such a checkpoint
-    leaves the extra state at "no FP8 metadata" instead of reporting a missing key.
+    inventing state. In the dist-checkpoint format neither contributes anything with a
+    vanilla softmax (TE's attention returns no sharded state then; with a learnable one both
+    save the offset and the extra state, `sink.offset_sharded_state_dict`); loading a
+    checkpoint without it leaves the extra state at "no FP8 metadata" instead of reporting a
+    missing key.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -286,10 +304,6 @@ class MeshDotProductAttentionInTEState(MeshDotProductAttention):
 
     def set_extra_state(self, state: Any) -> None:
         self._te_extra_state = state
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> dict:
-        return {}
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list, unexpected_keys: list,
@@ -349,8 +363,9 @@ def _check_supported(
         problems.append(f"attention_type {attention_type!r} (only 'self')")
     if attn_mask_type not in _MASKS:
         problems.append(f"attn_mask_type {attn_mask_type} (only causal or no_mask)")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        problems.append(f"softmax_type {config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
+        problems.append(f"softmax_type {config.softmax_type!r} (valid: "
+                        f"{', '.join(SOFTMAX_TYPES)})")
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         problems.append("qk_clip / log_max_attention_logit")
     if problems:

@@ -26,6 +26,7 @@ from megatron_mesh.training import schedule_length, tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
+from megatron_mesh.training.moe import add_moe_args, check_moe_args
 from megatron_mesh.training.placement import add_placement_args, resolve_placement_args
 
 DEFAULT_TRAIN_ITERS = 10
@@ -34,6 +35,7 @@ TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "TikTokenizer")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron-core's config.softmax_type
 
 
 class ConfigError(ValueError):
@@ -98,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
           "causal: right 0 or -1")
     _flag(g, "--window-attn-skip-freq", type=int, default=None,
           help="with --window-size, every n-th layer is global (full causal attention)")
+    _flag(g, "--softmax-type", default="vanilla", choices=SOFTMAX_TYPES,
+          help="attention sinks: off-by-one adds a logit 0 to every softmax row, learnable "
+               "one learned logit per head (gpt-oss)")
+    _flag(g, "--qk-layernorm", type=bool, default=False,
+          help="normalize queries and keys per head (--normalization) before attention")
     _flag(g, "--multi-latent-attention", type=bool, default=False,
           help="multi-latent attention (megatron-core's MLASelfAttention): K and V from a "
                "low-rank latent, Q / K head dim --qk-head-dim + --qk-pos-emb-head-dim, V head "
@@ -204,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                "megatron-core's local layers, unfused attention (S x S scores; CP = 1 only)")
     add_mesh_args(p)
     add_placement_args(p)
+    add_moe_args(p)
 
     g = p.add_argument_group("data")
     _flag(g, "--data-path", nargs="*", default=None,
@@ -478,6 +486,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.ffn_hidden_size = 4 * args.hidden_size
         if args.swiglu:  # about the 4h MLP's parameters, a multiple of 64: Megatron-LM's width
             args.ffn_hidden_size = int(2 * args.ffn_hidden_size / 3 / 64) * 64
+    try:
+        check_moe_args(args, world_size)
+    except ValueError as e:
+        _fail(str(e))
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and (

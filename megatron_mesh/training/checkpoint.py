@@ -34,6 +34,7 @@ from megatron_mesh.training.checksums import CheckpointError, verify_manifest, w
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
+from megatron_mesh.training.moe import check_saved_experts
 from megatron_mesh.training.optimizer import (
     OPTIMIZER_CHECKPOINT_METADATA,
     check_saved_optimizer,
@@ -210,6 +211,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
     if not loading:
         sd["checkpoint_version"] = MEGATRON_LM_CHECKPOINT_VERSION
         sd["optimizer_kind"] = optimizer_kind(args)
+        sd["expert_model_parallel_size"] = args.expert_model_parallel_size
         sd["iteration"] = state.iteration
         sd["consumed_samples"] = state.consumed_samples
         sd["model_shape"] = {k: getattr(args, k) for k in (
@@ -306,6 +308,7 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     with_rng = not (args.no_load_rng or args.finetune)
     if with_optim:
         check_saved_optimizer(common, _layout(), path, args)
+        check_saved_experts(common, path, args)
     if with_rng and list(common.get("layout", [])) != _layout():
         print_rank0(f" checkpoint layout {common.get('layout')} (PP, TP, DPxCP) differs from "
                     f"{_layout()}: RNG state not restored")

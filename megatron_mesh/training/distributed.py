@@ -46,6 +46,7 @@ def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     if not is_mesh(args.context_parallel_algo):

@@ -19,6 +19,14 @@ def _qkv_projection_flops(args: TrainingConfig) -> float:
     return q + kv_down + kv_up
 
 
+def _mlp_width(args: TrainingConfig) -> int:
+    """The MLP hidden width a token passes through: --ffn-hidden-size, or with experts its
+    top-k experts' --moe-ffn-hidden-size each (Megatron-LM's count: the router not counted)."""
+    if getattr(args, "num_experts", None) is None:
+        return args.ffn_hidden_size
+    return args.moe_router_topk * args.moe_ffn_hidden_size
+
+
 def flops_per_token_forward(args: TrainingConfig, vocab_size: int) -> float:
     """Forward FLOPs per token: matmuls count 2 per multiply-add; causal attention is halved."""
     h, s, n_q = args.hidden_size, args.seq_length, args.num_attention_heads
@@ -28,7 +36,7 @@ def flops_per_token_forward(args: TrainingConfig, vocab_size: int) -> float:
         _qkv_projection_flops(args)           # Q, K, V projections
         + 2 * s * n_q * (d_k + d_v) / 2       # Q K^T and P V over s keys, causal: half
         + 2 * n_q * d_v * h                   # output projection
-        + 2 * mlp_mats * h * args.ffn_hidden_size  # MLP
+        + 2 * mlp_mats * h * _mlp_width(args)  # MLP (each token's routed experts)
     )
     return args.num_layers * per_layer + 2 * h * vocab_size  # + logits
 

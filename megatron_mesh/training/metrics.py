@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.moe import AUX_LOSS_NAMES
 from megatron_mesh.values import shape_text
 
 if TYPE_CHECKING:
@@ -30,10 +31,13 @@ class IntervalStats:
     grad_norms: list[float] = field(default_factory=list)
     traffic_bytes: int = 0
     skipped: int = 0
+    aux_sums: dict[str, float] = field(default_factory=dict)  # MoE aux losses by name
 
     def add(self, loss: float, seconds: float, grad_norm: float | None, traffic: int,
-            ok: bool) -> None:
+            ok: bool, aux: dict[str, float] | None = None) -> None:
         self.iterations += 1
+        for name, value in (aux or {}).items():
+            self.aux_sums[name] = self.aux_sums.get(name, 0.0) + value
         self.loss_sum += loss
         self.time_sum += seconds
         self.traffic_bytes += traffic
@@ -61,6 +65,7 @@ def interval_metrics(stats: IntervalStats, args: TrainingConfig, flops_per_iter:
     }
     if stats.grad_norms:
         out["grad-norm"] = stats.grad_norms[-1]
+    out.update({name: total / n for name, total in stats.aux_sums.items()})
     if traffic_known:
         out["attention/traffic-bytes-per-rank"] = stats.traffic_bytes // n
     return out
@@ -81,6 +86,7 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
         f"global batch size: {args.global_batch_size:5d}",
         f"lm loss: {m['lm loss']:.6E}",
     ]
+    parts += [f"{name}: {m[name]:.6E}" for name in AUX_LOSS_NAMES.values() if name in m]
     if "grad-norm" in m:
         parts.append(f"grad norm: {m['grad-norm']:.3f}")
     parts += [

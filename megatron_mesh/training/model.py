@@ -14,6 +14,7 @@ from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
 from megatron_mesh.megatron.compat import have_transformer_engine
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.moe import moe_config, moe_spec
 from megatron_mesh.training.pipeline import varies_in_length
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         window_size=None if args.window_size is None else tuple(args.window_size),
         window_attn_skip_freq=args.window_attn_skip_freq,
+        softmax_type=args.softmax_type,
+        qk_layernorm=args.qk_layernorm,
         init_method_std=args.init_method_std,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
@@ -65,8 +68,10 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         pipeline_dtype=dtype,
         variable_seq_lengths=varies_in_length(args),
         # megatron-core refuses variable lengths beside its default MoE dispatcher even
-        # without experts; this model has none, so the dispatcher named is never built
-        **({"moe_token_dispatcher_type": "alltoall"} if varies_in_length(args) else {}),
+        # without experts; without them the dispatcher named is never built
+        **({"moe_token_dispatcher_type": "alltoall"}
+           if varies_in_length(args) and args.num_experts is None else {}),
+        **moe_config(args),
         use_cpu_initialization=not has_cuda(),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -136,14 +141,16 @@ def layer_spec(args: TrainingConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec(normalization=args.normalization,
-                                        multi_latent_attention=args.multi_latent_attention)
+                                        multi_latent_attention=args.multi_latent_attention,
+                                        qk_layernorm=args.qk_layernorm, **moe_spec(args))
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     return get_gpt_layer_spec(context_parallel_algo=algo,
                               use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
                               grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
                               normalization=args.normalization,
-                              multi_latent_attention=args.multi_latent_attention)
+                              multi_latent_attention=args.multi_latent_attention,
+                              qk_layernorm=args.qk_layernorm, **moe_spec(args))
 
 
 def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:

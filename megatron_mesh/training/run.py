@@ -28,6 +28,7 @@ from megatron_mesh.training.model import (
     use_transformer_engine,
     wrap_model,
 )
+from megatron_mesh.training.moe import moe_label
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.placement import placement_label, uses_placement
 from megatron_mesh.training.trainer import train
@@ -103,6 +104,16 @@ def _masks_label(args: TrainingConfig) -> str:
     return "".join(f" | {p}" for p in parts)
 
 
+def _features_label(args: TrainingConfig) -> str:
+    """', sinks learnable, qk layernorm, MoE ...': the model's optional features ('' if none)."""
+    parts = [f"sinks {args.softmax_type} (--softmax-type)"] if args.softmax_type != "vanilla" \
+        else []
+    if args.qk_layernorm:
+        parts.append("qk layernorm")
+    moe = moe_label(args)
+    return "".join(f", {p}" for p in parts + ([moe] if moe else []))
+
+
 def banner_lines(args: TrainingConfig, grid: MeshGrid | None, n_params: int, vocab: int,
                  flops: float) -> list[str]:
     """The start-up banner (rank 0 prints it): layout, model, FLOPs and their counting
@@ -117,7 +128,8 @@ def banner_lines(args: TrainingConfig, grid: MeshGrid | None, n_params: int, voc
         f"{flag_dtype_name(args.bf16, args.fp16)}",
         f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
         f"{args.num_attention_heads} ({_heads_label(args)}), seq "
-        f"{args.seq_length}, vocab {vocab} | parameters on this rank {n_params:,} | "
+        f"{args.seq_length}, vocab {vocab}{_features_label(args)} | parameters on this rank "
+        f"{n_params:,} | "
         f"model FLOPs per iteration {flops:.4e}" + (f" ({note})" if note else ""),
         f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
         f"{args.data_parallel_size} x {args.num_microbatches} micro-batches | "

@@ -18,6 +18,7 @@ from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
 from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.metrics import IntervalStats, Loggers, interval_metrics, log_line
+from megatron_mesh.training.moe import aux_losses
 from megatron_mesh.training.step import forward_step, global_loss
 from megatron_mesh.training.stopping import ExitConditions, check_finite
 
@@ -104,16 +105,17 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
                                                  step_args)
             synchronize()
+            aux = aux_losses(args)  # MoE load-balancing losses (a collective; {} without)
             seconds = time.perf_counter() - start
             state.iteration += 1
             state.consumed_samples += step_args.global_batch_size
             if args.check_for_nan_in_loss_and_grad:
                 check_finite(state.iteration, loss, grad_norm)
             traffic = counter.total_bytes if counter else 0
-            stats.add(loss, seconds, grad_norm, traffic, ok)
+            stats.add(loss, seconds, grad_norm, traffic, ok, aux)
             lr = optimizer.param_groups[0]["lr"]
             one = IntervalStats()
-            one.add(loss, seconds, grad_norm, traffic, ok)
+            one.add(loss, seconds, grad_norm, traffic, ok, aux)
             loggers.iteration(
                 interval_metrics(one, step_args, flops, lr, state.consumed_samples,
                                  peak_memory_bytes(), traffic_known=counter is not None),

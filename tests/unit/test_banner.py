@@ -44,3 +44,22 @@ def test_banner_names_masks_and_flops_count_them_as_megatron_lm(case: str, monke
     assert (convention in model) == (case != "none"), model
     if case == "both":
         assert model.endswith("not reduced for document masks or the window)"), model
+
+
+def test_banner_names_sinks_and_experts_and_counts_the_routed_experts(monkeypatch) -> None:
+    """MoE FLOPs count each token's top-k experts (Megatron-LM's count): top 2 of experts
+    2h wide is the dense 4h MLP's count; the banner names the sinks, Q / K norms and MoE."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dense = parse_args(GPT)
+    args = parse_args([*GPT, "--num-experts", "4", "--moe-router-topk", "2",
+                       "--moe-ffn-hidden-size", str(2 * dense.hidden_size),
+                       "--disable-bias-linear", "--softmax-type", "learnable", "--qk-layernorm"])
+    flops = flops_per_iteration(args, 256)
+    assert flops == pytest.approx(_megatron_lm_flops(args, 256), rel=1e-12)
+    _, model, _ = banner_lines(args, None, 1000, 256, flops)
+    assert "sinks learnable (--softmax-type), qk layernorm, MoE 4 experts (SequentialMLP, " \
+           "hidden 128), top 2, aux_loss coeff 0, EP 1, allgather dispatcher" in model, model
+    wider = parse_args([*GPT, "--num-experts", "4", "--moe-router-topk", "3",
+                        "--moe-ffn-hidden-size", str(2 * dense.hidden_size),
+                        "--disable-bias-linear"])
+    assert flops_per_iteration(wider, 256) > flops
