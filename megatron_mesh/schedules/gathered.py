@@ -10,9 +10,9 @@ import torch
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..masks.layout import AttentionMask
+from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
-from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
 from .merge import empty_accumulators, merge_into

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm
+from ..runtime import comm
 
 Tensors = tuple[torch.Tensor, ...]
 

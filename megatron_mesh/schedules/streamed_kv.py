@@ -20,9 +20,9 @@ import torch
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..masks.layout import AttentionMask
+from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
-from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
 from .merge import empty_accumulators

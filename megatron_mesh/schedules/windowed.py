@@ -26,6 +26,7 @@ from ..masks.placed import mesh_placement
 from ..masks.window import window_of
 from ..models.memory import extra_memory
 from ..models.traffic import Traffic
+from ..runtime import comm
 from ..runtime.caches import per_documents
 from ..runtime.grid import MeshGrid
 from ..values import (
@@ -39,7 +40,6 @@ from ..values import (
     MeshPlan,
     heads_shape,
 )
-from . import comm
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import attention_delta, out_with_delta
 from .merge import empty_accumulators, merge_into
