@@ -285,8 +285,9 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
                     args: TrainingConfig) -> TrainState:
     """Restore the newest complete checkpoint under root into the live objects.
 
-    Weights always; optimizer, LR schedule, iteration and data position unless
-    --no-load-optim / --finetune; RNG unless --no-load-rng or the parallel layout changed.
+    Weights always; iteration and data position unless --finetune; optimizer and LR
+    schedule unless --no-load-optim / --finetune (as Megatron-LM); RNG unless --no-load-rng
+    or the parallel layout changed.
     Without any complete checkpoint under root (a first launch) training starts at 0.
     """
     iteration = args.ckpt_step if args.ckpt_step is not None else latest_iteration(root)
@@ -318,10 +319,15 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     loaded = dist_checkpointing.load(template, path)
     unwrap(model).load_state_dict(loaded["model"])
     state = TrainState()
+    if not args.finetune:  # as Megatron-LM: the iteration and data position go on
+        state = TrainState(common["iteration"], common["consumed_samples"])
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        state = TrainState(loaded["iteration"], loaded["consumed_samples"])
+    elif not args.finetune:
+        print_rank0(f" --no-load-optim: weights and the data position of iteration "
+                    f"{state.iteration} loaded; a fresh optimizer, and the LR schedule starts "
+                    "again from its first step (as Megatron-LM does)")
     if with_rng:
         _set_rng(loaded["rng_state"])
     print_rank0(f" loaded checkpoint {path} (iteration {iteration})")

@@ -103,6 +103,23 @@ def test_distributed_optimizer_resumes_on_fewer_ranks(
         assert float(fields["grad norm"]) == pytest.approx(float(ref[it]["grad norm"]), abs=2e-3)
 
 
+def test_no_load_optim_keeps_the_iteration_and_data_position(
+        cp1_run: Run, data_args: list[str], work: Path) -> None:
+    """--no-load-optim (as Megatron-LM): the weights, iteration and data position of the
+    checkpoint, a fresh optimizer; so iteration 5's loss (the weights of iteration 4 on
+    iteration 5's batch) is the unbroken run's, and the log says the LR schedule restarts."""
+    assert cp1_run.returncode == 0, cp1_run.output[-3000:]
+    resumed = launch(1, [*data_args, "--load", str(work / "cp1-ckpt"), "--ckpt-step",
+                           str(SAVE_EVERY), "--no-load-optim", "--train-iters",
+                           str(SAVE_EVERY + 2)])
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    got, ref = resumed.lines(), cp1_run.lines()
+    assert sorted(got) == [SAVE_EVERY + 1, SAVE_EVERY + 2]
+    first = SAVE_EVERY + 1
+    assert float(got[first]["lm loss"]) == pytest.approx(float(ref[first]["lm loss"]), rel=2e-5)
+    assert "the LR schedule starts again from its first step" in resumed.output
+
+
 def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
         cp1_run: Run, distopt_run: Run, data_args: list[str], work: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
