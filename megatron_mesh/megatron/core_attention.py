@@ -186,7 +186,7 @@ class MeshDotProductAttention(MegatronModule):
         if len(cp_ranks) == 1 and not mesh_grid_is_initialized():
             self.grid = single_rank_grid(pg_collection.cp)  # CP = 1 needs no setup
         else:
-            self.grid = get_mesh_grid()
+            self.grid = get_mesh_grid(pg_collection.cp)  # the grid of the group handed in
         if config.context_parallel_size != len(cp_ranks) or self.grid.cp_ranks != cp_ranks:
             raise ValueError(
                 f"the mesh grid covers CP ranks {list(self.grid.cp_ranks)} but this layer's "

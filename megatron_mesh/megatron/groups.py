@@ -25,7 +25,11 @@ from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_tex
 
 logger = logging.getLogger(__name__)
 
-_MESH_GRID: MeshGrid | None = None
+# the grids built on this rank, by their CP group's ranks (sorted): a layer finds its grid
+# from the CP group megatron-core hands it (`pg_collection.cp`); the registry only bridges
+# the collective build (every rank at once) and the layers built later, as megatron-core's
+# `use_mpu_process_groups` bridges parallel_state
+_GRIDS: dict[tuple[int, ...], MeshGrid] = {}
 
 __all__ = [
     "initialize_mesh_grids", "get_mesh_grid", "destroy_mesh_grids", "mesh_grid_is_initialized",
@@ -76,8 +80,7 @@ def initialize_mesh_grids(
     `timeout` bounds the collectives of the row and column groups (pass the job's
     distributed timeout, as Megatron does for its own groups).
     """
-    global _MESH_GRID
-    if _MESH_GRID is not None:
+    if _GRIDS:
         raise RuntimeError("mesh grids are already initialized; call destroy_mesh_grids() first")
     if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -110,7 +113,7 @@ def initialize_mesh_grids(
         )
         if grid is None or grid.cp_rank != parallel_state.get_context_parallel_rank():
             raise RuntimeError("mesh grid does not match parallel_state's context-parallel rank")
-    _MESH_GRID = grid
+    _GRIDS[tuple(sorted(grid.cp_ranks))] = grid
     if dist.get_rank() == 0:  # names the grid built, not the request
         planner = automatic if chosen_by_planner is None else chosen_by_planner
         built = describe_mesh_shape((grid.heads, grid.rows, grid.cols), cp_size, planner,
@@ -127,21 +130,34 @@ def single_rank_grid(cp_group: dist.ProcessGroup) -> MeshGrid:
 
 def mesh_grid_is_initialized() -> bool:
     """Whether `initialize_mesh_grids` has run (and not been destroyed)."""
-    return _MESH_GRID is not None
+    return bool(_GRIDS)
 
 
-def get_mesh_grid() -> MeshGrid:
-    """This rank's mesh grid; RuntimeError when `initialize_mesh_grids` has not run."""
-    if _MESH_GRID is None:
+def get_mesh_grid(cp_group: dist.ProcessGroup | None = None) -> MeshGrid:
+    """The mesh grid of `cp_group` (the CP group a layer is handed, `pg_collection.cp`), or
+    with None this rank's only one; RuntimeError when `initialize_mesh_grids` has not run,
+    ValueError when it built none for `cp_group`."""
+    if not _GRIDS:
         raise RuntimeError(
             "mesh grids are not initialized: call "
             "megatron_mesh.megatron.initialize_mesh_grids() after "
             "parallel_state.initialize_model_parallel()"
         )
-    return _MESH_GRID
+    if cp_group is None:
+        if len(_GRIDS) > 1:
+            raise RuntimeError(f"{len(_GRIDS)} mesh grids are built on this rank (CP groups "
+                               f"{sorted(_GRIDS)}); name the CP group")
+        return next(iter(_GRIDS.values()))
+    ranks = tuple(sorted(dist.get_process_group_ranks(cp_group)))
+    if ranks not in _GRIDS:
+        built = ", ".join(str(list(r)) for r in sorted(_GRIDS))
+        raise ValueError(f"no mesh grid covers this layer's CP group of ranks {list(ranks)} "
+                         f"(grids built for CP ranks {built}); call initialize_mesh_grids() "
+                         "after initialize_model_parallel() with the same context-parallel "
+                         "size")
+    return _GRIDS[ranks]
 
 
 def destroy_mesh_grids() -> None:
     """Forget this rank's grid (call with parallel_state.destroy_model_parallel)."""
-    global _MESH_GRID
-    _MESH_GRID = None
+    _GRIDS.clear()
