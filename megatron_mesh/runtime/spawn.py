@@ -4,9 +4,9 @@ The one harness of the tests and the scripts that spawn CPU ranks themselves:
 
     results = run_gloo(fn, world, *args)  # fn(rank, world, *args) on every rank
 
-Each rank runs one thread (`threads`), joins a fresh gloo group on 127.0.0.1 and a free
-port, and returns a picklable value; `run_gloo` returns them by rank. A rank that raises
-fails the whole call (torch.multiprocessing's ProcessRaisedException names it); a job past
+Each rank runs one thread (`threads`), joins a fresh gloo group whose rendezvous is a file
+of the job's own folder (no TCP port to race other jobs for), and returns a picklable
+value; `run_gloo` returns them by rank. A rank that raises fails the whole call (torch.multiprocessing's ProcessRaisedException names it); a job past
 `job_timeout_s` is killed and raises TimeoutError.
 """
 from __future__ import annotations
@@ -35,9 +35,10 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, outdir: str, threads: int,
            timeout_s: float | None, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for code that reads them
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
+                            rank=rank, world_size=world,
                             **({} if timeout is None else {"timeout": timeout}))
     try:
         result = fn(rank, world, *args)
