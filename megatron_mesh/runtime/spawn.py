@@ -6,8 +6,9 @@ The one harness of the tests and the scripts that spawn CPU ranks themselves:
 
 Each rank runs one thread (`threads`), joins a fresh gloo group whose rendezvous is a file
 of the job's own folder (no TCP port to race other jobs for), and returns a picklable
-value; `run_gloo` returns them by rank. A rank that raises fails the whole call (torch.multiprocessing's ProcessRaisedException names it); a job past
-`job_timeout_s` is killed and raises TimeoutError.
+value; `run_gloo` returns them by rank. A rank that raises fails the whole call
+(torch.multiprocessing's ProcessRaisedException names it); a job past `job_timeout_s` is
+killed and raises TimeoutError.
 """
 from __future__ import annotations
 
