@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mesh.inference.cache import CacheLayout
+from megatron_mesh.inference.continuations import Continuations
 from megatron_mesh.inference.cost import cache_bytes
 from megatron_mesh.inference.sampling import Sampling, next_tokens
 from megatron_mesh.inference.session import DECODE, InferenceSession
@@ -119,20 +120,14 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
         hidden = runner.hidden(tokens[:, positions], positions[None].expand(b, -1))
         logits = _last_token_logits(runner, hidden, positions, lengths, group)
         prefill_s = _sync_time() - timer
-        out: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        done = torch.zeros(b, dtype=torch.bool)
+        made = Continuations(b, eod)
         session.phase = DECODE
         timer, decoded = _sync_time(), 0
         for step in range(gen.max_new_tokens):
             chosen = _agreed(next_tokens(logits[:, :vocab], sampling, generator), device)
             lp = torch.log_softmax(logits[:, :vocab], dim=-1)
-            for i in range(b):
-                if not done[i]:
-                    out[i].append(int(chosen[i]))
-                    logprobs[i].append(float(lp[i, chosen[i]]))
-            done |= chosen.cpu() == eod
-            if bool(done.all()) or step == gen.max_new_tokens - 1:
+            made.add(chosen, lp.gather(1, chosen[:, None])[:, 0])
+            if made.finished or step == gen.max_new_tokens - 1:
                 break
             session.step = step
             hidden = runner.hidden(chosen[:, None].to(device), session.decode_positions()[:, None])
@@ -143,7 +138,7 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
     _report(args, model, session, lengths, prefill_s, decoded, decode_s, gen, cp)
     return [{"prompt_ids": p, "generated_ids": g, "logprobs": lp,
              **({"text": detokenize(g)} if detokenize is not None else {})}
-            for p, g, lp in zip(prompts, out, logprobs)]
+            for p, g, lp in zip(prompts, made.ids, made.logprobs)]
 
 
 def _last_token_logits(runner: Runner, hidden: torch.Tensor, positions: torch.Tensor,
