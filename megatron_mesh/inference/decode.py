@@ -10,13 +10,18 @@ attention run replicated on every CP rank, on b tokens) and 1 / P of the cache. 
      on every rank, so every rank gets the same bits (no broadcast needed);
   4. the sink logit (softmax_offset) merged once, after the CP merge (`sink.add_sink`).
 
-Why an all-gather: a decode step is latency-bound (kilobytes per layer), and one
-collective beats the two an all-reduce scheme needs (a max of the lse for a safe shift,
-then a sum of the rescaled outputs and weights); it also keeps the merge order fixed. It
-sends (P - 1) b hq (dv + 1) 4 bytes per rank where a ring all-reduce would send about
-2 (P - 1) / P of that message twice; `cost.decode_step_bytes` prices both. With a heads
-axis (A > 1) the same scheme runs over all P ranks: the cache is cut by tokens, every rank
-holds every head of its tokens, so splitting heads first would only add an all-to-all.
+Two exchanges, the same result up to rounding (`EXCHANGES`):
+  "all_gather" (default): one collective of P - 1 hops (a ring); it sends (P - 1) b hq
+      (dv + 1) 4 bytes per rank, and every rank merges in the same order, so every rank gets
+      the same bits;
+  "all_reduce": a max of the lse (b hq values), then a sum of [out e^(lse - max), e^(lse -
+      max)] (b hq (dv + 1) values): two collectives, but each a tree of about 2 log2 P hops
+      on NCCL where the all-gather is a ring of P - 1; fewer bytes at large P too. The
+      planner prices both (`planner/inference.py`): latency decides, so the all-gather on a
+      node or two, the all-reduce pair on many.
+A decode step is latency-bound: a few kilobytes per layer. With a heads axis (A > 1) the
+same scheme runs over all P ranks: the cache is cut by tokens, every rank holds every head
+of its tokens, so splitting heads first would only add an all-to-all.
 """
 from __future__ import annotations
 
@@ -76,20 +81,47 @@ def exchange_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessG
     return gathered[..., :-1], gathered[..., -1]
 
 
+def reduce_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None,
+                    cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged out [b, hq, dv], lse [b, hq] of every rank's partial by two all-reduces:
+    the max of the lse, then the sum of [out w, w], w = e^(lse - max)."""
+    if cp_size == 1:
+        return out, lse
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse - shift)  # 0 where this rank sees no key
+    msg = torch.cat([out * w[..., None], w[..., None]], dim=-1)
+    dist.all_reduce(msg, group=group)
+    total = msg[..., -1]
+    merged = msg[..., :-1] / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return merged, shift + torch.log(total)
+
+
+EXCHANGES = ("all_gather", "all_reduce")
+
+
 def decode_attention(q: torch.Tensor, shard: KVShard, q_pos: torch.Tensor, scale: float,
                      group: dist.ProcessGroup | None = None, cp_size: int = 1,
                      window_left: int | None = None,
-                     softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+                     softmax_offset: torch.Tensor | None = None,
+                     exchange: str = "all_gather") -> torch.Tensor:
     """The new tokens' attention over the whole cache: q [b, hq, d] (the same on every CP
     rank), this rank's `shard` (the new token's K / V already appended on its owner),
     q_pos [b] -> out [b, hq, dv] in q's dtype, the same on every rank of `group` (the CP
     group of `cp_size` ranks; None: the default group). `window_left`: keys q_pos - left
-    .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit."""
+    .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit; `exchange`: how the
+    partials merge (`EXCHANGES`, module docstring)."""
     check_offset(softmax_offset, q.shape[1])
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
     n = shard.used
     out, lse = local_partial(q, shard.k[:n], shard.v[:n], shard.pos[:n], q_pos, scale,
                              window_left)
-    out, lse = merge_partials(*exchange_partials(out, lse, group, cp_size))
+    if exchange == "all_reduce":
+        out, lse = reduce_partials(out, lse, group, cp_size)
+    else:
+        out, lse = merge_partials(*exchange_partials(out, lse, group, cp_size))
     if softmax_offset is not None:
         o, lse_s = add_sink(out[None], lse[..., None], softmax_offset)  # [1, b, hq, dv]
         out, lse = o[0], lse_s[..., 0]

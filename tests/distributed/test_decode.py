@@ -1,9 +1,10 @@
 """Inference through the mesh against the formula in fp64 over the whole cache: prefill
 (mesh_attention's forward, its K / V share written into the sharded cache) and decode steps
 (one new token per sequence, appended round robin; partial (out, lse) per rank, one
-all-gather, the log-sum-exp merge, the sink after it) for a batch of prompts of different
-lengths (not multiples of 2P), MHA / GQA / MQA, a window, sinks, on 2x2, 1x4 and 2x1x2;
-the cache of each rank holds 1 / P of the tokens, and the bytes counted equal the formula."""
+all-gather and the log-sum-exp merge, or the two all-reduces; the sink after it) for a
+batch of prompts of different lengths (not multiples of 2P), MHA / GQA / MQA, a window,
+sinks, on 2x2, 1x4 and 2x1x2; the cache of each rank holds 1 / P of the tokens, and the
+bytes counted equal the formula."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -120,23 +121,35 @@ def check(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[list[str]
             if counter.total_bytes != want:
                 failures.append(f"{shape} {case} step {step}: sent {counter.total_bytes}, "
                                 f"formula {want}")
-            for sb, n in enumerate(LENGTHS):
-                # reference keys: prompt tokens and new tokens 0 .. step, at their positions
-                x_seq = {k: v.clone() for k, v in x.items()}
-                for j in range(step + 1):
-                    for name in ("k", "v"):
-                        x_seq[name][n + j, sb] = x[name][prompt + j, sb]
-                x_seq["q"][n + step, sb] = x["q"][row, sb]
-                ref = formula(x_seq, sb, n + step, seen(case, n + step, n, step), case)
-                err = (got[sb].double() - ref).abs().max().item()
-                if err > 1e-5:
-                    failures.append(f"{shape} {case} step {step} seq {sb}: {err:.2e}")
+            reduced = decode_attention(x["q"][row].float(), shard, q_pos,
+                                       case.head_dim ** -0.5, None, world, case.window, sink,
+                                       exchange="all_reduce")
+            for name, result in (("all_gather", got), ("all_reduce", reduced)):
+                failures += _compare(x, case, shape, step, prompt, row, result, name)
         # the cache is sharded: this rank holds its slots, 1 / P of one device's
         if shard.k.shape[0] != cache_slots(max(LENGTHS), STEPS, world):
             failures.append(f"{shape} {case}: {shard.k.shape[0]} slots")
         if case == CASES[0]:
             held = shard.tokens()
     return failures, held
+
+
+def _compare(x: dict[str, torch.Tensor], case: DecodeCase, shape: tuple[int, int, int],
+             step: int, prompt: int, row: int, got: torch.Tensor, exchange: str) -> list[str]:
+    """Failures of one decode step's out [b, hq, d] against the formula over the whole cache."""
+    failures = []
+    for sb, n in enumerate(LENGTHS):
+        # reference keys: prompt tokens and new tokens 0 .. step, at their positions
+        x_seq = {k: v.clone() for k, v in x.items()}
+        for j in range(step + 1):
+            for name in ("k", "v"):
+                x_seq[name][n + j, sb] = x[name][prompt + j, sb]
+        x_seq["q"][n + step, sb] = x["q"][row, sb]
+        ref = formula(x_seq, sb, n + step, seen(case, n + step, n, step), case)
+        err = (got[sb].double() - ref).abs().max().item()
+        if err > 1e-5:
+            failures.append(f"{shape} {case} {exchange} step {step} seq {sb}: {err:.2e}")
+    return failures
 
 
 def _run(shape: tuple[int, int, int]) -> None:
