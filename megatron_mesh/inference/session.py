@@ -31,6 +31,7 @@ class InferenceSession:
     phase: str = PREFILL
     step: int = 0  # the decode step running (its new tokens sit at lengths + step)
     options: dict = field(default_factory=dict)  # mesh_attention's backend / schedule
+    exchange: str = "all_gather"  # how decode merges the partials (`decode.EXCHANGES`)
 
     @property
     def batch(self) -> int:
@@ -66,5 +67,5 @@ class InferenceSession:
             shard.append(self.layout.slot(self.step), k[0], v[0], pos)
         left = None if window is None else window[0]
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset)
+                               softmax_offset, self.exchange)
         return out[None]

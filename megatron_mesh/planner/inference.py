@@ -10,7 +10,10 @@ A decode step, per layer and GPU (e = bytes of the cache's dtype, dv = d unless 
 
     mesh (any A x R x C)  cache cut by tokens (prefill: the zigzag share; decode steps round
                           robin), S / P tokens per GPU; one all-gather of the partial
-                          (out, lse) in fp32: (P-1) b hq (dv + 1) 4 bytes, P-1 hops
+                          (out, lse) in fp32: (P-1) b hq (dv + 1) 4 bytes, P-1 hops (a ring);
+                          or ("all_reduce") a max of the lse and a sum of the rescaled
+                          (out, weight), 2 (P-1)/P of b hq 4 and of b hq (dv + 1) 4 bytes,
+                          two trees of 2 ceil(log2 P) hops each
     ring (p2p)            cache cut by tokens; the query and its partial (out, lse) pass
                           around the ring, P-1 sequential hops of b hq (d e + (dv + 1) 4)
     all_gather            cache cut by tokens and gathered for every step: (P-1) S/P b hkv
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megatron_mesh.inference.cost import decode_allreduce_bytes, decode_step_bytes
 from megatron_mesh.planner.hardware import GB, Cluster
 from megatron_mesh.planner.search import Plan
 from megatron_mesh.planner.topology import crosses_nodes
@@ -74,8 +78,10 @@ def decode_estimates(workload: Workload, cluster: Cluster, hbm_bw: float = DEFAU
                               hops * hop)
 
     head_share = -(-hkv // p)  # K/V heads per GPU: 1 (repeated) where P > hkv
+    tree = 2 * max(1, (p - 1).bit_length())  # hops of one tree all-reduce: 2 ceil(log2 P)
     out = [
-        est("mesh (any grid)", token_cut, (p - 1) * b * hq * (dv + 1) * FP32_BYTES, p - 1),
+        est("mesh all_gather", token_cut, decode_step_bytes(b, hq, dv, p), p - 1),
+        est("mesh all_reduce", token_cut, decode_allreduce_bytes(b, hq, dv, p), 2 * tree),
         est("ring (p2p)", token_cut, (p - 1) * b * hq * (d * e + (dv + 1) * FP32_BYTES), p - 1),
         est("all_gather", token_cut, (p - 1) * token_cut, p - 1),
     ]
@@ -122,5 +128,5 @@ def format_inference(result: Plan, hbm_bw: float = DEFAULT_HBM_BW) -> str:
                      f"{r['comm_s'] * 1e6:>10.1f}{r['latency_s'] * 1e6:>10.1f}"
                      f"{r['time_s'] * 1e6:>10.1f}{mark}")
     lines.append("* least time; the mesh's decode step is the same on every grid (the cache "
-                 "is cut by tokens)")
+                 "is cut by tokens); generate --decode-exchange picks all_gather or all_reduce")
     return "\n".join(lines)

@@ -108,8 +108,8 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
     tokens = torch.full((b, padded), eod, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = torch.tensor(p, device=device)
-    session = InferenceSession(layout, lengths, group,
-                               options={"schedule": args.mesh_schedule})
+    session = InferenceSession(layout, lengths, group, options={"schedule": args.mesh_schedule},
+                               exchange=gen.decode_exchange)
     attach(model, session)
     runner = Runner.of(model, max(padded, longest + gen.max_new_tokens), args.max_position_embeddings)
     sampling = Sampling(gen.temperature, gen.top_k, gen.top_p)

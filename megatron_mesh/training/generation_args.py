@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from megatron_mesh.inference.decode import EXCHANGES
 from megatron_mesh.training.arguments import ConfigError, TrainingConfig, parse_args
 
 
@@ -26,6 +27,7 @@ class GenerateConfig:
     top_k: int
     top_p: float
     output: str | None
+    decode_exchange: str = "all_gather"
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -43,6 +45,10 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
     p.add_argument("--output", help="JSON lines: prompt ids, generated ids, text")
+    p.add_argument("--decode-exchange", default="all_gather",
+                   help="how a decode step merges the CP ranks' partial attention: all_gather "
+                        "(one ring collective of (out, lse)) or all_reduce (a max and a sum, "
+                        "trees; fewer hops on many GPUs); docs/inference.md")
     return p
 
 
@@ -64,6 +70,9 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
         raise ConfigError(f"--top-k must be >= 0 (0: all tokens), got {gen.top_k}")
     if not 0.0 < gen.top_p <= 1.0:
         raise ConfigError(f"--top-p must be in (0, 1], got {gen.top_p}")
+    if gen.decode_exchange not in EXCHANGES:
+        raise ConfigError(f"--decode-exchange {gen.decode_exchange!r}: valid values are "
+                          f"{', '.join(EXCHANGES)}")
     for flag, path in (("--prompt-ids-file", gen.prompt_ids_file),
                        ("--prompts-file", gen.prompts_file)):
         if path is not None and not os.path.isfile(path):
@@ -71,7 +80,8 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
     args = parse_args(rest)
     _check_layout(args)
     return GenerateConfig(gen.prompt_ids_file, gen.prompts_file, gen.max_new_tokens,
-                          temperature, gen.top_k, gen.top_p, gen.output), args
+                          temperature, gen.top_k, gen.top_p, gen.output,
+                          gen.decode_exchange), args
 
 
 def _check_layout(args: TrainingConfig) -> None:

@@ -73,12 +73,13 @@ def test_greedy_cp1_generates_full_continuations(greedy_cp1: list[dict]) -> None
         assert len(set(r["generated_ids"])) > 1, r
 
 
-@pytest.mark.parametrize("grid", list(GRIDS))
-def test_greedy_on_the_mesh_equals_cp1(grid: str, greedy_cp1: list[dict], checkpoint: Path,
-                                       prompt_file: Path, work: Path) -> None:
+@pytest.mark.parametrize("grid, exchange", [(g, "all_gather") for g in GRIDS]
+                         + [("2x2", "all_reduce")])
+def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: list[dict],
+                                       checkpoint: Path, prompt_file: Path, work: Path) -> None:
     run, records = generate(4, ["--load", str(checkpoint), "--prompt-ids-file",
-                                str(prompt_file), "--max-new-tokens", str(NEW), *GRIDS[grid]],
-                            work / f"{grid}.jsonl")
+                                str(prompt_file), "--max-new-tokens", str(NEW), *GRIDS[grid],
+                                "--decode-exchange", exchange], work / f"{grid}-{exchange}.jsonl")
     assert run.returncode == 0, run.output[-3000:]
     assert f"mesh {grid}" in run.output
     cache = [line for line in run.output.splitlines() if "KV cache per rank" in line][0]
@@ -135,6 +136,8 @@ def _bad(work: Path, checkpoint: Path, name: str, prompts: object, extra: list[s
     ("layers", [[1, 2]], ["--num-layers", "3"],
      "holds a model with --num-layers 2, the flags say 3"),
     ("notjson", "x", [], "expected a non-empty JSON list of token-id lists"),
+    ("exchange", [[1, 2]], ["--decode-exchange", "ring"],
+     "--decode-exchange 'ring': valid values are all_gather, all_reduce"),
 ])
 def test_bad_input_exits_2_with_one_line(name: str, prompts: object, extra: list[str],
                                          message: str, checkpoint: Path, work: Path) -> None:
