@@ -7,6 +7,8 @@
                  sink once after it
     prefill.py   the prompt's attention through `mesh_attention` with no autograd state, and
                  its K / V share written into the cache
+    packed.py    the cache of packed prompts placed by `place_documents` (each document a
+                 sequence; the placement's rows, then decode steps round robin)
     cost.py      bytes of the prefill and of a decode step per rank, and the cache's bytes
 
 docs/inference.md describes the design.
@@ -14,7 +16,9 @@ docs/inference.md describes the design.
 from .cache import CacheLayout, KVShard
 from .cost import cache_bytes, decode_step_bytes
 from .decode import decode_attention, local_partial, merge_partials
+from .packed import PackedShard, prefill_packed
 from .prefill import prefill_attention
 
 __all__ = ["CacheLayout", "KVShard", "cache_bytes", "decode_attention", "decode_step_bytes",
-           "local_partial", "merge_partials", "prefill_attention"]
+           "local_partial", "merge_partials", "PackedShard", "prefill_attention",
+           "prefill_packed"]

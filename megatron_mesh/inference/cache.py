@@ -103,6 +103,10 @@ class KVShard:
         self.pos[slot] = positions.to(self.pos.device)
         self.used = max(self.used, slot + 1)
 
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k [n, b, hkv, d], v [n, b, hkv, dv], pos [n, b] of the slots written so far."""
+        return self.k[:self.used], self.v[:self.used], self.pos[:self.used]
+
     @property
     def nbytes(self) -> int:
         """Bytes this shard holds (K, V and positions)."""

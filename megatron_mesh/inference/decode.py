@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .. import comm
 from ..sink import add_sink, check_offset
 from .cache import EMPTY, KVShard
+from .packed import PackedShard
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window_left: int | None) -> torch.Tensor:
@@ -101,13 +102,14 @@ def reduce_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGro
 EXCHANGES = ("all_gather", "all_reduce")
 
 
-def decode_attention(q: torch.Tensor, shard: KVShard, q_pos: torch.Tensor, scale: float,
+def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch.Tensor, scale: float,
                      group: dist.ProcessGroup | None = None, cp_size: int = 1,
                      window_left: int | None = None,
                      softmax_offset: torch.Tensor | None = None,
                      exchange: str = "all_gather") -> torch.Tensor:
     """The new tokens' attention over the whole cache: q [b, hq, d] (the same on every CP
-    rank), this rank's `shard` (the new token's K / V already appended on its owner),
+    rank), this rank's `shard` (dense or packed prompts; the new token's K / V already
+    appended on its owner),
     q_pos [b] -> out [b, hq, dv] in q's dtype, the same on every rank of `group` (the CP
     group of `cp_size` ranks; None: the default group). `window_left`: keys q_pos - left
     .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit; `exchange`: how the
@@ -115,9 +117,7 @@ def decode_attention(q: torch.Tensor, shard: KVShard, q_pos: torch.Tensor, scale
     check_offset(softmax_offset, q.shape[1])
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
-    n = shard.used
-    out, lse = local_partial(q, shard.k[:n], shard.v[:n], shard.pos[:n], q_pos, scale,
-                             window_left)
+    out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left)
     if exchange == "all_reduce":
         out, lse = reduce_partials(out, lse, group, cp_size)
     else:

@@ -12,8 +12,16 @@ from dataclasses import dataclass
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.inference import CacheLayout, KVShard, decode_attention, prefill_attention
+from megatron_mesh.inference import (
+    CacheLayout,
+    KVShard,
+    PackedShard,
+    decode_attention,
+    prefill_attention,
+    prefill_packed,
+)
 from megatron_mesh.inference.cost import cache_slots, decode_step_bytes
+from megatron_mesh.inference.packed import placed_positions
 from megatron_mesh.layout import zigzag_split
 
 from dist_utils import run_distributed
@@ -183,3 +191,89 @@ def test_decode_heads_2x1x2() -> None:
 def test_decode_one_rank() -> None:
     """CP = 1: the same code on one rank (no exchange)."""
     _run((1, 1, 1))
+
+
+DOCS = (7, 3, 12, 10)  # packed prompt documents (32 tokens: a multiple of 2P for P <= 4)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None
+           ) -> torch.Tensor:
+    """The formula in fp64: q [hq, d] over keys k, v [n, hkv, d] (and a sink logit per
+    head) -> [hq, d]."""
+    g = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.einsum("hd,nhd->hn", q, k) * q.shape[-1] ** -0.5
+    if sink is not None:
+        s = torch.cat([s, sink[:, None]], dim=1)
+        v = torch.cat([v, torch.zeros_like(v[:1])], dim=0)
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, dim=1), v)
+
+
+def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[list[str], int]:
+    """Packed prompts placed by place_documents: prefill with the placement, then decode
+    steps continuing every document; (failures, tokens this rank's cache holds)."""
+    heads, rows, cols = shape
+    grid = mm.MeshGrid.build(rows=rows, cols=cols, heads=heads)
+    cu = [0]
+    for n in DOCS:
+        cu.append(cu[-1] + n)
+    placement = mm.place_documents(cu, world)
+    failures, held = [], 0
+    for case in (DecodeCase(), DecodeCase(kv_heads=1, window=4, sink=True, seed=7)):
+        g = torch.Generator().manual_seed(case.seed)
+        docs = [{n: torch.randn(length + STEPS, h, case.head_dim, generator=g,
+                                dtype=torch.float64)
+                 for n, h in (("q", case.q_heads), ("k", case.kv_heads), ("v", case.kv_heads))}
+                for length in DOCS]
+        sink = torch.randn(case.q_heads, generator=g, dtype=torch.float64) if case.sink else None
+        sink32 = None if sink is None else sink.float()
+        whole = {n: torch.cat([d[n][:length] for d, length in zip(docs, DOCS)]) for n in "qkv"}
+        share = [placement.permute(whole[n], rank).float() for n in "qkv"]
+        shard = PackedShard.allocate(placement, STEPS, case.kv_heads, case.head_dim,
+                                     case.head_dim, torch.float32, "cpu")
+        window = None if case.window is None else (case.window, 0)
+        out = prefill_packed(*share, grid, shard, placement, window_size=window,
+                             softmax_offset=sink32)
+        seq, pos = placed_positions(placement, rank)
+        for i, (doc, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+            lo = 0 if case.window is None else max(0, p - case.window)
+            d = docs[doc]
+            ref = attend(d["q"][p], d["k"][lo:p + 1], d["v"][lo:p + 1], sink)
+            err = (out[i].double() - ref).abs().max().item()
+            if err > 1e-5:
+                failures.append(f"{shape} packed {case} prefill doc {doc} pos {p}: {err:.2e}")
+        lengths = torch.tensor(DOCS)
+        for step in range(STEPS):
+            q_pos = lengths + step
+            new = {n: torch.stack([d[n][length + step] for d, length in zip(docs, DOCS)])
+                   for n in "qkv"}
+            if shard.owner(step) == rank:
+                shard.append(step, new["k"].float(), new["v"].float(), q_pos)
+            for exchange in ("all_gather", "all_reduce"):
+                got = decode_attention(new["q"].float(), shard, q_pos, case.head_dim ** -0.5,
+                                       None, world, case.window, sink32, exchange)
+                for doc, (d, length) in enumerate(zip(docs, DOCS)):
+                    p = length + step
+                    lo = 0 if case.window is None else max(0, p - case.window)
+                    ref = attend(d["q"][p], d["k"][lo:p + 1], d["v"][lo:p + 1], sink)
+                    err = (got[doc].double() - ref).abs().max().item()
+                    if err > 1e-5:
+                        failures.append(f"{shape} packed {case} {exchange} step {step} doc "
+                                        f"{doc}: {err:.2e}")
+        held = shard.tokens()
+    return failures, held
+
+
+def test_packed_prompts_placed_documents() -> None:
+    """Packed prompts on 2x2, 1x4 and 2x1x2: exact prefill and decode, every token held
+    once over the ranks, T / P prompt rows and the round-robin steps on each."""
+    for shape in ((1, 2, 2), (1, 1, 4), (2, 1, 2)):
+        world = shape[0] * shape[1] * shape[2]
+        results = run_distributed(check_packed, world, shape)
+        errors = [e for failures, _ in results for e in failures]
+        assert not errors, "\n".join(errors[:20])
+        held = [n for _, n in results]
+        assert sum(held) == sum(DOCS) + len(DOCS) * STEPS
+        for rank, n in enumerate(held):
+            steps = len(range(rank, STEPS, world))
+            assert n == sum(DOCS) // world + steps * len(DOCS), (shape, rank, n)
