@@ -35,8 +35,11 @@ class PackedShard:
 
     @classmethod
     def allocate(cls, placement: DocumentPlacement, max_new: int, kv_heads: int, head_dim: int,
-                 v_head_dim: int, dtype: torch.dtype, device: torch.device | str) -> PackedShard:
-        b, p = len(placement.lengths), placement.cp_size
+                 v_head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 sequences: int | None = None) -> PackedShard:
+        """Room for the placement's rows and `max_new` decode steps of `sequences` documents
+        (the first ones; None: all; a last padding document is never continued)."""
+        b, p = sequences or len(placement.lengths), placement.cp_size
         prompt = placement.local_tokens
         n = prompt + -(-max_new // p) * b
         return cls(torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device),

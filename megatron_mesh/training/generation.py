@@ -38,6 +38,7 @@ from megatron_mesh.training.arguments import TrainingConfig
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.generation_args import GenerateConfig
+from megatron_mesh.training.generation_prompts import Packed, Padded
 from megatron_mesh.training.model import layer_spec, padded_vocab_size, transformer_config
 from megatron_mesh.values import AttentionShape
 
@@ -102,23 +103,23 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = next(model.parameters()).device
     b, longest = len(prompts), max(len(p) for p in prompts)
-    padded = -(-longest // (2 * cp)) * 2 * cp
-    layout = CacheLayout(cp, rank, padded, gen.max_new_tokens)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = torch.full((b, padded), eod, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p, device=device)
+    if gen.pack_prompts:
+        prompt = Packed.of(prompts, cp, rank, eod, device)
+    else:
+        prompt = Padded.of(prompts, cp, rank, eod, device)
+    layout = CacheLayout(cp, rank, prompt.total, gen.max_new_tokens)
     session = InferenceSession(layout, lengths, group, options={"schedule": args.mesh_schedule},
-                               exchange=gen.decode_exchange)
+                               exchange=gen.decode_exchange, placement=prompt.placement)
     attach(model, session)
-    runner = Runner.of(model, max(padded, longest + gen.max_new_tokens), args.max_position_embeddings)
+    runner = Runner.of(model, max(prompt.total, longest + gen.max_new_tokens),
+                       args.max_position_embeddings)
     sampling = Sampling(gen.temperature, gen.top_k, gen.top_p)
     generator = torch.Generator().manual_seed(args.seed)
     timer = _sync_time()
     with torch.inference_mode():
-        positions = layout.prompt_positions().to(device)
-        hidden = runner.hidden(tokens[:, positions], positions[None].expand(b, -1))
-        logits = _last_token_logits(runner, hidden, positions, lengths, group)
+        hidden = runner.hidden(prompt.ids, prompt.positions)
+        logits = _last_token_logits(runner, hidden, prompt.last_rows(lengths), group)
         prefill_s = _sync_time() - timer
         made = Continuations(b, eod)
         session.phase = DECODE
@@ -141,21 +142,18 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
             for p, g, lp in zip(prompts, made.ids, made.logprobs)]
 
 
-def _last_token_logits(runner: Runner, hidden: torch.Tensor, positions: torch.Tensor,
-                       lengths: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[b, V] logits of each prompt's last token: the rank holding it computes them, the
-    others add zeros (an exact sum: one all-reduce over the CP group)."""
-    b = lengths.numel()
-    where = positions[None, :] == (lengths - 1)[:, None]  # [b, s]
-    rows = []
-    for i in range(b):
-        idx = where[i].nonzero()
-        rows.append(hidden[idx[0, 0], i] if idx.numel() else None)
+def _last_token_logits(runner: Runner, hidden: torch.Tensor,
+                       rows: list[tuple[int, int] | None], group: dist.ProcessGroup
+                       ) -> torch.Tensor:
+    """[b, V] logits of each prompt's last token, from hidden [s, B, h] at (row, column)
+    rows[i] on the rank that holds it (None elsewhere); the others add zeros (an exact sum:
+    one all-reduce over the CP group)."""
     width = runner.logits(hidden[:1, 0]).shape[-1]
-    logits = torch.zeros(b, width, device=hidden.device)
+    logits = torch.zeros(len(rows), width, device=hidden.device)
     mine = [i for i, r in enumerate(rows) if r is not None]
     if mine:
-        logits[mine] = runner.logits(torch.stack([rows[i] for i in mine]))
+        picked = torch.stack([hidden[rows[i][0], rows[i][1]] for i in mine])
+        logits[mine] = runner.logits(picked)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(logits, group=group)
     return logits
@@ -189,9 +187,11 @@ def _report(args: TrainingConfig, model: GPTModel, session: InferenceSession,
                 f"{prefill_s:.3f} s, {prompt_tokens / max(prefill_s, 1e-9):.1f} tokens/s | "
                 f"decode: {decoded} tokens in {decode_s:.3f} s, "
                 f"{decoded / max(decode_s, 1e-9):.1f} tokens/s")
-    print_rank0(f" KV cache per rank: {held} bytes ({session.layout.slots} slots x "
-                f"{session.batch} sequences x {len(session.shards)} layers; CP = 1 would hold "
-                f"{one} bytes)")
+    shard = next(iter(session.shards.values()))
+    slots = (f"{shard.k.shape[0]} slots of packed documents" if session.placement is not None
+             else f"{shard.k.shape[0]} slots x {session.batch} sequences")
+    print_rank0(f" KV cache per rank: {held} bytes ({slots} x {len(session.shards)} layers; "
+                f"CP = 1 would hold {one} bytes)")
 
 
 def write_output(path: str | None, records: list[dict]) -> None:

@@ -28,6 +28,7 @@ class GenerateConfig:
     top_p: float
     output: str | None
     decode_exchange: str = "all_gather"
+    pack_prompts: bool = False
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def generate_parser() -> argparse.ArgumentParser:
                    help="how a decode step merges the CP ranks' partial attention: all_gather "
                         "(one ring collective of (out, lse)) or all_reduce (a max and a sum, "
                         "trees; fewer hops on many GPUs); docs/inference.md")
+    p.add_argument("--pack-prompts", action="store_true",
+                   help="pack the prompts into one sequence placed over the CP ranks by "
+                        "document (place_documents) instead of padding each to the longest")
     return p
 
 
@@ -81,7 +85,7 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
     _check_layout(args)
     return GenerateConfig(gen.prompt_ids_file, gen.prompts_file, gen.max_new_tokens,
                           temperature, gen.top_k, gen.top_p, gen.output,
-                          gen.decode_exchange), args
+                          gen.decode_exchange, gen.pack_prompts), args
 
 
 def _check_layout(args: TrainingConfig) -> None:

@@ -2,8 +2,9 @@
 the driver on a 2-rank mesh (its checkpoint saved on that grid), then greedy generation of
 32 tokens for a batch of prompts of different lengths (not multiples of 2P) at CP = 1 and
 on the meshes 2x2, 1x4 and 2x1x2: the same token ids, log-probabilities equal to rounding;
-sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; bad input exits 2 with
-one line before any collective."""
+sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; packed prompts placed by
+document give the dense continuations; bad input exits 2 with one line before any
+collective."""
 from __future__ import annotations
 
 import json
@@ -86,6 +87,23 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
     # slots per rank: 24 / 4 (the zigzag share of the prompts padded to 24) + 32 / 4 steps
     assert "(14 slots x 3 sequences x 2 layers" in cache, cache
     for got, want in zip(records, greedy_cp1):
+        assert got["generated_ids"] == want["generated_ids"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
+def test_packed_prompts_equal_cp1(grid: str, greedy_cp1: list[dict], checkpoint: Path,
+                                  work: Path) -> None:
+    """--pack-prompts: the prompts packed in one sequence (5 + 13 tokens and a padding
+    document to 24) and placed by document; the same continuations as dense at CP = 1."""
+    path = work / "two.json"
+    path.write_text(json.dumps(PROMPTS[:2]))
+    run, records = generate(4, ["--load", str(checkpoint), "--prompt-ids-file", str(path),
+                                "--max-new-tokens", str(NEW), "--pack-prompts", *GRIDS[grid]],
+                            work / f"packed-{grid}.jsonl")
+    assert run.returncode == 0, run.output[-3000:]
+    assert "slots of packed documents" in run.output
+    for got, want in zip(records, greedy_cp1[:2], strict=True):
         assert got["generated_ids"] == want["generated_ids"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
