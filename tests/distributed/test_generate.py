@@ -108,6 +108,26 @@ def test_packed_prompts_equal_cp1(grid: str, greedy_cp1: list[dict], checkpoint:
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
+def test_windowed_model_with_learned_positions_on_the_mesh_equals_cp1(
+        checkpoint: Path, prompt_file: Path, work: Path) -> None:
+    """A model with a sliding window of 8 (its decode steps see the last 9 keys) and learned
+    absolute positions, trained at CP = 1: the same greedy ids on 2x1x2 as at CP = 1."""
+    model = ["--window-size", "8", "0", "--position-embedding-type", "learned_absolute"]
+    trained = launch(1, ["--config", TINY, "--train-iters", "30", "--data-path",
+                         str(work / "arith"), "--data-cache-path", str(work / "index-cache"),
+                         "--save", str(work / "ckpt-window"), "--save-interval", "30", *model])
+    assert trained.returncode == 0, trained.output[-3000:]
+    args = ["--load", str(work / "ckpt-window"), "--prompt-ids-file", str(prompt_file),
+            "--max-new-tokens", str(NEW), *model]
+    run1, one = generate(1, args, work / "window-1.jsonl")
+    run4, mesh = generate(4, [*args, *GRIDS["2x1x2"]], work / "window-4.jsonl")
+    assert run1.returncode == 0, run1.output[-3000:]
+    assert run4.returncode == 0, run4.output[-3000:]
+    for got, want in zip(mesh, one, strict=True):
+        assert got["generated_ids"] == want["generated_ids"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
 def test_sampling_with_a_seed_is_the_same_at_cp1_and_on_the_mesh(
         checkpoint: Path, prompt_file: Path, work: Path) -> None:
     args = ["--load", str(checkpoint), "--prompt-ids-file", str(prompt_file), "--max-new-tokens",
