@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,7 @@ class Runner:
 
 def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
              prompts: list[list[int]], eod: int, vocab: int,
-             detokenize=None) -> list[dict]:
+             detokenize: Callable[[list[int]], str | None] | None = None) -> list[dict]:
     """Greedy or sampled continuations of `prompts` (ids < vocab), stopping at `eod` or
     after gen.max_new_tokens; every CP rank returns the same records (prompt_ids,
     generated_ids, logprobs: each generated token's log-probability under the model, text)."""
@@ -136,7 +137,7 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
             decoded += b
         decode_s = _sync_time() - timer
     attach(model, None)
-    _report(args, model, session, lengths, prefill_s, decoded, decode_s, gen, cp)
+    _report(model, session, lengths, prefill_s, decoded, decode_s, gen)
     return [{"prompt_ids": p, "generated_ids": g, "logprobs": lp,
              **({"text": detokenize(g)} if detokenize is not None else {})}
             for p, g, lp in zip(prompts, made.ids, made.logprobs)]
@@ -173,9 +174,10 @@ def _sync_time() -> float:
     return time.perf_counter()
 
 
-def _report(args: TrainingConfig, model: GPTModel, session: InferenceSession,
-            lengths: torch.Tensor, prefill_s: float, decoded: int, decode_s: float,
-            gen: GenerateConfig, cp: int) -> None:
+def _report(model: GPTModel, session: InferenceSession, lengths: torch.Tensor,
+            prefill_s: float, decoded: int, decode_s: float, gen: GenerateConfig) -> None:
+    """Rank 0 logs prefill and decode tokens/s and the KV cache bytes per rank, next to what
+    one GPU would hold for the same dense batch."""
     prompt_tokens = int(lengths.sum())
     held = session.cache_bytes()
     cfg = model.config
