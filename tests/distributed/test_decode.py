@@ -4,7 +4,7 @@
 all-gather and the log-sum-exp merge, or the two all-reduces; the sink after it) for a
 batch of prompts of different lengths (not multiples of 2P), MHA / GQA / MQA, a window,
 sinks, on 2x2, 1x4 and 2x1x2; the cache of each rank holds 1 / P of the tokens, and the
-bytes counted equal the formula."""
+bytes counted equal the formulas (prefill: the mesh forward's; decode: the exchange's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.attention import layer_shape, plan_for
 from megatron_mesh.inference import (
     CacheLayout,
     KVShard,
@@ -105,8 +106,15 @@ def check(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[list[str]
         share = [zigzag_split(x[n][:prompt].float(), world)[rank] for n in "qkv"]
         positions = layout.prompt_positions()
         window = None if case.window is None else (case.window, 0)
-        out = prefill_attention(*share, grid, shard, positions, lengths, window_size=window,
-                                softmax_offset=sink)
+        with mm.TrafficCounter() as counter:
+            out = prefill_attention(*share, grid, shard, positions, lengths, window_size=window,
+                                    softmax_offset=sink)
+        if window is None:  # the forward's formula (windows: the sparse exchange's own)
+            want = mm.mesh_traffic(layer_shape(share[0], share[1], grid),
+                                   plan_for(share[0], share[1], grid)).forward
+            if counter.total_bytes != want:
+                failures.append(f"{shape} {case} prefill sent {counter.total_bytes}, "
+                                f"formula {want}")
         for i, p in enumerate(positions.tolist()):
             for sb, n in enumerate(LENGTHS):
                 if p < n:
