@@ -37,6 +37,7 @@ def generate_parser() -> argparse.ArgumentParser:
         description="Generate from a checkpoint of the pretraining driver, with the mesh's "
                     "context parallelism; the model flags are pretrain_gpt's (--config too), "
                     "with --load DIR.")
+    p.add_argument("--load", help="a checkpoint folder of the pretraining driver (its --save)")
     p.add_argument("--prompt-ids-file", help="a JSON list of token-id lists")
     p.add_argument("--prompts-file", help="text, one prompt per line (the model's tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -59,8 +60,12 @@ def generate_parser() -> argparse.ArgumentParser:
 def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]:
     """(generation flags, model flags); ConfigError on a bad value."""
     gen, rest = generate_parser().parse_known_args(list(argv))
-    if "--load" not in rest and not any(a.startswith("--load=") for a in rest):
+    if gen.load is None:
         raise ConfigError("--load DIR is required: a checkpoint of the pretraining driver")
+    if not os.path.isdir(gen.load):
+        raise ConfigError(f"--load {gen.load}: no such folder; give a --save folder of "
+                          "python -m megatron_mesh.pretrain_gpt")
+    rest += ["--load", gen.load]
     if gen.prompt_ids_file is None and gen.prompts_file is None:
         raise ConfigError("give --prompt-ids-file FILE (a JSON list of token-id lists) and/or "
                           "--prompts-file FILE (one prompt per line)")

@@ -174,6 +174,8 @@ def _bad(work: Path, checkpoint: Path, name: str, prompts: object, extra: list[s
     ("layers", [[1, 2]], ["--num-layers", "3"],
      "holds a model with --num-layers 2, the flags say 3"),
     ("notjson", "x", [], "expected a non-empty JSON list of token-id lists"),
+    ("noload", [[1, 2]], ["--load", "/nonexistent/ckpt"],
+     "--load /nonexistent/ckpt: no such folder"),
     ("exchange", [[1, 2]], ["--decode-exchange", "ring"],
      "--decode-exchange 'ring': valid values are all_gather, all_reduce"),
 ])
