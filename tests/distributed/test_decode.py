@@ -240,8 +240,16 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
         shard = PackedShard.allocate(placement, STEPS, case.kv_heads, case.head_dim,
                                      case.head_dim, torch.float32, "cpu")
         window = None if case.window is None else (case.window, 0)
-        out = prefill_packed(*share, grid, shard, placement, window_size=window,
-                             softmax_offset=sink32)
+        with mm.TrafficCounter() as counter:
+            out = prefill_packed(*share, grid, shard, placement, window_size=window,
+                                 softmax_offset=sink32)
+        bytes_shape = mm.AttentionShape(sum(DOCS), 1, case.q_heads, case.kv_heads,
+                                        case.head_dim, 4)
+        want = mm.placement_traffic(bytes_shape, placement, rows, cols, heads,
+                                    window_size=window, cp_rank=rank).forward
+        if counter.total_bytes != want:
+            failures.append(f"{shape} packed {case} prefill sent {counter.total_bytes}, "
+                            f"formula {want}")
         seq, pos = placed_positions(placement, rank)
         for i, (doc, p) in enumerate(zip(seq.tolist(), pos.tolist())):
             lo = 0 if case.window is None else max(0, p - case.window)
