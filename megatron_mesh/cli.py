@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
+from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, inference_report
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.model_report import format_model, model_to_dict
 from megatron_mesh.planner.placed import PLACEMENT_FLAG, lognormal_lengths, price_placement
@@ -149,6 +150,13 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="price every transfer as exposed (compute + comm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--inference", action="store_true",
+                   help="price inference instead: the prefill (forward only) of every method "
+                   "and grid, and one decode step per method (--batch sequences, one new token "
+                   "each, over a context of --seq-length cached tokens); docs/inference.md")
+    p.add_argument("--hbm-bw", type=_positive_float(MAX_GB_PER_S), default=DEFAULT_HBM_BW,
+                   help="with --inference: achieved GB/s of a GPU reading its KV cache "
+                   "(default %(default)s)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw predicted speedup over ring against GPU count (TP x CP, CP 2 .. "
                    "--gpus / TP): the planner's choice, the best 2D mesh and the other methods")
@@ -316,6 +324,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         placed = None if args.documents is None else price_placement(result)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.inference:
+        print(json.dumps(inference_report(result, args.hbm_bw), indent=2) if args.json
+              else format_inference(result, args.hbm_bw))
+        return 0
     choice = mixed.best_grid if layers is not None else result.best_grid.grid_shape
     if placed is not None:
         choice = placed.best.grid_shape

@@ -125,8 +125,9 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _rank(args: list[str], env: dict[str, str], log: str) -> None:
-    """In a forked rank: the driver's command line, output appended to `log`."""
+def _rank(args: list[str], env: dict[str, str], log: str, module: str = DRIVER) -> None:
+    """In a forked rank: the command line of `module` (the driver's by default), output
+    appended to `log`."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -141,15 +142,15 @@ def _rank(args: list[str], env: dict[str, str], log: str) -> None:
     # a process started from the forkserver inherits its start method; `python -m` starts
     # with the platform's default (what the driver's DataLoader workers use under torchrun)
     multiprocessing.set_start_method(None, force=True)
-    sys.argv = [DRIVER, *args]
-    sys.exit(importlib.import_module(DRIVER).main(args))
+    sys.argv = [module, *args]
+    sys.exit(importlib.import_module(module).main(args))
 
 
 class Job:
     """A started driver job of `nodes` x `nproc` ranks on this machine."""
 
     def __init__(self, args: list[str], env: dict[str, str], nproc: int = 1, nodes: int = 1,
-                 stop_others: bool = True):
+                 stop_others: bool = True, module: str = DRIVER):
         self._dir = tempfile.TemporaryDirectory()
         self.log = Path(self._dir.name) / "output.txt"
         self.log.touch()
@@ -164,7 +165,7 @@ class Job:
                             LOCAL_RANK=str(rank % nproc),
                             WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
                             GROUP_RANK=str(rank // nproc))
-            process = ctx.Process(target=_rank, args=(args, rank_env, str(self.log)))
+            process = ctx.Process(target=_rank, args=(args, rank_env, str(self.log), module))
             process.start()
             self.ranks.append(process)
 
@@ -234,9 +235,11 @@ def driver(args: list[str], timeout: float = 240, **env: str) -> Run:
     return Job(args, job_env(**env)).wait(timeout)
 
 
-def launch(nproc: int, args: list[str], timeout: float = 240, **env: str) -> Run:
-    """The driver on `nproc` ranks, as `torchrun --standalone --nproc-per-node N` starts it."""
-    return Job(args, job_env(**env), nproc).wait(timeout)
+def launch(nproc: int, args: list[str], timeout: float = 240, module: str = DRIVER,
+           **env: str) -> Run:
+    """The driver (or another command `module`) on `nproc` ranks, as `torchrun --standalone
+    --nproc-per-node N` starts it."""
+    return Job(args, job_env(**env), nproc, module=module).wait(timeout)
 
 
 def launch_nodes(nodes: int, nproc: int, args: list[str], timeout: float = 240) -> Run:

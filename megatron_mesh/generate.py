@@ -1,0 +1,108 @@
+"""Generate from a checkpoint of the pretraining driver, with mesh context parallelism.
+
+    torchrun --nproc-per-node 4 -m megatron_mesh.generate --config configs/tiny-cpu.yaml \\
+        --load ckpt --prompt-ids-file prompts.json --max-new-tokens 32 \\
+        --context-parallel-size 4 --cp-comm-type mesh --mesh-shape 2x2 --output out.jsonl
+
+Greedy unless --temperature / --top-k / --top-p; docs/inference.md describes the design.
+Bad input (flags, prompts, a checkpoint of another model) exits 2 with one line, before
+any collective.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Sequence
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+
+PROG = "generate"
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from megatron_mesh.training.generation_args import generate_parser
+
+        generate_parser().print_help()
+        print("\nmodel flags: those of python -m megatron_mesh.pretrain_gpt --help")
+        return 0
+    from megatron_mesh.pretrain_gpt import _log_to_stdout
+
+    _log_to_stdout()
+    from megatron_mesh.training.arguments import ConfigError
+    from megatron_mesh.training.checksums import CheckpointError
+
+    try:
+        return _run(argv)
+    except (ConfigError, CheckpointError) as e:
+        return _fail(str(e))
+
+
+def _run(argv: list[str]) -> int:
+    """Everything checked first (flags, prompts, the checkpoint's shape), then the job."""
+    import torch.distributed as dist
+
+    from megatron_mesh.megatron.cpu import megatron_on_cpu
+    from megatron_mesh.training import distributed
+    from megatron_mesh.training.data import build_tokenizer
+    from megatron_mesh.training.generation_args import load_prompts, parse_generate
+    from megatron_mesh.training.generation_checkpoint import check_model_shape, checkpoint_path
+    from megatron_mesh.training.model import padded_vocab_size
+    from megatron_mesh.values import shape_text
+
+    gen, args = parse_generate(argv)
+    tokenizer = build_tokenizer(args)
+    prompts = load_prompts(gen, tokenizer, tokenizer.vocab_size, args.max_position_embeddings)
+    path = checkpoint_path(args.load, args.ckpt_step)
+    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                            "num_query_groups", "ffn_hidden_size")}
+    check_model_shape(path, shape, padded_vocab_size(tokenizer.vocab_size, args))
+    with megatron_on_cpu():
+        distributed.init_distributed(args)
+        try:
+            from megatron_mesh.training.generation import (
+                build_generation_model,
+                generate,
+                write_output,
+            )
+            from megatron_mesh.training.generation_checkpoint import load_weights
+
+            distributed.init_model_parallel(args)
+            distributed.set_seed(args.seed)
+            model = build_generation_model(args, tokenizer.vocab_size)
+            load_weights(path, model)
+            distributed.print_rank0(f" loaded weights of {path}; generating for "
+                                    f"{len(prompts)} prompts on CP {args.context_parallel_size}"
+                                    + (f" (mesh {shape_text(*args.mesh_shape)})"
+                                       if args.context_parallel_size > 1 else ""))
+            records = generate(args, gen, model, prompts, tokenizer.eod, tokenizer.vocab_size,
+                               _detokenizer(tokenizer))
+            write_output(gen.output, records)
+            dist.barrier()
+        finally:
+            distributed.destroy()
+    return 0
+
+
+def _detokenizer(tokenizer):
+    """The tokenizer's ids -> text, or None when it has none."""
+    fn = getattr(tokenizer, "detokenize", None)
+    if fn is None:
+        return None
+
+    def text(ids: list[int]) -> str | None:
+        try:
+            return fn(ids)
+        except Exception:  # a tokenizer without text for these ids: the ids stand alone
+            return None
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Long-context inference through the mesh (torch and torch.distributed only; never megatron).
+
+    cache.py     one layer's share of the KV cache on one CP rank; which rank and slot each
+                 token goes to (prefill: the zigzag share; decode: round robin by step)
+    decode.py    one decode step's attention: a partial (out, lse) over this rank's share,
+                 one all-gather of the partials over the CP group, the log-sum-exp merge, the
+                 sink once after it
+    prefill.py   the prompt's attention through `mesh_attention` with no autograd state, and
+                 its K / V share written into the cache
+    packed.py    the cache of packed prompts placed by `place_documents` (each document a
+                 sequence; the placement's rows, then decode steps round robin)
+    cost.py      bytes of the prefill and of a decode step per rank, and the cache's bytes
+
+docs/inference.md describes the design.
+"""
+from ..models.decode_traffic import cache_bytes, decode_step_bytes
+from .cache import CacheLayout, KVShard
+from .decode import decode_attention, local_partial, merge_partials
+from .packed import PackedShard, prefill_packed
+from .prefill import prefill_attention
+
+__all__ = ["CacheLayout", "KVShard", "cache_bytes", "decode_attention", "decode_step_bytes",
+           "local_partial", "merge_partials", "PackedShard", "prefill_attention",
+           "prefill_packed"]

@@ -1,0 +1,128 @@
+"""One decode step's attention over a KV cache sharded over the CP group.
+
+Each CP rank holds the same new queries (one token per sequence: the layers before
+attention run replicated on every CP rank, on b tokens) and 1 / P of the cache. Per layer:
+
+  1. local_partial: this rank's queries against its cache share, in fp32 -> out [b, hq, dv],
+     lse [b, hq] (lse -inf and out 0 where no key of the share is visible);
+  2. one all-gather of [b, hq, dv + 1] fp32 (out beside lse) over the CP group;
+  3. merge_partials: the log-sum-exp merge of the P partials, in CP-rank order, the same
+     on every rank, so every rank gets the same bits (no broadcast needed);
+  4. the sink logit (softmax_offset) merged once, after the CP merge (`sink.add_sink`).
+
+Two exchanges, the same result up to rounding (`EXCHANGES`):
+  "all_gather" (default): one collective of P - 1 hops (a ring); it sends (P - 1) b hq
+      (dv + 1) 4 bytes per rank, and every rank merges in the same order, so every rank gets
+      the same bits;
+  "all_reduce": a max of the lse (b hq values), then a sum of [out e^(lse - max), e^(lse -
+      max)] (b hq (dv + 1) values): two collectives, but each a tree of about 2 log2 P hops
+      on NCCL where the all-gather is a ring of P - 1; fewer bytes at large P too. The
+      planner prices both (`planner/inference.py`): latency decides, so the all-gather on a
+      node or two, the all-reduce pair on many.
+A decode step is latency-bound: a few kilobytes per layer. With a heads axis (A > 1) the
+same scheme runs over all P ranks: the cache is cut by tokens, every rank holds every head
+of its tokens, so splitting heads first would only add an all-to-all.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..masks.sink import add_sink, check_offset
+from ..runtime import comm
+from .cache import EMPTY, KVShard
+from .packed import PackedShard
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window_left: int | None) -> torch.Tensor:
+    """[b, n] bool: key slot positions k_pos [n, b] a query at q_pos [b] sees (causal, and
+    within `window_left` keys before it when given; EMPTY slots never)."""
+    k = k_pos.t()
+    ok = (k != EMPTY) & (k <= q_pos[:, None])
+    if window_left is not None and window_left >= 0:
+        ok &= k >= q_pos[:, None] - window_left
+    return ok
+
+
+def local_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+                  q_pos: torch.Tensor, scale: float, window_left: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, hq, d] against k [n, b, hkv, d], v [n, b, hkv, dv] at positions k_pos [n, b]
+    -> fp32 out [b, hq, dv], lse [b, hq] (hq a multiple of hkv: GQA / MQA by grouping)."""
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    kf = k.float().permute(1, 2, 0, 3)  # [b, hkv, n, d]
+    vf = v.float().permute(1, 2, 0, 3)
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, kf) * scale
+    mask = visible(q_pos, k_pos, window_left)[:, None, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(nan=0.0)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, vf)
+    return out.reshape(b, hq, -1), lse.reshape(b, hq)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P partials out [P, b, hq, dv], lse [P, b, hq] (fp32) -> merged out [b, hq, dv], lse
+    [b, hq]; rows no partial sees stay out 0, lse -inf."""
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse[None]).nan_to_num_(nan=0.0)
+    return (outs * weights[..., None]).sum(0), lse
+
+
+def exchange_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None,
+                      cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's out [b, hq, dv] and lse [b, hq] (fp32, one message of
+    b hq (dv + 1) values) -> every rank's, [P, b, hq, dv] and [P, b, hq]."""
+    if cp_size == 1:
+        return out[None], lse[None]
+    msg = torch.cat([out, lse[..., None]], dim=-1).contiguous()
+    gathered = comm.all_gather(msg[None], group, "forward", "row")  # [P, b, hq, dv + 1]
+    return gathered[..., :-1], gathered[..., -1]
+
+
+def reduce_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None,
+                    cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged out [b, hq, dv], lse [b, hq] of every rank's partial by two all-reduces:
+    the max of the lse, then the sum of [out w, w], w = e^(lse - max)."""
+    if cp_size == 1:
+        return out, lse
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse - shift)  # 0 where this rank sees no key
+    msg = torch.cat([out * w[..., None], w[..., None]], dim=-1)
+    dist.all_reduce(msg, group=group)
+    total = msg[..., -1]
+    merged = msg[..., :-1] / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return merged, shift + torch.log(total)
+
+
+EXCHANGES = ("all_gather", "all_reduce")
+
+
+def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch.Tensor, scale: float,
+                     group: dist.ProcessGroup | None = None, cp_size: int = 1,
+                     window_left: int | None = None,
+                     softmax_offset: torch.Tensor | None = None,
+                     exchange: str = "all_gather") -> torch.Tensor:
+    """The new tokens' attention over the whole cache: q [b, hq, d] (the same on every CP
+    rank), this rank's `shard` (dense or packed prompts; the new token's K / V already
+    appended on its owner),
+    q_pos [b] -> out [b, hq, dv] in q's dtype, the same on every rank of `group` (the CP
+    group of `cp_size` ranks; None: the default group). `window_left`: keys q_pos - left
+    .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit; `exchange`: how the
+    partials merge (`EXCHANGES`, module docstring)."""
+    check_offset(softmax_offset, q.shape[1])
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
+    out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left)
+    if exchange == "all_reduce":
+        out, lse = reduce_partials(out, lse, group, cp_size)
+    else:
+        out, lse = merge_partials(*exchange_partials(out, lse, group, cp_size))
+    if softmax_offset is not None:
+        o, lse_s = add_sink(out[None], lse[..., None], softmax_offset)  # [1, b, hq, dv]
+        out, lse = o[0], lse_s[..., 0]
+    return out.to(q.dtype)

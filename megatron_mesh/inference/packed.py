@@ -1,0 +1,119 @@
+"""The KV cache of packed prompts: documents placed over the CP group by `place_documents`.
+
+Each document of the packed prompt is one sequence that generation continues. Prefill runs
+`mesh_attention` with the placement (causal within each document; documents held whole by
+one rank cost no bytes), and each rank keeps exactly the rows the placement gave it: T / P
+slots, each with its document and its position in it. Decode step n (one new token per
+document) goes to rank n % P, slots T / P + (n // P) b .. + b - 1, as in the dense cache, so
+every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's cache up to one step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import mesh_attention
+from ..masks.document_placement import DocumentPlacement
+from ..runtime.grid import MeshGrid
+from .cache import EMPTY
+
+
+@dataclass
+class PackedShard:
+    """k [slots, hkv, d], v [slots, hkv, dv], seq [slots] (the document of each slot) and pos
+    [slots] (its position in the document; EMPTY: unwritten)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    documents: int
+    prompt_slots: int
+    cp_size: int
+    used: int = 0
+
+    @classmethod
+    def allocate(cls, placement: DocumentPlacement, max_new: int, kv_heads: int, head_dim: int,
+                 v_head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 sequences: int | None = None) -> PackedShard:
+        """Room for the placement's rows and `max_new` decode steps of `sequences` documents
+        (the first ones; None: all; a last padding document is never continued)."""
+        b, p = sequences or len(placement.lengths), placement.cp_size
+        prompt = placement.local_tokens
+        n = prompt + -(-max_new // p) * b
+        return cls(torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device),
+                   torch.zeros(n, kv_heads, v_head_dim, dtype=dtype, device=device),
+                   torch.full((n,), EMPTY, dtype=torch.long, device=device),
+                   torch.full((n,), EMPTY, dtype=torch.long, device=device), b, prompt, p)
+
+    def write_prefill(self, k: torch.Tensor, v: torch.Tensor, placement: DocumentPlacement,
+                      rank: int) -> None:
+        """This rank's placed rows k [t, hkv, d], v [t, hkv, dv] (t = T / P)."""
+        seq, pos = placed_positions(placement, rank)
+        t = k.shape[0]
+        self.k[:t].copy_(k)
+        self.v[:t].copy_(v)
+        self.seq[:t] = seq.to(self.seq.device)
+        self.pos[:t] = pos.to(self.pos.device)
+        self.used = max(self.used, t)
+
+    def owner(self, step: int) -> int:
+        return step % self.cp_size
+
+    def append(self, step: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Decode step `step`'s token of every document (on its owner): k [b, hkv, d], v
+        [b, hkv, dv] at positions [b]."""
+        first = self.prompt_slots + (step // self.cp_size) * self.documents
+        rows = slice(first, first + self.documents)
+        self.k[rows].copy_(k)
+        self.v[rows].copy_(v)
+        self.seq[rows] = torch.arange(self.documents, device=self.seq.device)
+        self.pos[rows] = positions.to(self.pos.device)
+        self.used = max(self.used, rows.stop)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dense cache's form for `decode.decode_attention`: k [n, b, hkv, d], v [n, b,
+        hkv, dv] (expanded views) and pos [n, b] (EMPTY where the slot is another
+        document's)."""
+        n, b = self.used, self.documents
+        mine = self.seq[:n, None] == torch.arange(b, device=self.seq.device)[None, :]
+        pos = torch.where(mine, self.pos[:n, None], torch.full_like(self.pos[:n, None], EMPTY))
+        k = self.k[:n, None].expand(n, b, *self.k.shape[1:])
+        v = self.v[:n, None].expand(n, b, *self.v.shape[1:])
+        return k, v, pos
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.seq, self.pos))
+
+    def tokens(self) -> int:
+        """Key tokens a query may see here."""
+        return int((self.pos[:self.used] != EMPTY).sum())
+
+
+def placed_positions(placement: DocumentPlacement, rank: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document [t], position in it [t]) of `rank`'s rows, in local order."""
+    seq, pos = [], []
+    for doc, first, n in placement.runs[rank]:
+        seq.append(torch.full((n,), doc, dtype=torch.long))
+        pos.append(torch.arange(first, first + n, dtype=torch.long))
+    return torch.cat(seq), torch.cat(pos)
+
+
+def prefill_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
+                   shard: PackedShard, placement: DocumentPlacement,
+                   softmax_scale: float | None = None,
+                   window_size: tuple[int, int] | None = None,
+                   softmax_offset: torch.Tensor | None = None,
+                   **options: object) -> torch.Tensor:
+    """q [t, hq, d], k [t, hkv, d], v [t, hkv, dv]: this rank's rows of the packed prompts
+    (`placement.token_indices(cp_rank)`) -> out [t, hq, dv] (`mesh_attention` with the
+    placement, no autograd state); K / V into `shard`."""
+    with torch.no_grad():
+        out = mesh_attention(q, k, v, grid, causal=True, softmax_scale=softmax_scale,
+                             window_size=window_size, placement=placement,
+                             softmax_offset=softmax_offset, **options)
+    shard.write_prefill(k, v, placement, grid.cp_rank)
+    return out

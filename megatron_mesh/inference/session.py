@@ -1,0 +1,92 @@
+"""One generation's state on one CP rank: the cache layout, every layer's shard, where the
+batch stands (prefill, or decode step n) and each sequence's prompt length.
+
+A core-attention module holding a session calls `attend` with its layer number; the session
+runs the prefill through the mesh (writing the shard) or a decode step over the shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..masks.document_placement import DocumentPlacement
+from ..runtime.grid import MeshGrid
+from .cache import CacheLayout, KVShard
+from .decode import decode_attention
+from .packed import PackedShard, prefill_packed
+from .prefill import prefill_attention
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass
+class InferenceSession:
+    """The cache and position of one batch. `lengths` [b]: each prompt's real length;
+    `group`: the CP group the decode exchange runs over (None: the default group);
+    `placement`: packed prompts placed by `place_documents` (its first b documents are the
+    prompts, a last one may be padding), None for dense prompts (the zigzag share)."""
+
+    layout: CacheLayout
+    lengths: torch.Tensor
+    group: dist.ProcessGroup | None = None
+    shards: dict[int, KVShard | PackedShard] = field(default_factory=dict)
+    phase: str = PREFILL
+    step: int = 0  # the decode step running (its new tokens sit at lengths + step)
+    options: dict = field(default_factory=dict)  # mesh_attention's backend / schedule
+    exchange: str = "all_gather"  # how decode merges the partials (`decode.EXCHANGES`)
+    placement: DocumentPlacement | None = None
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.numel())
+
+    def decode_positions(self) -> torch.Tensor:
+        """[b] the global positions of this decode step's new tokens."""
+        return self.lengths + self.step
+
+    def cache_bytes(self) -> int:
+        """Bytes of every layer's shard on this rank."""
+        return sum(s.nbytes for s in self.shards.values())
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               grid: MeshGrid, scale: float, window: tuple[int, int] | None = None,
+               softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `layer`'s attention: prefill q [s, b, hq, d], k / v [s, b, hkv, d] (this
+        rank's zigzag share of the padded prompts) or decode q [1, b, hq, d], k / v
+        [1, b, hkv, d] (the step's new tokens, the same on every rank) -> out [s | 1, b,
+        hq, dv]."""
+        if self.phase == PREFILL and self.placement is not None:
+            return self._prefill_packed(layer, q, k, v, grid, scale, window, softmax_offset)
+        if self.phase == PREFILL:
+            shard = KVShard.allocate(self.layout, self.batch, k.shape[2], k.shape[3],
+                                     v.shape[3], k.dtype, k.device)
+            self.shards[layer] = shard
+            return prefill_attention(q, k, v, grid, shard, self.layout.prompt_positions(),
+                                     self.lengths, scale, window, softmax_offset,
+                                     **self.options)
+        if q.shape[0] != 1:
+            raise ValueError(f"a decode step takes one new token per sequence, got {q.shape[0]}")
+        shard = self.shards[layer]
+        pos = self.decode_positions().to(k.device)
+        if self.layout.owner(self.step) == self.layout.cp_rank:
+            where = self.step if isinstance(shard, PackedShard) else self.layout.slot(self.step)
+            shard.append(where, k[0], v[0], pos)
+        left = None if window is None else window[0]
+        out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
+                               softmax_offset, self.exchange)
+        return out[None]
+
+    def _prefill_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        grid: MeshGrid, scale: float, window: tuple[int, int] | None,
+                        softmax_offset: torch.Tensor | None) -> torch.Tensor:
+        """Packed prompts: q [t, 1, hq, d], k / v [t, 1, hkv, d] are this rank's placed rows."""
+        assert self.placement is not None
+        shard = PackedShard.allocate(self.placement, self.layout.max_new, k.shape[2],
+                                     k.shape[3], v.shape[3], k.dtype, k.device,
+                                     sequences=self.batch)
+        self.shards[layer] = shard
+        out = prefill_packed(q[:, 0], k[:, 0], v[:, 0], grid, shard, self.placement, scale,
+                             window, softmax_offset, **self.options)
+        return out[:, None]

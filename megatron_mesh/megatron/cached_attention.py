@@ -1,0 +1,74 @@
+"""Megatron-Core's core-attention slot for generation: the mesh with a sharded KV cache.
+
+`CachedMeshAttention` is `MeshDotProductAttention` (same constructor, checks and state-dict
+keys, so a training checkpoint loads into it) whose forward, while a generation session is
+attached (`attach`), hands q / k / v to the session (`inference.InferenceSession`):
+prefill through the mesh writing the cache, or a decode step over the sharded cache.
+Without a session it is the training module.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_mesh.inference.session import InferenceSession
+from megatron_mesh.megatron.core_attention import MeshDotProductAttentionInTEState
+
+
+class CachedMeshAttention(MeshDotProductAttentionInTEState):
+    """The mesh core attention with an optional `InferenceSession` (keeps a TE attention's
+    `_extra_state` as it was loaded, like the class it extends)."""
+
+    session: InferenceSession | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        """q [s, b, np, hn], k / v [s, b, ng, hn] -> [s, b, np * hv]; with a session, s is
+        this rank's prompt share (prefill) or 1 (a decode step)."""
+        if self.session is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("generation runs dense prompts without attention_bias")
+        out = self.session.attend(self.layer_number, query, key, value, self.grid,
+                                  self.softmax_scale, self.window_size)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def attach(model: torch.nn.Module, session: InferenceSession | None) -> int:
+    """Give every CachedMeshAttention of `model` the session (None detaches); returns how
+    many there are."""
+    layers = [m for m in model.modules() if isinstance(m, CachedMeshAttention)]
+    for m in layers:
+        m.session = session
+    return len(layers)
+
+
+def cached_attention_spec(spec: Any) -> Any:
+    """A copy of a GPT layer spec whose core attention is CachedMeshAttention (the mesh
+    options of the spec's own mesh attention kept)."""
+    from megatron_mesh.megatron.spec import _replace
+
+    params = {**(_mesh_params(spec) or {}), "context_parallel_algo": "mesh"}
+    return _replace(spec, ModuleSpec(module=CachedMeshAttention, params=params))[0]
+
+
+def _mesh_params(node: Any) -> dict | None:
+    """The params of the first core_attention ModuleSpec in a spec (None: none found)."""
+    if isinstance(node, ModuleSpec):
+        return _mesh_params(node.submodules)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if f.name == "core_attention" and isinstance(value, ModuleSpec):
+                return {k: v for k, v in (value.params or {}).items()
+                        if k in ("backend", "schedule")}
+            found = _mesh_params(value)
+            if found is not None:
+                return found
+    return None
