@@ -1,17 +1,47 @@
-"""--rampup-batch-size START INCREMENT SAMPLES: megatron-core's ramp-up calculator.
+"""--rampup-batch-size START INCREMENT SAMPLES: Megatron-LM's batch-size ramp.
 
 The global batch starts at START and grows by INCREMENT, one step per SAMPLES / steps
-consumed samples, until it reaches --global-batch-size; the calculator
-(RampupBatchsizeNumMicroBatchesCalculator) gives each iteration's batch and micro-batch
-count from the samples consumed so far. Every batch of the ramp is a multiple of
-micro batch x DP (checked here), so none is rounded down and the sampler reads consecutive
-micro-batches as with a constant batch.
+consumed samples (steps = (--global-batch-size - START) / INCREMENT), until it reaches
+--global-batch-size; past SAMPLES consumed samples it stays there. Every batch of the ramp
+is a multiple of micro batch x DP (checked here), so none is rounded down and the sampler
+reads consecutive micro-batches as with a constant batch. The schedule is computed here
+(`BatchRamp`): megatron-core 0.16 ships it as a calculator class that 0.19 replaced by a
+step-schedule calculator, so the driver keeps Megatron-LM's arithmetic itself.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+from megatron_mesh.training.distributed import print_rank0
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    """The ramp of one run: global batch and micro-batches per DP rank by samples consumed."""
+
+    start: int
+    increment: int
+    samples: int
+    global_batch_size: int
+    micro_times_dp: int  # micro batch x data-parallel size
+
+    @property
+    def steps(self) -> int:
+        return (self.global_batch_size - self.start) // self.increment
+
+    def batch(self, consumed_samples: int) -> int:
+        """The global batch of the iteration after `consumed_samples`."""
+        if consumed_samples > self.samples:
+            return self.global_batch_size
+        per_step = self.samples / self.steps
+        return min(self.global_batch_size,
+                   self.start + int(consumed_samples / per_step) * self.increment)
+
+    def at(self, consumed_samples: int) -> tuple[int, int]:
+        """(global batch, micro-batches per DP rank) after `consumed_samples`."""
+        gbs = self.batch(consumed_samples)
+        return gbs, gbs // self.micro_times_dp
 
 
 def check_ramp(args: Any) -> None:
@@ -31,19 +61,21 @@ def check_ramp(args: Any) -> None:
                          "data-parallel rank)")
 
 
-def ramp_calculator(args: Any, rank: int = 1) -> RampupBatchsizeNumMicroBatchesCalculator | None:
-    """megatron-core's calculator for the ramp, or None without one (or START equal to
-    the global batch: nothing to ramp). It logs the batch changes on rank 0."""
+def ramp_calculator(args: Any, rank: int = 1) -> BatchRamp | None:
+    """The run's ramp, or None without one (or START equal to the global batch: nothing to
+    ramp). Said once on rank 0."""
     if not args.rampup_batch_size:
         return None
     start, increment, samples = args.rampup_batch_size
     if start == args.global_batch_size:
         return None
-    return RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-        data_parallel_size=args.data_parallel_size, decrease_batch_size_if_needed=False,
-        rank=rank, start_global_batch_size=start, batch_size_increment=increment,
-        ramup_samples=samples)
+    ramp = BatchRamp(start, increment, samples, args.global_batch_size,
+                     args.micro_batch_size * args.data_parallel_size)
+    if rank == 0:
+        print_rank0(f" batch-size ramp: global batch {start}, +{increment} every "
+                    f"{samples / ramp.steps:g} samples, up to {args.global_batch_size} after "
+                    f"{samples} samples")
+    return ramp
 
 
 def ramp_iterations(args: Any) -> int:
@@ -51,24 +83,20 @@ def ramp_iterations(args: Any) -> int:
     batches while consumed samples are within both the ramp and --train-samples, then
     whole global batches of what is left."""
     check_ramp(args)
-    calculator = ramp_calculator(args)
-    if calculator is None:
+    ramp = ramp_calculator(args)
+    if ramp is None:
         return args.train_samples // args.global_batch_size
-    ramp_samples = args.rampup_batch_size[2]
     consumed = iterations = 0
-    while consumed <= ramp_samples and consumed <= args.train_samples:
-        calculator.update(consumed, consistency_check=False)
-        consumed += calculator.get_current_global_batch_size()
+    while consumed <= ramp.samples and consumed <= args.train_samples:
+        consumed += ramp.batch(consumed)
         iterations += 1
     if args.train_samples > consumed:
         iterations += (args.train_samples - consumed) // args.global_batch_size
     return iterations
 
 
-def batch_at(calculator: RampupBatchsizeNumMicroBatchesCalculator | None, args: Any,
-             consumed_samples: int) -> tuple[int, int]:
+def batch_at(ramp: BatchRamp | None, args: Any, consumed_samples: int) -> tuple[int, int]:
     """(global batch, micro-batches per DP rank) of the iteration after `consumed_samples`."""
-    if calculator is None:
+    if ramp is None:
         return args.global_batch_size, args.num_microbatches
-    calculator.update(consumed_samples, consistency_check=True, verbose=True)
-    return calculator.get_current_global_batch_size(), calculator.get()
+    return ramp.at(consumed_samples)
