@@ -4,7 +4,9 @@
 keys, so a training checkpoint loads into it) whose forward, while a generation session is
 attached (`attach`), hands q / k / v to the session (`inference.InferenceSession`):
 prefill through the mesh writing the cache, or a decode step over the sharded cache.
-Without a session it is the training module.
+Without a session it is the training module. `CachedMeshAttentionInTEState` is the same
+over `MeshDotProductAttentionInTEState`, for models whose training spec kept a Transformer
+Engine attention's `_extra_state`: `cached_attention_spec` takes the one matching the spec.
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mesh.inference.session import InferenceSession
-from megatron_mesh.megatron.core_attention import MeshDotProductAttentionInTEState
+from megatron_mesh.megatron.core_attention import (
+    MeshDotProductAttention,
+    MeshDotProductAttentionInTEState,
+)
+from megatron_mesh.megatron.sink import mesh_offset
 
 
-class CachedMeshAttention(MeshDotProductAttentionInTEState):
-    """The mesh core attention with an optional `InferenceSession` (keeps a TE attention's
-    `_extra_state` as it was loaded, like the class it extends)."""
+class _CachedForward:
+    """The forward of a mesh core attention with an optional `InferenceSession`."""
 
     session: InferenceSession | None = None
 
@@ -36,14 +41,23 @@ class CachedMeshAttention(MeshDotProductAttentionInTEState):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("generation runs dense prompts without attention_bias")
         out = self.session.attend(self.layer_number, query, key, value, self.grid,
-                                  self.softmax_scale, self.window_size)
+                                  self.softmax_scale, self.window_size,
+                                  mesh_offset(self.softmax_offset))  # the sinks, if any
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class CachedMeshAttention(_CachedForward, MeshDotProductAttention):
+    """The mesh core attention with an optional `InferenceSession`."""
+
+
+class CachedMeshAttentionInTEState(_CachedForward, MeshDotProductAttentionInTEState):
+    """The same, keeping a TE attention's `_extra_state` as it was loaded."""
 
 
 def attach(model: torch.nn.Module, session: InferenceSession | None) -> int:
     """Give every CachedMeshAttention of `model` the session (None detaches); returns how
     many there are."""
-    layers = [m for m in model.modules() if isinstance(m, CachedMeshAttention)]
+    layers = [m for m in model.modules() if isinstance(m, _CachedForward)]
     for m in layers:
         m.session = session
     return len(layers)
@@ -55,7 +69,25 @@ def cached_attention_spec(spec: Any) -> Any:
     from megatron_mesh.megatron.spec import _replace
 
     params = {**(_mesh_params(spec) or {}), "context_parallel_algo": "mesh"}
-    return _replace(spec, ModuleSpec(module=CachedMeshAttention, params=params))[0]
+    module = (CachedMeshAttentionInTEState
+              if issubclass(_core_module(spec) or object, MeshDotProductAttentionInTEState)
+              else CachedMeshAttention)
+    return _replace(spec, ModuleSpec(module=module, params=params))[0]
+
+
+def _core_module(node: Any) -> type | None:
+    """The module class of the first core_attention ModuleSpec in a spec (None: none)."""
+    if isinstance(node, ModuleSpec):
+        return _core_module(node.submodules)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if f.name == "core_attention" and isinstance(value, ModuleSpec):
+                return value.module if isinstance(value.module, type) else None
+            found = _core_module(value)
+            if found is not None:
+                return found
+    return None
 
 
 def _mesh_params(node: Any) -> dict | None:

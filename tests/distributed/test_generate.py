@@ -110,9 +110,11 @@ def test_packed_prompts_equal_cp1(grid: str, greedy_cp1: list[dict], checkpoint:
 
 def test_windowed_model_with_learned_positions_on_the_mesh_equals_cp1(
         checkpoint: Path, prompt_file: Path, work: Path) -> None:
-    """A model with a sliding window of 8 (its decode steps see the last 9 keys) and learned
-    absolute positions, trained at CP = 1: the same greedy ids on 2x1x2 as at CP = 1."""
-    model = ["--window-size", "8", "0", "--position-embedding-type", "learned_absolute"]
+    """A model with a sliding window of 8 (its decode steps see the last 9 keys), learned
+    absolute positions and learnable attention sinks, trained at CP = 1: the same greedy
+    ids on 2x1x2 as at CP = 1."""
+    model = ["--window-size", "8", "0", "--position-embedding-type", "learned_absolute",
+             "--softmax-type", "learnable"]
     trained = launch(1, ["--config", TINY, "--train-iters", "30", "--data-path",
                          str(work / "arith"), "--data-cache-path", str(work / "index-cache"),
                          "--save", str(work / "ckpt-window"), "--save-interval", "30", *model])
