@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mesh.megatron.shape import (
-    GridShape,
+    GridTriple,
     cp_ranks_per_node,
     describe_mesh_shape,
     resolve_mesh_shape,
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-def _all_cp_groups(shape: GridShape) -> list[list[int]]:
+def _all_cp_groups(shape: GridTriple) -> list[list[int]]:
     """Every CP group of the job (global ranks, CP order), gathered from all ranks.
 
     Each rank also sends its mesh shape; ranks that disagree fail together, never hang.

@@ -25,7 +25,7 @@ from megatron_mesh.values import (
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 
-GridShape = tuple[int, int, int]
+GridTriple = tuple[int, int, int]
 """(heads, rows, cols): A x R x C = the CP size."""
 
 
@@ -68,7 +68,7 @@ def valid_shapes_text(cp_size: int, heads: int | None = None) -> str:
     return ", ".join(f"{heads}x{r}x{c}" for r, c in mesh_shapes(cp_size // heads))
 
 
-def check_mesh_shape(shape: GridShape, cp_size: int) -> GridShape:
+def check_mesh_shape(shape: GridTriple, cp_size: int) -> GridTriple:
     """Raise ValueError unless A * R * C == cp_size; returns the shape. The error lists the
     shapes of the same A (A > 1), or every RxC and AxRxC shape (A = 1)."""
     heads, rows, cols = shape
@@ -112,7 +112,7 @@ def check_mesh_heads(heads: int, cp_size: int, q_heads: int | None, kv_heads: in
     )
 
 
-def combine_shape(mesh_shape: object, mesh_heads: int | None) -> tuple[GridShape | None, int | None]:
+def combine_shape(mesh_shape: object, mesh_heads: int | None) -> tuple[GridTriple | None, int | None]:
     """--mesh-shape and --mesh-heads as one request: (the full (A, R, C) or None, the heads A
     asked for or None). ValueError when an 'AxRxC' shape disagrees with --mesh-heads."""
     if mesh_heads is not None:
@@ -178,7 +178,7 @@ def auto_mesh_shape(
     *,
     mesh_heads: int | None = None,
     tensor_parallel_size: int = 1,
-) -> GridShape:
+) -> GridTriple:
     """The (A, R, C) grid the planner predicts fastest for cp_size ranks (`planner.search`
     of `mesh_workload` on the default cluster: the best of every 2D mesh and every heads x
     rows x cols grid whose A divides a TP rank's query heads); with mesh_heads, the best
@@ -217,7 +217,7 @@ def resolve_mesh_shape(
     cp_ranks_per_node: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
-) -> tuple[GridShape, bool]:
+) -> tuple[GridTriple, bool]:
     """((A, R, C), chosen_automatically) for a CP group of cp_size; ValueError when invalid.
 
     mesh_shape: None, 'RxC' / (R, C) (heads from mesh_heads, else 1) or 'AxRxC' /
@@ -251,7 +251,7 @@ def resolve_mesh_shape(
     return auto, True
 
 
-def describe_mesh_shape(shape: GridShape, cp_size: int, automatic: bool,
+def describe_mesh_shape(shape: GridTriple, cp_size: int, automatic: bool,
                         ranks_per_node: int | None = None) -> str:
     """The log line naming the shape a job builds, e.g. 'mesh context parallelism: 2x2x4
     grid (heads x rows x cols) of 16 CP ranks (chosen by the planner for 4 CP ranks per

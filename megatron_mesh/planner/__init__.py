@@ -1,5 +1,5 @@
 """Predicts attention traffic and time of context-parallel methods and picks a mesh shape."""
-from megatron_mesh.planner.cost import Estimate, NotApplicable, Transfer, Unavailable
+from megatron_mesh.planner.cost import Estimate, NotApplicable, PricedTransfer, Unavailable
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.search import Plan, plan, search
@@ -11,7 +11,7 @@ __all__ = [
     "NotApplicable",
     "Placement",
     "Plan",
-    "Transfer",
+    "PricedTransfer",
     "Unavailable",
     "Workload",
     "mesh_placement",

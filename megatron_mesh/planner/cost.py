@@ -33,7 +33,7 @@ class NotApplicable(ValueError):
 
 
 @dataclass(frozen=True)
-class Transfer:
+class PricedTransfer:
     """Bytes one GPU sends in one pass over one kind of group."""
 
     phase: str
@@ -69,7 +69,7 @@ class Estimate:
 
     method: str
     label: str
-    transfers: tuple[Transfer, ...]
+    transfers: tuple[PricedTransfer, ...]
     compute_s: dict[str, float]
     comm_s: dict[str, float]
     time_s: dict[str, float]
@@ -117,7 +117,7 @@ class Unavailable:
 def price(
     method: str,
     label: str,
-    transfers: list[Transfer],
+    transfers: list[PricedTransfer],
     workload: Workload,
     cluster: Cluster,
     overlap: bool,
@@ -141,7 +141,7 @@ def price(
     return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape, heads)
 
 
-def ring_seconds(hidden: list[Transfer], compute: float, cluster: Cluster) -> float:
+def ring_seconds(hidden: list[PricedTransfer], compute: float, cluster: Cluster) -> float:
     """The pass's compute with its hidden transfers pipelined under it (module docstring)."""
     h = sum(t.seconds(cluster) for t in hidden)
     n = max((t.ring_size for t in hidden), default=0)

@@ -1,4 +1,4 @@
-"""Traffic of each context-parallel method, as `Transfer` lists the cost model prices.
+"""Traffic of each context-parallel method, as `PricedTransfer` lists the cost model prices.
 
 Element counts per GPU follow `megatron_mesh.models.traffic`: q = (S/P) * b * Hq * d (one Q or O
 chunk), kv = 2 * (S/P) * b * Hkv * d (K and V chunks), e = bytes of the input dtype.

@@ -12,13 +12,13 @@ gathers every K,V chunk (the bytes do not change; only the compute shrinks).
 """
 from __future__ import annotations
 
-from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
 
 
-def all_gather_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+def all_gather_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:
     p = cluster.gpus
     shape = workload.attention_shape()
     _, kv, _ = shape.local_elements(p)
@@ -26,9 +26,9 @@ def all_gather_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]
     cross = crosses_nodes([range(p)], cluster)
     dtype = workload.dtype
     return [
-        Transfer("forward", "cp", f"all-gather K,V ({dtype})", (p - 1) * piece, cross, False),
-        Transfer("backward", "cp", f"all-gather K,V ({dtype})", (p - 1) * piece, cross, False),
-        Transfer(
+        PricedTransfer("forward", "cp", f"all-gather K,V ({dtype})", (p - 1) * piece, cross, False),
+        PricedTransfer("backward", "cp", f"all-gather K,V ({dtype})", (p - 1) * piece, cross, False),
+        PricedTransfer(
             "backward", "cp", f"reduce-scatter dK,dV ({dtype})", (p - 1) * piece, cross, False
         ),
     ]

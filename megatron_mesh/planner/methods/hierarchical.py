@@ -9,7 +9,7 @@ chunks of the same kv elements as plain ring attention, over P/A ranks (stride A
 """
 from __future__ import annotations
 
-from megatron_mesh.planner.cost import NotApplicable, Transfer
+from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.methods.ulysses import a2a_pair, check_heads
@@ -26,7 +26,7 @@ def a2a_sizes(workload: Workload, cp_size: int) -> list[int]:
     ]
 
 
-def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> list[Transfer]:
+def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> list[PricedTransfer]:
     check_takes_window(workload, "a2a+p2p")
     p = cluster.gpus
     if not 1 < a2a_size < p or p % a2a_size:
@@ -42,8 +42,8 @@ def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> li
     dtype = workload.dtype
     sent = (ring_size - 1) * step
     return transfers + [
-        Transfer("forward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
-        Transfer("backward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
-        Transfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, True, ring_size,
+        PricedTransfer("forward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        PricedTransfer("backward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        PricedTransfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, True, ring_size,
                  trailing=True),
     ]

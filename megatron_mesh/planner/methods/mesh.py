@@ -19,7 +19,7 @@ Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
 from __future__ import annotations
 
 from megatron_mesh.models.traffic import mesh_traffic
-from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import sparse_transfers
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
@@ -30,7 +30,7 @@ from megatron_mesh.values import COLUMN, FP32_BYTES, ROW, GridShape
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
-                   heads: int = 1) -> list[Transfer]:
+                   heads: int = 1) -> list[PricedTransfer]:
     p = cluster.gpus
     GridShape(heads, rows, cols).check_cp_size(p)
     if workload.window is not None:
@@ -51,11 +51,11 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     dq_part = traffic.backward_row_partials
     dkv_part = traffic.backward_col_partials
 
-    def row(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
-        return Transfer(phase, ROW, tensors, nbytes, row_cross, hidden == ROW, cols, trailing)
+    def row(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> PricedTransfer:
+        return PricedTransfer(phase, ROW, tensors, nbytes, row_cross, hidden == ROW, cols, trailing)
 
-    def column(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> Transfer:
-        return Transfer(phase, COLUMN, tensors, nbytes, col_cross, hidden == COLUMN, rows,
+    def column(phase: str, tensors: str, nbytes: int, trailing: bool = False) -> PricedTransfer:
+        return PricedTransfer(phase, COLUMN, tensors, nbytes, col_cross, hidden == COLUMN, rows,
                         trailing)
 
     a2a = [] if heads == 1 else all_to_all_pair(traffic.forward_heads, traffic.backward_heads,

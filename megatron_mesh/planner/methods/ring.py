@@ -11,7 +11,7 @@ dK,dV trail their K,V).
 """
 from __future__ import annotations
 
-from megatron_mesh.planner.cost import NotApplicable, Transfer
+from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
@@ -25,7 +25,7 @@ def check_takes_window(workload: Workload, method: str) -> None:
             "runs windowed layers with cp_comm_type all_gather or a2a")
 
 
-def ring_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+def ring_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:
     check_takes_window(workload, "p2p ring")
     p = cluster.gpus
     shape = workload.attention_shape()
@@ -34,8 +34,8 @@ def ring_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
     cross = crosses_nodes([range(p)], cluster)
     dtype = workload.dtype
     return [
-        Transfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
-        Transfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
-        Transfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, True, p,
+        PricedTransfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
+        PricedTransfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
+        PricedTransfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, True, p,
                  trailing=True),
     ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_mesh.planner.cost import Transfer
+from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.windows import (
@@ -43,7 +43,7 @@ def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.n
 
 
 def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
-                     heads: int = 1) -> list[Transfer]:
+                     heads: int = 1) -> list[PricedTransfer]:
     """The windowed layer's transfers on a heads x rows x cols grid: for each exchange,
     the bytes of the rank whose part takes longest (the first of them on a tie)."""
     assert workload.window is not None
@@ -53,7 +53,7 @@ def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
 
 
 def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
-                       heads: int = 1) -> list[Transfer]:
+                       heads: int = 1) -> list[PricedTransfer]:
     """The sparse exchange of `counts` (rows each mesh rank uses of each peer's chunk:
     a window's, or placed documents' `planner.placed`) on a heads x rows x cols grid."""
     rows, cols = counts.rows, counts.cols
@@ -86,6 +86,6 @@ def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
         out += all_to_all_pair(a2a, a2a, d, heads_groups, cluster)
     for (phase, group, tensors), (_, on_n, off_n) in zip(PARTS, worst):
         n = on_n + off_n
-        out.append(Transfer(phase, group, names[tensors], n, off_n > 0, False,
+        out.append(PricedTransfer(phase, group, names[tensors], n, off_n > 0, False,
                             off_node_share=off_n / n if n else 0.0))
     return out

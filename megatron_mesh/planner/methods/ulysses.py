@@ -11,7 +11,7 @@ kernel, so nothing is hidden. Under a sliding window the all-to-alls move the sa
 """
 from __future__ import annotations
 
-from megatron_mesh.planner.cost import NotApplicable, Transfer
+from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.topology import Groups, off_node_share
 from megatron_mesh.planner.workload import Workload
@@ -35,24 +35,24 @@ def a2a_bytes(workload: Workload, size: int, cp_size: int) -> tuple[int, int]:
 
 
 def all_to_all_pair(fwd: int, bwd: int, dtype: str, groups: Groups,
-                    cluster: Cluster) -> list[Transfer]:
+                    cluster: Cluster) -> list[PricedTransfer]:
     """The forward (Q, K, V in, O out) and backward (dO in, dQ, dK, dV out) all-to-alls of
     `fwd` / `bwd` bytes per GPU over `groups`: exposed, each byte sent straight to its peer."""
     share = off_node_share(groups, cluster)
     return [
-        Transfer("forward", "a2a", f"all-to-all Q,K,V in, O out ({dtype})", fwd, share > 0,
+        PricedTransfer("forward", "a2a", f"all-to-all Q,K,V in, O out ({dtype})", fwd, share > 0,
                  False, off_node_share=share),
-        Transfer("backward", "a2a", f"all-to-all dO in, dQ,dK,dV out ({dtype})", bwd,
+        PricedTransfer("backward", "a2a", f"all-to-all dO in, dQ,dK,dV out ({dtype})", bwd,
                  share > 0, False, off_node_share=share),
     ]
 
 
-def a2a_pair(workload: Workload, cluster: Cluster, groups: Groups, size: int) -> list[Transfer]:
+def a2a_pair(workload: Workload, cluster: Cluster, groups: Groups, size: int) -> list[PricedTransfer]:
     """The forward and backward all-to-all transfers over `groups` of `size` ranks."""
     fwd, bwd = a2a_bytes(workload, size, cluster.gpus)
     return all_to_all_pair(fwd, bwd, workload.dtype, groups, cluster)
 
 
-def a2a_transfers(workload: Workload, cluster: Cluster) -> list[Transfer]:
+def a2a_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:
     check_heads(workload, cluster.gpus)
     return a2a_pair(workload, cluster, [range(cluster.gpus)], cluster.gpus)
