@@ -66,3 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def work(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for one test module's driver jobs: data, checkpoints, logs."""
+    return tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]
+                                   .removeprefix("test_"))

@@ -84,6 +84,20 @@ def build_indexed_dataset(prefix: str) -> None:
     builder.finalize(prefix + ".idx")
 
 
+def driver_data_args(work: Path, iters: int, documents: tuple[int, int] | None = None,
+                     seed: int = 0) -> list[str]:
+    """The tiny driver's flags for `iters` iterations on data built once in `work`:
+    arithmetic sequences, or 300 EOD-separated documents of lengths documents[0] ..
+    documents[1] - 1 (the one fixture the driver tests share)."""
+    prefix = str(work / ("arith" if documents is None else "docs"))
+    if documents is None:
+        build_indexed_dataset(prefix)
+    else:
+        build_eod_documents(prefix, 300, documents, seed=seed)
+    return ["--config", TINY, "--train-iters", str(iters), "--data-path", prefix,
+            "--data-cache-path", str(work / "index-cache")]
+
+
 TINY_VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254; the NullTokenizer's EOD is 255
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Run, build_eod_documents, launch, tensorboard_scalars
+from preloaded import Run, driver_data_args, launch, tensorboard_scalars
 
 from megatron_mesh.training.arguments import ConfigError, parse_args
 from megatron_mesh.training.data import SampleIndices
@@ -25,16 +25,8 @@ PACKED = ["--context-parallel-size", "2", "--context-parallel-algo", "mesh",
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("workers")
-
-
-@pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
-    prefix = str(work / "docs")
-    build_eod_documents(prefix, 300, (20, 50), seed=1)
-    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
-            "--data-cache-path", str(work / "index-cache"), *EVAL]
+    return [*driver_data_args(work, ITERS, (20, 50), seed=1), *EVAL]
 
 
 def _job(work: Path, name: str, args: list[str], *flags: str) -> tuple[Run, dict]:

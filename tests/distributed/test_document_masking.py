@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preloaded import Run, build_eod_documents, launch
+from preloaded import Run, driver_data_args, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -26,16 +26,8 @@ SAVE_AT = 3  # the pipeline runs (two stages of one layer, two micro-batches per
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("documents")
-
-
-@pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
-    prefix = str(work / "docs")
-    build_eod_documents(prefix, 300, (5, 40), seed=1)
-    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
-            "--data-cache-path", str(work / "index-cache")]
+    return driver_data_args(work, ITERS, (5, 40), seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,6 @@ def _errors(run: Run) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("driver-flags")
-
-
-@pytest.fixture(scope="module")
 def saved(work: Path) -> tuple[Run, Path]:
     """Two iterations at the constant LR 3e-3 of tiny-cpu.yaml, saved."""
     root = work / "constant-lr"

@@ -25,11 +25,6 @@ GRIDS = {"2x2": ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--me
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("generate")
-
-
-@pytest.fixture(scope="module")
 def checkpoint(work: Path) -> Path:
     """The driver's checkpoint after 60 iterations on a 1x2 mesh (CP = 2)."""
     prefix = str(work / "arith")

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 import pytest
-from preloaded import Run, build_eod_documents, driver, launch
+from preloaded import Run, driver, driver_data_args, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -37,16 +37,8 @@ WINDOW = ["--window-size", "12", "0"]  # a sliding window inside each document
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("placed")
-
-
-@pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
-    prefix = str(work / "docs")
-    build_eod_documents(prefix, 300, (5, 40), seed=1)
-    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
-            "--data-cache-path", str(work / "index-cache"), *DOCUMENTS]
+    return [*driver_data_args(work, ITERS, (5, 40), seed=1), *DOCUMENTS]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Run, build_indexed_dataset, launch, launch_nodes
+from preloaded import Run, driver_data_args, launch, launch_nodes
 from wandb_records import wandb_history, wandb_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,16 +23,8 @@ MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh", "--me
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("training")
-
-
-@pytest.fixture(scope="module")
 def data_args(work: Path) -> list[str]:
-    prefix = str(work / "arith")
-    build_indexed_dataset(prefix)
-    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
-            "--data-cache-path", str(work / "index-cache")]
+    return driver_data_args(work, ITERS)
 
 
 @pytest.fixture(scope="module")

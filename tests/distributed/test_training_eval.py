@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preloaded import TINY, Run, build_eod_documents, launch, tensorboard_scalars
+from preloaded import TINY, Run, driver_data_args, launch, tensorboard_scalars
 from wandb_records import wandb_history
 
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254, end of document 255
@@ -22,16 +22,8 @@ EVAL = ["--eval-interval", "2", "--eval-iters", "1", "--split", "90,5,5"]
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("eod")
-
-
-@pytest.fixture(scope="module")
 def eod_args(work: Path) -> list[str]:
-    prefix = str(work / "docs")
-    build_eod_documents(prefix, 300, (20, 50))
-    return ["--config", TINY, "--train-iters", str(ITERS), "--data-path", prefix,
-            "--data-cache-path", str(work / "index-cache"), "--eod-mask-loss", *EVAL]
+    return [*driver_data_args(work, ITERS, (20, 50)), "--eod-mask-loss", *EVAL]
 
 
 def _job(nproc: int, eod_args: list[str], work: Path, name: str, *flags: str) -> tuple[Run, dict]:
