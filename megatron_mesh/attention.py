@@ -35,6 +35,7 @@ from .runtime.agreement import CallSignature
 from .runtime.checks import check_inputs
 from .runtime.grid import MeshGrid
 from .schedules import gathered, streamed_kv, streamed_q, windowed
+from .schedules.delta import attention_delta
 from .values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
@@ -122,10 +123,12 @@ class MeshAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, offset = ctx.saved_tensors
-        dq, dk, dv = ctx.runner.backward(dout, q, k, v, out, lse, *ctx.args)
+        dout = dout.contiguous()
+        delta = attention_delta(dout, out)  # D = rowsum(dO * O) [b, hq, s], formed once
+        dq, dk, dv = ctx.runner.backward(dout, q, k, v, out, lse, delta, *ctx.args)
         d_offset = None
         if offset is not None and ctx.needs_input_grad[3]:
-            d_offset = sink_grad(dout, out, lse, offset)
+            d_offset = sink_grad(delta, lse, offset)
         return dq, dk, dv, d_offset, None, None, None, None, None, None
 
 

@@ -45,10 +45,8 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor
     return out, merged
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              offset: torch.Tensor) -> torch.Tensor:
-    """d offset [h] (fp32) of this rank's rows: -sum over rows of e^(sink_h - lse') D,
-    D = rowsum(dO * O) of the final out [s, b, h, dv] and lse' [b, h, s]."""
-    delta = dout.float().mul(out.float()).sum(-1).permute(1, 2, 0)  # [b, h, s]
+def sink_grad(delta: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """d offset [h] (fp32) of this rank's rows: -sum over rows of e^(sink_h - lse') D, with
+    D = rowsum(dO * O) [b, h, s] of the final output and lse' [b, h, s]."""
     sink = offset.detach().to(device=lse.device, dtype=torch.float32)[None, :, None]
     return -(torch.exp(sink - lse) * delta).sum((0, 2)).to(offset.dtype)

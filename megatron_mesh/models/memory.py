@@ -61,13 +61,14 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                                  e < 4, the other rows' fp32 accumulators freed); held +
                                  qo O + (qi + qo) L (their lse); acc + qo (O + L) + FO
                                  + 3 L (the received rows merged one by one)
-                       backward: rows = C (Q + O + 2 L) + 2 L (the row's Q, dO, (lse, D),
-                                 and the stacked (lse, D)): rows + 2 L + (qi + qo) (Q + O
+                       backward: rows = C (Q + O + 2 L) + 3 L (the row's Q, dO, (lse, D),
+                                 the stacked (lse, D), and D as the attention's backward
+                                 formed it): rows + 2 L + (qi + qo) (Q + O
                                  + 2 L); rows + R KV + (ki + ko) KV; rows + R KV + C FQ
                                  + R FKV + the larger of the diagonal block (Q + KV + L)
                                  and another row's block (its rows' share of Q + L and
                                  KV) with its stand-in output O, or the stand-in being
-                                 made (FO (+ O if e < 4) + 3 L); grads = 2 L + C FQ
+                                 made (FO (+ O if e < 4) + 3 L); grads = 3 L + C FQ
                                  + R FKV, then + (qi + qo) q g_q (+ one peer's rows of FQ
                                  each way: converted to g_q, or received as g_q and
                                  converted back) for the dQ rows sent back, then dK and
@@ -220,14 +221,16 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
             held + f(q_out, m.o) + f(q_in + q_out, m.lse),  # then the lse rows
             m.acc + f(q_out, m.o + m.lse) + m.merge_rows)  # merged at their owner
         chunk = m.q + m.o + 2 * m.lse  # Q, dO, (lse, D)
-        rows = c * chunk + 2 * m.lse  # the row gathered, the stacked (lse, D) kept
+        # the row gathered, the stacked (lse, D) kept, and D itself (formed once by the
+        # attention's backward, held through the runner's)
+        rows = c * chunk + 3 * m.lse
         block = m.block_backward + m.lse
         # another row's block with its stand-in output, or the stand-in being made
         stand_in = max((m.o + f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in others),
                        default=0)
         if others:
             stand_in = max(stand_in, m.fo + (0 if fp32 else m.o) + 3 * m.lse)
-        grads = 2 * m.lse + c * m.fq + r * m.fkv
+        grads = 3 * m.lse + c * m.fq + r * m.fkv
         dkv_out = f(kv_in, m.dkv_exchange) + (0 if m.dkv_exchange >= m.fkv
                                               else f(min(kv_in, 1), m.fkv))
         backward = max(

@@ -14,7 +14,7 @@ from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
-from .delta import attention_delta, out_with_delta
+from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial
 
@@ -76,13 +76,12 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     return merge_row_partials(partial_out, partial_lse, grid)
 
 
-def start_row_grads_inputs(dout, q, out, lse, grid: MeshGrid):
+def start_row_grads_inputs(dout, q, delta, lse, grid: MeshGrid):
     """Start backward's row all-gathers in the background: by column index j, (Q [s, b, hq, d],
     dO [s, b, hq, dv]) and (lse, D) [b, hq, s] of row member j; read them after the returned
-    `comm.Pending`'s wait(). D is formed here, before any gathered buffer is made."""
-    if grid.cols == 1:  # no other rank's rows: D is not needed, the kernel forms it from out
+    `comm.Pending`'s wait()."""
+    if grid.cols == 1:  # no other rank's rows: the kernel forms D from out
         return [(q, dout)], [(lse, None)], comm.Pending([])
-    delta = attention_delta(dout, out)
     qdo, qdo_pending = comm.all_gather_stacked_async([q, dout], grid.row_group, "backward", ROW,
                                                       grid.row_order)
     stats, stats_pending = comm.all_gather_stacked_async([lse, delta], grid.row_group, "backward",
@@ -104,7 +103,7 @@ def row_order(grid: MeshGrid) -> list[int]:
     return [(me - t) % grid.cols for t in range(1, grid.cols)] + [me]
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
+def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk [s, b, hkv, d], dv [s, b, hkv, dv] in the inputs'
     dtype; partials are summed locally in fp32 and travel in grad_dtypes (dq, dkv).
@@ -116,7 +115,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     over the column at the end."""
     dout = dout.contiguous()
     me, my_row = grid.mesh_rank, grid.row_index
-    qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)
+    qdo, stats, row_pending = start_row_grads_inputs(dout, q, delta, lse, grid)
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "backward",
                                                        COLUMN, grid.col_order)
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -52,7 +52,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     return finish_row_partials(accs, grid, q.dtype)
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
+def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dK, dV around the column ring, dQ around the row ring) in
@@ -64,7 +64,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     hop behind (`rings.TrailingPartial`) while the next block runs, the own chunk's last."""
     dout = dout.contiguous()
     me = grid.col_index
-    qdo, stats, row_pending = start_row_grads_inputs(dout, q, out, lse, grid)
+    qdo, stats, row_pending = start_row_grads_inputs(dout, q, delta, lse, grid)
     dq_part = [torch.zeros(q.shape, dtype=torch.float32, device=q.device)
                for _ in range(grid.cols)]
     neighbors = grid.col_neighbors()

@@ -26,7 +26,7 @@ from ..runtime.flat import pack, views
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
-from .delta import attention_delta, out_with_delta
+from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
 
@@ -73,7 +73,7 @@ def own_blocks_later(grid: MeshGrid) -> list[int]:
     return off[(grid.rows - 1) // 2:]
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
+def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk, dv [s, b, hkv, d] in the inputs' dtype; partials are
     summed in fp32 and travel (dQ around the ring, dK, dV in the reduce-scatter) in grad_dtypes."""
@@ -83,7 +83,7 @@ def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale
     dout = dout.contiguous()
     # D's temporary comes and goes before the gradient buffers are made
     # Q and dO back to back in one flat buffer (dO has V's head dim)
-    rows_in = (pack([q, dout]), torch.stack([lse, attention_delta(dout, out)]))
+    rows_in = (pack([q, dout]), torch.stack([lse, delta]))
     neighbors = grid.row_neighbors()
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)

@@ -41,7 +41,7 @@ from ..values import (
     heads_shape,
 )
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
-from .delta import attention_delta, out_with_delta
+from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into
 
 
@@ -149,14 +149,14 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     return own_out, own_lse
 
 
-def backward(dout, q, k, v, out, lse, grid: MeshGrid, mask: AttentionMask, scale: float,
+def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk [s, b, hkv, d], dv [s, b, hkv, dv] in the inputs'
     dtypes; partials summed in fp32 and sent back (only the used rows) in grad_dtypes."""
     s = q.shape[0]
     dout = dout.contiguous()
     peers = _Peers(grid, mask, s, q.device)
-    stats = torch.stack([lse, attention_delta(dout, out)]).permute(3, 0, 1, 2)  # [s, 2, b, hq]
+    stats = torch.stack([lse, delta]).permute(3, 0, 1, 2)  # [s, 2, b, hq]
     q_row, do_row, st_row = _gather_rows([q, dout, stats.contiguous()], peers.row, grid.cols,
                                          grid.col_index, "backward", ROW)
     k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "backward", COLUMN)

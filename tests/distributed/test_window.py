@@ -305,6 +305,7 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
     from megatron_mesh.masks.layout import AttentionMask
     from megatron_mesh.masks.window import Window
     from megatron_mesh.schedules import windowed
+    from megatron_mesh.schedules.delta import attention_delta
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -328,7 +329,8 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
             with Ops() as ops:
                 out, lse = windowed.forward(q, k, v, grid, mask, 0.25, TorchFlashKernel())
                 out = out.to(dtype)  # the runner's fp32 rows, finished as attention does
-                dq, dk, dv = windowed.backward(out, q, k, v, out, lse, grid, mask, 0.25,
+                dq, dk, dv = windowed.backward(out, q, k, v, out, lse,
+                                               attention_delta(out, out), grid, mask, 0.25,
                                                TorchFlashKernel())
             rows.append((str(dtype), packed, tuple(out.shape), dq.dtype == dtype,
                          tuple(lse.shape), tuple(dq.shape), tuple(dk.shape), tuple(dv.shape),

@@ -306,6 +306,7 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     from megatron_mesh.attention import finish_rows, grad_dtypes
     from megatron_mesh.models.plan import GradDtype
     from megatron_mesh.schedules import gathered, streamed_kv, streamed_q
+    from megatron_mesh.schedules.delta import attention_delta
 
     grid = mm.MeshGrid.build(rows=1, cols=1)
     rows = []
@@ -320,7 +321,9 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
                     with OpLog() as log:
                         out, lse = finish_rows(*sched.forward(q, k, v, grid, True, 0.125,
                                                               kernel), dtype)
-                        grads = sched.backward(out, q, k, v, out, lse, grid, True, 0.125, kernel,
+                        grads = sched.backward(out, q, k, v, out, lse,
+                                               attention_delta(out, out), grid, True, 0.125,
+                                               kernel,
                                                grad_dtypes(GradDtype.MIXED, dtype))
                     calls = sorted({n for n, _ in log.calls if n.startswith("_scaled_dot")})
                     rows.append((sched.__name__.rsplit(".", 1)[1], op, str(dtype), hq, hkv,
