@@ -53,22 +53,34 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                        Q rows a rank receives from and sends to its row, ki, ko the K/V
                        rows from and to its column (in chunks, `windowed.needed_rows`;
                        C - 1 and R - 1 each when no window is given), the most of
-                       forward : C Q + (qi + qo) Q (the row's Q laid into whole chunks,
-                                 its rows in flight); C Q + R KV + (ki + ko) KV;
-                                 C Q + R KV + C acc + block; C acc (+ C O if e < 4: the
-                                 outputs in the input dtype); held + (qi + qo) O (the
-                                 rows sent back: held = C acc, or acc + (C-1) L + C O if
-                                 e < 4, the other rows' fp32 accumulators freed); held +
-                                 qo O + (qi + qo) L (their lse); acc + qo (O + L) + FO
-                                 + 3 L (the received rows merged one by one)
+                       forward : both exchanges start together and this rank's own
+                                 block (Q, K/V of its own chunk: the diagonal) runs while
+                                 they are in flight: flight = C Q + R KV + (qi + qo) Q
+                                 + (ki + ko) KV (the row's Q and the column's K/V laid
+                                 into whole chunks, the rows sent and arriving);
+                                 flight + acc + block; then, on the landed rows, C Q
+                                 + R KV + C acc + the largest other block (its query rows'
+                                 share of O + 3 L: its own queries over another column
+                                 member's K/V, or another row's queries); C acc (+ C O if
+                                 e < 4: the outputs in the input dtype); held + (qi + qo)
+                                 O (the rows sent back: held = C acc, or acc + (C-1) L
+                                 + C O if e < 4, the other rows' fp32 accumulators freed);
+                                 held + qo O + (qi + qo) L (their lse); acc + qo (O + L)
+                                 + FO + 3 L (the received rows merged one by one)
                        backward: rows = C (Q + O + 2 L) + 3 L (the row's Q, dO, (lse, D),
                                  the stacked (lse, D), and D as the attention's backward
-                                 formed it): rows + 2 L + (qi + qo) (Q + O
-                                 + 2 L); rows + R KV + (ki + ko) KV; rows + R KV + C FQ
-                                 + R FKV + the larger of the diagonal block (Q + KV + L)
-                                 and another row's block (its rows' share of Q + L and
-                                 KV) with its stand-in output O, or the stand-in being
-                                 made (FO (+ O if e < 4) + 3 L); grads = 3 L + C FQ
+                                 formed it): rows + 2 L + (qi + qo) (Q + O + 2 L) ((lse, D)
+                                 copied to be sent); both exchanges in flight with this
+                                 rank's own block on its own inputs meanwhile: rows
+                                 + (qi + qo) (Q + O + 2 L) + R KV + (ki + ko) KV + C FQ
+                                 + R FKV + the diagonal block (Q + KV: its lse is this
+                                 rank's own, not a copy of the gathered rows'); then rows
+                                 + R KV + C FQ + R FKV + the largest of another row's
+                                 block (its rows' share of Q + L and KV) with its stand-in
+                                 output O, the stand-in being made (FO (+ O if e < 4)
+                                 + 3 L), or a block of its own queries over another column
+                                 member's K/V (its shares of Q + L and KV, no stand-in);
+                                 grads = 3 L + C FQ
                                  + R FKV, then + (qi + qo) q g_q (+ one peer's rows of FQ
                                  each way: converted to g_q, or received as g_q and
                                  converted back) for the dQ rows sent back, then dK and
@@ -198,8 +210,9 @@ def _streamed_kv_backward(m: _Chunk, r: int, c: int) -> int:
 def _bound(r: int, c: int) -> tuple:
     """Rows exchanged when every peer's whole chunk is used (no window given): (Q rows
     received, sent, K/V rows received, sent, in chunks; the (Q, K/V) rows, in chunks, of
-    the blocks of the other rows' queries)."""
-    return (c - 1, c - 1, r - 1, r - 1, [(1, 1)] * (c > 1))
+    the blocks of the other rows' queries; the same of this rank's own queries' blocks
+    over the other column members' K/V)."""
+    return (c - 1, c - 1, r - 1, r - 1, [(1, 1)] * (c > 1), [(1, 1)] * (r > 1))
 
 
 def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
@@ -208,14 +221,17 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
     are `exchanged` (`_bound`); k_share: K's part of a K/V row."""
     worst = {"forward": 0, "backward": 0}
     fp32 = m.e >= FP32
-    for q_in, q_out, kv_in, kv_out, others in exchanged:
+    for q_in, q_out, kv_in, kv_out, others, own_row in exchanged:
         f = lambda rows, size: int(rows * size)  # noqa: E731
         row_q, col_kv = c * m.q, r * m.kv
         held = c * m.acc if fp32 else m.acc + (c - 1) * m.lse + c * m.o
+        # both exchanges in flight: the buffers, the rows sent and the rows arriving
+        in_flight = row_q + col_kv + f(q_in + q_out, m.q) + f(kv_in + kv_out, m.kv)
+        # the other blocks (own queries over the column's K/V, other rows' queries)
+        block = max((f(qr, m.o + 3 * m.lse) for qr, _ in [*own_row, *others]), default=0)
         forward = max(
-            row_q + f(q_in + q_out, m.q),  # the row's Q gathered: sent and received rows
-            row_q + col_kv + f(kv_in + kv_out, m.kv),  # the column's K/V
-            row_q + col_kv + c * m.acc + m.block_forward,
+            in_flight + m.acc + m.block_forward,  # this rank's own block meanwhile
+            row_q + col_kv + c * m.acc + block,  # then the others, on the landed rows
             c * m.acc + (0 if fp32 else c * m.o),  # the outputs in the input dtype
             held + f(q_in + q_out, m.o),  # outputs sent and received
             held + f(q_out, m.o) + f(q_in + q_out, m.lse),  # then the lse rows
@@ -224,19 +240,23 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
         # the row gathered, the stacked (lse, D) kept, and D itself (formed once by the
         # attention's backward, held through the runner's)
         rows = c * chunk + 3 * m.lse
-        block = m.block_backward + m.lse
-        # another row's block with its stand-in output, or the stand-in being made
+        # another row's block with its stand-in output, or the stand-in being made; or a
+        # block of this rank's queries over another column member's K/V (no stand-in)
         stand_in = max((m.o + f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in others),
                        default=0)
         if others:
             stand_in = max(stand_in, m.fo + (0 if fp32 else m.o) + 3 * m.lse)
+        stand_in = max([stand_in] + [f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in own_row])
         grads = 3 * m.lse + c * m.fq + r * m.fkv
         dkv_out = f(kv_in, m.dkv_exchange) + (0 if m.dkv_exchange >= m.fkv
                                               else f(min(kv_in, 1), m.fkv))
         backward = max(
             rows + 2 * m.lse + f(q_in + q_out, chunk),  # (lse, D) copied to be sent
-            rows + col_kv + f(kv_in + kv_out, m.kv),
-            rows + col_kv + c * m.fq + r * m.fkv + max(block, stand_in),
+            # both exchanges in flight, the partials, this rank's own block meanwhile (on
+            # its own lse: no copy of the stacked rows' lse, as the other blocks take)
+            rows + f(q_in + q_out, chunk) + col_kv + f(kv_in + kv_out, m.kv)
+            + c * m.fq + r * m.fkv + m.block_backward,
+            rows + col_kv + c * m.fq + r * m.fkv + stand_in,  # then the others
             grads + f(q_in, m.dq_exchange) + f(q_out, m.dq_exchange)  # dQ rows sent back
             + (0 if m.dq_exchange >= m.fq else f(min(q_in, 1), m.fq)) + f(min(q_out, 1), m.fq),
             grads + f(k_share, dkv_out + f(kv_out, m.dkv_exchange)  # dK, then dV rows

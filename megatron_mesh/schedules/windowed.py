@@ -85,8 +85,10 @@ class _Peers:
 
 
 def _gather_rows(mine: list[torch.Tensor], peers, n: int, slot_of_me: int, phase, direction):
-    """Buffers [n, *t.shape] per tensor of `mine`: this rank's whole tensors in its slot,
-    each peer's used rows in theirs (zeros elsewhere)."""
+    """Start gathering: buffers [n, *t.shape] per tensor of `mine`, this rank's whole
+    tensors in its slot (zeros elsewhere), and `land()`, which waits for the exchange and
+    lays each peer's used rows into its slot. Until then the rows sent and the receive
+    buffers are held (by `land`); the caller computes what needs none of them meanwhile."""
     bufs = [t.new_zeros(n, *t.shape) for t in mine]
     for buf, t in zip(bufs, mine):
         buf[slot_of_me].copy_(t)
@@ -97,10 +99,16 @@ def _gather_rows(mine: list[torch.Tensor], peers, n: int, slot_of_me: int, phase
             got = t.new_empty(len(theirs), *t.shape[1:])
             recvs.append((peer, got))
             lands.append((buf[slot], theirs, got))
-    comm.exchange(sends, recvs, phase, direction).wait()
-    for dest, theirs, got in lands:
-        dest.index_copy_(0, theirs, got)
-    return bufs
+    held = [comm.exchange(sends, recvs, phase, direction), sends, recvs]
+
+    def land() -> None:
+        held[0].wait()
+        for dest, theirs, got in lands:
+            dest.index_copy_(0, theirs, got)
+        held.clear()  # the rows sent and received go once laid in
+        lands.clear()
+
+    return bufs, land
 
 
 def _return_rows(parts: list[torch.Tensor], peers, phase, direction, dtype=None):
@@ -122,15 +130,25 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
     peers = _Peers(grid, mask, s, q.device)
-    (q_row,) = _gather_rows([q], peers.row, grid.cols, grid.col_index, "forward", ROW)
-    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "forward", COLUMN)
-    accs = []
+    (q_row,), land_q = _gather_rows([q], peers.row, grid.cols, grid.col_index, "forward", ROW)
+    (k_col, v_col), land_kv = _gather_rows([k, v], peers.col, grid.rows, grid.row_index,
+                                           "forward", COLUMN)
+    me, own = grid.mesh_rank, (grid.col_index, grid.row_index)
+    # this rank's own block needs no rows of anyone's: it runs while the rows travel
+    accs = {grid.col_index: empty_accumulators(s, b, hq, dv, q.device)}
+    forward_block(kernel, q, k, v, me, me, mask, scale, *accs[grid.col_index])
+    land_q()
+    land_kv()
     for j, x in enumerate(grid.row_mesh_ranks):
-        out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
+        if j not in accs:
+            accs[j] = empty_accumulators(s, b, hq, dv, q.device)
+        out_acc, lse_acc = accs[j]
         for i, y in enumerate(grid.col_mesh_ranks):
-            forward_block(kernel, q_row[j], k_col[i], v_col[i], x, y, mask, scale,
-                          out_acc, lse_acc)
-        accs.append((out_acc, lse_acc))
+            if (j, i) != own:
+                forward_block(kernel, q_row[j], k_col[i], v_col[i], x, y, mask, scale,
+                              out_acc, lse_acc)
+        del out_acc, lse_acc
+    accs = [accs[j] for j in range(grid.cols)]
     del q_row, k_col, v_col
     own_out, own_lse = accs[grid.col_index]
     outs = [a[0].to(q.dtype) for a in accs]
@@ -157,17 +175,25 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     dout = dout.contiguous()
     peers = _Peers(grid, mask, s, q.device)
     stats = torch.stack([lse, delta]).permute(3, 0, 1, 2)  # [s, 2, b, hq]
-    q_row, do_row, st_row = _gather_rows([q, dout, stats.contiguous()], peers.row, grid.cols,
-                                         grid.col_index, "backward", ROW)
-    k_col, v_col = _gather_rows([k, v], peers.col, grid.rows, grid.row_index, "backward", COLUMN)
+    (q_row, do_row, st_row), land_q = _gather_rows([q, dout, stats.contiguous()], peers.row,
+                                                   grid.cols, grid.col_index, "backward", ROW)
+    (k_col, v_col), land_kv = _gather_rows([k, v], peers.col, grid.rows, grid.row_index,
+                                           "backward", COLUMN)
     dq_part = torch.zeros(grid.cols, *q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
+    me, own = grid.mesh_rank, (grid.col_index, grid.row_index)
+    # this rank's own block needs no rows of anyone's: it runs while the rows travel
+    backward_block(kernel, dout, q, out, lse, k, v, me, me, mask, scale,
+                   dq_part[grid.col_index], kv_grads(dkv_part[grid.row_index], k, v))
+    land_q()
+    land_kv()
     for j, x in enumerate(grid.row_mesh_ranks):
         lse_x, delta_x = st_row[j].permute(1, 2, 3, 0)
         out_x = out if j == grid.col_index else out_with_delta(do_row[j], delta_x)
         for i, y in enumerate(grid.col_mesh_ranks):
-            backward_block(kernel, do_row[j], q_row[j], out_x, lse_x, k_col[i], v_col[i],
-                           x, y, mask, scale, dq_part[j], kv_grads(dkv_part[i], k, v))
+            if (j, i) != own:
+                backward_block(kernel, do_row[j], q_row[j], out_x, lse_x, k_col[i], v_col[i],
+                               x, y, mask, scale, dq_part[j], kv_grads(dkv_part[i], k, v))
         del out_x  # a stand-in output goes before the next one is made
     del q_row, do_row, st_row, k_col, v_col
     dq = dq_part[grid.col_index]
@@ -243,7 +269,8 @@ def exchanged_rows(seq_len: int, rows: int, cols: int, window: tuple[int, int],
                    causal: bool) -> list[tuple]:
     """Per rank of a rows x cols mesh over `seq_len` tokens under `window`, the rows it
     exchanges, in chunks (Fractions): (Q rows received, sent, K/V rows received, sent;
-    [(Q rows, K/V rows) of each non-empty block of the other rows' queries]), the input of
+    [(Q rows, K/V rows) of each non-empty block of the other rows' queries]; the same of
+    its own queries' blocks over the other column members' K/V), the input of
     `memory.extra_memory(..., windowed=...)`."""
     mesh = rows * cols
     local = seq_len // mesh
@@ -258,13 +285,17 @@ def exchanged_rows(seq_len: int, rows: int, cols: int, window: tuple[int, int],
         row = [i * cols + x for x in range(cols) if i * cols + x != me]
         col = [y * cols + j for y in range(rows) if y * cols + j != me]
         blocks = [block_for(x, y * cols + j, local, mask) for x in row for y in range(rows)]
+        mine = [block_for(me, y, local, mask) for y in col]
         out.append((sum((share(me, x, "q") for x in row), Fraction(0)),
                     sum((share(x, me, "q") for x in row), Fraction(0)),
                     sum((share(me, y, "kv") for y in col), Fraction(0)),
                     sum((share(y, me, "kv") for y in col), Fraction(0)),
                     [(Fraction(_row_count(b.q_rows, local), local),
                       Fraction(_row_count(b.kv_rows, local), local))
-                     for b in blocks if not b.empty]))
+                     for b in blocks if not b.empty],
+                    [(Fraction(_row_count(b.q_rows, local), local),
+                      Fraction(_row_count(b.kv_rows, local), local))
+                     for b in mine if not b.empty]))
     return out
 
 
