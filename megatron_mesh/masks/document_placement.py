@@ -83,10 +83,16 @@ class DocumentPlacement:
     lengths: tuple[int, ...]
     runs: tuple[tuple[Run, ...], ...]
     groups: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
+    # hashed once: every block, mask and cache lookup of a micro-batch hashes the placement
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.groups is None:  # built from runs directly (unvalidated: use from_runs)
             object.__setattr__(self, "groups", _groups(self.runs, len(self.lengths)))
+        object.__setattr__(self, "_hash", hash((self.cp_size, self.lengths, self.runs)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_runs(cls, cp_size: int, lengths, runs) -> DocumentPlacement:
@@ -161,7 +167,7 @@ class DocumentPlacement:
 
     def agreement_key(self) -> int:
         """A number every rank of a group shares when they pass the same placement."""
-        return hash(self.key()) & 0x7FFF_FFFF_FFFF_FFFF
+        return self._hash & 0x7FFF_FFFF_FFFF_FFFF  # ints only: the same in every process
 
     def local_runs_by_document(self, rank: int) -> list[list[tuple[int, int, int]]]:
         """Per document (all, in document order; [] where `rank` holds none): the

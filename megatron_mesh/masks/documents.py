@@ -18,7 +18,7 @@ answers which local rows of a rank-block meet which (`rows_of_block`).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,14 @@ class Documents:
 
     cu_padded: tuple[int, ...]
     lengths: tuple[int, ...]
+    # hashed once: every block, mask and cache lookup of a micro-batch hashes the documents
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.cu_padded, self.lengths)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | list[int],
@@ -145,7 +153,7 @@ class Documents:
 
     def agreement_key(self) -> int:
         """A number every rank of a group must share when they pass the same documents."""
-        return hash((self.cu_padded, self.lengths)) & 0x7FFF_FFFF_FFFF_FFFF
+        return self._hash & 0x7FFF_FFFF_FFFF_FFFF  # ints only: the same in every process
 
 
 def _cumulative(name: str, values: torch.Tensor | list[int] | tuple[int, ...], strict: bool
