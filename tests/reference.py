@@ -147,6 +147,25 @@ def mesh_result(case: Case, x: dict[str, torch.Tensor], grid: mm.MeshGrid,
             "dk": k.grad.to("cpu", torch.float32), "dv": v.grad.to("cpu", torch.float32)}
 
 
+def beyond_tolerance(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                     same: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                     where: str) -> list[str]:
+    """Tensors of `got` outside the tolerance against the fp64 reference `ref`: fp32 within
+    1e-5 (relative to the largest value, at least 1); bf16 / fp16 within twice the error of
+    `same` (the reference computed in that dtype) plus a few ulps."""
+    bad = []
+    for n, t in ref.items():
+        err = (got[n].double() - t).abs().max().item()
+        if same is None:
+            limit = 1e-5 * max(1.0, t.abs().max().item())
+        else:
+            base = (same[n].double() - t).abs().max().item()
+            limit = 2 * base + 2 * torch.finfo(dtype).eps * t.abs().max().item()
+        if not err <= limit:
+            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    return bad
+
+
 def errors(case: Case, got: dict, grid: mm.MeshGrid, cp_rank: int, x: dict) -> list[Failure]:
     """Failures of one case: fp32 within 1e-5; bf16 / fp16 within 2x single-device SDPA's
     error in that dtype (both against fp32 SDPA), plus a floor of a few ulps."""

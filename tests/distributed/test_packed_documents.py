@@ -19,6 +19,7 @@ import megatron_mesh as mm
 from megatron_mesh.masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 
 from dist_utils import run_distributed
+from reference import beyond_tolerance
 
 
 @dataclass(frozen=True)
@@ -133,15 +134,7 @@ def check_case(case: DocCase, grid: mm.MeshGrid) -> list[str]:
     ref = {n: mine(t) for n, t in reference(case, x, torch.float64).items()}
     same = ({n: mine(t) for n, t in reference(case, x, case.dtype).items()}
             if case.dtype != torch.float32 else None)
-    for n, t in ref.items():
-        err = (got[n].double() - t).abs().max().item()
-        if same is None:
-            limit = 1e-5 * max(1.0, t.abs().max().item())
-        else:  # twice SDPA's own error in this dtype, plus a few ulps
-            base = (same[n] - t).abs().max().item()
-            limit = 2 * base + 2 * torch.finfo(case.dtype).eps * t.abs().max().item()
-        if not err <= limit:
-            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    bad += beyond_tolerance(got, ref, same, case.dtype, where)
     padding = ~mine(real_tokens(docs))
     if padding.any() and (got["out"][padding].abs().max() != 0 or got["dq"][padding].abs().max()
                           != 0 or got["dk"][padding].abs().max() != 0):

@@ -22,6 +22,7 @@ from megatron_mesh.masks.document_placement import DocumentPlacement, place_docu
 from megatron_mesh.schedules.windowed import placement_traffic
 
 from dist_utils import run_distributed
+from reference import beyond_tolerance
 
 
 @dataclass(frozen=True)
@@ -170,15 +171,7 @@ def check_case(case: PlacedCase, grid: mm.MeshGrid) -> list[str]:
     ref = {n: t.index_select(0, index) for n, t in reference(case, x, torch.float64).items()}
     same = ({n: t.index_select(0, index) for n, t in reference(case, x, case.dtype).items()}
             if case.dtype != torch.float32 else None)
-    for n, t in ref.items():
-        err = (got[n].double() - t).abs().max().item()
-        if same is None:
-            limit = 1e-5 * max(1.0, t.abs().max().item())
-        else:  # twice SDPA's own error in this dtype, plus a few ulps
-            base = (same[n] - t).abs().max().item()
-            limit = 2 * base + 2 * torch.finfo(case.dtype).eps * t.abs().max().item()
-        if not err <= limit:
-            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    bad += beyond_tolerance(got, ref, same, case.dtype, where)
     shape = mm.AttentionShape(placement.total, 1, case.q_heads, case.kv_heads, case.head_dim,
                               torch.finfo(case.dtype).bits // 8,
                               v_head_dim=None if case.v_head_dim == case.head_dim

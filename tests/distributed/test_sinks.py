@@ -17,6 +17,7 @@ from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.values import Schedule
 
 from dist_utils import run_distributed
+from reference import beyond_tolerance
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,10 @@ def check_case(case: SinkCase, grid: mm.MeshGrid) -> list[str]:
     same = reference(case, x, case.dtype) if case.dtype != torch.float32 else None
     where = f"{case} grid {grid.shape_text} rank {rank}"
     bad = []
-    for n, t in ref64.items():
-        local = t if n == "doffset" else back(mine(t))
-        err = (got[n].double() - local).abs().max().item()
-        if same is None:
-            limit = 1e-5 * max(1.0, local.abs().max().item())
-        else:  # twice the formula's own error in this dtype, plus a few ulps
-            own = same[n] if n == "doffset" else back(mine(same[n]))
-            limit = 2 * (own - local).abs().max().item() + \
-                2 * torch.finfo(case.dtype).eps * local.abs().max().item()
-        if not err <= limit:
-            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    local = lambda t: {n: v if n == "doffset" else back(mine(v))  # noqa: E731
+                       for n, v in t.items()}
+    bad += beyond_tolerance(got, local(ref64), None if same is None else local(same),
+                            case.dtype, where)
     if not case.learnable and offset.grad is not None:
         bad.append(f"{where}: off-by-one got a gradient")
     return bad
