@@ -19,21 +19,15 @@ import torch
 
 from megatron_mesh.kernels.base import Segments, TileMask, check_call
 from megatron_mesh.kernels.caps import KernelCaps
+from megatron_mesh.masks.document_placement import run_pairs
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
 def segment_pairs(segments, causal: bool) -> int:
-    """(query, key) pairs of a varlen tile: within each segment only (`Segments`)."""
-    pairs = 0
-    for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_kv,
-                              segments.cu_kv[1:]):
-        nq, nk = q1 - q0, k1 - k0
-        if not causal:
-            pairs += nq * nk
-        else:  # query t sees keys 0 .. min(t, nk - 1)
-            seen = min(nq, nk)
-            pairs += seen * (seen + 1) // 2 + (nq - seen) * nk
-    return pairs
+    """(query, key) pairs of a varlen tile: within each segment only (`Segments`; causal
+    segments are top-left aligned: query t sees keys 0 .. t)."""
+    return sum(run_pairs(0, q1 - q0, 0, k1 - k0, causal) for q0, q1, k0, k1 in
+               zip(segments.cu_q, segments.cu_q[1:], segments.cu_kv, segments.cu_kv[1:]))
 
 
 def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None,
@@ -50,7 +44,8 @@ def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None,
 
 class EmulatedKernel:
     """TileKernel that sleeps `flops / flops_rate` seconds per call (EMULATED compute).
-    Takes tile masks (priced by their pairs) and V's own head dim; no packed documents."""
+    Takes tile masks (priced by the pairs they keep), packed documents (priced by their
+    in-document pairs) and V's own head dim."""
 
     name = "emulated"
     caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)

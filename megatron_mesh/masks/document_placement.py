@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .documents import cumulative_lengths
 from .zigzag import zigzag_chunks
 
 Run = tuple[int, int, int]  # (document index, first position within the document, tokens)
@@ -62,6 +63,19 @@ WHOLE_SLACK = 0.02  # a dense document stays whole if it overshoots a rank's tar
 def run_work(first: int, tokens: int) -> int:
     """Causal pairs of a run's queries within their document: position p sees p + 1 keys."""
     return tokens * first + tokens * (tokens + 1) // 2
+
+
+def run_pairs(q_first: int, q_len: int, k_first: int, k_len: int, causal: bool) -> int:
+    """(query, key) pairs of one document between a query run at positions q_first ..
+    q_first + q_len - 1 and a key run at k_first .. (causal: a key at or before the query)."""
+    if not causal:
+        return q_len * k_len
+
+    def below(t: int) -> int:  # pairs of the queries at positions < t
+        a = min(max(t - k_first, 0), k_len)
+        return a * (a + 1) // 2 + max(t - k_first - k_len, 0) * k_len
+
+    return below(q_first + q_len) - below(q_first)
 
 
 def document_work(length: int) -> int:
@@ -808,31 +822,10 @@ def _check_total(total: int, cp_size: int) -> None:
 
 
 def _lengths_from_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
-    """Document lengths from cumulative lengths; ValueError naming the bad value."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype != torch.int32:
-            raise ValueError(f"cu_seqlens must be an int32 tensor, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens must be 1-D [n + 1], got shape {tuple(cu_seqlens.shape)}")
-        values = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, (list, tuple)):
-        values = list(cu_seqlens)
-        if not all(type(v) is int for v in values):  # noqa: E721 (bools and floats are not ints here)
-            values = [_int(f"cu_seqlens[{i}]", v) for i, v in enumerate(values)]
-    else:
+    """Document lengths from cumulative lengths (`documents.cumulative_lengths` checks
+    them); ValueError naming the bad value."""
+    if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)):
         raise ValueError(f"cu_seqlens must be an int32 tensor or a list / tuple of ints, "
                          f"got {type(cu_seqlens).__name__}")
-    if len(values) < 2 or values[0] != 0:
-        raise ValueError(f"cu_seqlens={_short(values)} must start at 0 and hold n + 1 >= 2 "
-                         "cumulative lengths")
-    lengths = tuple(map(operator.sub, values[1:], values[:-1]))
-    for i, n in enumerate(lengths if min(lengths) < 1 else ()):
-        if n < 1:
-            raise ValueError(f"cu_seqlens must be strictly increasing: cu_seqlens[{i + 1}]="
-                             f"{values[i + 1]} <= cu_seqlens[{i}]={values[i]} (document {i} "
-                             "would hold no token)")
-    return lengths
-
-
-def _short(values: list[int]) -> str:
-    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"
+    values = cumulative_lengths("cu_seqlens", cu_seqlens, strict=True)
+    return tuple(map(operator.sub, values[1:], values[:-1]))

@@ -48,8 +48,8 @@ class Documents:
         """Validate Megatron's cumulative lengths (int32 tensors [n + 1], or lists) ->
         Documents; ValueError naming the bad value. Without `cu_seqlens_padded` the
         documents are unpadded (their lengths must then be multiples of 2P)."""
-        actual = _cumulative("cu_seqlens", cu_seqlens, strict=False)
-        padded = actual if cu_seqlens_padded is None else _cumulative(
+        actual = cumulative_lengths("cu_seqlens", cu_seqlens, strict=False)
+        padded = actual if cu_seqlens_padded is None else cumulative_lengths(
             "cu_seqlens_padded", cu_seqlens_padded, strict=True)
         if cu_seqlens_padded is None and any(b <= a for a, b in zip(actual, actual[1:])):
             raise ValueError(f"cu_seqlens={list(actual)} must be strictly increasing "
@@ -156,7 +156,7 @@ class Documents:
         return self._hash & 0x7FFF_FFFF_FFFF_FFFF  # ints only: the same in every process
 
 
-def _cumulative(name: str, values: torch.Tensor | list[int] | tuple[int, ...], strict: bool
+def cumulative_lengths(name: str, values: torch.Tensor | list[int] | tuple[int, ...], strict: bool
                 ) -> tuple[int, ...]:
     """Cumulative lengths as python ints, checked: int32 if a tensor, 1-D, starting at 0,
     non-decreasing (strictly increasing when `strict`)."""

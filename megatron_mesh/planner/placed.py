@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents, run_pairs
 from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.hardware import Cluster
@@ -93,18 +93,6 @@ def placement_counts(placement: DocumentPlacement, rows: int, cols: int, heads: 
                 if ends:
                     kv[i, o] += n if not causal else min(n, max(ends) - p)
     return RowCounts(rows, cols, q, kv)
-
-
-def run_pairs(q_first: int, q_len: int, k_first: int, k_len: int, causal: bool) -> int:
-    """(query, key) pairs of one document between a query run and a key run."""
-    if not causal:
-        return q_len * k_len
-
-    def below(t: int) -> int:  # pairs of the queries at positions < t
-        a = min(max(t - k_first, 0), k_len)
-        return a * (a + 1) // 2 + max(t - k_first - k_len, 0) * k_len
-
-    return below(q_first + q_len) - below(q_first)
 
 
 def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
