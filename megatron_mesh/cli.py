@@ -313,21 +313,24 @@ def _run_plan(args: argparse.Namespace) -> int:
                      f"give whole nodes (e.g. --gpus {fits[0]} or {fits[1]}) or another "
                      "--gpus-per-node")
     if args.plot:
+        if args.inference:
+            parser.error("--plot draws training's speedups; it does not take --inference "
+                         "(the inference table is printed)")
         _check_plot_path(parser, args.plot)
     args.documents = _documents(args)
     window, layers = _window(args)
     try:
         result = _plan(args, tp.cp_size, window)
+        if args.inference:
+            print(json.dumps(inference_report(result, args.hbm_bw), indent=2) if args.json
+                  else format_inference(result, args.hbm_bw))
+            return 0
         if layers is not None:
             full = _plan(args, tp.cp_size) if layers.full else None
             mixed = model_plan(result, full, layers)
         placed = None if args.documents is None else price_placement(result)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.inference:
-        print(json.dumps(inference_report(result, args.hbm_bw), indent=2) if args.json
-              else format_inference(result, args.hbm_bw))
-        return 0
     choice = mixed.best_grid if layers is not None else result.best_grid.grid_shape
     if placed is not None:
         choice = placed.best.grid_shape

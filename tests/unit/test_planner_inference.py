@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import megatron_mesh as mm
 from megatron_mesh.cli import main
 from megatron_mesh.planner import plan
@@ -51,3 +53,10 @@ def test_inference_command_prints_both_tables_and_json(capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert {r["method"] for r in data["decode"]} >= {"mesh all_gather", "mesh all_reduce"}
     assert data["best_decode"] == "mesh all_reduce"
+
+
+def test_inference_refuses_a_plot_it_would_not_draw(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--inference", "--plot", str(tmp_path / "p.png"), *FLAGS])
+    assert exit_.value.code == 2
+    assert "--plot" in capsys.readouterr().err
