@@ -17,6 +17,8 @@ window the blocks are cut by `layout`'s band tiles over the same runs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..kernels.base import Segments
@@ -74,27 +76,33 @@ def placed_block(placement: DocumentPlacement, causal: bool, q_rank: int, kv_ran
                                        slice(kv_row + j0, kv_row + j1), mask=band))
             if seen:
                 full.append(((q_row, q_len), seen))
-    tiles = []
+    tiles = []  # row indices on the CPU until the block's union is taken
     if diagonal:
-        tiles.append(_varlen(BlockKind.DIAGONAL, [(d, [d]) for d in diagonal], device))
+        tiles.append(_varlen(BlockKind.DIAGONAL, [(d, [d]) for d in diagonal]))
     if full:
-        tiles.append(_varlen(BlockKind.FULL, full, device))
-    tiles += bands
+        tiles.append(_varlen(BlockKind.FULL, full))
+    tiles += [(band, None) for band in bands]
     kind = block_kind(q_rank, kv_rank, causal)
     if not tiles:
         return Block(kind, slice(0, 0), slice(0, 0), tiles=())
     length = placement.local_tokens
     q_used = torch.zeros(length, dtype=torch.bool)
     kv_used = torch.zeros(length, dtype=torch.bool)
-    for tile in tiles:
-        q_used[_cpu(tile.q_rows)] = True
-        kv_used[_cpu(tile.kv_rows)] = True
-    return Block(kind, as_rows(q_used, device), as_rows(kv_used, device), tiles=tuple(tiles))
+    for tile, _ in tiles:
+        q_used[tile.q_rows] = True
+        kv_used[tile.kv_rows] = True
+    on_device = lambda rows: rows if isinstance(rows, slice) else rows.to(device)  # noqa: E731
+    calls = tuple(replace(tile, q_rows=on_device(tile.q_rows), kv_rows=on_device(tile.kv_rows),
+                          segments=None if cu is None else Segments.build(*cu, device))
+                  for tile, cu in tiles)
+    return Block(kind, as_rows(q_used, device), as_rows(kv_used, device), tiles=calls)
 
 
-def _varlen(kind: BlockKind, segments: list[tuple[tuple[int, int], list[tuple[int, int]]]],
-            device: torch.device) -> Block:
-    """One varlen call: segment i = query run i against its key runs (concatenated)."""
+def _varlen(kind: BlockKind, segments: list[tuple[tuple[int, int], list[tuple[int, int]]]]
+            ) -> tuple[Block, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """One varlen call: segment i = query run i against its key runs (concatenated); its
+    rows on the CPU (slices where contiguous), and its (cu_q, cu_kv) where it has more than
+    one segment (None: one plain call)."""
     q_rows, kv_rows, cu_q, cu_kv = [], [], [0], [0]
     for (q_row, q_len), kv in segments:
         q_rows.append(torch.arange(q_row, q_row + q_len))
@@ -102,17 +110,10 @@ def _varlen(kind: BlockKind, segments: list[tuple[tuple[int, int], list[tuple[in
         for kv_row, kv_len in kv:
             kv_rows.append(torch.arange(kv_row, kv_row + kv_len))
         cu_kv.append(cu_kv[-1] + sum(n for _, n in kv))
-    q_index, kv_index = torch.cat(q_rows), torch.cat(kv_rows)
     contiguous = lambda i: slice(int(i[0]), int(i[-1]) + 1) if bool(  # noqa: E731
-        (i.diff() == 1).all()) else i.to(device)
-    segs = Segments.build(tuple(cu_q), tuple(cu_kv), device) if len(cu_q) > 2 else None
-    if segs is None and kind is BlockKind.FULL:
-        return Block(kind, contiguous(q_index), contiguous(kv_index))
-    return Block(kind, contiguous(q_index), contiguous(kv_index), segments=segs)
-
-
-def _cpu(rows: slice | torch.Tensor) -> slice | torch.Tensor:
-    return rows if isinstance(rows, slice) else rows.cpu()
+        (i.diff() == 1).all()) else i
+    block = Block(kind, contiguous(torch.cat(q_rows)), contiguous(torch.cat(kv_rows)))
+    return block, ((tuple(cu_q), tuple(cu_kv)) if len(cu_q) > 2 else None)
 
 
 def check_placement(placement: object, cp_size: int, local_tokens: int, batch: int) -> None:

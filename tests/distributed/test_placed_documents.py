@@ -249,3 +249,33 @@ def _bad_placements(rank: int, world: int) -> list[str]:
 def test_bad_placements_are_named_on_every_rank() -> None:
     bad = [b for rank_bad in run_distributed(_bad_placements, 4) for b in rank_bad]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_branches_of_placed_blocks_on_meta(dtype: torch.dtype) -> None:
+    """Every block of an arbitrary placement over 2 ranks (causal squares, full varlen
+    calls with unequal query and key segments, bands), built on the tiles' device (meta)
+    and run through the CUDA branches of the torch kernel (varlen flash in bf16, the
+    memory-efficient op with the segments' mask in fp32), forward and backward: aten checks
+    each call's arguments, shapes and dtypes."""
+    from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+    from megatron_mesh.masks.layout import AttentionMask, block_for
+    from megatron_mesh.schedules.blocks import backward_block, forward_block, kv_grads
+    from megatron_mesh.schedules.merge import empty_accumulators
+
+    placement = shuffled_placement((40, 9, 15), 2, seed=3)
+    mask = AttentionMask(True, None, 2, None, placement)
+    s, meta = placement.local_tokens, torch.device("meta")
+    q = torch.empty(s, 1, 4, 16, device=meta, dtype=dtype)
+    k, v = (torch.empty(s, 1, 2, 16, device=meta, dtype=dtype) for _ in range(2))
+    kernel, calls = TorchFlashKernel(), 0
+    for x in range(2):
+        out, lse = empty_accumulators(s, 1, 4, 16, meta)
+        dq = torch.zeros(s, 1, 4, 16, device=meta)
+        dkv = torch.zeros(k.numel() + v.numel(), device=meta)
+        for y in range(2):
+            calls += len(block_for(x, y, s, mask, meta).calls)
+            forward_block(kernel, q, k, v, x, y, mask, 0.25, out, lse)
+            backward_block(kernel, q, q, q, lse, k, v, x, y, mask, 0.25, dq, kv_grads(dkv, k, v))
+        assert out.shape == q.shape and lse.shape == (1, 4, s) and dq.shape == q.shape
+    assert calls >= 3  # the diagonal squares and at least one full varlen call ran
