@@ -28,6 +28,7 @@ from .document_placement import DocumentPlacement
 from .documents import Documents
 
 
+@per_documents(lambda placement, *_: placement)  # made once per micro-batch and grid
 def mesh_placement(placement: DocumentPlacement, heads: int) -> DocumentPlacement:
     """The placement over the P / A mesh ranks after the heads all-to-all: mesh rank m holds
     the local rows of CP ranks mA .. mA+A-1 one after another (`heads.scatter_heads` keeps
