@@ -72,16 +72,18 @@ class PackedShard:
         self.pos[rows] = positions.to(self.pos.device)
         self.used = max(self.used, rows.stop)
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dense cache's form for `decode.decode_attention`: k [n, b, hkv, d], v [n, b,
-        hkv, dv] (expanded views) and pos [n, b] (EMPTY where the slot is another
-        document's)."""
+    def visible(self, q_pos: torch.Tensor, window_left: int | None = None) -> torch.Tensor:
+        """[b, n] bool (n = `used`): the slots document i's query at q_pos [b][i] sees (its
+        own document's, causal, within `window_left` keys when given; EMPTY never). The same
+        for every layer of a step: every layer's shard has the same documents and
+        positions."""
         n, b = self.used, self.documents
-        mine = self.seq[:n, None] == torch.arange(b, device=self.seq.device)[None, :]
-        pos = torch.where(mine, self.pos[:n, None], torch.full_like(self.pos[:n, None], EMPTY))
-        k = self.k[:n, None].expand(n, b, *self.k.shape[1:])
-        v = self.v[:n, None].expand(n, b, *self.v.shape[1:])
-        return k, v, pos
+        pos = self.pos[:n][None, :]
+        ok = self.seq[:n][None, :] == torch.arange(b, device=self.seq.device)[:, None]
+        ok &= (pos != EMPTY) & (pos <= q_pos[:, None])
+        if window_left is not None and window_left >= 0:
+            ok &= pos >= q_pos[:, None] - window_left
+        return ok
 
     @property
     def nbytes(self) -> int:

@@ -37,6 +37,7 @@ class InferenceSession:
     options: dict = field(default_factory=dict)  # mesh_attention's backend / schedule
     exchange: str = "all_gather"  # how decode merges the partials (`decode.EXCHANGES`)
     placement: DocumentPlacement | None = None
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def batch(self) -> int:
@@ -74,8 +75,17 @@ class InferenceSession:
             where = self.step if isinstance(shard, PackedShard) else self.layout.slot(self.step)
             shard.append(where, k[0], v[0], pos)
         left = None if window is None else window[0]
+        mask = None
+        if isinstance(shard, PackedShard):
+            # every layer's packed shard holds the same documents and positions: one mask a
+            # step per window (layers may differ in window: sliding and full layers)
+            if any(step != self.step for step, _ in self._masks):
+                self._masks.clear()
+            mask = self._masks.get((self.step, left))
+            if mask is None:
+                mask = self._masks[(self.step, left)] = shard.visible(pos, left)
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset, self.exchange)
+                               softmax_offset, self.exchange, mask)
         return out[None]
 
     def _prefill_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
