@@ -127,8 +127,7 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
         timer, decoded = _sync_time(), 0
         for step in range(gen.max_new_tokens):
             chosen = _agreed(next_tokens(logits[:, :vocab], sampling, generator), device)
-            lp = torch.log_softmax(logits[:, :vocab], dim=-1)
-            made.add(chosen, lp.gather(1, chosen[:, None])[:, 0])
+            made.add(chosen, _chosen_logprobs(logits[:, :vocab], chosen))
             if made.finished or step == gen.max_new_tokens - 1:
                 break
             session.step = step
@@ -158,6 +157,14 @@ def _last_token_logits(runner: Runner, hidden: torch.Tensor,
     if dist.get_world_size(group) > 1:
         dist.all_reduce(logits, group=group)
     return logits
+
+
+def _chosen_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[b] the log-probabilities of the chosen tokens [b] under logits [b, V], computed where
+    the logits live (only the b values leave the device)."""
+    logits = logits.float()
+    picked = logits.gather(1, chosen[:, None].to(logits.device))[:, 0]
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _agreed(chosen: torch.Tensor, device: torch.device) -> torch.Tensor:
