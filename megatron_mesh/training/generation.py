@@ -85,6 +85,15 @@ class Runner:
             rope = self.rope[positions.t()].squeeze(-2).squeeze(-2)[:, :, None, :]  # [s, b, 1, d]
         return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=rope)
 
+    @property
+    def width(self) -> int:
+        """V_padded: the logits' width, from the output weight's shape (generation runs at
+        TP = 1, so the weight holds every row)."""
+        m = self.model
+        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
+            else m.output_layer.weight
+        return int(weight.shape[0])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, V_padded] (fp32)."""
         m = self.model
@@ -148,8 +157,7 @@ def _last_token_logits(runner: Runner, hidden: torch.Tensor,
     """[b, V] logits of each prompt's last token, from hidden [s, B, h] at (row, column)
     rows[i] on the rank that holds it (None elsewhere); the others add zeros (an exact sum:
     one all-reduce over the CP group)."""
-    width = runner.logits(hidden[:1, 0]).shape[-1]
-    logits = torch.zeros(len(rows), width, device=hidden.device)
+    logits = torch.zeros(len(rows), runner.width, device=hidden.device)
     mine = [i for i, r in enumerate(rows) if r is not None]
     if mine:
         picked = torch.stack([hidden[rows[i][0], rows[i][1]] for i in mine])
