@@ -48,9 +48,12 @@ class PackedShard:
                    torch.full((n,), EMPTY, dtype=torch.long, device=device), b, prompt, p)
 
     def write_prefill(self, k: torch.Tensor, v: torch.Tensor, placement: DocumentPlacement,
-                      rank: int) -> None:
-        """This rank's placed rows k [t, hkv, d], v [t, hkv, dv] (t = T / P)."""
-        seq, pos = placed_positions(placement, rank)
+                      rank: int,
+                      positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """This rank's placed rows k [t, hkv, d], v [t, hkv, dv] (t = T / P); `positions`:
+        `placed_positions(placement, rank)` when the caller keeps them (on the shard's
+        device: one build for every layer)."""
+        seq, pos = positions if positions is not None else placed_positions(placement, rank)
         t = k.shape[0]
         self.k[:t].copy_(k)
         self.v[:t].copy_(v)
@@ -109,13 +112,15 @@ def prefill_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Mesh
                    softmax_scale: float | None = None,
                    window_size: tuple[int, int] | None = None,
                    softmax_offset: torch.Tensor | None = None,
+                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                    **options: object) -> torch.Tensor:
     """q [t, hq, d], k [t, hkv, d], v [t, hkv, dv]: this rank's rows of the packed prompts
     (`placement.token_indices(cp_rank)`) -> out [t, hq, dv] (`mesh_attention` with the
-    placement, no autograd state); K / V into `shard`."""
+    placement, no autograd state); K / V into `shard`. `positions`: this rank's
+    `placed_positions`, when the caller built them once for every layer."""
     with torch.no_grad():
         out = mesh_attention(q, k, v, grid, causal=True, softmax_scale=softmax_scale,
                              window_size=window_size, placement=placement,
                              softmax_offset=softmax_offset, **options)
-    shard.write_prefill(k, v, placement, grid.cp_rank)
+    shard.write_prefill(k, v, placement, grid.cp_rank, positions)
     return out
