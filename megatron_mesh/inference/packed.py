@@ -4,8 +4,9 @@ Each document of the packed prompt is one sequence that generation continues. Pr
 `mesh_attention` with the placement (causal within each document; documents held whole by
 one rank cost no bytes), and each rank keeps exactly the rows the placement gave it: T / P
 slots, each with its document and its position in it. Decode step n (one new token per
-document) goes to rank n % P, slots T / P + (n // P) b .. + b - 1, as in the dense cache, so
-every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's cache up to one step.
+document) goes to rank n % P (`CacheLayout.owner`), slots T / P + (n // P) b .. + b - 1, as
+in the dense cache, so every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's
+cache up to one step.
 """
 from __future__ import annotations
 
@@ -60,9 +61,6 @@ class PackedShard:
         self.seq[:t] = seq.to(self.seq.device)
         self.pos[:t] = pos.to(self.pos.device)
         self.used = max(self.used, t)
-
-    def owner(self, step: int) -> int:
-        return step % self.cp_size
 
     def append(self, step: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Decode step `step`'s token of every document (on its owner): k [b, hkv, d], v
