@@ -9,7 +9,9 @@
                  its K / V share written into the cache
     packed.py    the cache of packed prompts placed by `place_documents` (each document a
                  sequence; the placement's rows, then decode steps round robin)
-    cost.py      bytes of the prefill and of a decode step per rank, and the cache's bytes
+
+The bytes of the prefill and of a decode step per rank, and the cache's bytes, are in
+megatron_mesh/models/decode_traffic.py (`cache_bytes` and `decode_step_bytes` re-exported here).
 
 docs/inference.md describes the design.
 """

@@ -58,11 +58,6 @@ class CacheLayout:
         """The slot of decode step `step` on its owner."""
         return self.prompt_slots + step // self.cp_size
 
-    def used_slots(self, steps: int) -> int:
-        """Slots written on this rank once `steps` decode steps have been appended."""
-        mine = max(0, -(-(steps - self.cp_rank) // self.cp_size))
-        return self.prompt_slots + mine
-
 
 @dataclass
 class KVShard:

@@ -63,6 +63,23 @@ def local_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torc
     return out.reshape(b, hq, -1), lse.reshape(b, hq)
 
 
+def shared_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, hq, d] against keys every query shares, k [n, hkv, d], v [n, hkv, dv] (the
+    packed cache: one copy for all documents), `mask` [b, n] the slots each query sees ->
+    fp32 out [b, hq, dv], lse [b, hq]. The scores of every query against every slot come
+    from one product (no copy per document); the mask keeps each document's own."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,nhd->bhgn", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(nan=0.0)
+    out = torch.einsum("bhgn,nhd->bhgd", probs, v.float())
+    return out.reshape(b, hq, -1), lse.reshape(b, hq)
+
+
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """P partials out [P, b, hq, dv], lse [P, b, hq] (fp32) -> merged out [b, hq, dv], lse
     [b, hq]; rows no partial sees stay out 0, lse -inf."""
@@ -106,18 +123,26 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
                      group: dist.ProcessGroup | None = None, cp_size: int = 1,
                      window_left: int | None = None,
                      softmax_offset: torch.Tensor | None = None,
-                     exchange: str = "all_gather") -> torch.Tensor:
+                     exchange: str = "all_gather",
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """The new tokens' attention over the whole cache: q [b, hq, d] (the same on every CP
     rank), this rank's `shard` (dense or packed prompts; the new token's K / V already
     appended on its owner),
     q_pos [b] -> out [b, hq, dv] in q's dtype, the same on every rank of `group` (the CP
     group of `cp_size` ranks; None: the default group). `window_left`: keys q_pos - left
     .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit; `exchange`: how the
-    partials merge (`EXCHANGES`, module docstring)."""
+    partials merge (`EXCHANGES`, module docstring); `mask`: a packed shard's
+    `visible(q_pos, window_left)`, when the caller built it once for the step's layers."""
     check_offset(softmax_offset, q.shape[1])
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
-    out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left)
+    if isinstance(shard, PackedShard):
+        if mask is None:
+            mask = shard.visible(q_pos, window_left)
+        n = shard.used
+        out, lse = shared_partial(q, shard.k[:n], shard.v[:n], mask, scale)
+    else:
+        out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left)
     if exchange == "all_reduce":
         out, lse = reduce_partials(out, lse, group, cp_size)
     else:

@@ -4,8 +4,9 @@ Each document of the packed prompt is one sequence that generation continues. Pr
 `mesh_attention` with the placement (causal within each document; documents held whole by
 one rank cost no bytes), and each rank keeps exactly the rows the placement gave it: T / P
 slots, each with its document and its position in it. Decode step n (one new token per
-document) goes to rank n % P, slots T / P + (n // P) b .. + b - 1, as in the dense cache, so
-every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's cache up to one step.
+document) goes to rank n % P (`CacheLayout.owner`), slots T / P + (n // P) b .. + b - 1, as
+in the dense cache, so every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's
+cache up to one step.
 """
 from __future__ import annotations
 
@@ -48,18 +49,18 @@ class PackedShard:
                    torch.full((n,), EMPTY, dtype=torch.long, device=device), b, prompt, p)
 
     def write_prefill(self, k: torch.Tensor, v: torch.Tensor, placement: DocumentPlacement,
-                      rank: int) -> None:
-        """This rank's placed rows k [t, hkv, d], v [t, hkv, dv] (t = T / P)."""
-        seq, pos = placed_positions(placement, rank)
+                      rank: int,
+                      positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """This rank's placed rows k [t, hkv, d], v [t, hkv, dv] (t = T / P); `positions`:
+        `placed_positions(placement, rank)` when the caller keeps them (on the shard's
+        device: one build for every layer)."""
+        seq, pos = positions if positions is not None else placed_positions(placement, rank)
         t = k.shape[0]
         self.k[:t].copy_(k)
         self.v[:t].copy_(v)
         self.seq[:t] = seq.to(self.seq.device)
         self.pos[:t] = pos.to(self.pos.device)
         self.used = max(self.used, t)
-
-    def owner(self, step: int) -> int:
-        return step % self.cp_size
 
     def append(self, step: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Decode step `step`'s token of every document (on its owner): k [b, hkv, d], v
@@ -72,16 +73,18 @@ class PackedShard:
         self.pos[rows] = positions.to(self.pos.device)
         self.used = max(self.used, rows.stop)
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dense cache's form for `decode.decode_attention`: k [n, b, hkv, d], v [n, b,
-        hkv, dv] (expanded views) and pos [n, b] (EMPTY where the slot is another
-        document's)."""
+    def visible(self, q_pos: torch.Tensor, window_left: int | None = None) -> torch.Tensor:
+        """[b, n] bool (n = `used`): the slots document i's query at q_pos [b][i] sees (its
+        own document's, causal, within `window_left` keys when given; EMPTY never). The same
+        for every layer of a step: every layer's shard has the same documents and
+        positions."""
         n, b = self.used, self.documents
-        mine = self.seq[:n, None] == torch.arange(b, device=self.seq.device)[None, :]
-        pos = torch.where(mine, self.pos[:n, None], torch.full_like(self.pos[:n, None], EMPTY))
-        k = self.k[:n, None].expand(n, b, *self.k.shape[1:])
-        v = self.v[:n, None].expand(n, b, *self.v.shape[1:])
-        return k, v, pos
+        pos = self.pos[:n][None, :]
+        ok = self.seq[:n][None, :] == torch.arange(b, device=self.seq.device)[:, None]
+        ok &= (pos != EMPTY) & (pos <= q_pos[:, None])
+        if window_left is not None and window_left >= 0:
+            ok &= pos >= q_pos[:, None] - window_left
+        return ok
 
     @property
     def nbytes(self) -> int:
@@ -107,13 +110,15 @@ def prefill_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Mesh
                    softmax_scale: float | None = None,
                    window_size: tuple[int, int] | None = None,
                    softmax_offset: torch.Tensor | None = None,
+                   positions: tuple[torch.Tensor, torch.Tensor] | None = None,
                    **options: object) -> torch.Tensor:
     """q [t, hq, d], k [t, hkv, d], v [t, hkv, dv]: this rank's rows of the packed prompts
     (`placement.token_indices(cp_rank)`) -> out [t, hq, dv] (`mesh_attention` with the
-    placement, no autograd state); K / V into `shard`."""
+    placement, no autograd state); K / V into `shard`. `positions`: this rank's
+    `placed_positions`, when the caller built them once for every layer."""
     with torch.no_grad():
         out = mesh_attention(q, k, v, grid, causal=True, softmax_scale=softmax_scale,
                              window_size=window_size, placement=placement,
                              softmax_offset=softmax_offset, **options)
-    shard.write_prefill(k, v, placement, grid.cp_rank)
+    shard.write_prefill(k, v, placement, grid.cp_rank, positions)
     return out

@@ -24,10 +24,11 @@ class Sampling:
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [b, V] -> token ids [b] int64 (on the CPU: the generator lives there)."""
-    logits = logits.detach().float().cpu()
+    """logits [b, V] -> token ids [b] int64: greedy on the logits' device (only the b ids
+    need to leave it), sampled on the CPU (the generator lives there)."""
     if sampling.greedy:
-        return logits.argmax(dim=-1)
+        return logits.detach().argmax(dim=-1)
+    logits = logits.detach().float().cpu()
     scores = logits / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(scores, min(sampling.top_k, scores.shape[-1]), dim=-1).values[..., -1:]

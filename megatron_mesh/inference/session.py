@@ -15,7 +15,7 @@ from ..masks.document_placement import DocumentPlacement
 from ..runtime.grid import MeshGrid
 from .cache import CacheLayout, KVShard
 from .decode import decode_attention
-from .packed import PackedShard, prefill_packed
+from .packed import PackedShard, placed_positions, prefill_packed
 from .prefill import prefill_attention
 
 PREFILL, DECODE = "prefill", "decode"
@@ -37,6 +37,11 @@ class InferenceSession:
     options: dict = field(default_factory=dict)  # mesh_attention's backend / schedule
     exchange: str = "all_gather"  # how decode merges the partials (`decode.EXCHANGES`)
     placement: DocumentPlacement | None = None
+    # built on the first prefill layer, on its device, and kept for the others: the zigzag
+    # share's positions [s] (dense) or the placed rows' (documents [t], positions [t])
+    _prompt_positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False)
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def batch(self) -> int:
@@ -63,7 +68,9 @@ class InferenceSession:
             shard = KVShard.allocate(self.layout, self.batch, k.shape[2], k.shape[3],
                                      v.shape[3], k.dtype, k.device)
             self.shards[layer] = shard
-            return prefill_attention(q, k, v, grid, shard, self.layout.prompt_positions(),
+            if self._prompt_positions is None:
+                self._prompt_positions = self.layout.prompt_positions().to(k.device)
+            return prefill_attention(q, k, v, grid, shard, self._prompt_positions,
                                      self.lengths, scale, window, softmax_offset,
                                      **self.options)
         if q.shape[0] != 1:
@@ -74,8 +81,17 @@ class InferenceSession:
             where = self.step if isinstance(shard, PackedShard) else self.layout.slot(self.step)
             shard.append(where, k[0], v[0], pos)
         left = None if window is None else window[0]
+        mask = None
+        if isinstance(shard, PackedShard):
+            # every layer's packed shard holds the same documents and positions: one mask a
+            # step per window (layers may differ in window: sliding and full layers)
+            if any(step != self.step for step, _ in self._masks):
+                self._masks.clear()
+            mask = self._masks.get((self.step, left))
+            if mask is None:
+                mask = self._masks[(self.step, left)] = shard.visible(pos, left)
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset, self.exchange)
+                               softmax_offset, self.exchange, mask)
         return out[None]
 
     def _prefill_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,6 +103,9 @@ class InferenceSession:
                                      k.shape[3], v.shape[3], k.dtype, k.device,
                                      sequences=self.batch)
         self.shards[layer] = shard
+        if self._prompt_positions is None:
+            seq, pos = placed_positions(self.placement, grid.cp_rank)
+            self._prompt_positions = (seq.to(k.device), pos.to(k.device))
         out = prefill_packed(q[:, 0], k[:, 0], v[:, 0], grid, shard, self.placement, scale,
-                             window, softmax_offset, **self.options)
+                             window, softmax_offset, self._prompt_positions, **self.options)
         return out[:, None]

@@ -85,6 +85,15 @@ class Runner:
             rope = self.rope[positions.t()].squeeze(-2).squeeze(-2)[:, :, None, :]  # [s, b, 1, d]
         return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=rope)
 
+    @property
+    def width(self) -> int:
+        """V_padded: the logits' width, from the output weight's shape (generation runs at
+        TP = 1, so the weight holds every row)."""
+        m = self.model
+        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
+            else m.output_layer.weight
+        return int(weight.shape[0])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, V_padded] (fp32)."""
         m = self.model
@@ -127,8 +136,7 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
         timer, decoded = _sync_time(), 0
         for step in range(gen.max_new_tokens):
             chosen = _agreed(next_tokens(logits[:, :vocab], sampling, generator), device)
-            lp = torch.log_softmax(logits[:, :vocab], dim=-1)
-            made.add(chosen, lp.gather(1, chosen[:, None])[:, 0])
+            made.add(chosen, _chosen_logprobs(logits[:, :vocab], chosen))
             if made.finished or step == gen.max_new_tokens - 1:
                 break
             session.step = step
@@ -149,8 +157,7 @@ def _last_token_logits(runner: Runner, hidden: torch.Tensor,
     """[b, V] logits of each prompt's last token, from hidden [s, B, h] at (row, column)
     rows[i] on the rank that holds it (None elsewhere); the others add zeros (an exact sum:
     one all-reduce over the CP group)."""
-    width = runner.logits(hidden[:1, 0]).shape[-1]
-    logits = torch.zeros(len(rows), width, device=hidden.device)
+    logits = torch.zeros(len(rows), runner.width, device=hidden.device)
     mine = [i for i, r in enumerate(rows) if r is not None]
     if mine:
         picked = torch.stack([hidden[rows[i][0], rows[i][1]] for i in mine])
@@ -158,6 +165,14 @@ def _last_token_logits(runner: Runner, hidden: torch.Tensor,
     if dist.get_world_size(group) > 1:
         dist.all_reduce(logits, group=group)
     return logits
+
+
+def _chosen_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[b] the log-probabilities of the chosen tokens [b] under logits [b, V], computed where
+    the logits live (only the b values leave the device)."""
+    logits = logits.float()
+    picked = logits.gather(1, chosen[:, None].to(logits.device))[:, 0]
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _agreed(chosen: torch.Tensor, device: torch.device) -> torch.Tensor:

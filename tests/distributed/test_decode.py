@@ -226,6 +226,7 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
     for n in DOCS:
         cu.append(cu[-1] + n)
     placement = mm.place_documents(cu, world)
+    layout = CacheLayout(world, rank, sum(DOCS), STEPS)  # the session's: who owns each step
     failures, held = [], 0
     for case in (DecodeCase(), DecodeCase(kv_heads=1, window=4, sink=True, seed=7)):
         g = torch.Generator().manual_seed(case.seed)
@@ -263,7 +264,7 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
             q_pos = lengths + step
             new = {n: torch.stack([d[n][length + step] for d, length in zip(docs, DOCS)])
                    for n in "qkv"}
-            if shard.owner(step) == rank:
+            if layout.owner(step) == rank:
                 shard.append(step, new["k"].float(), new["v"].float(), q_pos)
             for exchange in ("all_gather", "all_reduce"):
                 got = decode_attention(new["q"].float(), shard, q_pos, case.head_dim ** -0.5,
