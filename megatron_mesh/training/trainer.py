@@ -105,7 +105,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
                                                  step_args)
             synchronize()
-            aux = aux_losses(args)  # MoE load-balancing losses (a collective; {} without)
+            aux = aux_losses(step_args)  # MoE aux losses, scaled by this step's micro-batches
             seconds = time.perf_counter() - start
             state.iteration += 1
             state.consumed_samples += step_args.global_batch_size
