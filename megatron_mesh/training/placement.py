@@ -74,9 +74,15 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
     if balance and not args.calculate_per_token_loss:
         fail("--mesh-balance-data-parallel needs --calculate-per-token-loss: regrouping "
              "documents keeps the sum of token losses, not the mean of micro-batch means")
-    if balance is None:
+    ramp = getattr(args, "rampup_batch_size", None)
+    if balance and ramp:
+        fail("--mesh-balance-data-parallel with --rampup-batch-size: the balance deals "
+             "documents over the full global batch, while a ramp step runs fewer "
+             "micro-batches (and a resume mid-ramp would regroup differently); use "
+             "--no-mesh-balance-data-parallel")
+    if balance is None:  # off by default during a batch-size ramp (see above)
         balance = bool(placed and args.calculate_per_token_loss
-                       and args.data_parallel_size > 1)
+                       and args.data_parallel_size > 1 and not ramp)
     args.mesh_balance_data_parallel = balance
 
 
