@@ -86,7 +86,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
     stats = IntervalStats()
     rank = dist.get_rank()
     last = args.train_iters
-    ramp = ramp_calculator(args, rank)
+    ramp = ramp_calculator(args)
     if ramp is not None:
         start, increment, samples = args.rampup_batch_size
         print_rank0(f" batch-size ramp-up: global batch {start} -> {args.global_batch_size} in "
