@@ -18,7 +18,6 @@ once (`resolve_placement_args`) and held by the run's `DocumentPacker`.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +26,7 @@ import torch
 from megatron_mesh.masks.document_placement import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
+from megatron_mesh.megatron.shape import cp_ranks_per_node
 from megatron_mesh.training.packing import document_lengths, pack_documents
 
 PLACEMENTS = ("balanced", "te")
@@ -107,16 +107,6 @@ def placement_label(args) -> str:
             f"{dp}")
 
 
-def cp_ranks_per_node(tp: int, cp: int) -> int | None:
-    """Consecutive CP ranks per node (megatron-core orders ranks TP fastest, then CP), from
-    torchrun's LOCAL_WORLD_SIZE; None when the CP group fits one node or it is unknown."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if local < 1 or local % tp:
-        return None
-    per_node = local // tp
-    return per_node if per_node < cp and cp % per_node == 0 else None
-
-
 @dataclass(frozen=True)
 class DocumentPacker:
     """One CP rank's packing of micro-batches of documents (decided once per run)."""
@@ -172,7 +162,9 @@ class DocumentPacker:
 
 def document_packer(args, cp_rank: int) -> DocumentPacker:
     """The run's packer: its placement, CP rank, SP multiple and CP ranks per node."""
-    tp = args.tensor_model_parallel_size
-    return DocumentPacker(args.mesh_document_placement, args.context_parallel_size, cp_rank,
-                          tp if args.sequence_parallel else 1,
-                          cp_ranks_per_node(tp, args.context_parallel_size))
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    per_node = cp_ranks_per_node(tp)  # the launcher's, as the grid reads it
+    if per_node is not None and not (per_node < cp and cp % per_node == 0):
+        per_node = None  # the CP group fits one node, or nodes do not split it evenly
+    return DocumentPacker(args.mesh_document_placement, cp, cp_rank,
+                          tp if args.sequence_parallel else 1, per_node)
