@@ -374,3 +374,18 @@ def test_crossing_tokens_and_summary() -> None:
     assert [set(placement.spans(d)) for d in range(len(lengths))] == owners
     text = placement.summary()
     assert "busiest/mean" in text and f"crossing tokens {crossing}" in text
+
+
+def test_placed_seq_params_checks_cu_seqlens_on_the_host(monkeypatch) -> None:
+    """Building PlacedSeqParams from placed_seq_params copies no tensor back to the host."""
+    from megatron_mesh.masks.document_placement import place_documents
+    from megatron_mesh.megatron.placement import placed_seq_params
+
+    placement = place_documents([0, 5, 8, 16], 2)
+
+    def no_copy(self):
+        raise AssertionError("cu_seqlens copied to the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_copy)
+    params = placed_seq_params(placement, 1)
+    assert params.placement is placement
