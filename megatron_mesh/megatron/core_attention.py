@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 _PACKED_MASKS = {**_MASKS, AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 
 logger = logging.getLogger(__name__)
+LAYER_CACHE_SIZE = 8  # input signatures whose MeshAttention a layer keeps (an LRU)
 _logged_schedules: set[tuple] = set()
 
 
@@ -206,7 +208,10 @@ class MeshDotProductAttention(MegatronModule):
         )
         self.current_max_attn_logits = None
         init_softmax_offset(self, config, config.num_attention_heads // tp_size)
-        self._layers: dict[tuple, MeshAttention] = {}  # one per input signature and mask
+        # one per input signature and mask, the LAYER_CACHE_SIZE most recently used (packed
+        # documents change the local length from micro-batch to micro-batch; a rebuilt layer
+        # is the same value)
+        self._layers: OrderedDict[tuple, MeshAttention] = OrderedDict()
 
     def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                causal: bool, packed: bool, placed: bool = False) -> MeshAttention:
@@ -215,13 +220,17 @@ class MeshDotProductAttention(MegatronModule):
         signature = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
                      query.device, causal, packed, placed)
         layer = self._layers.get(signature)
-        if layer is None:
+        if layer is not None:
+            self._layers.move_to_end(signature)
+        else:
             layer = MeshAttention.build(
                 query, key, value, self.grid, causal=causal, softmax_scale=self.softmax_scale,
                 backend=self.backend, schedule=self.schedule,
                 grad_reduce_dtype=self.grad_reduce_dtype, packed=packed,
                 window_size=self.window_size, placed=placed)
             self._layers[signature] = layer
+            while len(self._layers) > LAYER_CACHE_SIZE:
+                self._layers.popitem(last=False)
             if self.grid.cp_size > 1:
                 _log_schedule(layer, self.schedule)
         return layer

@@ -35,6 +35,10 @@ __all__ = ["PLACED_ROPE_PATCHES", "PlacedSeqParams", "placed_apply_rotary_pos_em
            "placed_rope", "placed_rope_active", "placed_seq_params", "placement_of",
            "row_positions"]
 
+# placed_seq_params stamps its cu_seqlens tensor with the host values it was built from, so
+# PlacedSeqParams checks them without copying the (device) tensor back to the host
+_HOST_CU = "_mesh_host_cu_seqlens"
+
 # the attention modules' own name for megatron-core's RoPE (each imported it by name)
 PLACED_ROPE_PATCHES = ("megatron.core.transformer.attention.apply_rotary_pos_emb",
                        "megatron.core.transformer.multi_latent_attention.apply_rotary_pos_emb")
@@ -64,9 +68,18 @@ class PlacedSeqParams(PackedSeqParams):
                              "not padded per document")
         for side in ("q", "kv"):
             cu = getattr(self, f"cu_seqlens_{side}")
-            if cu is None or tuple(cu.tolist()) != self.placement.cu_seqlens:
+            if cu is None or not _same_cu(cu, self.placement.cu_seqlens):
                 raise ValueError(f"PlacedSeqParams.cu_seqlens_{side} must be the placement's "
                                  f"documents {list(self.placement.cu_seqlens)[:8]}...")
+
+
+def _same_cu(cu: torch.Tensor, expected: tuple[int, ...]) -> bool:
+    """Whether `cu` holds `expected`: from the host values placed_seq_params stamped on it
+    (no device-to-host copy on the hot path), else (a hand-built tensor) from its values."""
+    host = getattr(cu, _HOST_CU, None)
+    if host is not None:
+        return host is expected or host == expected
+    return tuple(cu.tolist()) == expected
 
 
 def row_positions(placement: DocumentPlacement, rank: int) -> torch.Tensor:
@@ -84,6 +97,7 @@ def placed_seq_params(placement: DocumentPlacement, cp_rank: int,
     its cu_seqlens carry this rank's row positions for `placed_rope()`."""
     cu = torch.tensor(placement.cu_seqlens, dtype=torch.int32, device=device)
     setattr(cu, _POSITIONS, row_positions(placement, cp_rank).to(device))
+    setattr(cu, _HOST_CU, placement.cu_seqlens)  # built from these: checked on the host
     longest = max(placement.lengths)
     return PlacedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest, placement=placement)

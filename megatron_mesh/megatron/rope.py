@@ -8,12 +8,19 @@ is megatron-core's `apply_rotary_pos_emb` unchanged.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 
 POSITIONS = "_mesh_placed_positions"  # the cu_seqlens tensor's attribute
+
+
+@functools.lru_cache(maxsize=4)
+def _signature(function: Any) -> inspect.Signature:
+    """`function`'s signature, read once."""
+    return inspect.signature(function)
 
 
 def placed_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, *args: Any,
@@ -24,10 +31,12 @@ def placed_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, *args: Any
     from megatron.core.models.common.embeddings import rope_utils
 
     original = rope_utils.apply_rotary_pos_emb
-    bound = inspect.signature(original).bind(t, freqs, *args, **kwargs)
-    positions = getattr(bound.arguments.get("cu_seqlens"), POSITIONS, None)
-    if positions is None:
+    # megatron-core passes cu_seqlens by keyword; (t, freqs, config, cu_seqlens, ...) else
+    cu = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
+    positions = getattr(cu, POSITIONS, None)
+    if positions is None:  # not placed: megatron-core's RoPE at once
         return original(t, freqs, *args, **kwargs)
+    bound = _signature(original).bind(t, freqs, *args, **kwargs)
     if positions.numel() != t.shape[0]:
         raise ValueError(f"placed RoPE: {t.shape[0]} rows, but the placement gives this rank "
                          f"{positions.numel()}")

@@ -22,6 +22,7 @@ from megatron_mesh.megatron.arguments import (
     validate_mesh_args,
 )
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
+from megatron_mesh.megatron.sink import SOFTMAX_TYPES  # megatron-core's config.softmax_type
 from megatron_mesh.training import schedule_length, tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
@@ -35,7 +36,6 @@ TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "TikTokenizer")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron-core's config.softmax_type
 
 
 class ConfigError(ValueError):

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_mesh.training.distributed import print_rank0
-
 
 @dataclass(frozen=True)
 class BatchRamp:
@@ -61,9 +59,9 @@ def check_ramp(args: Any) -> None:
                          "data-parallel rank)")
 
 
-def ramp_calculator(args: Any, rank: int = 1) -> BatchRamp | None:
+def ramp_calculator(args: Any) -> BatchRamp | None:
     """The run's ramp, or None without one (or START equal to the global batch: nothing to
-    ramp). Said once on rank 0."""
+    ramp). The trainer announces it."""
     if not args.rampup_batch_size:
         return None
     start, increment, samples = args.rampup_batch_size
@@ -71,10 +69,6 @@ def ramp_calculator(args: Any, rank: int = 1) -> BatchRamp | None:
         return None
     ramp = BatchRamp(start, increment, samples, args.global_batch_size,
                      args.micro_batch_size * args.data_parallel_size)
-    if rank == 0:
-        print_rank0(f" batch-size ramp: global batch {start}, +{increment} every "
-                    f"{samples / ramp.steps:g} samples, up to {args.global_batch_size} after "
-                    f"{samples} samples")
     return ramp
 
 

@@ -211,7 +211,9 @@ def aux_losses(args: TrainingConfig) -> dict[str, float]:
     """This iteration's aux losses, as Megatron-LM's training_log reads them: megatron-core's
     tracker reduced over the ranks, each layer's loss (without its coefficient) summed over
     the micro-batches scaled by 1 / micro-batches, averaged over the MoE layers; the tracker
-    is cleared for the next iteration. A collective: every rank calls it."""
+    is cleared for the next iteration. `args` is the step's own (during --rampup-batch-size
+    a step runs fewer micro-batches than args.num_microbatches). A collective: every rank
+    calls it."""
     names = aux_loss_names(args)
     if not names:
         return {}

@@ -18,7 +18,6 @@ once (`resolve_placement_args`) and held by the run's `DocumentPacker`.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +26,7 @@ import torch
 from megatron_mesh.masks.document_placement import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
+from megatron_mesh.megatron.shape import cp_ranks_per_node
 from megatron_mesh.training.packing import document_lengths, pack_documents
 
 PLACEMENTS = ("balanced", "te")
@@ -74,9 +74,15 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
     if balance and not args.calculate_per_token_loss:
         fail("--mesh-balance-data-parallel needs --calculate-per-token-loss: regrouping "
              "documents keeps the sum of token losses, not the mean of micro-batch means")
-    if balance is None:
+    ramp = getattr(args, "rampup_batch_size", None)
+    if balance and ramp:
+        fail("--mesh-balance-data-parallel with --rampup-batch-size: the balance deals "
+             "documents over the full global batch, while a ramp step runs fewer "
+             "micro-batches (and a resume mid-ramp would regroup differently); use "
+             "--no-mesh-balance-data-parallel")
+    if balance is None:  # off by default during a batch-size ramp (see above)
         balance = bool(placed and args.calculate_per_token_loss
-                       and args.data_parallel_size > 1)
+                       and args.data_parallel_size > 1 and not ramp)
     args.mesh_balance_data_parallel = balance
 
 
@@ -99,16 +105,6 @@ def placement_label(args) -> str:
     dp = "on" if args.mesh_balance_data_parallel else "off"
     return (f"packed documents: placement {layout} | DP x CP balance of the global batch "
             f"{dp}")
-
-
-def cp_ranks_per_node(tp: int, cp: int) -> int | None:
-    """Consecutive CP ranks per node (megatron-core orders ranks TP fastest, then CP), from
-    torchrun's LOCAL_WORLD_SIZE; None when the CP group fits one node or it is unknown."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if local < 1 or local % tp:
-        return None
-    per_node = local // tp
-    return per_node if per_node < cp and cp % per_node == 0 else None
 
 
 @dataclass(frozen=True)
@@ -166,7 +162,9 @@ class DocumentPacker:
 
 def document_packer(args, cp_rank: int) -> DocumentPacker:
     """The run's packer: its placement, CP rank, SP multiple and CP ranks per node."""
-    tp = args.tensor_model_parallel_size
-    return DocumentPacker(args.mesh_document_placement, args.context_parallel_size, cp_rank,
-                          tp if args.sequence_parallel else 1,
-                          cp_ranks_per_node(tp, args.context_parallel_size))
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    per_node = cp_ranks_per_node(tp)  # the launcher's, as the grid reads it
+    if per_node is not None and not (per_node < cp and cp % per_node == 0):
+        per_node = None  # the CP group fits one node, or nodes do not split it evenly
+    return DocumentPacker(args.mesh_document_placement, cp, cp_rank,
+                          tp if args.sequence_parallel else 1, per_node)

@@ -86,7 +86,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
     stats = IntervalStats()
     rank = dist.get_rank()
     last = args.train_iters
-    ramp = ramp_calculator(args, rank)
+    ramp = ramp_calculator(args)
     if ramp is not None:
         start, increment, samples = args.rampup_batch_size
         print_rank0(f" batch-size ramp-up: global batch {start} -> {args.global_batch_size} in "
@@ -105,7 +105,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
                                                  step_args)
             synchronize()
-            aux = aux_losses(args)  # MoE load-balancing losses (a collective; {} without)
+            aux = aux_losses(step_args)  # MoE aux losses, scaled by this step's micro-batches
             seconds = time.perf_counter() - start
             state.iteration += 1
             state.consumed_samples += step_args.global_batch_size

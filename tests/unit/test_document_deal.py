@@ -50,11 +50,22 @@ def test_packer_places_documents_and_pads_an_empty_micro_batch() -> None:
 
 
 def test_cp_ranks_per_node_from_torchrun(monkeypatch) -> None:
-    from megatron_mesh.training.placement import cp_ranks_per_node
+    from types import SimpleNamespace
 
+    from megatron_mesh.training.placement import BALANCED, document_packer
+
+    def cp_ranks_per_node(tp: int, cp: int) -> int | None:  # what the packer is given
+        args = SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                               mesh_document_placement=BALANCED, sequence_parallel=False)
+        return document_packer(args, 0).gpus_per_node
+
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert cp_ranks_per_node(tp=2, cp=8) == 4  # ranks TP fastest: 4 CP ranks per node
     assert cp_ranks_per_node(tp=2, cp=4) is None  # the CP group fits one node
-    assert cp_ranks_per_node(tp=3, cp=8) is None  # nodes do not hold whole TP groups
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "9")
+    assert cp_ranks_per_node(tp=3, cp=8) is None  # 3 CP ranks a node do not divide CP 8
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert cp_ranks_per_node(tp=1, cp=8) is None  # unknown
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert cp_ranks_per_node(tp=1, cp=8) == 4  # Slurm's count, as the grid reads it

@@ -374,3 +374,46 @@ def test_crossing_tokens_and_summary() -> None:
     assert [set(placement.spans(d)) for d in range(len(lengths))] == owners
     text = placement.summary()
     assert "busiest/mean" in text and f"crossing tokens {crossing}" in text
+
+
+def test_placed_seq_params_checks_cu_seqlens_on_the_host(monkeypatch) -> None:
+    """Building PlacedSeqParams from placed_seq_params copies no tensor back to the host."""
+    from megatron_mesh.masks.document_placement import place_documents
+    from megatron_mesh.megatron.placement import placed_seq_params
+
+    placement = place_documents([0, 5, 8, 16], 2)
+
+    def no_copy(self):
+        raise AssertionError("cu_seqlens copied to the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_copy)
+    params = placed_seq_params(placement, 1)
+    assert params.placement is placement
+
+
+def test_placed_rope_reads_cu_seqlens_without_binding(monkeypatch) -> None:
+    """An unplaced RoPE call goes straight to megatron-core's (no signature binding); a
+    placed cu_seqlens is found by keyword or in its positional slot."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_mesh.megatron import rope
+
+    calls = []
+
+    def fake(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        calls.append((t.shape, freqs.shape, cu_seqlens))
+        return t
+
+    monkeypatch.setattr(rope_utils, "apply_rotary_pos_emb", fake)
+    t, freqs, plain = torch.zeros(3, 2, 4), torch.zeros(8, 1, 1, 4), torch.tensor([0, 3])
+    with monkeypatch.context() as m:
+        m.setattr(rope, "_signature", lambda f: (_ for _ in ()).throw(AssertionError("bound")))
+        rope.placed_apply_rotary_pos_emb(t, freqs, None, cu_seqlens=plain)
+        rope.placed_apply_rotary_pos_emb(t, freqs, None, plain)
+    assert [c[2] is plain for c in calls] == [True, True]
+    placed = torch.tensor([0, 3])
+    setattr(placed, rope.POSITIONS, torch.tensor([0, 1, 2]))
+    for call in ((None, placed), (None,)):
+        kwargs = {} if len(call) == 2 else {"cu_seqlens": placed}
+        assert rope.placed_apply_rotary_pos_emb(t, freqs, *call, **kwargs).shape == t.shape
+        assert calls[-1] == (torch.Size([3, 1, 2, 4]), torch.Size([3, 1, 1, 4]), None)

@@ -203,6 +203,10 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
      "data-parallel 4 = 8"),
     ([*G8, "--train-samples", "40", "--rampup-batch-size", "2", "4", "8"],
      "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
+    ([*G8, "--train-samples", "40", "--rampup-batch-size", "8", "8", "8",
+      "--reset-attention-mask", "--calculate-per-token-loss", "--mesh-balance-data-parallel"],
+     "--mesh-balance-data-parallel with --rampup-batch-size: the balance deals documents over "
+     "the full global batch"),
     ([*G8, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
      "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive"),
     ([*G8, "--overlap-param-gather", "--use-distributed-optimizer", "--optimizer", "sgd"],
