@@ -17,6 +17,13 @@ compute. A partial that trails its chunk (dK, dV of the ring's backward, the mes
 partial outputs and gradients) leaves after its last block: its last hop (r / (n-1) of its
 r seconds) is exposed. All-to-alls, up-front gathers and final reductions are exposed.
 Transfers of one pass share the GPU's links one after another (their times add).
+
+The sparse exchange (windows, placed documents) starts its inbound rows (Q, K, V; Q, dO,
+lse, D) and computes the rank's own block, which needs none of them, meanwhile: those
+transfers ("under the own block", u seconds) cost max(0, u - own) where own is the own
+block's compute (the least of any rank's, so the model errs slow), when the caller passes it:
+
+    time    = compute + sum(comm of the other exposed t) + max(0, u - own)
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ class PricedTransfer:
     # rest moves over the intra-node links at the same time; None: every byte takes the
     # slowest link of the group (rings, gathers, reductions)
     off_node_share: float | None = None
+    # the sparse exchange's inbound rows: in flight while the rank's own block computes
+    under_own_block: bool = False
 
     @property
     def inter_node_nbytes(self) -> int:
@@ -124,9 +133,12 @@ def price(
     mesh_shape: tuple[int, int] | None = None,
     heads: int = 1,
     flops: dict[str, float] | None = None,
+    own_block_flops: dict[str, float] | None = None,
 ) -> Estimate:
     """Apply the time model of the module docstring to one method's transfers; `flops`:
-    each pass's FLOPs on the busiest GPU (default: the workload's, shared by all GPUs)."""
+    each pass's FLOPs on the busiest GPU (default: the workload's, shared by all GPUs);
+    `own_block_flops`: each pass's FLOPs of the own block that the transfers under it
+    overlap (None: they are exposed)."""
     if flops is None:
         flops = {"forward": workload.forward_flops() / cluster.gpus,
                  "backward": workload.backward_flops() / cluster.gpus}
@@ -135,9 +147,12 @@ def price(
         compute[phase] = cluster.compute_seconds(flops[phase])
         mine = [t for t in transfers if t.phase == phase]
         hidden = [t for t in mine if overlap and t.hidden]
-        exposed = sum(t.seconds(cluster) for t in mine if not (overlap and t.hidden))
-        comm[phase] = exposed + sum(t.seconds(cluster) for t in hidden)
-        time[phase] = exposed + ring_seconds(hidden, compute[phase], cluster)
+        under = sum(t.seconds(cluster) for t in mine if t.under_own_block)
+        exposed = sum(t.seconds(cluster) for t in mine
+                      if not (overlap and t.hidden) and not t.under_own_block)
+        comm[phase] = exposed + under + sum(t.seconds(cluster) for t in hidden)
+        own = cluster.compute_seconds(own_block_flops[phase]) if overlap and own_block_flops else 0.0
+        time[phase] = exposed + max(0.0, under - own) + ring_seconds(hidden, compute[phase], cluster)
     return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape, heads)
 
 

@@ -99,8 +99,27 @@ def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 
                causal: bool = True) -> list[int]:
     """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
     its column, of the mesh placement (each pair of the layer once over the mesh)."""
+    block = _block_pairs(placement, heads, causal)
+    out = []
+    for me in range(rows * cols):
+        i, j = divmod(me, cols)
+        out.append(sum(block.get((i * cols + c, r * cols + j), 0)
+                       for c in range(cols) for r in range(rows)))
+    return out
+
+
+def own_block_pairs(placement: DocumentPlacement, heads: int = 1, causal: bool = True
+                    ) -> list[int]:
+    """(query, key) pairs of each mesh rank's own block (x = y = the rank): what it
+    computes while the sparse exchange's inbound rows travel."""
+    block = _block_pairs(placement, heads, causal)
+    return [block[m, m] for m in range(placement.cp_size // heads)]
+
+
+def _block_pairs(placement: DocumentPlacement, heads: int, causal: bool
+                 ) -> dict[tuple[int, int], int]:
+    """Pairs of every non-empty block (x, y) of the mesh placement (the own blocks always)."""
     mp = mesh_placement(placement, heads)
-    mesh = rows * cols
     block: dict[tuple[int, int], int] = {}
     for rank, runs in enumerate(mp.runs):
         whole = {d for d, _, _ in runs if len(mp.groups[d]) == 1}  # all its runs are here
@@ -111,12 +130,7 @@ def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 
             for y, k, m in runs:
                 key = (x, y)
                 block[key] = block.get(key, 0) + run_pairs(p, n, k, m, causal)
-    out = []
-    for me in range(mesh):
-        i, j = divmod(me, cols)
-        out.append(sum(block.get((i * cols + c, r * cols + j), 0)
-                       for c in range(cols) for r in range(rows)))
-    return out
+    return block
 
 
 @dataclass(frozen=True)
@@ -143,15 +157,17 @@ def pair_flops(workload: Workload, heads: int = 1) -> float:
 
 def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPlacement,
                     rows: int, cols: int, heads: int = 1) -> Estimate:
-    """The placement on a heads x rows x cols grid: the sparse exchange of its rows
-    (every transfer exposed) plus the busiest mesh rank's compute."""
+    """The placement on a heads x rows x cols grid: the sparse exchange of its rows (the
+    inbound ones under the least own block) plus the busiest mesh rank's compute."""
     counts = placement_counts(placement, rows, cols, heads, workload.causal)
     transfers = exchange_transfers(workload, cluster, counts, heads)
     busiest = max(mesh_pairs(placement, rows, cols, heads, workload.causal))
+    own = min(own_block_pairs(placement, heads, workload.causal)) * pair_flops(workload, heads)
     fwd = busiest * pair_flops(workload, heads)
     label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
     return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
-                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd})
+                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
+                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own})
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:

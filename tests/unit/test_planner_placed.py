@@ -14,11 +14,15 @@ from megatron_mesh.planner import plan
 from megatron_mesh.planner.placed import (
     lognormal_lengths,
     mesh_pairs,
+    own_block_pairs,
+    pair_flops,
+    placed_estimate,
     placement_counts,
     price_placement,
 )
 from megatron_mesh.planner.windows import RowSizes, heads_bytes, inner_shape, part_totals, peer_bytes
-from megatron_mesh.values import AttentionShape
+from megatron_mesh.planner import Cluster, Workload
+from megatron_mesh.values import BACKWARD_FLOPS_RATIO, AttentionShape
 
 GRIDS = {4: [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2), (4, 1, 1)],
          8: [(1, 8, 1), (1, 2, 4), (1, 4, 2), (2, 2, 2), (2, 4, 1), (4, 1, 2)]}
@@ -71,6 +75,31 @@ def test_busiest_rank_pairs_sum_to_the_documents_and_p_by_1_is_the_works() -> No
         for heads, rows, cols in GRIDS[8]:
             assert sum(mesh_pairs(placement, rows, cols, heads, causal)) == total
     assert mesh_pairs(placement, 8, 1) == list(placement.works())
+
+
+def test_inbound_rows_are_priced_under_the_least_own_block() -> None:
+    """The sparse exchange's inbound rows (Q; K,V; Q,dO,lse,D) travel while each rank's own
+    block computes: a pass costs compute + outbound + max(0, inbound - least own block).
+    Own blocks: on P x 1 with whole documents only, a rank's own block is all its work."""
+    w = Workload(seq_length=1024, num_heads=8, num_kv_heads=4, head_dim=64,
+                 doc_lengths=lognormal_lengths(1024, 40, 300, seed=3))
+    cluster = Cluster(gpus=8, gpus_per_node=4, intra_node_bw=1.0, inter_node_bw=0.5)
+    placement = place_documents(cumulative(w.doc_lengths), 8, 4)
+    whole = DocumentPlacement.from_runs(2, (256, 256), (((0, 0, 256),), ((1, 0, 256),)))
+    assert own_block_pairs(whole) == list(whole.works())
+    for heads, rows, cols in GRIDS[8]:
+        e = placed_estimate(w, cluster, placement, rows, cols, heads)
+        own = min(own_block_pairs(placement, heads)) * pair_flops(w, heads)
+        for phase, ratio in (("forward", 1.0), ("backward", BACKWARD_FLOPS_RATIO)):
+            mine = [t for t in e.transfers if t.phase == phase]
+            inbound = sum(t.seconds(cluster) for t in mine if t.tensors.split(" (")[0]
+                          in ("Q rows", "K,V rows", "Q,dO"))
+            outbound = sum(t.seconds(cluster) for t in mine) - inbound
+            assert inbound > 0, (heads, rows, cols)
+            expected = (e.compute_s[phase] + outbound
+                        + max(0.0, inbound - cluster.compute_seconds(ratio * own)))
+            assert e.time_s[phase] == pytest.approx(expected, rel=1e-12), (heads, rows, cols)
+            assert e.time_s[phase] < e.compute_s[phase] + e.comm_s[phase]
 
 
 def test_lognormal_lengths_fill_the_sequence_deterministically() -> None:

@@ -1,16 +1,18 @@
 """The mesh under a sliding window: the sparse exchange of `megatron_mesh.schedules.windowed`.
 
 Whatever schedule was asked for, each rank receives only the rows its blocks use, point to
-point, before the blocks compute, and sends partial outputs and gradients back for those
-rows after them: every transfer is exposed. Bytes per rank come from the closed form of
+point, while its own block computes, and sends partial outputs and gradients back for those
+rows after the blocks: those are exposed. Bytes per rank come from the closed form of
 `planner.windows` (equal to `windowed.window_traffic`). Each byte goes straight to its peer,
 so, as for an all-to-all, a rank's bytes for other nodes leave through its NIC while those
 for its own node cross the intra-node links at the same time. Each exchange (Q rows, K,V
 rows, partial outputs back, ...) ends when its slowest sender is done, since its receivers
 wait for it, so each is priced at the rank whose part takes longest, and the bytes shown are
 those ranks' (measured on the emulated cluster, pricing instead the one rank slowest over all
-exchanges predicted 2D meshes up to 1.3x too fast). A heads dimension adds the all-to-all
-of `mesh.py` first.
+exchanges predicted 2D meshes up to 1.3x too fast). The inbound rows travel while the rank's
+own block computes (`cost.price`'s `own_block_flops`; priced so for placed documents, whose
+own block `planner.placed` counts; a window's is not counted yet). A heads dimension adds
+the all-to-all of `mesh.py` first.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ from megatron_mesh.planner.windows import (
 )
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.runtime.grid import dim_groups
+
+
+INBOUND = ("Q", "K,V", "Q,dO, lse,D")  # the rows received before the blocks (`PARTS`)
 
 
 def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -87,5 +92,6 @@ def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
     for (phase, group, tensors), (_, on_n, off_n) in zip(PARTS, worst):
         n = on_n + off_n
         out.append(PricedTransfer(phase, group, names[tensors], n, off_n > 0, False,
-                            off_node_share=off_n / n if n else 0.0))
+                                  off_node_share=off_n / n if n else 0.0,
+                                  under_own_block=tensors in INBOUND))
     return out
