@@ -200,8 +200,9 @@ def format_placed(plan: Plan, placed) -> str:
         lines.append("  ".join(f"{cell:{'<' if i == 0 else '>'}{w}}"
                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
     lines.append("MODEL (planner predictions), per layer, per GPU; MiB = bytes each GPU sends "
-                 "(the rank slowest at each exchange); placed: every transfer exposed, compute "
-                 "of the busiest rank; + = best placed (the choice), t = THD's best")
+                 "(the rank slowest at each exchange); placed: the rows received run under the "
+                 "least own block, the rest exposed, compute of the busiest rank; + = best "
+                 "placed (the choice), t = THD's best")
     return "\n".join(lines)
 
 
