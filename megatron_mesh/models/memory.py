@@ -92,11 +92,12 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
 the heads (`values.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
-with the repeated K/V heads), or the relayout of Q, K, V one at a time (2 x each: sent,
-received, laid out in the sent buffer; the repeated K/V heads held meanwhile), or the
-output's all-to-all (the mesh's output and lse, sent and received: 3 Q + L); backward, the
-mesh's peak plus the relaid dO (Q), or the gradients relaid back one at a time (Q + KV'
-and 2 Q).
+with the repeated K/V heads), or the relayout of Q, K, V in one message (2 (Q + KV'):
+sent and received, laid out in the sent buffer; the repeated K/V heads held meanwhile), or
+the output's all-to-all (the mesh's output and lse, sent and received: 3 Q + L); backward,
+the mesh's peak plus the relaid dO (Q), or the gradients relaid back in one message (the
+mesh's dq, dk, dv, Q + KV', and 2 (Q + KV'); with repeated K/V heads dq is then copied out
+of the shared buffer, which holds no more than the received one let go).
 
 streamed_kv bounds the K/V side by two chunks whatever R is, streamed_q the Q side by two
 chunks whatever C is; "streamed" takes whichever of the two holds less. Neither bounds both
@@ -356,7 +357,7 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
-    (Q), or the gradients relaid back one at a time (Q + KV' and 2 Q)."""
+    (Q), or the gradients relaid back in one message (Q + KV' and 2 (Q + KV'))."""
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
     mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
@@ -364,13 +365,12 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0
-    # relaying Q, K, V out (one at a time: sent, then laid out in the sent buffer, and
+    # relaying Q, K, V out (one message: sent, then laid out in the sent buffer, and
     # received; the repeated K/V heads held meanwhile), the mesh, or the output's
     # all-to-all (the mesh's output and lse, sent and received)
-    forward = max(repeated + max(2 * m.q, m.q + 3 * m.kv // 2), relaid + mesh["forward"],
-                  relaid + 3 * m.o + m.lse)
-    grads = m.q + m.kv  # the mesh's dq, dk, dv, relaid back one at a time
-    backward = max(mesh["backward"] + m.o, grads + 2 * m.q)
+    forward = max(repeated + 2 * relaid, relaid + mesh["forward"], relaid + 3 * m.o + m.lse)
+    grads = m.q + m.kv  # the mesh's dq, dk, dv, relaid back in one message
+    backward = max(mesh["backward"] + m.o, grads + 2 * relaid)
     return {"forward": forward - outer.result["forward"],
             "backward": backward - outer.result["backward"]}
 

@@ -3,7 +3,8 @@
 One spawned process group per CP size runs every factorization with A > 1 (a sample at
 P = 16) over MHA, GQA and MQA, fp32 / bf16 / fp16, causal or not, b > 1, an explicit
 softmax scale, every schedule; each case also checks the bytes sent, counted on the real
-collectives, against `traffic.grid_traffic`.
+collectives, against `traffic.grid_traffic`. Each grid also checks that Q, K, V go out in
+one all-to-all and their gradients come back in one (`heads_messages`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
+from megatron_mesh.runtime import comm
+from megatron_mesh.runtime.heads import scatter_heads
 from megatron_mesh.values import grid_shapes
 
 from dist_utils import run_distributed
@@ -46,6 +49,51 @@ def schedule_each(cases: list[Case], offset: int) -> list[Case]:
     return [replace(c, schedule=CONCRETE_SCHEDULES[(i + offset) % n]) for i, c in enumerate(cases)]
 
 
+class Transfers(comm.Observing):
+    """The transfers of this process while the context is open, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[comm.Transfer] = []
+
+    def observe(self, transfer: comm.Transfer) -> None:
+        self.seen.append(transfer)
+
+    def heads(self, phase: str) -> list[int]:
+        """Bytes sent by each all-to-all of the heads dimension in `phase`."""
+        return [t.nbytes for t in self.seen
+                if t.direction == "heads" and t.op == "all_to_all" and t.phase == phase]
+
+
+def heads_messages(grid: mm.MeshGrid) -> list[Failure]:
+    """One layer, MQA (K/V heads repeated to A) with V's own head dim: forward sends Q, K, V
+    in one all-to-all, then the output in one; backward dO in one, then dQ, dK, dV in one.
+    scatter_heads with only q's slice used: dk, dv come back as zeros, in one message."""
+    a, s, hq, d, dv = grid.heads, 8, 2 * grid.heads, 8, 4
+    g = torch.Generator().manual_seed(grid.cp_rank)
+    q, k, v = (torch.randn(s, 1, h, e, generator=g).requires_grad_()
+               for h, e in ((hq, d), (1, d), (1, dv)))
+    qkv = (a - 1) * (s * hq * d + s * a * (d + dv)) * 4 // a  # K/V heads repeated to A
+    out = (a - 1) * s * hq * dv * 4 // a
+    with Transfers() as seen:
+        y = mm.mesh_attention(q, k, v, grid, schedule="gathered")
+        y.backward(torch.randn(y.shape, generator=g))
+    bad = []
+    for phase, expected in (("forward", [qkv, out]), ("backward", [out, qkv])):
+        if seen.heads(phase) != expected:
+            bad.append(Failure(case_id(f"heads messages {phase}", grid),
+                               f"bytes per all-to-all {seen.heads(phase)}, expected {expected}"))
+    q.grad = k.grad = v.grad = None
+    with Transfers() as seen:
+        qs, _, _ = scatter_heads(q, k, v, grid)
+        qs.sum().backward()
+    unused = [None if t.grad is None else float(t.grad.abs().sum()) for t in (k, v)]
+    if seen.heads("backward") != [qkv] or unused != [0.0, 0.0]:
+        bad.append(Failure(case_id("heads messages, dk and dv unused", grid),
+                           f"backward all-to-alls {seen.heads('backward')}, expected [{qkv}]; "
+                           f"|dk|, |dv| {unused}, expected zeros"))
+    return bad
+
+
 def heads_worker(rank: int, world: int, shapes: list[tuple[int, int, int]],
                  per_shape: int) -> list[Failure]:
     bad = []
@@ -64,7 +112,7 @@ def heads_worker(rank: int, world: int, shapes: list[tuple[int, int, int]],
         # every shape runs the fp32 MHA case, then `per_shape` more in turn
         picked = [cases[0]] + [cases[1 + (idx * per_shape + k) % (len(cases) - 1)]
                                for k in range(per_shape)]
-        bad += check_cases(grid, picked)
+        bad += check_cases(grid, picked) + (heads_messages(grid) if heads > 1 else [])
     return bad
 
 
