@@ -201,7 +201,7 @@ class MeshAttention:
                 softmax_offset = softmax_offset.view(grid.heads, -1)[grid.head_index]
         out = MeshAttentionFunction.apply(
             q, k, v, softmax_offset, grid, mask, self.softmax_scale, self.kernel,
-            self.plan.runner, grad_dtypes(self.plan.grad_dtype, q.dtype),
+            self.plan.runner, grad_dtypes(self.plan.grad_reduce_dtype, q.dtype),
         )
         return heads.gather_heads(out, grid, packed) if grid.heads > 1 else out
 
@@ -243,7 +243,7 @@ class MeshAttention:
         return CallSignature(
             tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype,
             documents if placement is None else placement, self.causal, self.softmax_scale,
-            plan.schedule.value, GradDtype(plan.grad_dtype).value, window, plan.exchange.value,
+            plan.schedule.value, GradDtype(plan.grad_reduce_dtype).value, window, plan.exchange.value,
             (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None)
 
 

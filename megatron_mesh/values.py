@@ -285,7 +285,7 @@ def check_schedule_name(schedule: object) -> str:
     return one_of("schedule", schedule, SCHEDULE_NAMES)
 
 
-def check_grad_dtype_name(grad_reduce_dtype: object) -> str:
+def check_grad_reduce_dtype(grad_reduce_dtype: object) -> str:
     """The gradient dtype name as given, or ValueError naming it and the valid ones."""
     return one_of("grad_reduce_dtype", grad_reduce_dtype, GRAD_DTYPE_NAMES)
 
@@ -297,14 +297,14 @@ class MeshPlan:
     rows: int
     cols: int
     schedule: Schedule = Schedule.GATHERED
-    grad_dtype: GradDtype = GradDtype.MIXED
+    grad_reduce_dtype: GradDtype = GradDtype.MIXED
     heads: int = 1
     exchange: Exchange = Exchange.DENSE
 
     def __post_init__(self) -> None:
         GridShape(self.heads, self.rows, self.cols)  # positive integers
         object.__setattr__(self, "schedule", Schedule(self.schedule))
-        object.__setattr__(self, "grad_dtype", GradDtype(self.grad_dtype))
+        object.__setattr__(self, "grad_reduce_dtype", GradDtype(self.grad_reduce_dtype))
         object.__setattr__(self, "exchange", Exchange(self.exchange))
 
     @property
@@ -324,7 +324,7 @@ class MeshPlan:
         ran = {Runner.SPARSE: "sparse exchange (only the rows blocks use)",
                Runner.GATHERED: "gathered"}.get(self.runner, f"ring {self.runner}")
         return (f"{self.shape_label}, schedule {self.schedule} (runs {ran}), gradients "
-                f"{self.grad_dtype}")
+                f"{self.grad_reduce_dtype}")
 
     @property
     def grid(self) -> GridShape:
@@ -352,11 +352,11 @@ class MeshPlan:
 
     def dq_bytes(self, dtype_bytes: int) -> int:
         """Bytes per element of the dQ exchange over the row."""
-        return self.grad_dtype.dq_bytes(dtype_bytes)
+        return self.grad_reduce_dtype.dq_bytes(dtype_bytes)
 
     def dkv_bytes(self, dtype_bytes: int) -> int:
         """Bytes per element of the dK, dV exchange over the column."""
-        return self.grad_dtype.dkv_bytes(dtype_bytes)
+        return self.grad_reduce_dtype.dkv_bytes(dtype_bytes)
 
     def partial_out_bytes(self, dtype_bytes: int) -> int:
         """Bytes per element of the partial outputs sent over the row."""

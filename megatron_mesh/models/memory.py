@@ -320,19 +320,19 @@ def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,
 
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
                  schedule: str | None = None,
-                 grad_dtype: GradDtype | str = GradDtype.MIXED,
+                 grad_reduce_dtype: GradDtype | str = GradDtype.MIXED,
                  windowed: bool | Exchanged = False) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
-    extra_memory(shape, rows, cols, schedule[, grad_dtype]): a schedule by name ('ring' for
+    extra_memory(shape, rows, cols, schedule[, grad_reduce_dtype]): a schedule by name ('ring' for
     Transformer Engine's p2p ring for comparison, rows * cols = P).
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
             return heads_extra_memory(shape, rows, windowed)
-        rows, cols, schedule, grad_dtype = (rows.rows, rows.cols, rows.schedule.value,
-                                            rows.grad_dtype)
+        rows, cols, schedule, grad_reduce_dtype = (rows.rows, rows.cols, rows.schedule.value,
+                                            rows.grad_reduce_dtype)
     if windowed:  # under a sliding window every schedule runs the sparse exchange
         schedule = "windowed"
     if cols is None or schedule is None:
@@ -341,7 +341,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
         _, kv, _ = shape.local_elements(rows * cols)
         e = shape.dtype_bytes
         return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
-    m = _Chunk.of(shape, rows * cols, GradDtype(grad_dtype))
+    m = _Chunk.of(shape, rows * cols, GradDtype(grad_reduce_dtype))
     if schedule != "windowed":
         peaks = _peaks(m, rows, cols, schedule)
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
@@ -359,11 +359,11 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back in one message (Q + KV' and 2 (Q + KV'))."""
     inner = heads_shape(shape, plan.heads)
-    m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_dtype)
+    m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_reduce_dtype)
     mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
             else _peaks(m, plan.rows, plan.cols, plan.schedule.value))
     relaid = m.q + m.kv
-    outer = _Chunk.of(shape, plan.cp_size, plan.grad_dtype)
+    outer = _Chunk.of(shape, plan.cp_size, plan.grad_reduce_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0
     # relaying Q, K, V out (one message: sent, then laid out in the sent buffer, and
     # received; the repeated K/V heads held meanwhile), the mesh, or the output's

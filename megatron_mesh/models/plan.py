@@ -22,7 +22,7 @@ from ..values import (
     GradDtype,
     MeshPlan,
     Schedule,
-    check_grad_dtype_name,
+    check_grad_reduce_dtype,
     check_schedule_name,
     heads_shape,
 )
@@ -57,11 +57,11 @@ def resolve_plan(
     heads * rows * cols against cp_size when given. `exchange`: sparse where the mask kind
     leaves most rows unused and only used rows should travel (`values.Exchange`)."""
     if not isinstance(grad_reduce_dtype, GradDtype):
-        check_grad_dtype_name(grad_reduce_dtype)
+        check_grad_reduce_dtype(grad_reduce_dtype)
     if not isinstance(schedule, Schedule):
         check_schedule_name(schedule)
-    plan = MeshPlan(rows=rows, cols=cols, heads=heads, grad_dtype=GradDtype(grad_reduce_dtype),
-                    exchange=Exchange(exchange))
+    plan = MeshPlan(rows=rows, cols=cols, heads=heads, exchange=Exchange(exchange),
+                    grad_reduce_dtype=GradDtype(grad_reduce_dtype))
     if cp_size is not None:
         plan.check_cp_size(cp_size)
     if heads > 1:  # the mesh runs on 1/A of the heads over the whole sequence

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..kernels import check_backend
-from ..values import DEFAULT_SCHEDULE, check_grad_dtype_name, check_heads, check_schedule_name
+from ..values import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 from .grid import MeshGrid
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,7 +29,7 @@ def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
     """ValueError unless the tile backend, schedule and gradient dtype are known names."""
     check_backend(backend)
     check_schedule_name(schedule)
-    check_grad_dtype_name(grad_reduce_dtype)
+    check_grad_reduce_dtype(grad_reduce_dtype)
 
 
 def check_inputs(

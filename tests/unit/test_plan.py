@@ -21,7 +21,7 @@ def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
         plan = resolve_plan(shape, rows, cols, schedule, grads, cp_size=8)
         ran = streamed_schedule(shape, rows, cols) if schedule == "streamed" else schedule
         assert plan.schedule == ran and isinstance(plan.schedule, Schedule)
-        assert plan.grad_dtype is GradDtype(grads)
+        assert plan.grad_reduce_dtype is GradDtype(grads)
         e = shape.dtype_bytes
         keyword = mm.mesh_traffic(shape, rows, cols, GradDtype(grads).dq_bytes(e),
                                   Schedule(ran).partial_out_bytes(e), GradDtype(grads).dkv_bytes(e))
@@ -30,7 +30,7 @@ def test_plan_models_equal_keyword_forms(shape, schedule, grads) -> None:
 
 
 def test_plan_is_frozen_and_names_its_shape() -> None:
-    plan = MeshPlan(rows=2, cols=4, schedule="streamed_q", grad_dtype="input")
+    plan = MeshPlan(rows=2, cols=4, schedule="streamed_q", grad_reduce_dtype="input")
     assert plan.cp_size == 8 and plan.heads == 1 and plan.shape_label == "2x4"
     with pytest.raises(AttributeError):
         plan.rows = 4  # type: ignore[misc]
@@ -42,7 +42,7 @@ def test_plan_is_frozen_and_names_its_shape() -> None:
     (dict(rows=2, cols=2.0), "cols must be a positive integer, got 2.0"),
     (dict(rows=2, cols=2, heads=0), "heads must be a positive integer, got 0"),
     (dict(rows=2, cols=2, schedule="streamed"), "'streamed' is not a valid Schedule"),
-    (dict(rows=2, cols=2, grad_dtype="bf16"), "'bf16' is not a valid GradDtype"),
+    (dict(rows=2, cols=2, grad_reduce_dtype="bf16"), "'bf16' is not a valid GradDtype"),
 ])
 def test_bad_plan_names_the_value(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

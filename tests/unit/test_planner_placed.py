@@ -10,7 +10,7 @@ import pytest
 import megatron_mesh as mm
 from megatron_mesh.cli import main
 from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
-from megatron_mesh.planner import plan
+from megatron_mesh.planner import Cluster, Workload, plan
 from megatron_mesh.planner.placed import (
     lognormal_lengths,
     mesh_pairs,
@@ -21,7 +21,6 @@ from megatron_mesh.planner.placed import (
     price_placement,
 )
 from megatron_mesh.planner.windows import RowSizes, heads_bytes, inner_shape, part_totals, peer_bytes
-from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, AttentionShape
 
 GRIDS = {4: [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2), (4, 1, 1)],

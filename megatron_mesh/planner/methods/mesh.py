@@ -41,8 +41,8 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     row_cross = crosses_nodes(row_groups, cluster)
     col_cross = crosses_nodes(col_groups, cluster)
     e = workload.dtype
-    g_q = "fp32" if plan.grad_dtype.dq_in_fp32 else e
-    g_kv = "fp32" if plan.grad_dtype.dkv_in_fp32 else e
+    g_q = "fp32" if plan.grad_reduce_dtype.dq_in_fp32 else e
+    g_kv = "fp32" if plan.grad_reduce_dtype.dkv_in_fp32 else e
     hidden = plan.schedule.hidden_direction
     o = "fp32" if plan.partial_out_bytes(workload.dtype_bytes) == FP32_BYTES else e
     # the partials (outputs, gradients) reduced over a group: on a streamed ring they trail

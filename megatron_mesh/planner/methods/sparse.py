@@ -35,8 +35,7 @@ from megatron_mesh.planner.windows import (
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.runtime.grid import dim_groups
 
-
-INBOUND = ("Q", "K,V", "Q,dO, lse,D")  # the rows received before the blocks (`PARTS`)
+INBOUND = ("Q", "K,V", "Q,dO, lse,D")  # `PARTS` received while the own block computes
 
 
 def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -79,8 +78,8 @@ def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
         for k, m in enumerate(seconds.argmax(1)):
             if seconds[k, m] > worst[k][0]:
                 worst[k] = (float(seconds[k, m]), int(on[k, m]), int(off[k, m]))
-    d, g_q = workload.dtype, "fp32" if plan.grad_dtype.dq_in_fp32 else workload.dtype
-    g_kv = "fp32" if plan.grad_dtype.dkv_in_fp32 else workload.dtype
+    d, g_q = workload.dtype, "fp32" if plan.grad_reduce_dtype.dq_in_fp32 else workload.dtype
+    g_kv = "fp32" if plan.grad_reduce_dtype.dkv_in_fp32 else workload.dtype
     names = {"Q": f"Q rows ({d})", "partial O, lse": f"partial O ({d}), lse (fp32) rows",
              "K,V": f"K,V rows ({d})", "Q,dO, lse,D": f"Q,dO ({d}), lse,D (fp32) rows",
              "dQ": f"dQ rows ({g_q})", "dK,dV": f"dK,dV rows ({g_kv})"}
