@@ -20,7 +20,8 @@ PROG = "generate"
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{PROG}: error: {message}\n")  # one write: ranks share one output
+    sys.stderr.flush()
     return 2
 
 

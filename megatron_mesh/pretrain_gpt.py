@@ -30,6 +30,13 @@ def _log_to_stdout() -> None:
     logger.setLevel(logging.INFO)
 
 
+def _error(message: str) -> None:
+    """One line on stderr in one write: the ranks of a job share one output, and print's
+    separate newline let two ranks' lines run together."""
+    sys.stderr.write(f"pretrain_gpt: error: {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stdout()
     try:
@@ -37,13 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # --help too: the flags are megatron-core's
         if (e.name or "").split(".")[0] not in EXTRA_MODULES:
             raise
-        print(f"pretrain_gpt: error: the driver needs the 'megatron' extra (no module named "
-              f"{e.name!r}): pip install 'megatron-mesh[megatron]'", file=sys.stderr, flush=True)
+        _error(f"the driver needs the 'megatron' extra (no module named {e.name!r}): "
+               "pip install 'megatron-mesh[megatron]'")
         return 2
     try:
         args = parse_args(argv)
     except ConfigError as e:
-        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 2
     from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run
@@ -53,10 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
-        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 2
     except (NonFiniteError, SaveError) as e:  # stopped; what was saved before is intact
-        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 1
 
 
