@@ -31,9 +31,10 @@ W(L) = L(L+1)/2 the causal work of a whole document, "density" = work per token 
    the tokens of the densest document that reach it (a cut); then the lightest documents,
    whole, the last one cut to fill exactly C tokens. So at most two documents (a dense one,
    a light one) cross each rank boundary, onto the next rank. The last rank of a node cuts
-   no dense document and finishes a dense one carried onto it when it has the room, even
-   past its target: a dense document's rows would cross the node's links (8x slower than
-   NVLink on today's clusters); only the light one cut to fill the rank may.
+   no dense document and finishes a dense one carried onto it when that keeps it within
+   the mean work + 5%, past its target if need be: a dense document's rows would cross the
+   node's links (8x slower than NVLink on today's clusters); only the light one cut to
+   fill the rank may.
 4. Cuts are folded, not plain: a document over consecutive ranks gives each a front piece
    and a back piece of half its share ("zigzag with unequal pieces"), so each rank's work is
    its tokens times the document's density, whatever the shares. A plain cut would give the
