@@ -252,6 +252,37 @@ def test_groups_stay_inside_a_node(cp_size: int, gpus_per_node: int) -> None:
     assert busiest_over_mean(placement) <= 1.10, placement.summary()
 
 
+def test_refining_stops_at_the_promise_and_spreads_no_document_over_both_nodes() -> None:
+    """The emulated cluster's log-normal mix (P = 16 as 2 x 8, 64K tokens in units of 32):
+    refining balance past the promised 10% spread its two longest documents (6432 and 5504
+    tokens) over all 16 ranks; now the busiest rank is within 10% and no document is spread
+    over more ranks than a node has."""
+    units = [27, 33, 64, 29, 132, 7, 42, 10, 30, 24, 24, 4, 35, 60, 172, 74, 4, 9, 82, 11,
+             39, 7, 70, 103, 42, 42, 38, 17, 56, 31, 36, 52, 167, 201, 25, 55, 47, 135, 6, 6]
+    lengths = [32 * n for n in units]
+    assert sum(lengths) == S
+    placement = place_documents(cumulative(lengths), 16, gpus_per_node=8)
+    check_invariants(placement, lengths)
+    assert busiest_over_mean(placement) <= 1.10, placement.summary()
+    assert max(len(placement.spans(d)) for d in range(len(lengths))) <= 8, placement.summary()
+
+
+def test_a_nodes_last_rank_cuts_no_dense_document() -> None:
+    """A node's last rank cuts only a light document to fill its tokens: the documents
+    whose rows cross the node boundary are short (here one of 875 tokens), not the dense
+    ones (2778 tokens went from rank 7 to 9 before the rule)."""
+    lengths = [289, 1642, 2550, 216, 651, 635, 179, 1780, 853, 1907, 1871, 1169, 419, 1274,
+               879, 2778, 875, 466, 1241, 734, 2134, 281, 415, 937, 2724, 1428, 656, 2929,
+               882, 1804, 4579, 2941, 2787, 2001, 711, 1873, 4228, 258, 359, 793, 1749, 749,
+               5910]
+    placement = place_documents(cumulative(lengths), 16, gpus_per_node=8)
+    check_invariants(placement, lengths)
+    crossing = [lengths[d] for d in range(len(lengths))
+                if placement.spans(d)[0] < 8 <= placement.spans(d)[-1]]
+    assert crossing and max(crossing) <= 1024, placement.summary()
+    assert busiest_over_mean(placement) <= 1.10, placement.summary()
+
+
 def test_the_longest_takes_the_whole_group() -> None:
     lengths = [S - 1024] + [128] * 8
     placement = place_documents(cumulative(lengths), 8, gpus_per_node=4)
