@@ -120,7 +120,8 @@ if has pytest; then
     MESH_GPU_MEMORY_REPORT="$OUT/memory.jsonl" step gpu_tests "$PY" -m pytest -q -p no:cacheprovider \
         -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_te.py tests/unit/test_kernels_documents.py \
         tests/unit/test_merge_triton.py tests/distributed/test_host_staging.py \
-        tests/distributed/test_placed_documents.py tests/distributed/test_sinks.py
+        tests/distributed/test_placed_documents.py tests/distributed/test_sinks.py \
+        tests/distributed/test_decode.py
 else
     skip gpu_tests "pytest does not import (carry its wheels in $WHEELS/: scripts/gpu_wheels.sh)"
 fi
