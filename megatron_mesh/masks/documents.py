@@ -18,6 +18,7 @@ answers which local rows of a rank-block meet which (`rows_of_block`).
 from __future__ import annotations
 
 import numbers
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -166,18 +167,19 @@ def cumulative_lengths(name: str, values: torch.Tensor | list[int] | tuple[int, 
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D [n + 1], got shape {tuple(values.shape)}")
         values = values.tolist()
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise ValueError(f"{name}={list(values)} holds {v!r}: cumulative lengths must be "
-                             "integers (an int32 tensor or a list of ints)")
-    values = tuple(int(v) for v in values)
+    if not all(type(v) is int for v in values):  # plain ints (a tensor's) skip the ABC check
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name}={list(values)} holds {v!r}: cumulative lengths must "
+                                 "be integers (an int32 tensor or a list of ints)")
+    values = tuple(map(int, values))
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"{name}={list(values)} must start at 0 and hold n + 1 >= 2 "
                          "cumulative lengths")
-    for a, b in zip(values, values[1:]):
-        if b < a or (strict and b == a):
-            raise ValueError(f"{name}={list(values)} must be "
-                             f"{'strictly increasing' if strict else 'non-decreasing'}")
+    rising = operator.lt if strict else operator.le
+    if not all(map(rising, values, values[1:])):
+        raise ValueError(f"{name}={list(values)} must be "
+                         f"{'strictly increasing' if strict else 'non-decreasing'}")
     return values
 
 
