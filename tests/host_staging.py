@@ -12,10 +12,12 @@ Asynchronous calls complete before they return; their handles' wait() is then a 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+import megatron_mesh as mm
 from megatron_mesh.runtime import comm
 
 GATHER_LIKE = ("all_gather", "reduce_scatter", "all_to_all")
@@ -82,3 +84,26 @@ class HostStaging:
 def staged_through_host():
     """Within the context, the mesh's collectives run on host copies (see module doc)."""
     return comm.using(HostStaging())
+
+
+GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_on_one_gpu(rank: int, grids: Sequence[tuple[int, int, int]], cases: Sequence,
+                     as_gpu_case: Callable, check: Callable) -> list[str]:
+    """Failures of every case on every (A, R, C) grid, this rank sharing GPU 0 with the
+    others, staged through host memory: case i runs as `as_gpu_case(case, GPU_DTYPES[i % 3])`
+    through `check(case, grid, "cuda")`; an exception is reported with its case."""
+    torch.cuda.set_device(0)
+    bad = []
+    with staged_through_host():
+        for a, r, c in grids:
+            grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+            for i, case in enumerate(cases):
+                case = as_gpu_case(case, GPU_DTYPES[i % len(GPU_DTYPES)])
+                try:
+                    bad += check(case, grid, "cuda")
+                except Exception as e:  # noqa: BLE001 (reported with the case)
+                    bad.append(f"{case} grid {grid.shape_text} rank {rank}: "
+                               f"{type(e).__name__}: {e}")
+    return bad

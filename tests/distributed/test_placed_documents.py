@@ -217,24 +217,13 @@ def test_placed_documents_exact_on_every_grid(cp_size: int) -> None:
 
 
 def _gpu_run(rank: int, world: int) -> list[str]:
-    """Every case in fp32, bf16 and fp16 (head dim 64: the flash kernels' sizes), the ranks
-    sharing one GPU, their collectives staged through host memory."""
+    """Every case in fp32, bf16 and fp16 at head dim 64 (the flash kernels' sizes), the
+    ranks sharing one GPU."""
     import host_staging
-    torch.cuda.set_device(0)
-    bad = []
-    with host_staging.staged_through_host():
-        for a, r, c in grids(world):
-            grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
-            for i, case in enumerate(cases(world)):
-                dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
-                v_dim = 64 if case.v_head_dim == case.head_dim else 32
-                case = replace(case, dtype=dtype, head_dim=64, v_head_dim=v_dim)
-                try:
-                    bad += check_case(case, grid, "cuda")
-                except Exception as e:  # noqa: BLE001 (reported with the case)
-                    bad.append(f"{case} grid {grid.shape_text} rank {rank}: "
-                               f"{type(e).__name__}: {e}")
-    return bad
+    return host_staging.check_on_one_gpu(
+        rank, grids(world), cases(world), lambda case, dtype: replace(
+            case, dtype=dtype, head_dim=64,
+            v_head_dim=64 if case.v_head_dim == case.head_dim else 32), check_case)
 
 
 @pytest.mark.gpu

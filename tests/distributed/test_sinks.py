@@ -160,23 +160,11 @@ def _run(rank: int, world: int) -> list[str]:
 
 
 def _gpu_run(rank: int, world: int) -> list[str]:
-    """Every case in fp32, bf16 and fp16 (head dim 64), the ranks sharing one GPU, their
-    collectives staged through host memory."""
+    """Every case in fp32, bf16 and fp16 at head dim 64, the ranks sharing one GPU."""
     import host_staging
-    torch.cuda.set_device(0)
-    bad = []
-    with host_staging.staged_through_host():
-        for a, r, c in _shapes(world):
-            grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
-            for i, case in enumerate(cases(world)):
-                case = replace(case, head_dim=64,
-                               dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3])
-                try:
-                    bad += check_case(case, grid, "cuda")
-                except Exception as e:  # noqa: BLE001 (reported with the case)
-                    bad.append(f"{case} grid {grid.shape_text} rank {rank}: "
-                               f"{type(e).__name__}: {e}")
-    return bad
+    return host_staging.check_on_one_gpu(
+        rank, _shapes(world), cases(world),
+        lambda case, dtype: replace(case, head_dim=64, dtype=dtype), check_case)
 
 
 @pytest.mark.gpu
