@@ -75,32 +75,30 @@ def cached_attention_spec(spec: Any) -> Any:
     return _replace(spec, ModuleSpec(module=module, params=params))[0]
 
 
-def _core_module(node: Any) -> type | None:
-    """The module class of the first core_attention ModuleSpec in a spec (None: none)."""
+def _core_spec(node: Any) -> ModuleSpec | None:
+    """The first core_attention ModuleSpec in a spec (None: none)."""
     if isinstance(node, ModuleSpec):
-        return _core_module(node.submodules)
+        return _core_spec(node.submodules)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
             if f.name == "core_attention" and isinstance(value, ModuleSpec):
-                return value.module if isinstance(value.module, type) else None
-            found = _core_module(value)
+                return value
+            found = _core_spec(value)
             if found is not None:
                 return found
     return None
+
+
+def _core_module(node: Any) -> type | None:
+    """The module class of the first core_attention ModuleSpec in a spec (None: none)."""
+    spec = _core_spec(node)
+    return spec.module if spec is not None and isinstance(spec.module, type) else None
 
 
 def _mesh_params(node: Any) -> dict | None:
     """The params of the first core_attention ModuleSpec in a spec (None: none found)."""
-    if isinstance(node, ModuleSpec):
-        return _mesh_params(node.submodules)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for f in dataclasses.fields(node):
-            value = getattr(node, f.name)
-            if f.name == "core_attention" and isinstance(value, ModuleSpec):
-                return {k: v for k, v in (value.params or {}).items()
-                        if k in ("backend", "schedule")}
-            found = _mesh_params(value)
-            if found is not None:
-                return found
-    return None
+    spec = _core_spec(node)
+    if spec is None:
+        return None
+    return {k: v for k, v in (spec.params or {}).items() if k in ("backend", "schedule")}
