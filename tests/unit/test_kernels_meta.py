@@ -349,3 +349,34 @@ def test_every_schedule_with_every_cuda_branch_on_meta() -> None:
             op, "_scaled_dot_product_flash_attention" if op == "flash" and dtype != "torch.float32"
             else "_scaled_dot_product_efficient_attention")
         assert calls == [base, base + "_backward"], what
+
+
+# ------------------------------------------------------- the heads relayout, on meta
+
+@pytest.mark.parametrize("layout", ["zigzag", "documents", "placed"])
+def test_heads_relayout_on_meta_and_its_inverse_on_cpu(layout: str) -> None:
+    """The one-message heads all-to-all's local layout steps (`heads._to_pieces` before the
+    send, `heads._to_sequence` after the receive: zigzag, packed documents with their index
+    on the tensors' device, placed rows) run on meta tensors as on a GPU (no host copy of a
+    device index), and on the CPU `_to_sequence` undoes `_to_pieces` exactly."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.masks.document_placement import place_documents
+    from megatron_mesh.masks.documents import Documents
+    from megatron_mesh.runtime import heads
+
+    a, cp_size, s = 2, 4, 16  # A = 2 ranks of a heads group, each holding s rows
+    grid = SimpleNamespace(heads=a, cp_size=cp_size)  # what the layout steps read
+    cu = torch.tensor([0, 24, 40, 64], dtype=torch.int32)
+    documents = {"zigzag": None, "documents": Documents.from_cu_seqlens(cu),
+                 "placed": place_documents(cu, cp_size)}[layout]
+    for device in ("meta", "cpu"):
+        y = torch.randn(a * s, 1, 3, 8).to(device)  # b = 1: packed documents are THD
+        pieces = y.new_empty(a, s, 1, 3, 8)
+        heads._to_pieces(y, pieces, grid, documents)
+        back = torch.empty_like(y)
+        heads._to_sequence(pieces, back, grid, documents)
+        assert pieces.shape == (a, s, 1, 3, 8) and back.shape == y.shape
+        if device == "cpu":
+            assert torch.equal(back, y)
+            assert not torch.equal(pieces.reshape(y.shape), y) or layout == "placed"
