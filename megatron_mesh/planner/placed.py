@@ -99,7 +99,11 @@ def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 
                causal: bool = True) -> list[int]:
     """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
     its column, of the mesh placement (each pair of the layer once over the mesh)."""
-    block = _block_pairs(placement, heads, causal)
+    return _mesh_totals(_block_pairs(placement, heads, causal), rows, cols)
+
+
+def _mesh_totals(block: dict[tuple[int, int], int], rows: int, cols: int) -> list[int]:
+    """Each mesh rank's sum of its blocks (x in its row, y in its column)."""
     out = []
     for me in range(rows * cols):
         i, j = divmod(me, cols)
@@ -161,8 +165,9 @@ def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPla
     inbound ones under the least own block) plus the busiest mesh rank's compute."""
     counts = placement_counts(placement, rows, cols, heads, workload.causal)
     transfers = exchange_transfers(workload, cluster, counts, heads)
-    busiest = max(mesh_pairs(placement, rows, cols, heads, workload.causal))
-    own = min(own_block_pairs(placement, heads, workload.causal)) * pair_flops(workload, heads)
+    block = _block_pairs(placement, heads, workload.causal)  # walked once for both
+    busiest = max(_mesh_totals(block, rows, cols))
+    own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
     fwd = busiest * pair_flops(workload, heads)
     label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
     return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
