@@ -81,7 +81,7 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
     cache = [line for line in run.output.splitlines() if "KV cache per rank" in line][0]
     # slots per rank: 24 / 4 (the zigzag share of the prompts padded to 24) + 32 / 4 steps
     assert "(14 slots x 3 sequences x 2 layers" in cache, cache
-    for got, want in zip(records, greedy_cp1):
+    for got, want in zip(records, greedy_cp1, strict=True):
         assert got["generated_ids"] == want["generated_ids"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
@@ -148,7 +148,7 @@ def test_text_prompts_go_through_the_tokenizer(greedy_cp1: list[dict], checkpoin
     run, records = generate(4, ["--load", str(checkpoint), "--prompts-file", str(path),
                                 "--max-new-tokens", str(NEW), *GRIDS["1x4"]], work / "text.jsonl")
     assert run.returncode == 0, run.output[-3000:]
-    for got, want in zip(records, greedy_cp1):
+    for got, want in zip(records, greedy_cp1, strict=True):
         assert got["prompt_ids"] == want["prompt_ids"]
         assert got["generated_ids"] == want["generated_ids"]
         assert got["text"] == " ".join(map(str, want["generated_ids"]))

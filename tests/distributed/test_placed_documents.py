@@ -183,6 +183,10 @@ def check_case(case: PlacedCase, grid: mm.MeshGrid, device: str = "cpu") -> list
                               case.window, cp_rank=grid.cp_rank)
     if counter.total_bytes != model.total:
         bad.append(f"{where}: sent {counter.total_bytes} B, placement_traffic {model.total} B")
+    if case.lengths == (placement.local_tokens,) * grid.cp_size and case.shuffled is None:
+        split = [d for d in range(len(case.lengths)) if len(placement.spans(d)) > 1]
+        if split:  # one rank's share each: every document fits a rank whole
+            bad.append(f"{where}: documents {split} of one rank's share each were split")
     if all(len(placement.spans(d)) == 1 for d in range(len(case.lengths))):
         mesh_bytes = model.total - model.forward_heads - model.backward_heads
         if mesh_bytes:
@@ -217,8 +221,8 @@ def test_placed_documents_exact_on_every_grid(cp_size: int) -> None:
 
 
 def _gpu_run(rank: int, world: int) -> list[str]:
-    """Every case in fp32, bf16 and fp16 at head dim 64 (the flash kernels' sizes), the
-    ranks sharing one GPU."""
+    """Every case at head dim 64 (the flash kernels' sizes), the ranks sharing one GPU;
+    case i in fp32, bf16 or fp16 by turns."""
     import host_staging
     return host_staging.check_on_one_gpu(
         rank, grids(world), cases(world), lambda case, dtype: replace(

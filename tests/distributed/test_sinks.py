@@ -160,7 +160,8 @@ def _run(rank: int, world: int) -> list[str]:
 
 
 def _gpu_run(rank: int, world: int) -> list[str]:
-    """Every case in fp32, bf16 and fp16 at head dim 64, the ranks sharing one GPU."""
+    """Every case at head dim 64, the ranks sharing one GPU; case i in fp32, bf16 or fp16
+    by turns."""
     import host_staging
     return host_staging.check_on_one_gpu(
         rank, _shapes(world), cases(world),
