@@ -10,7 +10,7 @@ import torch
 import megatron_mesh as mm
 
 from dist_utils import run_distributed
-from reference import Failure, assert_no_failures, case_id
+from reference import Case, Failure, assert_no_failures, case_id, errors, full_inputs, mesh_result
 
 
 def bad_calls(grid: mm.MeshGrid) -> dict[str, tuple]:
@@ -89,9 +89,11 @@ def shape_disagreements(rank: int, grid: mm.MeshGrid, odd_ranks: list[int]) -> l
                      f"{grid.shape_text} grid pass different arguments"):
             if text not in str(e):
                 problems.append(Failure(case, f"rank {rank}: {str(e)!r} does not say {text!r}"))
-    for s in (4, 4, 8, 4):
-        q = torch.randn(s, 1, 4, 16, requires_grad=True)
-        mm.mesh_attention(q, q, q, grid).sum().backward()
+    for s in (4, 4, 8, 4):  # after the refusal, agreed shapes (changing) run exactly
+        same = Case(s * grid.cp_size, 1, 4, 4, 16, causal=True, seed=s)
+        x = full_inputs(same)
+        problems += errors(same, mesh_result(same, x, grid, grid.cp_rank), grid,
+                           grid.cp_rank, x)
     return problems
 
 
