@@ -40,25 +40,15 @@ from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.generation_args import GenerateConfig
 from megatron_mesh.training.generation_prompts import Packed, Padded
-from megatron_mesh.training.model import layer_spec, padded_vocab_size, transformer_config
+from megatron_mesh.training.model import gpt_model, layer_spec, transformer_config
 from megatron_mesh.values import AttentionShape
 
 
 def build_generation_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
     """The driver's GPTModel (same config and layer spec, so its checkpoints load) with
     `CachedMeshAttention` as every layer's core attention, in eval mode."""
-    model = GPTModel(
-        config=transformer_config(args),
-        transformer_layer_spec=cached_attention_spec(layer_spec(args)),
-        vocab_size=padded_vocab_size(vocab_size, args),
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=True, post_process=True, parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-    )
-    if has_cuda():
-        model.cuda(torch.cuda.current_device())
+    model = gpt_model(args, vocab_size, transformer_config(args),
+                      cached_attention_spec(layer_spec(args)))
     return model.eval()
 
 

@@ -163,13 +163,22 @@ def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
         from megatron_mesh.megatron.norm import sequence_parallel_block_spec
 
         spec = sequence_parallel_block_spec(spec, config)
+    return gpt_model(args, vocab_size, config, spec, parallel_state.is_pipeline_first_stage(),
+                     parallel_state.is_pipeline_last_stage())
+
+
+def gpt_model(args: TrainingConfig, vocab_size: int, config, spec, pre_process: bool = True,
+              post_process: bool = True) -> GPTModel:
+    """megatron-core's GPTModel with the run's embedding, RoPE and output settings (one
+    place: training and generation build the same model, so checkpoints load), on the GPU
+    when there is one."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, args),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,

@@ -86,6 +86,19 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
+def test_rotary_percent_reaches_the_generation_model(greedy_cp1: list[dict], checkpoint: Path,
+                                                    prompt_file: Path, work: Path) -> None:
+    """--rotary-percent builds the generation model as it builds the training model: the
+    same checkpoint with half of each head's dims rotated scores the prompts differently
+    (RoPE has no weights, so nothing else would tell)."""
+    run, records = generate(1, ["--load", str(checkpoint), "--prompt-ids-file",
+                                str(prompt_file), "--max-new-tokens", "2",
+                                "--rotary-percent", "0.5"], work / "half.jsonl")
+    assert run.returncode == 0, run.output[-3000:]
+    for got, want in zip(records, greedy_cp1, strict=True):
+        assert got["logprobs"][0] != pytest.approx(want["logprobs"][0], abs=1e-6)
+
+
 @pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
 def test_packed_prompts_equal_cp1(grid: str, greedy_cp1: list[dict], checkpoint: Path,
                                   work: Path) -> None:
