@@ -30,7 +30,7 @@ class BatchRamp:
 
     def batch(self, consumed_samples: int) -> int:
         """The global batch of the iteration after `consumed_samples`."""
-        if consumed_samples > self.samples:
+        if consumed_samples > self.samples or self.steps == 0:  # past it, or START is all
             return self.global_batch_size
         per_step = self.samples / self.steps
         return min(self.global_batch_size,
@@ -47,8 +47,8 @@ def check_ramp(args: Any) -> None:
     start, increment, samples = args.rampup_batch_size
     gbs, step = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
     flag = f"--rampup-batch-size {start} {increment} {samples}"
-    if start < 1 or increment < 1 or samples < 0:
-        raise ValueError(f"{flag}: START and INCREMENT must be positive, SAMPLES 0 or more")
+    if start < 1 or increment < 1 or samples < 1:
+        raise ValueError(f"{flag}: START, INCREMENT and SAMPLES must be positive")
     if start > gbs or (gbs - start) % increment:
         raise ValueError(f"{flag}: --global-batch-size {gbs} must be START plus a whole number "
                          f"of INCREMENTs (START <= {gbs})")

@@ -201,6 +201,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     ([*G8, "--train-samples", "40", "--rampup-batch-size", "1", "1", "8"],
      "--rampup-batch-size 1 1 8: START and INCREMENT must be multiples of micro batch 2 x "
      "data-parallel 4 = 8"),
+    ([*G8, "--train-samples", "40", "--rampup-batch-size", "8", "8", "0"],
+     "--rampup-batch-size 8 8 0: START, INCREMENT and SAMPLES must be positive"),
     ([*G8, "--train-samples", "40", "--rampup-batch-size", "2", "4", "8"],
      "--global-batch-size 8 must be START plus a whole number of INCREMENTs"),
     ([*G8, "--train-samples", "40", "--rampup-batch-size", "8", "8", "8",
@@ -359,6 +361,19 @@ def test_rampup_batch_size_is_sample_based(monkeypatch: pytest.MonkeyPatch) -> N
         batches.append((gbs, micro))
         consumed += gbs
     assert batches == [(2, 1), (2, 1), (4, 2), (4, 2), (4, 2), (4, 2)] and consumed == 20
+
+
+def test_rampup_that_starts_at_the_global_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """START = --global-batch-size leaves no step to ramp: every batch is the global one (it
+    divided by zero steps before)."""
+    from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse_args(["--config", TINY, "--train-samples", "16", "--global-batch-size", "4",
+                       "--rampup-batch-size", "4", "2", "8"])
+    calculator = ramp_calculator(args)
+    assert [batch_at(calculator, args, n) for n in (0, 4, 8, 12)] == [(4, 2)] * 4
+    assert args.train_iters == 4
 
 
 def test_plan_cli_refuses_flag_prefixes(capsys: pytest.CaptureFixture) -> None:
