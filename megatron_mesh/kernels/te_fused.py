@@ -521,7 +521,7 @@ class TEFusedKernel:
         self.caps = KernelCaps(documents=fallbacks[1].documents,
                                v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim)
         self._takes: dict[tuple, bool] = {}
-        self._told_documents = False
+        self._told: set[tuple] = set()  # (heads, dims, dtype, mask, documents?) logged once
 
     def _te_takes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   segments: Segments | None = None) -> bool:
@@ -546,13 +546,15 @@ class TEFusedKernel:
                 why = te_rejects(spec)
             except Exception as e:  # a query that fails says no more than a refusal
                 why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
-            if why is not None and segments is None:
-                log_once(f"te tile kernel: {why}; these tiles run on {fallback.name}")
-            elif why is not None and not self._told_documents:
-                # document tiles differ in lengths from batch to batch: said once, not per shape
-                self._told_documents = True
-                log_once(f"te tile kernel: {why}; these tiles, and any other packed-"
-                         f"document tile TE turns down (not logged), run on {fallback.name}")
+            # said once per kind of tile, not per length: packed documents (THD or placed)
+            # bring tiles of new lengths every micro-batch, and a message per length would
+            # grow the log and log_once's memory for the whole run
+            told = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, segments is None)
+            if why is not None and told not in self._told:
+                self._told.add(told)
+                log_once(f"te tile kernel: {why}; these tiles, and any other of these heads, "
+                         f"dtype and mask that TE turns down at other lengths (not logged), "
+                         f"run on {fallback.name}")
             takes = self._takes[key] = why is None
         return takes
 
