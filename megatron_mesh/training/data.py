@@ -24,6 +24,7 @@ from megatron_mesh.megatron.compat import (
     null_tokenizer_options,
 )
 from megatron_mesh.training.device import device, has_cuda
+from megatron_mesh.training.packing import document_lengths
 from megatron_mesh.training.pipeline import batch_keys
 from megatron_mesh.training.placement import document_packer
 from megatron_mesh.training.validation import split_weights
@@ -190,7 +191,7 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
         return
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
-        if args.reset_attention_mask:
-            yield pack(batch, eod)
+        if args.reset_attention_mask:  # documents read on the host: no wait for the device
+            yield pack(batch, eod, document_lengths(cpu_batch["tokens"], eod))
         else:
             yield get_batch_on_this_cp_rank(batch)

@@ -117,12 +117,18 @@ class DocumentPacker:
     multiple: int  # the packed total is a multiple of multiple x 2P (TP under SP)
     gpus_per_node: int | None
 
-    def __call__(self, batch: dict[str, torch.Tensor], eod: int) -> dict:
-        """This rank's share of a micro-batch of [b, s] tensors (documents end after EOD)."""
+    def __call__(self, batch: dict[str, torch.Tensor], eod: int,
+                 lengths: list[int] | None = None) -> dict:
+        """This rank's share of a micro-batch of [b, s] tensors (documents end after EOD;
+        `lengths`: the documents when the caller read them, on the host, before the batch
+        went to the device: reading them from device tokens waits for the device)."""
+        if lengths is None:
+            lengths = document_lengths(batch["tokens"], eod)
         if self.placement == TE or self.cp_size == 1:
-            return pack_documents(batch, eod, self.cp_size, self.cp_rank, self.multiple)
+            return pack_documents(batch, eod, self.cp_size, self.cp_rank, self.multiple,
+                                  lengths=lengths)
         flat = {k: v.reshape(-1) for k, v in batch.items()}
-        return self.place(flat, document_lengths(batch["tokens"], eod))
+        return self.place(flat, lengths)
 
     def pack_flat(self, flat: dict[str, torch.Tensor], lengths: list[int]) -> dict:
         """This rank's share of one packed sequence: fields [n], documents of `lengths` in

@@ -448,3 +448,26 @@ def test_placed_rope_reads_cu_seqlens_without_binding(monkeypatch) -> None:
         kwargs = {} if len(call) == 2 else {"cu_seqlens": placed}
         assert rope.placed_apply_rotary_pos_emb(t, freqs, *call, **kwargs).shape == t.shape
         assert calls[-1] == (torch.Size([3, 1, 2, 4]), torch.Size([3, 1, 1, 4]), None)
+
+
+@pytest.mark.parametrize("layout", ["balanced", "te"])
+def test_packer_takes_host_lengths_and_reads_no_device_tokens(layout: str) -> None:
+    """The driver reads a micro-batch's document lengths on the host before the batch goes
+    to the device: the packer given them never reads the device tokens (here on meta,
+    where reading them fails, as on a GPU it would wait for the device), and packs as it
+    does from the tokens."""
+    from megatron_mesh.training.packing import document_lengths
+    from megatron_mesh.training.placement import DocumentPacker
+
+    packer = DocumentPacker(layout, 2, 1, 1, None)
+    tokens = torch.tensor([[1, 2, 0, 3, 4, 5, 0, 6], [7, 0, 8, 9, 9, 9, 9, 0]])
+    batch = {"tokens": tokens, "labels": tokens + 1, "position_ids": tokens * 0}
+    lengths = document_lengths(tokens, 0)
+    assert lengths == [3, 4, 1, 2, 6]  # from the definition: a document ends after EOD 0
+    from_tokens, from_host = packer(batch, 0), packer(batch, 0, lengths)
+    for key in ("tokens", "labels", "position_ids"):
+        assert torch.equal(from_tokens[key], from_host[key]), key
+    meta = {k: v.to("meta") for k, v in batch.items()}
+    assert packer(meta, 0, lengths)["tokens"].shape == from_host["tokens"].shape
+    with pytest.raises(NotImplementedError):  # without them it would read the tokens
+        packer(meta, 0)
