@@ -312,6 +312,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         parser.error(f"--gpus-per-node {args.gpus_per_node} does not divide --gpus {args.gpus}: "
                      f"give whole nodes (e.g. --gpus {fits[0]} or {fits[1]}) or another "
                      "--gpus-per-node")
+    if args.inference and args.window_attn_skip_freq is not None:
+        parser.error(f"--window-attn-skip-freq {args.window_attn_skip_freq}: --inference prices "
+                     "one layer (prefill and a decode step), not a mix of windowed and global "
+                     "layers; drop it or run without --inference")
     if args.plot:
         if args.inference:
             parser.error("--plot draws training's speedups; it does not take --inference "

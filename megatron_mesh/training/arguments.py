@@ -486,6 +486,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.ffn_hidden_size = 4 * args.hidden_size
         if args.swiglu:  # about the 4h MLP's parameters, a multiple of 64: Megatron-LM's width
             args.ffn_hidden_size = int(2 * args.ffn_hidden_size / 3 / 64) * 64
+            if args.ffn_hidden_size < 1:
+                _fail(f"--swiglu with --hidden-size {args.hidden_size}: Megatron-LM's width "
+                      "(8h/3 rounded down to a multiple of 64) is 0; give --ffn-hidden-size "
+                      "or --hidden-size 24 or more")
     try:
         check_moe_args(args, world_size)
     except ValueError as e:

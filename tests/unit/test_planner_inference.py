@@ -60,3 +60,12 @@ def test_inference_refuses_a_plot_it_would_not_draw(capsys, tmp_path) -> None:
         main(["plan", "--inference", "--plot", str(tmp_path / "p.png"), *FLAGS])
     assert exit_.value.code == 2
     assert "--plot" in capsys.readouterr().err
+
+
+def test_inference_refuses_a_layer_mix_it_would_not_price(capsys) -> None:
+    """--inference prices one layer: a windowed / global mix is refused, not ignored."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--inference", "--window-size", "128", "--window-attn-skip-freq", "2",
+              *FLAGS])
+    assert exit_.value.code == 2
+    assert "--window-attn-skip-freq 2: --inference prices one layer" in capsys.readouterr().err

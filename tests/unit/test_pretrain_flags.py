@@ -185,6 +185,9 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--window-size", "16", "4"], "right must be 0 or -1"),
     (["--window-size", "-3", "0"], ">= -1"),
     (["--window-attn-skip-freq", "2"], "needs --window-size"),
+    (["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"],
+     "--swiglu with --hidden-size 16: Megatron-LM's width (8h/3 rounded down to a multiple "
+     "of 64) is 0"),
     # flags Megatron-LM checks the same way (issue 32)
     ([*G8, "--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-shap", "2x2x"],
      "unrecognized arguments: --mesh-shap 2x2x"),
