@@ -243,8 +243,11 @@ class MeshAttention:
         return CallSignature(
             tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype,
             documents if placement is None else placement, self.causal, self.softmax_scale,
-            plan.schedule.value, GradDtype(plan.grad_reduce_dtype).value, window, plan.exchange.value,
-            (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None)
+            plan.schedule.value, GradDtype(plan.grad_reduce_dtype).value, window,
+            plan.exchange.value,
+            (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None,
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (q, k, v, softmax_offset)))
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:

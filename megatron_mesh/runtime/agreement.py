@@ -34,7 +34,7 @@ from .grid import MeshGrid
 
 # what every rank of a CP group must pass alike, as named in the messages
 FIELDS = ("shapes", "documents", "causal", "softmax_scale", "schedule", "grad_reduce_dtype",
-          "window_size", "window_exchange", "grid", "softmax_offset")
+          "window_size", "window_exchange", "grid", "softmax_offset", "backward")
 _DIGEST_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -56,6 +56,7 @@ class CallSignature:
     window_exchange: str  # the plan's exchange under a window: 'sparse' rows or 'dense'
     grid: tuple[int, int, int]  # (A, R, C)
     sink: bool = False  # a softmax_offset is passed (its values are a replicated parameter)
+    backward: bool = False  # autograd records the call: its backward's collectives will run
 
     def values(self) -> tuple:
         """The fields as values whose repr is the same on every process: the documents by
@@ -63,7 +64,7 @@ class CallSignature:
         docs = None if self.documents is None else self.documents.agreement_key()
         return (self.q, self.k, self.dv, str(self.dtype), docs, self.causal,
                 repr(self.softmax_scale), self.schedule, self.grad_reduce_dtype, self.window,
-                self.window_exchange, self.grid, self.sink)
+                self.window_exchange, self.grid, self.sink, self.backward)
 
     def digest(self) -> int:
         """A 63-bit digest of `values` (blake2b: python's hash of a str differs per process)."""
@@ -88,6 +89,7 @@ class CallSignature:
             "window_exchange": repr(self.window_exchange),
             "grid": "x".join(map(str, self.grid)),
             "softmax_offset": "given" if self.sink else "none",
+            "backward": "to run (inputs need gradients)" if self.backward else "none",
         }
 
 

@@ -127,17 +127,22 @@ def disagreement_cases(odd: bool) -> dict[str, tuple[dict, tuple[str, ...]]]:
                                                ("shapes", "q [8, 1, 4, 16]", "q [16, 1, 4, 16]")),
         "bf16 on one rank": ({"dtype": torch.bfloat16 if odd else torch.float32},
                              ("shapes", "float32", "bfloat16")),
+        # a rank whose inputs need no gradient would skip the backward's collectives
+        "no backward on one rank": ({"grad": not odd},
+                                    ("backward", "to run (inputs need gradients)", "none")),
     }
 
 
 def good_call(grid: mm.MeshGrid, s: int = 8, dtype: torch.dtype = torch.float32,
-              **options) -> torch.Tensor:
-    """Forward and backward of one call on [s, 1, 4, 16] inputs (the same on every rank)."""
+              grad: bool = True, **options) -> torch.Tensor:
+    """Forward (and backward, when the inputs need gradients) of one call on [s, 1, 4, 16]
+    inputs (the same on every rank)."""
     g = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(s, 1, 4, 16, generator=g).to(dtype).requires_grad_()
+    q, k, v = (torch.randn(s, 1, 4, 16, generator=g).to(dtype).requires_grad_(grad)
                for _ in range(3))
     out = mm.mesh_attention(q, k, v, grid, **options)
-    out.float().sum().backward()
+    if grad:
+        out.float().sum().backward()
     return out.detach()
 
 
