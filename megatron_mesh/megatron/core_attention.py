@@ -52,14 +52,15 @@ _logged_schedules: set[tuple] = set()
 
 
 def _log_schedule(layer: MeshAttention, schedule: str) -> None:
-    """Say once per process (on global rank 0) which schedule runs on which grid."""
+    """Say once per process (on global rank 0) what runs on which grid (the layer's own
+    plan: under a window or placed documents, the sparse exchange)."""
     ran = layer.plan.schedule.value
-    seen = (layer.grid.shape_text, schedule, ran)
+    seen = (layer.grid.shape_text, schedule, layer.plan.describe)
     if seen in _logged_schedules or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _logged_schedules.add(seen)
     how = f" (chosen for less memory by '{schedule}')" if ran != schedule else ""
-    logger.info("mesh attention: %s grid, schedule %s%s", layer.grid.shape_text, ran, how)
+    logger.info("mesh attention: %s%s", layer.plan.describe, how)
 
 
 _CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
