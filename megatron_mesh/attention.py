@@ -166,7 +166,7 @@ class MeshAttention:
         schedule, exchange = sparse_plan(schedule, window_exchange, window is not None or placed)
         plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v, exchange)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed,
+        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed or placed,
                             v_head_dim=v.shape[-1])
         return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
                    bool(placed))

@@ -53,9 +53,6 @@ class KernelCaps:
     def __or__(self, other: KernelCaps) -> KernelCaps:
         return KernelCaps(**{n: getattr(self, n) or getattr(other, n) for n in NAMES})
 
-    def __and__(self, other: KernelCaps) -> KernelCaps:
-        return KernelCaps(**{n: getattr(self, n) and getattr(other, n) for n in NAMES})
-
     def missing(self, needs: KernelCaps) -> tuple[str, ...]:
         """The names `needs` sets that these caps do not cover (`tile_mask` covers
         `window`)."""

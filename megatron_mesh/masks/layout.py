@@ -57,12 +57,6 @@ class AttentionMask:
     placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
 
     @property
-    def sparse(self) -> bool:
-        """Whether blocks use only some rows of the shares (a window, placed documents): the
-        exchange then moves only those (`windowed.py`)."""
-        return self.window is not None or self.placement is not None
-
-    @property
     def packing(self) -> Documents | DocumentPlacement | None:
         """The packed documents, THD or placed (None: one dense sequence): what block data
         depends on beyond shapes (`caches.per_documents` keys on it)."""
