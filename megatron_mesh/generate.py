@@ -53,7 +53,11 @@ def _run(argv: list[str]) -> int:
     from megatron_mesh.training import distributed
     from megatron_mesh.training.data import build_tokenizer
     from megatron_mesh.training.generation_args import load_prompts, parse_generate
-    from megatron_mesh.training.generation_checkpoint import check_model_shape, checkpoint_path
+    from megatron_mesh.training.generation_checkpoint import (
+        SHAPE_KEYS,
+        check_model_shape,
+        checkpoint_path,
+    )
     from megatron_mesh.training.model import padded_vocab_size
     from megatron_mesh.values import shape_text
 
@@ -61,8 +65,7 @@ def _run(argv: list[str]) -> int:
     tokenizer = build_tokenizer(args)
     prompts = load_prompts(gen, tokenizer, tokenizer.vocab_size, args.max_position_embeddings)
     path = checkpoint_path(args.load, args.ckpt_step)
-    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                            "num_query_groups", "ffn_hidden_size")}
+    shape = {k: getattr(args, k) for k in SHAPE_KEYS}
     check_model_shape(path, shape, padded_vocab_size(tokenizer.vocab_size, args))
     with megatron_on_cpu():
         distributed.init_distributed(args)

@@ -8,11 +8,14 @@ import os
 import torch
 from megatron.core import dist_checkpointing
 
-from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
+from megatron_mesh.training.checkpoint import SHAPE_FLAGS, checkpoint_dir, latest_iteration
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest
 
+# the driver's saved "model_shape" that the weights alone do not pin (RoPE's share of the
+# head dims, the normalization...): a generation flag differing from them is refused, not
+# run on the wrong model; the position table's length may differ (longer generation)
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size")  # of the driver's saved "model_shape"
+              "ffn_hidden_size", *(k for k in SHAPE_FLAGS if k != "max_position_embeddings"))
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -30,7 +33,7 @@ def checkpoint_path(root: str, step: int | None) -> str:
     return path
 
 
-def check_model_shape(path: str, shape: dict[str, int], vocab: int) -> None:
+def check_model_shape(path: str, shape: dict, vocab: int) -> None:
     """CheckpointError naming the first model flag whose value differs from the
     checkpoint's (and the padded vocabulary, from the embedding's saved shape)."""
     common = dist_checkpointing.load_common_state_dict(path)

@@ -86,17 +86,17 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
-def test_rotary_percent_reaches_the_generation_model(greedy_cp1: list[dict], checkpoint: Path,
-                                                    prompt_file: Path, work: Path) -> None:
-    """--rotary-percent builds the generation model as it builds the training model: the
-    same checkpoint with half of each head's dims rotated scores the prompts differently
-    (RoPE has no weights, so nothing else would tell)."""
+def test_model_flags_the_weights_do_not_pin_must_match(checkpoint: Path, prompt_file: Path,
+                                                       work: Path) -> None:
+    """RoPE's share of the head dims has no weights: generating with another
+    --rotary-percent than the checkpoint's would load and run a different model, so it
+    exits 2 naming both values, before any collective."""
     run, records = generate(1, ["--load", str(checkpoint), "--prompt-ids-file",
                                 str(prompt_file), "--max-new-tokens", "2",
                                 "--rotary-percent", "0.5"], work / "half.jsonl")
-    assert run.returncode == 0, run.output[-3000:]
-    for got, want in zip(records, greedy_cp1, strict=True):
-        assert got["logprobs"][0] != pytest.approx(want["logprobs"][0], abs=1e-6)
+    assert run.returncode == 2 and not records, run.output[-3000:]
+    assert "holds a model with --rotary-percent 1.0, the flags say 0.5" in run.output
+    assert "Traceback" not in run.output
 
 
 @pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
