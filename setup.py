@@ -16,7 +16,8 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.8"],
         "plot": ["matplotlib"],
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "megatron-core>=0.16.1,<0.20",
-                "pyyaml", "psutil", "wandb", "matplotlib", "tensorboard", "sentencepiece"],
+                "pyyaml", "psutil", "wandb", "matplotlib", "tensorboard", "sentencepiece",
+                "transformers"],
     },
     entry_points={"console_scripts": ["megatron-mesh = megatron_mesh.cli:main"]},
 )

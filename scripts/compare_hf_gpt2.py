@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"iteration\s+(\d+)/.*?tokens/s: ([0-9.]+).*?peak memory (?:GPU|RSS) \(MB\): "
+# the driver's log line (training/metrics.py): "... tokens/s: T | ... | peak memory GPU (MiB): M |"
+LINE = re.compile(r"iteration\s+(\d+)/.*?tokens/s: ([0-9.]+).*?peak memory (?:GPU|RSS) \(MiB\): "
                   r"([0-9.]+)")
 
 
@@ -63,8 +64,11 @@ def ours(args: argparse.Namespace, cuda: bool) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     steps = [(int(m[1]), float(m[2]), float(m[3])) for m in LINE.finditer(out)]
-    if proc.returncode != 0 or len(steps) != args.iters:
+    if proc.returncode != 0:
         raise RuntimeError(f"the driver failed (exit {proc.returncode}):\n{out[-3000:]}")
+    if len(steps) != args.iters:
+        raise RuntimeError(f"the driver ran (exit 0) but {len(steps)} of its {args.iters} log lines "
+                           f"parse as {LINE.pattern!r}:\n{out[-3000:]}")
     attention = re.search(r"\| attention ([^|]+) \|", out)
     return {"tokens_per_s": statistics.median(t for i, t, _ in steps if i > args.warmup),
             "peak_memory_mib": steps[-1][2],
