@@ -841,5 +841,8 @@ def _lengths_from_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
     if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)):
         raise ValueError(f"cu_seqlens must be an int32 tensor or a list / tuple of ints, "
                          f"got {type(cu_seqlens).__name__}")
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens is on the meta device (shapes without values); the "
+                         "placement reads the lengths: give a CPU or accelerator tensor or a list")
     values = cumulative_lengths("cu_seqlens", cu_seqlens, strict=True)
     return tuple(map(operator.sub, values[1:], values[:-1]))

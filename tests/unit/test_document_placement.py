@@ -299,6 +299,7 @@ def test_the_longest_takes_the_whole_group() -> None:
     ([0, 8, 18], "18 tokens"),
     ([0], "n \\+ 1 >= 2"),
     ("0,16", "str"),
+    (torch.tensor([0, 8, 16], dtype=torch.int32, device="meta"), "meta device"),
 ])
 def test_bad_cu_seqlens_raise(bad, match: str) -> None:
     with pytest.raises(ValueError, match=match):
