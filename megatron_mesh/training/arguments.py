@@ -8,8 +8,10 @@ message on every rank instead of leaving the others waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
+import re
 from typing import Any, Sequence
 
 import torch
@@ -55,6 +57,18 @@ MLA_DIMS: dict[str, int | None] = {
 Q is projected without a low-rank step); they take effect with --multi-latent-attention."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after each flag's help, unless the help states its default
+    itself ("default 4 * hidden size", "(default: one per attention head)")."""
+
+    STATES_DEFAULT = re.compile(r"(^|[(,;.]\s*)default\b", re.IGNORECASE)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and self.STATES_DEFAULT.search(action.help):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
     if kw.get("type") is bool:
         kw.pop("type")
@@ -68,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m megatron_mesh.pretrain_gpt",
         description="Pretrain a GPT model on megatron-core with mesh context parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is an error, not that flag
     )
     p.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
@@ -303,10 +317,21 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
     known = {a.dest for a in parser._actions} - {"help", "config"}
     values = {_dest(k): v for k, v in raw.items()}
-    unknown = sorted(set(values) - known)
+    unknown = [str(k) for k in raw if _dest(str(k)) not in known]
     if unknown:
-        raise ConfigError(f"--config {path}: unknown keys {unknown}; see --help for valid flags")
+        raise ConfigError(f"--config {path}: " + "; ".join(_unknown_key(k, known) for k in unknown)
+                          + "; see --help for valid flags")
     return values
+
+
+def _unknown_key(key: str, known: set[str]) -> str:
+    """'unknown key K' as written in the file, with the nearest valid key in its style."""
+    dashes = "-" in key.strip().lstrip("-")
+    near = difflib.get_close_matches(_dest(key), sorted(known), n=1)
+    if not near:
+        return f"unknown key {key!r}"
+    name = near[0].replace("_", "-") if dashes else near[0]
+    return f"unknown key {key!r} (did you mean {name!r}?)"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainingConfig:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import re
 from pathlib import Path
 
 import pytest
@@ -258,7 +259,37 @@ def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
         capsys.readouterr().err)
     config.write_text("num-layerz: 2\n")
     assert main(["--config", str(config)]) == 2
-    assert "unknown keys ['num_layerz']" in capsys.readouterr().err
+    assert "unknown key 'num-layerz' (did you mean 'num-layers'?)" in capsys.readouterr().err
+
+
+def test_config_key_typos_are_named_as_written_with_the_nearest_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Each unknown key as the file spells it (dashes or underscores), the nearest valid key
+    in the same spelling, none where nothing is near; one line."""
+    config = tmp_path / "typos.yaml"
+    config.write_text("hiden-size: 32\nnum_attention_head: 4\nzzqqxx: 1\n")
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for part in ("unknown key 'hiden-size' (did you mean 'hidden-size'?)",
+                 "unknown key 'num_attention_head' (did you mean 'num_attention_heads'?)",
+                 "unknown key 'zzqqxx'; see --help"):
+        assert part in err, err
+
+
+def test_help_states_each_default_once(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture) -> None:
+    """Every line of --help (wide enough that each help is one line) states a default
+    at most once: a help naming its own default gets no "(default: None)" after it."""
+    monkeypatch.setenv("COLUMNS", "2000")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.strip() == "K/V heads with --group-query-attention (default: one per "
+               "attention head)" for line in lines)
+    twice = [line.strip() for line in lines
+             if len(re.findall(r"(?:^|[(,;.]\s*)default\b", line.strip(), re.IGNORECASE)) > 1]
+    assert not twice, "\n".join(twice)
 
 
 # Every flag the GPT example scripts of Megatron-LM core_v0.16.1 and core_v0.19.0 pass
