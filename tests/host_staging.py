@@ -107,3 +107,17 @@ def check_on_one_gpu(rank: int, grids: Sequence[tuple[int, int, int]], cases: Se
                     bad.append(f"{case} grid {grid.shape_text} rank {rank}: "
                                f"{type(e).__name__}: {e}")
     return bad
+
+
+def memory_over_model(rows: Sequence[dict], factor: float = 1.5,
+                      slack_bytes: int = 2**20) -> list[str]:
+    """The (grid shape, schedule) pairs whose worst rank measured more than `factor` x the
+    memory model plus `slack_bytes`: rows of {shape, schedule, measured_bytes, model_bytes}."""
+    worst: dict[tuple[str, str], tuple[int, int]] = {}
+    for row in rows:
+        key = (row["shape"], row["schedule"])
+        measured = max(worst.get(key, (0, 0))[0], row["measured_bytes"])
+        worst[key] = (measured, row["model_bytes"])
+    return [f"{shape} {sch}: measured {m / 2**20:.1f} MiB > {factor:g} x model "
+            f"{mod / 2**20:.1f} MiB" for (shape, sch), (m, mod) in worst.items()
+            if m > factor * mod + slack_bytes]

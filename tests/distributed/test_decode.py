@@ -200,7 +200,7 @@ def _gpu_check(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[list
 def test_decode_on_ranks_sharing_one_gpu(shape: tuple[int, int, int]) -> None:
     """Prefill through the CUDA kernels into a cache on the GPU, then decode steps (both
     exchanges, windows, sinks, GQA / MQA) against the fp64 formula within 1e-5 in fp32."""
-    results = run_distributed(_gpu_check, 4, shape)
+    results = run_distributed(_gpu_check, 4, shape, cuda=True)
     errors = [e for failures, _ in results for e in failures]
     assert not errors, "\n".join(errors[:20])
 

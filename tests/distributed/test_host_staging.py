@@ -63,6 +63,26 @@ def test_schedules_through_host_staging_stay_exact(world: int) -> None:
 
 # ------------------------------------------------------------------------------- GPU
 
+def how_started(rank: int, world: int, preloaded: list[str]) -> dict:
+    """This rank's parent process and which of the server's preloaded modules it has."""
+    import sys
+
+    return {"parent": os.getppid(), "preloaded": [m for m in preloaded if m in sys.modules]}
+
+
+def test_ranks_that_use_cuda_are_spawned_not_forked_from_the_preloaded_server() -> None:
+    """A rank forked from the preloaded server cannot initialize CUDA once the server's
+    imports have asked CUDA anything; the GPU tests' ranks (`cuda=True`) start as fresh
+    interpreters of this process: none of the server's imports, this process their parent."""
+    from preloaded import PRELOAD
+
+    heavy = [m for m in PRELOAD if m.startswith("megatron.core")]
+    for started in run_distributed(how_started, 2, heavy, cuda=True):
+        assert started == {"parent": os.getpid(), "preloaded": []}, started
+    forked = run_distributed(how_started, 2, heavy)  # the CPU tests' ranks: preloaded
+    assert all(f["parent"] != os.getpid() and f["preloaded"] == heavy for f in forked), forked
+
+
 def gpu_cases(world: int) -> list[Case]:
     s = 64 * world
     heads = ((8, 8), (8, 2), (8, 1))
@@ -105,7 +125,7 @@ def gpu_worker(rank: int, world: int) -> list[Failure]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_ranks_sharing_one_gpu_match_sdpa_fp64(world: int) -> None:
-    assert_no_failures(run_distributed(gpu_worker, world))
+    assert_no_failures(run_distributed(gpu_worker, world, cuda=True))
 
 
 def memory_worker(rank: int, world: int) -> list[dict]:
@@ -144,16 +164,25 @@ def memory_worker(rank: int, world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_peak_memory_of_each_schedule_vs_model(world: int) -> None:
     """Rows are appended as JSON lines to $MESH_GPU_MEMORY_REPORT when it is set."""
-    rows = sum(run_distributed(memory_worker, world), [])
+    rows = sum(run_distributed(memory_worker, world, cuda=True), [])
     report = os.environ.get("MESH_GPU_MEMORY_REPORT")
     if report:
         with open(report, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    worst = {}
-    for row in rows:
-        key = (row["shape"], row["schedule"])
-        worst[key] = max(worst.get(key, 0), row["measured_bytes"]), row["model_bytes"]
-    over = [f"{shape} {sch}: measured {m / 2**20:.1f} MiB > 1.5 x model {mod / 2**20:.1f} MiB"
-            for (shape, sch), (m, mod) in worst.items() if m > 1.5 * mod + 2**20]
+    over = host_staging.memory_over_model(rows)
     assert not over, "\n".join(over)
+
+
+@pytest.mark.unit
+def test_memory_rows_are_held_to_the_model_by_their_worst_rank() -> None:
+    """The GPU memory test's comparison, on rows as its ranks return them: per grid and
+    schedule the worst rank's measurement against 1.5 x the model plus 1 MiB."""
+    mib = 2**20
+    row = lambda shape, sch, rank, m: {"shape": shape, "schedule": sch, "rank": rank,  # noqa: E731
+                                       "measured_bytes": m * mib, "model_bytes": 100 * mib}
+    fine = [row("2x2", "streamed", r, m) for r, m in enumerate((90, 151, 120, 40))]
+    assert host_staging.memory_over_model(fine) == []
+    over = fine + [row("2x2", "gathered", 0, 10), row("2x2", "gathered", 3, 152)]
+    assert host_staging.memory_over_model(over) == [
+        "2x2 gathered: measured 152.0 MiB > 1.5 x model 100.0 MiB"]

@@ -164,7 +164,7 @@ def check_case(case: PlacedCase, grid: mm.MeshGrid, device: str = "cpu") -> list
     with mm.TrafficCounter() as counter:
         out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=case.schedule,
                                 placement=placement, window_size=case.window,
-                                backend="torch" if device == "cpu" else None)
+                                backend="auto")
         out.backward(share["dout"])
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     got = {n: t.cpu() for n, t in got.items()}
@@ -236,7 +236,7 @@ def test_placed_documents_on_ranks_sharing_one_gpu(cp_size: int) -> None:
     """The placed tiles (causal squares, full varlen calls, bands) through the CUDA kernels
     within twice SDPA's own error on that GPU, every grid, forward and backward; the bytes
     still equal `placement_traffic`."""
-    bad = [b for rank_bad in run_distributed(_gpu_run, cp_size) for b in rank_bad]
+    bad = [b for rank_bad in run_distributed(_gpu_run, cp_size, cuda=True) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
 
 

@@ -119,7 +119,7 @@ def check_case(case: SinkCase, grid: mm.MeshGrid, device: str = "cpu") -> list[s
     offset = x["offset"].float().to(device).requires_grad_(case.learnable)
     out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=case.schedule,
                             window_size=case.window, softmax_offset=offset,
-                            backend="torch" if device == "cpu" else None, **kwargs)
+                            backend="auto", **kwargs)
     out.backward(share["dout"])
     doffset = offset.grad.cpu() if case.learnable else torch.zeros(case.q_heads)
     dist.all_reduce(doffset)  # the partials sum to the gradient, as Megatron's reduction does
@@ -173,7 +173,7 @@ def _gpu_run(rank: int, world: int) -> list[str]:
 def test_sinks_on_ranks_sharing_one_gpu(cp_size: int) -> None:
     """The sink merged once per row after the CUDA kernels' partials, and its gradient,
     within twice the formula's own error on that GPU, every grid."""
-    bad = [b for rank_bad in run_distributed(_gpu_run, cp_size) for b in rank_bad]
+    bad = [b for rank_bad in run_distributed(_gpu_run, cp_size, cuda=True) for b in rank_bad]
     assert not bad, "\n".join(bad[:20])
 
 

@@ -1,9 +1,14 @@
-"""scripts/gpu_check.sh's control flow, on a CPU, in its dry-run mode: it installs the wheels
-carried beside the checkout (a bad one keeps no other out), reports each missing piece
-(here pytest and transformers made unimportable), goes through every step and writes the
-summary and gpu_check.json."""
+"""What scripts/gpu_check.sh runs, checked on a CPU.
+
+Its control flow in its dry-run mode: it installs the wheels carried beside the checkout (a
+bad one keeps no other out), reports each missing piece (here pytest and transformers made
+unimportable), goes through every step, each under its own time limit, and writes the
+summary and gpu_check.json. And what the `gpu` tests pass that a CPU run cannot reach: how
+their ranks start and which tile backend they name.
+"""
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import json
@@ -16,6 +21,52 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+
+
+def _is_gpu_marked(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(d, ast.Attribute) and d.attr == "gpu" for d in fn.decorator_list)
+
+
+def _calls(node: ast.AST, name: str) -> list[ast.Call]:
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call)
+            and getattr(c.func, "id", getattr(c.func, "attr", None)) == name]
+
+
+def test_gpu_tests_spawn_their_ranks() -> None:
+    """Every `gpu` test that starts ranks starts them with cuda=True (spawned, fresh
+    interpreters): forked from the preloaded server they cannot initialize CUDA."""
+    launches, forked = 0, []
+    for path in sorted((TESTS / "distributed").glob("test_*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(fn, ast.FunctionDef) and _is_gpu_marked(fn)):
+                continue
+            for call in _calls(fn, "run_distributed"):
+                launches += 1
+                cuda = {k.arg: k.value for k in call.keywords}.get("cuda")
+                if not (isinstance(cuda, ast.Constant) and cuda.value is True):
+                    forked.append(f"{path.name}:{call.lineno} {fn.name}")
+    assert launches >= 5, launches  # the GPU tests of host staging, placement, sinks, decode
+    assert not forked, f"gpu tests whose ranks are forked, not spawned: {forked}"
+
+
+def test_every_backend_the_tests_name_is_one_mesh_attention_takes() -> None:
+    """A `backend=` a test writes into a mesh_attention call, as a literal or either branch
+    of a conditional, is one of kernels.BACKENDS: the GPU branch of a test cannot pass what
+    the CPU run never does (e.g. None, which mesh_attention refuses)."""
+    from megatron_mesh.kernels import BACKENDS
+
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for call in _calls(ast.parse(path.read_text()), "mesh_attention"):
+            for kw in call.keywords:
+                if kw.arg != "backend":
+                    continue
+                values = [kw.value.body, kw.value.orelse] if isinstance(kw.value, ast.IfExp) \
+                    else [kw.value]
+                bad += [f"{path.relative_to(ROOT)}:{kw.lineno} backend={v.value!r}"
+                        for v in values if isinstance(v, ast.Constant) and v.value not in BACKENDS]
+    assert not bad, bad
 
 
 def make_wheel(folder: Path, name: str, version: str) -> Path:
