@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_mesh", "megatron_mesh.*"]),
+    package_data={"megatron_mesh.planner": ["profiles/*.json", "profiles/*.jsonl"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "packaging"],
     extras_require={

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
+from megatron_mesh.planner.gpu_profile import GPU_PROFILES, load_profile
 from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, inference_report
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.model_report import format_model, model_to_dict
@@ -94,9 +95,14 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    default=hardware.DEFAULT_INTER_NODE_BW,
                    help="achieved GB/s per GPU between nodes, i.e. node NIC bandwidth / GPUs "
                    "per node (default %(default)s)")
-    p.add_argument("--attention-tflops", type=_positive_float(MAX_TFLOPS),
-                   default=hardware.DEFAULT_ATTENTION_TFLOPS,
-                   help="achieved attention TFLOP/s per GPU (default %(default)s)")
+    p.add_argument("--attention-tflops", type=_positive_float(MAX_TFLOPS), default=None,
+                   help="achieved attention TFLOP/s per GPU, a flat rate for every kernel call "
+                   f"(default {hardware.DEFAULT_ATTENTION_TFLOPS:g} without --gpu)")
+    p.add_argument("--gpu", choices=GPU_PROFILES,
+                   help="price attention by the GPU's measured kernel calls (a fixed cost per "
+                   "call, a lower rate for small calls) instead of a flat TFLOP/s: h200 "
+                   "measured; h100 the H200's profile scaled by the data-sheet matrix rate "
+                   "(not measured); not with --attention-tflops")
     p.add_argument("--seq-length", type=_int_in(1, MAX_SEQ_LENGTH), required=True,
                    help="whole sequence length S")
     p.add_argument("--hidden-size", type=_positive_int,
@@ -188,7 +194,8 @@ def _plan(args: argparse.Namespace, cp_size: int, window: Window | None = None) 
         gpus_per_node=tp.cp_per_node,
         intra_node_bw=args.intra_node_bw,
         inter_node_bw=args.inter_node_bw,
-        attention_tflops=args.attention_tflops,
+        attention_tflops=args.attention_tflops or hardware.DEFAULT_ATTENTION_TFLOPS,
+        gpu=None if args.gpu is None else load_profile(args.gpu),
         overlap=args.overlap,
         mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
         mesh_schedule=args.mesh_schedule,
@@ -312,6 +319,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         parser.error(f"--gpus-per-node {args.gpus_per_node} does not divide --gpus {args.gpus}: "
                      f"give whole nodes (e.g. --gpus {fits[0]} or {fits[1]}) or another "
                      "--gpus-per-node")
+    if args.gpu is not None and args.attention_tflops is not None:
+        parser.error(f"--gpu {args.gpu} prices attention by its profile of kernel calls; "
+                     f"--attention-tflops {args.attention_tflops:g} is a flat rate: give one")
     if args.inference and args.window_attn_skip_freq is not None:
         parser.error(f"--window-attn-skip-freq {args.window_attn_skip_freq}: --inference prices "
                      "one layer (prefill and a decode step), not a mix of windowed and global "

@@ -10,6 +10,10 @@ pair the mask keeps (`TileMask.pairs`), as the planner prices windows
 (`planner.windows.kept_pairs`). A varlen tile (packed documents, `Segments`) costs the
 same per in-document pair only: segment i's queries against its own keys (causal: top-left
 aligned, query t sees min(t + 1, keys) of them), never the dense sq x sk.
+Given a GPU profile (`planner.gpu_profile`), a call sleeps its share of a tile on that GPU
+instead (`GpuProfile.share_seconds`: the larger of the host's time per call and the call's
+GPU time plus its merge, at the call's FLOPs, query rows, heads and dtype), as the planner
+prices calls with that profile.
 """
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ import time
 
 import torch
 
+from megatron_mesh.dtypes import DTYPE_NAMES
 from megatron_mesh.kernels.base import Segments, TileMask, check_call
 from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.masks.document_placement import run_pairs
+from megatron_mesh.planner.gpu_profile import GpuProfile
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
@@ -43,29 +49,37 @@ def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None,
 
 
 class EmulatedKernel:
-    """TileKernel that sleeps `flops / flops_rate` seconds per call (EMULATED compute).
-    Takes tile masks (priced by the pairs they keep), packed documents (priced by their
-    in-document pairs) and V's own head dim."""
+    """TileKernel that sleeps `flops / flops_rate` seconds per call, or the call's share of
+    a tile on `profile`'s GPU (EMULATED compute). Takes tile masks (priced by the pairs they
+    keep), packed documents (priced by their in-document pairs) and V's own head dim."""
 
     name = "emulated"
     caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
 
-    def __init__(self, flops_rate: float) -> None:
+    def __init__(self, flops_rate: float, profile: GpuProfile | None = None) -> None:
         if not flops_rate > 0:
             raise ValueError(f"flops_rate must be a positive number, got {flops_rate!r}")
         self.flops_rate = flops_rate
+        self.profile = profile
         self.seconds = 0.0  # emulated compute time slept so far
+        self.calls = 0  # calls made so far
 
-    def _compute(self, flops: float) -> None:
-        seconds = flops / self.flops_rate
+    def _compute(self, phase: str, flops: float, q: torch.Tensor) -> None:
+        if self.profile is None:
+            seconds = flops / self.flops_rate
+        else:
+            sq, b, hq, _ = q.shape
+            dtype = DTYPE_NAMES.get(q.dtype, str(q.dtype))
+            seconds = self.profile.share_seconds(phase, flops, sq, hq, b, dtype)
         self.seconds += seconds
+        self.calls += 1
         time.sleep(seconds)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 segments: Segments | None = None, mask: TileMask | None = None):
         """Zeros: out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq] fp32."""
         check_call(self, q, v, segments, mask)
-        self._compute(tile_flops(q, k, causal, mask, segments))
+        self._compute("forward", tile_flops(q, k, causal, mask, segments), q)
         sq, b, hq, _ = q.shape
         out = torch.zeros(sq, b, hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
@@ -74,7 +88,8 @@ class EmulatedKernel:
                  segments: Segments | None = None, mask: TileMask | None = None):
         """Zeros like q, k, v."""
         check_call(self, q, v, segments, mask)
-        self._compute(BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask, segments))
+        self._compute("backward", BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask, segments),
+                      q)
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))

@@ -2,7 +2,9 @@
 
 Per pass (forward, backward) and per GPU:
 
-    compute = pass FLOPs / P / attention TFLOP/s
+    compute = pass FLOPs / P / attention TFLOP/s                              (flat rate)
+    compute = the rank's kernel calls priced by the GPU's profile             (--gpu)
+              (`planner.tiles`, `GpuProfile.tile_seconds`)
     comm(t) = bytes(t) / bandwidth of the slowest link t's groups cross
               (all-to-all: max(off-node bytes / NIC, on-node bytes / intra-node link))
     time    = sum(comm of exposed t) + ring                                  (overlap on)
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.tiles import TileCalls
 from megatron_mesh.planner.workload import Workload
 
 PHASES = ("forward", "backward")
@@ -84,6 +87,7 @@ class Estimate:
     time_s: dict[str, float]
     mesh_shape: tuple[int, int] | None = None
     heads: int = 1  # the all-to-all size A of a heads x rows x cols mesh
+    calls: TileCalls | None = None  # the rank's kernel calls (what a GPU profile prices)
 
     @property
     def grid_shape(self) -> tuple[int, int, int] | None:
@@ -134,26 +138,31 @@ def price(
     heads: int = 1,
     flops: dict[str, float] | None = None,
     own_block_flops: dict[str, float] | None = None,
+    calls: TileCalls | None = None,
 ) -> Estimate:
     """Apply the time model of the module docstring to one method's transfers; `flops`:
     each pass's FLOPs on the busiest GPU (default: the workload's, shared by all GPUs);
     `own_block_flops`: each pass's FLOPs of the own block that the transfers under it
-    overlap (None: they are exposed)."""
+    overlap (None: they are exposed); `calls`: the rank's kernel calls, which the cluster's
+    GPU profile prices (None, or no profile: the flat rate)."""
     if flops is None:
         flops = {"forward": workload.forward_flops() / cluster.gpus,
                  "backward": workload.backward_flops() / cluster.gpus}
     compute, comm, time = {}, {}, {}
     for phase in PHASES:
-        compute[phase] = cluster.compute_seconds(flops[phase])
+        compute[phase] = cluster.attention_seconds(phase, flops[phase], calls)
         mine = [t for t in transfers if t.phase == phase]
         hidden = [t for t in mine if overlap and t.hidden]
         under = sum(t.seconds(cluster) for t in mine if t.under_own_block)
         exposed = sum(t.seconds(cluster) for t in mine
                       if not (overlap and t.hidden) and not t.under_own_block)
         comm[phase] = exposed + under + sum(t.seconds(cluster) for t in hidden)
-        own = cluster.compute_seconds(own_block_flops[phase]) if overlap and own_block_flops else 0.0
+        own = (cluster.attention_seconds(phase, own_block_flops[phase],
+                                         calls and calls.one_call())
+               if overlap and own_block_flops else 0.0)
         time[phase] = exposed + max(0.0, under - own) + ring_seconds(hidden, compute[phase], cluster)
-    return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape, heads)
+    return Estimate(method, label, tuple(transfers), compute, comm, time, mesh_shape, heads,
+                    calls)
 
 
 def ring_seconds(hidden: list[PricedTransfer], compute: float, cluster: Cluster) -> float:

@@ -20,7 +20,8 @@ ranks Y of a column (causal: the key at position t is seen by queries at positio
 (non-causal: the whole run when the other side holds any of the document). Compute: the
 busiest mesh rank's (query, key) pairs over its blocks (x in its row, y in its column), in
 closed form per pair of runs. The floor: the busiest CP rank's in-document pairs
-(`DocumentPlacement.works`) at the GPU's rate, what no schedule can beat.
+(`DocumentPlacement.works`) at the GPU's rate (with a GPU profile: in one kernel call),
+what no schedule can beat.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import exchange_transfers
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
+from megatron_mesh.planner.tiles import mesh_calls, ring_calls
 from megatron_mesh.planner.windows import RowCounts
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.values import BACKWARD_FLOPS_RATIO, grid_shapes
@@ -172,7 +174,8 @@ def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPla
     label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
     return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
                  flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
-                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own})
+                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
+                 calls=mesh_calls(workload, cluster.gpus, rows, cols, heads))
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:
@@ -193,6 +196,7 @@ def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> P
     grids += [(a, r, cc) for a, r, cc in grid_shapes(c.gpus) if a in sizes]
     estimates = tuple(placed_estimate(w, c, placement, r, cc, a) for a, r, cc in grids)
     fwd = max(placement.works()) * pair_flops(w)
-    floor = {"forward": c.compute_seconds(fwd),
-             "backward": c.compute_seconds(BACKWARD_FLOPS_RATIO * fwd)}
+    one = ring_calls(w, c.gpus).one_call()  # the floor: one call of the rank's rows
+    floor = {"forward": c.attention_seconds("forward", fwd, one),
+             "backward": c.attention_seconds("backward", BACKWARD_FLOPS_RATIO * fwd, one)}
     return PlacedPlan(placement, estimates, floor)

@@ -22,7 +22,8 @@ def reference_name(plan: Plan) -> str:
 
 def _row(plan: Plan, e: Estimate) -> list[str]:
     mark = (" *" if e is plan.best_mesh else "") + (" +" if e is plan.best_grid else "")
-    return [
+    calls = [] if plan.cluster.gpu is None else [_calls_text(e)]
+    return calls + [
         e.label + mark,
         f"{e.bytes('forward') / MIB:.1f}",
         f"{e.bytes('backward') / MIB:.1f}",
@@ -45,8 +46,11 @@ def format_table(plan: Plan, tensor_parallel: int = 1) -> str:
                else "off: compute + all transfers")
     ref = reference_name(plan)
     heads = [name for name, _ in COLUMNS[:-1]] + [f"vs {ref}"]
+    columns = COLUMNS
+    if c.gpu is not None:  # the calls a GPU profile prices, first
+        heads, columns = ["calls"] + heads, (("calls", ">"),) + COLUMNS
     rows = [heads] + [_row(plan, e) for e in plan.estimates]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [
         _cp_line(c.gpus, c.nodes, c.gpus_per_node, tensor_parallel),
         f"attention: S={w.seq_length}, batch {w.batch}, {w.num_heads} q / {w.num_kv_heads} kv "
@@ -55,8 +59,8 @@ def format_table(plan: Plan, tensor_parallel: int = 1) -> str:
            f"(longest {max(w.doc_lengths)}: compute counts in-document pairs only)")
         + _window_text(w),
         f"links per GPU: intra-node {c.intra_node_bw:g} GB/s, inter-node {c.inter_node_bw:g} "
-        f"GB/s; attention {c.attention_tflops:g} TFLOP/s per GPU",
-        f"compute per GPU: forward {compute['forward'] * 1e3:.3f} ms, backward "
+        f"GB/s; {c.attention_text}",
+        f"compute per GPU{_compute_of(plan)}: forward {compute['forward'] * 1e3:.3f} ms, backward "
         f"{compute['backward'] * 1e3:.3f} ms; overlap {overlap}",
         "",
         f"best mesh: {plan.best_mesh.mesh_shape[0]} x {plan.best_mesh.mesh_shape[1]} "
@@ -71,14 +75,34 @@ def format_table(plan: Plan, tensor_parallel: int = 1) -> str:
     ]
     for r in rows:
         lines.append("  ".join(
-            f"{cell:{align}{width}}" for cell, (_, align), width in zip(r, COLUMNS, widths)
+            f"{cell:{align}{width}}" for cell, (_, align), width in zip(r, columns, widths)
         ).rstrip())
     for u in plan.unavailable:
         lines.append(f"{u.method}: not applicable: {u.reason}")
-    lines.append(("MODEL (planner predictions); " if w.window is not None else "")
+    lines.append(("MODEL (planner predictions); " if w.window is not None or c.gpu is not None
+                  else "")
                  + "per layer, per GPU; traffic = bytes each GPU sends; * = best 2D mesh; "
-                 "+ = best heads x rows x cols (the choice)")
+                 "+ = best heads x rows x cols (the choice)"
+                 + ("" if c.gpu is None else "; calls = kernel calls per pass (forward/"
+                    "backward) x query rows x heads of each, priced by the GPU profile"))
     return "\n".join(lines)
+
+
+def _compute_of(plan: Plan) -> str:
+    """Whose compute the table's compute line shows: the same for every method at a flat
+    rate; the reference's (its kernel calls) under a GPU profile."""
+    if plan.cluster.gpu is None:
+        return ""
+    return f" ({plan.reference.label}, calls {_calls_text(plan.reference)}; by method below)"
+
+
+def _calls_text(e: Estimate) -> str:
+    """'16/16 x 2048r x 8h': a rank's kernel calls per pass and the size of each."""
+    k = e.calls
+    if k is None:
+        return "-"
+    counts = f"{k.forward}" if k.forward == k.backward else f"{k.forward}/{k.backward}"
+    return f"{counts} x {k.rows}r x {k.heads}h"
 
 
 def _cp_line(cp: int, nodes: int, per_node: int, tp: int) -> str:
@@ -126,6 +150,7 @@ def _estimate_dict(plan: Plan, e: Estimate) -> dict[str, Any]:
              "hidden": t.hidden}
             for t in e.transfers
         ],
+        "calls": None if e.calls is None else vars(e.calls).copy(),
         "compute_s": dict(e.compute_s),
         "comm_s": dict(e.comm_s),
         "time_s": {**e.time_s, "total": e.total_s},
@@ -140,13 +165,22 @@ def _workload_dict(plan: Plan) -> dict[str, Any]:
     return out
 
 
+def _cluster_dict(plan: Plan) -> dict[str, Any]:
+    """The cluster, its GPU profile as the name, whether measured and its line."""
+    out = vars(plan.cluster).copy()
+    g = plan.cluster.gpu
+    out["gpu"] = None if g is None else {"name": g.name, "measured": g.measured,
+                                         "backend": g.backend, "describe": g.describe()}
+    return out
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Everything in the table, machine-readable."""
     pl = plan.placement
     return {
         "workload": _workload_dict(plan),
         "reference": plan.reference.method,
-        "cluster": vars(plan.cluster).copy(),
+        "cluster": _cluster_dict(plan),
         "overlap": plan.overlap,
         "best_mesh": {
             "shape": list(plan.best_mesh.mesh_shape),

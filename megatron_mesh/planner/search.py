@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from megatron_mesh import values
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
+from megatron_mesh.planner.gpu_profile import GpuProfile, load_profile
 from megatron_mesh.planner.hardware import (
     DEFAULT_ATTENTION_TFLOPS,
     DEFAULT_GPUS_PER_NODE,
@@ -23,6 +24,13 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.placement import Placement, mesh_placement
+from megatron_mesh.planner.tiles import (
+    a2a_calls,
+    a2a_p2p_calls,
+    all_gather_calls,
+    mesh_calls,
+    ring_calls,
+)
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
@@ -137,18 +145,22 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     p = cluster.gpus
     workload.check_cp_size(p)
 
-    def priced(method: str, label: str, transfers, shape=None, heads=1) -> Estimate:
-        return price(method, label, transfers, workload, cluster, overlap, shape, heads)
+    def priced(method: str, label: str, transfers, calls, shape=None, heads=1) -> Estimate:
+        return price(method, label, transfers, workload, cluster, overlap, shape, heads,
+                     calls=calls)
 
     unavailable = []
     try:
-        ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster))
+        ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster),
+                      ring_calls(workload, p))
     except NotApplicable as exc:
         ring = None
         unavailable.append(Unavailable("ring", str(exc)))
-    baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster))]
+    baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster),
+                        all_gather_calls(workload, p))]
     try:
-        baselines.append(priced("a2a", "a2a (Ulysses)", a2a_transfers(workload, cluster)))
+        baselines.append(priced("a2a", "a2a (Ulysses)", a2a_transfers(workload, cluster),
+                                a2a_calls(workload, p)))
     except NotApplicable as exc:
         unavailable.append(Unavailable("a2a", str(exc)))
     try:
@@ -156,7 +168,8 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     except NotApplicable as exc:
         unavailable.append(Unavailable("a2a+p2p", str(exc)))
     hierarchical = [] if workload.window is not None else [
-        priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a))
+        priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a),
+               a2a_p2p_calls(workload, p, a))
         for a in a2a_sizes(workload, p)
     ]
     if hierarchical:
@@ -168,13 +181,15 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
             f"({workload.num_heads}) and num_kv_heads ({workload.num_kv_heads})",
         ))
     meshes = tuple(
-        priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c), (r, c))
+        priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c),
+               mesh_calls(workload, p, r, c), (r, c))
         for r, c in mesh_shapes(p)
     )
     best_mesh = min(meshes, key=mesh_key)
     sizes = heads_sizes(workload, p)
     grids = tuple(
-        priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a), (r, c), a)
+        priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a),
+               mesh_calls(workload, p, r, c, a), (r, c), a)
         for a, r, c in grid_shapes(p) if a in sizes
     )
     best_grid = min(meshes + grids, key=grid_key)
@@ -229,10 +244,15 @@ def plan(
     mesh_schedule: str = DEFAULT_SCHEDULE,
     doc_lengths: tuple[int, ...] | None = None,
     window: Window | tuple[int, int] | None = None,
+    gpu: GpuProfile | str | None = None,
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`);
     `doc_lengths`: packed documents filling the sequence (`Workload`); `window`: a sliding
-    window (left, right), checked here once (`window.window_of`)."""
+    window (left, right), checked here once (`window.window_of`); `gpu`: a GPU profile (or
+    its name, `gpu_profile.GPU_PROFILES`) pricing attention by kernel calls instead of the
+    flat `attention_tflops`."""
+    if isinstance(gpu, str):
+        gpu = load_profile(gpu)
     if window is not None and not isinstance(window, Window):
         window = window_of(window, causal)
     workload = Workload(
@@ -254,6 +274,7 @@ def plan(
         intra_node_bw=intra_node_bw,
         inter_node_bw=inter_node_bw,
         attention_tflops=attention_tflops,
+        gpu=gpu,
     )
     return search(workload, cluster, overlap)
 

@@ -1,0 +1,81 @@
+"""The attention kernel calls one rank makes per pass, per method: what a GPU profile prices.
+
+With s = S / P tokens per rank (P CP ranks) and Hq query heads:
+
+    ring (p2p, TE's KV-P2P)   P calls a pass, one per ring step: s query rows, Hq heads
+    all_gather (TE's)         2 calls a pass, one per zigzag half: s / 2 rows, Hq heads
+    a2a (Ulysses)             1 call over the whole sequence: S rows, Hq / P heads
+    a2a+p2p (A x P/A)         P / A ring steps: s A rows, Hq / A heads
+    mesh A x R x C            `models.tile_calls` (forward_calls / backward_calls of the
+                              schedule the plan runs): s A query rows a call (C s A / calls
+                              when fewer calls than the tile's C query chunks), Hq / A heads
+
+A pass's FLOPs (the busiest rank's) are shared evenly by its calls (`GpuProfile.tile_seconds`).
+Under a sliding window or placed documents the mesh's calls are counted as the dense tile's
+(their band and varlen calls are not counted apart).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron_mesh.models.tile_calls import backward_calls, forward_calls
+from megatron_mesh.planner.workload import Workload
+from megatron_mesh.values import check_positive_int
+
+
+@dataclass(frozen=True)
+class TileCalls:
+    """One rank's kernel calls in each pass, each over `rows` query rows of `heads` heads
+    (`batch`, input `dtype`)."""
+
+    forward: int
+    backward: int
+    rows: int
+    heads: int
+    batch: int = 1
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "rows", "heads", "batch"):
+            check_positive_int(name, getattr(self, name))
+
+    def count(self, phase: str) -> int:
+        """Calls in `phase` ('forward' or 'backward')."""
+        return self.forward if phase == "forward" else self.backward
+
+    def one_call(self) -> TileCalls:
+        """A single call of the same rows and heads (a rank's own block, a floor)."""
+        return replace(self, forward=1, backward=1)
+
+
+def _calls(workload: Workload, forward: int, backward: int, rows: int, heads: int) -> TileCalls:
+    return TileCalls(forward, backward, max(1, rows), max(1, heads), workload.batch,
+                     workload.dtype)
+
+
+def ring_calls(workload: Workload, cp_size: int) -> TileCalls:
+    return _calls(workload, cp_size, cp_size, workload.seq_length // cp_size, workload.num_heads)
+
+
+def all_gather_calls(workload: Workload, cp_size: int) -> TileCalls:
+    return _calls(workload, 2, 2, workload.seq_length // (2 * cp_size), workload.num_heads)
+
+
+def a2a_calls(workload: Workload, cp_size: int) -> TileCalls:
+    return _calls(workload, 1, 1, workload.seq_length, workload.num_heads // cp_size)
+
+
+def a2a_p2p_calls(workload: Workload, cp_size: int, a2a_size: int) -> TileCalls:
+    ring = cp_size // a2a_size
+    return _calls(workload, ring, ring, workload.seq_length // ring, workload.num_heads // a2a_size)
+
+
+def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int,
+               heads: int = 1) -> TileCalls:
+    """The calls of a heads x rows x cols grid's tile (module docstring)."""
+    schedule = workload.mesh_plan(rows, cols, heads).schedule
+    fwd = forward_calls(rows, cols, workload.causal, schedule)
+    bwd = backward_calls(rows, cols, workload.causal, schedule)
+    chunk = workload.seq_length * heads // cp_size
+    per_call = chunk * max(1, cols // min(fwd, bwd))
+    return _calls(workload, fwd, bwd, per_call, workload.num_heads // heads)
