@@ -37,6 +37,14 @@ def _error(message: str) -> None:
     sys.stderr.flush()
 
 
+def _flag_error(message: str) -> None:
+    """A flag error, on the first local rank only: the checks read only the command line,
+    the environment and the node's files, so every rank of a node finds the same error, and
+    printing it once per rank repeated it P times before the launcher's own report."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        _error(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stdout()
     try:
@@ -44,13 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as e:  # --help too: the flags are megatron-core's
         if (e.name or "").split(".")[0] not in EXTRA_MODULES:
             raise
-        _error(f"the driver needs the 'megatron' extra (no module named {e.name!r}): "
-               "pip install 'megatron-mesh[megatron]'")
+        _flag_error(f"the driver needs the 'megatron' extra (no module named {e.name!r}): "
+                    "pip install 'megatron-mesh[megatron]'")
         return 2
     try:
         args = parse_args(argv)
     except ConfigError as e:
-        _error(str(e))
+        _flag_error(str(e))
         return 2
     from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run

@@ -12,7 +12,7 @@ import difflib
 import importlib.util
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
@@ -57,6 +57,14 @@ MLA_DIMS: dict[str, int | None] = {
 Q is projected without a low-rank step); they take effect with --multi-latent-attention."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a bad choice) as ConfigError: one line, like
+    every other flag error, instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's "(default: X)" after each flag's help, unless the help states its default
     itself ("default 4 * hidden size", "(default: one per attention head)")."""
@@ -79,7 +87,7 @@ def _flag(parser: argparse._ActionsContainer, name: str, **kw: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """All flags of ``python -m megatron_mesh.pretrain_gpt``; names follow Megatron-LM."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m megatron_mesh.pretrain_gpt",
         description="Pretrain a GPT model on megatron-core with mesh context parallelism.",
         formatter_class=HelpFormatter,
@@ -585,6 +593,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail("--save needs psutil (megatron-core's checkpoint writer uses it): pip install psutil")
     _validate_data(args)
     _validate_evaluation(args)
+    _check_logger_packages(args)
     resolve_placement_args(args, _fail)
 
 
@@ -663,6 +672,25 @@ def _validate_evaluation(args: argparse.Namespace) -> None:
                 [p for p in args.data_path if not _is_number(p)], args.split, used)
         except ValueError as e:
             _fail(str(e))
+
+
+# flag -> (the module its logger imports, the extra that installs it)
+LOGGER_PACKAGES = {"tensorboard_dir": ("torch.utils.tensorboard", "tensorboard"),
+                   "wandb_project": ("wandb", "wandb")}
+
+
+def _check_logger_packages(args: argparse.Namespace) -> None:
+    """--tensorboard-dir / --wandb-project: their package imports here, before any process
+    group, rather than on the logging rank after the model is built."""
+    for dest, (module, extra) in LOGGER_PACKAGES.items():
+        if getattr(args, dest) is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - a broken install raises anything
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _fail(f"{_flag_name(dest)} needs the {extra} package, which does not import "
+                  f"({reason}): pip install 'megatron-mesh[{extra}]'")
 
 
 def _divisors(n: int) -> list[int]:

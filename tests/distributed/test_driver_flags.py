@@ -5,10 +5,14 @@ communication overlap."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Run, launch
+from preloaded import ROOT, TINY, Run, job_env, launch
+
+from megatron_mesh.runtime.spawn import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -136,3 +140,56 @@ def test_overlapped_grad_reduce_and_param_gather_match_the_plain_run(work: Path)
                 assert got[it] == pytest.approx(want[it], rel=rel), (gather, name, it)
         assert [ln for ln in run.output.splitlines() if "validation loss" in ln] == want_val
     assert os.path.isdir(work / "overlap-ckpt" / "iter_0000004")
+
+
+def _without(root: Path, *packages: str) -> str:
+    """A folder that, first on PYTHONPATH, makes `packages` fail to import (each a package of
+    that name whose import raises ImportError, as a missing or broken install does)."""
+    for name in packages:
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    return str(root)
+
+
+def _ranks(nproc: int, args: list[str], pythonpath: str, timeout: float = 200) -> tuple[list[int], str]:
+    """The driver on `nproc` fresh processes with torchrun's environment (not forked from the
+    preloaded server, whose imports are done): (exit codes, their output)."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        env = job_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port)
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env["PYTHONPATH"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_mesh.pretrain_gpt", *args],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outputs.append(out)
+        codes.append(p.returncode)
+    return codes, "".join(outputs)
+
+
+def test_logger_flags_without_their_package_exit_2_before_any_group(tmp_path: Path) -> None:
+    """--tensorboard-dir where tensorboard does not import, on 2 ranks: each exits 2 at the
+    flag check (before any process group: nothing else is printed, no traceback, no gloo
+    error), the one line printed once, naming the flag and the extra; --wandb-project
+    without wandb the same."""
+    broken = _without(tmp_path / "absent", "tensorboard", "wandb")
+    for flags, nproc, line in (
+            (["--tensorboard-dir", str(tmp_path / "tb")], 2,
+             "pretrain_gpt: error: --tensorboard-dir needs the tensorboard package, which does "
+             "not import (no tensorboard here): pip install 'megatron-mesh[tensorboard]'"),
+            (["--wandb-project", "p"], 1,
+             "pretrain_gpt: error: --wandb-project needs the wandb package, which does not "
+             "import (no wandb here): pip install 'megatron-mesh[wandb]'")):
+        codes, output = _ranks(nproc, [*CONSTANT, "--train-iters", "1", *flags], broken)
+        assert codes == [2] * nproc, output[-3000:]
+        assert output.strip() == line, output[-3000:]
+    assert not (tmp_path / "tb").exists()

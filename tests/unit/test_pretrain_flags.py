@@ -241,13 +241,19 @@ def test_bad_flags_exit_nonzero_with_message(flags: list[str], message: str,
 
 @pytest.mark.distributed  # forks a driver job on every rank
 def test_bad_flags_fail_fast_on_every_rank() -> None:
-    """Four ranks of a job with a bad mesh shape: each exits 2 with the message by itself
-    (no rank is stopped for another's failure), before any group exists, so none hangs."""
-    job = Job(["--config", TINY, "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
-               "--mesh-shape", "1x2"], job_env(), nproc=4, stop_others=False)
-    run = job.wait(timeout=100)
-    assert job.exitcodes == [2, 2, 2, 2], run.output[-2000:]
-    assert run.output.count("pretrain_gpt: error: mesh shape 1x2 has 2 ranks") == 4, run.output[-2000:]
+    """Four ranks of a job with a bad mesh shape, or a bad choice argparse itself rejects:
+    each exits 2 by itself (no rank is stopped for another's failure), before any group
+    exists, so none hangs; the message is printed once (the first local rank), in one line."""
+    for flags, message in (
+            (["--mesh-shape", "1x2"], "pretrain_gpt: error: mesh shape 1x2 has 2 ranks"),
+            (["--mesh-schedule", "ring"],
+             "pretrain_gpt: error: argument --mesh-schedule: invalid choice: 'ring'")):
+        job = Job(["--config", TINY, "--context-parallel-size", "4", "--context-parallel-algo",
+                   "mesh", *flags], job_env(), nproc=4, stop_others=False)
+        run = job.wait(timeout=100)
+        assert job.exitcodes == [2, 2, 2, 2], run.output[-2000:]
+        assert run.output.count(message) == 1, run.output[-2000:]
+        assert run.output.strip().count("\n") == 0 and "usage:" not in run.output, run.output
 
 
 def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
