@@ -3,11 +3,14 @@
     import megatron_mesh as mm
     grid = mm.MeshGrid.build(rows=R, cols=C)
     out = mm.mesh_attention(q, k, v, grid, causal=True)
+    out = mm.mesh_attention(q, k, v, grid, mask=mm.prefix_lm_mask(seq_len=S, prefix_len=L))
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .masks.document_placement import DocumentPlacement, place_documents, zigzag_placement
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .masks.layout import zigzag_merge, zigzag_split
+from .masks.prefix import prefix_lm_mask
+from .masks.slices import Slice, SliceMask
 from .models.traffic import Traffic, best_mesh_shape, mesh_traffic
 from .runtime.comm import TrafficCounter
 from .runtime.grid import MeshGrid
@@ -23,6 +26,8 @@ __all__ = [
     "MeshAttention",
     "MeshAttentionFunction",
     "MeshGrid",
+    "Slice",
+    "SliceMask",
     "Traffic",
     "TrafficCounter",
     "best_mesh_shape",
@@ -31,6 +36,7 @@ __all__ = [
     "mesh_traffic",
     "place_documents",
     "placement_traffic",
+    "prefix_lm_mask",
     "thd_merge",
     "thd_partition_indices",
     "thd_split",

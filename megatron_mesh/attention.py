@@ -17,7 +17,9 @@ outputs in fp32):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -28,8 +30,10 @@ from .masks.documents import Documents
 from .masks.layout import AttentionMask
 from .masks.placed import check_placement, check_placement_documents, mesh_placement
 from .masks.sink import add_sink, check_offset, sink_grad
+from .masks.slices import SliceMask, as_mask
 from .masks.window import Window, window_of
 from .models.plan import resolve_plan
+from .models.traffic import mesh_traffic
 from .runtime import agreement, heads
 from .runtime.agreement import CallSignature
 from .runtime.checks import check_inputs
@@ -79,6 +83,39 @@ def grad_dtypes(grads: GradDtype | str, dtype: torch.dtype) -> GradDtypes:
 
 
 WINDOW_EXCHANGES = ("sparse", "gathered")
+# a mask given as slices takes the sparse exchange where the rank sending most sends at most
+# this share of the dense exchange's bytes
+SPARSE_PAYS = 0.5
+
+
+def mask_of(mask: SliceMask | Iterable | None, causal: bool | None, packed: bool,
+            window_size: tuple[int, int] | None) -> tuple[bool, SliceMask | None]:
+    """(causal, the checked `SliceMask` or None) of a call's `mask` and `causal` (None: True
+    without a mask); ValueError where a mask comes with causal, documents or a window."""
+    if mask is None:
+        return (True if causal is None else causal), None
+    if causal is not None:
+        raise ValueError(f"causal={causal!r} was given with a mask; the mask alone says what "
+                         "each query sees (causal slices where it is causal): pass one of them")
+    if packed:
+        raise ValueError("a mask is given over one dense sequence's positions; pass it without "
+                         "cu_seqlens or placement (a document's slices are its own rectangle)")
+    if window_size is not None:
+        raise ValueError(f"window_size={window_size!r} was given with a mask; give the mask "
+                         "alone (its slices say what each query sees)")
+    return False, as_mask(mask)
+
+
+@functools.lru_cache(maxsize=64)  # a few layers' masks and shapes
+def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: SliceMask) -> bool:
+    """Whether the sparse exchange of `mask` (only the rows its blocks use) sends at most
+    `SPARSE_PAYS` of the bytes of the dense `plan`, on the rank sending most
+    (`windowed.sparse_traffic` against `traffic.mesh_traffic`)."""
+    e = shape.dtype_bytes
+    slices = AttentionMask(False, ranks=plan.rows * plan.cols, slices=mask)
+    sparse = windowed.sparse_traffic(shape, plan.heads, plan.rows, plan.cols, slices, None,
+                                     plan.dq_bytes(e), plan.dkv_bytes(e))
+    return sparse.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
 
 
 def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: bool
@@ -147,29 +184,39 @@ class MeshAttention:
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
     window: Window | None = None  # the sliding window (`window.window_of`), None: none
     placed: bool = False  # built for placed documents (`DocumentPlacement`)
+    mask: SliceMask | None = None  # a mask given as slices (`slices.py`), None: none
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
-              causal: bool = True, softmax_scale: float | None = None,
+              causal: bool | None = None, softmax_scale: float | None = None,
               backend: str | TileKernel = "auto", schedule: str = DEFAULT_SCHEDULE,
               grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
               window_size: tuple[int, int] | None = None,
-              window_exchange: str = "sparse", placed: bool = False) -> MeshAttention:
+              window_exchange: str = "sparse", placed: bool = False,
+              mask: SliceMask | Iterable | None = None) -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
         and decide the layer's plan and kernel (`packed`: for packed documents;
         `window_size`: a sliding window, `window.window_of`; `window_exchange`: what
-        travels under it, `mesh_attention`; `placed`: for placed documents)."""
+        travels under it, `mesh_attention`; `placed`: for placed documents; `mask`: a
+        mask given as slices, `mesh_attention`)."""
+        causal, mask = mask_of(mask, causal, packed or placed, window_size)
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
         window = window_of(window_size, causal)
-        if window is not None:
+        if window is not None or mask is not None:
             backend = window_backend(backend)
-        schedule, exchange = sparse_plan(schedule, window_exchange, window is not None or placed)
+        sparse = window is not None or placed
+        if mask is not None:
+            mask.check_length(q.shape[0] * grid.cp_size)
+            sparse = window_exchange == "gathered" or (window_exchange == "sparse" and sparse_pays(
+                layer_shape(q, k, grid, v), plan_for(q, k, grid, schedule, grad_reduce_dtype, v),
+                mask))
+        schedule, exchange = sparse_plan(schedule, window_exchange, sparse)
         plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v, exchange)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed or placed,
                             v_head_dim=v.shape[-1])
         return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
-                   bool(placed))
+                   bool(placed), mask)
 
     def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
@@ -194,7 +241,8 @@ class MeshAttention:
         agreement.agree(grid, signature)
         packed = documents if placement is None else placement
         mask = AttentionMask(self.causal, documents, grid.rows * grid.cols, self.window,
-                             None if placement is None else mesh_placement(placement, grid.heads))
+                             None if placement is None else mesh_placement(placement, grid.heads),
+                             self.mask)
         if grid.heads > 1:
             q, k, v = heads.scatter_heads(q, k, v, grid, packed)
             if softmax_offset is not None:  # this rank's head slice
@@ -247,7 +295,8 @@ class MeshAttention:
             plan.exchange.value,
             (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None,
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (q, k, v, softmax_offset)))
+                                            for t in (q, k, v, softmax_offset)),
+            self.mask)
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:
@@ -300,7 +349,7 @@ def mesh_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     grid: MeshGrid,
-    causal: bool = True,
+    causal: bool | None = None,
     softmax_scale: float | None = None,
     backend: str | TileKernel = "auto",
     schedule: str = DEFAULT_SCHEDULE,
@@ -311,12 +360,14 @@ def mesh_attention(
     window_exchange: str = "sparse",
     placement: DocumentPlacement | None = None,
     softmax_offset: torch.Tensor | None = None,
+    mask: SliceMask | Iterable | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
     q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] (Megatron's sbhd; s = S / P,
     sub-chunks r and 2P-1-r of 2P for CP rank r; dv = d, or V's own head dim as in
     multi-latent attention) -> out [s, b, hq, dv] in q's dtype, differentiable in q, k, v.
+    causal: True (the default without a mask) or False.
     Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
     dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
     backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`), or a
@@ -353,6 +404,12 @@ def mesh_attention(
     softmax_type "learnable", zeros for "off-by-one"), merged once per row at its owner
     (`sink.py`). With offset.requires_grad its gradient is this rank's partial (the sum over
     the CP group is the whole gradient, as Megatron's data x context parallel reduction sums).
+    mask: what each query sees, as slices over the whole sequence's positions: a `SliceMask`
+    or its list of (q_start, q_end, k_start, k_end, 'full' | 'causal') (`slices.py`; the
+    builders of `masks/` make them), the same on every rank; instead of causal, without
+    documents or a window. A query no slice reaches gets output 0 and no gradient. Blocks the mask leaves
+    empty are not computed; where that saves at least half the bytes, only the rows the
+    blocks use travel (`sparse_pays`; window_exchange 'gathered': whole chunks).
     """
     if not isinstance(grid, MeshGrid):  # no group to tell the other ranks
         raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got "
@@ -369,7 +426,7 @@ def mesh_attention(
         layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
                                     grad_reduce_dtype, packed=packed, window_size=window_size,
                                     window_exchange=window_exchange,
-                                    placed=placement is not None)
+                                    placed=placement is not None, mask=mask)
     except Exception as error:  # noqa: BLE001 - every rank must hear of it
         agreement.refuse(grid, error)
     out = layer(q, k, v, documents, placement, softmax_offset)

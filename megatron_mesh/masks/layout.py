@@ -18,6 +18,8 @@ from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .placed import placed_block, positions
+from .slice_blocks import slice_block
+from .slices import SliceMask
 from .window import Window, token_positions
 from .zigzag import held_pieces, zigzag_chunks
 
@@ -46,21 +48,25 @@ def zigzag_merge(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 class AttentionMask:
     """What a layer's queries see, decided once per call and passed to every block:
     causal or not, the packed documents (None: one dense sequence per batch entry) and the
-    sliding window (None: none).
-    `ranks` is the number of zigzag shares the local tensors are (P, or P / A after the
-    heads all-to-all)."""
+    sliding window (None: none); or a mask given as slices (`slices`, then causal is False
+    and the others None). `ranks` is the number of zigzag shares the local tensors are (P,
+    or P / A after the heads all-to-all)."""
 
     causal: bool
     documents: Documents | None = None
     ranks: int = 1
     window: Window | None = None  # sliding window on global positions (`window.py`)
     placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
+    slices: SliceMask | None = None  # a mask given as slices (`slices.py`): it alone rules
 
     @property
-    def packing(self) -> Documents | DocumentPlacement | None:
-        """The packed documents, THD or placed (None: one dense sequence): what block data
-        depends on beyond shapes (`caches.per_documents` keys on it)."""
-        return self.documents if self.documents is not None else self.placement
+    def packing(self) -> Documents | DocumentPlacement | SliceMask | None:
+        """The packed documents, THD or placed, or the slices of a mask given as such (None:
+        one dense sequence): what block data depends on beyond shapes
+        (`caches.per_documents` keys on it)."""
+        if self.documents is not None:
+            return self.documents
+        return self.placement if self.placement is not None else self.slices
 
     @property
     def packed(self) -> bool:
@@ -74,6 +80,9 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask | b
     rows (`mask` True / False: a dense causal / full sequence)."""
     if isinstance(mask, bool):
         mask = AttentionMask(mask)
+    if mask.slices is not None:
+        return slice_block(mask.slices, mask.ranks, q_rank, kv_rank, local_len,
+                           torch.device(device))
     kind = block_kind(q_rank, kv_rank, mask.causal)
     if mask.placement is not None and mask.window is None:
         return placed_block(mask.placement, mask.causal, q_rank, kv_rank, torch.device(device))

@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from ..masks.document_placement import DocumentPlacement
 from ..masks.documents import Documents
+from ..masks.slices import SliceMask
 from .grid import MeshGrid
 
 # what every rank of a CP group must pass alike, as named in the messages
 FIELDS = ("shapes", "documents", "causal", "softmax_scale", "schedule", "grad_reduce_dtype",
-          "window_size", "window_exchange", "grid", "softmax_offset", "backward")
+          "window_size", "window_exchange", "grid", "softmax_offset", "backward", "mask")
 _DIGEST_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -57,6 +58,7 @@ class CallSignature:
     grid: tuple[int, int, int]  # (A, R, C)
     sink: bool = False  # a softmax_offset is passed (its values are a replicated parameter)
     backward: bool = False  # autograd records the call: its backward's collectives will run
+    mask: SliceMask | None = None  # a mask given as slices (`slices.py`)
 
     def values(self) -> tuple:
         """The fields as values whose repr is the same on every process: the documents by
@@ -64,7 +66,8 @@ class CallSignature:
         docs = None if self.documents is None else self.documents.agreement_key()
         return (self.q, self.k, self.dv, str(self.dtype), docs, self.causal,
                 repr(self.softmax_scale), self.schedule, self.grad_reduce_dtype, self.window,
-                self.window_exchange, self.grid, self.sink, self.backward)
+                self.window_exchange, self.grid, self.sink, self.backward,
+                None if self.mask is None else self.mask.agreement_key())
 
     def digest(self) -> int:
         """A 63-bit digest of `values` (blake2b: python's hash of a str differs per process)."""
@@ -90,6 +93,7 @@ class CallSignature:
             "grid": "x".join(map(str, self.grid)),
             "softmax_offset": "given" if self.sink else "none",
             "backward": "to run (inputs need gradients)" if self.backward else "none",
+            "mask": "none" if self.mask is None else self.mask.text(),
         }
 
 
@@ -203,4 +207,4 @@ def message(shape: str, mine: tuple, every: list[tuple]) -> str:
     return (f"ranks of one {shape} grid pass different arguments to mesh attention: "
             + "; ".join(differ) + "; every rank of a CP group must pass the same shapes, "
             "dtype, cu_seqlens, causal, softmax_scale, schedule, grad_reduce_dtype, "
-            "window_size and window_exchange")
+            "window_size, window_exchange and mask")

@@ -1,0 +1,214 @@
+"""A mask as data: slices of the whole sequence's (query, key) positions. Torch-free.
+
+A slice (q_start, q_end, k_start, k_end, kind) keeps query positions [q_start, q_end)
+against key positions [k_start, k_end): every pair ("full"), or ("causal") the pairs of
+flash-attention's causal mask of unequal lengths, aligned at the bottom right: query i sees
+key j iff j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start), that is
+j - i <= k_end - q_end (`Slice.diagonal`). A `SliceMask` is slices that do not overlap; a
+query no slice gives a key sees nothing (output 0, no gradient).
+
+Mask kinds build slices (`prefix.py`); the mesh cuts them to each block's rows and columns
+(`Slice.cut`, `SliceMask.cut`; `slice_blocks.py` makes the kernel calls). A cut slice is
+again at most two slices of the same kinds, so the kernels see full and bottom-right causal
+tiles only.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+FULL, CAUSAL = "full", "causal"
+KINDS = (FULL, CAUSAL)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Query positions [q_start, q_end) against key positions [k_start, k_end), `kind`
+    "full" or "causal" (bottom-right aligned: query i sees key j iff j - i <= diagonal)."""
+
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    kind: str = FULL
+
+    @property
+    def diagonal(self) -> int | None:
+        """A causal slice's bound: query i sees key j iff j - i <= diagonal (None: full)."""
+        return self.k_end - self.q_end if self.kind == CAUSAL else None
+
+    @property
+    def as_tuple(self) -> tuple[int, int, int, int, str]:
+        return self.q_start, self.q_end, self.k_start, self.k_end, self.kind
+
+    def __str__(self) -> str:
+        return f"({self.q_start}, {self.q_end}, {self.k_start}, {self.k_end}, {self.kind!r})"
+
+    def cut(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> tuple[Slice, ...]:
+        """The pairs this slice keeps of queries [q_lo, q_hi) x keys [k_lo, k_hi), as at most
+        two slices whose every row sees a key and every key is seen: the rows that see only
+        part of the keys (one causal slice, bottom-right aligned on the cut) and the rows
+        below them that see all (one full slice)."""
+        a, b = max(self.q_start, q_lo), min(self.q_end, q_hi)
+        c, e = max(self.k_start, k_lo), min(self.k_end, k_hi)
+        d = self.diagonal
+        if d is not None:
+            a = max(a, c - d)  # row i sees key c iff c <= i + d
+            e = min(e, b + d)  # key j is seen by row b - 1 iff j <= b - 1 + d
+        if a >= b or c >= e:
+            return ()
+        if d is None:
+            return (Slice(a, b, c, e, FULL),)
+        split = min(max(e - d, a), b)  # rows from here on see every key of [c, e)
+        parts = []
+        if split > a:
+            parts.append(Slice(a, split, c, e, CAUSAL))  # e - split == d: bottom-right
+        if split < b:
+            parts.append(Slice(split, b, c, e, FULL))
+        return tuple(parts)
+
+    @property
+    def pairs(self) -> int:
+        """How many (query, key) pairs the slice keeps."""
+        total = 0
+        for part in self.cut(self.q_start, self.q_end, self.k_start, self.k_end):
+            sq, sk = part.q_end - part.q_start, part.k_end - part.k_start
+            total += sq * sk - (sq * (sq - 1) // 2 if part.kind == CAUSAL else 0)
+        return total
+
+
+def as_slice(item: object, index: int) -> Slice:
+    """The checked `Slice` of item `index` of a slice list: a Slice or a tuple
+    (q_start, q_end, k_start, k_end, kind); ValueError naming it otherwise."""
+    if isinstance(item, Slice):
+        item = item.as_tuple
+    if not isinstance(item, (tuple, list)) or len(item) != 5:
+        raise ValueError(f"slice {index} {item!r} must be (q_start, q_end, k_start, k_end, "
+                         f"kind) with kind one of {KINDS}")
+    *bounds, kind = item
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in bounds):
+        raise ValueError(f"slice {index} {tuple(item)!r}: its bounds must be ints")
+    if kind not in KINDS:
+        raise ValueError(f"slice {index} {tuple(item)!r}: kind {kind!r} is not one of {KINDS}")
+    q_start, q_end, k_start, k_end = bounds
+    if not (0 <= q_start < q_end and 0 <= k_start < k_end):
+        raise ValueError(f"slice {index} {tuple(item)!r} must have 0 <= q_start < q_end and "
+                         "0 <= k_start < k_end (no empty or negative range)")
+    return Slice(q_start, q_end, k_start, k_end, kind)
+
+
+@dataclass(frozen=True)
+class SliceMask:
+    """What every query sees, as slices over the whole sequence's positions (kept in order
+    of (q_start, k_start)). `seq_len`: the sequence it was built for (None: any that holds
+    its slices; `check_length`). ValueError on a bad slice or two that overlap, naming them.
+
+        SliceMask([(0, 256, 0, 256, "full"), (256, 1024, 0, 256, "full"),
+                   (256, 1024, 256, 1024, "causal")])
+    """
+
+    slices: tuple[Slice, ...]
+    seq_len: int | None = None
+    key: int = field(default=0, init=False, repr=False, compare=False)  # 63-bit digest
+
+    def __post_init__(self) -> None:
+        if isinstance(self.slices, (str, bytes)) or not isinstance(self.slices, Iterable):
+            raise ValueError(f"a SliceMask takes a list of slices (q_start, q_end, k_start, "
+                             f"k_end, kind), got {type(self.slices).__name__}")
+        given = [as_slice(item, i) for i, item in enumerate(self.slices)]
+        if self.seq_len is not None:
+            if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) \
+                    or self.seq_len < 1:
+                raise ValueError(f"seq_len={self.seq_len!r} must be a positive int or None")
+            _check_bounds(given, self.seq_len)
+        _check_overlaps(given)
+        ordered = tuple(sorted(given, key=lambda s: (s.q_start, s.k_start)))
+        object.__setattr__(self, "slices", ordered)
+        data = repr((tuple(s.as_tuple for s in ordered), self.seq_len)).encode()
+        digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+        object.__setattr__(self, "key", digest & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def __hash__(self) -> int:
+        return self.key
+
+    def __len__(self) -> int:
+        return len(self.slices)
+
+    def agreement_key(self) -> int:
+        """The digest every rank of a CP group compares (`agreement.py`)."""
+        return self.key
+
+    def text(self, shown: int = 4) -> str:
+        """The mask as it reads in a message: its slices (the first `shown`) and digest."""
+        more = ", ..." if len(self.slices) > shown else ""
+        length = "" if self.seq_len is None else f" of {self.seq_len} tokens"
+        return (f"{len(self.slices)} slices{length} [{', '.join(map(str, self.slices[:shown]))}"
+                f"{more}] (#{self.key:x})")
+
+    @property
+    def pairs(self) -> int:
+        """How many (query, key) pairs the mask keeps."""
+        return sum(s.pairs for s in self.slices)
+
+    def check_length(self, seq_len: int) -> None:
+        """ValueError unless the mask fits a sequence of `seq_len` tokens: the length it was
+        built for, and every slice inside [0, seq_len), naming the first that is not."""
+        if self.seq_len is not None and self.seq_len != seq_len:
+            raise ValueError(f"the mask was built for a sequence of {self.seq_len} tokens, "
+                             f"but the call's sequence has {seq_len} (local tokens x CP size)")
+        _check_bounds(self.slices, seq_len)
+
+    def cut(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int, unit: int) -> tuple[Slice, ...]:
+        """The mask's pairs of queries [q_lo, q_hi) x keys [k_lo, k_hi) as slices (`Slice.cut`),
+        looking at the slices that meet the range only: `unit` is the grid of chunks they
+        are indexed by (a zigzag sub-chunk; any positive size is exact)."""
+        table = _chunk_table(self, unit)
+        found: dict[Slice, None] = {}  # the slices of the touched chunks, in mask order
+        for qc in range(q_lo // unit, (q_hi - 1) // unit + 1):
+            for kc in range(k_lo // unit, (k_hi - 1) // unit + 1):
+                found.update(dict.fromkeys(table.get((qc, kc), ())))
+        return tuple(part for s in found for part in s.cut(q_lo, q_hi, k_lo, k_hi))
+
+
+def as_mask(mask: SliceMask | Iterable) -> SliceMask:
+    """`mask` itself, or the `SliceMask` of a list of slices (ValueError where it is none)."""
+    return mask if isinstance(mask, SliceMask) else SliceMask(mask)
+
+
+def _check_bounds(slices: Iterable[Slice], seq_len: int) -> None:
+    for s in slices:
+        if s.q_end > seq_len or s.k_end > seq_len:
+            raise ValueError(f"slice {s} reaches past the sequence of {seq_len} tokens: "
+                             f"every bound must be at most {seq_len}")
+
+
+def _check_overlaps(slices: list[Slice]) -> None:
+    """ValueError naming two slices whose rectangles of (query, key) positions meet: a sweep
+    over q_start keeping the slices whose query range is still open."""
+    order = sorted(range(len(slices)), key=lambda i: slices[i].q_start)
+    open_: list[int] = []
+    for i in order:
+        s = slices[i]
+        open_ = [j for j in open_ if slices[j].q_end > s.q_start]
+        for j in open_:
+            t = slices[j]
+            if t.k_start < s.k_end and s.k_start < t.k_end:
+                first, second = sorted((i, j))
+                raise ValueError(f"slices {first} {slices[first]} and {second} "
+                                 f"{slices[second]} overlap; each (query, key) pair may "
+                                 "belong to one slice only")
+        open_.append(i)
+
+
+@functools.lru_cache(maxsize=16)  # a few masks' tables (layers of a model share one)
+def _chunk_table(mask: SliceMask, unit: int) -> dict[tuple[int, int], tuple[Slice, ...]]:
+    """(query chunk, key chunk) -> the slices whose rectangle meets that pair of chunks of
+    `unit` positions."""
+    table: dict[tuple[int, int], list[Slice]] = {}
+    for s in mask.slices:
+        for qc in range(s.q_start // unit, (s.q_end - 1) // unit + 1):
+            for kc in range(s.k_start // unit, (s.k_end - 1) // unit + 1):
+                table.setdefault((qc, kc), []).append(s)
+    return {cell: tuple(found) for cell, found in table.items()}

@@ -1,0 +1,226 @@
+"""Masks given as slices (`masks/slices.py`), on one process: the checks, the cut against
+the definition, every rank-block's kernel calls against the dense mask, the prefix-LM
+builder, and that a prefix-LM mask is one file."""
+from __future__ import annotations
+
+import ast
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_mesh as mm
+from megatron_mesh.masks.block import BlockKind
+from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_split
+from megatron_mesh.masks.slices import Slice, SliceMask
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_mesh"
+
+
+def dense(slices, seq: int) -> torch.Tensor:
+    """[seq, seq] bool from the definition: query i sees key j iff a slice holds (i, j) and,
+    causal, j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start)."""
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(seq)[None, :]
+    seen = torch.zeros(seq, seq, dtype=torch.bool)
+    for q0, q1, k0, k1, kind in slices:
+        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if kind == "causal":
+            inside &= (j - k0) <= (i - q0) + (k1 - k0) - (q1 - q0)
+        seen |= inside
+    return seen
+
+
+def random_slices(seq: int, count: int, rng: random.Random) -> list[tuple]:
+    """Up to `count` random non-overlapping slices (rejection sampling)."""
+    out: list[tuple] = []
+    for _ in range(20 * count):
+        if len(out) == count:
+            break
+        q0, k0 = rng.randrange(seq), rng.randrange(seq)
+        q1, k1 = rng.randint(q0 + 1, min(seq, q0 + seq // 2)), rng.randint(k0 + 1, seq)
+        s = (q0, q1, k0, k1, rng.choice(("full", "causal")))
+        if not any(a < q1 and q0 < b and c < k1 and k0 < d for a, b, c, d, _ in out):
+            out.append(s)
+    return out
+
+
+def test_cut_keeps_exactly_the_pairs_of_the_definition():
+    rng = random.Random(0)
+    seq = 24
+    for _ in range(300):
+        s = random_slices(seq, 1, rng)[0]
+        q_lo, k_lo = rng.randrange(seq), rng.randrange(seq)
+        q_hi, k_hi = rng.randint(q_lo + 1, seq), rng.randint(k_lo + 1, seq)
+        parts = Slice(*s).cut(q_lo, q_hi, k_lo, k_hi)
+        want = dense([s], seq)
+        want[:q_lo] = want[q_hi:] = False
+        want[:, :k_lo] = want[:, k_hi:] = False
+        got = torch.zeros(seq, seq, dtype=torch.int64)
+        for p in parts:
+            got += dense([p.as_tuple], seq).long()
+            block = dense([p.as_tuple], seq)[p.q_start:p.q_end, p.k_start:p.k_end]
+            assert bool(block.any(1).all()) and bool(block.any(0).all()), (s, p)
+        assert len(parts) <= 2 and torch.equal(got, want.long()), (s, (q_lo, q_hi, k_lo, k_hi))
+        assert Slice(*s).pairs == int(dense([s], seq).sum())
+
+
+def test_prefix_lm_builder_is_the_three_slices():
+    mask = mm.prefix_lm_mask(seq_len=1024, prefix_len=256)
+    given = mm.SliceMask([(0, 256, 0, 256, "full"), (256, 1024, 0, 256, "full"),
+                          (256, 1024, 256, 1024, "causal")], seq_len=1024)
+    assert mask == given and hash(mask) == hash(given)
+    seen = dense([s.as_tuple for s in mask.slices], 1024)
+    i, j = torch.arange(1024)[:, None], torch.arange(1024)[None, :]
+    assert torch.equal(seen, (j < 256) | (j <= i))
+    assert mask.pairs == int(seen.sum())
+    assert mm.prefix_lm_mask(8, 8).slices == (Slice(0, 8, 0, 8, "full"),)
+    for bad, words in (((8, 0), "prefix_len=0"), ((8, 9), "at most seq_len=8"),
+                       ((0, 1), "seq_len=0")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            mm.prefix_lm_mask(*bad)
+
+
+@pytest.mark.parametrize("slices, words", [
+    ([(0, 4, 0, 4, "full"), (2, 6, 3, 8, "causal")], "slices 0 (0, 4, 0, 4, 'full') and 1 "
+                                                     "(2, 6, 3, 8, 'causal') overlap"),
+    ([(4, 8, 0, 2, "full"), (0, 8, 6, 8, "full"), (0, 2, 0, 7, "full")],
+     "slices 1 (0, 8, 6, 8, 'full') and 2 (0, 2, 0, 7, 'full') overlap"),
+    ([(0, 4, 0, 4, "diag")], "kind 'diag' is not one of"),
+    ([(0, 4, 4, 4, "full")], "slice 0 (0, 4, 4, 4, 'full') must have"),
+    ([(0, 4, -1, 4, "full")], "0 <= k_start"),
+    ([(0, 4, 0, 4)], "must be (q_start, q_end, k_start, k_end, kind)"),
+    ([(0, 4.0, 0, 4, "full")], "bounds must be ints"),
+    ("0, 4", "takes a list of slices"),
+])
+def test_bad_slices_are_named(slices, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SliceMask(slices)
+
+
+def test_bounds_name_the_slice_and_the_length():
+    mask = SliceMask([(0, 8, 0, 8, "causal"), (8, 16, 0, 17, "full")])
+    with pytest.raises(ValueError, match=re.escape("slice (8, 16, 0, 17, 'full') reaches past "
+                                                   "the sequence of 16 tokens")):
+        mask.check_length(16)
+    mask.check_length(17)
+    with pytest.raises(ValueError, match="built for a sequence of 32 tokens, but the call's "
+                                         "sequence has 16"):
+        mm.prefix_lm_mask(32, 4).check_length(16)
+    with pytest.raises(ValueError, match="reaches past the sequence of 8 tokens"):
+        SliceMask([(0, 9, 0, 2, "full")], seq_len=8)
+
+
+def test_masks_are_equal_whatever_the_order_given():
+    a = SliceMask([(4, 8, 0, 4, "full"), (0, 4, 0, 4, "causal")])
+    b = SliceMask([Slice(0, 4, 0, 4, "causal"), Slice(4, 8, 0, 4, "full")])
+    assert a == b and a.agreement_key() == b.agreement_key()
+    assert a.agreement_key() != SliceMask([(0, 4, 0, 4, "full"), (4, 8, 0, 4, "full")]).key
+    assert "2 slices [(0, 4, 0, 4, 'causal'), (4, 8, 0, 4, 'full')]" in a.text()
+
+
+def _masks(seq: int) -> dict[str, list[tuple]]:
+    rng = random.Random(seq)
+    docs, start = [], 0
+    for n in [3, 1, 5, 2, 7, 4, 6, 2, 9, 1] * seq:
+        if start >= seq:
+            break
+        end = min(seq, start + n)
+        docs.append((start, end, start, end, "causal" if n % 2 else "full"))
+        start = end
+    return {
+        "prefix": [s.as_tuple for s in mm.prefix_lm_mask(seq, seq // 3).slices],
+        "documents": docs,
+        "random": random_slices(seq, 12, rng),
+        "empty rows": [(0, seq // 4, 0, seq // 8, "causal"), (seq // 2, seq, seq // 2, seq,
+                                                               "full")],
+        "unequal": [(0, seq // 2, seq // 4, seq, "causal"), (seq // 2, seq, 0, seq // 3, "full"),
+                    (seq // 2 + 1, seq, seq // 3, seq - 2, "causal")],
+    }
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_every_block_calls_each_pair_of_the_mask_once(ranks):
+    """The kernel calls of all blocks, laid back on positions, cover every pair the mask keeps
+    exactly once, and nothing else; an empty block has no call."""
+    seq = 16 * ranks
+    local = seq // ranks
+    position = zigzag_split(torch.arange(seq), ranks)
+    for name, slices in _masks(seq).items():
+        mask = AttentionMask(False, ranks=ranks, slices=SliceMask(slices))
+        got = torch.zeros(seq, seq, dtype=torch.int64)
+        for x in range(ranks):
+            for y in range(ranks):
+                block = block_for(x, y, local, mask)
+                for call in block.calls:
+                    pq, pk = position[x][call.q_rows], position[y][call.kv_rows]
+                    sq, sk = len(pq), len(pk)
+                    if call.mask is not None:
+                        seen = call.mask.seen
+                    elif call.kind is BlockKind.DIAGONAL:
+                        seen = torch.ones(sq, sk, dtype=torch.bool).tril()
+                    else:
+                        seen = torch.ones(sq, sk, dtype=torch.bool)
+                    assert bool(seen.any(1).all()), (name, x, y)  # every row sees a key
+                    got[pq[:, None], pk[None, :]] += seen.long()
+        want = dense(slices, seq)
+        assert torch.equal(got, want.long()), (name, ranks)
+
+
+def test_long_lists_of_small_slices_become_one_explicit_call():
+    mask = AttentionMask(False, ranks=2, slices=SliceMask(
+        [(n, n + 2, n, n + 2, "causal") for n in range(0, 32, 2)]))
+    block = block_for(0, 0, 16, mask)
+    assert len(block.calls) == 1 and block.calls[0].mask is not None
+    assert block_for(0, 1, 16, mask).calls == ()
+
+
+# ---- a new mask kind is one file ----
+
+# The modules that say which (query, key) pairs a mask keeps. `slices.py` defines what a
+# slice means and `prefix.py` builds one mask kind from slices; the others code their mask
+# kinds' rules themselves.
+MASK_RULE_FILES = {
+    "masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/layout.py",
+    "masks/placed.py", "kernels/base.py", "inference/decode.py", "inference/packed.py",
+}
+# The modules that build slices: the mask kinds given as slices.
+SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py"}
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_mask_rule_files_exist():
+    assert MASK_RULE_FILES <= set(_sources())
+
+
+def test_only_the_builders_make_slices():
+    """A module that constructs a Slice or SliceMask is a mask builder (`SLICE_BUILDERS`);
+    every other module reads slices."""
+    makers = set()
+    for name, text in _sources().items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("Slice", "SliceMask")):
+                makers.add(name)
+    # slice_blocks moves cut slices to local rows, which is no new mask
+    assert makers - {"masks/slice_blocks.py"} == SLICE_BUILDERS
+
+
+def test_the_prefix_lm_mask_is_one_file():
+    """Only masks/prefix.py knows the prefix-LM mask (the package's __init__ exports it), and
+    it imports nothing of the package but slices."""
+    mentions = {name for name, text in _sources().items()
+                if re.search(r"prefix[_ -]?lm", text, re.IGNORECASE)}
+    assert mentions == {"masks/prefix.py", "__init__.py"}, mentions
+    tree = ast.parse((PACKAGE / "masks/prefix.py").read_text())
+    project = {node.module for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.level}
+    plain = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for a in node.names}
+    assert project == {"slices"} and not {n for n in plain if n.startswith("megatron_mesh")}
