@@ -1,0 +1,51 @@
+"""scripts/demo.sh installs only what is missing: on a set-up machine it starts training
+without pip; where the checkout is not the installed megatron_mesh it runs the setup."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _demo(tmp_path: Path, pythonpath: str | None = None) -> list[str]:
+    """Run demo.sh with PYTHON set to a python that records each command line: pip and
+    torchrun record only (nothing installed, nothing trained), anything else runs. The
+    recorded command lines."""
+    log = tmp_path / "calls.txt"
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> "{log}"\n'
+        'case "$*" in *"-m pip "*|*"-m torch.distributed.run "*) exit 0;; esac\n'
+        f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = str(python)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--train-iters", "1"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return log.read_text().splitlines()
+
+
+def test_demo_skips_the_setup_when_installed(tmp_path: Path) -> None:
+    calls = _demo(tmp_path)
+    assert not [c for c in calls if "-m pip" in c], calls
+    assert calls[-1].startswith("-m torch.distributed.run --standalone --nproc-per-node 4 -m "
+                                "megatron_mesh.pretrain_gpt"), calls
+    assert calls[-1].endswith("--train-iters 1"), calls
+
+
+def test_demo_sets_up_a_machine_without_this_checkout_installed(tmp_path: Path) -> None:
+    """Another megatron_mesh first on the path (as on a machine where this checkout is not
+    installed): the setup installs the checkout with the demo's extras, then trains."""
+    other = tmp_path / "other"
+    (other / "megatron_mesh").mkdir(parents=True)
+    (other / "megatron_mesh" / "__init__.py").write_text("")
+    calls = _demo(tmp_path, str(other))
+    assert '-m pip install -e .[megatron,wandb]' in calls, calls
+    assert calls[-1].startswith("-m torch.distributed.run"), calls
