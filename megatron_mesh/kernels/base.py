@@ -174,7 +174,9 @@ class TileKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns out [sq, b, hq, dv] in q's dtype and lse [b, hq, sq] in fp32.
 
-        `causal` is top-left aligned and only used with sq == sk. With `segments` (packed
+        `causal` with sq == sk is the plain causal mask; with sq < sk it is aligned at the
+        bottom right (query i sees key j <= i + sk - sq), taken by kernels whose caps
+        declare `bottom_right` (ValueError otherwise). With `segments` (packed
         documents; b = 1) attention stays inside each document's rows (`Segments`). With
         `mask` (sliding windows; then causal is False and segments None) query row i sees
         key row j where mask.seen[i, j]. Segments need `caps.documents`, a band mask
@@ -208,21 +210,25 @@ class TileKernel(Protocol):
 
 
 def call_needs(q: torch.Tensor, v: torch.Tensor, segments: Segments | None,
-               mask: TileMask | None) -> KernelCaps:
-    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask."""
+               mask: TileMask | None, causal: bool = False) -> KernelCaps:
+    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask,
+    and whether it is causal (with sq != sk and no segments: bottom-right aligned)."""
     return KernelCaps(documents=segments is not None,
                       tile_mask=mask is not None and mask.flash_window is None,
                       window=mask is not None and mask.flash_window is not None,
-                      v_head_dim=q.shape[-1] != v.shape[-1])
+                      v_head_dim=q.shape[-1] != v.shape[-1],
+                      bottom_right=causal and segments is None and q.shape[0] != v.shape[0])
 
 
 def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
-               segments: Segments | None = None, mask: TileMask | None = None) -> None:
+               segments: Segments | None = None, mask: TileMask | None = None,
+               causal: bool = False) -> None:
     """ValueError, naming the kernel and the capability, when the call carries an input
     `kernel`'s caps do not declare."""
-    if segments is None and mask is None and q.shape[-1] == v.shape[-1]:
+    if (segments is None and mask is None and q.shape[-1] == v.shape[-1]
+            and not (causal and q.shape[0] != v.shape[0])):
         return  # a plain tile: every kernel takes it
-    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask))
+    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask, causal))
     if missing:
         raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
                          f"(its caps: {caps_of(kernel)}; it declares what it takes in "

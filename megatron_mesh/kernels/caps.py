@@ -22,13 +22,19 @@ class KernelCaps:
                 documents are explicit);
     window:     band `TileMask`s only (`TileMask.flash_window`, flash-attention's window);
                 implied by `tile_mask`;
-    v_head_dim: v [sk, b, hkv, dv] with dv != d (multi-latent attention).
+    v_head_dim: v [sk, b, hkv, dv] with dv != d (multi-latent attention);
+    bottom_right: `causal` with sq < sk, aligned at the bottom right (query i sees key j
+                where j <= i + sk - sq): the blocks of a tile grouped into one call with
+                the diagonal's keys last (`masks.groups`). Without it a kernel's causal is
+                top-left aligned (cuDNN through torch, Transformer Engine's "causal") and
+                takes sq == sk only.
     """
 
     documents: bool = False
     tile_mask: bool = False
     window: bool = False
     v_head_dim: bool = False
+    bottom_right: bool = False
 
     @classmethod
     def of(cls, needs: KernelCaps | Iterable[str] | str | None) -> KernelCaps:
@@ -74,6 +80,7 @@ WHAT = {
     "tile_mask": "sliding windows (window_size)",
     "window": "sliding-window bands (flash-attention windows)",
     "v_head_dim": "a V head dim of its own (multi-latent attention)",
+    "bottom_right": "causal tiles of more keys than queries (bottom-right aligned)",
 }
 
 NONE = KernelCaps()

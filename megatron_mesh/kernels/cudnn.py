@@ -55,7 +55,9 @@ def _philox_unused(device: torch.device) -> torch.Tensor:
 
 class CudnnKernel:
     """The TileKernel of `kernels/base.py` on torch's cuDNN attention op (CUDA, fp16 / bf16):
-    dense tiles, V of its own head dim; no packed documents, no tile masks."""
+    dense tiles, V of its own head dim; no packed documents, no tile masks. Its causal is
+    top-left aligned (torch's cuDNN graph sets cuDNN's causal mask, not the bottom-right
+    one): no `bottom_right`."""
 
     name = "cudnn"
     caps = KernelCaps(v_head_dim=True)
@@ -63,7 +65,7 @@ class CudnnKernel:
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 segments: Segments | None = None, mask: TileMask | None = None):
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32."""
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
@@ -76,7 +78,7 @@ class CudnnKernel:
                  segments: Segments | None = None, mask: TileMask | None = None):
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))

@@ -565,7 +565,7 @@ class TEFusedKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
         with `segments`)."""
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
         if segments is not None:
             if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
@@ -609,7 +609,7 @@ class TEFusedKernel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
         if segments is not None:
             if not self._te_takes(q, k, v, causal, segments):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,

@@ -67,10 +67,15 @@ class TorchFlashKernel:
     CPU tensors take the CPU flash op; any other device (CUDA; 'meta' for checking shapes
     without a GPU) takes the CUDA ops: the flash op for fp16 / bf16 when `flash` (the GPU
     takes it), else the memory-efficient op. Takes everything `KernelCaps` names.
+    Causal tiles of more keys than queries (`bottom_right`): CUDA's flash op aligns its
+    causal mask at the bottom right itself; the CPU flash op and CUDA's memory-efficient op
+    align theirs at the top left, so there the tile takes the band's additive mask
+    (`TileMask.band(sq, sk, -1, 0)`, one call).
     """
 
     name = "torch"
-    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True,
+                      bottom_right=True)
 
     def __init__(self, flash: bool = True) -> None:
         self.flash = flash
@@ -78,9 +83,21 @@ class TorchFlashKernel:
     def _uses_flash(self, q: torch.Tensor) -> bool:
         return self.flash and q.dtype in (torch.float16, torch.bfloat16)
 
+    def _bottom_right_mask(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
+                           segments: Segments | None) -> TileMask | None:
+        """The band of a causal tile of sq < sk keys (bottom-right aligned) where the op
+        aligns its own causal mask at the top left (CPU, memory-efficient op), else None."""
+        sq, sk = q.shape[0], k.shape[0]
+        if not causal or segments is not None or sq == sk:
+            return None
+        if q.device.type != "cpu" and self._uses_flash(q):
+            return None  # the flash op's causal is bottom-right aligned
+        return TileMask.band(sq, sk, -1, 0)
+
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 segments: Segments | None = None, mask: TileMask | None = None):
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
+        mask = mask or self._bottom_right_mask(q, k, causal, segments)
         width = padded_head_dim(q, v)
         if width:  # V of its own head dim where the op takes one: pad, exactly
             out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
@@ -113,7 +130,8 @@ class TorchFlashKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
                  segments: Segments | None = None, mask: TileMask | None = None):
-        check_call(self, q, v, segments, mask)
+        check_call(self, q, v, segments, mask, causal)
+        mask = mask or self._bottom_right_mask(q, k, causal, segments)
         width = padded_head_dim(q, v)
         if width:  # the padded columns' gradients are dropped
             dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),

@@ -1,11 +1,16 @@
-"""One rank-block's kernel calls, shared by every schedule."""
+"""The kernel calls of the blocks a rank has on hand, shared by every schedule: grouped
+into few calls (`masks.groups`), their results merged (forward) or added (backward) into
+each chunk's fp32 accumulators."""
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Collection, Sequence
 
 import torch
 
 from ..kernels import TileKernel
+from ..kernels.caps import caps_of
+from ..masks.groups import Call, Piece, group_calls
 from ..masks.layout import AttentionMask, block_for
 from ..runtime.flat import flat_size, views
 from .merge import merge_into
@@ -17,6 +22,73 @@ def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Te
     if isinstance(index, slice):
         return t[(slice(None),) * (dim % t.dim()) + (index,)]
     return t.index_select(dim, index)
+
+
+QueryChunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]  # (x, q_x, out_acc, lse_acc)
+KeyChunk = tuple[int, torch.Tensor, torch.Tensor]  # (y, k_y, v_y)
+# (x, dout_x, q_x, out_x, lse_x, dq_acc) and (y, k_y, v_y, (dk_acc, dv_acc))
+GradQueryChunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
+
+
+def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], local_len: int,
+               mask: AttentionMask, device: torch.device,
+               skip: Collection[tuple[int, int]] = ()) -> list[Call]:
+    """The grouped kernel calls (`groups.group_calls`) computing blocks (x, y) for x in
+    `xs`, y in `ys`, but those in `skip`; pieces index xs and ys. MESH_GROUP_CALLS=0 in
+    the environment: each block's own calls (an A/B baseline, read on every call)."""
+    blocks = [(qi, ki, block_for(x, y, local_len, mask, device))
+              for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
+    grouped = os.environ.get("MESH_GROUP_CALLS", "1") != "0"
+    return group_calls(blocks, caps_of(kernel).bottom_right, grouped)
+
+
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
+    """(piece, its rows of t along dim) for consecutive pieces of a call's result t."""
+    offset = 0
+    for p in pieces:
+        n = p.size
+        yield p, t.narrow(dim % t.dim(), offset, n)
+        offset += n
+
+
+def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequence[KeyChunk],
+                 mask: AttentionMask, scale: float,
+                 skip: Collection[tuple[int, int]] = ()) -> None:
+    """Blocks (x, y) of the query chunks q_x [s, b, hq, d] against the key chunks
+    k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
+    calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
+    [s, b, hq, dv] and lse_acc [b, hq, s]."""
+    if not queries or not keys:
+        return
+    q0 = queries[0][1]
+    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
+                       mask, q0.device, skip)
+    for call in calls:
+        q = _cat([rows(queries[p.chunk][1], p.rows) for p in call.q])
+        k = _cat([rows(keys[p.chunk][1], p.rows) for p in call.kv])
+        v = _cat([rows(keys[p.chunk][2], p.rows) for p in call.kv])
+        out, lse = kernel.forward(q, k, v, call.causal, scale, segments=call.segments,
+                                  mask=call.mask)
+        del q, k, v
+        for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
+            _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
+
+
+def _merge_rows(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, index: slice | torch.Tensor) -> None:
+    """Merge a partial of rows `index` into the accumulators (`merge.merge_into`)."""
+    if isinstance(index, slice):
+        merge_into(out_acc, lse_acc, out, lse, index)
+        return
+    acc_out, acc_lse = rows(out_acc, index), rows(lse_acc, index, -1)
+    merge_into(acc_out, acc_lse, out, lse)
+    out_acc.index_copy_(0, index, acc_out)
+    lse_acc.index_copy_(-1, index, acc_lse)
 
 
 def forward_block(
@@ -33,17 +105,36 @@ def forward_block(
 ) -> None:
     """Attention of Q(x) [s, b, hq, d] over K/V(y) [s, b, hkv, d], merged into x's fp32
     accumulators out_acc [s, b, hq, d] and lse_acc [b, hq, s]."""
-    for blk in block_for(x, y, q_x.shape[0], mask, q_x.device).calls:
-        kv = blk.kv_rows
-        out, lse = kernel.forward(rows(q_x, blk.q_rows), rows(k_y, kv), rows(v_y, kv),
-                                  blk.causal, scale, segments=blk.segments, mask=blk.mask)
-        if isinstance(blk.q_rows, slice):
-            merge_into(out_acc, lse_acc, out, lse, blk.q_rows)
-            continue
-        acc_out, acc_lse = rows(out_acc, blk.q_rows), rows(lse_acc, blk.q_rows, -1)
-        merge_into(acc_out, acc_lse, out, lse)
-        out_acc.index_copy_(0, blk.q_rows, acc_out)
-        lse_acc.index_copy_(-1, blk.q_rows, acc_lse)
+    forward_tile(kernel, [(x, q_x, out_acc, lse_acc)], [(y, k_y, v_y)], mask, scale)
+
+
+def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
+                  keys: Sequence[GradKeyChunk], mask: AttentionMask, scale: float,
+                  skip: Collection[tuple[int, int]] = ()) -> None:
+    """Gradients of blocks (x, y) (as `forward_tile`) added (fp32) into each x's dq_acc
+    [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
+    (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
+    and lse."""
+    if not queries or not keys:
+        return
+    q0 = queries[0][2]
+    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
+                       mask, q0.device, skip)
+    for call in calls:
+        dout, q, out = (_cat([rows(queries[p.chunk][i], p.rows) for p in call.q])
+                        for i in (1, 2, 3))
+        lse = _cat([rows(queries[p.chunk][4], p.rows, -1) for p in call.q], -1)
+        k, v = (_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]) for i in (1, 2))
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.causal, scale,
+                                     segments=call.segments, mask=call.mask)
+        del dout, q, out, lse, k, v
+        for p, part in _pieces(dq, call.q):
+            _add_rows(queries[p.chunk][5], p.rows, part)
+        del dq
+        for grad, i in ((dk, 0), (dv, 1)):
+            for p, part in _pieces(grad, call.kv):
+                _add_rows(keys[p.chunk][3][i], p.rows, part)
+        del dk, dv
 
 
 def backward_block(
@@ -64,16 +155,8 @@ def backward_block(
     """Gradients of block (x, y) added (fp32) into dq_acc [s, b, hq, d] of x and
     dkv_acc = (dk [s, b, hkv, d], dv [s, b, hkv, dv]) of y (`kv_grads`). out_x / lse_x
     are x's whole-row output (or a stand-in with the same D) and lse."""
-    for blk in block_for(x, y, q_x.shape[0], mask, q_x.device).calls:
-        q_rows, kv_rows = blk.q_rows, blk.kv_rows
-        dq, dk, dv = kernel.backward(
-            rows(dout_x, q_rows), rows(q_x, q_rows), rows(k_y, kv_rows), rows(v_y, kv_rows),
-            rows(out_x, q_rows), rows(lse_x, q_rows, -1), blk.causal, scale,
-            segments=blk.segments, mask=blk.mask,
-        )
-        _add_rows(dq_acc, q_rows, dq)
-        _add_rows(dkv_acc[0], kv_rows, dk)
-        _add_rows(dkv_acc[1], kv_rows, dv)
+    backward_tile(kernel, [(x, dout_x, q_x, out_x, lse_x, dq_acc)], [(y, k_y, v_y, dkv_acc)],
+                  mask, scale)
 
 
 def _add_rows(acc: torch.Tensor, index: slice | torch.Tensor, t: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
-from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .blocks import backward_block, backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial
@@ -63,16 +63,15 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     if grid.cols > 1:  # partials of the other members' rows, sent in the input dtype
         partial_out = q.new_empty(grid.cols, s, b, hq, dv)
         partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
-    for j, x in enumerate(grid.row_mesh_ranks):
+    column = [(y, kv_col[i][0], kv_col[i][1]) for i, y in enumerate(grid.col_mesh_ranks)]
+    for j, x in enumerate(grid.row_mesh_ranks):  # a query chunk against the column: few calls
         out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
-        for i, y in enumerate(grid.col_mesh_ranks):
-            forward_block(kernel, q_row[j], kv_col[i][0], kv_col[i][1], x, y, mask, scale,
-                          out_acc, lse_acc)
+        forward_tile(kernel, [(x, q_row[j], out_acc, lse_acc)], column, mask, scale)
         if grid.cols == 1:  # the only partial is the whole row's
             return out_acc, lse_acc
         partial_out[j].copy_(out_acc)
         partial_lse[j].copy_(lse_acc)
-    del q_row, kv_col, out_acc, lse_acc  # used up: the merge does not hold them
+    del q_row, kv_col, column, out_acc, lse_acc  # used up: the merge does not hold them
     return merge_row_partials(partial_out, partial_lse, grid)
 
 
@@ -126,21 +125,21 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     kv_pending.wait()
     row_pending.wait()
     trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
-    for j in row_order(grid)[:-1]:
+    column = [(y, kv_col[i][0], kv_col[i][1], kv_grads(dkv_part[i], k, v))
+              for i, y in enumerate(grid.col_mesh_ranks)]
+    for j in row_order(grid)[:-1]:  # each query chunk against the column: few calls
         x = grid.row_mesh_ranks[j]
         dq = torch.zeros_like(dq_own)
         out_x = out_with_delta(qdo[j][1], stats[j][1])
-        for i, y in enumerate(grid.col_mesh_ranks):
-            backward_block(kernel, qdo[j][1], qdo[j][0], out_x, stats[j][0], kv_col[i][0],
-                           kv_col[i][1], x, y, mask, scale, dq, kv_grads(dkv_part[i], k, v))
+        backward_tile(kernel, [(x, qdo[j][1], qdo[j][0], out_x, stats[j][0], dq)], column, mask,
+                      scale)
         trailing.pass_on((dq,), grad_dtypes.dq)  # the send holds what it needs
         dq = out_x = None  # not held while the next ones are made
     del qdo, stats  # the row's inputs: used up
-    for i, y in enumerate(grid.col_mesh_ranks):  # the own chunk's other blocks
-        if i != my_row:
-            backward_block(kernel, dout, q, out, lse, kv_col[i][0], kv_col[i][1], me, y, mask,
-                           scale, dq_own, kv_grads(dkv_part[i], k, v))
-    del kv_col  # used up: the reduction does not hold it
+    # the own chunk's other blocks
+    backward_tile(kernel, [(me, dout, q, out, lse, dq_own)], column, mask, scale,
+                  skip=((me, me),))
+    del kv_col, column  # used up: the reduction does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
                                                  "backward", COLUMN, grid.col_order)
     trailing.land((dq_own,))  # this rank's own chunk's dQ, back from its C-1 hops, meanwhile

@@ -23,7 +23,15 @@ from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
-from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .blocks import (
+    backward_block,
+    backward_tile,
+    forward_block,
+    forward_tile,
+    kv_grad_buffer,
+    kv_grads,
+    split_kv_grads,
+)
 from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
 from .merge import empty_accumulators
 from .rings import TrailingPartial, ring_steps
@@ -45,9 +53,9 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
             forward_block(kernel, q, k_y, v_y, grid.mesh_rank, y, mask, scale, *accs[me])
             q_pending.wait()
             q_row = q_row.view(grid.cols, *q.shape)
-        for j, x in enumerate(grid.row_mesh_ranks):
-            if not (t == 0 and j == me):
-                forward_block(kernel, q_row[j], k_y, v_y, x, y, mask, scale, *accs[j])
+        # the row's query chunks against the arrived chunk: few calls
+        forward_tile(kernel, [(x, q_row[j], *accs[j]) for j, x in enumerate(grid.row_mesh_ranks)],
+                     [(y, k_y, v_y)], mask, scale, skip=((grid.mesh_rank, y),) if t == 0 else ())
     del q_row, k_y, v_y  # the row's Q and the last K/V chunk: used up
     return finish_row_partials(accs, grid, q.dtype)
 
@@ -81,14 +89,19 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
             row_pending.wait()
             outs = stand_in_outputs(qdo, stats, out, grid)
         last = t == grid.rows - 1
-        for j in order:
+        arrived = [(y, k_y, v_y, kv_grads(dkv, k, v))]
+        rows = [(grid.row_mesh_ranks[j], qdo[j][1], qdo[j][0], outs[j], stats[j][0], j)
+                for j in order]  # each with its dQ partial's index
+        if not last:  # the row's query chunks against the arrived chunk: few calls
+            backward_tile(kernel, [(*r[:5], dq_part[r[5]]) for r in rows], arrived, mask,
+                          scale, skip=((grid.mesh_rank, y),) if t == 0 else ())
+        for *r, j in rows if last else ():  # one chunk at a time: each dQ leaves once final
             if not (t == 0 and j == me):
-                backward_block(kernel, qdo[j][1], qdo[j][0], outs[j], stats[j][0], k_y, v_y,
-                               grid.row_mesh_ranks[j], y, mask, scale, dq_part[j],
-                               kv_grads(dkv, k, v))
-            if last and j != me:  # chunk j's dQ is final: on around the row ring
+                backward_tile(kernel, [(*r, dq_part[j])], arrived, mask, scale)
+            if j != me:  # chunk j's dQ is final: on around the row ring
                 dq_ring.pass_on((dq_part[j],), grad_dtypes.dq)
                 dq_part[j] = None  # the send holds what it needs
+        rows = arrived = None
         if t >= 1:  # chunk y's partial goes on behind its K/V (the send holds what it needs)
             trailing.pass_on((dkv,), grad_dtypes.dkv)
         dkv = None  # not held while the next one is zeroed

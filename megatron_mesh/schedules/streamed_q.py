@@ -25,7 +25,15 @@ from ..runtime import comm
 from ..runtime.flat import pack, views
 from ..runtime.grid import MeshGrid
 from ..values import COLUMN, ROW
-from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .blocks import (
+    backward_block,
+    backward_tile,
+    forward_block,
+    forward_tile,
+    kv_grad_buffer,
+    kv_grads,
+    split_kv_grads,
+)
 from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
@@ -41,7 +49,6 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     lse [b, hq, s]) of this rank's rows in fp32 (`attention` finishes them)."""
     s, b, hq, _ = q.shape
     dv = v.shape[-1]
-    my_row = grid.row_index
     kv_col, kv_pending = comm.all_gather_stacked_async([k, v], grid.col_group, "forward", COLUMN,
                                                        grid.col_order)
     neighbors = grid.row_neighbors()
@@ -54,13 +61,14 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
         if t == 0:  # this rank's own block needs nothing from anyone
             forward_block(kernel, q, k, v, x, grid.mesh_rank, mask, scale, *acc)
             kv_pending.wait()
-        for i, y in enumerate(grid.col_mesh_ranks):
-            if not (t == 0 and i == my_row):
-                forward_block(kernel, q_x, kv_col[i][0], kv_col[i][1], x, y, mask, scale, *acc)
+            column = [(y, kv_col[i][0], kv_col[i][1]) for i, y in enumerate(grid.col_mesh_ranks)]
+        # the arrived query chunk against the column: few calls
+        forward_tile(kernel, [(x, q_x, *acc)], column, mask, scale,
+                     skip=((x, grid.mesh_rank),) if t == 0 else ())
         if t >= 1:  # chunk x's partial goes on behind its Q (the send holds it)
             trailing.pass_on(acc)
         acc = None  # not held while the next one is made
-    del kv_col, q_x  # the column's K/V and the last Q chunk: used up
+    del kv_col, column, q_x  # the column's K/V and the last Q chunk: used up
     trailing.land(own)  # this rank's own chunk, back from its C-1 hops
     return own
 
@@ -99,20 +107,21 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
             backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, mask, scale,
                            dq, kv_grads(dkv_part[my_row], k, v))
             kv_pending.wait()
+            column = [(y, kv_col[i][0], kv_col[i][1], kv_grads(dkv_part[i], k, v))
+                      for i, y in enumerate(grid.col_mesh_ranks)]
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
-        for i, y in enumerate(grid.col_mesh_ranks):
-            if not (t == 0 and (i == my_row or i in later)):
-                backward_block(kernel, qdo_x[1], qdo_x[0], out_x, stats_x[0], kv_col[i][0],
-                               kv_col[i][1], x, y, mask, scale, dq,
-                               kv_grads(dkv_part[i], k, v))
+        # the arrived query chunk against the column: few calls
+        skip = [(x, column[i][0]) for i in [my_row, *later]] if t == 0 else ()
+        backward_tile(kernel, [(x, qdo_x[1], qdo_x[0], out_x, stats_x[0], dq)], column, mask,
+                      scale, skip=skip)
         if t >= 1:  # chunk x's dQ partial goes on behind its Q (the send holds what it needs)
             trailing.pass_on((dq,), grad_dtypes.dq)
         dq = out_x = None  # not held while the next step's are made
     del qdo_x, qdo_flat, stats_x  # used up: the rest does not hold them
-    for i in later:  # the own chunk's last blocks, while its dQ partial makes its last hop
-        backward_block(kernel, dout, q, out, lse, kv_col[i][0], kv_col[i][1], grid.mesh_rank,
-                       grid.col_mesh_ranks[i], mask, scale, dq_own, kv_grads(dkv_part[i], k, v))
-    del kv_col  # used up: the reduce-scatter does not hold it
+    # the own chunk's last blocks, while its dQ partial makes its last hop
+    backward_tile(kernel, [(grid.mesh_rank, dout, q, out, lse, dq_own)],
+                  [column[i] for i in later], mask, scale)
+    del kv_col, column  # used up: the reduce-scatter does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
                                                  "backward", COLUMN, grid.col_order)
     trailing.land((dq_own,))  # this rank's own chunk, back from its C-1 hops, meanwhile

@@ -29,7 +29,8 @@ from megatron_mesh.kernels.caps import NAMES, WHAT
 CPU, META = torch.device("cpu"), torch.device("meta")
 
 TABLE = {  # docs/kernels.md's caps table
-    "torch": (TorchFlashKernel(), ("documents", "tile_mask", "window", "v_head_dim")),
+    "torch": (TorchFlashKernel(), ("documents", "tile_mask", "window", "v_head_dim",
+                                   "bottom_right")),
     "cudnn": (CudnnKernel(), ("v_head_dim",)),
     "te": (TEFusedKernel(), ("documents", "v_head_dim")),
     "emulated": (EmulatedKernel(1e12), ("documents", "tile_mask", "window", "v_head_dim")),

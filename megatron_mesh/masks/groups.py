@@ -1,0 +1,100 @@
+"""The kernel calls of the blocks a rank has on hand together, grouped into few calls.
+
+A rank-block's calls (`Block.calls`) each take rows of one query chunk and one key chunk.
+Blocks on hand together (a query chunk against the column's K/V, or the row's query chunks
+against one arriving K/V chunk) go to the kernel as few calls:
+
+1. Plain calls (no documents, no tile mask) over the same query rows of one chunk take the
+   keys of all of them, concatenated, in one call; a causal one (the diagonal, sq == sk)
+   puts its keys last and the call is causal aligned at the bottom right (query i sees key
+   j <= i + sk - sq), which is exactly the union, where the kernel takes that
+   (`KernelCaps.bottom_right`); else the diagonal stays a call of its own.
+2. Full calls (after 1) over the same key rows take the query rows of all of them,
+   concatenated.
+
+So under the causal zigzag a query chunk x against the column's chunks Y is at most two
+calls: Q(x) against the first halves of K/V(y < x) and K/V(x) (causal, last), and the second
+half of Q(x) against K/V(y > x); the row's chunks against one K/V chunk are at most three
+(those above it, those below it, the diagonal). Without a causal mask everything on hand is
+one call. Calls with documents or a tile mask (packed documents, sliding windows) are kept
+as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.base import Segments, TileMask
+from .block import Block
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one chunk on hand: `chunk` indexes the query (or key) chunks of the group,
+    `rows` its rows (a slice, or an int64 index tensor)."""
+
+    chunk: int
+    rows: slice | torch.Tensor
+
+    @property
+    def size(self) -> int:
+        rows = self.rows
+        return rows.stop - rows.start if isinstance(rows, slice) else int(rows.numel())
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: its query rows (pieces concatenated in order) against its key rows
+    (likewise); `causal` is aligned at the bottom right of the concatenation."""
+
+    q: tuple[Piece, ...]
+    kv: tuple[Piece, ...]
+    causal: bool = False
+    segments: Segments | None = None
+    mask: TileMask | None = None
+
+
+def _key(piece: Piece) -> tuple | None:
+    """A hashable key of a piece's rows (None for index tensors: never grouped)."""
+    if not isinstance(piece.rows, slice):
+        return None
+    return piece.chunk, piece.rows.start, piece.rows.stop
+
+
+def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
+                grouped: bool = True) -> list[Call]:
+    """The calls computing `blocks` [(query chunk index, key chunk index, Block)], grouped
+    (module docstring); `bottom_right`: the kernel takes causal calls of sq < sk;
+    grouped=False: each block's own calls, as they are (an A/B baseline)."""
+    plain: dict[tuple, list[Call]] = {}
+    out: list[Call] = []
+    for qi, ki, blk in blocks:
+        for c in blk.calls:
+            call = Call((Piece(qi, c.q_rows),), (Piece(ki, c.kv_rows),), c.causal, c.segments,
+                        c.mask)
+            key = _key(call.q[0])
+            if not grouped or c.segments is not None or c.mask is not None or key is None or _key(
+                    call.kv[0]) is None:
+                out.append(call)
+            else:
+                plain.setdefault(key, []).append(call)
+    by_keys: dict[tuple, list[Call]] = {}
+    for calls in plain.values():  # 1. the same query rows: keys concatenated
+        full = sorted((c for c in calls if not c.causal), key=lambda c: c.kv[0].chunk)
+        causal = [c for c in calls if c.causal]
+        if (causal and bottom_right and full
+                and causal[0].q[0].size == causal[0].kv[0].size):
+            diagonal, *rest = causal
+            out.append(Call(full[0].q, tuple(p for c in full for p in c.kv) + diagonal.kv,
+                            causal=True))
+            out.extend(rest)
+        else:
+            out.extend(causal)
+            if full:
+                merged = Call(full[0].q, tuple(p for c in full for p in c.kv))
+                by_keys.setdefault(tuple(_key(p) for p in merged.kv), []).append(merged)
+    for calls in by_keys.values():  # 2. the same key rows: queries concatenated
+        calls.sort(key=lambda c: c.q[0].chunk)
+        out.append(Call(tuple(c.q[0] for c in calls), calls[0].kv))
+    return out

@@ -1,0 +1,120 @@
+"""Kernel calls per tile: the blocks a rank has on hand together go to the kernel as few
+calls (`masks.groups`), counted on the real kernel (torch's, wrapped to count) in every
+schedule and grid, held to `models.tile_calls` on a dense sequence, and never more than
+one call per block under the other mask kinds."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import megatron_mesh as mm
+from megatron_mesh.kernels import TorchFlashKernel
+from megatron_mesh.models.tile_calls import backward_calls, forward_calls
+from megatron_mesh.values import grid_shapes
+
+from dist_utils import run_distributed
+from reference import Failure, assert_no_failures
+
+WORLD = 4
+SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
+MASKS = ("causal", "full", "documents", "window")
+
+
+class CountingKernel:
+    """torch's tile kernel, counting its forward and backward calls."""
+
+    def __init__(self) -> None:
+        self.inner = TorchFlashKernel()
+        self.name, self.caps = "counting", self.inner.caps
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *args, **kwargs):
+        self.calls["forward"] += 1
+        return self.inner.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.calls["backward"] += 1
+        return self.inner.backward(*args, **kwargs)
+
+
+def count_calls(grid: mm.MeshGrid, schedule: str, mask: str, grouped: bool) -> dict:
+    """Calls of one forward and one backward of mesh attention on this rank."""
+    s, hq, hkv, d = 16, 4, 2, 8
+    g = torch.Generator().manual_seed(3 + grid.cp_rank)
+    q, k, v = (torch.randn(s, 1, h, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
+    kw = {"causal": mask != "full"}
+    if mask == "documents":  # whole sequence 64: documents of 24, 40
+        kw["cu_seqlens"] = torch.tensor([0, 24, 64], dtype=torch.int32)
+        q, k, v = (t.detach()[:, 0].requires_grad_() for t in (q, k, v))
+    if mask == "window":
+        kw["window_size"] = (20, 0)
+        kw["window_exchange"] = "gathered"
+    kernel = CountingKernel()
+    os.environ["MESH_GROUP_CALLS"] = "1" if grouped else "0"
+    try:
+        out = mm.mesh_attention(q, k, v, grid, backend=kernel, schedule=schedule, **kw)
+        forward = dict(kernel.calls)
+        out.backward(torch.ones_like(out))
+    finally:
+        os.environ.pop("MESH_GROUP_CALLS")
+    return {"forward": forward["forward"], "backward": kernel.calls["backward"]}
+
+
+def calls_worker(rank: int, world: int) -> dict:
+    got = {}
+    for a, r, c in grid_shapes(world):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for schedule in SCHEDULES:
+            for mask in MASKS:
+                for grouped in (True, False):
+                    got[(a, r, c, schedule, mask, grouped)] = count_calls(grid, schedule, mask,
+                                                                          grouped)
+    return got
+
+
+@pytest.fixture(scope="module")
+def counted() -> list[dict]:
+    return run_distributed(calls_worker, WORLD)
+
+
+def test_dense_tiles_make_the_modelled_calls(counted) -> None:
+    """Causal and full: each rank's calls equal `tile_calls` for its mesh rank (torch's
+    kernel takes bottom-right causal calls); ungrouped, one call per block."""
+    bad = []
+    for cp_rank, per_case in enumerate(counted):
+        for (a, r, c, schedule, mask, grouped), calls in per_case.items():
+            if mask not in ("causal", "full"):
+                continue
+            mesh_rank = cp_rank // a
+            want = {"forward": forward_calls(r, c, mask == "causal", schedule, rank=mesh_rank),
+                    "backward": backward_calls(r, c, mask == "causal", schedule,
+                                               rank=mesh_rank)}
+            if not grouped:
+                want = {"forward": r * c, "backward": r * c}
+            if calls != want:
+                bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} grouped={grouped} "
+                                   f"rank {cp_rank}", f"calls {calls}, want {want}"))
+    assert_no_failures([bad])
+
+
+def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
+    """Every mask kind: never more calls than blocks' calls; a causal tile of R >= 2 K/V
+    chunks on one query chunk (R x 1) in at most two calls per pass, whatever R."""
+    bad = []
+    for cp_rank, per_case in enumerate(counted):
+        for (a, r, c, schedule, mask, grouped), calls in per_case.items():
+            if not grouped:
+                continue
+            blocks = per_case[(a, r, c, schedule, mask, False)]
+            for phase in calls:
+                if calls[phase] > blocks[phase]:
+                    bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} rank {cp_rank}",
+                                       f"{phase}: {calls[phase]} calls > {blocks[phase]} "
+                                       "ungrouped"))
+            if mask == "causal" and c == 1 and r >= 2 and schedule != "streamed_kv":
+                if calls["forward"] > 2 or calls["backward"] > 3:
+                    bad.append(Failure(f"{a}x{r}x{c} {schedule} rank {cp_rank}",
+                                       f"calls {calls}: want at most 2 forward, 3 backward"))
+    assert_no_failures([bad])
