@@ -22,7 +22,7 @@ import torch
 
 from ..kernels.base import TileMask
 from ..runtime.caches import per_documents
-from .block import Block, BlockKind, as_rows
+from .block import Block, BlockKind
 from .slices import CAUSAL, Slice, SliceMask
 from .zigzag import held_pieces
 
@@ -63,17 +63,36 @@ def slice_block(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int, local_le
         return Block(BlockKind.FULL, slice(0, 0), slice(0, 0), tiles=())
     if len(parts) == 1:
         return _call(parts[0])
-    q_used = torch.zeros(local_len, dtype=torch.bool)
-    kv_used = torch.zeros(local_len, dtype=torch.bool)
-    for s in parts:
-        q_used[s.q_start:s.q_end] = True
-        kv_used[s.k_start:s.k_end] = True
-    q_rows, kv_rows = as_rows(q_used, device), as_rows(kv_used, device)
-    if len(parts) > MAX_CALLS and int(q_used.sum()) * int(kv_used.sum()) <= EXPLICIT_MAX_PAIRS:
-        tiles = (_explicit_call(parts, q_used, kv_used, q_rows, kv_rows, device),)
+    q_runs = _union([(s.q_start, s.q_end) for s in parts])
+    kv_runs = _union([(s.k_start, s.k_end) for s in parts])
+    q_rows, kv_rows = _rows(q_runs, device), _rows(kv_runs, device)
+    if len(parts) > MAX_CALLS and _count(q_runs) * _count(kv_runs) <= EXPLICIT_MAX_PAIRS:
+        tiles = (_explicit_call(parts, q_runs, kv_runs, q_rows, kv_rows, device),)
     else:
         tiles = tuple(_call(s) for s in parts)
     return Block(BlockKind.FULL, q_rows, kv_rows, tiles=tiles)
+
+
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of [start, end) ranges as sorted disjoint runs."""
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if runs and start <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def _count(runs: list[tuple[int, int]]) -> int:
+    return sum(end - start for start, end in runs)
+
+
+def _rows(runs: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """The rows of sorted disjoint runs: a slice for one run, else an int64 index on `device`."""
+    if len(runs) == 1:
+        return slice(*runs[0])
+    return torch.cat([torch.arange(start, end) for start, end in runs]).to(device)
 
 
 def _call(s: Slice) -> Block:
@@ -87,17 +106,26 @@ def _call(s: Slice) -> Block:
     return Block(BlockKind.FULL, rows, cols, mask=TileMask.band(sq, sk, -1, 0))
 
 
-def _explicit_call(parts: list[Slice], q_used: torch.Tensor, kv_used: torch.Tensor,
-                   q_rows: slice | torch.Tensor, kv_rows: slice | torch.Tensor,
-                   device: torch.device) -> Block:
-    """One call over the union of the slices' rows, with the mask they make of it."""
-    q_at = q_used.cumsum(0) - 1  # local row -> its row in the call
-    kv_at = kv_used.cumsum(0) - 1
-    seen = torch.zeros(int(q_used.sum()), int(kv_used.sum()), dtype=torch.bool)
+def _explicit_call(parts: list[Slice], q_runs: list[tuple[int, int]],
+                   kv_runs: list[tuple[int, int]], q_rows: slice | torch.Tensor,
+                   kv_rows: slice | torch.Tensor, device: torch.device) -> Block:
+    """One call over the union of the slices' rows (`q_runs`, `kv_runs`), with the mask they
+    make of it."""
+    seen = torch.zeros(_count(q_runs), _count(kv_runs), dtype=torch.bool)
     for s in parts:
-        i, j = int(q_at[s.q_start]), int(kv_at[s.k_start])
+        i, j = _at(q_runs, s.q_start), _at(kv_runs, s.k_start)
         sq, sk = s.q_end - s.q_start, s.k_end - s.k_start
         tile = torch.ones(sq, sk, dtype=torch.bool)
         seen[i:i + sq, j:j + sk] = tile.tril(sk - sq) if s.kind == CAUSAL else tile
     mask = None if bool(seen.all()) else TileMask.explicit(seen, device)
     return Block(BlockKind.FULL, q_rows, kv_rows, mask=mask)
+
+
+def _at(runs: list[tuple[int, int]], row: int) -> int:
+    """Where local `row` (inside one of the sorted disjoint `runs`) is in their rows."""
+    before = 0
+    for start, end in runs:
+        if row < end:
+            return before + row - start
+        before += end - start
+    raise ValueError(f"row {row} is in none of the runs {runs}")
