@@ -28,6 +28,11 @@ from megatron_mesh.megatron.sink import SOFTMAX_TYPES  # megatron-core's config.
 from megatron_mesh.training import schedule_length, tokenizer_check, validation
 from megatron_mesh.training.config import config_class, freeze
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.host_staging import (
+    add_host_staging_args,
+    check_host_staging,
+    default_backend,
+)
 from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
 from megatron_mesh.training.moe import add_moe_args, check_moe_args
 from megatron_mesh.training.placement import add_placement_args, resolve_placement_args
@@ -224,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
           help="default nccl with CUDA, gloo without")
     _flag(g, "--distributed-timeout-minutes", type=float, default=10.0,
           help="collective timeout: a dead peer ends the job after at most this long")
+    add_host_staging_args(g)
     _flag(g, "--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
           help="auto: Transformer Engine when installed and on a GPU, else local")
     _flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -489,7 +495,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _check_resume_flags(args)
     _check_window(args)
     _check_mla(args)
-    args.distributed_backend = args.distributed_backend or ("nccl" if has_cuda() else "gloo")
+    args.distributed_backend = args.distributed_backend or default_backend(args, has_cuda())
     if args.distributed_backend == "nccl" and not has_cuda():
         _fail("--distributed-backend nccl needs CUDA; use gloo on a CPU")
     pp = args.pipeline_model_parallel_size
@@ -544,6 +550,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.context_parallel_algo is None:
         _fail(f"--cp-comm-type {' '.join(args.cp_comm_type)}: this driver runs one algorithm in "
               "every layer; give one value")
+    try:
+        check_host_staging(args)
+    except ValueError as e:
+        _fail(str(e))
     if cp > 1 and not is_mesh(args.context_parallel_algo) and not have_transformer_engine():
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "

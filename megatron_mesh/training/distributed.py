@@ -14,6 +14,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.host_staging import local_device
 
 if TYPE_CHECKING:
     from megatron_mesh.training.arguments import TrainingConfig
@@ -24,15 +25,19 @@ def init_distributed(args: TrainingConfig) -> None:
 
     The timeout bounds every collective: if a peer dies without torchrun noticing (say on
     another node), the survivors raise after ``--distributed-timeout-minutes`` and exit non-zero.
+    With --mesh-host-staged-collectives the ranks share the GPUs there are (`host_staging`).
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     backend = args.distributed_backend  # resolved by the flag check (nccl needs CUDA)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    elif args.mesh_host_staged_collectives and has_cuda():  # several ranks on one GPU
+        torch.cuda.set_device(local_device(local_rank, torch.cuda.device_count()))
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),

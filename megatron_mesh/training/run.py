@@ -12,12 +12,14 @@ from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.placement import placed_rope
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.runtime.grid import MeshGrid
+from megatron_mesh.runtime.host_staging import HostStaging
 from megatron_mesh.training import distributed
 from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
 from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.evaluation import Evaluator
 from megatron_mesh.training.flops import attention_count_note, flops_per_iteration
+from megatron_mesh.training.host_staging import staged_collectives, staged_label
 from megatron_mesh.training.megatron_lm_flags import no_effect_report
 from megatron_mesh.training.metrics import Loggers
 from megatron_mesh.training.model import (
@@ -151,11 +153,12 @@ def run(args: TrainingConfig) -> int:
     bookkeeping tensors on "cuda" (schedule counters, RoPE indices), which it keeps on the CPU.
     """
     rope = placed_rope() if uses_placement(args) else contextlib.nullcontext()
-    with megatron_on_cpu(), rope:  # placed documents: RoPE at their rows' positions
-        return _run(args)
+    # placed documents: RoPE at their rows' positions; --mesh-host-staged-collectives
+    with megatron_on_cpu(), rope, staged_collectives(args) as staging:
+        return _run(args, staging)
 
 
-def _run(args: TrainingConfig) -> int:
+def _run(args: TrainingConfig, staging: HostStaging | None = None) -> int:
     distributed.init_distributed(args)
     try:
         grid = distributed.init_model_parallel(args)  # runtime state, not on args
@@ -191,6 +194,8 @@ def _run(args: TrainingConfig) -> int:
             exit_code = 0
         finally:
             loggers.finish(exit_code)
+        if staging is not None:
+            print_rank0(staged_label(staging))
         dist.barrier()
     finally:
         distributed.destroy()
