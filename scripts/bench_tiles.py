@@ -1,10 +1,13 @@
 """Per-tile overhead on one device: one rank's mesh tile against one kernel call.
 
-A rank of a P-rank mesh computes P rank-blocks on chunks of s = S / P tokens: with causal
-masking one diagonal block (s x s, causal) and P - 1 half blocks (s x s/2 or s/2 x s),
-merged by log-sum-exp (forward) or accumulated in fp32 (backward), exactly as
-`megatron_mesh.schedules.blocks` does inside mesh attention. The same FLOPs in one call: the s query
-rows against P * s / 2 keys (P * s without causal masking), no mask.
+A rank of a P-rank mesh computes P rank-blocks on chunks of s = S / P tokens (a P x 1 tile:
+one query chunk against the column's P K/V chunks): with causal masking one diagonal block
+(s x s, causal) and P - 1 half blocks (s x s/2 or s/2 x s), merged by log-sum-exp (forward)
+or accumulated in fp32 (backward), exactly as `megatron_mesh.schedules.blocks.forward_tile` /
+`backward_tile` do inside mesh attention: grouped into few kernel calls (`masks.groups`;
+--calls blocks: one call per block, the A/B baseline). The same FLOPs in one call: the s
+query rows against P * s / 2 keys (P * s without causal masking), no mask. Each row gives
+the tile's kernel calls in that pass ('calls', counted on the kernel) and 'grouped'.
 
     python scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8    # CUDA, every backend
     python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4   # smoke run (CPU)
@@ -26,8 +29,9 @@ import torch
 
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
+from megatron_mesh.masks.layout import AttentionMask
 from megatron_mesh.schedules import merge_triton
-from megatron_mesh.schedules.blocks import backward_block, forward_block
+from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
 from megatron_mesh.schedules.merge import empty_accumulators
 
 
@@ -45,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="torch,cudnn,te", help="comma-separated: torch, cudnn, te")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--calls", choices=("grouped", "blocks"), default="grouped",
+                   help="the tile's blocks grouped into few kernel calls (default), or one "
+                        "call per block")
     p.add_argument("--json", default=None, help="append one JSON object per row to this file")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
@@ -86,11 +93,28 @@ def peak_bytes(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - base
 
 
+class Counting:
+    """A tile kernel counting its calls (forward and backward), passing them on."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.name, self.caps = kernel, kernel.name, kernel.caps
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.kernel.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.calls += 1
+        return self.kernel.backward(*args, **kwargs)
+
+
 def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     device = torch.device(args.device)
     default = "bf16" if device.type == "cuda" else "fp32"
     dtype = TORCH_DTYPES[args.dtype or default]
-    kernel = get_kernel(backend, device, dtype, args.head_dim)
+    kernel = Counting(get_kernel(backend, device, dtype, args.head_dim))
+    grouped = args.calls == "grouped"
     p, b, hq, hkv, d = args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
     scale = d ** -0.5
     make = lambda n, h: torch.randn(n, b, h, d, device=device, dtype=dtype)  # noqa: E731
@@ -100,10 +124,12 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     keys_single = p * s // 2 if args.causal else p * s
     k1, v1 = make(keys_single, hkv), make(keys_single, hkv)
 
+    mask = AttentionMask(args.causal, ranks=p)
+    column = [(y, k, v) for y, (k, v) in enumerate(kv)]
+
     def tile_forward():
         out, lse = empty_accumulators(s, b, hq, d, device)
-        for y, (k, v) in enumerate(kv):
-            forward_block(kernel, q, k, v, x, y, args.causal, scale, out, lse)
+        forward_tile(kernel, [(x, q, out, lse)], column, mask, scale, grouped=grouped)
         return out.to(dtype), lse
 
     def single_forward():
@@ -114,9 +140,17 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
 
     def tile_backward():
         dq = torch.zeros(s, b, hq, d, dtype=torch.float32, device=device)
-        for y, (k, v) in enumerate(kv):
-            dkv = torch.zeros(2, s, b, hkv, d, dtype=torch.float32, device=device)
-            backward_block(kernel, dout, q, out, lse, k, v, x, y, args.causal, scale, dq, dkv)
+        dkv = torch.zeros(p, 2 * s * b * hkv * d, dtype=torch.float32, device=device)
+        backward_tile(kernel, [(x, dout, q, out, lse, dq)],
+                      [(y, k, v, kv_grads(dkv[y], k, v)) for y, k, v in column], mask, scale,
+                      grouped=grouped)
+
+    calls = {}
+    for name, fn in (("forward", tile_forward), ("backward", tile_backward)):
+        kernel.calls = 0
+        fn()
+        calls[name] = kernel.calls
+    calls["fwd+bwd"] = calls["forward"] + calls["backward"]
 
     def single_backward():
         kernel.backward(dout, q, k1, v1, out1, lse1, False, scale)
@@ -144,13 +178,14 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                      else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
                      "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal,
-                     "merge": merge})
+                     "merge": merge, "calls": calls[name], "grouped": grouped})
     return rows
 
 
 def format_row(row: dict) -> str:
     mib = lambda n: "-" if n is None else f"{n / 2**20:.0f}"  # noqa: E731
-    return (f"{row['backend']:>6} {row['chunk']:>6} {row['pass']:>9} {row['tile_ms']:10.3f} "
+    return (f"{row['backend']:>6} {row['chunk']:>6} {row['pass']:>9} {row['calls']:>5} "
+            f"{row['tile_ms']:10.3f} "
             f"{row['single_ms']:10.3f} {row['tile_tflops']:10.2f} {row['single_tflops']:10.2f} "
             f"{100 * row['efficiency']:9.1f}% {mib(row['tile_peak_bytes']):>9} "
             f"{mib(row['single_peak_bytes']):>9}")
@@ -163,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"one rank's tile: P={args.cp_size} blocks of {args.chunk} tokens, heads "
           f"{args.heads}/{args.kv_heads}, d={args.head_dim}, b={args.batch}, causal={args.causal}, "
           f"{where}")
-    print(f"{'kernel':>6} {'chunk':>6} {'pass':>9} {'tile ms':>10} {'single ms':>10} "
+    print(f"{'kernel':>6} {'chunk':>6} {'pass':>9} {'calls':>5} {'tile ms':>10} {'single ms':>10} "
           f"{'tile TF/s':>10} {'single TF/s':>10} {'efficiency':>10} {'tile MiB':>9} "
           f"{'single MiB':>9}")
     for s in args.chunks:

@@ -25,9 +25,23 @@ calls. `tests/unit/test_tile_calls.py` holds the real calls to these counts.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 from ..values import Schedule, check_positive_int
+
+# Grouping is on where MESH_GROUP_CALLS=1 is set in the environment (read on every tile);
+# off by default until the memory model (`memory.py`) counts the grouped calls' copies.
+GROUP_CALLS_DEFAULT = False
+
+
+def grouping(grouped: bool | None = None) -> bool:
+    """Whether tiles group their blocks' calls: `grouped` where given, else MESH_GROUP_CALLS
+    in the environment ('1' on, '0' off), else `GROUP_CALLS_DEFAULT`."""
+    if grouped is not None:
+        return grouped
+    value = os.environ.get("MESH_GROUP_CALLS")
+    return GROUP_CALLS_DEFAULT if value is None else value != "0"
 
 Pair = tuple[int, int]  # (query owner x, key owner y): mesh ranks (zigzag positions)
 
@@ -117,23 +131,28 @@ def _own_blocks_later(rows: int, row_index: int) -> list[int]:
 
 
 def _calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-           bottom_right: bool, rank: int | None) -> int:
+           bottom_right: bool, rank: int | None, grouped: bool | None) -> int:
     schedule = _grid(rows, cols, schedule)
+    if not grouping(grouped):
+        return rows * cols  # one call per block
     ranks = range(rows * cols) if rank is None else [rank]
     return max(sum(group_count(g, causal, bottom_right) for g in _groups(
         rows, cols, schedule, r, phase) if g) for r in ranks)
 
 
 def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
-                  bottom_right: bool = True, rank: int | None = None) -> int:
+                  bottom_right: bool = True, rank: int | None = None,
+                  grouped: bool | None = None) -> int:
     """Kernel calls of one rank's forward tile (R = rows K/V chunks x C = cols query
     chunks, a dense sequence, `causal` or full): the most over the mesh's ranks, or rank
     `rank`'s (its mesh rank); `bottom_right`: the kernel takes causal calls of more keys
-    than queries (`KernelCaps.bottom_right`: torch's kernels; not cuDNN's nor TE's)."""
-    return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank)
+    than queries (`KernelCaps.bottom_right`: torch's kernels; not cuDNN's nor TE's);
+    `grouped`: as `grouping` (None: as the runtime runs now; ungrouped, R * C)."""
+    return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank, grouped)
 
 
 def backward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
-                   bottom_right: bool = True, rank: int | None = None) -> int:
+                   bottom_right: bool = True, rank: int | None = None,
+                   grouped: bool | None = None) -> int:
     """Kernel calls of one rank's backward tile (as `forward_calls`)."""
-    return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank)
+    return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank, grouped)

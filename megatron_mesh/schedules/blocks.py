@@ -3,7 +3,6 @@ into few calls (`masks.groups`), their results merged (forward) or added (backwa
 each chunk's fp32 accumulators."""
 from __future__ import annotations
 
-import os
 from typing import Collection, Sequence
 
 import torch
@@ -12,6 +11,7 @@ from ..kernels import TileKernel
 from ..kernels.caps import caps_of
 from ..masks.groups import Call, Piece, group_calls
 from ..masks.layout import AttentionMask, block_for
+from ..models.tile_calls import grouping
 from ..runtime.flat import flat_size, views
 from .merge import merge_into
 
@@ -33,14 +33,14 @@ GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
 
 def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], local_len: int,
                mask: AttentionMask, device: torch.device,
-               skip: Collection[tuple[int, int]] = ()) -> list[Call]:
-    """The grouped kernel calls (`groups.group_calls`) computing blocks (x, y) for x in
-    `xs`, y in `ys`, but those in `skip`; pieces index xs and ys. MESH_GROUP_CALLS=0 in
-    the environment: each block's own calls (an A/B baseline, read on every call)."""
+               skip: Collection[tuple[int, int]] = (), grouped: bool | None = None
+               ) -> list[Call]:
+    """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
+    `skip`, grouped (`groups.group_calls`) where `models.tile_calls.grouping(grouped)`
+    says so (MESH_GROUP_CALLS), else each block's own; pieces index xs and ys."""
     blocks = [(qi, ki, block_for(x, y, local_len, mask, device))
               for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
-    grouped = os.environ.get("MESH_GROUP_CALLS", "1") != "0"
-    return group_calls(blocks, caps_of(kernel).bottom_right, grouped)
+    return group_calls(blocks, caps_of(kernel).bottom_right, grouping(grouped))
 
 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
 
 def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequence[KeyChunk],
                  mask: AttentionMask, scale: float,
-                 skip: Collection[tuple[int, int]] = ()) -> None:
+                 skip: Collection[tuple[int, int]] = (), grouped: bool | None = None) -> None:
     """Blocks (x, y) of the query chunks q_x [s, b, hq, d] against the key chunks
     k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
     calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
@@ -67,7 +67,7 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
         return
     q0 = queries[0][1]
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
-                       mask, q0.device, skip)
+                       mask, q0.device, skip, grouped)
     for call in calls:
         q = _cat([rows(queries[p.chunk][1], p.rows) for p in call.q])
         k = _cat([rows(keys[p.chunk][1], p.rows) for p in call.kv])
@@ -77,6 +77,7 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
         del q, k, v
         for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
             _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
+        del out, lse, out_part, lse_part  # not held while the next call runs
 
 
 def _merge_rows(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor,
@@ -110,7 +111,7 @@ def forward_block(
 
 def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
                   keys: Sequence[GradKeyChunk], mask: AttentionMask, scale: float,
-                  skip: Collection[tuple[int, int]] = ()) -> None:
+                  skip: Collection[tuple[int, int]] = (), grouped: bool | None = None) -> None:
     """Gradients of blocks (x, y) (as `forward_tile`) added (fp32) into each x's dq_acc
     [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
     (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
@@ -119,7 +120,7 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
         return
     q0 = queries[0][2]
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
-                       mask, q0.device, skip)
+                       mask, q0.device, skip, grouped)
     for call in calls:
         dout, q, out = (_cat([rows(queries[p.chunk][i], p.rows) for p in call.q])
                         for i in (1, 2, 3))
@@ -130,11 +131,11 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
         del dout, q, out, lse, k, v
         for p, part in _pieces(dq, call.q):
             _add_rows(queries[p.chunk][5], p.rows, part)
-        del dq
+        del dq, part
         for grad, i in ((dk, 0), (dv, 1)):
             for p, part in _pieces(grad, call.kv):
                 _add_rows(keys[p.chunk][3][i], p.rows, part)
-        del dk, dv
+        del dk, dv, grad, part  # not held while the next call runs
 
 
 def backward_block(

@@ -88,11 +88,13 @@ def test_dense_tiles_make_the_modelled_calls(counted) -> None:
             if mask not in ("causal", "full"):
                 continue
             mesh_rank = cp_rank // a
-            want = {"forward": forward_calls(r, c, mask == "causal", schedule, rank=mesh_rank),
-                    "backward": backward_calls(r, c, mask == "causal", schedule,
-                                               rank=mesh_rank)}
-            if not grouped:
-                want = {"forward": r * c, "backward": r * c}
+            causal = mask == "causal"
+            want = {"forward": forward_calls(r, c, causal, schedule, rank=mesh_rank,
+                                             grouped=grouped),
+                    "backward": backward_calls(r, c, causal, schedule, rank=mesh_rank,
+                                               grouped=grouped)}
+            if not grouped and want != {"forward": r * c, "backward": r * c}:
+                bad.append(Failure(f"{r}x{c} {schedule} model", f"ungrouped: {want}"))
             if calls != want:
                 bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} grouped={grouped} "
                                    f"rank {cp_rank}", f"calls {calls}, want {want}"))
