@@ -5,13 +5,18 @@
 Prices the configurations docs/planner.md compares with the Mesh-Attention and ATTENTION2D
 abstracts (bf16, causal, batch 1, head dim 128) and prints the markdown tables: the best 2D
 mesh against ring (traffic cut, times, speedup with and without overlap), a2a+p2p's speedup
-and the heads x rows x cols choice's. Every number is the planner's model, not a measurement.
+and the heads x rows x cols choice's. Then the 64-GPU, 128K cases (GQA 32/8, MHA, packed
+documents) priced at the flat 400 TFLOP/s and by the H200's measured kernel-call profile
+(`--gpu h200`), and the choice where they differ. Every number is the planner's model, not a
+measurement.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megatron_mesh.planner import plan
+from megatron_mesh.planner.gpu_profile import load_profile
+from megatron_mesh.planner.placed import price_placement
 
 K = 1024
 
@@ -63,6 +68,42 @@ def traffic_cut(heads: int, kv_heads: int, dtype: str, grads: str) -> str:
     return f"{100 * cut:.1f}% ({least.mesh_shape[0]}x{least.mesh_shape[1]})"
 
 
+def _calls(e) -> str:
+    k = e.calls
+    return f"{k.forward}/{k.backward}"
+
+
+PROFILE_HEADER = ("| case | pricing | choice | calls fwd/bwd | choice ms | ring ms | ring calls | "
+                  "speedup | best 2D mesh |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def profile_rows(name: str, heads: int, kv_heads: int, docs: int | None = None) -> list[str]:
+    """The case at the flat rate and by the H200 profile (64 GPUs, 128K, H100 links); with
+    `docs`, packed documents of that length, placed (the choice) beside THD."""
+    options = dict(seq_length=128 * K, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                   gpus_per_node=8, intra_node_bw=360, inter_node_bw=45)
+    if docs:
+        options["doc_lengths"] = (docs,) * (128 * K // docs)
+    out, choices = [], []
+    for label, gpu in (("flat 400 TFLOP/s", None), ("H200 profile", load_profile("h200"))):
+        p = plan(64, gpu=gpu, **options)
+        choice = p.best_grid
+        if docs:
+            placed = price_placement(p)
+            choice = placed.best
+            label += f" (placed; THD's best {p.best_grid.label.split()[-1]} "
+            label += f"{1e3 * p.best_grid.total_s:.2f} ms)"
+        grid = "x".join(map(str, choice.grid_shape))
+        choices.append(grid)
+        out.append(f"| {name} | {label} | {grid} | {_calls(choice)} | {1e3 * choice.total_s:.2f} | "
+                   f"{1e3 * p.ring.total_s:.2f} | {_calls(p.ring)} | "
+                   f"{p.ring.total_s / choice.total_s:.2f}x | {p.best_mesh.label.split()[-1]} "
+                   f"{1e3 * p.best_mesh.total_s:.2f} ms |")
+    if choices[0] != choices[1]:
+        out[-1] += f" choice differs: {choices[0]} -> {choices[1]}"
+    return out
+
+
 def main() -> None:
     print("planner model (not measurements): bf16, causal, batch 1, head dim 128\n")
     print("Mesh-Attention, 256 GPUs:\n")
@@ -85,6 +126,12 @@ def main() -> None:
     for hw in (A100_X4, H100_X1):
         for s in (32, 64, 128, 256, 512):
             print(row(hw, 64, 96, 96, s * K))
+    print(f"\nflat rate against the {load_profile('h200').describe()}; 64 GPUs (8 nodes x 8, "
+          "360 / 45 GB/s), S = 128K, head dim 128; calls = kernel calls per rank and pass\n")
+    print(PROFILE_HEADER)
+    for case in (("GQA 32/8", 32, 8), ("MHA 32/32", 32, 32), ("GQA 32/8, 32 docs of 4K", 32, 8, 4096),
+                 ("MHA 32/32, 32 docs of 4K", 32, 32, 4096)):
+        print("\n".join(profile_rows(*case)))
 
 
 if __name__ == "__main__":

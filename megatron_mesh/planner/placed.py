@@ -175,7 +175,9 @@ def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPla
     return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
                  flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
                  own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
-                 calls=mesh_calls(workload, cluster.gpus, rows, cols, heads))
+                 calls=mesh_calls(workload, cluster.gpus, rows, cols, heads, blocks=max(
+                     _mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
+                     backend=None if cluster.gpu is None else cluster.gpu.backend))
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:

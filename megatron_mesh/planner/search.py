@@ -144,6 +144,7 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     with the reason."""
     p = cluster.gpus
     workload.check_cp_size(p)
+    backend = None if cluster.gpu is None else cluster.gpu.backend
 
     def priced(method: str, label: str, transfers, calls, shape=None, heads=1) -> Estimate:
         return price(method, label, transfers, workload, cluster, overlap, shape, heads,
@@ -182,14 +183,14 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         ))
     meshes = tuple(
         priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c),
-               mesh_calls(workload, p, r, c), (r, c))
+               mesh_calls(workload, p, r, c, backend=backend), (r, c))
         for r, c in mesh_shapes(p)
     )
     best_mesh = min(meshes, key=mesh_key)
     sizes = heads_sizes(workload, p)
     grids = tuple(
         priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a),
-               mesh_calls(workload, p, r, c, a), (r, c), a)
+               mesh_calls(workload, p, r, c, a, backend=backend), (r, c), a)
         for a, r, c in grid_shapes(p) if a in sizes
     )
     best_grid = min(meshes + grids, key=grid_key)

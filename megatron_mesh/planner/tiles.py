@@ -11,16 +11,26 @@ With s = S / P tokens per rank (P CP ranks) and Hq query heads:
                               when fewer calls than the tile's C query chunks), Hq / A heads
 
 A pass's FLOPs (the busiest rank's) are shared evenly by its calls (`GpuProfile.tile_seconds`).
-Under a sliding window or placed documents the mesh's calls are counted as the dense tile's
-(their band and varlen calls are not counted apart).
+Under a sliding window or placed documents a rank computes only the blocks that hold a pair
+(`window_blocks`; `planner.placed` counts the placement's): the mesh's calls are the fewer of
+those blocks (the most of any rank) and the dense tile's calls (a window's band tiles within
+a tall block are not counted apart).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from megatron_mesh.masks.window import Window
 from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.values import check_positive_int
+
+# kernels that take a causal call of more keys than queries, bottom-right aligned
+# (`KernelCaps.bottom_right`: torch's; not cuDNN's nor Transformer Engine's)
+BOTTOM_RIGHT_BACKENDS = ("torch",)
 
 
 @dataclass(frozen=True)
@@ -70,12 +80,40 @@ def a2a_p2p_calls(workload: Workload, cp_size: int, a2a_size: int) -> TileCalls:
     return _calls(workload, ring, ring, workload.seq_length // ring, workload.num_heads // a2a_size)
 
 
-def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int,
-               heads: int = 1) -> TileCalls:
-    """The calls of a heads x rows x cols grid's tile (module docstring)."""
+def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: int = 1,
+               blocks: int | None = None, backend: str | None = None) -> TileCalls:
+    """The calls of a heads x rows x cols grid's tile (module docstring); `blocks`: the
+    most blocks holding a pair on any rank (placed documents; a window's are counted here);
+    `backend`: the kernels' (a causal call of more keys than queries is one call only for
+    `BOTTOM_RIGHT_BACKENDS`; None: as for those)."""
     schedule = workload.mesh_plan(rows, cols, heads).schedule
-    fwd = forward_calls(rows, cols, workload.causal, schedule)
-    bwd = backward_calls(rows, cols, workload.causal, schedule)
+    right = backend is None or backend in BOTTOM_RIGHT_BACKENDS
+    fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
+    bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
+    if blocks is None and workload.window is not None:
+        blocks = window_blocks(workload.seq_length, rows, cols, workload.window, workload.causal)
+    if blocks is not None:
+        fwd, bwd = min(fwd, max(1, blocks)), min(bwd, max(1, blocks))
     chunk = workload.seq_length * heads // cp_size
     per_call = chunk * max(1, cols // min(fwd, bwd))
     return _calls(workload, fwd, bwd, per_call, workload.num_heads // heads)
+
+
+def window_blocks(seq_length: int, rows: int, cols: int, window: Window, causal: bool) -> int:
+    """The most blocks (x, y) holding a pair the window keeps on any rank of a rows x cols
+    mesh (zigzag over M = rows x cols ranks: rank x holds sub-chunks x and 2M - 1 - x of
+    h = S / 2M positions; sub-chunk u sees v < u when L > (u - v - 1) h, v > u when
+    R > (v - u - 1) h, `planner.windows`)."""
+    m = rows * cols
+    h = seq_length // (2 * m)
+    left = math.inf if window.left < 0 else window.left
+    right = 0 if causal else (math.inf if window.right < 0 else window.right)
+    sub = np.arange(2 * m)
+    gap = sub[:, None] - sub[None, :]  # u - v
+    sees = (gap == 0) | ((gap > 0) & (left > (gap - 1) * h)) | ((gap < 0) & (right > (-gap - 1) * h))
+    owner = np.minimum(sub, 2 * m - 1 - sub)  # the rank holding each sub-chunk
+    block = np.zeros((m, m), dtype=bool)
+    np.logical_or.at(block, (owner[:, None], owner[None, :]), sees)
+    # x = i * cols + c (rank x's row i), y = r * cols + j (its column j)
+    per_rank = block.reshape(rows, cols, rows, cols).sum(axis=(1, 2))  # [i, j]
+    return int(per_rank.max())
