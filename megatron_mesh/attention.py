@@ -407,9 +407,9 @@ def mesh_attention(
     mask: what each query sees, as slices over the whole sequence's positions: a `SliceMask`
     or its list of (q_start, q_end, k_start, k_end, 'full' | 'causal') (`slices.py`; the
     builders of `masks/` make them), the same on every rank; instead of causal, without
-    documents or a window. A query no slice reaches gets output 0 and no gradient. Blocks the mask leaves
-    empty are not computed; where that saves at least half the bytes, only the rows the
-    blocks use travel (`sparse_pays`; window_exchange 'gathered': whole chunks).
+    documents or a window. A query no slice reaches gets output 0 and no gradient. Blocks
+    the mask leaves empty are not computed; where that saves at least half the bytes, only
+    the rows the blocks use travel (`sparse_pays`; window_exchange 'gathered': whole chunks).
     """
     if not isinstance(grid, MeshGrid):  # no group to tell the other ranks
         raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got "
