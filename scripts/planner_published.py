@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from megatron_mesh.planner import plan
 from megatron_mesh.planner.gpu_profile import load_profile
 from megatron_mesh.planner.placed import price_placement
+from megatron_mesh.planner.search import grid_key
 
 K = 1024
 
@@ -73,13 +74,14 @@ def _calls(e) -> str:
     return f"{k.forward}/{k.backward}"
 
 
-PROFILE_HEADER = ("| case | pricing | choice | calls fwd/bwd | choice ms | ring ms | ring calls | "
-                  "speedup | best 2D mesh |\n|---|---|---|---|---|---|---|---|---|")
+PROFILE_HEADER = ("| case | pricing | choice | its calls fwd/bwd | its ms | best 2D mesh, ms (calls) | "
+                  "ring ms (calls) | choice over ring |\n|---|---|---|---|---|---|---|---|")
 
 
 def profile_rows(name: str, heads: int, kv_heads: int, docs: int | None = None) -> list[str]:
-    """The case at the flat rate and by the H200 profile (64 GPUs, 128K, H100 links); with
-    `docs`, packed documents of that length, placed (the choice) beside THD."""
+    """The case at the flat rate and by the H200 profile (64 GPUs, 128K, H100 links), the
+    profile's choice in bold where it differs; with `docs`, packed documents of that
+    length: the placement's grids (the choice), THD's best beside it."""
     options = dict(seq_length=128 * K, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
                    gpus_per_node=8, intra_node_bw=360, inter_node_bw=45)
     if docs:
@@ -87,20 +89,21 @@ def profile_rows(name: str, heads: int, kv_heads: int, docs: int | None = None) 
     out, choices = [], []
     for label, gpu in (("flat 400 TFLOP/s", None), ("H200 profile", load_profile("h200"))):
         p = plan(64, gpu=gpu, **options)
-        choice = p.best_grid
+        choice, mesh = p.best_grid, p.best_mesh
         if docs:
             placed = price_placement(p)
             choice = placed.best
-            label += f" (placed; THD's best {p.best_grid.label.split()[-1]} "
-            label += f"{1e3 * p.best_grid.total_s:.2f} ms)"
+            mesh = min((e for e in placed.estimates if e.heads == 1), key=grid_key)
+            label += (f"; placed (THD's best {p.best_grid.label.split()[-1]}: "
+                      f"{1e3 * p.best_grid.total_s:.2f} ms)")
         grid = "x".join(map(str, choice.grid_shape))
         choices.append(grid)
+        if len(choices) == 2 and choices[0] != grid:
+            grid = f"**{grid}** (flat: {choices[0]})"
         out.append(f"| {name} | {label} | {grid} | {_calls(choice)} | {1e3 * choice.total_s:.2f} | "
-                   f"{1e3 * p.ring.total_s:.2f} | {_calls(p.ring)} | "
-                   f"{p.ring.total_s / choice.total_s:.2f}x | {p.best_mesh.label.split()[-1]} "
-                   f"{1e3 * p.best_mesh.total_s:.2f} ms |")
-    if choices[0] != choices[1]:
-        out[-1] += f" choice differs: {choices[0]} -> {choices[1]}"
+                   f"{mesh.label.split()[-1]} {1e3 * mesh.total_s:.2f} ({_calls(mesh)}) | "
+                   f"{1e3 * p.ring.total_s:.2f} ({_calls(p.ring)}) | "
+                   f"{p.ring.total_s / choice.total_s:.2f}x |")
     return out
 
 
