@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Checks megatron-mesh on a machine with one CUDA GPU, in one command, unattended:
+# Checks megatron-mesh on a machine with one CUDA GPU, in one command, unattended, in at most
+# 6 minutes (GPU_CHECK_BUDGET_S, 360):
 #   scripts/gpu_check.sh [--dry-run] [OUT_DIR]        (default gpu_check_out/)
 # Needs only Python with a CUDA torch. What else it needs (pytest and its dependencies,
 # megatron-core) it installs, without a package index, from wheels carried beside the
 # checkout in .whl/ (GPU_CHECK_WHEELS=DIR for another folder; scripts/gpu_wheels.sh fetches
 # them on a machine with an index), into OUT_DIR/.site. Transformer Engine and transformers
-# are used when installed. Steps, each under 10 minutes, each reported and none stopping the
-# others: the `gpu` tests (Transformer Engine's kernel tests among them when TE imports, with
-# the memory table), the tile efficiency bench (2K / 4K / 8K tokens per chunk, bf16, every
-# backend; at 2K also with the torch merge, an A/B against the Triton one), the driver
-# against Hugging Face GPT-2. Writes OUT_DIR/steps.jsonl (one line a step: rc, seconds, or
-# why it was skipped), OUT_DIR/gpu_check.json and OUT_DIR/summary.txt.
+# are used when installed. Steps, each under its own time limit (LIMITS below; they add up
+# to the budget less a reserve for the installs and the summary, and no step runs past the
+# budget), each reported and none stopping the others: the `gpu` tests (Transformer
+# Engine's kernel tests among them when TE imports, with the memory table), the tile
+# efficiency bench for MHA 16 x 128 and GQA 32 / 8 (2K / 4K / 8K tokens per chunk, bf16,
+# every backend; at 2K also with the torch merge, an A/B against the Triton one), the
+# driver against Hugging Face GPT-2 at 4K and 16K tokens, CP = 4 trained on the one GPU
+# against CP = 1 (scripts/cp_on_one_gpu.py), and the GPU profile fitted to the tile rows
+# (scripts/fit_gpu_profile.py, when there). Writes OUT_DIR/steps.jsonl (one line a step:
+# rc, seconds, limit, or why it was skipped), OUT_DIR/gpu_check.json and OUT_DIR/summary.txt.
 # Without a CUDA GPU it says so and exits 0. --dry-run (or GPU_CHECK_DRY_RUN=1) goes through
 # every step without a GPU, installing the wheels and checking the imports but printing the
 # step commands instead of running them.
@@ -31,11 +36,26 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 rm -f "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.log "$OUT/summary.txt"
 
-record() {  # record NAME RC SECONDS NOTE: one line of OUT/steps.jsonl
+# Seconds each step may take; with RESERVE_S (wheels, machine facts, summary) they add up
+# to at most BUDGET_S, so that a rerun fits a 15-minute device lease beside the first run.
+BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
+RESERVE_S=30
+declare -A LIMITS=([gpu_tests]=100 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
+                   [driver_vs_hf_4k]=40 [driver_vs_hf_16k]=40 [cp_on_one_gpu]=55 [profile_fit]=15)
+total=$RESERVE_S
+for name in "${!LIMITS[@]}"; do total=$((total + LIMITS[$name])); done
+if [ "$total" -gt "$BUDGET_S" ]; then
+    echo "gpu_check: the step limits and the reserve add up to $total s, over the budget $BUDGET_S s" >&2
+    exit 2
+fi
+DEADLINE=$((SECONDS + BUDGET_S))
+
+record() {  # record NAME RC SECONDS NOTE [LIMIT]: one line of OUT/steps.jsonl
     "$PY" -c 'import json, sys
-name, rc, sec, note = sys.argv[1:5]
+name, rc, sec, note, limit = (sys.argv[1:6] + [""])[:5]
 print(json.dumps({"step": name, "rc": None if rc == "" else int(rc),
-                  "seconds": int(sec), "note": note}))' "$@" >> "$OUT/steps.jsonl"
+                  "seconds": int(sec), "limit_s": None if limit == "" else int(limit),
+                  "note": note}))' "$@" >> "$OUT/steps.jsonl"
 }
 
 skip() {  # skip NAME WHY
@@ -43,18 +63,27 @@ skip() {  # skip NAME WHY
     record "$1" "" 0 "skipped: $2"
 }
 
-step() {  # step NAME COMMAND...: runs it (10 minutes at most), logs to OUT/NAME.log
+step() {  # step NAME COMMAND...: runs it under LIMITS[NAME] (and the budget), logs to OUT/NAME.log
     local name=$1; shift
+    local limit=${LIMITS[$name]}
     if [ "$DRY" = 1 ]; then
-        echo "gpu_check: $name: would run: $*"
-        record "$name" "" 0 "dry run: $*"
+        echo "gpu_check: $name: would run (limit ${limit} s): $*"
+        record "$name" "" 0 "dry run: $*" "$limit"
         return
     fi
-    echo "gpu_check: $name: $*"
+    local left=$((DEADLINE - SECONDS - RESERVE_S / 3))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -le 0 ]; then
+        skip "$name" "no time left in the ${BUDGET_S} s budget"
+        return
+    fi
+    echo "gpu_check: $name (limit ${limit} s): $*"
     local start=$SECONDS
-    timeout 600 "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    record "$name" "$rc" $((SECONDS - start)) "log: $name.log"
+    local note="log: $name.log"
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && note="killed at its limit of ${limit} s; $note"
+    record "$name" "$rc" $((SECONDS - start)) "$note" "$limit"
     tail -n 25 "$OUT/$name.log"
 }
 
@@ -118,10 +147,10 @@ has transformer_engine \
 # 3. the steps
 if has pytest; then
     MESH_GPU_MEMORY_REPORT="$OUT/memory.jsonl" step gpu_tests "$PY" -m pytest -q -p no:cacheprovider \
-        -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_te.py tests/unit/test_kernels_documents.py \
-        tests/unit/test_merge_triton.py tests/distributed/test_host_staging.py \
-        tests/distributed/test_placed_documents.py tests/distributed/test_sinks.py \
-        tests/distributed/test_decode.py
+        --durations=15 -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_te.py \
+        tests/unit/test_kernels_documents.py tests/unit/test_merge_triton.py \
+        tests/distributed/test_host_staging.py tests/distributed/test_placed_documents.py \
+        tests/distributed/test_sinks.py tests/distributed/test_decode.py
 else
     skip gpu_tests "pytest does not import (carry its wheels in $WHEELS/: scripts/gpu_wheels.sh)"
 fi
@@ -129,14 +158,28 @@ step tiles_mha "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 -
     --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
 MESH_TRITON_MERGE=0 step tiles_torch_merge "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 \
     --heads 16 --head-dim 128 --dtype bf16 --backends torch --json "$OUT/tiles.jsonl"
-step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 8192 --cp-size 8 --heads 32 --kv-heads 8 \
-    --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
-if ! has transformers; then
-    skip driver_vs_hf "transformers does not import"
-elif ! has megatron.core; then
-    skip driver_vs_hf "megatron-core does not import (carry its wheel in $WHEELS/: scripts/gpu_wheels.sh)"
+step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 32 \
+    --kv-heads 8 --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
+if ! has megatron.core; then
+    why="megatron-core does not import (carry its wheel in $WHEELS/: scripts/gpu_wheels.sh)"
+    skip driver_vs_hf_4k "$why"; skip driver_vs_hf_16k "$why"; skip cp_on_one_gpu "$why"
 else
-    step driver_vs_hf "$PY" scripts/compare_hf_gpt2.py --json "$OUT/driver_vs_hf.json"
+    if ! has transformers; then
+        skip driver_vs_hf_4k "transformers does not import"
+        skip driver_vs_hf_16k "transformers does not import"
+    else
+        step driver_vs_hf_4k "$PY" scripts/compare_hf_gpt2.py --seq 4096 --batch 4 --iters 12 \
+            --warmup 4 --json "$OUT/driver_vs_hf_4k.json"
+        step driver_vs_hf_16k "$PY" scripts/compare_hf_gpt2.py --seq 16384 --batch 1 --iters 12 \
+            --warmup 4 --json "$OUT/driver_vs_hf_16k.json"
+    fi
+    step cp_on_one_gpu "$PY" scripts/cp_on_one_gpu.py --timeout $((LIMITS[cp_on_one_gpu] - 5)) \
+        --json "$OUT/cp_on_one_gpu.json"
+fi
+if [ -f scripts/fit_gpu_profile.py ]; then
+    step profile_fit "$PY" scripts/fit_gpu_profile.py "$OUT/tiles.jsonl"
+else
+    skip profile_fit "scripts/fit_gpu_profile.py is not there (nothing fits the GPU profile yet)"
 fi
 
 # 4. the summary, from whatever the steps left
@@ -158,15 +201,21 @@ def load(name):
         return json.loads((out / name).read_text())
     except (OSError, ValueError):
         return None
+def tail(name, n=15):
+    path = out / name
+    return path.read_text().splitlines()[-n:] if path.exists() else []
 report = {"machine": load("machine.json"), "steps": lines("steps.jsonl"),
           "tiles": lines("tiles.jsonl"), "memory": lines("memory.jsonl"),
-          "driver_vs_hf": load("driver_vs_hf.json"),
-          "cp_on_one_gpu": "not run: the driver does not yet run several ranks on one GPU"}
+          "driver_vs_hf": {seq: load(f"driver_vs_hf_{seq}.json") for seq in ("4k", "16k")},
+          "cp_on_one_gpu": load("cp_on_one_gpu.json"), "profile_fit": tail("profile_fit.log")}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-print("\nsteps:")
+print(f"\nmachine: {json.dumps(report['machine'])}")
+print("steps:")
 for s in report["steps"]:
     status = "ok" if s["rc"] == 0 else (f"rc={s['rc']}" if s["rc"] is not None else "-")
-    print(f"  {s['step']:>14}: {status:>6} ({s['seconds']} s) {s['note']}")
+    limit = f" of {s['limit_s']} s" if s.get("limit_s") is not None else ""
+    print(f"  {s['step']:>17}: {status:>6} ({s['seconds']} s{limit}) {s['note']}")
+print(f"total: {sum(s['seconds'] for s in report['steps'])} s in the steps")
 failed = [s["step"] for s in report["steps"] if s["rc"] not in (0, None)]
 print("failed steps:", ", ".join(failed) or "none")
 tiles = [r for r in report["tiles"] if r.get("pass") == "fwd+bwd"]
@@ -184,8 +233,33 @@ if worst:
     print("extra memory per rank, S=8192 bf16 16x128 heads (measured CUDA peak / model MiB):")
     for (shape, sch), (m, mod) in sorted(worst.items()):
         print(f"  {shape} {sch:>12}: {m / 2**20:8.1f} / {mod / 2**20:8.1f}")
-if report["driver_vs_hf"]:
-    for name, r in report["driver_vs_hf"].get("results", {}).items():
+for seq, hf in report["driver_vs_hf"].items():
+    if not hf:
+        continue
+    c = hf["config"]
+    print(f"driver vs GPT-2, S = {c['seq']}, micro-batch {c['batch']} ({hf['device']}):")
+    rows = list(hf.get("results", {}).items())
+    for name, r in rows:
         print(f"  {name:>32}: {r['tokens_per_s']:10.1f} tokens/s, {r['peak_memory_mib']:9.1f} MiB")
+    if len(rows) == 2:
+        (_, ours), (_, theirs) = rows
+        print(f"  {'ours / GPT-2':>32}: {ours['tokens_per_s'] / theirs['tokens_per_s']:10.2f}x "
+              f"tokens/s, {ours['peak_memory_mib'] / theirs['peak_memory_mib']:9.2f}x memory")
+cp = report["cp_on_one_gpu"]
+if cp:
+    v = cp["verdict"]
+    print(f"CP = 4 on one GPU against CP = 1 ({cp['config']['dtype']}, "
+          f"{cp['config']['iters']} iterations): {'pass' if v['pass'] else 'FAIL'}")
+    for name, g in v.get("grids", {}).items():
+        print(f"  {name:>10}: max |L - L_cp1| {g['max_diff']:.3e}, {g['max_ratio']:.2f} of the bound"
+              + (f", beyond it at {g['beyond']}" if g["beyond"] else ""))
+    if v.get("missing"):
+        print(f"  iterations missing: {v['missing']}")
+else:
+    print("CP = 4 on one GPU: not run (see its step)")
+if report["profile_fit"]:
+    print("GPU profile fit (profile_fit.log, last lines):")
+    for line in report["profile_fit"]:
+        print(f"  {line}")
 print(f"written: {out / 'gpu_check.json'}, {out / 'summary.txt'}")
 PYEOF

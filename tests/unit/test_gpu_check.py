@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -109,15 +110,88 @@ def test_dry_run_goes_through_every_step(tmp_path) -> None:
     steps = {s["step"]: s for s in
              (json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines())}
     assert list(steps) == ["wheels", "gpu_tests", "tiles_mha", "tiles_torch_merge", "tiles_gqa",
-                           "driver_vs_hf"], log
+                           "driver_vs_hf_4k", "driver_vs_hf_16k", "cp_on_one_gpu",
+                           "profile_fit"], log
     assert steps["wheels"]["rc"] == 1 and "1 of 2 wheels" in steps["wheels"]["note"], log
     assert "failed: broken-0.1-py3-none-any.whl" in steps["wheels"]["note"]
     assert (out / ".site" / "mm_probe.py").exists()
     assert steps["gpu_tests"]["note"].startswith("skipped: pytest does not import"), log
-    assert steps["tiles_mha"]["note"].startswith("dry run: ") and "bench_tiles.py" in log
-    assert steps["driver_vs_hf"]["note"] == "skipped: transformers does not import", log
+    for name in ("tiles_mha", "tiles_gqa"):
+        note = steps[name]["note"]
+        assert note.startswith("dry run: ") and "bench_tiles.py --chunk 2048,4096,8192" in note
+    assert "--kv-heads 8" in steps["tiles_gqa"]["note"]
+    for name in ("driver_vs_hf_4k", "driver_vs_hf_16k"):
+        assert steps[name]["note"] == "skipped: transformers does not import", log
+    assert "cp_on_one_gpu.py" in steps["cp_on_one_gpu"]["note"], log
+    fit = (ROOT / "scripts" / "fit_gpu_profile.py").exists()
+    assert steps["profile_fit"]["note"].startswith("dry run: " if fit else "skipped: "), log
+    # each step that runs has its own limit; with the reserve they fit the 6-minute budget
+    limits = {name: s["limit_s"] for name, s in steps.items() if s["note"].startswith("dry run")}
+    assert limits and all(isinstance(t, int) and t > 0 for t in limits.values()), limits
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    every = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", script)}
+    reserve = int(re.search(r"^RESERVE_S=(\d+)", script, re.M)[1])
+    assert set(every) == set(steps) - {"wheels"} and limits.items() <= every.items(), every
+    assert sum(every.values()) + reserve <= 360, every
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["machine"]["torch"] == __import__("torch").__version__
     assert report["machine"]["pytest"] is None and report["machine"]["transformers"] is None
     summary = (out / "summary.txt").read_text()
-    assert "failed steps: wheels" in summary and "driver_vs_hf" in summary
+    assert "failed steps: wheels" in summary and "driver_vs_hf_16k" in summary
+    assert "CP = 4 on one GPU: not run" in summary, summary
+
+
+def test_step_limits_over_the_budget_are_refused(tmp_path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "100",
+           "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run",
+                           str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "over the budget 100 s" in proc.stderr, proc.stderr
+
+
+def _cp_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cp_on_one_gpu",
+                                                  ROOT / "scripts" / "cp_on_one_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cp_on_one_gpu_holds_cp4_to_twice_the_drift_of_bf16_from_fp32() -> None:
+    """scripts/cp_on_one_gpu.py's verdict (the GPU step): the driver's log lines parsed,
+    each CP = 4 grid within 2 x the running max of |L_cp1 - L_cp1_fp32| + 2^-8 L_cp1 of
+    CP = 1 at every iteration; beyond it, or an iteration missing, fails."""
+    cp = _cp_script()
+    line = ("[2026-11-27 10:25:00] iteration        2/       3 | consumed samples:            4 "
+            "| tokens/s: 7153.3 | lm loss: 5.983616E+00 | grad norm: 1.534 |")
+    assert cp.losses(line) == {2: 5.983616}
+    ref = {1: 4.0, 2: 3.0, 3: 2.5}
+    fp32 = {1: 4.0, 2: 3.004, 3: 2.5}  # bf16 moved the loss by 0.004 at iteration 2
+    bound = [2 * 0.0 + 4.0 / 256, 2 * 0.004 + 3.0 / 256, 2 * 0.004 + 2.5 / 256]
+    close = {1: 4.01, 2: 3.0 - 0.019, 3: 2.5 + 0.017}
+    runs = {"cp1": ref, "cp1 fp32": fp32, "cp4 2x2": close, "cp4 2x1x2": dict(ref)}
+    verdict = cp.compare(runs, 3)
+    assert verdict["pass"] and verdict["bound"] == pytest.approx(bound), verdict
+    assert verdict["grids"]["cp4 2x2"]["max_diff"] == pytest.approx(0.019)
+    far = {**close, 3: 2.5 + 0.019}  # 0.019 > 0.008 + 2.5 / 256 = 0.01777
+    verdict = cp.compare({**runs, "cp4 2x2": far}, 3)
+    assert not verdict["pass"] and verdict["grids"]["cp4 2x2"]["beyond"] == [3], verdict
+    verdict = cp.compare({**runs, "cp4 2x1x2": {1: 4.0, 2: 3.0}}, 3)
+    assert not verdict["pass"] and verdict["missing"] == {"cp4 2x1x2": [3]}
+
+
+def test_cp_on_one_gpu_runs_every_grid_with_host_staged_collectives() -> None:
+    cp = _cp_script()
+    jobs = cp.job_commands(cp.parse_args([]), "DATA", "CACHE")
+    assert list(jobs) == ["cp1", "cp1 fp32", "cp4 2x2", "cp4 2x1x2"]
+    for name, cmd in jobs.items():
+        assert ("--bf16" in cmd) == (name != "cp1 fp32")
+        four = name.startswith("cp4")
+        assert cmd[cmd.index("--nproc-per-node") + 1] == ("4" if four else "1")
+        assert ("--mesh-host-staged-collectives" in cmd) == four
+    assert jobs["cp4 2x1x2"][jobs["cp4 2x1x2"].index("--mesh-shape") + 1] == "2x1x2"
+    with pytest.raises(SystemExit):
+        cp.parse_args(["--heads", "3", "--hidden", "96"])
