@@ -1,4 +1,4 @@
-"""The rank-blocks of a `SliceMask` (a user's mask given as slices, `slices.py`).
+"""The rank-blocks of a `SliceMask` (a mask given as slices, `slices.py`).
 
 Block (x, y) is the mask's slices cut to x's zigzag rows and y's columns: each pair of
 their sub-chunks is a rectangle of positions, and each slice meeting it gives at most two
@@ -6,15 +6,15 @@ slices of it (`Slice.cut`), moved to the local rows. Then:
 
     no cut slice          the block is empty: not computed, and the sparse exchange
                           (`windowed.py`) sends none of its rows
-    a full one            one plain call over its rows
-    a causal one          one plain causal call where it is square, else
-                          flash-attention's bottom-right causal (`TileMask.band`)
-    several               one call each, or, past MAX_CALLS of them, one call over the
-                          union of their rows with an explicit mask (`TileMask.explicit`)
-                          where that box holds at most EXPLICIT_MAX_PAIRS pairs
+    each cut slice        one plain call over its rows: full; causal where it is square,
+                          else flash-attention's bottom-right causal (`TileMask.band`)
 
 Every call's rows see a key and its keys are seen, so the merge and the backward never meet
-a row without one; a query row no slice reaches is in no call (output 0, no gradient).
+a row without one; a query row no slice reaches is in no call (output 0, no gradient). A
+block holds its rows and its calls' bounds only, no mask of size rows x keys, whatever the
+mask (`groups.py` then joins calls that share query or key rows). Many small slices (short
+documents) are many small calls: a variable-length call over the ones that run down the
+diagonal would be one, where the kernels take it for any batch.
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ from ..runtime.caches import per_documents
 from .block import Block, BlockKind
 from .slices import CAUSAL, Slice, SliceMask
 from .zigzag import held_pieces
-
-MAX_CALLS = 4  # cut slices of a block run as one call each up to this many
-EXPLICIT_MAX_PAIRS = 1 << 22  # a block's explicit mask: at most this many pairs (16 MiB fp32)
 
 
 def runs(ranks: int, rank: int, local_len: int) -> list[tuple[int, int, int]]:
@@ -57,42 +54,15 @@ def local_slices(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int,
 def slice_block(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int, local_len: int,
                 device: torch.device) -> Block:
     """Block (q_rank, kv_rank) of `mask` on zigzag shares of `local_len` rows, with its
-    kernel calls (the rows on `device` where they are index tensors)."""
+    kernel calls (the rows it uses on `device` where they are an index tensor)."""
     parts = local_slices(mask, ranks, q_rank, kv_rank, local_len)
     if not parts:
         return Block(BlockKind.FULL, slice(0, 0), slice(0, 0), tiles=())
     if len(parts) == 1:
         return _call(parts[0])
-    q_runs = _union([(s.q_start, s.q_end) for s in parts])
-    kv_runs = _union([(s.k_start, s.k_end) for s in parts])
-    q_rows, kv_rows = _rows(q_runs, device), _rows(kv_runs, device)
-    if len(parts) > MAX_CALLS and _count(q_runs) * _count(kv_runs) <= EXPLICIT_MAX_PAIRS:
-        tiles = (_explicit_call(parts, q_runs, kv_runs, q_rows, kv_rows, device),)
-    else:
-        tiles = tuple(_call(s) for s in parts)
-    return Block(BlockKind.FULL, q_rows, kv_rows, tiles=tiles)
-
-
-def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The union of [start, end) ranges as sorted disjoint runs."""
-    runs: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if runs and start <= runs[-1][1]:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
-        else:
-            runs.append((start, end))
-    return runs
-
-
-def _count(runs: list[tuple[int, int]]) -> int:
-    return sum(end - start for start, end in runs)
-
-
-def _rows(runs: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
-    """The rows of sorted disjoint runs: a slice for one run, else an int64 index on `device`."""
-    if len(runs) == 1:
-        return slice(*runs[0])
-    return torch.cat([torch.arange(start, end) for start, end in runs]).to(device)
+    q_rows = _rows(_union([(s.q_start, s.q_end) for s in parts]), device)
+    kv_rows = _rows(_union([(s.k_start, s.k_end) for s in parts]), device)
+    return Block(BlockKind.FULL, q_rows, kv_rows, tiles=tuple(_call(s) for s in parts))
 
 
 def _call(s: Slice) -> Block:
@@ -106,26 +76,20 @@ def _call(s: Slice) -> Block:
     return Block(BlockKind.FULL, rows, cols, mask=TileMask.band(sq, sk, -1, 0))
 
 
-def _explicit_call(parts: list[Slice], q_runs: list[tuple[int, int]],
-                   kv_runs: list[tuple[int, int]], q_rows: slice | torch.Tensor,
-                   kv_rows: slice | torch.Tensor, device: torch.device) -> Block:
-    """One call over the union of the slices' rows (`q_runs`, `kv_runs`), with the mask they
-    make of it."""
-    seen = torch.zeros(_count(q_runs), _count(kv_runs), dtype=torch.bool)
-    for s in parts:
-        i, j = _at(q_runs, s.q_start), _at(kv_runs, s.k_start)
-        sq, sk = s.q_end - s.q_start, s.k_end - s.k_start
-        tile = torch.ones(sq, sk, dtype=torch.bool)
-        seen[i:i + sq, j:j + sk] = tile.tril(sk - sq) if s.kind == CAUSAL else tile
-    mask = None if bool(seen.all()) else TileMask.explicit(seen, device)
-    return Block(BlockKind.FULL, q_rows, kv_rows, mask=mask)
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of [start, end) ranges as sorted disjoint runs."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
-def _at(runs: list[tuple[int, int]], row: int) -> int:
-    """Where local `row` (inside one of the sorted disjoint `runs`) is in their rows."""
-    before = 0
-    for start, end in runs:
-        if row < end:
-            return before + row - start
-        before += end - start
-    raise ValueError(f"row {row} is in none of the runs {runs}")
+def _rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """The rows of [start, end) ranges in order: a slice where they follow one another, else
+    an int64 index on `device`."""
+    if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+        return slice(ranges[0][0], ranges[-1][1])
+    return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device)

@@ -170,12 +170,18 @@ def test_every_block_calls_each_pair_of_the_mask_once(ranks):
         assert torch.equal(got, want.long()), (name, ranks)
 
 
-def test_long_lists_of_small_slices_become_one_explicit_call():
+def test_blocks_hold_no_mask_of_their_size():
+    """Short documents: one plain call per piece (full, or causal where square), a band only
+    for a causal piece of more keys than queries; an empty block has no call."""
     mask = AttentionMask(False, ranks=2, slices=SliceMask(
-        [(n, n + 2, n, n + 2, "causal") for n in range(0, 32, 2)]))
-    block = block_for(0, 0, 16, mask)
-    assert len(block.calls) == 1 and block.calls[0].mask is not None
+        [(n, n + 2, n, n + 2, "causal") for n in range(0, 30, 2)] + [(30, 32, 28, 32, "causal")]))
+    *documents, last = block_for(0, 0, 16, mask).calls  # rank 0: positions 0..7, 24..31
+    assert len(documents) == 7 and all(c.kind is BlockKind.DIAGONAL and c.mask is None
+                                       for c in documents)
+    assert (last.q_rows, last.kv_rows) == (slice(14, 16), slice(12, 16))  # 30, 31 x 28..31
+    assert last.mask is not None and last.mask.flash_window == (-1, 0)
     assert block_for(0, 1, 16, mask).calls == ()
+    assert len(block_for(1, 1, 16, mask).calls) == 8
 
 
 # ---- a new mask kind is one file ----
