@@ -224,3 +224,16 @@ def test_placed_and_windowed_meshes_price_only_blocks_that_hold_pairs():
     windowed = plan(64, gpu="h200", window=(4 * K, 0), **GQA)
     assert windowed.mesh(64, 1).calls.forward == window_blocks(128 * K, 64, 1,
                                                              windowed.workload.window, True) == 9
+
+
+@pytest.mark.parametrize("kv_heads", [8, 32])
+def test_published_case_the_profile_moves_the_choice_to_fewer_larger_calls(kv_heads):
+    """64 GPUs, 128K (docs/planner.md): at 2K tokens per rank the profile prices the 2D
+    meshes' 64 calls at the host's pace and picks a grid of more heads and fewer calls."""
+    flat = plan(64, **{**GQA, "num_kv_heads": kv_heads})
+    priced = plan(64, gpu="h200", **{**GQA, "num_kv_heads": kv_heads})
+    assert priced.best_grid.grid_shape != flat.best_grid.grid_shape
+    assert priced.best_grid.heads > flat.best_grid.heads
+    chosen_flat = next(e for e in priced.estimates if e.label == flat.best_grid.label)
+    assert priced.best_grid.calls.forward < chosen_flat.calls.forward
+    assert priced.best_mesh.total_s > flat.best_mesh.total_s  # 2D meshes pay for their calls
