@@ -5,8 +5,8 @@
         --context-parallel-size 4 --cp-comm-type mesh --mesh-shape 2x2 --output out.jsonl
 
 Greedy unless --temperature / --top-k / --top-p; docs/inference.md describes the design.
-Bad input (flags, prompts, a checkpoint of another model) exits 2 with one line, before
-any collective.
+The model flags left out are the checkpoint's. Bad input (flags, prompts, a model flag that
+differs from the checkpoint's) exits 2 with one line, before any collective.
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    """Everything checked first (flags, prompts, the checkpoint's shape), then the job."""
+    """Everything checked first (flags, prompts, the checkpoint's model), then the job."""
+    import os
+
     import torch.distributed as dist
 
     from megatron_mesh.megatron.cpu import megatron_on_cpu
@@ -54,9 +56,8 @@ def _run(argv: list[str]) -> int:
     from megatron_mesh.training.data import build_tokenizer
     from megatron_mesh.training.generation_args import load_prompts, parse_generate
     from megatron_mesh.training.generation_checkpoint import (
-        SHAPE_KEYS,
-        check_model_shape,
-        checkpoint_path,
+        check_vocabulary,
+        unrecorded_warning,
     )
     from megatron_mesh.training.model import padded_vocab_size
     from megatron_mesh.values import shape_text
@@ -64,9 +65,10 @@ def _run(argv: list[str]) -> int:
     gen, args = parse_generate(argv)
     tokenizer = build_tokenizer(args)
     prompts = load_prompts(gen, tokenizer, tokenizer.vocab_size, args.max_position_embeddings)
-    path = checkpoint_path(args.load, args.ckpt_step)
-    shape = {k: getattr(args, k) for k in SHAPE_KEYS}
-    check_model_shape(path, shape, padded_vocab_size(tokenizer.vocab_size, args))
+    path = gen.checkpoint
+    check_vocabulary(path, padded_vocab_size(tokenizer.vocab_size, args), args.hidden_size)
+    if gen.unrecorded and os.environ.get("RANK", "0") == "0":
+        print(unrecorded_warning(path, list(gen.unrecorded), args), flush=True)
     with megatron_on_cpu():
         distributed.init_distributed(args)
         try:
@@ -75,11 +77,12 @@ def _run(argv: list[str]) -> int:
                 generate,
                 write_output,
             )
-            from megatron_mesh.training.generation_checkpoint import load_weights
+            from megatron_mesh.training.generation_checkpoint import check_weights, load_weights
 
             distributed.init_model_parallel(args)
             distributed.set_seed(args.seed)
             model = build_generation_model(args, tokenizer.vocab_size)
+            check_weights(path, model)  # the same verdict on every rank, before the load
             load_weights(path, model)
             distributed.print_rank0(f" loaded weights of {path}; generating for "
                                     f"{len(prompts)} prompts on CP {args.context_parallel_size}"

@@ -3,6 +3,7 @@ top-k and top-p (nucleus) from a seeded generator, so every rank and every CP si
 sees the same logits draws the same tokens."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,15 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                             f"{self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: all tokens), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:  # nan fails too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

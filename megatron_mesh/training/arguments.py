@@ -348,10 +348,13 @@ def _unknown_key(key: str, known: set[str]) -> str:
     return f"unknown key {key!r} (did you mean {name!r}?)"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainingConfig:
+def parse_args(argv: Sequence[str] | None = None,
+               defaults: dict[str, Any] | None = None) -> TrainingConfig:
     """Parse flags over an optional YAML config, check them and derive the rest, once; the
-    result is frozen. Raises ConfigError on bad values."""
+    result is frozen. `defaults` ({dest: value}; generation's: the checkpoint's model) replace
+    the built-in ones, under the config and the flags. Raises ConfigError on bad values."""
     parser = build_parser()
+    parser.set_defaults(**(defaults or {}))
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         parser.set_defaults(**schedule_length.drop_other_mode(load_config(pre.config, parser),

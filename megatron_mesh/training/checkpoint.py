@@ -34,6 +34,7 @@ from megatron_mesh.training.checksums import CheckpointError, verify_manifest, w
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
+from megatron_mesh.training.model_description import describe
 from megatron_mesh.training.moe import check_saved_experts
 from megatron_mesh.training.optimizer import (
     OPTIMIZER_CHECKPOINT_METADATA,
@@ -47,11 +48,6 @@ if TYPE_CHECKING:
 
 LATEST = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout
-
-SHAPE_FLAGS = ("kv_channels", "group_query_attention", "swiglu", "normalization",
-               "position_embedding_type", "rotary_percent", "max_position_embeddings",
-               "disable_bias_linear", "untie_embeddings_and_output_weights")
-"""Saved in a checkpoint's model shape besides the six every checkpoint has."""
 
 
 @dataclass
@@ -214,9 +210,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, state
         sd["expert_model_parallel_size"] = args.expert_model_parallel_size
         sd["iteration"] = state.iteration
         sd["consumed_samples"] = state.consumed_samples
-        sd["model_shape"] = {k: getattr(args, k) for k in (
-            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-            "seq_length", "ffn_hidden_size", *SHAPE_FLAGS)}
+        sd["model_shape"] = describe(args)  # every flag of the model (model_description)
     return sd
 
 

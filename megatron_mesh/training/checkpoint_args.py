@@ -1,10 +1,11 @@
 """--use-checkpoint-args: the model's shape from the checkpoint at --load, as in Megatron-LM.
 
-Every checkpoint stores the model's shape in its common state (``model_shape``:
-layers, hidden size, heads, query groups, sequence length, FFN size; newer ones also the
-head dim, GQA, SwiGLU, norm, position embedding, RoPE share and bias / tied-embedding
-switches). Read before any process group exists, these values replace the flags'; a
-checkpoint without them, or no checkpoint at all, is an error naming the reason.
+Every checkpoint stores its model description in its common state (``model_shape``: the
+value of every flag that changes what the model computes, `model_description.MODEL_FLAGS`,
+and the sequence length; older ones only the shape, norm, position embedding, RoPE share and
+bias / tied-embedding switches). Read before any process group exists, these values replace
+the flags'; a checkpoint without them, or no checkpoint at all, is an error naming the
+reason.
 """
 from __future__ import annotations
 

@@ -1,19 +1,34 @@
 """The generate command's own flags, its prompts, and every check made before any collective.
 
 The model flags are the pretraining driver's (`arguments.parse_args`, `--config` too); the
-generation flags below are read first and removed. A bad value is a `ConfigError` naming it
-and what is valid (the command prints it on one line and exits 2).
+generation flags below are read first and removed. A model flag left out takes the
+checkpoint's value (its saved model description), one given with another value is refused.
+A bad value is a `ConfigError` or `CheckpointError` naming it and what is valid (the command
+prints it on one line and exits 2).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megatron_mesh.inference.decode import EXCHANGES
-from megatron_mesh.training.arguments import ConfigError, TrainingConfig, parse_args
+from megatron_mesh.training.arguments import (
+    ConfigError,
+    TrainingConfig,
+    build_parser,
+    load_config,
+    parse_args,
+)
+from megatron_mesh.training.generation_checkpoint import (
+    check_model_flags,
+    checkpoint_path,
+    model_defaults,
+    saved_model,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,8 @@ class GenerateConfig:
     output: str | None
     decode_exchange: str = "all_gather"
     pack_prompts: bool = False
+    checkpoint: str = ""  # the checkpoint folder (iter_N) under --load
+    unrecorded: tuple[str, ...] = ()  # model flags its description lacks (older versions)
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -58,7 +75,8 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]:
-    """(generation flags, model flags); ConfigError on a bad value."""
+    """(generation flags, model flags: the checkpoint's where not given); ConfigError or
+    CheckpointError on a bad value or a model flag that differs from the checkpoint's."""
     gen, rest = generate_parser().parse_known_args(list(argv))
     if gen.load is None:
         raise ConfigError("--load DIR is required: a checkpoint of the pretraining driver")
@@ -73,8 +91,9 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
         raise ConfigError(f"--max-new-tokens must be a positive integer, got {gen.max_new_tokens}")
     sampling = gen.temperature is not None or gen.top_k or gen.top_p != 1.0
     temperature = (1.0 if gen.temperature is None else gen.temperature) if sampling else 0.0
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {gen.temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got "
+                          f"{gen.temperature}")
     if gen.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: all tokens), got {gen.top_k}")
     if not 0.0 < gen.top_p <= 1.0:
@@ -86,11 +105,24 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
                        ("--prompts-file", gen.prompts_file)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file")
-    args = parse_args(rest)
+    path = checkpoint_path(gen.load, _ckpt_step(rest))
+    saved = saved_model(path)
+    args = parse_args(rest, defaults=model_defaults(saved))
+    unrecorded = check_model_flags(path, saved, args)
     _check_layout(args)
     return GenerateConfig(gen.prompt_ids_file, gen.prompts_file, gen.max_new_tokens,
                           temperature, gen.top_k, gen.top_p, gen.output,
-                          gen.decode_exchange, gen.pack_prompts), args
+                          gen.decode_exchange, gen.pack_prompts, path, tuple(unrecorded)), args
+
+
+def _ckpt_step(rest: list[str]) -> int | None:
+    """--ckpt-step from the model flags (or their --config), read before they are checked:
+    the checkpoint it names gives their defaults."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(rest)
+    if pre.ckpt_step is None and pre.config:
+        return load_config(pre.config, parser).get("ckpt_step")
+    return pre.ckpt_step
 
 
 def _check_layout(args: TrainingConfig) -> None:
@@ -117,8 +149,14 @@ def load_prompts(gen: GenerateConfig, tokenizer: Any, vocab: int,
     if gen.prompt_ids_file is not None:
         prompts += _id_prompts(gen.prompt_ids_file)
     if gen.prompts_file is not None:
-        with open(gen.prompts_file) as f:
-            lines = f.read().splitlines()
+        try:
+            with open(gen.prompts_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompts-file {gen.prompts_file}: not UTF-8 text (byte "
+                              f"{e.start}: {e.reason}); save it as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"--prompts-file {gen.prompts_file}: cannot be read ({e})") from None
         if not lines:
             raise ConfigError(f"--prompts-file {gen.prompts_file}: no prompt in it")
         for i, line in enumerate(lines):

@@ -1,22 +1,43 @@
 """The weights generation loads: a checkpoint of the pretraining driver, saved on any grid
 (the mesh, CP, DP, TP or PP layout it was trained with does not matter: dist_checkpointing
-reshards), checked against the model flags from its files alone, before any collective."""
+reshards), checked against the model flags from its files alone, before any collective.
+
+The checkpoint's model description (`model_description.MODEL_FLAGS`, saved by training)
+gives every model flag the command line leaves out; a flag given with another value is
+refused, naming both. A description saved by an older version lacks some flags: those run
+with the flags' values, named in a warning, and the weights' names and shapes are checked
+against the flags' model before loading (`check_weights`), so a flag that adds or drops
+weights (sinks, QK norms, experts, a position table) is refused there.
+"""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-from megatron_mesh.training.checkpoint import SHAPE_FLAGS, checkpoint_dir, latest_iteration
+from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest
+from megatron_mesh.training.model_description import (
+    MODEL_FLAGS,
+    differences,
+    flag_name,
+    unrecorded,
+    value_text,
+)
 
-# the driver's saved "model_shape" that the weights alone do not pin (RoPE's share of the
-# head dims, the normalization...): a generation flag differing from them is refused, not
-# run on the wrong model; the position table's length may differ (longer generation)
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", *(k for k in SHAPE_FLAGS if k != "max_position_embeddings"))
 EMBEDDING = "embedding.word_embeddings.weight"
+# a weight's name -> the flag that makes it (named when a checkpoint and the flags differ)
+WEIGHT_FLAGS = (("softmax_offset", "--softmax-type learnable"),
+                ("q_layernorm", "--qk-layernorm"), ("k_layernorm", "--qk-layernorm"),
+                ("mlp.router", "--num-experts"), ("mlp.experts", "--num-experts"),
+                ("position_embeddings", "--position-embedding-type / --max-position-embeddings"),
+                ("output_layer", "--untie-embeddings-and-output-weights"),
+                ("bias", "--disable-bias-linear"))
 
 
 def checkpoint_path(root: str, step: int | None) -> str:
@@ -33,22 +54,78 @@ def checkpoint_path(root: str, step: int | None) -> str:
     return path
 
 
-def check_model_shape(path: str, shape: dict, vocab: int) -> None:
-    """CheckpointError naming the first model flag whose value differs from the
-    checkpoint's (and the padded vocabulary, from the embedding's saved shape)."""
-    common = dist_checkpointing.load_common_state_dict(path)
-    saved = common.get("model_shape") or {}
-    for key in SHAPE_KEYS:
-        if key in saved and saved[key] != shape[key]:
-            raise CheckpointError(f"checkpoint {path} holds a model with --{key.replace('_', '-')} "
-                                  f"{saved[key]}, the flags say {shape[key]}: give the model "
-                                  "flags it was trained with")
+def saved_model(path: str) -> dict[str, Any]:
+    """The checkpoint's model description ({flag dest: value}; empty from a very old one)."""
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except (CheckpointingException, OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: its common state is unreadable ({e})") from None
+    return dict(common.get("model_shape") or {})
+
+
+def model_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's values of the model flags: the defaults of generation's flags."""
+    return {k: saved[k] for k in MODEL_FLAGS if k in saved}
+
+
+def check_model_flags(path: str, saved: dict[str, Any], args: Any) -> list[str]:
+    """CheckpointError naming every model flag whose value differs from the checkpoint's,
+    both values; returns the model flags the checkpoint does not record (older versions)."""
+    differ = differences(saved, args)
+    if differ:
+        raise CheckpointError(f"checkpoint {path} holds a model with {'; '.join(differ)}: give "
+                              "the model flags it was trained with, or leave them out to take "
+                              "the checkpoint's")
+    return unrecorded(saved)
+
+
+def unrecorded_warning(path: str, missing: list[str], args: Any) -> str:
+    """One line naming the model flags a checkpoint does not record and the values used."""
+    used = ", ".join(f"{flag_name(k)} {value_text(getattr(args, k))}" for k in missing)
+    return (f" warning: checkpoint {path} (saved by an older version) does not record "
+            f"{len(missing)} model flags; generating with the flags' {used}: give the values it "
+            "was trained with")
+
+
+def check_vocabulary(path: str, vocab: int, hidden: int) -> None:
+    """CheckpointError when the padded vocabulary the flags make differs from the
+    embedding's saved shape."""
     meta = dist_checkpointing.load_tensors_metadata(path)
     emb = meta.get(EMBEDDING)
-    if emb is not None and tuple(emb.global_shape) != (vocab, shape["hidden_size"]):
+    if emb is not None and tuple(emb.global_shape) != (vocab, hidden):
         raise CheckpointError(f"checkpoint {path} has a {emb.global_shape[0]}-token padded "
                               f"vocabulary, the flags make {vocab}: give the --vocab-size / "
                               "tokenizer it was trained with")
+
+
+def _flag_of(key: str) -> str:
+    hit = [flag for part, flag in WEIGHT_FLAGS if part in key]
+    return f" (made by {hit[0]})" if hit else ""
+
+
+def check_weights(path: str, model: torch.nn.Module) -> None:
+    """CheckpointError naming the first weight the flags' model and the checkpoint do not
+    share (missing on either side, or another global shape). Reads the checkpoint's metadata
+    and the model's sharded state dict on this rank alone: every rank decides the same,
+    before the collective load."""
+    meta = dist_checkpointing.load_tensors_metadata(path)
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    mine = {t.key: tuple(t.global_shape) for t in nested_values(sharded)
+            if isinstance(t, ShardedTensor)}
+    theirs = {k: tuple(v.global_shape) for k, v in meta.items() if not k.startswith("optimizer.")}
+    hint = "give the model flags it was trained with"
+    for key in sorted(mine):
+        if key not in theirs:
+            raise CheckpointError(f"checkpoint {path} has no weight {key}, which the flags' model "
+                                  f"has{_flag_of(key)}: {hint}")
+        if mine[key] != theirs[key]:
+            raise CheckpointError(f"checkpoint {path} holds {key} of shape {list(theirs[key])}, "
+                                  f"the flags' model {list(mine[key])}{_flag_of(key)}: {hint}")
+    extra = sorted(set(theirs) - set(mine))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds weights the flags' model has no place for "
+                              f"({extra[0]}{_flag_of(extra[0])}); they would not be loaded: {hint}")
 
 
 def load_weights(path: str, model: torch.nn.Module) -> None:

@@ -3,15 +3,21 @@ the driver on a 2-rank mesh (its checkpoint saved on that grid), then greedy gen
 32 tokens for a batch of prompts of different lengths (not multiples of 2P) at CP = 1 and
 on the meshes 2x2, 1x4 and 2x1x2: the same token ids, log-probabilities equal to rounding;
 sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; packed prompts placed by
-document give the dense continuations; bad input exits 2 with one line before any
-collective."""
+document give the dense continuations; model flags left out are the checkpoint's, and one
+that differs from it is refused; bad input exits 2 with one line before any collective."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from preloaded import TINY, Run, build_indexed_dataset, launch
+import torch
+from megatron.core import dist_checkpointing
+from preloaded import TINY, TINY_VOCAB, Run, build_indexed_dataset, launch
+
+from megatron_mesh.training.checksums import MANIFEST, file_checksum
+from megatron_mesh.training.model_description import MODEL_FLAGS, SAVED_FLAGS
 
 GENERATE = "megatron_mesh.generate"
 PROMPTS = [[3, 5, 7, 9, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],
@@ -44,8 +50,10 @@ def prompt_file(work: Path) -> Path:
     return path
 
 
-def generate(nproc: int, args: list[str], out: Path) -> tuple[Run, list[dict]]:
-    run = launch(nproc, ["--config", TINY, *args, "--output", str(out)], module=GENERATE)
+def generate(nproc: int, args: list[str], out: Path, config: bool = True
+             ) -> tuple[Run, list[dict]]:
+    run = launch(nproc, [*(["--config", TINY] if config else []), *args, "--output", str(out)],
+                 module=GENERATE)
     records = [json.loads(line) for line in out.read_text().splitlines()] \
         if run.returncode == 0 and out.exists() else []
     return run, records
@@ -86,17 +94,98 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
-def test_model_flags_the_weights_do_not_pin_must_match(checkpoint: Path, prompt_file: Path,
-                                                       work: Path) -> None:
-    """RoPE's share of the head dims has no weights: generating with another
-    --rotary-percent than the checkpoint's would load and run a different model, so it
-    exits 2 naming both values, before any collective."""
-    run, records = generate(1, ["--load", str(checkpoint), "--prompt-ids-file",
-                                str(prompt_file), "--max-new-tokens", "2",
-                                "--rotary-percent", "0.5"], work / "half.jsonl")
-    assert run.returncode == 2 and not records, run.output[-3000:]
-    assert "holds a model with --rotary-percent 1.0, the flags say 0.5" in run.output
-    assert "Traceback" not in run.output
+def refused(run: Run) -> str:
+    """The one error line every rank printed (exit 2, no traceback, no group built)."""
+    assert run.returncode == 2, run.output[-3000:]
+    errors = {line for line in run.output.splitlines() if line.startswith("generate: error:")}
+    assert len(errors) == 1 and "Traceback" not in run.output, run.output[-3000:]
+    assert "built for" not in run.output and "loaded weights" not in run.output
+    return errors.pop()
+
+
+FLAGS_WITHOUT_WEIGHTS = {  # flag values -> the difference named
+    ("--rotary-percent", "0.5"): "--rotary-percent 1.0, the flags say 0.5",
+    ("--rotary-base", "500"): "--rotary-base 10000, the flags say 500",
+    ("--norm-epsilon", "1e-6"): "--norm-epsilon 1e-05, the flags say 1e-06",
+    ("--window-size", "8", "0"): "--window-size unset, the flags say 8 0",
+    ("--window-attn-skip-freq", "2"): "--window-attn-skip-freq unset, the flags say 2",
+    ("--softmax-type", "off-by-one"): "--softmax-type vanilla, the flags say off-by-one",
+}
+FLAGS_WITH_WEIGHTS = {
+    ("--softmax-type", "learnable"): "--softmax-type vanilla, the flags say learnable",
+    ("--qk-layernorm",): "--qk-layernorm off, the flags say on",
+    ("--num-experts", "4"): "--num-experts unset, the flags say 4",
+    (): "--moe-ffn-hidden-size unset, the flags say 128",  # derived from --num-experts
+}
+
+
+def test_model_flags_that_differ_from_the_checkpoint_are_refused(
+        checkpoint: Path, prompt_file: Path, work: Path) -> None:
+    """The checkpoint describes its model by every model flag. Flags without weights (RoPE's
+    share and base, the norm's epsilon, a window, its skip frequency, off-by-one sinks)
+    loaded and ran another model, exit 0; flags that add weights (learnable sinks, QK norms,
+    experts) crashed in the load. Each exits 2 with one line naming every flag that differs
+    and both values, before any process group."""
+    saved = dist_checkpointing.load_common_state_dict(str(checkpoint / "iter_0000060"))
+    assert tuple(saved["model_shape"]) == SAVED_FLAGS
+    for flags in (FLAGS_WITHOUT_WEIGHTS, FLAGS_WITH_WEIGHTS):
+        run, records = generate(1, ["--load", str(checkpoint), "--prompt-ids-file",
+                                    str(prompt_file), "--max-new-tokens", "2",
+                                    *(v for values in flags for v in values)],
+                                work / "refused.jsonl")
+        line = refused(run)
+        assert f"checkpoint {checkpoint / 'iter_0000060'} holds a model with " in line
+        assert line.count("the flags say") == len(flags), line
+        for named in flags.values():
+            assert named in line, line
+
+
+OLDER_DESCRIPTION = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "seq_length", "ffn_hidden_size", "kv_channels", "group_query_attention",
+                     "swiglu", "normalization", "position_embedding_type", "rotary_percent",
+                     "max_position_embeddings", "disable_bias_linear",
+                     "untie_embeddings_and_output_weights")
+"""What checkpoints of an older version describe of their model."""
+
+
+def as_saved_by_an_older_version(root: Path, to: Path) -> Path:
+    """A copy of the checkpoint folder `root` whose model description holds only
+    OLDER_DESCRIPTION (its manifest updated to match)."""
+    shutil.copytree(root, to)
+    iteration = int((to / "latest_checkpointed_iteration.txt").read_text())
+    path = to / f"iter_{iteration:07d}"
+    common = torch.load(path / "common.pt", weights_only=False)
+    common["model_shape"] = {k: common["model_shape"][k] for k in OLDER_DESCRIPTION}
+    torch.save(common, path / "common.pt")
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["common.pt"] = list(file_checksum(str(path / "common.pt")))
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def test_a_checkpoint_saved_by_an_older_version(greedy_cp1: list[dict], checkpoint: Path,
+                                               prompt_file: Path, work: Path) -> None:
+    """Its description lacks most model flags: those run with the flags' values, named in
+    one warning line; a flag that adds weights the checkpoint lacks (learnable sinks) exits
+    2 naming the weight and the flag (a KeyError traceback before)."""
+    old = work / "ckpt-old"
+    path = as_saved_by_an_older_version(checkpoint, old)
+    args = ["--load", str(old), "--prompt-ids-file", str(prompt_file), "--max-new-tokens", "4"]
+    run, records = generate(1, args, work / "old.jsonl")
+    assert run.returncode == 0, run.output[-3000:]
+    unrecorded = len(MODEL_FLAGS) - len(OLDER_DESCRIPTION) + 1
+    (warning,) = [line for line in run.output.splitlines() if "older version" in line]
+    assert (f"checkpoint {path} (saved by an older version) does not record {unrecorded} "
+            "model flags; generating with the flags' --norm-epsilon 1e-05, --rotary-base "
+            "10000") in warning and "--softmax-type vanilla" in warning, warning
+    for got, want in zip(records, greedy_cp1, strict=True):
+        assert got["generated_ids"] == want["generated_ids"][:4]
+    run = launch(1, ["--config", TINY, *args, "--softmax-type", "learnable"], module=GENERATE)
+    assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
+    (line,) = {line for line in run.output.splitlines() if line.startswith("generate: error:")}
+    assert (f"checkpoint {path} has no weight decoder.layers.self_attention.core_attention."
+            "softmax_offset, which the flags' model has (made by --softmax-type learnable)"
+            ) in line, line
 
 
 @pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
@@ -116,26 +205,55 @@ def test_packed_prompts_equal_cp1(grid: str, greedy_cp1: list[dict], checkpoint:
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
-def test_windowed_model_with_learned_positions_on_the_mesh_equals_cp1(
+def test_windowed_moe_model_with_sinks_takes_the_checkpoints_flags(
         checkpoint: Path, prompt_file: Path, work: Path) -> None:
     """A model with a sliding window of 8 (its decode steps see the last 9 keys), learned
-    absolute positions and learnable attention sinks, trained at CP = 1: the same greedy
-    ids on 2x1x2 as at CP = 1."""
+    absolute positions, learnable attention sinks and 4 experts, trained at CP = 1: the same
+    greedy ids on 2x1x2 without any model flag (every one the checkpoint's: before, no window,
+    no sinks, another shape) as at CP = 1 with them. A model flag given with another value
+    (vanilla softmax, another window, a longer position table, another router top-k) exits 2
+    naming each; with a description of an older version, a model without the sinks is
+    refused by the weights it would not load."""
     model = ["--window-size", "8", "0", "--position-embedding-type", "learned_absolute",
-             "--softmax-type", "learnable"]
+             "--softmax-type", "learnable", "--num-experts", "4"]
+    ckpt = work / "ckpt-window"
     trained = launch(1, ["--config", TINY, "--train-iters", "30", "--data-path",
                          str(work / "arith"), "--data-cache-path", str(work / "index-cache"),
-                         "--save", str(work / "ckpt-window"), "--save-interval", "30", *model])
+                         "--save", str(ckpt), "--save-interval", "30", *model])
     assert trained.returncode == 0, trained.output[-3000:]
-    args = ["--load", str(work / "ckpt-window"), "--prompt-ids-file", str(prompt_file),
-            "--max-new-tokens", str(NEW), *model]
-    run1, one = generate(1, args, work / "window-1.jsonl")
-    run4, mesh = generate(4, [*args, *GRIDS["2x1x2"]], work / "window-4.jsonl")
+    prompts = ["--prompt-ids-file", str(prompt_file), "--max-new-tokens", str(NEW)]
+    run1, one = generate(1, ["--load", str(ckpt), *prompts, *model], work / "window-1.jsonl")
+    run4, mesh = generate(4, ["--load", str(ckpt), *prompts, "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", str(TINY_VOCAB), *GRIDS["2x1x2"]],
+                          work / "window-4.jsonl", config=False)
     assert run1.returncode == 0, run1.output[-3000:]
     assert run4.returncode == 0, run4.output[-3000:]
     for got, want in zip(mesh, one, strict=True):
         assert got["generated_ids"] == want["generated_ids"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+    other = {("--softmax-type", "vanilla"): "--softmax-type learnable, the flags say vanilla",
+             ("--window-size", "4", "0"): "--window-size 8 0, the flags say 4 0",
+             ("--max-position-embeddings", "128"):
+                 "--max-position-embeddings 64, the flags say 128",
+             ("--moe-router-topk", "3"): "--moe-router-topk 2, the flags say 3"}
+    run, _ = generate(1, ["--load", str(ckpt), *prompts, "--position-embedding-type",
+                          "learned_absolute", *(v for values in other for v in values)],
+                      work / "refused.jsonl")
+    line = refused(run)
+    assert line.count("the flags say") == len(other), line
+    for named in other.values():
+        assert named in line, line
+
+    path = as_saved_by_an_older_version(ckpt, work / "ckpt-window-old")
+    run = launch(1, ["--config", TINY, "--load", str(work / "ckpt-window-old"), *prompts,
+                     "--window-size", "8", "0", "--position-embedding-type", "learned_absolute",
+                     "--num-experts", "4"], module=GENERATE)  # no --softmax-type learnable
+    assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
+    (line,) = {line for line in run.output.splitlines() if line.startswith("generate: error:")}
+    assert (f"checkpoint {path} holds weights the flags' model has no place for (decoder.layers."
+            "self_attention.core_attention.softmax_offset (made by --softmax-type learnable)); "
+            "they would not be loaded") in line, line
 
 
 def test_sampling_with_a_seed_is_the_same_at_cp1_and_on_the_mesh(
@@ -197,3 +315,31 @@ def test_bad_input_exits_2_with_one_line(name: str, prompts: object, extra: list
     assert errors and all(message in e for e in errors), run.output[-2000:]
     assert "Traceback" not in run.output
     assert "built for" not in run.output and "loaded weights" not in run.output  # no group
+
+
+def test_bad_sampling_flags_and_prompt_files_exit_2_when_parsed(checkpoint: Path,
+                                                                prompt_file: Path,
+                                                                work: Path) -> None:
+    """--temperature nan (or inf) was accepted and crashed in torch.multinomial after the
+    model had loaded; a --prompts-file that is not UTF-8 raised UnicodeDecodeError on every
+    rank. Each exits 2 with one line, before any process group."""
+    latin = work / "latin1.txt"
+    latin.write_bytes("caf\xe9 1 2\n".encode("latin-1"))
+    cases = [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), "
+                                   "got nan"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0: greedy), "
+                                   "got inf"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), "
+                                  "got -1.0"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--top-k", "-1"], "--top-k must be >= 0 (0: all tokens), got -1"),
+        (["--prompts-file", str(latin)], f"--prompts-file {latin}: not UTF-8 text (byte 3: "
+                                         "invalid continuation byte); save it as UTF-8"),
+    ]
+    for extra, message in cases:
+        run = launch(1, ["--config", TINY, "--load", str(checkpoint), "--prompt-ids-file",
+                         str(prompt_file), *extra], module=GENERATE, timeout=120)
+        line = refused(run)
+        assert line == f"generate: error: {message}", (extra, line)

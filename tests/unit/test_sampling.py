@@ -65,3 +65,20 @@ def test_a_sequence_stops_after_its_eod_token() -> None:
     assert not made.finished
     made.add(torch.tensor([5, 5, 9]), torch.zeros(3))
     assert made.finished and made.ids[2] == [2, 3, 9]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"temperature": math.nan}, "temperature must be a finite number >= 0 (0: greedy), got nan"),
+    ({"temperature": math.inf}, "temperature must be a finite number >= 0 (0: greedy), got inf"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0 (0: greedy), got -0.5"),
+    ({"temperature": 1.0, "top_k": -1}, "top_k must be >= 0 (0: all tokens), got -1"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"temperature": 1.0, "top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"temperature": 1.0, "top_p": math.nan}, "top_p must be in (0, 1], got nan"),
+])
+def test_sampling_settings_that_cannot_draw_are_refused(kw: dict, message: str) -> None:
+    """A nan or infinite temperature made every probability nan (torch.multinomial raised
+    after the model had loaded); each bad setting is refused when the settings are made."""
+    with pytest.raises(ValueError) as e:
+        Sampling(**kw)
+    assert str(e.value) == message
