@@ -69,41 +69,48 @@ def traffic_cut(heads: int, kv_heads: int, dtype: str, grads: str) -> str:
     return f"{100 * cut:.1f}% ({least.mesh_shape[0]}x{least.mesh_shape[1]})"
 
 
-def _calls(e) -> str:
-    k = e.calls
-    return f"{k.forward}/{k.backward}"
-
-
 PROFILE_HEADER = ("| case | pricing | choice | its calls fwd/bwd | its ms | best 2D mesh, ms (calls) | "
                   "ring ms (calls) | choice over ring |\n|---|---|---|---|---|---|---|---|")
+
+
+def _choices(p, docs: bool) -> tuple:
+    """(choice, best 2D mesh, ring, label suffix, every estimate) of a plan: with `docs`,
+    the placement's grids, THD's best named beside them."""
+    if not docs:
+        return p.best_grid, p.best_mesh, p.ring, "", p.estimates
+    placed = price_placement(p)
+    mesh = min((e for e in placed.estimates if e.heads == 1), key=grid_key)
+    return placed.best, mesh, p.ring, (f"; placed (THD's best {p.best_grid.label.split()[-1]}: "
+                                       f"{1e3 * p.best_grid.total_s:.2f} ms)"), placed.estimates
 
 
 def profile_rows(name: str, heads: int, kv_heads: int, docs: int | None = None) -> list[str]:
     """The case at the flat rate and by the H200 profile (64 GPUs, 128K, H100 links), the
     profile's choice in bold where it differs; with `docs`, packed documents of that
-    length: the placement's grids (the choice), THD's best beside it."""
+    length: the placement's grids (the choice), THD's best beside it. Calls are counted
+    where the profile prices (the flat rows show the same grid's count from there)."""
     options = dict(seq_length=128 * K, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
                    gpus_per_node=8, intra_node_bw=360, inter_node_bw=45)
     if docs:
         options["doc_lengths"] = (docs,) * (128 * K // docs)
-    out, choices = [], []
-    for label, gpu in (("flat 400 TFLOP/s", None), ("H200 profile", load_profile("h200"))):
-        p = plan(64, gpu=gpu, **options)
-        choice, mesh = p.best_grid, p.best_mesh
-        if docs:
-            placed = price_placement(p)
-            choice = placed.best
-            mesh = min((e for e in placed.estimates if e.heads == 1), key=grid_key)
-            label += (f"; placed (THD's best {p.best_grid.label.split()[-1]}: "
-                      f"{1e3 * p.best_grid.total_s:.2f} ms)")
+    flat = _choices(plan(64, **options), bool(docs))
+    profiled = _choices(plan(64, gpu=load_profile("h200"), **options), bool(docs))
+    counted = {e.label: e.calls for e in (profiled[2], *profiled[4])}
+
+    def calls(e) -> str:
+        k = counted[e.label]
+        return f"{k.forward}/{k.backward}"
+
+    out = []
+    for label, (choice, mesh, ring, suffix, _) in (("flat 400 TFLOP/s", flat),
+                                                   ("H200 profile", profiled)):
         grid = "x".join(map(str, choice.grid_shape))
-        choices.append(grid)
-        if len(choices) == 2 and choices[0] != grid:
-            grid = f"**{grid}** (flat: {choices[0]})"
-        out.append(f"| {name} | {label} | {grid} | {_calls(choice)} | {1e3 * choice.total_s:.2f} | "
-                   f"{mesh.label.split()[-1]} {1e3 * mesh.total_s:.2f} ({_calls(mesh)}) | "
-                   f"{1e3 * p.ring.total_s:.2f} ({_calls(p.ring)}) | "
-                   f"{p.ring.total_s / choice.total_s:.2f}x |")
+        if choice is profiled[0] and choice.label != flat[0].label:
+            grid = f"**{grid}** (flat: {'x'.join(map(str, flat[0].grid_shape))})"
+        out.append(f"| {name} | {label}{suffix} | {grid} | {calls(choice)} | "
+                   f"{1e3 * choice.total_s:.2f} | {mesh.label.split()[-1]} {1e3 * mesh.total_s:.2f} "
+                   f"({calls(mesh)}) | {1e3 * ring.total_s:.2f} ({calls(ring)}) | "
+                   f"{ring.total_s / choice.total_s:.2f}x |")
     return out
 
 

@@ -87,7 +87,7 @@ class Estimate:
     time_s: dict[str, float]
     mesh_shape: tuple[int, int] | None = None
     heads: int = 1  # the all-to-all size A of a heads x rows x cols mesh
-    calls: TileCalls | None = None  # the rank's kernel calls (what a GPU profile prices)
+    calls: TileCalls | None = None  # the rank's kernel calls, where a GPU profile prices them
 
     @property
     def grid_shape(self) -> tuple[int, int, int] | None:

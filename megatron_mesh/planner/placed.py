@@ -172,12 +172,14 @@ def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPla
     own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
     fwd = busiest * pair_flops(workload, heads)
     label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
+    calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
+        workload, cluster.gpus, rows, cols, heads, blocks=max(
+            _mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
+        backend=cluster.gpu.backend)
     return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
                  flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
                  own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
-                 calls=mesh_calls(workload, cluster.gpus, rows, cols, heads, blocks=max(
-                     _mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
-                     backend=None if cluster.gpu is None else cluster.gpu.backend))
+                 calls=calls)
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:

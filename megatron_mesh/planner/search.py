@@ -147,21 +147,24 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     backend = None if cluster.gpu is None else cluster.gpu.backend
 
     def priced(method: str, label: str, transfers, calls, shape=None, heads=1) -> Estimate:
+        """`calls`: (function, its arguments) of the method's kernel calls, counted only
+        where a GPU profile prices them."""
+        counted = None if cluster.gpu is None else calls[0](*calls[1:])
         return price(method, label, transfers, workload, cluster, overlap, shape, heads,
-                     calls=calls)
+                     calls=counted)
 
     unavailable = []
     try:
         ring = priced("ring", "ring (p2p)", ring_transfers(workload, cluster),
-                      ring_calls(workload, p))
+                      (ring_calls, workload, p))
     except NotApplicable as exc:
         ring = None
         unavailable.append(Unavailable("ring", str(exc)))
     baselines = [priced("all_gather", "all_gather", all_gather_transfers(workload, cluster),
-                        all_gather_calls(workload, p))]
+                        (all_gather_calls, workload, p))]
     try:
         baselines.append(priced("a2a", "a2a (Ulysses)", a2a_transfers(workload, cluster),
-                                a2a_calls(workload, p)))
+                                (a2a_calls, workload, p)))
     except NotApplicable as exc:
         unavailable.append(Unavailable("a2a", str(exc)))
     try:
@@ -170,7 +173,7 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         unavailable.append(Unavailable("a2a+p2p", str(exc)))
     hierarchical = [] if workload.window is not None else [
         priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a),
-               a2a_p2p_calls(workload, p, a))
+               (a2a_p2p_calls, workload, p, a))
         for a in a2a_sizes(workload, p)
     ]
     if hierarchical:
@@ -183,14 +186,14 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         ))
     meshes = tuple(
         priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c),
-               mesh_calls(workload, p, r, c, backend=backend), (r, c))
+               (mesh_calls, workload, p, r, c, 1, None, backend), (r, c))
         for r, c in mesh_shapes(p)
     )
     best_mesh = min(meshes, key=mesh_key)
     sizes = heads_sizes(workload, p)
     grids = tuple(
         priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a),
-               mesh_calls(workload, p, r, c, a, backend=backend), (r, c), a)
+               (mesh_calls, workload, p, r, c, a, None, backend), (r, c), a)
         for a, r, c in grid_shapes(p) if a in sizes
     )
     best_grid = min(meshes + grids, key=grid_key)
