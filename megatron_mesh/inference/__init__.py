@@ -5,6 +5,9 @@
     decode.py    one decode step's attention: a partial (out, lse) over this rank's share,
                  one all-gather of the partials over the CP group, the log-sum-exp merge, the
                  sink once after it
+    decode_agreement.py  which decode calls the CP ranks agree on (once per step), and
+                 the options agreed
+    session.py   one generation's state on one rank: every layer's shard, the step
     prefill.py   the prompt's attention through `mesh_attention` with no autograd state, and
                  its K / V share written into the cache
     packed.py    the cache of packed prompts placed by `place_documents` (each document a

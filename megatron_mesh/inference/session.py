@@ -2,7 +2,9 @@
 batch stands (prefill, or decode step n) and each sequence's prompt length.
 
 A core-attention module holding a session calls `attend` with its layer number; the session
-runs the prefill through the mesh (writing the shard) or a decode step over the shards.
+runs the prefill through the mesh (writing the shard) or a decode step over the shards. The
+CP ranks agree on the decode steps (`decode_agreement.py`); a step past the cache's room is
+refused on every rank before any collective.
 """
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import torch
 import torch.distributed as dist
 
 from ..masks.document_placement import DocumentPlacement
+from ..masks.sink import check_offset
+from ..runtime import agreement
 from ..runtime.grid import MeshGrid
 from .cache import CacheLayout, KVShard
-from .decode import decode_attention
+from .decode import EXCHANGES, decode_attention
+from .decode_agreement import DecodeAgreement, DecodeOptions
 from .packed import PackedShard, placed_positions, prefill_packed
 from .prefill import prefill_attention
 
@@ -42,6 +47,7 @@ class InferenceSession:
     _prompt_positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False)
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
+    _agreement: DecodeAgreement = field(default_factory=DecodeAgreement, repr=False)
 
     @property
     def batch(self) -> int:
@@ -73,14 +79,57 @@ class InferenceSession:
             return prefill_attention(q, k, v, grid, shard, self._prompt_positions,
                                      self.lengths, scale, window, softmax_offset,
                                      **self.options)
-        if q.shape[0] != 1:
-            raise ValueError(f"a decode step takes one new token per sequence, got {q.shape[0]}")
+        return self._decode(layer, q, k, v, grid, scale, window, softmax_offset)
+
+    def check_room(self) -> None:
+        """ValueError unless the cache has room for decode step `step` (every rank holds the
+        same step and layout, so every rank raises alike, before any collective)."""
+        room = self.layout.max_new
+        if not 0 <= self.step < room:
+            raise ValueError(f"decode step {self.step} is past the KV cache's room: it was "
+                             f"allocated for {room} new tokens per sequence (steps 0 .. "
+                             f"{room - 1}); start the session with a larger max_new")
+
+    def _check_decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      softmax_offset: torch.Tensor | None) -> None:
+        """ValueError naming what this rank cannot decode."""
+        if q.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+            raise ValueError(f"a decode step takes one new token per sequence: q [1, b, hq, "
+                             f"d], got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+        if q.shape[1] != self.batch:
+            raise ValueError(f"a decode step of this session takes {self.batch} sequences, "
+                             f"got {q.shape[1]}")
+        if layer not in self.shards:
+            raise ValueError(f"layer {layer} decodes without its prefill (layers with a "
+                             f"cache: {sorted(self.shards)})")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange {self.exchange!r}: valid values are "
+                             f"{', '.join(EXCHANGES)}")
+        check_offset(softmax_offset, q.shape[2])
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                grid: MeshGrid, scale: float, window: tuple[int, int] | None,
+                softmax_offset: torch.Tensor | None) -> torch.Tensor:
+        """Decode step `step` of layer `layer`: q [1, b, hq, d], k / v [1, b, hkv, d] ->
+        [1, b, hq, dv]; the ranks agree first where `decode_agreement` says."""
+        self.check_room()
+        left = None if window is None else window[0]
+        layout = self.layout
+        options = DecodeOptions.of(layer, q, k, v, scale, left, softmax_offset, self.exchange,
+                                   (layout.cp_size, layout.prompt_len, layout.max_new,
+                                    "dense" if self.placement is None else "packed"))
+        try:
+            self._check_decode(layer, q, k, v, softmax_offset)
+        except ValueError as error:
+            if self._agreement.agrees(layer):
+                agreement.refuse(grid, error)  # every rank raises it
+            raise
+        exchange = self._agreement.before_exchange(grid, self.step, options)
         shard = self.shards[layer]
         pos = self.decode_positions().to(k.device)
-        if self.layout.owner(self.step) == self.layout.cp_rank:
+        if layout.owner(self.step) == layout.cp_rank:
             where = self.step if isinstance(shard, PackedShard) else self.layout.slot(self.step)
             shard.append(where, k[0], v[0], pos)
-        left = None if window is None else window[0]
         mask = None
         if isinstance(shard, PackedShard):
             # every layer's packed shard holds the same documents and positions: one mask a
@@ -91,7 +140,7 @@ class InferenceSession:
             if mask is None:
                 mask = self._masks[(self.step, left)] = shard.visible(pos, left)
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset, self.exchange, mask)
+                               softmax_offset, exchange, mask)
         return out[None]
 
     def _prefill_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

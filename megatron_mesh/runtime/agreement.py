@@ -18,12 +18,14 @@ hang. Nor can it ride on the attention's first collective: which collective come
 what the ranks may disagree on. The cost is one small all_reduce per call (forward only:
 backward follows the forward's decisions) on a gloo group, on the CPU, so it never waits
 for a GPU stream (`grid.AGREEMENT_BACKEND`); `scripts/bench_agreement.py` measures it.
+Decode steps take part through their own `Signature` (`inference/decode_agreement.py`),
+at calls every rank chooses alike from the layer numbers (once per generated token).
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,9 @@ class CallSignature:
     sink: bool = False  # a softmax_offset is passed (its values are a replicated parameter)
     backward: bool = False  # autograd records the call: its backward's collectives will run
     mask: SliceMask | None = None  # a mask given as slices (`slices.py`)
+    SUBJECT: ClassVar[str] = "mesh attention"  # what the ranks pass arguments to, in messages
+    SAME: ClassVar[str] = ("the same shapes, dtype, cu_seqlens, causal, softmax_scale, "
+                           "schedule, grad_reduce_dtype, window_size, window_exchange and mask")
 
     def values(self) -> tuple:
         """The fields as values whose repr is the same on every process: the documents by
@@ -106,9 +111,22 @@ def _documents_text(documents: Documents, shown: int = 6) -> str:
             f"{documents.total} (#{documents.agreement_key():x})")
 
 
-def agree(grid: MeshGrid, signature: CallSignature) -> None:
+class Signature(Protocol):
+    """What `agree` compares: a `CallSignature`, or another collective call's (a decode
+    step's, `inference/decode_agreement.py`)."""
+
+    SUBJECT: ClassVar[str]
+    SAME: ClassVar[str]
+
+    def digest(self) -> int: ...
+
+    def texts(self) -> dict[str, str]: ...
+
+
+def agree(grid: MeshGrid, signature: Signature) -> None:
     """Collective over the CP group (one small all_reduce): returns when every rank passed
-    this signature; else ValueError on every rank naming the values that differ."""
+    this signature; else ValueError on every rank naming the values that differ (each of
+    `signature.texts()`)."""
     if grid.cp_size == 1:
         return
     d = signature.digest()
@@ -166,22 +184,25 @@ def gather_over_cp(grid: MeshGrid, item: Any) -> list[Any]:
     return items
 
 
-def _fail(grid: MeshGrid, signature: CallSignature | None, error: Exception | None) -> NoReturn:
+def _fail(grid: MeshGrid, signature: Signature | None, error: Exception | None) -> NoReturn:
     """The second collective: gather every rank's signature and error; raise on every rank."""
     mine = (grid.cp_rank, None if signature is None else signature.texts(),
             None if error is None else str(error) or type(error).__name__)
     every = sorted(gather_over_cp(grid, mine), key=lambda item: item[0])
-    raise ValueError(message(grid.shape_text, mine, every)) from error
+    wording = {} if signature is None else {"subject": signature.SUBJECT,
+                                            "same": signature.SAME}
+    raise ValueError(message(grid.shape_text, mine, every, **wording)) from error
 
 
 def _ranks(ranks: list[int]) -> str:
     return f"CP rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
-def message(shape: str, mine: tuple, every: list[tuple]) -> str:
+def message(shape: str, mine: tuple, every: list[tuple], subject: str = CallSignature.SUBJECT,
+            same: str = CallSignature.SAME) -> str:
     """The error every rank raises: the rejections (this rank's first), else each field that
     differs, with this rank's value and the others'. Items: (CP rank, texts or None, error
-    text or None)."""
+    text or None); `subject` and `same` word the call (the signature's)."""
     rejected: dict[str, list[int]] = {}
     for rank, _, error in every:
         if error is not None:
@@ -194,7 +215,7 @@ def message(shape: str, mine: tuple, every: list[tuple]) -> str:
                 "rejected on some ranks would leave the others waiting")
     me, texts, _ = mine
     differ = []
-    for field in FIELDS:
+    for field in texts:
         others: dict[str, list[int]] = {}
         for rank, their, _ in every:
             if their[field] != texts[field]:
@@ -204,7 +225,5 @@ def message(shape: str, mine: tuple, every: list[tuple]) -> str:
                 f"{value} on {_ranks(r)}" for value, r in sorted(others.items())))
     if not differ:  # digests differ for equal texts: cannot happen unless a field is missing
         differ.append("signature digests differ")
-    return (f"ranks of one {shape} grid pass different arguments to mesh attention: "
-            + "; ".join(differ) + "; every rank of a CP group must pass the same shapes, "
-            "dtype, cu_seqlens, causal, softmax_scale, schedule, grad_reduce_dtype, "
-            "window_size, window_exchange and mask")
+    return (f"ranks of one {shape} grid pass different arguments to {subject}: "
+            + "; ".join(differ) + f"; every rank of a CP group must pass {same}")

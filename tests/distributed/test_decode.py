@@ -23,8 +23,10 @@ from megatron_mesh.inference import (
     prefill_packed,
 )
 from megatron_mesh.inference.packed import placed_positions
+from megatron_mesh.inference.session import DECODE, InferenceSession
 from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.decode_traffic import cache_slots, decode_step_bytes
+from megatron_mesh.runtime import agreement
 
 from dist_utils import run_distributed
 
@@ -207,6 +209,90 @@ def test_decode_on_ranks_sharing_one_gpu(shape: tuple[int, int, int]) -> None:
 
 def test_decode_2x2() -> None:
     _run((1, 2, 2))
+    failures = [f for rank in run_distributed(session_failures, 4, timeout_s=120) for f in rank]
+    assert not failures, "\n".join(failures)
+
+
+LAYERS = (1, 2)  # a session's layers
+
+
+def session_failures(rank: int, world: int) -> list[str]:
+    """InferenceSession on a 2x2 grid, 2 layers, 3 decode steps: exact against the formula,
+    the ranks agreeing once per layer at the first step and once per step after it; ranks
+    that disagree (a window, an exchange or sinks on one rank, another step, a change on one
+    rank after the first step, bad input on one rank) and a step past the cache's room
+    raise ValueError on every rank, naming what differs, none hangs."""
+    grid = mm.MeshGrid.build(rows=2, cols=2)
+    case, steps = DecodeCase(), 3
+    prompt = -(-max(LENGTHS) // (2 * world)) * 2 * world
+    x = tensors(case, prompt + steps + max(LENGTHS))
+    scale = case.head_dim ** -0.5
+    calls = [0]
+    counted = agreement.max_over_cp
+
+    def counting(*args):
+        calls[0] += 1
+        return counted(*args)
+
+    agreement.max_over_cp = counting  # counts the agreements' collectives; runs them
+
+    def session(exchange: str = "all_gather") -> InferenceSession:
+        s = InferenceSession(CacheLayout(world, rank, prompt, steps), torch.tensor(LENGTHS),
+                             exchange=exchange)
+        share = [zigzag_split(x[n][:prompt].float(), world)[rank] for n in "qkv"]
+        for layer in LAYERS:
+            s.attend(layer, *share, grid, scale)
+        s.phase = DECODE
+        return s
+
+    def step(s: InferenceSession, n: int, changes: dict | None = None,
+             batch: int = len(LENGTHS)) -> list[torch.Tensor]:
+        s.step = n
+        new = [x[name][prompt + n, :batch].float()[None] for name in "qkv"]  # [1, b, h, d]
+        return [s.attend(layer, *new, grid, scale, **(changes or {}).get(layer, {}))
+                for layer in LAYERS]
+
+    failures = []
+    s = session()
+    for n in range(steps):
+        calls[0] = 0
+        for out in step(s, n):
+            failures += _compare(x, case, (1, 2, 2), n, prompt, prompt + n, out[0], "session")
+        if calls[0] != (len(LAYERS) if n == 0 else 1):
+            failures.append(f"rank {rank} step {n}: {calls[0]} agreements")
+    window, sink = {1: {"window": (3, 0)}}, {2: {"softmax_offset": x["sink"].float()}}
+
+    def at_step_1_rank_0_adds_a_window() -> None:
+        s = session()
+        step(s, 0)
+        step(s, 1, window if rank == 0 else None)
+
+    cases = {  # what runs -> the words every rank's ValueError holds
+        "window on rank 1": (lambda: step(session(), 0, window if rank == 1 else None),
+                             ["window_size", "left 3", "CP rank 1"]),
+        "exchange on rank 2": (lambda: step(session("all_reduce" if rank == 2 else
+                                                    "all_gather"), 0),
+                               ["exchange", "'all_reduce'", "CP rank 2"]),
+        "sinks on rank 3": (lambda: step(session(), 0, sink if rank == 3 else None),
+                            ["softmax_offset", "given", "CP rank 3"]),
+        "another step on rank 0": (lambda: step(session(), 1 if rank == 0 else 0),
+                                   ["arguments to a decode step: step", "CP rank 0"]),
+        "a change after the first step": (
+            at_step_1_rank_0_adds_a_window,
+            ["changed since the last agreement", "layer 1 at step 1: window_size left 3 "
+             "after none"]),
+        "another batch on rank 3": (lambda: step(session(), 0, batch=2 if rank == 3 else 3),
+                                    ["takes 3 sequences, got 2", "CP rank 3"]),
+        "past the room": (lambda: step(session(), steps),
+                          ["decode step 3 is past the KV cache's room", "steps 0 .. 2"]),
+    }
+    for name, (run, words) in cases.items():
+        try:
+            run()
+            failures.append(f"rank {rank} {name}: not refused")
+        except ValueError as e:
+            failures += [f"rank {rank} {name}: {w!r} not in {e}" for w in words if w not in str(e)]
+    return failures
 
 
 def test_decode_1x4() -> None:
