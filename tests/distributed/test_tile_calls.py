@@ -1,7 +1,8 @@
 """Kernel calls per tile: the blocks a rank has on hand together go to the kernel as few
-calls (`masks.groups`), counted on the real kernel (torch's, wrapped to count) in every
-schedule and grid, held to `models.tile_calls` on a dense sequence, and never more than
-one call per block under the other mask kinds."""
+calls (`masks.groups`, MESH_GROUP_CALLS=1), counted on the real kernel (torch's, wrapped to
+count) in every schedule and grid, held to `models.tile_calls` on a dense sequence, and
+never more than one call per block under the other mask kinds; grouped, every schedule and
+grid equals whole-sequence SDPA, forward and backward (causal and full, fp32 and bf16)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.values import grid_shapes
 
 from dist_utils import run_distributed
-from reference import Failure, assert_no_failures
+from reference import Case, Failure, assert_no_failures, check_cases
 
 WORLD = 4
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
@@ -63,9 +64,17 @@ def count_calls(grid: mm.MeshGrid, schedule: str, mask: str, grouped: bool) -> d
 
 
 def calls_worker(rank: int, world: int) -> dict:
-    got = {}
+    got = {"exactness": []}
     for a, r, c in grid_shapes(world):
         grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        os.environ["MESH_GROUP_CALLS"] = "1"
+        try:  # grouped calls against SDPA on the whole sequence
+            got["exactness"] += check_cases(grid, [
+                Case(64, 2, 4, 2, 16, causal=n % 2 == 0, schedule=schedule, seed=n,
+                     dtype=torch.bfloat16 if n % 3 == 0 else torch.float32)
+                for n, schedule in enumerate(SCHEDULES * 2)])
+        finally:
+            os.environ.pop("MESH_GROUP_CALLS")
         for schedule in SCHEDULES:
             for mask in MASKS:
                 for grouped in (True, False):
@@ -79,12 +88,19 @@ def counted() -> list[dict]:
     return run_distributed(calls_worker, WORLD)
 
 
+def test_grouped_calls_are_exact(counted) -> None:
+    assert_no_failures([per_rank["exactness"] for per_rank in counted])
+
+
 def test_dense_tiles_make_the_modelled_calls(counted) -> None:
     """Causal and full: each rank's calls equal `tile_calls` for its mesh rank (torch's
     kernel takes bottom-right causal calls); ungrouped, one call per block."""
     bad = []
     for cp_rank, per_case in enumerate(counted):
-        for (a, r, c, schedule, mask, grouped), calls in per_case.items():
+        for key, calls in per_case.items():
+            if key == "exactness":
+                continue
+            a, r, c, schedule, mask, grouped = key
             if mask not in ("causal", "full"):
                 continue
             mesh_rank = cp_rank // a
@@ -106,9 +122,10 @@ def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
     chunks on one query chunk (R x 1) in at most two calls per pass, whatever R."""
     bad = []
     for cp_rank, per_case in enumerate(counted):
-        for (a, r, c, schedule, mask, grouped), calls in per_case.items():
-            if not grouped:
+        for key, calls in per_case.items():
+            if key == "exactness" or not key[-1]:
                 continue
+            a, r, c, schedule, mask, grouped = key
             blocks = per_case[(a, r, c, schedule, mask, False)]
             for phase in calls:
                 if calls[phase] > blocks[phase]:
