@@ -94,6 +94,36 @@ def test_cuda_branch_on_meta(op: str, dtype: torch.dtype, heads: str, causal: bo
             assert stride == (h * d, d, b * h * d, 1), (shape, stride)
 
 
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["flash", "efficient", "cudnn"])
+def test_bottom_right_causal_on_meta(op: str, dtype: torch.dtype, heads: str) -> None:
+    """A causal tile of 128 queries and 192 keys (a grouped call, aligned at the bottom
+    right): the flash op takes it as its own causal (one op each way, is_causal set); the
+    memory-efficient op gets the band's additive mask [sq, sk] and is_causal unset; cuDNN's
+    causal is top-left, so its kernel refuses it, naming the capability."""
+    hq, hkv = HEADS[heads]
+    q, k, v = tile(dtype, hq, hkv, sq=128, sk=192)
+    kernel = KERNELS[op]()
+    if op == "cudnn":
+        with pytest.raises(ValueError, match="more keys than queries"):
+            kernel.forward(q, k, v, True, 0.125)
+        return
+    with OpLog() as fwd_log:
+        out, lse = kernel.forward(q, k, v, True, 0.125)
+    with OpLog() as bwd_log:
+        dq, dk, dv = kernel.backward(out, q, k, v, out, lse, True, 0.125)
+    assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
+        q.shape, (2, hq, 128), q.shape, k.shape, v.shape)
+    if op == "flash" and dtype != torch.float32:
+        fwd_op = "_scaled_dot_product_flash_attention"
+        assert fwd_log.launches() == [fwd_op] and bwd_log.launches() == [fwd_op + "_backward"]
+        return
+    (fwd_args,) = fwd_log.named("_scaled_dot_product_efficient_attention")
+    (bwd_args,) = bwd_log.named("_scaled_dot_product_efficient_attention_backward")
+    assert fwd_args[3][0] == (2, hq, 128, 192) and bwd_args[4][0] == (2, hq, 128, 192)
+
+
 @pytest.mark.parametrize("d,dv", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
