@@ -26,7 +26,7 @@ from megatron_mesh.megatron.arguments import (
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
 from megatron_mesh.megatron.sink import SOFTMAX_TYPES  # megatron-core's config.softmax_type
 from megatron_mesh.training import schedule_length, tokenizer_check, validation
-from megatron_mesh.training.config import config_class, freeze
+from megatron_mesh.training.config import TrainingConfig, config_class, freeze
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.host_staging import (
     add_host_staging_args,
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-TrainingConfig = config_class(build_parser())  # the frozen, typed flags (config.py)
+_CONFIG = config_class(build_parser())  # the class of the frozen, typed flags (config.py)
 
 
 def _dest(key: str) -> str:
@@ -369,7 +369,7 @@ def parse_args(argv: Sequence[str] | None = None,
         _use_checkpoint_args(args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world_size)
-    return freeze(args, TrainingConfig)
+    return freeze(args, _CONFIG)
 
 
 def _use_checkpoint_args(args: argparse.Namespace) -> None:

@@ -33,7 +33,7 @@ from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.packing import document_lengths
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
     from megatron_mesh.training.placement import DocumentPacker
 
 ROOM = 1.25  # a bin takes documents up to this many times the mean tokens per bin

@@ -44,7 +44,7 @@ from megatron_mesh.training.optimizer import (
 from megatron_mesh.training.save_failure import agreed, folder_bytes, save_failed
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout

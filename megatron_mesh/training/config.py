@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # values validate_args derives from the flags (not flags themselves), with their types
 DERIVED: dict[str, Any] = {
@@ -37,17 +37,28 @@ def _field_type(action: argparse.Action) -> Any:
     return base | None if action.default is None else base
 
 
-def config_class(parser: argparse.ArgumentParser) -> type:
-    """The frozen dataclass of `parser`'s flags plus `DERIVED`."""
+class TrainingConfig:
+    """The validated flags, frozen: the base of the class `config_class` builds from the parser
+    (its fields are the flags plus `DERIVED`). Modules name this type for their arguments
+    without importing the parser, which imports them."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...  # the fields come from the parser
+
+
+def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
+    """The frozen dataclass of `parser`'s flags plus `DERIVED`, a `TrainingConfig`."""
     fields = [(a.dest, _field_type(a)) for a in parser._actions
               if a.dest not in ("help", argparse.SUPPRESS)]
     fields += [(name, kind) for name, kind in DERIVED.items()
                if name not in {f for f, _ in fields}]
-    return dataclasses.make_dataclass("TrainingConfig", fields, frozen=True,
-                                      namespace={"__doc__": __doc__.splitlines()[0]})
+    return dataclasses.make_dataclass("TrainingConfig", fields, bases=(TrainingConfig,),
+                                      frozen=True, namespace={"__doc__": __doc__.splitlines()[0]})
 
 
-def freeze(args: argparse.Namespace, cls: type) -> Any:
+def freeze(args: argparse.Namespace, cls: type[TrainingConfig]) -> TrainingConfig:
     """The validated namespace as a frozen `cls` (from `config_class`; lists become tuples).
 
     A value the class does not declare is a programming error and raises TypeError, so no

@@ -30,7 +30,7 @@ from megatron_mesh.training.placement import document_packer
 from megatron_mesh.training.validation import split_weights
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 _LIBRARIES = {
     "NullTokenizer": None,  # megatron-core's name for it changed: compat

@@ -17,7 +17,7 @@ from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.host_staging import local_device
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 
 def init_distributed(args: TrainingConfig) -> None:

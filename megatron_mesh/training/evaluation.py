@@ -21,7 +21,7 @@ from megatron_mesh.training.metrics import perplexity
 from megatron_mesh.training.step import forward_step, global_loss
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
     from megatron_mesh.training.metrics import Loggers
 
 def evaluation_line(prefix: str, loss: float) -> str:

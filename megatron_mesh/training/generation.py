@@ -35,7 +35,7 @@ from megatron_mesh.inference.sampling import Sampling, next_tokens
 from megatron_mesh.inference.session import DECODE, InferenceSession
 from megatron_mesh.megatron.cached_attention import attach, cached_attention_spec
 from megatron_mesh.models.decode_traffic import cache_bytes
-from megatron_mesh.training.arguments import TrainingConfig
+from megatron_mesh.training.config import TrainingConfig
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.generation_args import GenerateConfig

@@ -16,13 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megatron_mesh.inference.decode import EXCHANGES
-from megatron_mesh.training.arguments import (
-    ConfigError,
-    TrainingConfig,
-    build_parser,
-    load_config,
-    parse_args,
-)
+from megatron_mesh.training.arguments import ConfigError, build_parser, load_config, parse_args
+from megatron_mesh.training.config import TrainingConfig
 from megatron_mesh.training.generation_checkpoint import (
     check_model_flags,
     checkpoint_path,

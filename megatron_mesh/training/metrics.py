@@ -13,7 +13,7 @@ from megatron_mesh.training.moe import AUX_LOSS_NAMES
 from megatron_mesh.values import shape_text
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 
 def perplexity(loss: float) -> float:

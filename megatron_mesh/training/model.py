@@ -18,7 +18,7 @@ from megatron_mesh.training.moe import moe_config, moe_spec
 from megatron_mesh.training.pipeline import varies_in_length
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 
 def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_mesh.training.device import has_cuda
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 DISPATCHERS = ("allgather", "alltoall", "flex")

@@ -17,7 +17,7 @@ from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 
 # The distributed optimizer saves its state as its DP x CP shards of the grad buffers

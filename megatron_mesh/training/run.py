@@ -37,7 +37,7 @@ from megatron_mesh.training.trainer import train
 from megatron_mesh.values import DTYPE_BYTES, STREAMED, AttentionShape
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 
 def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_mesh.training.device import device
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
 
 JOB_START = time.monotonic()  # import time of the driver: the clock --exit-duration-in-mins reads
 

@@ -23,7 +23,7 @@ from megatron_mesh.training.step import forward_step, global_loss
 from megatron_mesh.training.stopping import ExitConditions, check_finite
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.arguments import TrainingConfig
+    from megatron_mesh.training.config import TrainingConfig
     from megatron_mesh.training.evaluation import Evaluator
 
 

@@ -1,10 +1,10 @@
 """The package's import graph: no cycle anywhere, and the layers import only what is below.
 
 Every module of megatron_mesh/ is parsed (ast, nothing is imported): each `import` and
-`from ... import` statement, at module level or inside a function (not in an
-`if TYPE_CHECKING:` block, which never runs: annotations only), is an edge to the
-project module it names (`from pkg import name` goes to pkg.name when that is a module,
-else to pkg).
+`from ... import` statement, at module level, inside a function or in an
+`if TYPE_CHECKING:` block (it never runs, but a type named there is a dependency all the
+same: a circle through annotations is a circle), is an edge to the project module it names
+(`from pkg import name` goes to pkg.name when that is a module, else to pkg).
 """
 from __future__ import annotations
 
@@ -48,22 +48,15 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
     return out
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    """An `if TYPE_CHECKING:` block: its imports name types for annotations and never run."""
-    return (isinstance(node, ast.If) and isinstance(node.test, (ast.Name, ast.Attribute))
-            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING")
-
-
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the project modules it imports (anywhere in its body)."""
+    """Module -> the project modules it imports (anywhere in its body, `if TYPE_CHECKING:`
+    blocks included)."""
     graph = {}
     for module, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
-                       for n in ast.walk(block)}
         edges = set()
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
                 edges.update(_targets(node, module, path.name == "__init__.py", mods))
         edges.discard(module)
         graph[module] = edges
@@ -104,16 +97,29 @@ def test_finder_sees_cycles_through_function_level_imports(tmp_path):
     assert find_cycle(graph) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.c", f"{PACKAGE}.a"]
     (pkg / "c.py").write_text("import os\n")
     assert find_cycle(import_graph(module_files(pkg))) is None
-    # an import for annotations only never runs; the same import outside the block does
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    from . import a\n")
+
+
+def test_finder_sees_cycles_through_type_checking_imports(tmp_path):
+    """An import for annotations only never runs, but the module still depends on the other:
+    a circle through `if TYPE_CHECKING:` is a circle."""
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("import dataclasses\n")
+    (pkg / "parser.py").write_text("from .moe import add_args\n")
+    for imports in ("from .parser import Config", "import megatron_mesh.parser"):
+        (pkg / "moe.py").write_text(f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    f"    {imports}\n")
+        assert find_cycle(import_graph(module_files(pkg))) == [
+            f"{PACKAGE}.moe", f"{PACKAGE}.parser", f"{PACKAGE}.moe"]
+    # the type in a leaf both import: no circle
+    (pkg / "moe.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                "    from .config import Config\n")
     assert find_cycle(import_graph(module_files(pkg))) is None
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    pass\nfrom . import a\n")
-    assert find_cycle(import_graph(module_files(pkg))) is not None
 
 
 def test_no_import_cycle_in_the_package():
+    """No circle, counting the imports of `if TYPE_CHECKING:` blocks."""
     cycle = find_cycle(import_graph(module_files()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
