@@ -19,7 +19,7 @@ import megatron_mesh as mm
 from megatron_mesh.masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 
 from dist_utils import run_distributed
-from reference import beyond_tolerance
+from reference import beyond_tolerance, partial_results
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,10 @@ def check_case(case: DocCase, grid: mm.MeshGrid) -> list[str]:
         bad.append(f"{where}: out {tuple(out.shape)} {out.dtype}")
     mine = lambda t: thd_split(t, docs, grid.cp_size)[grid.cp_rank]  # noqa: E731
     ref = {n: mine(t) for n, t in reference(case, x, torch.float64).items()}
-    same = ({n: mine(t) for n, t in reference(case, x, case.dtype).items()}
-            if case.dtype != torch.float32 else None)
-    bad += beyond_tolerance(got, ref, same, case.dtype, where)
+    same = {n: mine(t) for n, t in reference(case, x, case.dtype).items()}
+    same32 = ({n: mine(t) for n, t in reference(case, x, torch.float32).items()}
+              if case.dtype != torch.float32 else None)
+    bad += beyond_tolerance(got, ref, same, case.dtype, where, partial_results(grid), same32)
     padding = ~mine(real_tokens(docs))
     if padding.any() and (got["out"][padding].abs().max() != 0 or got["dq"][padding].abs().max()
                           != 0 or got["dk"][padding].abs().max() != 0):
