@@ -101,6 +101,25 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
     _check_device(args)
 
 
+def balancing_per_micro_batch(args: argparse.Namespace) -> str | None:
+    """Why the routers' results depend on which tokens share a micro-batch (None when they
+    do not: without --num-experts, or top-k routing without a load-balancing loss, which
+    routes each token by its own logits): megatron-core computes the load-balancing loss
+    over each micro-batch's tokens (the expert counts of the micro-batch times its mean
+    router probabilities; global_aux_loss averages the counts over the micro-batches run
+    so far), and sinkhorn routing balances each micro-batch's tokens."""
+    if getattr(args, "num_experts", None) is None:
+        return None
+    kind = args.moe_router_load_balancing_type
+    if kind == "sinkhorn":
+        return ("--moe-router-load-balancing-type sinkhorn routes by balancing each "
+                "micro-batch's tokens")
+    if kind in AUX_LOSS_NAMES and args.moe_aux_loss_coeff > 0:
+        return (f"megatron-core computes the load-balancing loss ({kind}, --moe-aux-loss-coeff "
+                f"{args.moe_aux_loss_coeff:g}) over each micro-batch's tokens")
+    return None
+
+
 def _check_expert_parallel(args: argparse.Namespace, world_size: int) -> None:
     ep, experts = args.expert_model_parallel_size, args.num_experts
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -111,9 +130,9 @@ def _check_expert_parallel(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--expert-model-parallel-size {ep}: expert x tensor parallel "
                          f"{ep * tp} must divide the {world_size // pp} ranks of a pipeline "
                          "stage")
-    if ep > 1 and tp > 1 and not args.sequence_parallel:
-        raise ValueError(f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size "
-                         f"{tp} needs --sequence-parallel (as in Megatron-LM)")
+    if tp > 1 and not args.sequence_parallel:  # megatron-core's MoELayer refuses it in training
+        raise ValueError(f"--num-experts {experts} with --tensor-model-parallel-size {tp} needs "
+                         "--sequence-parallel (as in Megatron-LM)")
 
 
 def check_saved_experts(common: dict[str, Any], path: str, args: TrainingConfig) -> None:
@@ -197,6 +216,26 @@ def moe_label(args: TrainingConfig) -> str:
             f"top {args.moe_router_topk}, {args.moe_router_load_balancing_type} coeff "
             f"{args.moe_aux_loss_coeff:g}, EP {args.expert_model_parallel_size}, "
             f"{args.moe_token_dispatcher_type} dispatcher")
+
+
+def router_padding_mask(batch: dict, model: Any) -> dict[str, Any]:
+    """GPTModel.forward's `padding_mask` keyword ({} when the batch has none): the packer's
+    [1, t] mask (True: a padding token) that megatron-core's routers (0.16 to 0.19) leave out
+    of the load-balancing loss. GPTModel splits it over TP under sequence parallelism on the
+    first pipeline stage only; a later stage's is split here, as the hidden states are."""
+    mask = batch.get("padding_mask")
+    if mask is None:
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = get_attr_wrapped_model(model, "config")
+    if config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        n = mask.shape[1] // tp
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        mask = mask[:, rank * n:(rank + 1) * n]
+    return {"padding_mask": mask}
 
 
 def aux_loss_names(args: TrainingConfig) -> list[str]:

@@ -13,7 +13,10 @@ document padded to 2P and cut into 2P pieces over all ranks): what Transformer E
 algorithms take, and what Megatron-LM data paths that partition with TE produce.
 
 At CP = 1 both are the documents in order (`packing.py` with P = 1). The choice is made
-once (`resolve_placement_args`) and held by the run's `DocumentPacker`.
+once (`resolve_placement_args`) and held by the run's `DocumentPacker`. Both pad (te each
+document, balanced the total, to a multiple of 2P, or 2P x TP under sequence parallelism);
+with a mixture of experts the packed micro-batch carries the padding mask megatron-core's
+routers take, so that the load-balancing loss counts the documents' tokens only.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from megatron_mesh.masks.document_placement import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
 from megatron_mesh.megatron.shape import cp_ranks_per_node
+from megatron_mesh.training.moe import balancing_per_micro_batch
 from megatron_mesh.training.packing import document_lengths, pack_documents
 
 PLACEMENTS = ("balanced", "te")
@@ -48,9 +52,10 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                    help="regroup the documents of each global batch into the micro-batches "
                         "of all DP replicas by their attention work (L^2), so each replica's "
                         "work is balanced too; needs --calculate-per-token-loss (the loss and "
-                        "gradients are then those of the ungrouped batch). Default: on with "
-                        "--mesh-document-placement balanced, DP > 1 and "
-                        "--calculate-per-token-loss")
+                        "gradients are then those of the ungrouped batch). Not with a mixture "
+                        "of experts' load-balancing loss or sinkhorn routing (computed per "
+                        "micro-batch). Default: on with --mesh-document-placement balanced, "
+                        "DP > 1 and --calculate-per-token-loss (off where refused)")
 
 
 def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
@@ -74,15 +79,20 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
     if balance and not args.calculate_per_token_loss:
         fail("--mesh-balance-data-parallel needs --calculate-per-token-loss: regrouping "
              "documents keeps the sum of token losses, not the mean of micro-batch means")
+    moe = balancing_per_micro_batch(args)
+    if balance and moe:
+        fail(f"--mesh-balance-data-parallel with --num-experts: {moe}, so regrouping the "
+             "documents would change the loss and its gradients; use "
+             "--no-mesh-balance-data-parallel")
     ramp = getattr(args, "rampup_batch_size", None)
     if balance and ramp:
         fail("--mesh-balance-data-parallel with --rampup-batch-size: the balance deals "
              "documents over the full global batch, while a ramp step runs fewer "
              "micro-batches (and a resume mid-ramp would regroup differently); use "
              "--no-mesh-balance-data-parallel")
-    if balance is None:  # off by default during a batch-size ramp (see above)
+    if balance is None:  # off by default during a batch-size ramp and for MoE (see above)
         balance = bool(placed and args.calculate_per_token_loss
-                       and args.data_parallel_size > 1 and not ramp)
+                       and args.data_parallel_size > 1 and not ramp and not moe)
     args.mesh_balance_data_parallel = balance
 
 
@@ -109,13 +119,18 @@ def placement_label(args) -> str:
 
 @dataclass(frozen=True)
 class DocumentPacker:
-    """One CP rank's packing of micro-batches of documents (decided once per run)."""
+    """One CP rank's packing of micro-batches of documents (decided once per run). With
+    `padding_mask` (a mixture of experts) each packed micro-batch also holds 'padding_mask',
+    bool [1, T / P], True where the packing added a padding token: megatron-core's routers
+    leave those out of the load-balancing loss, which would otherwise count them (how many
+    there are depends on CP, TP and the placement)."""
 
     placement: str  # BALANCED or TE
     cp_size: int
     cp_rank: int
     multiple: int  # the packed total is a multiple of multiple x 2P (TP under SP)
     gpus_per_node: int | None
+    padding_mask: bool = False
 
     def __call__(self, batch: dict[str, torch.Tensor], eod: int,
                  lengths: list[int] | None = None) -> dict:
@@ -124,23 +139,25 @@ class DocumentPacker:
         went to the device: reading them from device tokens waits for the device)."""
         if lengths is None:
             lengths = document_lengths(batch["tokens"], eod)
+        batch = self._with_real(batch)
         if self.placement == TE or self.cp_size == 1:
-            return pack_documents(batch, eod, self.cp_size, self.cp_rank, self.multiple,
-                                  lengths=lengths)
+            return self._padding(pack_documents(batch, eod, self.cp_size, self.cp_rank,
+                                                self.multiple, lengths=lengths))
         flat = {k: v.reshape(-1) for k, v in batch.items()}
         return self.place(flat, lengths)
 
     def pack_flat(self, flat: dict[str, torch.Tensor], lengths: list[int]) -> dict:
         """This rank's share of one packed sequence: fields [n], documents of `lengths` in
         order (no documents: one padding document)."""
+        flat = self._with_real(flat)
         if not lengths:
             unit = 2 * self.cp_size * self.multiple
             flat = {k: v.new_zeros(unit) for k, v in flat.items()}
             lengths = [unit]
         if self.placement == TE or self.cp_size == 1:
             batch = {k: v.unsqueeze(0) for k, v in flat.items()}
-            return pack_documents(batch, -1, self.cp_size, self.cp_rank, self.multiple,
-                                  lengths=lengths)
+            return self._padding(pack_documents(batch, -1, self.cp_size, self.cp_rank,
+                                                self.multiple, lengths=lengths))
         return self.place(flat, lengths)
 
     def place(self, flat: dict[str, torch.Tensor], lengths: list[int]) -> dict:
@@ -163,14 +180,32 @@ class DocumentPacker:
                 value = torch.cat([value, value.new_zeros(extra)])
             out[key] = value.index_select(0, index).unsqueeze(0)
         out["packed_seq_params"] = placed_seq_params(placement, self.cp_rank, device)
-        return out
+        return self._padding(out)
+
+    def _with_real(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`fields` plus, with `padding_mask`, a field of True per token: packed with the
+        others, it is False exactly where the packing adds padding."""
+        if not self.padding_mask:
+            return fields
+        like = fields["tokens"] if "tokens" in fields else next(iter(fields.values()))
+        return {**fields, _REAL: torch.ones_like(like, dtype=torch.bool)}
+
+    def _padding(self, packed: dict) -> dict:
+        if _REAL in packed:
+            packed["padding_mask"] = ~packed.pop(_REAL)
+        return packed
+
+
+_REAL = "_real_token"  # the packers' own field, turned into 'padding_mask'
 
 
 def document_packer(args, cp_rank: int) -> DocumentPacker:
-    """The run's packer: its placement, CP rank, SP multiple and CP ranks per node."""
+    """The run's packer: its placement, CP rank, SP multiple, CP ranks per node, and a
+    padding mask for the routers of a mixture of experts."""
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     per_node = cp_ranks_per_node(tp)  # the launcher's, as the grid reads it
     if per_node is not None and not (per_node < cp and cp % per_node == 0):
         per_node = None  # the CP group fits one node, or nodes do not split it evenly
     return DocumentPacker(args.mesh_document_placement, cp, cp_rank,
-                          tp if args.sequence_parallel else 1, per_node)
+                          tp if args.sequence_parallel else 1, per_node,
+                          padding_mask=getattr(args, "num_experts", None) is not None)

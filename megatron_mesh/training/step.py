@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mesh.training.device import device
+from megatron_mesh.training.moe import router_padding_mask
 from megatron_mesh.training.pipeline import report_to_all_stages
 
 
@@ -44,10 +45,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_lo
 def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module,
                  per_token_loss: bool = False):
     """megatron-core's forward_step_func: GPT forward on the next micro-batch (the fields
-    this pipeline stage reads; a later stage's input comes from the previous stage)."""
+    this pipeline stage reads; a later stage's input comes from the previous stage; the
+    packed documents' padding mask for a mixture of experts' routers)."""
     batch = next(data_iterator)
     output = model(batch.get("tokens"), batch.get("position_ids"), None,
-                   labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"))
+                   labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"),
+                   **router_padding_mask(batch, model))
     return output, partial(loss_func, batch.get("loss_mask"), per_token_loss=per_token_loss)
 
 
