@@ -13,6 +13,10 @@ makes the load-balancing gradients move the later iterations' losses.
 a loss computed per micro-batch: with the load-balancing loss it exits 2; with top-k
 routing and no loss (each token routed by its own logits) DP 2 x CP 2 gives the losses of
 the batch as read.
+
+Under pipeline stages (megatron-core's alltoall dispatcher: a GPU's) with sequence
+parallelism a later stage gets the TP share of the mask that megatron-core gives the first
+stage's layers; checked on TP 2 x PP 2 gloo ranks.
 """
 from __future__ import annotations
 
@@ -88,3 +92,37 @@ def test_dp_balance_of_top_k_routing_without_a_loss_keeps_the_losses(
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5), (it, got, want)
+
+
+def _stage_masks(rank: int, world: int) -> tuple[bool, list[bool], list[bool]]:
+    """On TP 2 x PP 2 with sequence parallelism: (first stage?, the mask this stage's
+    GPTModel gets from router_padding_mask, the TP share megatron-core's own split gives)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    from megatron_mesh.training.moe import router_padding_mask
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(2, 2, create_gloo_process_groups=False)
+    mask = torch.rand(1, 12, generator=torch.Generator().manual_seed(3)) > 0.5
+    model = SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace(sequence_parallel=True)))
+    given = router_padding_mask({"padding_mask": mask}, model)["padding_mask"]
+    share = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1)
+    return ps.is_pipeline_first_stage(), given.flatten().tolist(), share.flatten().tolist()
+
+
+def test_a_later_pipeline_stage_gets_its_tp_share_of_the_padding_mask() -> None:
+    """GPTModel splits the mask over TP under sequence parallelism on the first stage only
+    (megatron-core 0.16 to 0.19): there it gets the whole mask, on a later stage its TP
+    share, as megatron-core's split gives the first stage's layers."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_stage_masks, 4)
+    assert sorted(first for first, _, _ in results) == [False, False, True, True]
+    for first, given, share in results:
+        assert len(share) == 6
+        assert (len(given) == 12) if first else (given == share), (first, given, share)
+    assert len({tuple(s) for _, _, s in results}) == 2  # the two TP ranks' halves
