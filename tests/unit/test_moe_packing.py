@@ -83,7 +83,7 @@ def test_dp_balance_is_off_by_default_with_a_load_balancing_loss() -> None:
 ])
 def test_moe_flags_refused_before_any_process_group(flags: list[str], message: str) -> None:
     """The driver's flag checks (parse_args: no process group yet) refuse them in one line;
-    main turns that into exit 2 (test_moe_documents.py in tests/distributed runs one)."""
+    main turns that into exit 2 (tests/distributed/test_moe_documents.py runs one)."""
     with pytest.raises(ConfigError) as refused:
         parse_args(flags)
     assert message in str(refused.value) and "\n" not in str(refused.value)
