@@ -28,20 +28,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..masks.seen import keeps, one_row
 from ..masks.sink import add_sink, check_offset
 from ..runtime import comm
-from .cache import EMPTY, KVShard
+from .cache import KVShard
 from .packed import PackedShard
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window_left: int | None) -> torch.Tensor:
-    """[b, n] bool: key slot positions k_pos [n, b] a query at q_pos [b] sees (causal, and
-    within `window_left` keys before it when given; EMPTY slots never)."""
-    k = k_pos.t()
-    ok = (k != EMPTY) & (k <= q_pos[:, None])
-    if window_left is not None and window_left >= 0:
-        ok &= k >= q_pos[:, None] - window_left
-    return ok
+    """[b, n] bool: key slot positions k_pos [n, b] a query at q_pos [b] sees (its one-row
+    causal slice, `seen.one_row`: within `window_left` keys before it when given; EMPTY
+    slots never)."""
+    return keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos.t())
 
 
 def local_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,

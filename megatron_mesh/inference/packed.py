@@ -16,6 +16,7 @@ import torch
 
 from ..attention import mesh_attention
 from ..masks.document_placement import DocumentPlacement
+from ..masks.seen import keeps, one_row
 from ..runtime.grid import MeshGrid
 from .cache import EMPTY
 
@@ -75,16 +76,13 @@ class PackedShard:
 
     def visible(self, q_pos: torch.Tensor, window_left: int | None = None) -> torch.Tensor:
         """[b, n] bool (n = `used`): the slots document i's query at q_pos [b][i] sees (its
-        own document's, causal, within `window_left` keys when given; EMPTY never). The same
-        for every layer of a step: every layer's shard has the same documents and
-        positions."""
+        own document's, by its one-row causal slice `seen.one_row`, within `window_left`
+        keys when given; EMPTY never). The same for every layer of a step: every layer's
+        shard has the same documents and positions."""
         n, b = self.used, self.documents
-        pos = self.pos[:n][None, :]
-        ok = self.seq[:n][None, :] == torch.arange(b, device=self.seq.device)[:, None]
-        ok &= (pos != EMPTY) & (pos <= q_pos[:, None])
-        if window_left is not None and window_left >= 0:
-            ok &= pos >= q_pos[:, None] - window_left
-        return ok
+        own = self.seq[:n][None, :] == torch.arange(b, device=self.seq.device)[:, None]
+        k_pos = torch.where(own, self.pos[:n][None, :], EMPTY)  # [b, n]: other documents unseen
+        return keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos)
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,8 @@ than the padded ones: padding tokens attend to nothing, are attended by nothing,
 and zero gradients.
 
 `Documents` is the value the attention call takes (python ints, the same on every rank); it
-answers which local rows of a rank-block meet which (`rows_of_block`).
+answers which local rows of a rank-block meet which (`rows_of_block`), and its mask as
+slices over the padded packed sequence's positions (`slices`: one per document).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .slices import CAUSAL, FULL, SliceMask
 from .zigzag import zigzag_chunks
 
 
@@ -151,6 +153,14 @@ class Documents:
             for a in reversed(range(heads)):
                 order += range(a * local + offset + piece, a * local + offset + 2 * piece)
         return tuple(order)
+
+    def slices(self, causal: bool) -> SliceMask:
+        """The mask as slices over the padded packed sequence (`total` positions): each
+        document's real tokens see each other (causally where `causal`), padding nothing."""
+        kind = CAUSAL if causal else FULL
+        return SliceMask([(start, start + n, start, start + n, kind)
+                          for start, n in zip(self.cu_padded, self.lengths) if n],
+                         self.total)
 
     def agreement_key(self) -> int:
         """A number every rank of a group must share when they pass the same documents."""

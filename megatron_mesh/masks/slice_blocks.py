@@ -7,7 +7,8 @@ slices of it (`Slice.cut`), moved to the local rows. Then:
     no cut slice          the block is empty: not computed, and the sparse exchange
                           (`windowed.py`) sends none of its rows
     each cut slice        one plain call over its rows: full; causal where it is square,
-                          else flash-attention's bottom-right causal (`TileMask.band`)
+                          else flash-attention's bottom-right causal (`TileMask.band`);
+                          a window band as flash-attention's window (`TileMask.band`)
 
 Every call's rows see a key and its keys are seen, so the merge and the backward never meet
 a row without one; a query row no slice reaches is in no call (output 0, no gradient). A
@@ -46,7 +47,7 @@ def local_slices(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int,
             for s in mask.cut(q_pos, q_pos + q_len, k_pos, k_pos + k_len, unit):
                 dq, dk = q_row - q_pos, k_row - k_pos
                 out.append(Slice(s.q_start + dq, s.q_end + dq, s.k_start + dk, s.k_end + dk,
-                                 s.kind))
+                                 s.kind, s.window))
     return out
 
 
@@ -69,6 +70,8 @@ def _call(s: Slice) -> Block:
     """One slice of local rows as one kernel call."""
     rows, cols = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
     sq, sk = s.q_end - s.q_start, s.k_end - s.k_start
+    if s.window is not None:  # a window band, bottom-right aligned on the cut
+        return Block(BlockKind.FULL, rows, cols, mask=TileMask.band(sq, sk, *s.window))
     if s.kind != CAUSAL:
         return Block(BlockKind.FULL, rows, cols)
     if sq == sk:  # top-left and bottom-right alignment agree

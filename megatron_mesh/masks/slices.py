@@ -4,13 +4,18 @@ A slice (q_start, q_end, k_start, k_end, kind) keeps query positions [q_start, q
 against key positions [k_start, k_end): every pair ("full"), or ("causal") the pairs of
 flash-attention's causal mask of unequal lengths, aligned at the bottom right: query i sees
 key j iff j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start), that is
-j - i <= k_end - q_end (`Slice.diagonal`). A `SliceMask` is slices that do not overlap; a
-query no slice gives a key sees nothing (output 0, no gradient).
+j - i <= k_end - q_end (`Slice.diagonal`). A slice may carry a window band, flash-attention's
+(left, right) aligned the same way: with d = k_end - q_end, query i sees key j only where
+d - left <= j - i <= d + right (-1: unbounded on that side); a windowed slice is kind full,
+its right bound 0 where it is causal (`as_slice` writes every slice so). `Slice.bounds`
+gives a slice's rule as bounds on j - i; `seen.py` evaluates it on positions. A `SliceMask`
+is slices that do not overlap; a query no slice gives a key sees nothing (output 0, no
+gradient).
 
-Mask kinds build slices (`prefix.py`); the mesh cuts them to each block's rows and columns
+Mask kinds build slices (`prefix.py`, `window.windowed`); the mesh cuts them to each block's rows and columns
 (`Slice.cut`, `SliceMask.cut`; `slice_blocks.py` makes the kernel calls). A cut slice is
-again at most two slices of the same kinds, so the kernels see full and bottom-right causal
-tiles only.
+again at most two slices of the same kinds, so the kernels see full, bottom-right causal and
+band tiles only.
 """
 from __future__ import annotations
 
@@ -26,13 +31,15 @@ KINDS = (FULL, CAUSAL)
 @dataclass(frozen=True)
 class Slice:
     """Query positions [q_start, q_end) against key positions [k_start, k_end), `kind`
-    "full" or "causal" (bottom-right aligned: query i sees key j iff j - i <= diagonal)."""
+    "full" or "causal" (bottom-right aligned: query i sees key j iff j - i <= diagonal),
+    and a window band (left, right) or None (module docstring)."""
 
     q_start: int
     q_end: int
     k_start: int
     k_end: int
     kind: str = FULL
+    window: tuple[int, int] | None = None
 
     @property
     def diagonal(self) -> int | None:
@@ -40,34 +47,45 @@ class Slice:
         return self.k_end - self.q_end if self.kind == CAUSAL else None
 
     @property
-    def as_tuple(self) -> tuple[int, int, int, int, str]:
-        return self.q_start, self.q_end, self.k_start, self.k_end, self.kind
+    def bounds(self) -> tuple[int | None, int | None]:
+        """(lo, hi): query i sees key j of the slice's rectangle iff lo <= j - i <= hi (None:
+        unbounded), from its kind and window."""
+        d = self.k_end - self.q_end
+        hi = d if self.kind == CAUSAL else None
+        if self.window is None:
+            return None, hi
+        left, right = self.window
+        if right >= 0:
+            hi = d + right if hi is None else min(hi, d + right)
+        return (d - left if left >= 0 else None), hi
+
+    @property
+    def as_tuple(self) -> tuple:
+        """(q_start, q_end, k_start, k_end, kind), and the window where there is one."""
+        plain = (self.q_start, self.q_end, self.k_start, self.k_end, self.kind)
+        return plain if self.window is None else plain + (self.window,)
 
     def __str__(self) -> str:
-        return f"({self.q_start}, {self.q_end}, {self.k_start}, {self.k_end}, {self.kind!r})"
+        band = "" if self.window is None else f", {self.window}"
+        return (f"({self.q_start}, {self.q_end}, {self.k_start}, {self.k_end}, "
+                f"{self.kind!r}{band})")
 
     def cut(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> tuple[Slice, ...]:
         """The pairs this slice keeps of queries [q_lo, q_hi) x keys [k_lo, k_hi), as at most
         two slices whose every row sees a key and every key is seen: the rows that see only
         part of the keys (one causal slice, bottom-right aligned on the cut) and the rows
-        below them that see all (one full slice)."""
-        a, b = max(self.q_start, q_lo), min(self.q_end, q_hi)
-        c, e = max(self.k_start, k_lo), min(self.k_end, k_hi)
-        d = self.diagonal
-        if d is not None:
-            a = max(a, c - d)  # row i sees key c iff c <= i + d
-            e = min(e, b + d)  # key j is seen by row b - 1 iff j <= b - 1 + d
-        if a >= b or c >= e:
-            return ()
-        if d is None:
-            return (Slice(a, b, c, e, FULL),)
-        split = min(max(e - d, a), b)  # rows from here on see every key of [c, e)
-        parts = []
-        if split > a:
-            parts.append(Slice(a, split, c, e, CAUSAL))  # e - split == d: bottom-right
-        if split < b:
-            parts.append(Slice(split, b, c, e, FULL))
-        return tuple(parts)
+        below them that see all (one full slice); under a window that binds, one windowed
+        slice (a band, bottom-right aligned on the cut)."""
+        return pieces(max(self.q_start, q_lo), min(self.q_end, q_hi),
+                      max(self.k_start, k_lo), min(self.k_end, k_hi), *self.bounds)
+
+    def banded(self, lo: int | None, hi: int | None) -> tuple[Slice, ...]:
+        """The pairs this slice keeps with lo <= j - i <= hi besides (None: unbounded), as
+        `cut` gives them: a window laid on the slice's own rule."""
+        own_lo, own_hi = self.bounds
+        lo = own_lo if lo is None else lo if own_lo is None else max(lo, own_lo)
+        hi = own_hi if hi is None else hi if own_hi is None else min(hi, own_hi)
+        return pieces(self.q_start, self.q_end, self.k_start, self.k_end, lo, hi)
 
     @property
     def pairs(self) -> int:
@@ -75,19 +93,78 @@ class Slice:
         total = 0
         for part in self.cut(self.q_start, self.q_end, self.k_start, self.k_end):
             sq, sk = part.q_end - part.q_start, part.k_end - part.k_start
-            total += sq * sk - (sq * (sq - 1) // 2 if part.kind == CAUSAL else 0)
+            if part.window is not None:
+                total += _band_pairs(part.q_start, part.q_end, part.k_start, part.k_end,
+                                     *part.bounds)
+            else:
+                total += sq * sk - (sq * (sq - 1) // 2 if part.kind == CAUSAL else 0)
         return total
+
+
+def pieces(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None
+           ) -> tuple[Slice, ...]:
+    """The pairs of queries [a, b) x keys [c, e) with lo <= j - i <= hi (None: unbounded) as
+    at most two slices whose rows each see a key and keys are each seen (`Slice.cut`)."""
+    if lo is not None and hi is not None and lo > hi:
+        return ()
+    if hi is not None:
+        a = max(a, c - hi)  # row i sees key c iff c - i <= hi
+        e = min(e, b + hi)  # key j is seen by row b - 1 iff j - (b - 1) <= hi
+    if lo is not None:
+        b = min(b, e - lo)  # row i sees key e - 1 iff e - 1 - i >= lo
+        c = max(c, a + lo)  # key j is seen by row a iff j - a >= lo
+    if a >= b or c >= e:
+        return ()
+    if lo is not None and c - (b - 1) < lo:  # the lower bound binds: one band
+        d = e - b
+        right = -1 if hi is None or e - 1 - a <= hi else hi - d
+        return (Slice(a, b, c, e, FULL, (d - lo, right)),)
+    if hi is None or e - 1 - a <= hi:
+        return (Slice(a, b, c, e, FULL),)
+    split = min(max(e - hi, a), b)  # rows from here on see every key of [c, e)
+    parts = []
+    if split > a:
+        parts.append(Slice(a, split, c, e, CAUSAL))  # e - split == hi: bottom-right
+    if split < b:
+        parts.append(Slice(split, b, c, e, FULL))
+    return tuple(parts)
+
+
+def _band_pairs(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None) -> int:
+    """How many pairs of [a, b) x [c, e) have lo <= j - i <= hi, in closed form: the count
+    of row i, min(e - 1, i + hi) - max(c, i + lo) + 1, is linear between two break rows."""
+    def count(i: int) -> int:
+        first = c if lo is None else max(c, i + lo)
+        last = e - 1 if hi is None else min(e - 1, i + hi)
+        return max(0, last - first + 1)
+
+    cuts = sorted({a, b, *(x for x in (None if hi is None else e - 1 - hi,
+                                       None if lo is None else c - lo)
+                           if x is not None and a < x < b)})
+    total = 0
+    for start, stop in zip(cuts, cuts[1:]):  # count is linear on [start, stop)
+        n = stop - start
+        first, last = count(start), count(stop - 1)
+        if first > 0 and last > 0 or n == 1:
+            total += (first + last) * n // 2
+        else:  # it reaches 0 inside: add row by row where it is positive
+            total += sum(count(i) for i in range(start, stop))
+    return total
 
 
 def as_slice(item: object, index: int) -> Slice:
     """The checked `Slice` of item `index` of a slice list: a Slice or a tuple
-    (q_start, q_end, k_start, k_end, kind); ValueError naming it otherwise."""
+    (q_start, q_end, k_start, k_end, kind[, (left, right)]); ValueError naming it otherwise.
+    Written one way: a window that limits nothing is dropped, one of (-1, 0) is kind causal,
+    and a causal slice's window is a full slice's of right bound 0."""
     if isinstance(item, Slice):
         item = item.as_tuple
-    if not isinstance(item, (tuple, list)) or len(item) != 5:
+    if not isinstance(item, (tuple, list)) or len(item) not in (5, 6):
         raise ValueError(f"slice {index} {item!r} must be (q_start, q_end, k_start, k_end, "
-                         f"kind) with kind one of {KINDS}")
-    *bounds, kind = item
+                         f"kind) with kind one of {KINDS}, or with a window (left, right) "
+                         "after the kind")
+    bounds, kind = item[:4], item[4]
+    window = item[5] if len(item) == 6 else None
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in bounds):
         raise ValueError(f"slice {index} {tuple(item)!r}: its bounds must be ints")
     if kind not in KINDS:
@@ -96,7 +173,19 @@ def as_slice(item: object, index: int) -> Slice:
     if not (0 <= q_start < q_end and 0 <= k_start < k_end):
         raise ValueError(f"slice {index} {tuple(item)!r} must have 0 <= q_start < q_end and "
                          "0 <= k_start < k_end (no empty or negative range)")
-    return Slice(q_start, q_end, k_start, k_end, kind)
+    if window is not None:
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
+                           for w in window)):
+            raise ValueError(f"slice {index} {tuple(item)!r}: its window {window!r} must be a "
+                             "pair (left, right) of ints >= -1 (-1: unbounded)")
+        left, right = window
+        if kind == CAUSAL:
+            kind, right = FULL, 0
+        window = None if (left, right) == (-1, -1) else (left, right)
+        if window == (-1, 0):
+            kind, window = CAUSAL, None
+    return Slice(q_start, q_end, k_start, k_end, kind, window)
 
 
 @dataclass(frozen=True)

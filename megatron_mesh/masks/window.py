@@ -3,7 +3,8 @@ define it. Query i sees key j when i - left <= j <= i + right, -1 meaning unboun
 side; with a causal mask right is 0 (given as 0 or -1). Positions are global: the token's
 index in the whole sequence (dense zigzag layout) or within its document (packed documents).
 
-`Window` is the checked value (decided once per call); `token_positions` gives the global
+`Window` is the checked value (decided once per call); `windowed` lays it on a mask given
+as slices (a band on every slice: `Slice.banded`); `token_positions` gives the global
 positions of a rank's local rows, from which `layout.block_for` cuts each block's rows and
 tile mask.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .documents import Documents
+from .seen import band, keeps
+from .slices import SliceMask
 from .zigzag import held_pieces, zigzag_chunks
 
 
@@ -26,13 +29,22 @@ class Window:
 
     def sees(self, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         """[sq, sk] bool: key position kv_pos[j] inside query position q_pos[i]'s window."""
-        delta = kv_pos[None, :] - q_pos[:, None]  # j - i
-        seen = torch.ones(delta.shape, dtype=torch.bool)
-        if self.left >= 0:
-            seen &= delta >= -self.left
-        if self.right >= 0:
-            seen &= delta <= self.right
-        return seen
+        return keeps(band(self.left, self.right), q_pos[:, None], kv_pos[None, :])
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None]:
+        """(lo, hi): the window keeps key j of query i iff lo <= j - i <= hi (None: unbounded)."""
+        return (-self.left if self.left >= 0 else None,
+                self.right if self.right >= 0 else None)
+
+
+def windowed(mask: SliceMask, window: Window | None) -> SliceMask:
+    """`mask` with the window laid on every slice (positions are the slices'); `mask`
+    itself when there is no window."""
+    if window is None:
+        return mask
+    return SliceMask([part.as_tuple for s in mask.slices for part in s.banded(*window.bounds)],
+                     mask.seq_len)
 
 
 def window_of(window_size: tuple[int, int] | list[int] | None, causal: bool) -> Window | None:

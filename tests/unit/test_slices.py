@@ -14,7 +14,9 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.masks.block import BlockKind
 from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_split
+from megatron_mesh.masks.seen import sees
 from megatron_mesh.masks.slices import Slice, SliceMask
+from megatron_mesh.masks.window import Window, windowed
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_mesh"
@@ -22,20 +24,31 @@ PACKAGE = ROOT / "megatron_mesh"
 
 def dense(slices, seq: int) -> torch.Tensor:
     """[seq, seq] bool from the definition: query i sees key j iff a slice holds (i, j) and,
-    causal, j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start)."""
+    causal, j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start); with a
+    window (left, right), flash-attention's bottom-right band: -left <= (j - i) - (k_end -
+    q_end) <= right (-1: unbounded)."""
     i = torch.arange(seq)[:, None]
     j = torch.arange(seq)[None, :]
     seen = torch.zeros(seq, seq, dtype=torch.bool)
-    for q0, q1, k0, k1, kind in slices:
+    for q0, q1, k0, k1, kind, *window in slices:
         inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
         if kind == "causal":
             inside &= (j - k0) <= (i - q0) + (k1 - k0) - (q1 - q0)
+        if window:
+            left, right = window[0]
+            shift = (j - i) - (k1 - q1)
+            if left >= 0:
+                inside &= shift >= -left
+            if right >= 0:
+                inside &= shift <= right
         seen |= inside
     return seen
 
 
-def random_slices(seq: int, count: int, rng: random.Random) -> list[tuple]:
-    """Up to `count` random non-overlapping slices (rejection sampling)."""
+def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
+                  ) -> list[tuple]:
+    """Up to `count` random non-overlapping slices (rejection sampling); `windows`: some
+    with a window band (left, right)."""
     out: list[tuple] = []
     for _ in range(20 * count):
         if len(out) == count:
@@ -43,7 +56,9 @@ def random_slices(seq: int, count: int, rng: random.Random) -> list[tuple]:
         q0, k0 = rng.randrange(seq), rng.randrange(seq)
         q1, k1 = rng.randint(q0 + 1, min(seq, q0 + seq // 2)), rng.randint(k0 + 1, seq)
         s = (q0, q1, k0, k1, rng.choice(("full", "causal")))
-        if not any(a < q1 and q0 < b and c < k1 and k0 < d for a, b, c, d, _ in out):
+        if windows and rng.random() < 0.6:
+            s += ((rng.randint(-1, seq // 4), rng.randint(-1, seq // 4)),)
+        if not any(a < q1 and q0 < b and c < k1 and k0 < d for a, b, c, d, *_ in out):
             out.append(s)
     return out
 
@@ -66,6 +81,61 @@ def test_cut_keeps_exactly_the_pairs_of_the_definition():
             assert bool(block.any(1).all()) and bool(block.any(0).all()), (s, p)
         assert len(parts) <= 2 and torch.equal(got, want.long()), (s, (q_lo, q_hi, k_lo, k_hi))
         assert Slice(*s).pairs == int(dense([s], seq).sum())
+
+
+def test_windowed_slices_cut_keep_exactly_the_pairs_of_the_definition():
+    """A window band on a slice: written one way (the same pairs), cut into at most two
+    slices whose rows each see a key, banded further, and its pairs counted in closed form."""
+    rng = random.Random(1)
+    seq = 24
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    for _ in range(600):
+        s = random_slices(seq, 1, rng, windows=True)[0]
+        written = Slice(*s) if len(s) == 5 else SliceMask([s]).slices[0]
+        assert torch.equal(dense([written.as_tuple], seq), dense([s], seq)), (s, written)
+        assert written.window is None or (written.kind == "full"
+                                          and written.window not in ((-1, -1), (-1, 0)))
+        q_lo, k_lo = rng.randrange(seq), rng.randrange(seq)
+        q_hi, k_hi = rng.randint(q_lo + 1, seq), rng.randint(k_lo + 1, seq)
+        want = dense([s], seq)
+        want[:q_lo] = want[q_hi:] = False
+        want[:, :k_lo] = want[:, k_hi:] = False
+        got = torch.zeros(seq, seq, dtype=torch.int64)
+        parts = written.cut(q_lo, q_hi, k_lo, k_hi)
+        for p in parts:
+            got += dense([p.as_tuple], seq).long()
+            block = dense([p.as_tuple], seq)[p.q_start:p.q_end, p.k_start:p.k_end]
+            assert bool(block.any(1).all()) and bool(block.any(0).all()), (s, p)
+        assert len(parts) <= 2 and torch.equal(got, want.long()), (s, (q_lo, q_hi, k_lo, k_hi))
+        assert written.pairs == int(dense([s], seq).sum()), s
+        lo, hi = rng.choice([None, rng.randint(-9, 9)]), rng.choice([None, rng.randint(-9, 9)])
+        band = dense([s], seq)
+        if lo is not None:
+            band &= j - i >= lo
+        if hi is not None:
+            band &= j - i <= hi
+        got = sum((dense([p.as_tuple], seq).long() for p in written.banded(lo, hi)),
+                  torch.zeros(seq, seq, dtype=torch.int64))
+        assert torch.equal(got, band.long()), (s, lo, hi)
+
+
+def test_sees_is_the_definition_on_any_positions():
+    """`seen.sees` on query and key positions in any order, some outside every slice
+    (negative: padding), keys shared or each query's own."""
+    rng = random.Random(2)
+    seq = 32
+    for _ in range(60):
+        slices = random_slices(seq, 8, rng, windows=True)
+        mask = SliceMask(slices)
+        want = dense(slices, seq)
+        assert mask.pairs == int(want.sum())
+        q_pos, k_pos = torch.randperm(seq + 4) - 2, torch.randperm(seq + 4) - 2
+        inside = lambda p: (p >= 0) & (p < seq)  # noqa: E731
+        q, k = q_pos.clamp(0, seq - 1), k_pos.clamp(0, seq - 1)
+        expect = want[q[:, None], k[None, :]] & inside(q_pos)[:, None] & inside(k_pos)[None, :]
+        assert torch.equal(sees(mask, q_pos, k_pos), expect)
+        own = torch.stack([torch.randperm(seq) for _ in range(len(q_pos))])
+        assert torch.equal(sees(mask, q_pos, own), want[q[:, None], own] & inside(q_pos)[:, None])
 
 
 def test_prefix_lm_builder_is_the_three_slices():
@@ -94,6 +164,8 @@ def test_prefix_lm_builder_is_the_three_slices():
     ([(0, 4, -1, 4, "full")], "0 <= k_start"),
     ([(0, 4, 0, 4)], "must be (q_start, q_end, k_start, k_end, kind)"),
     ([(0, 4.0, 0, 4, "full")], "bounds must be ints"),
+    ([(0, 4, 0, 4, "full", (-2, 0))], "its window (-2, 0) must be a pair (left, right) of ints"),
+    ([(0, 4, 0, 4, "full", 3)], "its window 3 must be"),
     ("0, 4", "takes a list of slices"),
 ])
 def test_bad_slices_are_named(slices, words):
@@ -139,6 +211,9 @@ def _masks(seq: int) -> dict[str, list[tuple]]:
                                                                "full")],
         "unequal": [(0, seq // 2, seq // 4, seq, "causal"), (seq // 2, seq, 0, seq // 3, "full"),
                     (seq // 2 + 1, seq, seq // 3, seq - 2, "causal")],
+        "windowed": random_slices(seq, 12, rng, windows=True),
+        "sliding window": [(0, seq, 0, seq, "causal", (seq // 5, 0))],
+        "windowed documents": [s.as_tuple for s in windowed(SliceMask(docs), Window(3, 1)).slices],
     }
 
 
@@ -187,14 +262,14 @@ def test_blocks_hold_no_mask_of_their_size():
 # ---- a new mask kind is one file ----
 
 # The modules that say which (query, key) pairs a mask keeps. `slices.py` defines what a
-# slice means and `prefix.py` builds one mask kind from slices; the others code their mask
-# kinds' rules themselves.
+# slice means, `seen.py` evaluates it on positions, and the builders make each mask kind's
+# slices; the others still code their mask kinds' rules themselves.
 MASK_RULE_FILES = {
-    "masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/layout.py",
-    "masks/placed.py", "kernels/base.py", "inference/decode.py", "inference/packed.py",
+    "masks/slices.py", "masks/seen.py", "masks/prefix.py", "masks/window.py",
+    "masks/documents.py", "masks/layout.py", "masks/placed.py", "kernels/base.py",
 }
-# The modules that build slices: the mask kinds given as slices.
-SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py"}
+# The modules that build slices: every mask kind given as slices.
+SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -230,3 +305,41 @@ def test_the_prefix_lm_mask_is_one_file():
     plain = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for a in node.names}
     assert project == {"slices"} and not {n for n in plain if n.startswith("megatron_mesh")}
+
+
+# ---- every mask kind as slices, read by one rule ----
+
+def test_decode_masks_are_one_row_slices():
+    """A decode step's query sees its keys by its one-row causal slice (window or not): the
+    dense cache's `visible` and the packed cache's `PackedShard.visible` against `sees` on a
+    SliceMask of that slice, and against the rule written out (causal, window, no EMPTY)."""
+    from megatron_mesh.inference.cache import EMPTY
+    from megatron_mesh.inference.decode import visible
+    from megatron_mesh.inference.packed import PackedShard
+
+    gen = torch.Generator().manual_seed(3)
+    b, n = 5, 40
+    q_pos = torch.randint(0, 30, (b,), generator=gen)
+    k_pos = torch.randint(0, 36, (n, b), generator=gen)
+    k_pos[torch.rand(n, b, generator=gen) < 0.2] = EMPTY
+    for left in (None, -1, 0, 3):
+        got = visible(q_pos, k_pos, left)
+        k = k_pos.t()
+        want = (k != EMPTY) & (k <= q_pos[:, None])
+        if left is not None and left >= 0:
+            want &= k >= q_pos[:, None] - left
+        assert torch.equal(got, want), left
+        for row in range(b):
+            p = int(q_pos[row])
+            one = SliceMask([(p, p + 1, 0, p + 1, "causal", (-1 if left is None else left, -1))])
+            assert torch.equal(sees(one, q_pos[row:row + 1], k_pos[:, row]), got[row:row + 1])
+
+    shard = PackedShard(torch.zeros(n, 1, 2), torch.zeros(n, 1, 2),
+                        torch.randint(0, b, (n,), generator=gen), k_pos[:, 0].clone(), b, n, 1, n)
+    for left in (None, 2):
+        got = shard.visible(q_pos, left)
+        want = ((shard.seq[None, :] == torch.arange(b)[:, None]) & (shard.pos[None, :] != EMPTY)
+                & (shard.pos[None, :] <= q_pos[:, None]))
+        if left is not None:
+            want &= shard.pos[None, :] >= q_pos[:, None] - left
+        assert torch.equal(got, want), left
