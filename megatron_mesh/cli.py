@@ -14,6 +14,7 @@ from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.gpu_profile import GPU_PROFILES, load_profile
 from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, inference_report
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
+from megatron_mesh.planner.length_histogram import LengthHistogram
 from megatron_mesh.planner.model_report import format_model, model_to_dict
 from megatron_mesh.planner.placed import PLACEMENT_FLAG, lognormal_lengths, price_placement
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
@@ -127,10 +128,12 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       "document placement (documents whole on ranks, the driver's default)")
     docs.add_argument("--doc-lengths", metavar="L1,L2,...",
                       help="packed documents of these lengths (summing to --seq-length)")
-    docs.add_argument("--doc-length-dist", metavar="lognormal:MEDIAN:MAX[:SEED]",
+    docs.add_argument("--doc-length-dist",
+                      metavar="lognormal:MEDIAN:MAX[:SEED] | histogram:FILE[:SEED]",
                       help="packed documents drawn from a log-normal of median MEDIAN (sigma "
-                      "1), clipped to [1, MAX], filling --seq-length (the last one cut to "
-                      "fit); deterministic from SEED (default 0)")
+                      "1), clipped to [1, MAX], or from a corpus's length histogram (the "
+                      "FILE python -m megatron_mesh.preprocess writes), filling --seq-length "
+                      "(the last one cut to fit); deterministic from SEED (default 0)")
     p.add_argument("--window-size", metavar="L[,R]",
                    help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; R "
                    "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
@@ -229,7 +232,10 @@ def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 def _length_dist(parser: argparse.ArgumentParser, text: str, seq_length: int
                  ) -> tuple[int, ...]:
-    """--doc-length-dist lognormal:MEDIAN:MAX[:SEED] as lengths; exits 2 naming the value."""
+    """--doc-length-dist lognormal:MEDIAN:MAX[:SEED] or histogram:FILE[:SEED] as lengths;
+    exits 2 naming the value."""
+    if text.startswith("histogram:"):
+        return _histogram_lengths(parser, text.removeprefix("histogram:"), seq_length)
     fields = text.split(":")
     usage = (f"--doc-length-dist {text!r}: give lognormal:MEDIAN:MAX[:SEED] with integers "
              "1 <= MEDIAN <= MAX and SEED >= 0")
@@ -242,6 +248,20 @@ def _length_dist(parser: argparse.ArgumentParser, text: str, seq_length: int
     if not 1 <= median <= longest or (seed and seed[0] < 0):
         parser.error(usage)
     return lognormal_lengths(seq_length, median, longest, seed[0] if seed else 0)
+
+
+def _histogram_lengths(parser: argparse.ArgumentParser, text: str, seq_length: int
+                       ) -> tuple[int, ...]:
+    """histogram:FILE[:SEED]: lengths drawn from the file's histogram (a path may hold ':',
+    so a last ':N' is the seed only when FILE:N is not a file)."""
+    path, seed = text, 0
+    head, _, tail = text.rpartition(":")
+    if head and tail.isdigit() and not os.path.exists(text):
+        path, seed = head, int(tail)
+    try:
+        return LengthHistogram.read(path).draw(seq_length, seed)
+    except ValueError as e:
+        parser.error(f"--doc-length-dist histogram:{text}: {e}")
 
 
 def _window(args: argparse.Namespace) -> tuple[Window | None, LayerMix | None]:

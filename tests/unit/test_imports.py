@@ -182,7 +182,8 @@ def test_models_planner_and_masks_import_no_torch_distributed(folder):
         assert not {n for n in names if n.startswith("torch.distributed")}, (module, names)
 
 
-TOP_LEVEL = {"attention", "values", "dtypes", "cli", "pretrain_gpt", "generate", "masks",
+TOP_LEVEL = {"attention", "values", "dtypes", "cli", "pretrain_gpt", "generate", "preprocess",
+             "masks",
              "schedules", "models", "runtime", "kernels", "inference", "planner", "emulation",
              "megatron", "training"}
 
