@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from .checks import check_inputs
 from .dtypes import GradDtypes
 from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
 from .masks.document_placement import DocumentPlacement
@@ -36,7 +37,6 @@ from .models.plan import resolve_plan
 from .models.traffic import mesh_traffic
 from .runtime import agreement, heads
 from .runtime.agreement import CallSignature
-from .runtime.checks import check_inputs
 from .runtime.grid import MeshGrid
 from .schedules import gathered, streamed_kv, streamed_q, windowed
 from .schedules.delta import attention_delta

@@ -21,8 +21,9 @@ import time
 
 import torch
 
+from megatron_mesh.common.tile_mask import Segments, TileMask
 from megatron_mesh.dtypes import DTYPE_NAMES
-from megatron_mesh.kernels.base import Segments, TileMask, check_call
+from megatron_mesh.kernels.base import check_call
 from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.masks.document_placement import run_pairs
 from megatron_mesh.planner.gpu_profile import GpuProfile

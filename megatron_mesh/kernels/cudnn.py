@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, TileMask, check_call
+from ..common.tile_mask import Segments, TileMask
+from .base import check_call
 from .caps import KernelCaps
 from .choice import DeviceFacts, cudnn_unsupported
 from .torch_flash import sbhd, sum_kv_grad

@@ -30,7 +30,8 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from .base import Segments, TileMask, check_call, log_once
+from ..common.tile_mask import Segments, TileMask
+from .base import check_call, log_once
 from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
 from .torch_flash import TorchFlashKernel

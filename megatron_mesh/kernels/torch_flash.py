@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segments, TileMask, check_call, dense_last_dim
+from ..common.tile_mask import Segments, TileMask
+from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import Segments, TileMask
+from ..common.tile_mask import Segments, TileMask
 
 
 class BlockKind(enum.Enum):

@@ -188,6 +188,12 @@ class DocumentPlacement:
         """Hashable; equal iff the placements are equal (for the ranks' agreement check)."""
         return (self.cp_size, self.lengths, self.runs)
 
+    def heads_order(self, cp_size: int, heads: int) -> None:
+        """After the heads all-to-all a rank holds its A group members' rows one after
+        another, which is the order the mesh takes a placement's rows in
+        (`placed.mesh_placement`): None, nothing to reorder (`Documents.heads_order`)."""
+        return None
+
     def agreement_key(self) -> int:
         """A number every rank of a group shares when they pass the same placement."""
         return self._hash & 0x7FFF_FFFF_FFFF_FFFF  # ints only: the same in every process

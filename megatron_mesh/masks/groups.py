@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import Segments, TileMask
+from ..common.tile_mask import Segments, TileMask
 from .block import Block
 
 

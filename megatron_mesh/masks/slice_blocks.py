@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.base import TileMask
-from ..runtime.caches import per_documents
+from ..common.caches import per_documents
+from ..common.tile_mask import TileMask
 from .block import Block, BlockKind
 from .slices import CAUSAL, Slice, SliceMask
 from .zigzag import held_pieces

@@ -21,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
+from megatron_mesh.checks import check_options
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
@@ -39,7 +40,6 @@ from megatron_mesh.megatron.sink import (
     offset_sharded_state_dict,
 )
 from megatron_mesh.runtime import agreement
-from megatron_mesh.runtime.checks import check_options
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}

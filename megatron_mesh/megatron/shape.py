@@ -10,9 +10,9 @@ import os
 import re
 from typing import Mapping
 
+from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.search import grid_key
-from megatron_mesh.runtime.checks import check_zigzag_divisible
 from megatron_mesh.values import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,

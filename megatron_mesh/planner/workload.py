@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mesh.masks.window import Window, window_of
+from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner.windows import kept_pairs
-from megatron_mesh.runtime.checks import check_zigzag_divisible
 from megatron_mesh.values import (
     BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,

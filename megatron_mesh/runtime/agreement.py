@@ -30,15 +30,34 @@ from typing import Any, ClassVar, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from ..masks.document_placement import DocumentPlacement
-from ..masks.documents import Documents
-from ..masks.slices import SliceMask
 from .grid import MeshGrid
 
 # what every rank of a CP group must pass alike, as named in the messages
 FIELDS = ("shapes", "documents", "causal", "softmax_scale", "schedule", "grad_reduce_dtype",
           "window_size", "window_exchange", "grid", "softmax_offset", "backward", "mask")
 _DIGEST_MASK = 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Agreed(Protocol):
+    """A value the ranks compare by a digest every process computes alike (the masks:
+    `Documents`, `DocumentPlacement`, `SliceMask`)."""
+
+    def agreement_key(self) -> int: ...
+
+
+class DocumentsValue(Agreed, Protocol):
+    """A call's documents as the messages name them: `Documents` or `DocumentPlacement`."""
+
+    lengths: tuple[int, ...]
+
+    @property
+    def total(self) -> int: ...
+
+
+class MaskValue(Agreed, Protocol):
+    """A mask given as slices (`masks/slices.py`: `SliceMask`)."""
+
+    def text(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +69,7 @@ class CallSignature:
     k: tuple[int, ...]  # [s, b, hkv, d]
     dv: int  # V's head dim
     dtype: torch.dtype
-    documents: Documents | DocumentPlacement | None  # THD documents or placed ones
+    documents: DocumentsValue | None  # THD documents or placed ones
     causal: bool
     softmax_scale: float
     schedule: str  # the plan's (resolved) schedule
@@ -60,7 +79,7 @@ class CallSignature:
     grid: tuple[int, int, int]  # (A, R, C)
     sink: bool = False  # a softmax_offset is passed (its values are a replicated parameter)
     backward: bool = False  # autograd records the call: its backward's collectives will run
-    mask: SliceMask | None = None  # a mask given as slices (`slices.py`)
+    mask: MaskValue | None = None  # a mask given as slices (`masks/slices.py`)
     SUBJECT: ClassVar[str] = "mesh attention"  # what the ranks pass arguments to, in messages
     SAME: ClassVar[str] = ("the same shapes, dtype, cu_seqlens, causal, softmax_scale, "
                            "schedule, grad_reduce_dtype, window_size, window_exchange and mask")
@@ -102,7 +121,7 @@ class CallSignature:
         }
 
 
-def _documents_text(documents: Documents, shown: int = 6) -> str:
+def _documents_text(documents: DocumentsValue, shown: int = 6) -> str:
     cu = [0]
     for n in documents.lengths:
         cu.append(cu[-1] + n)

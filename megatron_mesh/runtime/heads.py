@@ -22,16 +22,23 @@ first collective that needs them, and the repeated bytes travel (`values.kv_repe
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from ..masks.document_placement import DocumentPlacement
-from ..masks.documents import Documents
 from ..values import HEADS, kv_repeats
 from . import comm
 from .flat import flat_size, views
 from .grid import MeshGrid
+
+
+class Documents(Protocol):
+    """Packed documents as the heads all-to-all lays them out (`masks/`: `Documents`, the
+    THD layout; `DocumentPlacement`, placed rows)."""
+
+    def heads_order(self, cp_size: int, heads: int) -> tuple[int, ...] | None:
+        """The order (indices into the A t received rows) the mesh takes them in; None:
+        as received."""
 
 
 def heads_to_sequence(xs: Sequence[torch.Tensor], grid: MeshGrid, phase: comm.Phase,
@@ -83,12 +90,13 @@ def _to_sequence(got: torch.Tensor, out: torch.Tensor, grid: MeshGrid,
     out [A s, b, hs, d] as the mesh takes them: plain, the zigzag of P/A (first halves in
     rank order, second halves reversed); packed documents (b = 1), the THD layout of P/A
     (`Documents.heads_order`); placed (`DocumentPlacement`), the members' rows one after
-    another (`placed.mesh_placement`)."""
+    another (`placed.mesh_placement`: no order, as received)."""
     a, s = got.shape[:2]
-    if isinstance(documents, DocumentPlacement):
+    where = None if documents is None else _heads_positions(documents, grid, out.device)
+    if documents is not None and where is None:
         out.view(got.shape).copy_(got)
-    elif documents is not None:
-        where = _heads_positions(documents, grid, out.device).view(a, s)
+    elif where is not None:
+        where = where.view(a, s)
         for i in range(a):
             out.index_copy_(0, where[i], got[i])
     else:
@@ -104,10 +112,11 @@ def _to_pieces(y: torch.Tensor, pieces: torch.Tensor, grid: MeshGrid,
     """Before the send, the inverse of `_to_sequence`: y [A s, b, hs, d] -> pieces
     [A, s, b, hs, d] (piece a': rank a''s tokens)."""
     a, s = pieces.shape[:2]
-    if isinstance(documents, DocumentPlacement):
+    where = None if documents is None else _heads_positions(documents, grid, y.device)
+    if documents is not None and where is None:
         pieces.copy_(y.reshape(pieces.shape))
-    elif documents is not None:
-        where = _heads_positions(documents, grid, y.device).view(a, s)
+    elif where is not None:
+        where = where.view(a, s)
         for i in range(a):
             torch.index_select(y, 0, where[i], out=pieces[i])
     else:
@@ -166,8 +175,10 @@ def gather_heads(out: torch.Tensor, grid: MeshGrid, documents: Documents | None 
 
 @functools.lru_cache(maxsize=8)  # one per micro-batch's documents and grid
 def _heads_positions_on(documents: Documents, cp_size: int, heads: int,
-                        device: torch.device) -> torch.Tensor:
+                        device: torch.device) -> torch.Tensor | None:
     order = documents.heads_order(cp_size, heads)
+    if order is None:
+        return None
     positions = [0] * len(order)
     for position, row in enumerate(order):
         positions[row] = position
@@ -175,7 +186,8 @@ def _heads_positions_on(documents: Documents, cp_size: int, heads: int,
 
 
 def _heads_positions(documents: Documents, grid: MeshGrid, device: torch.device
-                     ) -> torch.Tensor:
+                     ) -> torch.Tensor | None:
     """Where each of the A t received rows goes in the THD layout of P/A (the inverse of
-    `Documents.heads_order` for this grid), an index tensor on `device`, made once."""
+    `Documents.heads_order` for this grid), an index tensor on `device`, made once; None
+    where the rows stay as received."""
     return _heads_positions_on(documents, grid.cp_size, grid.heads, device)

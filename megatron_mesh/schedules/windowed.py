@@ -18,6 +18,7 @@ from fractions import Fraction
 
 import torch
 
+from ..common.caches import per_documents
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..masks.document_placement import DocumentPlacement
@@ -27,7 +28,6 @@ from ..masks.window import window_of
 from ..models.memory import extra_memory
 from ..models.traffic import Traffic
 from ..runtime import comm
-from ..runtime.caches import per_documents
 from ..runtime.grid import MeshGrid
 from ..values import (
     COLUMN,

@@ -10,8 +10,8 @@ import warnings
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.common import caches
 from megatron_mesh.masks.documents import Documents, thd_split
-from megatron_mesh.runtime import caches
 
 from dist_utils import run_distributed
 

@@ -161,7 +161,7 @@ def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
 
 def test_emulated_kernel_prices_varlen_tiles_by_in_document_pairs() -> None:
     """A tile of packed documents (Segments) costs its in-document pairs only, not sq x sk."""
-    from megatron_mesh.kernels.base import Segments
+    from megatron_mesh.common.tile_mask import Segments
     rate = 1e15  # fast: the price is read from kernel.seconds
     q = torch.zeros(100, 1, 4, 8)
     segs = Segments.build((0, 30, 100), (0, 30, 100), torch.device("cpu"))

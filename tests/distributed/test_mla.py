@@ -102,7 +102,7 @@ def test_mla_head_dims_exact_on_every_grid(cp_size: int) -> None:
 def test_cuda_calls_take_v_head_dim_on_meta(dtype: torch.dtype, packed: bool) -> None:
     """The CUDA calls (flash, dense or variable-length, with V padded; memory-efficient with
     V's own head dim) run on meta tensors and give out and dv of V's head dim."""
-    from megatron_mesh.kernels.base import Segments
+    from megatron_mesh.common.tile_mask import Segments
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel, padded_head_dim
 
     meta = torch.device("meta")

@@ -278,7 +278,7 @@ def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> N
     """The CUDA calls of a windowed tile run on meta tensors: flash with the band's own
     window (fp16 / bf16), else the memory-efficient op with the additive bias (a band's
     made on the device; an explicit mask's); V of its own head dim too."""
-    from megatron_mesh.kernels.base import TileMask
+    from megatron_mesh.common.tile_mask import TileMask
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
     from megatron_mesh.masks.window import Window
 
@@ -362,7 +362,7 @@ def test_tall_window_shares_on_meta() -> None:
 def test_band_mask_counts_and_draws_the_same_pairs() -> None:
     """A band's closed-form pair count equals its drawn mask's; its additive form is 0
     exactly where it sees."""
-    from megatron_mesh.kernels.base import TileMask
+    from megatron_mesh.common.tile_mask import TileMask
 
     for sq, sk in ((5, 5), (3, 9), (9, 3), (1, 7)):
         for left in (-1, 0, 1, 4, 20):

@@ -138,16 +138,17 @@ def test_layers_import_only_what_is_below(module, allowed):
 
 
 # folder -> folders (and top-level modules) of the package it must never import: the layers
-# in the order data flows (masks -> schedules -> attention), the models beside them
+# in the order data flows (masks -> schedules -> attention), the models beside them; masks,
+# kernels and runtime side by side, sharing only the leaf common/
+ABOVE = {"schedules", "checks", "attention", "inference", "planner", "emulation", "megatron",
+         "training"}
 NEVER = {
-    "masks": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
-              "training"},
-    "kernels": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
-                "training"},
+    "common": ABOVE | {"masks", "kernels", "runtime", "models"},
+    "masks": ABOVE | {"kernels", "runtime"},
+    "kernels": ABOVE | {"masks", "runtime"},
     "models": {"masks", "schedules", "runtime", "kernels", "attention", "inference",
                "megatron", "training"},
-    "runtime": {"schedules", "attention", "inference", "planner", "emulation", "megatron",
-                "training"},
+    "runtime": ABOVE | {"masks", "kernels"},
     "schedules": {"attention", "inference", "planner", "megatron", "training"},
     "planner": {"inference", "megatron", "training"},
     "emulation": {"megatron", "training"},
@@ -182,10 +183,9 @@ def test_models_planner_and_masks_import_no_torch_distributed(folder):
         assert not {n for n in names if n.startswith("torch.distributed")}, (module, names)
 
 
-TOP_LEVEL = {"attention", "values", "dtypes", "cli", "pretrain_gpt", "generate", "preprocess",
-             "masks",
-             "schedules", "models", "runtime", "kernels", "inference", "planner", "emulation",
-             "megatron", "training"}
+TOP_LEVEL = {"attention", "checks", "values", "dtypes", "cli", "pretrain_gpt", "generate",
+             "preprocess", "masks", "schedules", "models", "runtime", "kernels", "inference",
+             "planner", "emulation", "megatron", "training", "common"}
 
 
 def test_every_algorithm_module_sits_in_a_layer_folder():

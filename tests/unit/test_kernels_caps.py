@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.attention import window_backend
+from megatron_mesh.common.tile_mask import Segments, TileMask
 from megatron_mesh.emulation import EmulatedKernel
 from megatron_mesh.kernels import (
     WINDOWS,
@@ -23,7 +24,6 @@ from megatron_mesh.kernels import (
     backend_for,
     get_kernel,
 )
-from megatron_mesh.kernels.base import Segments, TileMask
 from megatron_mesh.kernels.caps import NAMES, WHAT
 
 CPU, META = torch.device("cpu"), torch.device("meta")

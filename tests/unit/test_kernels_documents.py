@@ -19,6 +19,7 @@ import pytest
 import torch
 from te_releases import ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
+from megatron_mesh.common.tile_mask import Segments
 from megatron_mesh.kernels import (
     Choice,
     TorchFlashKernel,
@@ -26,7 +27,6 @@ from megatron_mesh.kernels import (
     get_kernel,
     te_fused,
 )
-from megatron_mesh.kernels.base import Segments
 from megatron_mesh.kernels.te_fused import (
     TEFusedKernel,
     lse_from_te,

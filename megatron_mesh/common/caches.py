@@ -2,14 +2,16 @@
 
 The blocks of packed documents (index tensors, segments, sliding-window masks on the tiles'
 device) depend on the micro-batch's documents, and a run sees new documents every
-micro-batch. `per_documents` keeps such entries for the last `KEEP_DOCUMENTS` Documents
+micro-batch. `per_documents` keeps such entries for the last `KEEP_DOCUMENTS` documents
 values only (one micro-batch's blocks are reused by every layer, forward and backward, and
 pipeline schedules keep a few micro-batches in flight) and drops every entry of an older
-one together; a backward that finds its micro-batch dropped makes its blocks again (the
-same values). Entries without documents depend on shapes only and sit in an LRU of
-`dense_size`. `held_bytes` counts what the caches hold (tensors by storage, tuples of ints
-at 8 bytes an element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a
-band's additive mask: shapes vary with the documents, and one can be hundreds of MiB).
+one together (a documents value: any hashable value that names what a micro-batch's
+blocks depend on, its documents, their placement or its mask); a backward that finds its
+micro-batch dropped makes its blocks again (the same values). Entries without documents
+depend on shapes only and sit in an LRU of `dense_size`. `held_bytes` counts what the
+caches hold (tensors by storage, tuples of ints at 8 bytes an element). `BytesLRU` bounds a
+per-shape cache of tensors by bytes (a band's additive mask: shapes vary with the
+documents, and one can be hundreds of MiB).
 """
 from __future__ import annotations
 
@@ -20,22 +22,20 @@ from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from ..masks.documents import Documents
-
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
 _CACHES: list[PerDocuments | BytesLRU] = []
 
 
 class PerDocuments:
-    """Memoizes fn(*args) (hashable args): entries of the last `keep` Documents values that
+    """Memoizes fn(*args) (hashable args): entries of the last `keep` documents values that
     `documents_of(*args)` names, and an LRU of `dense_size` entries where it names None."""
 
-    def __init__(self, fn: Callable, documents_of: Callable[..., Documents | None],
+    def __init__(self, fn: Callable, documents_of: Callable[..., Hashable | None],
                  keep: int = KEEP_DOCUMENTS, dense_size: int = 4096) -> None:
         functools.update_wrapper(self, fn)
         self.fn, self.documents_of = fn, documents_of
         self.keep, self.dense_size = keep, dense_size
-        self.by_documents: OrderedDict[Documents, dict[Hashable, Any]] = OrderedDict()
+        self.by_documents: OrderedDict[Hashable, dict[Hashable, Any]] = OrderedDict()
         self.dense: OrderedDict[Hashable, Any] = OrderedDict()
         _CACHES.append(self)
 
@@ -103,7 +103,7 @@ class BytesLRU:
         yield from self.entries.values()
 
 
-def per_documents(documents_of: Callable[..., Documents | None], keep: int = KEEP_DOCUMENTS,
+def per_documents(documents_of: Callable[..., Hashable | None], keep: int = KEEP_DOCUMENTS,
                   dense_size: int = 4096) -> Callable[[Callable], PerDocuments]:
     """Decorator form of `PerDocuments`."""
     return lambda fn: PerDocuments(fn, documents_of, keep, dense_size)

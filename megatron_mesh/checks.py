@@ -1,28 +1,18 @@
-"""Input validation for mesh attention: every check is local (no collective). A call's
-rejection reaches every rank of its grid through `agreement.refuse`, and whether the ranks
-pass the same arguments is `agreement.agree`'s."""
+"""The checks of `mesh_attention`'s arguments: every check is local (no collective). A
+call's rejection reaches every rank of its grid through `runtime.agreement.refuse`, and
+whether the ranks pass the same arguments is `runtime.agreement.agree`'s."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from ..kernels import check_backend
-from ..values import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
-from .grid import MeshGrid
+from .kernels import check_backend
+from .masks.zigzag import check_zigzag_divisible
+from .runtime.grid import MeshGrid
+from .values import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_zigzag_divisible(seq_length: int, cp_size: int, what: str = "sequence length",
-                           ranks: str = "CP", single_rank: bool = False) -> None:
-    """ValueError unless the zigzag layout can cut seq_length into 2 * cp_size equal chunks
-    (the one home of this check; `what` and `ranks` name the caller's flags). A group of
-    one rank splits nothing and passes, unless `single_rank` asks for the two chunks anyway."""
-    if (cp_size > 1 or single_rank) and (seq_length < 1 or seq_length % (2 * cp_size)):
-        raise ValueError(
-            f"{what} {seq_length} must be divisible by 2 * {ranks} = {2 * cp_size} (the zigzag "
-            f"layout gives each of the {cp_size} ranks 2 of {2 * cp_size} equal chunks)")
 
 
 def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
