@@ -11,16 +11,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..common.caches import per_documents
-from ..common.tile_mask import Segments, TileMask
+from ..kernels.base import Segments, TileMask
+from ..runtime.caches import per_documents
+from ..runtime.checks import check_zigzag_divisible
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .placed import placed_block, positions
+from .placed import placed_block, placed_slices, positions
+from .seen import sees
 from .slice_blocks import slice_block
-from .slices import SliceMask
-from .window import Window, token_positions
-from .zigzag import check_zigzag_divisible, held_pieces, zigzag_chunks
+from .slices import CAUSAL, FULL, SliceMask
+from .window import Window, token_positions, windowed
+from .zigzag import held_pieces, zigzag_chunks
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -112,23 +114,48 @@ def _documents_block(documents: Documents, ranks: int, q_rank: int, kv_rank: int
 
 def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
     """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
-    kv_rank under `mask` (causal, documents and window on global positions)."""
-    pos_q, doc_q = _positions(mask, q_rank, local_len)
-    pos_k, doc_k = _positions(mask, kv_rank, local_len)
-    seen = (doc_q[:, None] == doc_k[None, :]) & (doc_q[:, None] >= 0)
-    if mask.causal:
-        seen &= pos_k[None, :] <= pos_q[:, None]
-    if mask.window is not None:
-        seen &= mask.window.sees(pos_q, pos_k)
-    return seen
+    kv_rank under `mask`: its slices (`mask_slices`) read on the rows' positions."""
+    return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
+                global_positions(mask, kv_rank, local_len))
 
 
-def _positions(mask: AttentionMask, rank: int, local_len: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position, document) int64 [local_len] of `rank`'s rows under `mask`."""
+def sequence_slices(seq_len: int, causal: bool) -> SliceMask:
+    """The mask of one dense sequence of `seq_len` tokens as slices: one, causal or full."""
+    return SliceMask([(0, seq_len, 0, seq_len, CAUSAL if causal else FULL)], seq_len)
+
+
+# the last few micro-batches' masks with documents, per shape without (`caches.py`)
+@per_documents(lambda mask, *_: mask.packing)
+def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
+    """`mask` on shares of `local_len` rows as slices over the whole sequence's positions
+    (`global_positions`), whatever its kind: its builder's slices (a dense sequence, THD
+    documents, placed documents, or the slices given), with the window laid on them."""
+    if mask.slices is not None:
+        return mask.slices
     if mask.placement is not None:
-        return positions(mask.placement, rank)
-    return token_positions(mask.ranks, rank, local_len, mask.documents)
+        base = placed_slices(mask.placement, mask.causal)
+    elif mask.documents is not None:
+        base = mask.documents.slices(mask.causal)
+    else:
+        base = sequence_slices(local_len * mask.ranks, mask.causal)
+    return windowed(base, mask.window)
+
+
+def global_positions(mask: AttentionMask, rank: int, local_len: int) -> torch.Tensor:
+    """int64 [local_len]: the position in the whole sequence of each of `rank`'s rows under
+    `mask` (the packed sequence's for documents, padded for THD), -1 on padding."""
+    if mask.placement is not None:
+        pos, doc = positions(mask.placement, rank)
+        starts = torch.tensor((0, *mask.placement.lengths[:-1])).cumsum(0)
+        return starts[doc] + pos
+    if mask.slices is not None:
+        pos, _ = token_positions(mask.ranks, rank, local_len)
+        return pos
+    pos, doc = token_positions(mask.ranks, rank, local_len, mask.documents)
+    if mask.documents is None:
+        return pos
+    starts = torch.tensor(mask.documents.cu_padded)
+    return torch.where(doc >= 0, starts[doc.clamp(min=0)] + pos, -1)
 
 
 # A block under a window whose shares hold at most this many rows is one kernel call over

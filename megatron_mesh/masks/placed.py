@@ -21,11 +21,12 @@ from dataclasses import replace
 
 import torch
 
-from ..common.caches import per_documents
-from ..common.tile_mask import Segments
+from ..kernels.base import Segments
+from ..runtime.caches import per_documents
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
+from .slices import CAUSAL, FULL, SliceMask
 
 
 @per_documents(lambda placement, *_: placement)  # made once per micro-batch and grid
@@ -40,6 +41,17 @@ def mesh_placement(placement: DocumentPlacement, heads: int) -> DocumentPlacemen
                        for run in member) for m in range(mesh))
     groups = tuple(tuple(sorted({r // heads for r in group})) for group in placement.groups)
     return DocumentPlacement(mesh, placement.lengths, runs, groups)
+
+
+def placed_slices(placement: DocumentPlacement, causal: bool) -> SliceMask:
+    """The mask of placed documents as slices over the packed sequence's positions (the
+    documents back to back, unpadded): one per document, causal where `causal`; where each
+    token sits decides nothing here (`positions`)."""
+    kind, start, slices = CAUSAL if causal else FULL, 0, []
+    for n in placement.lengths:
+        slices.append((start, start + n, start, start + n, kind))
+        start += n
+    return SliceMask(slices, start)
 
 
 def positions(placement: DocumentPlacement, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -269,7 +269,8 @@ MASK_RULE_FILES = {
     "masks/documents.py", "masks/layout.py", "masks/placed.py", "kernels/base.py",
 }
 # The modules that build slices: every mask kind given as slices.
-SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py"}
+SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
+                  "masks/layout.py", "masks/placed.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -343,3 +344,59 @@ def test_decode_masks_are_one_row_slices():
         if left is not None:
             want &= shard.pos[None, :] >= q_pos[:, None] - left
         assert torch.equal(got, want), left
+
+
+def _pairs_by_definition(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
+    """[local_len, local_len] bool from each row's (position in its document, document):
+    the same document (not padding), causal on positions, the window on positions."""
+    from megatron_mesh.masks.placed import positions
+    from megatron_mesh.masks.window import token_positions
+
+    def rows(rank):
+        if mask.placement is not None:
+            return positions(mask.placement, rank)
+        return token_positions(mask.ranks, rank, local_len, mask.documents)
+
+    (pq, dq), (pk, dk) = rows(q_rank), rows(kv_rank)
+    seen = (dq[:, None] == dk[None, :]) & (dq[:, None] >= 0)
+    delta = pk[None, :] - pq[:, None]
+    if mask.causal:
+        seen &= delta <= 0
+    if mask.window is not None:
+        if mask.window.left >= 0:
+            seen &= delta >= -mask.window.left
+        if mask.window.right >= 0:
+            seen &= delta <= mask.window.right
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["dense", "documents", "placed"])
+def test_every_mask_kind_is_its_slices(kind):
+    """The dense zigzag, THD documents (padded) and placed documents, with and without a
+    window: `layout.block_pairs` (their slices, `mask_slices`, read by `seen.sees` on the
+    rows' positions) keeps the pairs of the definition on every block."""
+    from megatron_mesh.masks.document_placement import place_documents
+    from megatron_mesh.masks.documents import Documents
+    from megatron_mesh.masks.layout import block_pairs, mask_slices
+
+    ranks = 4
+    cu = [0, 40, 56, 120, 128, 200, 256]
+    windows = [None, Window(5, 0), Window(0, 0), Window(3, 4), Window(-1, 2)]
+    for window in windows:
+        for causal in ((True, False) if window is None or window.right <= 0 else (False,)):
+            if kind == "dense":
+                mask, local = AttentionMask(causal, ranks=ranks, window=window), 64
+            elif kind == "documents":
+                padded = [0, 48, 64, 128, 136, 208, 256]  # multiples of 2P = 8
+                actual = [0, 43, 59, 116, 121, 191, 232]  # 43, 16, 57, 5, 70, 41 tokens
+                docs = Documents.from_cu_seqlens(actual, padded)
+                mask, local = AttentionMask(causal, docs, ranks, window), 64
+            else:
+                placement = place_documents(cu, ranks)
+                mask = AttentionMask(causal, ranks=ranks, window=window, placement=placement)
+                local = placement.local_tokens
+            assert len(mask_slices(mask, local)) >= 1
+            for x in range(ranks):
+                for y in range(ranks):
+                    want = _pairs_by_definition(mask, x, y, local)
+                    assert torch.equal(block_pairs(mask, x, y, local), want), (kind, window, x, y)
