@@ -11,9 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..kernels.base import Segments, TileMask
-from ..runtime.caches import per_documents
-from ..runtime.checks import check_zigzag_divisible
+from ..common.caches import per_documents
+from ..common.tile_mask import Segments, TileMask
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
@@ -22,7 +21,7 @@ from .seen import sees
 from .slice_blocks import slice_block
 from .slices import CAUSAL, FULL, SliceMask
 from .window import Window, token_positions, windowed
-from .zigzag import held_pieces, zigzag_chunks
+from .zigzag import check_zigzag_divisible, held_pieces, zigzag_chunks
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from ..kernels.base import Segments
-from ..runtime.caches import per_documents
+from ..common.caches import per_documents
+from ..common.tile_mask import Segments
 from .block import Block, BlockKind, as_rows, band_tile, block_kind
 from .document_placement import DocumentPlacement
 from .documents import Documents
