@@ -54,8 +54,7 @@ class Segments:
             pos_q = torch.arange(self.cu_q[-1]) - start_q[docs_q]
             pos_kv = torch.arange(self.cu_kv[-1]) - start_kv[docs_kv]
             seen &= pos_kv[None, :] <= pos_q[:, None]
-        mask = torch.zeros(seen.shape, dtype=torch.float32)
-        return mask.masked_fill_(~seen, float("-inf")).to(device)
+        return additive(seen).to(device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,8 +81,7 @@ class TileMask:
 
     @classmethod
     def explicit(cls, seen: torch.Tensor, device: torch.device) -> TileMask:
-        bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))
-        return cls(tuple(seen.shape), None, seen, bias.to(device))
+        return cls(tuple(seen.shape), None, seen, additive(seen).to(device))
 
     @property
     def seen(self) -> torch.Tensor:
@@ -136,5 +134,11 @@ def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.de
     """The additive form of a band (0 seen, -inf not), made once per shape, window and
     device while the kept ones fit in `BAND_MASK_BYTES`: a layer's dense window tiles take
     a few shapes; packed documents bring new ones with their lengths."""
-    bias = torch.zeros(shape, dtype=torch.float32, device=device)
-    return bias.masked_fill_(~_band_seen(shape, window, device), float("-inf"))
+    return additive(_band_seen(shape, window, device))
+
+
+def additive(seen: torch.Tensor) -> torch.Tensor:
+    """The additive form of a bool mask, the one way every tile's bias is made: fp32 of
+    `seen`'s shape and device, 0 where it is True, -inf elsewhere."""
+    return torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(
+        ~seen, float("-inf"))
