@@ -4,8 +4,9 @@ The packing pads: the te placement every document, the balanced one the total (t
 multiple of 2 CP, x TP under sequence parallelism), so CP, TP and the placement each add
 their own padding tokens. megatron-core's routers leave the tokens its `padding_mask`
 names out of the load-balancing loss; with it the lm and load-balancing losses equal CP =
-1's on every placement and grid: te on 2x2 and 4x1 (and balanced on 2x2, which needs no
-padding there), and balanced under TP 2 x sequence parallelism x CP 2 on micro-batches of
+1's on every placement and grid: te on 2x2 and 4x1 (also with global_aux_loss, whose
+expert counts are averaged over the micro-batches and reduced over DP), balanced on 2x2
+(which needs no padding there), and balanced under TP 2 x sequence parallelism x CP 2 on micro-batches of
 one 132-token sample, padded to 136 (a multiple of 2 CP x TP = 8). The loss coefficient 1.0
 makes the load-balancing gradients move the later iterations' losses.
 
@@ -26,18 +27,19 @@ import pytest
 from preloaded import Run, driver, driver_data_args, launch
 
 ITERS = 3
-AUX = "load_balancing_loss"
 SEQ_132 = ["--seq-length", "132", "--max-position-embeddings", "132", "--micro-batch-size", "1"]
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--init-method-std", "0.2"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1.0"]
 MESH = ["--context-parallel-algo", "mesh", "--mesh-shape"]
 CP4 = ["--context-parallel-size", "4", *MESH]
 TE = ["--mesh-document-placement", "te"]
-REFERENCES = {"cp1": [], "cp1 seq 132": SEQ_132}
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
+REFERENCES = {"cp1": [], "cp1 seq 132": SEQ_132, "cp1 global": GLOBAL}
 GRIDS = {  # name: ranks, flags, the CP = 1 reference
     "2x2 te": (4, [*CP4, "2x2", *TE], "cp1"),
     "4x1 te": (4, [*CP4, "4x1", *TE], "cp1"),
     "2x2 balanced": (4, [*CP4, "2x2"], "cp1"),
+    "2x2 te global_aux_loss": (4, [*CP4, "2x2", *TE, *GLOBAL], "cp1 global"),
     "tp2 sp 2x1 balanced seq 132": (4, [*SEQ_132, "--tensor-model-parallel-size", "2",
                                         "--sequence-parallel", "--context-parallel-size", "2",
                                         *MESH, "2x1"], "cp1 seq 132"),
@@ -64,8 +66,10 @@ def test_moe_losses_on_padded_documents_match_cp1(runs: dict[str, Run], name: st
         assert r.returncode == 0, r.output[-3000:]
     got, want = run.lines(), ref.lines()
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    aux = [k for k in want[1] if k.endswith("load_balancing_loss")]
+    assert len(aux) == 1, want[1]
     for it in want:
-        for field in ("lm loss", AUX):
+        for field in ("lm loss", *aux):
             assert float(got[it][field]) == pytest.approx(float(want[it][field]), rel=1e-5), (
                 it, field, got[it], want[it])
 
