@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..masks.seen import keeps, one_row
 from ..masks.sink import add_sink, check_offset
 from ..runtime import comm
+from ..schedules.merge import merge_into
 from .cache import KVShard
 from .packed import PackedShard
 
@@ -80,10 +81,13 @@ def shared_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """P partials out [P, b, hq, dv], lse [P, b, hq] (fp32) -> merged out [b, hq, dv], lse
-    [b, hq]; rows no partial sees stay out 0, lse -inf."""
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - lse[None]).nan_to_num_(nan=0.0)
-    return (outs * weights[..., None]).sum(0), lse
+    [b, hq], folded in CP-rank order by the mesh's log-sum-exp merge (`merge.merge_into`,
+    the tiles' one merge: a row of one query position); rows no partial sees stay out 0,
+    lse -inf."""
+    out, lse = outs[0][None].clone(), lses[0][..., None].clone()  # [1, b, hq, dv], [b, hq, 1]
+    for part_out, part_lse in zip(outs[1:], lses[1:]):
+        merge_into(out, lse, part_out[None], part_lse[..., None])
+    return out[0], lse[..., 0]
 
 
 def exchange_partials(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None,

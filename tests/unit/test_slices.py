@@ -263,11 +263,21 @@ def test_blocks_hold_no_mask_of_their_size():
 
 # The modules that say which (query, key) pairs a mask keeps. `slices.py` defines what a
 # slice means, `seen.py` evaluates it on positions, and the builders make each mask kind's
-# slices; the others still code their mask kinds' rules themselves.
+# slices; the others still code their mask kinds' rules themselves: `layout.py` (the band
+# tiles of windows and their groups of short documents), `placed.py` (a placed block's
+# runs), `block.py` (the closed-form band tile) and `common/tile_mask.py` (a tile's
+# documents and bands).
 MASK_RULE_FILES = {
     "masks/slices.py", "masks/seen.py", "masks/prefix.py", "masks/window.py",
-    "masks/documents.py", "masks/layout.py", "masks/placed.py", "kernels/base.py",
+    "masks/documents.py", "masks/layout.py", "masks/placed.py", "masks/block.py",
+    "common/tile_mask.py",
 }
+# What coding a mask rule looks like: a causal or band shape cut from a matrix, a comparison
+# of key and query positions, or of their difference.
+RULE_PATTERN = re.compile(
+    r"\.(tril|triu)\("
+    r"|(<=|>=|<|>)\s*(\w+_pos|pos_\w+)\b|\b(\w+_pos|pos_\w+)(\[[^\]]*\])?\s*(<=|>=|<|>)"
+    r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
                   "masks/layout.py", "masks/placed.py"}
@@ -279,6 +289,18 @@ def _sources() -> dict[str, str]:
 
 def test_mask_rule_files_exist():
     assert MASK_RULE_FILES <= set(_sources())
+
+
+def test_every_module_coding_a_mask_rule_is_listed():
+    """A module that compares key and query positions, or cuts a causal or band shape, says
+    which pairs a mask keeps: it is one of `MASK_RULE_FILES` (a new mask kind is a builder
+    of slices, read by `seen.py`, and adds none)."""
+    coding = {name for name, text in _sources().items() if RULE_PATTERN.search(text)}
+    assert coding <= MASK_RULE_FILES, sorted(coding - MASK_RULE_FILES)
+    assert RULE_PATTERN.search("seen &= pos_kv[None, :] <= pos_q[:, None]")
+    assert RULE_PATTERN.search("ok = (k != EMPTY) & (k <= q_pos[:, None])")
+    assert RULE_PATTERN.search("mask = torch.ones(sq, sk).tril(sk - sq)")
+    assert not RULE_PATTERN.search("return keeps(one_row(q_pos, window_left), q_pos, k_pos)")
 
 
 def test_only_the_builders_make_slices():
@@ -375,9 +397,9 @@ def test_every_mask_kind_is_its_slices(kind):
     """The dense zigzag, THD documents (padded) and placed documents, with and without a
     window: `layout.block_pairs` (their slices, `mask_slices`, read by `seen.sees` on the
     rows' positions) keeps the pairs of the definition on every block."""
-    from megatron_mesh.masks.document_placement import place_documents
     from megatron_mesh.masks.documents import Documents
     from megatron_mesh.masks.layout import block_pairs, mask_slices
+    from megatron_mesh.planner.document_placer import place_documents
 
     ranks = 4
     cu = [0, 40, 56, 120, 128, 200, 256]
