@@ -6,12 +6,13 @@
     out = mm.mesh_attention(q, k, v, grid, mask=mm.prefix_lm_mask(seq_len=S, prefix_len=L))
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
-from .masks.document_placement import DocumentPlacement, place_documents, zigzag_placement
+from .masks.document_placement import DocumentPlacement, zigzag_placement
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .masks.layout import zigzag_merge, zigzag_split
 from .masks.prefix import prefix_lm_mask
 from .masks.slices import Slice, SliceMask
 from .models.traffic import Traffic, best_mesh_shape, mesh_traffic
+from .planner.document_placer import place_documents
 from .runtime.comm import TrafficCounter
 from .runtime.grid import MeshGrid
 from .schedules.windowed import placement_traffic, window_traffic

@@ -108,6 +108,18 @@ def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
                          "`caps`, a KernelCaps)")
 
 
+def folds_diagonal(kernel: object, q: torch.Tensor) -> bool:
+    """Whether a grouped tile on tensors like q [sq, b, hq, d] gives `kernel` a causal
+    diagonal with the keys of the full blocks before it, as one call aligned at the bottom
+    right (`masks.groups`): where its caps declare `bottom_right` and, if it says
+    (`bottom_right_mask_free(q)`), it takes that call without building a mask of sq x sk.
+    Elsewhere the diagonal stays a call of its own."""
+    if not caps_of(kernel).bottom_right:
+        return False
+    mask_free = getattr(kernel, "bottom_right_mask_free", None)
+    return True if mask_free is None else bool(mask_free(q))
+
+
 def dense_last_dim(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dim is dense (stride 1), else a contiguous copy.
 

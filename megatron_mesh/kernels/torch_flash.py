@@ -71,18 +71,27 @@ class TorchFlashKernel:
     Causal tiles of more keys than queries (`bottom_right`): CUDA's flash op aligns its
     causal mask at the bottom right itself; the CPU flash op and CUDA's memory-efficient op
     align theirs at the top left, so there the tile takes the band's additive mask
-    (`TileMask.band(sq, sk, -1, 0)`, one call).
+    (`TileMask.band(sq, sk, -1, 0)`, one call, a mask of sq x sk). Grouped tiles fold a
+    causal diagonal into such a call only where it needs no mask (`bottom_right_mask_free`),
+    or everywhere with `band_bottom_right` (to check the folded calls on the CPU).
     """
 
     name = "torch"
     caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True,
                       bottom_right=True)
 
-    def __init__(self, flash: bool = True) -> None:
+    def __init__(self, flash: bool = True, band_bottom_right: bool = False) -> None:
         self.flash = flash
+        self.band_bottom_right = band_bottom_right
 
     def _uses_flash(self, q: torch.Tensor) -> bool:
         return self.flash and q.dtype in (torch.float16, torch.bfloat16)
+
+    def bottom_right_mask_free(self, q: torch.Tensor) -> bool:
+        """Whether causal calls of more keys than queries on tensors like q [sq, b, hq, d]
+        run without a mask of sq x sk: on CUDA's flash op (its own causal), or anywhere
+        when built with `band_bottom_right` (the band's mask, made once per shape)."""
+        return self.band_bottom_right or (q.device.type != "cpu" and self._uses_flash(q))
 
     def _bottom_right_mask(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
                            segments: Segments | None) -> TileMask | None:

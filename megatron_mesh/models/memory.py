@@ -15,6 +15,14 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
     block backward = Q + KV (dq, dk, dv of the diagonal block); off the diagonal, where
         every streamed step is, a block has half its query rows or half its keys:
         max(Q/2 + KV, Q + KV/2)
+    grouped calls (the default, `tile_calls.grouping`): a "block" above is the largest
+        kernel call of the schedule on any rank (`grouped_calls`, the blocks on hand
+        grouped as `tile_calls.rank_call_shapes` counts them): forward, out and lse of its
+        query rows with its concatenated Q and K/V pieces (one piece is a view, not a
+        copy), or with the merge's new lse and one weight of a piece; backward, dq, dk, dv
+        of its rows with its concatenated dO, Q, out, lse and K/V pieces; "off the
+        diagonal" the largest but the diagonal on its own. bottom_right: the diagonal is
+        folded into the call with the keys before it (one K/V chunk more there)
     merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
 
     gathered forward : C Q (row's Q; none when C = 1) + R KV (column's K/V; none when R = 1)
@@ -106,12 +114,13 @@ together at some moment, which two buffers per side cannot give for C, R > 2.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Sequence
 
 from ..values import FP32_BYTES as FP32
 from ..values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
+from .tile_calls import CallShape, grouping, rank_call_shapes
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,10 @@ class _Chunk:
     e: int
     dq_exchange: int  # q g_q
     dkv_exchange: int  # kv g_kv
+    # the largest grouped call of a schedule (`grouped_calls`); None: one call per block
+    call_forward: int | None = None
+    call_backward: int | None = None
+    call_backward_off_diagonal: int | None = None
 
     @classmethod
     def of(cls, shape: AttentionShape, cp_size: int, grads: GradDtype) -> "_Chunk":
@@ -143,15 +156,39 @@ class _Chunk:
 
     @property
     def block_forward(self) -> int:
+        if self.call_forward is not None:
+            return self.call_forward
         return self.o + 3 * self.lse
 
     @property
     def block_backward(self) -> int:
+        if self.call_backward is not None:
+            return self.call_backward
         return self.q + self.kv
 
     @property
     def block_backward_off_diagonal(self) -> int:
+        if self.call_backward_off_diagonal is not None:
+            return self.call_backward_off_diagonal
         return max(self.q // 2 + self.kv, self.q + self.kv // 2)
+
+    def forward_call(self, call: CallShape) -> int:
+        """One grouped forward call (`CallShape`, half chunks): its output and lse, with
+        the concatenated Q and K/V while the kernel runs (a call of one piece takes a
+        view), or a piece's merge (new lse and one weight) after them."""
+        rows = sum(call.q)
+        result = rows * (self.o + self.lse) // 2
+        copies = ((rows * self.q if len(call.q) > 1 else 0)
+                  + (sum(call.kv) * self.kv if len(call.kv) > 1 else 0)) // 2
+        return result + max(copies, max(call.q) * self.lse)
+
+    def backward_call(self, call: CallShape) -> int:
+        """One grouped backward call: dq, dk, dv of its rows, with the concatenated
+        (dO, Q, out, lse) and K/V the kernel reads."""
+        rows, keys = sum(call.q), sum(call.kv)
+        copies = ((rows * (2 * self.o + self.q + self.lse) if len(call.q) > 1 else 0)
+                  + (keys * self.kv if len(call.kv) > 1 else 0))
+        return (copies + rows * self.q + keys * self.kv) // 2
 
     @property
     def stand_in(self) -> int:
@@ -175,6 +212,23 @@ class _Chunk:
             return 0
         return 2 * c * (self.o + self.lse) + self.acc + max(2 * self.lse,
                                                              self.o if self.e < FP32 else 0)
+
+
+DIAGONAL = CallShape((2,), (2,))  # a causal diagonal block on its own
+
+
+def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool) -> _Chunk:
+    """m with the largest grouped call of `schedule` on an R x C mesh (any rank, causal
+    zigzag; `tile_calls.rank_call_shapes`) in place of one block's: forward, backward,
+    and backward but the diagonal on its own; `bottom_right`: the kernel folds the
+    diagonal into a call (`kernels.base.folds_diagonal`)."""
+    shapes = {phase: {call for calls in rank_call_shapes(r, c, True, schedule, phase,
+                                                         bottom_right) for call in calls}
+              for phase in ("forward", "backward")}
+    off = [m.backward_call(call) for call in shapes["backward"] if call != DIAGONAL]
+    return replace(m, call_forward=max(map(m.forward_call, shapes["forward"])),
+                   call_backward=max(map(m.backward_call, shapes["backward"])),
+                   call_backward_off_diagonal=max(off, default=m.backward_call(DIAGONAL)))
 
 
 def _gathered_backward(m: _Chunk, r: int, c: int) -> int:
@@ -267,13 +321,17 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
     return worst
 
 
-def _peaks(m: _Chunk, r: int, c: int, schedule: str) -> dict[str, int]:
-    """The most bytes held at once in each pass, the result included."""
+def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
+           grouped: bool | None = None) -> dict[str, int]:
+    """The most bytes held at once in each pass, the result included; the blocks' calls
+    grouped where `tile_calls.grouping(grouped)` (`grouped_calls`)."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
     if schedule not in tuple(Schedule):  # ('ring' and 'windowed' go elsewhere: extra_memory)
         raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
                          "streamed_q, ring or windowed")
+    if grouping(grouped):
+        m = grouped_calls(m, r, c, schedule, bottom_right)
     # the schedule has no ring to run here: the gathered code runs
     if Schedule(schedule).runs_gathered(r, c):
         partials = c * (m.o + m.lse) if c > 1 else 0  # one column: the accumulator is the row's
@@ -321,16 +379,21 @@ def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,
 def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None = None,
                  schedule: str | None = None,
                  grad_reduce_dtype: GradDtype | str = GradDtype.MIXED,
-                 windowed: bool | Exchanged = False) -> dict[str, int]:
+                 windowed: bool | Exchanged = False, *, bottom_right: bool = False,
+                 grouped: bool | None = None) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
     extra_memory(shape, rows, cols, schedule[, grad_reduce_dtype]): a schedule by name ('ring' for
     Transformer Engine's p2p ring for comparison, rows * cols = P).
+    The blocks' kernel calls are grouped as the tiles run them (`tile_calls.grouping(grouped)`),
+    the causal diagonal folded in where `bottom_right` (the kernel's `folds_diagonal`: torch's
+    on CUDA's flash op; False: cuDNN, Transformer Engine, the memory-efficient op, the CPU).
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
-            return heads_extra_memory(shape, rows, windowed)
+            return heads_extra_memory(shape, rows, windowed, bottom_right=bottom_right,
+                                      grouped=grouped)
         rows, cols, schedule, grad_reduce_dtype = (rows.rows, rows.cols, rows.schedule.value,
                                             rows.grad_reduce_dtype)
     if windowed:  # under a sliding window every schedule runs the sparse exchange
@@ -343,7 +406,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
         return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
     m = _Chunk.of(shape, rows * cols, GradDtype(grad_reduce_dtype))
     if schedule != "windowed":
-        peaks = _peaks(m, rows, cols, schedule)
+        peaks = _peaks(m, rows, cols, schedule, bottom_right, grouped)
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
     peaks = _windowed_memory(shape, m, rows, cols, windowed or True)
     result = dict(m.result)
@@ -353,7 +416,8 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
-                       windowed: bool | Exchanged = False) -> dict[str, int]:
+                       windowed: bool | Exchanged = False, *, bottom_right: bool = False,
+                       grouped: bool | None = None) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
@@ -361,7 +425,7 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_reduce_dtype)
     mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
-            else _peaks(m, plan.rows, plan.cols, plan.schedule.value))
+            else _peaks(m, plan.rows, plan.cols, plan.schedule.value, bottom_right, grouped))
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_reduce_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0

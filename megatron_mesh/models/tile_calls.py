@@ -11,8 +11,10 @@ full calls over the same keys take their queries concatenated. What is on hand t
                           query chunk against the column, then the own chunk's other blocks
     streamed_kv forward : the diagonal alone, then at each ring step the row's query chunks
                           against the K/V chunk held
-                backward: likewise, but at the last step one query chunk at a time (each
-                          dQ partial leaves on the row ring as soon as it is final)
+                backward: the diagonal alone, then each query chunk of the row against
+                          the K/V chunk held, one at a time (grouping them would copy the
+                          row's Q, dO, outputs and lse: more than the K/V streaming saves;
+                          at the last step each dQ partial leaves as soon as it is final)
     streamed_q  forward : the diagonal alone, then at each ring step the Q chunk held
                           against the column
                 backward: likewise; the own chunk's blocks kept for after the last step
@@ -21,29 +23,56 @@ full calls over the same keys take their queries concatenated. What is on hand t
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls
 sets the pace), or one rank's (`rank`). Torch-free: the planner prices kernel time by
-calls. `tests/unit/test_tile_calls.py` holds the real calls to these counts.
+calls, the memory model (`memory.py`) the largest call's copies (`largest_calls`);
+answers are memoized per grid (a plan asks for every rank's). `tests/distributed/
+test_tile_calls.py` holds the real calls to these counts.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Iterable
+from dataclasses import dataclass
 
 from ..values import Schedule, check_positive_int
 
-# Grouping is on where MESH_GROUP_CALLS=1 is set in the environment (read on every tile);
-# off by default until the memory model (`memory.py`) counts the grouped calls' copies.
-GROUP_CALLS_DEFAULT = False
+# Grouping is on unless MESH_GROUP_CALLS=0 is set in the environment (read on every tile):
+# the blocks' own calls are kept for A/B comparisons only (`scripts/bench_tiles.py
+# --calls blocks`).
+GROUP_CALLS_DEFAULT = True
 
 
 def grouping(grouped: bool | None = None) -> bool:
     """Whether tiles group their blocks' calls: `grouped` where given, else MESH_GROUP_CALLS
-    in the environment ('1' on, '0' off), else `GROUP_CALLS_DEFAULT`."""
+    in the environment ('0' off, anything else on), else `GROUP_CALLS_DEFAULT` (on)."""
     if grouped is not None:
         return grouped
     value = os.environ.get("MESH_GROUP_CALLS")
     return GROUP_CALLS_DEFAULT if value is None else value != "0"
 
+
 Pair = tuple[int, int]  # (query owner x, key owner y): mesh ranks (zigzag positions)
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """One kernel call: the rows of each query piece and each key piece it concatenates,
+    in half chunks (2: a whole chunk, 1: one zigzag half)."""
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Blocks on hand together, as the schedules make them: one query chunk x against key
+    chunks Y (`by_rows`), or query chunks X against one key chunk y; `lower` / `higher`:
+    how many of the others lie before / after the one (zigzag positions), `diagonal`:
+    whether the one's own block is among them."""
+
+    by_rows: bool
+    lower: int
+    higher: int
+    diagonal: bool
 
 
 def _schedule(schedule: Schedule | str) -> Schedule:
@@ -54,34 +83,36 @@ def _schedule(schedule: Schedule | str) -> Schedule:
         raise ValueError(f"schedule {schedule!r} is not one of {valid}") from None
 
 
-def _call(x: int, y: int, causal: bool) -> tuple[str, str, bool]:
-    """The zigzag block rule (`masks.block.block_kind`): (query rows, key rows, causal) of
-    block (x, y) as 'whole' / 'first' / 'second' halves."""
-    if not causal:
-        return "whole", "whole", False
-    if x == y:
-        return "whole", "whole", True
-    return ("whole", "first", False) if x > y else ("second", "whole", False)
-
-
-def group_count(pairs: Iterable[Pair], causal: bool, bottom_right: bool = True) -> int:
-    """Kernel calls for the blocks `pairs` on hand together (`masks.groups.group_calls`
-    on dense blocks)."""
-    by_rows: dict[tuple[int, str], list[tuple[int, str, bool]]] = {}
-    for x, y in pairs:
-        q_rows, kv_rows, diag = _call(x, y, causal)
-        by_rows.setdefault((x, q_rows), []).append((y, kv_rows, diag))
-    calls, by_keys = 0, set()
-    for calls_of_rows in by_rows.values():
-        full = sorted((y, kv) for y, kv, diag in calls_of_rows if not diag)
-        diagonals = sum(diag for *_, diag in calls_of_rows)
-        if diagonals and bottom_right and full:
-            calls += diagonals  # the diagonal takes the full calls' keys
+@functools.lru_cache(maxsize=1024)
+def group_shapes(group: Group, causal: bool, bottom_right: bool = True
+                 ) -> tuple[CallShape, ...]:
+    """The calls `masks.groups.group_calls` makes of `group`'s dense blocks. The zigzag
+    block rule (`masks.block.block_kind`): x > y sees y's first half with all its rows,
+    x < y sees all of y with its second half, x == y is the causal diagonal; without a
+    causal mask every block is whole against whole."""
+    lower, higher, diagonal = group.lower, group.higher, group.diagonal
+    others = lower + higher
+    if not causal:  # every block whole: one call, its pieces concatenated on one side
+        pieces = (2,) * (others + diagonal)
+        return (CallShape((2,), pieces) if group.by_rows else CallShape(pieces, (2,)),)
+    out = []
+    if group.by_rows:  # Q(x) against the first halves of y < x, its second half against y > x
+        if diagonal and lower and bottom_right:  # the diagonal's keys last, one call
+            out.append(CallShape((2,), (1,) * lower + (2,)))
         else:
-            calls += diagonals
-            if full:
-                by_keys.add(tuple(full))
-    return calls + len(by_keys)
+            out += [CallShape((2,), (2,))] * diagonal
+            out += [CallShape((2,), (1,) * lower)] * (lower > 0)
+        out += [CallShape((1,), (2,) * higher)] * (higher > 0)
+    else:  # Q(x > y) against y's first half, the second halves of Q(x < y) against all of y
+        out += [CallShape((2,), (2,))] * diagonal
+        out += [CallShape((2,) * higher, (1,))] * (higher > 0)
+        out += [CallShape((1,) * lower, (2,))] * (lower > 0)
+    return tuple(out)
+
+
+def group_count(group: Group, causal: bool, bottom_right: bool = True) -> int:
+    """Kernel calls for the blocks of `group` (`masks.groups.group_calls` on dense blocks)."""
+    return len(group_shapes(group, causal, bottom_right))
 
 
 def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
@@ -91,35 +122,43 @@ def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
     return Schedule.GATHERED if schedule.runs_gathered(rows, cols) else schedule
 
 
-def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
-            ) -> list[list[Pair]]:
+def _against(one: int, others: list[int], by_rows: bool) -> Group:
+    """The group of chunk `one` against `others` (`Group`)."""
+    lower = sum(o < one for o in others)
+    higher = sum(o > one for o in others)
+    return Group(by_rows, lower, higher, one in others)
+
+
+def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str) -> list[Group]:
     """The groups of blocks rank `rank` (mesh rank i * cols + j) computes together."""
     i, j = divmod(rank, cols)
     row = [i * cols + c for c in range(cols)]  # query owners, by column index
     col = [r * cols + j for r in range(rows)]  # key owners, by row index
     me = rank
+    diagonal = Group(True, 0, 0, True)
     if schedule is Schedule.GATHERED:
         if phase == "forward":
-            return [[(x, y) for y in col] for x in row]
-        others = [[(x, y) for y in col] for x in row if x != me]
-        return [[(me, me)], *others, [(me, y) for y in col if y != me]]
+            return [_against(x, col, True) for x in row]
+        others = [_against(x, col, True) for x in row if x != me]
+        return [diagonal, *others, _against(me, [y for y in col if y != me], True)]
     if schedule is Schedule.STREAMED_KV:
-        groups = [[(me, me)]]
+        groups = [diagonal]
         for t in range(rows):
             y = col[(i - t) % rows]
             xs = [x for x in row if not (t == 0 and x == me)]
-            if phase == "backward" and t == rows - 1:
-                groups += [[(x, y)] for x in xs]
+            if phase == "backward":  # one query chunk at a time
+                groups += [_against(y, [x], False) for x in xs]
             else:
-                groups.append([(x, y) for x in xs])
+                groups.append(_against(y, xs, False))
         return groups
     later = set(col[r] for r in _own_blocks_later(rows, i)) if phase == "backward" else set()
-    groups = [[(me, me)]]
+    groups = [diagonal]
     for t in range(cols):
         x = row[(j - t) % cols]
-        groups.append([(x, y) for y in col if not (t == 0 and (y == me or y in later))])
+        groups.append(_against(x, [y for y in col if not (t == 0 and (y == me or y in later))],
+                               True))
     if later:
-        groups.append([(me, y) for y in sorted(later)])
+        groups.append(_against(me, sorted(later), True))
     return groups
 
 
@@ -130,14 +169,24 @@ def _own_blocks_later(rows: int, row_index: int) -> list[int]:
     return off[(rows - 1) // 2:]
 
 
+@functools.lru_cache(maxsize=4096)
+def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: str,
+                bottom_right: bool, rank: int) -> tuple[CallShape, ...]:
+    """Every call of one rank's pass, grouped, in order (empty groups make none)."""
+    return tuple(c for g in _groups(rows, cols, schedule, rank, phase)
+                 if g.lower or g.higher or g.diagonal
+                 for c in group_shapes(g, causal, bottom_right))
+
+
+@functools.lru_cache(maxsize=1024)
 def _calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-           bottom_right: bool, rank: int | None, grouped: bool | None) -> int:
+           bottom_right: bool, rank: int | None, grouped: bool) -> int:
     schedule = _grid(rows, cols, schedule)
-    if not grouping(grouped):
+    if not grouped:
         return rows * cols  # one call per block
     ranks = range(rows * cols) if rank is None else [rank]
-    return max(sum(group_count(g, causal, bottom_right) for g in _groups(
-        rows, cols, schedule, r, phase) if g) for r in ranks)
+    return max(len(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r))
+               for r in ranks)
 
 
 def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
@@ -145,14 +194,27 @@ def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, 
                   grouped: bool | None = None) -> int:
     """Kernel calls of one rank's forward tile (R = rows K/V chunks x C = cols query
     chunks, a dense sequence, `causal` or full): the most over the mesh's ranks, or rank
-    `rank`'s (its mesh rank); `bottom_right`: the kernel takes causal calls of more keys
-    than queries (`KernelCaps.bottom_right`: torch's kernels; not cuDNN's nor TE's);
-    `grouped`: as `grouping` (None: as the runtime runs now; ungrouped, R * C)."""
-    return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank, grouped)
+    `rank`'s (its mesh rank); `bottom_right`: the kernel folds a causal diagonal into a
+    call of more keys than queries (`kernels.base.folds_diagonal`: torch's kernel on CUDA's
+    flash op; not cuDNN's nor TE's); `grouped`: as `grouping` (None: as the runtime runs
+    now, grouped unless MESH_GROUP_CALLS=0; ungrouped, R * C)."""
+    return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank,
+                  grouping(grouped))
 
 
 def backward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
                    bottom_right: bool = True, rank: int | None = None,
                    grouped: bool | None = None) -> int:
     """Kernel calls of one rank's backward tile (as `forward_calls`)."""
-    return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank, grouped)
+    return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank,
+                  grouping(grouped))
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_call_shapes(rows: int, cols: int, causal: bool, schedule: Schedule | str,
+                     phase: str, bottom_right: bool = False) -> tuple[tuple[CallShape, ...], ...]:
+    """Per mesh rank, the calls of its `phase` ('forward' or 'backward') in order, grouped
+    (`CallShape`s; the schedule as it runs on this grid)."""
+    schedule = _grid(rows, cols, schedule)
+    return tuple(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r)
+                 for r in range(rows * cols))

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents, run_pairs
+from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
 from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.planner.cost import Estimate, price
+from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import exchange_transfers
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes

@@ -8,7 +8,7 @@ from typing import Collection, Sequence
 import torch
 
 from ..kernels import TileKernel
-from ..kernels.caps import caps_of
+from ..kernels.base import folds_diagonal
 from ..masks.groups import Call, Piece, group_calls
 from ..masks.layout import AttentionMask, block_for
 from ..models.tile_calls import grouping
@@ -31,16 +31,16 @@ GradQueryChunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
 
 
-def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], local_len: int,
-               mask: AttentionMask, device: torch.device,
-               skip: Collection[tuple[int, int]] = (), grouped: bool | None = None
-               ) -> list[Call]:
+def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torch.Tensor,
+               mask: AttentionMask, skip: Collection[tuple[int, int]] = (),
+               grouped: bool | None = None) -> list[Call]:
     """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
-    `skip`, grouped (`groups.group_calls`) where `models.tile_calls.grouping(grouped)`
-    says so (MESH_GROUP_CALLS), else each block's own; pieces index xs and ys."""
-    blocks = [(qi, ki, block_for(x, y, local_len, mask, device))
+    `skip`, grouped (`groups.group_calls`; a causal diagonal folded in where
+    `folds_diagonal(kernel, q)`) unless `models.tile_calls.grouping(grouped)` says not,
+    else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk."""
+    blocks = [(qi, ki, block_for(x, y, q.shape[0], mask, q.device))
               for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
-    return group_calls(blocks, caps_of(kernel).bottom_right, grouping(grouped))
+    return group_calls(blocks, folds_diagonal(kernel, q), grouping(grouped))
 
 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -66,8 +66,8 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     if not queries or not keys:
         return
     q0 = queries[0][1]
-    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
-                       mask, q0.device, skip, grouped)
+    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
+                       grouped)
     for call in calls:
         q = _cat([rows(queries[p.chunk][1], p.rows) for p in call.q])
         k = _cat([rows(keys[p.chunk][1], p.rows) for p in call.kv])
@@ -119,8 +119,8 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     if not queries or not keys:
         return
     q0 = queries[0][2]
-    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0.shape[0],
-                       mask, q0.device, skip, grouped)
+    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
+                       grouped)
     for call in calls:
         dout, q, out = (_cat([rows(queries[p.chunk][i], p.rows) for p in call.q])
                         for i in (1, 2, 3))

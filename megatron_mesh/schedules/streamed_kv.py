@@ -69,7 +69,9 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     The diagonal block runs while the row's Q, dO, lse and D are gathered. At the last ring
     step each query chunk's dQ is final once its block has run: the blocks run in the order
     the dQ partials leave on the row ring (`gathered.row_order`), each partial goes on one
-    hop behind (`rings.TrailingPartial`) while the next block runs, the own chunk's last."""
+    hop behind (`rings.TrailingPartial`) while the next block runs, the own chunk's last.
+    Each block goes to the kernel with its own calls: the row's query chunks are not
+    grouped (see the loop)."""
     dout = dout.contiguous()
     me = grid.col_index
     qdo, stats, row_pending = start_row_grads_inputs(dout, q, delta, lse, grid)
@@ -92,13 +94,13 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
         arrived = [(y, k_y, v_y, kv_grads(dkv, k, v))]
         rows = [(grid.row_mesh_ranks[j], qdo[j][1], qdo[j][0], outs[j], stats[j][0], j)
                 for j in order]  # each with its dQ partial's index
-        if not last:  # the row's query chunks against the arrived chunk: few calls
-            backward_tile(kernel, [(*r[:5], dq_part[r[5]]) for r in rows], arrived, mask,
-                          scale, skip=((grid.mesh_rank, y),) if t == 0 else ())
-        for *r, j in rows if last else ():  # one chunk at a time: each dQ leaves once final
+        # one query chunk at a time: grouping the row's chunks into one call would copy
+        # their Q, dO, stand-in outputs and lse (more than the K/V this schedule saves);
+        # at the last step each dQ leaves once final
+        for *r, j in rows:
             if not (t == 0 and j == me):
                 backward_tile(kernel, [(*r, dq_part[j])], arrived, mask, scale)
-            if j != me:  # chunk j's dQ is final: on around the row ring
+            if last and j != me:  # chunk j's dQ is final: on around the row ring
                 dq_ring.pass_on((dq_part[j],), grad_dtypes.dq)
                 dq_part[j] = None  # the send holds what it needs
         rows = arrived = None

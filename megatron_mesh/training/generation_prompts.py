@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mesh.inference.packed import placed_positions
-from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.masks.layout import zigzag_split
+from megatron_mesh.planner.document_placer import place_documents
 
 
 def _round_up(n: int, cp: int) -> int:

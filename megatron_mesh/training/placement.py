@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
-from megatron_mesh.masks.document_placement import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
 from megatron_mesh.megatron.shape import cp_ranks_per_node
+from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.training.moe import balancing_per_micro_batch
 from megatron_mesh.training.packing import document_lengths, pack_documents
 

@@ -26,7 +26,6 @@ def _check(rank: int, world: int) -> str:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_mesh.masks.document_placement import place_documents
     from megatron_mesh.megatron.cpu import megatron_on_cpu
     from megatron_mesh.megatron.placement import (
         PlacedSeqParams,
@@ -34,6 +33,7 @@ def _check(rank: int, world: int) -> str:
         placed_seq_params,
         placement_of,
     )
+    from megatron_mesh.planner.document_placer import place_documents
 
     group = dist.new_group([0])
     placement = place_documents(CU, 4)

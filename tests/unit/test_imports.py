@@ -194,6 +194,18 @@ def test_every_algorithm_module_sits_in_a_layer_folder():
     assert top <= TOP_LEVEL, sorted(top - TOP_LEVEL)
 
 
+def test_masks_hold_the_document_placement_not_its_search():
+    """masks/ holds what a placement is (the value, its checks and work); the search that
+    makes a balanced one is the planner's (planner/document_placer.py)."""
+    tree = ast.parse((ROOT / "masks" / "document_placement.py").read_text())
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert classes == {"DocumentPlacement"}, sorted(classes)
+    assert "place_documents" not in functions
+    graph = import_graph(module_files())
+    assert f"{PACKAGE}.masks.document_placement" in graph[f"{PACKAGE}.planner.document_placer"]
+
+
 def test_values_imports_no_third_party_module():
     tree = ast.parse((ROOT / "values.py").read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)

@@ -391,8 +391,8 @@ def test_heads_relayout_on_meta_and_its_inverse_on_cpu(layout: str) -> None:
     device index), and on the CPU `_to_sequence` undoes `_to_pieces` exactly."""
     from types import SimpleNamespace
 
-    from megatron_mesh.masks.document_placement import place_documents
     from megatron_mesh.masks.documents import Documents
+    from megatron_mesh.planner.document_placer import place_documents
     from megatron_mesh.runtime import heads
 
     a, cp_size, s = 2, 4, 16  # A = 2 ranks of a heads group, each holding s rows

@@ -9,8 +9,9 @@ import pytest
 
 import megatron_mesh as mm
 from megatron_mesh.cli import main
-from megatron_mesh.masks.document_placement import DocumentPlacement, place_documents
+from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.planner import Cluster, Workload, plan
+from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.placed import (
     lognormal_lengths,
     mesh_pairs,
