@@ -7,7 +7,9 @@ or accumulated in fp32 (backward), exactly as `megatron_mesh.schedules.blocks.fo
 `backward_tile` do inside mesh attention: grouped into few kernel calls (`masks.groups`;
 --calls blocks: one call per block, the A/B baseline). The same FLOPs in one call: the s
 query rows against P * s / 2 keys (P * s without causal masking), no mask. Each row gives
-the tile's kernel calls in that pass ('calls', counted on the kernel) and 'grouped'.
+the tile's kernel calls in that pass ('calls', counted on the kernel), 'grouped' and
+'folded' (the causal diagonal in one bottom-right call with the keys before it:
+`kernels.base.folds_diagonal`, torch's kernel on CUDA's flash op).
 
     python scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8    # CUDA, every backend
     python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4   # smoke run (CPU)
@@ -29,6 +31,7 @@ import torch
 
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
+from megatron_mesh.kernels.base import folds_diagonal
 from megatron_mesh.masks.layout import AttentionMask
 from megatron_mesh.schedules import merge_triton
 from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
@@ -98,6 +101,8 @@ class Counting:
 
     def __init__(self, kernel) -> None:
         self.kernel, self.name, self.caps = kernel, kernel.name, kernel.caps
+        if hasattr(kernel, "bottom_right_mask_free"):  # where it folds the diagonal
+            self.bottom_right_mask_free = kernel.bottom_right_mask_free
         self.calls = 0
 
     def forward(self, *args, **kwargs):
@@ -178,7 +183,8 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                      else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
                      "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal,
-                     "merge": merge, "calls": calls[name], "grouped": grouped})
+                     "merge": merge, "calls": calls[name], "grouped": grouped,
+                     "folded": grouped and folds_diagonal(kernel, q)})
     return rows
 
 

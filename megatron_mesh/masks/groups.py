@@ -7,17 +7,18 @@ against one arriving K/V chunk) go to the kernel as few calls:
 1. Plain calls (no documents, no tile mask) over the same query rows of one chunk take the
    keys of all of them, concatenated, in one call; a causal one (the diagonal, sq == sk)
    puts its keys last and the call is causal aligned at the bottom right (query i sees key
-   j <= i + sk - sq), which is exactly the union, where the kernel takes that
-   (`KernelCaps.bottom_right`); else the diagonal stays a call of its own.
+   j <= i + sk - sq), which is exactly the union, where the kernel takes that without a
+   mask (`kernels.base.folds_diagonal`, given here as `bottom_right`); else the diagonal
+   stays a call of its own.
 2. Full calls (after 1) over the same key rows take the query rows of all of them,
    concatenated.
 
 So under the causal zigzag a query chunk x against the column's chunks Y is at most two
-calls: Q(x) against the first halves of K/V(y < x) and K/V(x) (causal, last), and the second
-half of Q(x) against K/V(y > x); the row's chunks against one K/V chunk are at most three
-(those above it, those below it, the diagonal). Without a causal mask everything on hand is
-one call. Calls with documents or a tile mask (packed documents, sliding windows) are kept
-as they are.
+calls (three with the diagonal apart): Q(x) against the first halves of K/V(y < x) and
+K/V(x) (causal, last), and the second half of Q(x) against K/V(y > x); the row's chunks
+against one K/V chunk are at most three (those above it, those below it, the diagonal).
+Without a causal mask everything on hand is one call. Calls with documents or a tile mask
+(packed documents, sliding windows) are kept as they are.
 """
 from __future__ import annotations
 

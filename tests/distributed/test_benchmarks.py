@@ -74,9 +74,11 @@ def test_bench_tiles_reports_every_pass_and_why_cudnn_and_te_are_skipped(tmp_pat
     assert [(r["chunk"], r["pass"]) for r in rows] == [
         (c, p) for c in (128, 64) for p in ("forward", "backward", "fwd+bwd")]
     assert all(r["backend"] == "torch" and r["device"] == "cpu" for r in rows)
-    # a causal 4 x 1 tile in few calls: Q against the lower halves and its own chunk (causal,
-    # bottom-right), and Q's second half against the later chunks
-    assert [(r["calls"], r["grouped"]) for r in rows[:3]] == [(2, True), (2, True), (4, True)]
+    # a causal 4 x 1 tile in few calls: Q against the lower halves, its own chunk (causal: on
+    # the CPU a call of its own, not folded into a bottom-right one), and Q's second half
+    # against the later chunks
+    assert [(r["calls"], r["grouped"], r["folded"]) for r in rows[:3]] == [
+        (3, True, False), (3, True, False), (6, True, False)]
 
 
 def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path) -> None:

@@ -24,6 +24,7 @@ from megatron_mesh.kernels import (
     backend_for,
     get_kernel,
 )
+from megatron_mesh.kernels.base import folds_diagonal
 from megatron_mesh.kernels.caps import NAMES, WHAT
 
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -224,3 +225,26 @@ def test_wrapper_declaring_caps_runs_windows_and_documents_exactly(window, packe
     words = "packed documents" if window is None else "sliding windows"
     with pytest.raises(ValueError, match=f"'wrapped' does not take {words}"):
         run(Wrapper(TorchFlashKernel(), declare=False))
+
+
+@pytest.mark.parametrize("device,dtype,flash,band,folds", [
+    (META, torch.bfloat16, True, False, True),  # CUDA's flash op: its own bottom-right causal
+    (META, torch.float16, True, False, True),
+    (META, torch.float32, True, False, False),  # the memory-efficient op: would need a mask
+    (META, torch.bfloat16, False, False, False),  # flash not chosen: memory-efficient
+    (CPU, torch.bfloat16, True, False, False),  # the CPU op's causal is top-left
+    (CPU, torch.float32, True, True, True),  # asked for: the band's mask
+])
+def test_torch_folds_the_diagonal_only_where_no_mask_is_made(device, dtype, flash, band,
+                                                             folds) -> None:
+    """A grouped tile folds the causal diagonal into a bottom-right call where the kernel
+    takes it without a mask of sq x sk (`folds_diagonal`); cuDNN's and TE's causal is
+    top-left (no `bottom_right`): never; a kernel declaring `bottom_right` without saying
+    more takes it as declared."""
+    q = torch.empty(64, 1, 4, 16, dtype=dtype, device=device)
+    kernel = TorchFlashKernel(flash=flash, band_bottom_right=band)
+    assert folds_diagonal(kernel, q) is folds
+    assert not folds_diagonal(CudnnKernel(), q) and not folds_diagonal(TEFusedKernel(), q)
+    declared = Wrapper(CudnnKernel())
+    declared.caps = KernelCaps(bottom_right=True)
+    assert folds_diagonal(declared, q)
