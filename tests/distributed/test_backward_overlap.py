@@ -2,7 +2,8 @@
 
 An observer of `comm` records every transfer as it starts and as the caller waits for it
 (`Observer.waited`), and the real tile kernel, wrapped, records each backward block it
-computes. On 2 x 2, 4 x 2, 2 x 4 and 2 x 2 x 2 grids, with every schedule, each chunk
+computes (its calls, grouped as `models.tile_calls` counts them). On 2 x 2, 4 x 2, 2 x 4 and
+2 x 2 x 2 grids, with every schedule, each chunk
 transfer of backward over the row or the column (the gathers of Q, dO, lse, D and K, V;
 the rings' hops) and each dQ transfer over the row (the dQ partials' hops) must have at
 least one block computed between its start and its wait. A blocking collective has none.
@@ -14,6 +15,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import TileKernel, get_kernel
+from megatron_mesh.models.tile_calls import backward_calls
 from megatron_mesh.runtime import comm
 
 from dist_utils import run_distributed
@@ -74,7 +76,10 @@ def backward_events(grid: mm.MeshGrid, schedule: str) -> list[tuple]:
     out = mm.mesh_attention(q, k, v, grid, backend=kernel, schedule=schedule)
     with log:
         out.backward(torch.randn(out.shape, generator=g))
-    assert log.events.count(("block", None)) == grid.rows * grid.cols  # every block, once
+    # every block, once, in the modelled calls (the wrapper declares no caps: no diagonal
+    # folded into a bottom-right call)
+    assert log.events.count(("block", None)) == backward_calls(
+        grid.rows, grid.cols, True, schedule, bottom_right=False, rank=grid.mesh_rank)
     return spans(log.events)
 
 
