@@ -40,6 +40,7 @@ from megatron_mesh.megatron.sink import (
     offset_sharded_state_dict,
 )
 from megatron_mesh.runtime import agreement
+from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
@@ -150,6 +151,11 @@ class MeshDotProductAttention(MegatronModule):
     and names the fix otherwise. config.softmax_type "off-by-one" / "learnable" adds
     attention sinks: `softmax_offset` held as megatron-core's DotProductAttention holds it
     (`megatron/sink.py`).
+
+    `grid` is the mesh grid of this layer's CP group, passed in as `pg_collection` is (the
+    spec's params: `get_gpt_layer_spec(..., grid=grid)`); without one the layer takes the
+    grid `initialize_mesh_grids` built for its CP group (for model builders that cannot pass
+    it, as megatron-core's `use_mpu_process_groups` stands in for `pg_collection`).
     """
 
     def __init__(
@@ -168,6 +174,7 @@ class MeshDotProductAttention(MegatronModule):
         grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        grid: MeshGrid | None = None,
     ) -> None:
         super().__init__(config=config)
         self.context_parallel_algo = resolve_algorithm(context_parallel_algo, cp_comm_type, config)
@@ -186,16 +193,23 @@ class MeshDotProductAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         cp_ranks = tuple(dist.get_process_group_ranks(pg_collection.cp))
-        if len(cp_ranks) == 1 and not mesh_grid_is_initialized():
+        if grid is not None:
+            if not isinstance(grid, MeshGrid):
+                raise ValueError(f"grid must be a MeshGrid (initialize_mesh_grids returns it), "
+                                 f"got {type(grid).__name__}")
+            self.grid = grid  # passed in, as pg_collection is
+        elif len(cp_ranks) == 1 and not mesh_grid_is_initialized():
             self.grid = single_rank_grid(pg_collection.cp)  # CP = 1 needs no setup
         else:
-            self.grid = get_mesh_grid(pg_collection.cp)  # the grid of the group handed in
+            self.grid = get_mesh_grid(pg_collection.cp)  # the one built for the group handed in
         if config.context_parallel_size != len(cp_ranks) or self.grid.cp_ranks != cp_ranks:
+            fix = ("pass the grid initialize_mesh_grids() returned for this context-parallel "
+                   "layout" if grid is not None else "call initialize_mesh_grids() after "
+                   "initialize_model_parallel() with the same context-parallel size")
             raise ValueError(
                 f"the mesh grid covers CP ranks {list(self.grid.cp_ranks)} but this layer's "
                 f"CP group is {list(cp_ranks)} (config.context_parallel_size="
-                f"{config.context_parallel_size}); call initialize_mesh_grids() after "
-                "initialize_model_parallel() with the same context-parallel size"
+                f"{config.context_parallel_size}); {fix}"
             )
         tp_size = dist.get_world_size(pg_collection.tp)
         check_mesh_heads(self.grid.heads, self.grid.cp_size,

@@ -25,10 +25,11 @@ from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_tex
 
 logger = logging.getLogger(__name__)
 
-# the grids built on this rank, by their CP group's ranks (sorted): a layer finds its grid
-# from the CP group megatron-core hands it (`pg_collection.cp`); the registry only bridges
-# the collective build (every rank at once) and the layers built later, as megatron-core's
-# `use_mpu_process_groups` bridges parallel_state
+# the grids built on this rank, by their CP group's ranks (sorted). A layer takes its grid
+# passed in (the spec's params, `get_gpt_layer_spec(..., grid=...)`), as it takes
+# `pg_collection`; one given none finds it here from the CP group megatron-core hands it
+# (`pg_collection.cp`), as megatron-core's `use_mpu_process_groups` stands in for a
+# collection not passed (a model builder that cannot pass it: Megatron-LM's)
 _GRIDS: dict[tuple[int, ...], MeshGrid] = {}
 
 __all__ = [

@@ -6,7 +6,9 @@ TransformerConfig), Megatron's `TEDotProductAttention` with `cp_comm_type` for t
 Without Transformer Engine the others keep `MeshDotProductAttention`, which is plain
 attention at CP = 1 and names the missing package at CP > 1.
 `TransformerConfig(cp_comm_type='mesh')` also selects the mesh for a spec that names
-`MeshDotProductAttention` without params.
+`MeshDotProductAttention` without params. `grid` (what `initialize_mesh_grids` returned)
+goes to the layers in the params, as megatron-core hands them `pg_collection`; without it a
+layer takes the grid built for its CP group.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from megatron_mesh.megatron.core_attention import (
     MeshDotProductAttentionInTEState,
     transformer_engine_attention,
 )
+from megatron_mesh.runtime.grid import MeshGrid
 
 __all__ = ["get_gpt_layer_spec", "mesh_core_attention_spec", "use_mesh_core_attention"]
 
@@ -32,10 +35,12 @@ def mesh_core_attention_spec(
     backend: str = "auto",
     schedule: str | None = None,
     grad_reduce_dtype: str | None = None,
+    grid: MeshGrid | None = None,
 ) -> ModuleSpec:
     """The core_attention submodule spec for `context_parallel_algo`: the mesh (tile kernel
-    `backend`; `schedule` and `grad_reduce_dtype`, None for the defaults) or, for another
-    algorithm, Transformer Engine's attention when it is installed."""
+    `backend`; `schedule` and `grad_reduce_dtype`, None for the defaults; `grid`, the mesh
+    grid of the layers' CP group) or, for another algorithm, Transformer Engine's attention
+    when it is installed."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
@@ -51,12 +56,15 @@ def mesh_core_attention_spec(
         params["schedule"] = schedule
     if grad_reduce_dtype is not None:
         params["grad_reduce_dtype"] = grad_reduce_dtype
+    if grid is not None:
+        params["grid"] = grid
     return ModuleSpec(module=MeshDotProductAttention, params=params)
 
 
 def use_mesh_core_attention(
     spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto",
     schedule: str | None = None, grad_reduce_dtype: str | None = None,
+    grid: MeshGrid | None = None,
 ) -> Any:
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
@@ -65,7 +73,8 @@ def use_mesh_core_attention(
     attention with extra state (Transformer Engine's) becomes
     MeshDotProductAttentionInTEState, so checkpoints keep their keys.
     """
-    core = mesh_core_attention_spec(context_parallel_algo, backend, schedule, grad_reduce_dtype)
+    core = mesh_core_attention_spec(context_parallel_algo, backend, schedule, grad_reduce_dtype,
+                                    grid)
     spec, count = _replace(spec, core)
     if count == 0:
         raise ValueError(f"no core_attention submodule found in spec {spec!r}")
@@ -113,6 +122,7 @@ def get_gpt_layer_spec(
     backend: str = "auto",
     schedule: str | None = None,
     grad_reduce_dtype: str | None = None,
+    grid: MeshGrid | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """Megatron's GPT layer spec (local, or TE's with use_te) with the mesh core attention.
@@ -120,7 +130,7 @@ def get_gpt_layer_spec(
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
     schedule the mesh schedule (`values.SCHEDULE_NAMES`), grad_reduce_dtype the dtype of the
-    gradient exchange (fp32 / input).
+    gradient exchange (fp32 / input), grid the mesh grid `initialize_mesh_grids` returned.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -134,4 +144,4 @@ def get_gpt_layer_spec(
     else:
         layer = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
     return use_mesh_core_attention(layer, context_parallel_algo, backend, schedule,
-                                   grad_reduce_dtype)
+                                   grad_reduce_dtype, grid)

@@ -18,6 +18,7 @@ from megatron_mesh.training.moe import moe_config, moe_spec
 from megatron_mesh.training.pipeline import varies_in_length
 
 if TYPE_CHECKING:
+    from megatron_mesh.runtime.grid import MeshGrid
     from megatron_mesh.training.config import TrainingConfig
 
 
@@ -132,9 +133,9 @@ def attention_algo(args: TrainingConfig, use_te: bool) -> str | None:
     return algo
 
 
-def layer_spec(args: TrainingConfig):
+def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
     """The decoder layer spec: Megatron's GPT layer (TE or local) with the core attention
-    `attention_algo` chooses."""
+    `attention_algo` chooses (the mesh's on `grid`, the job's: `init_model_parallel`)."""
     use_te = use_transformer_engine(args)
     algo = attention_algo(args, use_te)
     if algo is None:
@@ -145,7 +146,7 @@ def layer_spec(args: TrainingConfig):
                                         qk_layernorm=args.qk_layernorm, **moe_spec(args))
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
-    return get_gpt_layer_spec(context_parallel_algo=algo,
+    return get_gpt_layer_spec(context_parallel_algo=algo, grid=grid,
                               use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
                               grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
                               normalization=args.normalization,
@@ -153,12 +154,13 @@ def layer_spec(args: TrainingConfig):
                               qk_layernorm=args.qk_layernorm, **moe_spec(args))
 
 
-def build_model(args: TrainingConfig, vocab_size: int) -> GPTModel:
+def build_model(args: TrainingConfig, vocab_size: int, grid: MeshGrid | None = None
+                ) -> GPTModel:
     """This rank's pipeline stage of the GPTModel, on its device: num_layers / PP layers,
     the embedding on the first stage, the output layer and loss on the last (with tied
     embeddings the last stage holds a copy of the word embeddings, `param.shared`)."""
     config = transformer_config(args)
-    spec = layer_spec(args)
+    spec = layer_spec(args, grid)
     if args.sequence_parallel and not use_transformer_engine(args):
         from megatron_mesh.megatron.norm import sequence_parallel_block_spec
 

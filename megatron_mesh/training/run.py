@@ -164,7 +164,7 @@ def _run(args: TrainingConfig, staging: HostStaging | None = None) -> int:
         grid = distributed.init_model_parallel(args)  # runtime state, not on args
         distributed.set_seed(args.seed)
         tokenizer = build_tokenizer(args)
-        model = build_model(args, tokenizer.vocab_size)
+        model = build_model(args, tokenizer.vocab_size, grid)
         vocab = padded_vocab_size(tokenizer.vocab_size, args)
         n_params = sum(p.numel() for p in model.parameters())
         model = wrap_model(model, args)

@@ -192,7 +192,7 @@ def _run_layout(name, tp, cp, shape, features, out):
     grid = initialize_mesh_grids(
         shape, num_attention_heads=HEADS, num_query_groups=GROUPS, seq_length=SEQ
     )
-    model = _gpt(_config(tp, cp, **features), get_gpt_layer_spec("mesh"))
+    model = _gpt(_config(tp, cp, **features), get_gpt_layer_spec("mesh", grid=grid))
     model.load_state_dict(reference.state_dict())
     local = get_batch_on_this_cp_rank(dict(full))
     traffic = {}
@@ -219,6 +219,8 @@ def _run_layout(name, tp, cp, shape, features, out):
         "grad_abs_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
         "grad_names": sorted(grads),
         "core_class": type(model.decoder.layers[0].self_attention.core_attention).__name__,
+        "grid_passed_in": all(layer.self_attention.core_attention.grid is grid
+                              for layer in model.decoder.layers),
         "traffic": traffic,
     }
 
@@ -296,6 +298,7 @@ def _bad_configurations(out):
 
     from megatron_mesh.megatron import (
         MeshDotProductAttention,
+        destroy_mesh_grids,
         get_gpt_layer_spec,
         initialize_mesh_grids,
     )
@@ -368,12 +371,25 @@ def _bad_configurations(out):
         errors["cp1_p2p_without_te"] = type(plain).__name__
     # grids of an earlier CP layout, then parallel_state re-initialized with another one
     _init_parallel(1, 2)
-    initialize_mesh_grids((2, 1))
+    stale = initialize_mesh_grids((2, 1))
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, context_parallel_size=4, create_gloo_process_groups=False)
     errors["stale_grid"] = _expect_error(
         lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh")), ValueError
     )
+    errors["stale_grid_passed_in"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh", grid=stale)), ValueError
+    )
+    errors["not_a_grid"] = _expect_error(
+        lambda: _gpt(_config(1, 4), get_gpt_layer_spec("mesh", grid=(2, 2))), ValueError
+    )
+    # a grid passed in needs no registry (as megatron-core's layers take pg_collection)
+    _init_parallel(1, 4)
+    passed = initialize_mesh_grids((2, 2))
+    destroy_mesh_grids()
+    model = _gpt(_config(1, 4), get_gpt_layer_spec("mesh", grid=passed))
+    out["passed_grid_used"] = all(layer.self_attention.core_attention.grid is passed
+                                  for layer in model.decoder.layers)
     out["errors"] = errors
 
 
@@ -508,6 +524,15 @@ def test_two_cp_groups_get_separate_grids(results):
     assert tp_cp == {(0, 2), (1, 3), (4, 6), (5, 7)}
 
 
+def test_layers_use_the_grid_passed_in(results):
+    """A grid passed through the spec (as megatron-core hands its layers pg_collection) is
+    the layers' grid, also with no grid registered on the rank."""
+    for res in results:
+        assert res["passed_grid_used"]
+        assert all(layout["grid_passed_in"] for layout in res.values()
+                   if isinstance(layout, dict) and "grid_passed_in" in layout)
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
@@ -523,6 +548,9 @@ def test_two_cp_groups_get_separate_grids(results):
         ("packed_on_one_rank", ["qkv_format='sbhd'", "CP rank 0 of the 2x2 grid"]),
         ("causal_on_one_rank", ["causal", "True", "False", "CP rank 0"]),
         ("stale_grid", ["CP group", "initialize_mesh_grids"]),
+        ("stale_grid_passed_in", ["the mesh grid covers CP ranks", "this layer's CP group",
+                                  "pass the grid initialize_mesh_grids() returned"]),
+        ("not_a_grid", ["grid must be a MeshGrid", "tuple"]),
         ("mesh_class_asked_for_a2a", ["'a2a'", "Transformer Engine"]),
         ("heads_after_tp", ["--mesh-heads 4", "2 query heads (1 K/V heads) per rank after "
                             "tensor parallelism 2", "valid: 1, 2"]),
