@@ -6,6 +6,7 @@
     out = mm.mesh_attention(q, k, v, grid, mask=mm.prefix_lm_mask(seq_len=S, prefix_len=L))
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
+from .layer_plan import AttentionShape, mesh_shapes
 from .masks.document_placement import DocumentPlacement, zigzag_placement
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .masks.layout import zigzag_merge, zigzag_split
@@ -16,7 +17,6 @@ from .planner.document_placer import place_documents
 from .runtime.comm import TrafficCounter
 from .runtime.grid import MeshGrid
 from .schedules.windowed import placement_traffic, window_traffic
-from .values import AttentionShape, mesh_shapes
 
 __version__ = "0.1.0"
 

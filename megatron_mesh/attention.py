@@ -26,6 +26,17 @@ import torch
 from .checks import check_inputs
 from .dtypes import GradDtypes
 from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
+from .layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    AttentionShape,
+    Exchange,
+    GradDtype,
+    MeshPlan,
+    Runner,
+    Schedule,
+    one_of,
+)
 from .masks.document_placement import DocumentPlacement
 from .masks.documents import Documents
 from .masks.layout import AttentionMask
@@ -40,17 +51,6 @@ from .runtime.agreement import CallSignature
 from .runtime.grid import MeshGrid
 from .schedules import gathered, streamed_kv, streamed_q, windowed
 from .schedules.delta import attention_delta
-from .values import (
-    DEFAULT_GRAD_DTYPE,
-    DEFAULT_SCHEDULE,
-    AttentionShape,
-    Exchange,
-    GradDtype,
-    MeshPlan,
-    Runner,
-    Schedule,
-    one_of,
-)
 
 RUNNERS = {Runner.GATHERED: gathered, Runner.STREAMED_KV: streamed_kv,
            Runner.STREAMED_Q: streamed_q, Runner.SPARSE: windowed}  # what `MeshPlan.runner` names

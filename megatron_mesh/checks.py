@@ -8,9 +8,9 @@ import math
 import torch
 
 from .kernels import check_backend
+from .layer_plan import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 from .masks.zigzag import check_zigzag_divisible
 from .runtime.grid import MeshGrid
-from .values import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -8,6 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from megatron_mesh.layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    GRAD_DTYPE_NAMES,
+    SCHEDULE_NAMES,
+)
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
@@ -20,13 +27,6 @@ from megatron_mesh.planner.placed import PLACEMENT_FLAG, lognormal_lengths, pric
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan, resolve_head_dim
-from megatron_mesh.values import (
-    DEFAULT_GRAD_DTYPE,
-    DEFAULT_SCHEDULE,
-    DTYPE_BYTES,
-    GRAD_DTYPE_NAMES,
-    SCHEDULE_NAMES,
-)
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).

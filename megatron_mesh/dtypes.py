@@ -1,12 +1,12 @@
 """The torch dtypes of the layer: input dtypes by their flag names, and the dtypes the
-gradient partials travel in (the byte sizes live in `values`, which imports no torch)."""
+gradient partials travel in (the byte sizes live in `layer_plan`, which imports no torch)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 
-from .values import DTYPE_BYTES
+from .layer_plan import DTYPE_BYTES
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 assert TORCH_DTYPES.keys() == DTYPE_BYTES.keys()
@@ -25,7 +25,7 @@ def flag_dtype(bf16: bool, fp16: bool) -> torch.dtype:
 
 class GradDtypes(NamedTuple):
     """The torch dtypes gradient partials travel in: dq over the row, dkv over the column
-    (`values.GradDtype` decides them for the input dtype)."""
+    (`layer_plan.GradDtype` decides them for the input dtype)."""
 
     dq: torch.dtype
     dkv: torch.dtype

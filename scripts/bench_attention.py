@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 import megatron_mesh as mm
 from megatron_mesh.dtypes import DTYPE_NAMES, TORCH_DTYPES
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
+from megatron_mesh.layer_plan import SCHEDULE_NAMES as SCHEDULES
 from megatron_mesh.models.memory import extra_memory
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
 from megatron_mesh.runtime.peak_memory import pass_peaks
 from megatron_mesh.runtime.spawn import run_gloo
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
-from megatron_mesh.values import SCHEDULE_NAMES as SCHEDULES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,6 +43,7 @@ from cluster_documents import documents_report, parse_lengths, run_documents_ran
 import megatron_mesh as mm
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.models.memory import extra_memory, streamed_schedule
 from megatron_mesh.models.plan import resolve_plan
@@ -51,7 +52,6 @@ from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
 from megatron_mesh.runtime.peak_memory import pass_peaks
 from megatron_mesh.runtime.spawn import run_gloo
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 MIB = 2**20
 FLOOR_BOUND = 0.8  # floor / prediction from which a row is bound by this machine

@@ -20,11 +20,11 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation.compute import EmulatedKernel
+from megatron_mesh.layer_plan import Schedule
 from megatron_mesh.models.memory import extra_memory
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.runtime.peak_memory import pass_peaks
 from megatron_mesh.runtime.spawn import run_gloo
-from megatron_mesh.values import Schedule
 
 MIB = 2 ** 20
 SCHEDULES = tuple(str(s) for s in Schedule)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES
 from megatron_mesh.planner.verdict import LLAMA_GQA, MQA, gpt3_models, summary_table, verdicts
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, Schedule
 from megatron_mesh.runtime import comm
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, Schedule
 
 
 @dataclass(frozen=True)

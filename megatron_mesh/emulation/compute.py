@@ -25,9 +25,9 @@ from megatron_mesh.common.tile_mask import Segments, TileMask
 from megatron_mesh.dtypes import DTYPE_NAMES
 from megatron_mesh.kernels.base import check_call
 from megatron_mesh.kernels.caps import KernelCaps
+from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, attention_flops
 from megatron_mesh.masks.document_placement import run_pairs
 from megatron_mesh.planner.gpu_profile import GpuProfile
-from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
 
 
 def segment_pairs(segments, causal: bool) -> int:

@@ -11,19 +11,19 @@ import argparse
 import logging
 from typing import Any
 
+from megatron_mesh.layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    GRAD_DTYPE_NAMES,
+    SCHEDULE_NAMES,
+    check_positive_int,
+)
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.megatron.shape import (
     cp_ranks_per_node,
     describe_mesh_shape,
     parse_mesh_shape,
     resolve_mesh_shape,
-)
-from megatron_mesh.values import (
-    DEFAULT_GRAD_DTYPE,
-    DEFAULT_SCHEDULE,
-    GRAD_DTYPE_NAMES,
-    SCHEDULE_NAMES,
-    check_positive_int,
 )
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
@@ -41,7 +42,6 @@ from megatron_mesh.megatron.sink import (
 )
 from megatron_mesh.runtime import agreement
 from megatron_mesh.runtime.grid import MeshGrid
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 # with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)

@@ -14,6 +14,7 @@ import logging
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 from megatron_mesh.megatron.shape import (
     GridTriple,
     cp_ranks_per_node,
@@ -21,7 +22,6 @@ from megatron_mesh.megatron.shape import (
     resolve_mesh_shape,
 )
 from megatron_mesh.runtime.grid import MeshGrid
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,7 @@ import os
 import re
 from typing import Mapping
 
-from megatron_mesh.masks.zigzag import check_zigzag_divisible
-from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.planner.search import grid_key
-from megatron_mesh.values import (
+from megatron_mesh.layer_plan import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     check_positive_int,
@@ -22,6 +19,9 @@ from megatron_mesh.values import (
     shape_text,
     shapes_text,
 )
+from megatron_mesh.masks.zigzag import check_zigzag_divisible
+from megatron_mesh.planner import Cluster, Workload, search
+from megatron_mesh.planner.search import grid_key
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 

@@ -129,7 +129,7 @@ def get_gpt_layer_spec(
 
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
-    schedule the mesh schedule (`values.SCHEDULE_NAMES`), grad_reduce_dtype the dtype of the
+    schedule the mesh schedule (`layer_plan.SCHEDULE_NAMES`), grad_reduce_dtype the dtype of the
     gradient exchange (fp32 / input), grid the mesh grid `initialize_mesh_grids` returned.
     """
     from megatron.core.models.gpt import gpt_layer_specs

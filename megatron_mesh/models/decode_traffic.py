@@ -9,7 +9,7 @@ b hq (dv + 1) values (its partial out and lse), so it sends (P - 1) b hq (dv + 1
 """
 from __future__ import annotations
 
-from ..values import FP32_BYTES, AttentionShape
+from ..layer_plan import FP32_BYTES, AttentionShape
 
 
 def decode_step_bytes(batch: int, q_heads: int, v_head_dim: int, cp_size: int) -> int:

@@ -4,7 +4,7 @@ for backward beyond the inputs and out (the lse; with a heads dimension the rela
 and the mesh's output) counts as extra.
 
 Bytes of one rank's chunk (element counts as in `traffic.py`: q, kv, l), e = input bytes,
-g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
+g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`):
 
     Q = q e, KV = kv e, L = 4 l (lse, D: fp32), FQ = 4 q, FKV = 4 kv (fp32 partials);
     O = o e, FO = 4 o for outputs and dO (O = Q, FO = FQ unless V has its own head dim;
@@ -99,7 +99,7 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `values.GradDtype`):
                        (cached) are not counted.
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
-the heads (`values.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
+the heads (`layer_plan.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
 with the repeated K/V heads), or the relayout of Q, K, V in one message (2 (Q + KV'):
 sent and received, laid out in the sent buffer; the repeated K/V heads held meanwhile), or
 the output's all-to-all (the mesh's output and lse, sent and received: 3 Q + L); backward,
@@ -118,8 +118,8 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Sequence
 
-from ..values import FP32_BYTES as FP32
-from ..values import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
+from ..layer_plan import FP32_BYTES as FP32
+from ..layer_plan import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
 from .tile_calls import CallShape, grouping, rank_call_shapes
 
 
@@ -419,7 +419,7 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
                        windowed: bool | Exchanged = False, *, bottom_right: bool = False,
                        grouped: bool | None = None) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
-    (`values.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
+    (`layer_plan.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
     (Q), or the gradients relaid back in one message (Q + KV' and 2 (Q + KV'))."""
     inner = heads_shape(shape, plan.heads)

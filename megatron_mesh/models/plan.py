@@ -1,6 +1,6 @@
 """How one attention layer runs on its CP group: the plan, resolved once and passed on.
 
-A `values.MeshPlan` fixes the group's factorization P = heads x rows x cols (heads: the
+A `layer_plan.MeshPlan` fixes the group's factorization P = heads x rows x cols (heads: the
 head-parallel all-to-all width, 1 for the plain 2D mesh), the `Schedule` that runs and the
 dtype of the gradient exchange. It is frozen: every later step (the attention call, the byte
 and memory models, the planner, the driver's banner) reads it and never re-derives it.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..values import (
+from ..layer_plan import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     STREAMED,
@@ -55,7 +55,7 @@ def resolve_plan(
     resolves "streamed" for `shape` (the layer as one rank's attention sees it: its heads,
     the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks
     heads * rows * cols against cp_size when given. `exchange`: sparse where the mask kind
-    leaves most rows unused and only used rows should travel (`values.Exchange`)."""
+    leaves most rows unused and only used rows should travel (`layer_plan.Exchange`)."""
     if not isinstance(grad_reduce_dtype, GradDtype):
         check_grad_reduce_dtype(grad_reduce_dtype)
     if not isinstance(schedule, Schedule):

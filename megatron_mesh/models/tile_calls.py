@@ -33,7 +33,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from ..values import Schedule, check_positive_int
+from ..layer_plan import Schedule, check_positive_int
 
 # Grouping is on unless MESH_GROUP_CALLS=0 is set in the environment (read on every tile):
 # the blocks' own calls are kept for A/B comparisons only (`scripts/bench_tiles.py

@@ -24,7 +24,7 @@ terms.
 By default (grad_reduce_dtype="mixed", `mesh_attention`'s default and this module's) dK, dV
 travel in the input dtype, as in Transformer Engine's ring, and dQ in fp32 (twice its
 element size with bf16 inputs); "fp32" sends both in fp32, "input" both in the input dtype
-(`values.GradDtype`).
+(`layer_plan.GradDtype`).
 The streamed_q schedule replaces the partial-O all-to-all by a ring in which each chunk's
 partial output is merged hop by hop; it travels in fp32 (out_bytes = 4), since rounding the
 running merge to bf16 at every hop would lose precision as C grows.
@@ -37,13 +37,13 @@ all-to-all over its A-rank heads group, in the input dtype, (A-1)/A of each tens
 
 and then runs the R x C mesh over P/A ranks with the same q and f kv elements per rank,
 where f = A / gcd(A, hkv) counts K/V heads repeated so that each head slice has its own
-(`values.kv_repeats`). Corners: A = 1 is the mesh; (A, P/A, 1) is a2a+p2p; (P, 1, 1) is a2a.
+(`layer_plan.kv_repeats`). Corners: A = 1 is the mesh; (A, P/A, 1) is a2a+p2p; (P, 1, 1) is a2a.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..values import (
+from ..layer_plan import (
     FP32_BYTES,
     AttentionShape,
     MeshPlan,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GridShape
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GridShape
 
 
 def driver_flags(cp_size: int, grid: tuple[int, int, int], tensor_parallel: int = 1,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from megatron_mesh.values import BACKWARD_FLOPS_RATIO, attention_flops
+from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, attention_flops
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 GPU_PROFILES = ("h100", "h200")  # --gpu names: profiles/<name>.json

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.planner.gpu_profile import GpuProfile
-from megatron_mesh.values import check_positive_int
 
 if TYPE_CHECKING:
     from megatron_mesh.planner.tiles import TileCalls

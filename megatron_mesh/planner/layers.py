@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.search import Plan, grid_key
-from megatron_mesh.values import check_positive_int
 
 TE_METHODS = ("ring", "all_gather", "a2a", "a2a+p2p")  # Transformer Engine's cp_comm_types
 

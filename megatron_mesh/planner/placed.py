@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
 from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
 from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.planner.cost import Estimate, price
@@ -41,7 +42,6 @@ from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
 from megatron_mesh.planner.tiles import mesh_calls, ring_calls
 from megatron_mesh.planner.windows import RowCounts
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.values import BACKWARD_FLOPS_RATIO, grid_shapes
 
 PLACEMENT_FLAG = "--mesh-document-placement balanced"
 

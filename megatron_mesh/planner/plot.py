@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_mesh.layer_plan import shape_text
 from megatron_mesh.planner.search import Plan
-from megatron_mesh.values import shape_text
 
 CHOICE = "planner's choice"
 SERIES = (CHOICE, "best 2D mesh", "all_gather", "a2a", "a2a+p2p")

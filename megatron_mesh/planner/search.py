@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh import values
+from megatron_mesh import layer_plan
+from megatron_mesh.layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    MeshPlan,
+    grid_shapes,
+    mesh_shapes,
+    shapes_text,
+)
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.gpu_profile import GpuProfile, load_profile
@@ -32,14 +40,6 @@ from megatron_mesh.planner.tiles import (
     ring_calls,
 )
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.values import (
-    DEFAULT_GRAD_DTYPE,
-    DEFAULT_SCHEDULE,
-    MeshPlan,
-    grid_shapes,
-    mesh_shapes,
-    shapes_text,
-)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def grid_key(estimate: Estimate) -> tuple[float, float, int, int, int, int]:
 def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
     """Every all-to-all size A > 1 of a heads x rows x cols grid: A divides P and the query
     heads (K/V heads are repeated where A exceeds them)."""
-    return [a for a in values.heads_sizes(cp_size, workload.num_heads) if a > 1]
+    return [a for a in layer_plan.heads_sizes(cp_size, workload.num_heads) if a > 1]
 
 
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:

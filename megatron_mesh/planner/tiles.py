@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.masks.window import Window
 from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.values import check_positive_int
 
 # kernels that take a causal call of more keys than queries, bottom-right aligned
 # (`KernelCaps.bottom_right`: torch's; not cuDNN's nor Transformer Engine's)

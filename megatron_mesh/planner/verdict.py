@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner.search import Plan, plan
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE
 
 
 @dataclass(frozen=True)

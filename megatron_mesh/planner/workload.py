@@ -3,11 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.masks.window import Window, window_of
-from megatron_mesh.masks.zigzag import check_zigzag_divisible
-from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.planner.windows import kept_pairs
-from megatron_mesh.values import (
+from megatron_mesh.layer_plan import (
     BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
@@ -20,6 +16,10 @@ from megatron_mesh.values import (
     check_positive_int,
     one_of,
 )
+from megatron_mesh.masks.window import Window, window_of
+from megatron_mesh.masks.zigzag import check_zigzag_divisible
+from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.planner.windows import kept_pairs
 
 
 @dataclass(frozen=True)

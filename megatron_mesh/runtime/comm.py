@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .flat import flat_size, pack, views
 
 Phase = Literal["forward", "backward"]
-Direction = Literal["row", "column", "heads"]  # `values.ROW`, `COLUMN`, `HEADS`
+Direction = Literal["row", "column", "heads"]  # `layer_plan.ROW`, `COLUMN`, `HEADS`
 
 
 @dataclass(frozen=True)

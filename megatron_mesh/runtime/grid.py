@@ -8,7 +8,7 @@ K/V over its column. With A = 1 (the default) mesh ranks are CP ranks.
 
 The groups come from one `torch.distributed.device_mesh.DeviceMesh` per CP group, with
 named dims "column" (the R ranks of a column, which pass K/V), "row" (the C ranks of a row,
-which pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all): `values.AXES`.
+which pass Q) and, when A > 1, "heads" (the A ranks of an all-to-all): `layer_plan.AXES`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..values import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
+from ..layer_plan import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
 
 # The per-call agreement (`agreement.py`) runs on the CPU: it never waits for a GPU stream.
 AGREEMENT_BACKEND = "gloo"

@@ -17,7 +17,7 @@ K and V may have different head dims). Each tensor is laid out on its own before
 GQA / MQA: head slice a of hq query heads needs the K/V heads of its queries. When A
 divides hkv each slice takes hkv/A of them; otherwise the K/V heads are repeated
 A / gcd(A, hkv) times (to lcm(A, hkv) heads) just before the all-to-all, which is the
-first collective that needs them, and the repeated bytes travel (`values.kv_repeats`).
+first collective that needs them, and the repeated bytes travel (`layer_plan.kv_repeats`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..values import HEADS, kv_repeats
+from ..layer_plan import HEADS, kv_repeats
 from . import comm
 from .flat import flat_size, views
 from .grid import MeshGrid

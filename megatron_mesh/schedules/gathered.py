@@ -9,10 +9,10 @@ import torch
 
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
+from ..layer_plan import COLUMN, ROW
 from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from ..values import COLUMN, ROW
 from .blocks import backward_block, backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into

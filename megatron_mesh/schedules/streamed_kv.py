@@ -19,10 +19,10 @@ import torch
 
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
+from ..layer_plan import COLUMN, ROW
 from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from ..values import COLUMN, ROW
 from .blocks import (
     backward_block,
     backward_tile,

@@ -10,7 +10,7 @@ partials travel behind them (the own chunk's last off-diagonal blocks run after 
 step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over the
 column at the end. Bytes
 sent equal the other schedules' except that the partial outputs travel in fp32
-(`values.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
+(`layer_plan.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
 grid of one column has no row ring: there the plan runs the gathered code
 (`MeshPlan.runner`).
 """
@@ -20,11 +20,11 @@ import torch
 
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
+from ..layer_plan import COLUMN, ROW
 from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.flat import pack, views
 from ..runtime.grid import MeshGrid
-from ..values import COLUMN, ROW
 from .blocks import (
     backward_block,
     backward_tile,

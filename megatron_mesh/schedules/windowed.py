@@ -21,15 +21,7 @@ import torch
 from ..common.caches import per_documents
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
-from ..masks.document_placement import DocumentPlacement
-from ..masks.layout import AttentionMask, block_for
-from ..masks.placed import mesh_placement
-from ..masks.window import window_of
-from ..models.memory import extra_memory
-from ..models.traffic import Traffic
-from ..runtime import comm
-from ..runtime.grid import MeshGrid
-from ..values import (
+from ..layer_plan import (
     COLUMN,
     DEFAULT_GRAD_DTYPE,
     FP32_BYTES,
@@ -40,6 +32,14 @@ from ..values import (
     MeshPlan,
     heads_shape,
 )
+from ..masks.document_placement import DocumentPlacement
+from ..masks.layout import AttentionMask, block_for
+from ..masks.placed import mesh_placement
+from ..masks.window import window_of
+from ..models.memory import extra_memory
+from ..models.traffic import Traffic
+from ..runtime import comm
+from ..runtime.grid import MeshGrid
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import out_with_delta
 from .merge import empty_accumulators, merge_into

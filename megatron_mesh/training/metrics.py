@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megatron_mesh.layer_plan import shape_text
 from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training.config import as_dict
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.moe import AUX_LOSS_NAMES
-from megatron_mesh.values import shape_text
 
 if TYPE_CHECKING:
     from megatron_mesh.training.config import TrainingConfig

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_mesh.dtypes import flag_dtype_name
+from megatron_mesh.layer_plan import DTYPE_BYTES, STREAMED, AttentionShape
 from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.placement import placed_rope
@@ -34,7 +35,6 @@ from megatron_mesh.training.moe import moe_label
 from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
 from megatron_mesh.training.placement import placement_label, uses_placement
 from megatron_mesh.training.trainer import train
-from megatron_mesh.values import DTYPE_BYTES, STREAMED, AttentionShape
 
 if TYPE_CHECKING:
     from megatron_mesh.training.config import TrainingConfig

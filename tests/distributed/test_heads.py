@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import grid_shapes
 from megatron_mesh.runtime import comm
 from megatron_mesh.runtime.heads import scatter_heads
-from megatron_mesh.values import grid_shapes
 
 from dist_utils import run_distributed
 from reference import (
@@ -162,7 +162,7 @@ def test_heads_must_divide_query_heads() -> None:
 
 
 def test_kv_repeats_count_only_what_the_slices_need() -> None:
-    from megatron_mesh.values import kv_repeats
+    from megatron_mesh.layer_plan import kv_repeats
 
     assert [kv_repeats(a, 8) for a in (1, 2, 4, 8, 16)] == [1, 1, 1, 1, 2]
     assert [kv_repeats(a, 1) for a in (1, 2, 4)] == [1, 2, 4]

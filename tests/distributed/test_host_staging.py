@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import Schedule
 from megatron_mesh.models.memory import extra_memory
 from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.values import Schedule
 
 import host_staging
 from dist_utils import run_distributed

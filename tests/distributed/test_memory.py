@@ -11,9 +11,9 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import TorchFlashKernel
+from megatron_mesh.layer_plan import MeshPlan, Schedule, grid_shapes
 from megatron_mesh.models.memory import extra_memory, streamed_schedule
 from megatron_mesh.runtime.peak_memory import CpuPeakMemory, pass_peaks
-from megatron_mesh.values import MeshPlan, Schedule, grid_shapes
 
 from dist_utils import run_distributed
 from reference import Failure, assert_no_failures

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import Schedule
 from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.values import Schedule
 
 from dist_utils import run_distributed
 

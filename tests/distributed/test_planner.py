@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GradDtype, Schedule
 from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner import (
     Cluster,
@@ -30,7 +31,6 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.search import mesh_key
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, GradDtype, Schedule
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import Schedule, grid_shapes
 from megatron_mesh.masks.documents import Documents, thd_split
 from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.schedules.windowed import window_traffic
-from megatron_mesh.values import Schedule, grid_shapes
 
 from dist_utils import run_distributed
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import megatron_mesh as mm
+from megatron_mesh.layer_plan import GradDtype, MeshPlan, Schedule
 from megatron_mesh.models.memory import extra_memory, streamed_schedule
 from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.values import GradDtype, MeshPlan, Schedule
 
 SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),
           mm.AttentionShape(8192, 1, 16, 1, 64)]
@@ -66,7 +66,7 @@ def test_plan_says_what_runs(schedule: Schedule) -> None:
     """`MeshPlan.runner` is the one place that folds the one-rank ring into the gathered code
     and routes the sparse exchange; the layer dispatches on it."""
     from megatron_mesh.attention import RUNNERS, sparse_plan
-    from megatron_mesh.values import Exchange, Runner
+    from megatron_mesh.layer_plan import Exchange, Runner
 
     for rows, cols in mm.mesh_shapes(4):
         plan = MeshPlan(rows=rows, cols=cols, schedule=schedule)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, grid_shapes
 from megatron_mesh.planner import Cluster, Workload, plan
 from megatron_mesh.planner.methods import (
     a2a_p2p_transfers,
@@ -15,7 +16,6 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
-from megatron_mesh.values import DEFAULT_GRAD_DTYPE, grid_shapes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

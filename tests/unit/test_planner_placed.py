@@ -9,6 +9,7 @@ import pytest
 
 import megatron_mesh as mm
 from megatron_mesh.cli import main
+from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, AttentionShape
 from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.planner import Cluster, Workload, plan
 from megatron_mesh.planner.document_placer import place_documents
@@ -22,7 +23,6 @@ from megatron_mesh.planner.placed import (
     price_placement,
 )
 from megatron_mesh.planner.windows import RowSizes, heads_bytes, inner_shape, part_totals, peer_bytes
-from megatron_mesh.values import BACKWARD_FLOPS_RATIO, AttentionShape
 
 GRIDS = {4: [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2), (4, 1, 1)],
          8: [(1, 8, 1), (1, 2, 4), (1, 4, 2), (2, 2, 2), (2, 4, 1), (4, 1, 2)]}

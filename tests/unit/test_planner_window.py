@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_mesh.cli import main
+from megatron_mesh.layer_plan import AttentionShape, grid_shapes, heads_shape
 from megatron_mesh.masks.layout import AttentionMask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.models.plan import resolve_plan
@@ -18,7 +19,6 @@ from megatron_mesh.planner.layers import LayerMix, model_plan
 from megatron_mesh.planner.model_report import format_model, verdict_line
 from megatron_mesh.planner.windows import kept_pairs, sparse_traffic
 from megatron_mesh.schedules.windowed import needed_rows, window_traffic
-from megatron_mesh.values import AttentionShape, grid_shapes, heads_shape
 
 MODEL = dict(seq_length=65536, num_heads=32, num_kv_heads=8, head_dim=128)
 CLI = ["plan", "--gpus", "16", "--seq-length", "65536", "--num-heads", "32",

@@ -51,6 +51,7 @@ def _run(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
+    from megatron_mesh.layer_plan import shape_text
     from megatron_mesh.megatron.cpu import megatron_on_cpu
     from megatron_mesh.training import distributed
     from megatron_mesh.training.data import build_tokenizer
@@ -60,7 +61,6 @@ def _run(argv: list[str]) -> int:
         unrecorded_warning,
     )
     from megatron_mesh.training.model import padded_vocab_size
-    from megatron_mesh.values import shape_text
 
     gen, args = parse_generate(argv)
     tokenizer = build_tokenizer(args)

@@ -2,7 +2,7 @@
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
-gradients in the dtypes of mesh_grad_reduce_dtype (`values.GradDtype`). The streamed_kv
+gradients in the dtypes of mesh_grad_reduce_dtype (`layer_plan.GradDtype`). The streamed_kv
 schedule passes K/V around the column ring while blocks compute, dK/dV partials travelling
 behind, so column traffic counts as hidden and row traffic as exposed (the forward Q gather
 overlaps only the local diagonal block, which the model ignores); streamed_q hides the row
@@ -18,6 +18,7 @@ Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
 """
 from __future__ import annotations
 
+from megatron_mesh.layer_plan import COLUMN, FP32_BYTES, ROW, GridShape
 from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
@@ -26,7 +27,6 @@ from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.runtime.grid import dim_groups
-from megatron_mesh.values import COLUMN, FP32_BYTES, ROW, GridShape
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,

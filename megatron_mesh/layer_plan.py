@@ -1,6 +1,8 @@
-"""The value types every layer speaks of, each decided here once; a leaf: it imports nothing
-of the project (nor torch), so the models (`traffic.py`, `memory.py`), the runtime and the
-planner all build on it without a cycle.
+"""One attention layer's problem and plan, and the terms they are written in, each decided
+here once: the shapes (`AttentionShape`, the grid's `GridShape`), the schedule, exchange and
+gradient-dtype choices, and the plan (`MeshPlan`). A leaf: it imports nothing of the project
+(nor torch), so the models (`traffic.py`, `memory.py`), the runtime and the planner all build
+on it without a cycle.
 
 - sizes: `FP32_BYTES`, `DTYPE_BYTES` (input dtypes by their flag names)
 - axis names of the grid: `ROW` (the C ranks that pass Q), `COLUMN` (the R ranks that pass
