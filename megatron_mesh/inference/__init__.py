@@ -12,6 +12,12 @@
                  its K / V share written into the cache
     packed.py    the cache of packed prompts placed by `place_documents` (each document a
                  sequence; the placement's rows, then decode steps round robin)
+    prompts.py   this rank's share of a batch of prompts: padded and cut by the zigzag, or
+                 packed and placed by document
+    sampling.py, continuations.py  the next token of each sequence; when each one stops
+
+megatron/ holds the part that runs it on megatron-core (the generate command, its flags and
+checkpoint, the GPTModel's layers with a cached core attention): it alone imports megatron.
 
 The bytes of the prefill and of a decode step per rank, and the cache's bytes, are in
 megatron_mesh/models/decode_traffic.py (`cache_bytes` and `decode_step_bytes` re-exported here).

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mesh.inference.packed import placed_positions
-from megatron_mesh.masks.document_placement import DocumentPlacement
-from megatron_mesh.masks.layout import zigzag_split
-from megatron_mesh.planner.document_placer import place_documents
+from ..masks.document_placement import DocumentPlacement
+from ..masks.layout import zigzag_split
+from ..planner.document_placer import place_documents
+from .packed import placed_positions
 
 
 def _round_up(n: int, cp: int) -> int:

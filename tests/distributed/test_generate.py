@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron.core import dist_checkpointing
-from preloaded import TINY, TINY_VOCAB, Run, build_indexed_dataset, launch
+from preloaded import TINY, TINY_VOCAB, Job, Run, build_indexed_dataset, job_env, launch
 
 from megatron_mesh.training.checksums import MANIFEST, file_checksum
 from megatron_mesh.training.model_description import MODEL_FLAGS, SAVED_FLAGS
@@ -95,12 +95,12 @@ def test_greedy_on_the_mesh_equals_cp1(grid: str, exchange: str, greedy_cp1: lis
 
 
 def refused(run: Run) -> str:
-    """The one error line every rank printed (exit 2, no traceback, no group built)."""
+    """The error line, printed once (exit 2, no traceback, no group built)."""
     assert run.returncode == 2, run.output[-3000:]
-    errors = {line for line in run.output.splitlines() if line.startswith("generate: error:")}
+    errors = [line for line in run.output.splitlines() if line.startswith("generate: error:")]
     assert len(errors) == 1 and "Traceback" not in run.output, run.output[-3000:]
     assert "built for" not in run.output and "loaded weights" not in run.output
-    return errors.pop()
+    return errors[0]
 
 
 FLAGS_WITHOUT_WEIGHTS = {  # flag values -> the difference named
@@ -180,9 +180,11 @@ def test_a_checkpoint_saved_by_an_older_version(greedy_cp1: list[dict], checkpoi
             "10000") in warning and "--softmax-type vanilla" in warning, warning
     for got, want in zip(records, greedy_cp1, strict=True):
         assert got["generated_ids"] == want["generated_ids"][:4]
-    run = launch(1, ["--config", TINY, *args, "--softmax-type", "learnable"], module=GENERATE)
-    assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
-    (line,) = {line for line in run.output.splitlines() if line.startswith("generate: error:")}
+    # on 4 ranks: the weights are checked after the process groups exist, each rank alike;
+    # the line is printed once
+    run = each_rank(4, ["--config", TINY, *args, "--softmax-type", "learnable", *GRIDS["2x2"]])
+    assert "Traceback" not in run.output, run.output[-3000:]
+    (line,) = [line for line in run.output.splitlines() if line.startswith("generate: error:")]
     assert (f"checkpoint {path} has no weight decoder.layers.self_attention.core_attention."
             "softmax_offset, which the flags' model has (made by --softmax-type learnable)"
             ) in line, line
@@ -285,11 +287,19 @@ def test_text_prompts_go_through_the_tokenizer(greedy_cp1: list[dict], checkpoin
         assert got["text"] == " ".join(map(str, want["generated_ids"]))
 
 
+def each_rank(nproc: int, args: list[str]) -> Run:
+    """generate on `nproc` ranks, none stopped for another's exit: each exits 2 by itself."""
+    job = Job(args, job_env(), nproc, stop_others=False, module=GENERATE)
+    run = job.wait(timeout=120)
+    assert job.exitcodes == [2] * nproc, run.output[-3000:]
+    return run
+
+
 def _bad(work: Path, checkpoint: Path, name: str, prompts: object, extra: list[str]) -> Run:
     path = work / f"{name}.json"
     path.write_text(json.dumps(prompts))
-    return launch(4, ["--config", TINY, "--load", str(checkpoint), "--prompt-ids-file",
-                      str(path), *GRIDS["2x2"], *extra], module=GENERATE, timeout=120)
+    return each_rank(4, ["--config", TINY, "--load", str(checkpoint), "--prompt-ids-file",
+                         str(path), *GRIDS["2x2"], *extra])
 
 
 @pytest.mark.parametrize("name, prompts, extra, message", [
@@ -309,10 +319,12 @@ def _bad(work: Path, checkpoint: Path, name: str, prompts: object, extra: list[s
 ])
 def test_bad_input_exits_2_with_one_line(name: str, prompts: object, extra: list[str],
                                          message: str, checkpoint: Path, work: Path) -> None:
+    """On 4 ranks: each exits 2, the line printed once (the first local rank; every rank
+    finds the same error from the command line and the files)."""
     run = _bad(work, checkpoint, name, prompts, extra)
     assert run.returncode == 2, run.output[-3000:]
     errors = [line for line in run.output.splitlines() if line.startswith("generate: error:")]
-    assert errors and all(message in e for e in errors), run.output[-2000:]
+    assert len(errors) == 1 and message in errors[0], run.output[-2000:]
     assert "Traceback" not in run.output
     assert "built for" not in run.output and "loaded weights" not in run.output  # no group
 

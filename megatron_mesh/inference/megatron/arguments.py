@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megatron_mesh.inference.decode import EXCHANGES
-from megatron_mesh.training.arguments import ConfigError, build_parser, load_config, parse_args
-from megatron_mesh.training.config import TrainingConfig
-from megatron_mesh.training.generation_checkpoint import (
+from megatron_mesh.inference.megatron.checkpoint import (
     check_model_flags,
     checkpoint_path,
     model_defaults,
     saved_model,
 )
+from megatron_mesh.training.arguments import ConfigError, build_parser, load_config, parse_args
+from megatron_mesh.training.config import TrainingConfig
 
 
 @dataclass(frozen=True)

@@ -31,16 +31,16 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_mesh.inference.cache import CacheLayout
 from megatron_mesh.inference.continuations import Continuations
+from megatron_mesh.inference.megatron.arguments import GenerateConfig
+from megatron_mesh.inference.megatron.cached_attention import attach, cached_attention_spec
+from megatron_mesh.inference.prompts import Packed, Padded
 from megatron_mesh.inference.sampling import Sampling, next_tokens
 from megatron_mesh.inference.session import DECODE, InferenceSession
 from megatron_mesh.layer_plan import AttentionShape
-from megatron_mesh.megatron.cached_attention import attach, cached_attention_spec
 from megatron_mesh.models.decode_traffic import cache_bytes
 from megatron_mesh.training.config import TrainingConfig
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.generation_args import GenerateConfig
-from megatron_mesh.training.generation_prompts import Packed, Padded
 from megatron_mesh.training.model import gpt_model, layer_spec, transformer_config
 
 
