@@ -17,7 +17,7 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         max(Q/2 + KV, Q + KV/2)
     grouped calls (the default, `tile_calls.grouping`): a "block" above is the largest
         kernel call of the schedule on any rank (`grouped_calls`, the blocks on hand
-        grouped as `tile_calls.rank_call_shapes` counts them): forward, out and lse of its
+        grouped as `tile_calls.call_shapes` gives them): forward, out and lse of its
         query rows with its concatenated Q and K/V pieces (one piece is a view, not a
         copy), or with the merge's new lse and one weight of a piece; backward, dq, dk, dv
         of its rows with its concatenated dO, Q, out, lse and K/V pieces; "off the
@@ -120,7 +120,7 @@ from typing import Sequence
 
 from ..layer_plan import FP32_BYTES as FP32
 from ..layer_plan import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
-from .tile_calls import CallShape, grouping, rank_call_shapes
+from .tile_calls import CallShape, call_shapes, grouping
 
 
 @dataclass(frozen=True)
@@ -219,11 +219,10 @@ DIAGONAL = CallShape((2,), (2,))  # a causal diagonal block on its own
 
 def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool) -> _Chunk:
     """m with the largest grouped call of `schedule` on an R x C mesh (any rank, causal
-    zigzag; `tile_calls.rank_call_shapes`) in place of one block's: forward, backward,
+    zigzag; `tile_calls.call_shapes`) in place of one block's: forward, backward,
     and backward but the diagonal on its own; `bottom_right`: the kernel folds the
     diagonal into a call (`kernels.base.folds_diagonal`)."""
-    shapes = {phase: {call for calls in rank_call_shapes(r, c, True, schedule, phase,
-                                                         bottom_right) for call in calls}
+    shapes = {phase: call_shapes(r, c, True, schedule, phase, bottom_right)
               for phase in ("forward", "backward")}
     off = [m.backward_call(call) for call in shapes["backward"] if call != DIAGONAL]
     return replace(m, call_forward=max(map(m.forward_call, shapes["forward"])),

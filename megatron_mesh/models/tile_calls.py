@@ -23,7 +23,7 @@ full calls over the same keys take their queries concatenated. What is on hand t
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls
 sets the pace), or one rank's (`rank`). Torch-free: the planner prices kernel time by
-calls, the memory model (`memory.py`) the largest call's copies (`largest_calls`);
+calls, the memory model (`memory.py`) the largest call's copies (`call_shapes`);
 answers are memoized per grid (a plan asks for every rank's). `tests/distributed/
 test_tile_calls.py` holds the real calls to these counts.
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..layer_plan import Schedule, check_positive_int
 
@@ -62,8 +63,7 @@ class CallShape:
     kv: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(NamedTuple):
     """Blocks on hand together, as the schedules make them: one query chunk x against key
     chunks Y (`by_rows`), or query chunks X against one key chunk y; `lower` / `higher`:
     how many of the others lie before / after the one (zigzag positions), `diagonal`:
@@ -122,60 +122,52 @@ def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
     return Schedule.GATHERED if schedule.runs_gathered(rows, cols) else schedule
 
 
-def _against(one: int, others: list[int], by_rows: bool) -> Group:
-    """The group of chunk `one` against `others` (`Group`)."""
-    lower = sum(o < one for o in others)
-    higher = sum(o > one for o in others)
-    return Group(by_rows, lower, higher, one in others)
-
-
-def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str) -> list[Group]:
-    """The groups of blocks rank `rank` (mesh rank i * cols + j) computes together."""
+def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
+            ) -> list[tuple[Group, int]]:
+    """The groups of blocks rank `rank` (mesh rank i * cols + j) computes together, each
+    with how many times it occurs, counted in closed form: row member x_c = i * cols + c
+    lies before column member y_r = r * cols + j where i < r, or i == r and c < j."""
     i, j = divmod(rank, cols)
-    row = [i * cols + c for c in range(cols)]  # query owners, by column index
-    col = [r * cols + j for r in range(rows)]  # key owners, by row index
-    me = rank
-    diagonal = Group(True, 0, 0, True)
+    diagonal = (Group(True, 0, 0, True), 1)
+    # a query chunk x_c (c != j) against the column: i (+1 where c > j) chunks before it
+    row_before = (Group(True, i, rows - i, False), j)  # the j chunks c < j
+    row_after = (Group(True, i + 1, rows - i - 1, False), cols - 1 - j)  # c > j
     if schedule is Schedule.GATHERED:
-        if phase == "forward":
-            return [_against(x, col, True) for x in row]
-        others = [_against(x, col, True) for x in row if x != me]
-        return [diagonal, *others, _against(me, [y for y in col if y != me], True)]
-    if schedule is Schedule.STREAMED_KV:
-        groups = [diagonal]
-        for t in range(rows):
-            y = col[(i - t) % rows]
-            xs = [x for x in row if not (t == 0 and x == me)]
-            if phase == "backward":  # one query chunk at a time
-                groups += [_against(y, [x], False) for x in xs]
-            else:
-                groups.append(_against(y, xs, False))
-        return groups
-    later = set(col[r] for r in _own_blocks_later(rows, i)) if phase == "backward" else set()
-    groups = [diagonal]
-    for t in range(cols):
-        x = row[(j - t) % cols]
-        groups.append(_against(x, [y for y in col if not (t == 0 and (y == me or y in later))],
-                               True))
-    if later:
-        groups.append(_against(me, sorted(later), True))
+        if phase == "forward":  # and x_j = this rank's own chunk, with the diagonal
+            return [row_before, row_after, (Group(True, i, rows - 1 - i, True), 1)]
+        own = (Group(True, i, rows - 1 - i, False), 1)  # the own chunk's other blocks
+        return [diagonal, row_before, row_after, own]
+    if schedule is Schedule.STREAMED_KV:  # the row's chunks against y_r: the diagonal first
+        if phase == "backward":  # one query chunk at a time
+            before = cols * (rows - 1 - i) + j  # (x_c, y_r) with x_c before y_r
+            after = cols * i + cols - 1 - j
+            return [diagonal, (Group(False, 1, 0, False), before),
+                    (Group(False, 0, 1, False), after)]
+        return [diagonal, (Group(False, 0, cols, False), i),  # r < i: every x_c after y_r
+                (Group(False, cols, 0, False), rows - 1 - i),  # r > i: every x_c before
+                (Group(False, j, cols - 1 - j, False), 1)]  # r = i: the others
+    # streamed_q: the query chunk x_c (c = j - t) against the column; at step 0 this rank's
+    # own chunk against the column but the diagonal, in backward only the first (R - 1) // 2
+    # of them (`streamed_q.own_blocks_later`), the others after the last step
+    kept = (rows - 1) // 2 if phase == "backward" else rows - 1
+    later_before = max(0, i - kept)
+    groups = [diagonal, row_before, row_after,
+              (Group(True, min(kept, i), kept - min(kept, i), False), 1)]
+    if phase == "backward":
+        groups.append((Group(True, later_before, rows - 1 - kept - later_before, False), 1))
     return groups
 
 
-def _own_blocks_later(rows: int, row_index: int) -> list[int]:
-    """`streamed_q.own_blocks_later`: the own chunk's off-diagonal row indices kept for
-    after the last ring step."""
-    off = [r for r in range(rows) if r != row_index]
-    return off[(rows - 1) // 2:]
-
-
-@functools.lru_cache(maxsize=4096)
 def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: str,
-                bottom_right: bool, rank: int) -> tuple[CallShape, ...]:
-    """Every call of one rank's pass, grouped, in order (empty groups make none)."""
-    return tuple(c for g in _groups(rows, cols, schedule, rank, phase)
-                 if g.lower or g.higher or g.diagonal
-                 for c in group_shapes(g, causal, bottom_right))
+                bottom_right: bool, rank: int) -> dict[CallShape, int]:
+    """The calls of one rank's pass, grouped: how many of each shape (empty groups make
+    none)."""
+    calls: dict[CallShape, int] = {}
+    for g, n in _groups(rows, cols, schedule, rank, phase):
+        if n and (g.lower or g.higher or g.diagonal):
+            for c in group_shapes(g, causal, bottom_right):
+                calls[c] = calls.get(c, 0) + n
+    return calls
 
 
 @functools.lru_cache(maxsize=1024)
@@ -185,7 +177,7 @@ def _calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: 
     if not grouped:
         return rows * cols  # one call per block
     ranks = range(rows * cols) if rank is None else [rank]
-    return max(len(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r))
+    return max(sum(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r).values())
                for r in ranks)
 
 
@@ -211,10 +203,10 @@ def backward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str,
 
 
 @functools.lru_cache(maxsize=1024)
-def rank_call_shapes(rows: int, cols: int, causal: bool, schedule: Schedule | str,
-                     phase: str, bottom_right: bool = False) -> tuple[tuple[CallShape, ...], ...]:
-    """Per mesh rank, the calls of its `phase` ('forward' or 'backward') in order, grouped
-    (`CallShape`s; the schedule as it runs on this grid)."""
+def call_shapes(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
+                bottom_right: bool = False) -> frozenset[CallShape]:
+    """Every shape of call (`CallShape`) some rank makes in `phase` ('forward' or
+    'backward'), grouped, the schedule as it runs on this grid."""
     schedule = _grid(rows, cols, schedule)
-    return tuple(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r)
-                 for r in range(rows * cols))
+    return frozenset(c for r in range(rows * cols)
+                     for c in _rank_calls(rows, cols, causal, schedule, phase, bottom_right, r))
