@@ -9,6 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+
+# how long a rank that does not print a flag error waits before it exits: the launcher
+# (torchrun) stops every rank at the first that ends, so the rank that prints goes first
+FLAG_ERROR_GRACE_S = 2.0
 
 
 def log_to_stdout() -> None:
@@ -32,6 +37,10 @@ def error(prog: str, message: str) -> None:
 def flag_error(prog: str, message: str) -> None:
     """A flag error, on the first local rank only: the checks read only the command line,
     the environment and the node's files, so every rank of a node finds the same error, and
-    printing it once per rank repeated it P times before the launcher's own report."""
+    printing it once per rank repeated it P times before the launcher's own report. The other
+    ranks wait `FLAG_ERROR_GRACE_S` first: had one of them ended before the first local rank
+    wrote, the launcher could stop that rank with the line unwritten."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         error(prog, message)
+    else:
+        time.sleep(FLAG_ERROR_GRACE_S)

@@ -254,6 +254,12 @@ def test_bad_flags_fail_fast_on_every_rank() -> None:
         assert job.exitcodes == [2, 2, 2, 2], run.output[-2000:]
         assert run.output.count(message) == 1, run.output[-2000:]
         assert run.output.strip().count("\n") == 0 and "usage:" not in run.output, run.output
+    # as under torchrun, which stops every rank at the first that ends: the line still comes
+    job = Job(["--config", TINY, "--context-parallel-size", "4", "--context-parallel-algo", "mesh",
+               "--mesh-shape", "1x2"], job_env(), nproc=4, stop_others=True)
+    run = job.wait(timeout=100)
+    assert run.returncode == 2 and run.output.count(
+        "pretrain_gpt: error: mesh shape 1x2 has 2 ranks") == 1, run.output[-2000:]
 
 
 def test_bad_config_values_are_checked_like_flags(tmp_path: Path,
