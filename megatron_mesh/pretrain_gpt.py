@@ -11,12 +11,11 @@ import sys
 import warnings
 from typing import Sequence
 
-from megatron_mesh.training.console import error, flag_error, log_to_stdout
+from megatron_mesh.training.console import error, flag_error, log_to_stdout, missing_extra
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
-EXTRA_MODULES = ("megatron", "yaml", "psutil")  # what the 'megatron' extra installs
 PROG = "pretrain_gpt"
 
 
@@ -25,10 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from megatron_mesh.training.arguments import ConfigError, parse_args
     except ModuleNotFoundError as e:  # --help too: the flags are megatron-core's
-        if (e.name or "").split(".")[0] not in EXTRA_MODULES:
+        if not missing_extra(PROG, e):
             raise
-        flag_error(PROG, f"the driver needs the 'megatron' extra (no module named {e.name!r}): "
-                   "pip install 'megatron-mesh[megatron]'")
         return 2
     try:
         args = parse_args(argv)

@@ -14,6 +14,7 @@ import time
 # how long a rank that does not print a flag error waits before it exits: the launcher
 # (torchrun) stops every rank at the first that ends, so the rank that prints goes first
 FLAG_ERROR_GRACE_S = 2.0
+EXTRA_MODULES = ("megatron", "yaml", "psutil")  # what the 'megatron' extra installs
 
 
 def log_to_stdout() -> None:
@@ -44,3 +45,13 @@ def flag_error(prog: str, message: str) -> None:
         error(prog, message)
     else:
         time.sleep(FLAG_ERROR_GRACE_S)
+
+
+def missing_extra(prog: str, e: ModuleNotFoundError) -> bool:
+    """Whether `e` is a module of the 'megatron' extra missing (then said once, as a flag
+    error naming the extra); a command's flags are megatron-core's, --help included."""
+    if (e.name or "").split(".")[0] not in EXTRA_MODULES:
+        return False
+    flag_error(prog, f"{prog} needs the 'megatron' extra (no module named {e.name!r}): "
+               "pip install 'megatron-mesh[megatron]'")
+    return True

@@ -338,16 +338,16 @@ def test_bad_inputs_exit_2_before_any_group(tmp_path: Path, capsys: pytest.Captu
     assert_no_failures([problems])
 
 
-def _driver_without(modules: tuple[str, ...], *command_lines: list[str]
-                    ) -> list[tuple[int, str, str]]:
-    """(exit status, stdout, stderr) of the driver's command lines, run one after the other in
-    a Python where `modules` cannot be imported, as after a plain `pip install .` (None in
-    sys.modules: the import fails as for a missing package)."""
+def _driver_without(modules: tuple[str, ...], *command_lines: list[str],
+                    command: str = "pretrain_gpt") -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of a command's (the driver's, or `generate`) command
+    lines, run one after the other in a Python where `modules` cannot be imported, as after
+    a plain `pip install .` (None in sys.modules: the import fails as for a missing package)."""
     code = f"""
 import contextlib, io, json, sys
 for m in {modules!r}:
     sys.modules[m] = None
-from megatron_mesh.pretrain_gpt import main
+from megatron_mesh.{command} import main
 results = []
 for argv in {[list(c) for c in command_lines]!r}:
     out, err = io.StringIO(), io.StringIO()
@@ -367,16 +367,21 @@ print(json.dumps(results))
 
 def test_driver_without_the_megatron_extra_names_it() -> None:
     """Without PyYAML --help still lists the flags and --config names the extra; without
-    megatron-core even --help says which extra to install. Exit 2, one line, no traceback."""
+    megatron-core even --help says which extra to install, for the driver and for generate.
+    Exit 2, one line, no traceback."""
     extra = "pip install 'megatron-mesh[megatron]'"
     (help_code, help_out, _), config = _driver_without(("yaml",), ["--help"], ["--config", TINY])
     assert help_code == 0 and "--tokenizer-model" in help_out
     (no_megatron,) = _driver_without(("megatron", "yaml"), ["--help"])
+    generate_help, generate_run = _driver_without(
+        ("megatron",), ["--help"], ["--load", "ckpt"], command="generate")
     for (code, _, err), message in (
             (config, f"--config {TINY}: reading YAML needs PyYAML, part of the 'megatron' extra: "
                      f"{extra}"),
-            (no_megatron, f"the driver needs the 'megatron' extra (no module named "
-                          f"'megatron.core'): {extra}")):
+            (no_megatron, f"pretrain_gpt needs the 'megatron' extra (no module named "
+                          f"'megatron.core'): {extra}"),
+            *((g, f"generate needs the 'megatron' extra (no module named 'megatron.core'): {extra}")
+              for g in (generate_help, generate_run))):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and message in lines[0], err
 

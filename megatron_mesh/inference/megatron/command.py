@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from megatron_mesh.training.console import error, flag_error, log_to_stdout
+from megatron_mesh.training.console import error, flag_error, log_to_stdout, missing_extra
 
 if TYPE_CHECKING:
     from megatron_mesh.inference.megatron.arguments import GenerateConfig
@@ -18,15 +18,19 @@ PROG = "generate"
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
+    try:
         from megatron_mesh.inference.megatron.arguments import generate_parser
-
+        from megatron_mesh.training.arguments import ConfigError
+        from megatron_mesh.training.checksums import CheckpointError
+    except ModuleNotFoundError as e:  # --help too: the model flags are megatron-core's
+        if not missing_extra(PROG, e):
+            raise
+        return 2
+    if "-h" in argv or "--help" in argv:
         generate_parser().print_help()
         print("\nmodel flags: those of python -m megatron_mesh.pretrain_gpt --help")
         return 0
     log_to_stdout()
-    from megatron_mesh.training.arguments import ConfigError
-    from megatron_mesh.training.checksums import CheckpointError
 
     try:
         checked = _check(argv)
