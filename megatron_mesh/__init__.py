@@ -12,11 +12,11 @@ from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_sp
 from .masks.layout import zigzag_merge, zigzag_split
 from .masks.prefix import prefix_lm_mask
 from .masks.slices import Slice, SliceMask
+from .models.sparse import placement_traffic, window_traffic
 from .models.traffic import Traffic, best_mesh_shape, mesh_traffic
 from .planner.document_placer import place_documents
 from .runtime.comm import TrafficCounter
 from .runtime.grid import MeshGrid
-from .schedules.windowed import placement_traffic, window_traffic
 
 __version__ = "0.1.0"
 

@@ -45,15 +45,16 @@ from .masks.sink import add_sink, check_offset, sink_grad
 from .masks.slices import SliceMask, as_mask
 from .masks.window import Window, window_of
 from .models.plan import resolve_plan
+from .models.sparse import sparse_traffic
 from .models.traffic import mesh_traffic
 from .runtime import agreement, heads
 from .runtime.agreement import CallSignature
 from .runtime.grid import MeshGrid
-from .schedules import gathered, streamed_kv, streamed_q, windowed
+from .schedules import gathered, sparse, streamed_kv, streamed_q
 from .schedules.delta import attention_delta
 
 RUNNERS = {Runner.GATHERED: gathered, Runner.STREAMED_KV: streamed_kv,
-           Runner.STREAMED_Q: streamed_q, Runner.SPARSE: windowed}  # what `MeshPlan.runner` names
+           Runner.STREAMED_Q: streamed_q, Runner.SPARSE: sparse}  # what `MeshPlan.runner` names
 
 
 def layer_shape(q: torch.Tensor, k: torch.Tensor, grid: MeshGrid,
@@ -110,12 +111,12 @@ def mask_of(mask: SliceMask | Iterable | None, causal: bool | None, packed: bool
 def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: SliceMask) -> bool:
     """Whether the sparse exchange of `mask` (only the rows its blocks use) sends at most
     `SPARSE_PAYS` of the bytes of the dense `plan`, on the rank sending most
-    (`windowed.sparse_traffic` against `traffic.mesh_traffic`)."""
+    (`models.sparse.sparse_traffic` against `traffic.mesh_traffic`)."""
     e = shape.dtype_bytes
     slices = AttentionMask(False, ranks=plan.rows * plan.cols, slices=mask)
-    sparse = windowed.sparse_traffic(shape, plan.heads, plan.rows, plan.cols, slices, None,
-                                     plan.dq_bytes(e), plan.dkv_bytes(e))
-    return sparse.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
+    moved = sparse_traffic(shape, plan.heads, plan.rows, plan.cols, slices, None,
+                           plan.dq_bytes(e), plan.dkv_bytes(e))
+    return moved.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
 
 
 def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: bool
@@ -390,14 +391,14 @@ def mesh_attention(
     document when packed), -1 unbounded; with causal=True right is 0 or -1 (both mean 0).
     Blocks with no pair inside the window are not computed (`window.py`).
     window_exchange: under a window, 'sparse' (default: each rank receives only the rows its
-    blocks use, `windowed.py`, whatever the schedule) or 'gathered' (the gathered schedule's
+    blocks use, `schedules/sparse.py`, whatever the schedule) or 'gathered' (the gathered schedule's
     whole chunks: on a P x 1 grid what Transformer Engine's all_gather moves under a window,
     O(S) bytes; for comparison).
     placement: packed documents placed by `place_documents` (a `DocumentPlacement`, the
     same on every rank): q [t, hq, d], k / v [t, hkv, d] are the packed tensors at
     `placement.token_indices(cp_rank)`. Causal within each document; documents held whole
     by one rank cost no bytes, only the rows of documents that span ranks travel
-    (`placed.py`, `windowed.py`). Every grid, schedule and window; with cu_seqlens too, they
+    (`placed.py`, `schedules/sparse.py`). Every grid, schedule and window; with cu_seqlens too, they
     must be the placement's documents.
     softmax_offset: attention sinks, a float32 [hq] tensor the same on every rank: each query
     row's softmax gets one more logit offset[h] whose value is 0 (gpt-oss; Megatron-Core's

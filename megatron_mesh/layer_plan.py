@@ -216,7 +216,7 @@ class Schedule(str, enum.Enum):
 class Exchange(str, enum.Enum):
     """What travels between ranks: whole chunks (the schedule's gathers and rings) or, where
     a mask kind leaves most rows unused (sliding windows, placed documents), only the rows
-    each rank's blocks use, point to point (`windowed.py`)."""
+    each rank's blocks use, point to point (`schedules/sparse.py`)."""
 
     DENSE = "dense"
     SPARSE = "sparse"

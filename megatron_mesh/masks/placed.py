@@ -12,7 +12,7 @@ positions <= p of its document):
     runs that overlap otherwise           a band tile (flash-attention's own window)
 
 Documents held whole by one rank meet only on the diagonal block, so no other block uses
-their rows and the sparse exchange (`windowed.py`) moves none of them. Under a sliding
+their rows and the sparse exchange (`schedules/sparse.py`) moves none of them. Under a sliding
 window the blocks are cut by `layout`'s band tiles over the same runs.
 """
 from __future__ import annotations

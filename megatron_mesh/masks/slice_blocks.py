@@ -5,7 +5,7 @@ their sub-chunks is a rectangle of positions, and each slice meeting it gives at
 slices of it (`Slice.cut`), moved to the local rows. Then:
 
     no cut slice          the block is empty: not computed, and the sparse exchange
-                          (`windowed.py`) sends none of its rows
+                          (`schedules/sparse.py`) sends none of its rows
     each cut slice        one plain call over its rows: full; causal where it is square,
                           else flash-attention's bottom-right causal (`TileMask.band`);
                           a window band as flash-attention's window (`TileMask.band`)

@@ -57,9 +57,9 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
                        ring, K/V and dK, dV in flight; a model for comparison)
 
-    windowed (sliding windows, `windowed.py`; every schedule runs it): with qi, qo the
+    windowed (sliding windows, `schedules/sparse.py`; every schedule runs it): with qi, qo the
                        Q rows a rank receives from and sends to its row, ki, ko the K/V
-                       rows from and to its column (in chunks, `windowed.needed_rows`;
+                       rows from and to its column (in chunks, `masks.needed_rows`;
                        C - 1 and R - 1 each when no window is given), the most of
                        forward : both exchanges start together and this rank's own
                                  block (Q, K/V of its own chunk: the diagonal) runs while
@@ -363,7 +363,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
 
 Exchanged = Sequence[tuple]
 """Per rank of the mesh, `_bound`'s tuple of the rows it exchanges under a given window
-(counted by `windowed.exchanged_rows`)."""
+(counted by `sparse.exchanged_rows`)."""
 
 
 def _windowed_memory(shape: AttentionShape, m: _Chunk, r: int, c: int,

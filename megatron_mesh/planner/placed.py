@@ -7,7 +7,7 @@ pairs, the bytes stay those of one sequence of the packed length (`search.plan` 
 over a few consecutive ranks; `mesh_attention(placement=...)` runs it through the sparse
 exchange, so each rank receives of each peer only the rows of documents both hold.
 
-Rows, in closed form from the placement's runs (equal to `windowed.placement_traffic`,
+Rows, in closed form from the placement's runs (equal to `models.sparse.placement_traffic`,
 which builds every block's rows, tests/unit/test_planner_placed.py). On the mesh
 placement (`placed.mesh_placement`: after a heads all-to-all mesh rank m holds CP ranks
 mA .. mA+A-1's runs), a query run (d, p, n) of rank o and the key runs (d, k, m) of the

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.masks.window import window_of
+from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.runtime import comm
-from megatron_mesh.schedules.windowed import window_traffic
 
 from dist_utils import run_distributed
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import megatron_mesh as mm
 from megatron_mesh.layer_plan import Exchange, Schedule, grid_shapes
 from megatron_mesh.masks.layout import AttentionMask, zigzag_split
-from megatron_mesh.schedules.windowed import sparse_traffic
+from megatron_mesh.models.sparse import sparse_traffic
 
 from dist_utils import run_distributed
 from reference import count_sent_bytes

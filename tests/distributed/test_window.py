@@ -16,8 +16,8 @@ from megatron_mesh.layer_plan import Schedule, grid_shapes
 from megatron_mesh.masks.documents import Documents, thd_split
 from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.models.traffic import mesh_traffic
-from megatron_mesh.schedules.windowed import window_traffic
 
 from dist_utils import run_distributed
 
@@ -304,7 +304,7 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
     from megatron_mesh.kernels import TorchFlashKernel
     from megatron_mesh.masks.layout import AttentionMask
     from megatron_mesh.masks.window import Window
-    from megatron_mesh.schedules import windowed
+    from megatron_mesh.schedules import sparse
     from megatron_mesh.schedules.delta import attention_delta
 
     class Ops(TorchDispatchMode):
@@ -327,11 +327,11 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
             k, v = (torch.empty(docs.total, 1, 2, 16, device="meta", dtype=dtype)
                     for _ in range(2))
             with Ops() as ops:
-                out, lse = windowed.forward(q, k, v, grid, mask, 0.25, TorchFlashKernel())
+                out, lse = sparse.forward(q, k, v, grid, mask, 0.25, TorchFlashKernel())
                 out = out.to(dtype)  # the runner's fp32 rows, finished as attention does
-                dq, dk, dv = windowed.backward(out, q, k, v, out, lse,
-                                               attention_delta(out, out), grid, mask, 0.25,
-                                               TorchFlashKernel())
+                dq, dk, dv = sparse.backward(out, q, k, v, out, lse,
+                                             attention_delta(out, out), grid, mask, 0.25,
+                                             TorchFlashKernel())
             rows.append((str(dtype), packed, tuple(out.shape), dq.dtype == dtype,
                          tuple(lse.shape), tuple(dq.shape), tuple(dk.shape), tuple(dv.shape),
                          sorted(ops.names)))
@@ -456,8 +456,8 @@ MEMORY_SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
 
 def _memory(rank: int, world: int) -> dict:
     from megatron_mesh.models.plan import MeshPlan
+    from megatron_mesh.models.sparse import window_extra_memory
     from megatron_mesh.runtime.peak_memory import pass_peaks
-    from megatron_mesh.schedules.windowed import window_extra_memory
 
     results = {}
     for size, p in MEMORY_SIZES.items():
@@ -485,7 +485,7 @@ def _memory(rank: int, world: int) -> dict:
 
 def test_window_memory_model_against_measurement() -> None:
     """Extra memory of the sparse exchange on the rank holding most, P = 4, windows from 1
-    token to longer than S: within 0.97x - 1.03x of `windowed.window_extra_memory`, which
+    token to longer than S: within 0.97x - 1.03x of `models.sparse.window_extra_memory`, which
     counts the rows each rank exchanges under the window
     (measured 1.00 on every case, to the byte)."""
     per_rank = run_distributed(_memory, 4)

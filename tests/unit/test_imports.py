@@ -130,6 +130,10 @@ def test_no_import_cycle_in_the_package():
     ("models.memory", {"layer_plan"}),
     ("models.plan", {"layer_plan", "models.memory"}),  # a plan sits above the memory model
     ("models.traffic", {"layer_plan", "models.plan"}),  # its defaults: mesh_attention's plan
+    # the sparse exchange's model: the rows a mask's blocks use (the masks are below it)
+    ("models.sparse", {"layer_plan", "models.memory", "models.traffic", "masks.layout",
+                       "masks.needed_rows", "masks.placed", "masks.window",
+                       "masks.document_placement"}),
 ])
 def test_layers_import_only_what_is_below(module, allowed):
     graph = import_graph(module_files())
@@ -139,17 +143,19 @@ def test_layers_import_only_what_is_below(module, allowed):
 
 # folder -> folders (and top-level modules) of the package it must never import: the layers
 # in the order data flows (masks -> schedules -> attention -> inference), the models beside
-# them; masks, kernels and runtime side by side, sharing only the leaf common/; megatron-core's
-# side above them: its adapter (megatron/), training/, then generation on megatron-core
-# (inference/megatron/, a folder of its own inside inference/: `_folder` tells it apart)
+# them (only the sparse exchange's model, models/sparse.py, reads masks: the rows a mask's
+# blocks use; never the other way); masks, kernels and runtime side by side, sharing only
+# the leaf common/; megatron-core's side above them: its adapter (megatron/), training/,
+# then generation on megatron-core (inference/megatron/, a folder of its own inside
+# inference/: `_folder` tells it apart)
 SUBFOLDERS = {"inference.megatron"}
 ABOVE = {"schedules", "checks", "attention", "inference", "inference.megatron", "planner",
          "emulation", "megatron", "training"}
 NEVER = {
     "common": ABOVE | {"masks", "kernels", "runtime", "models"},
-    "masks": ABOVE | {"kernels", "runtime"},
+    "masks": ABOVE | {"kernels", "runtime", "models"},
     "kernels": ABOVE | {"masks", "runtime"},
-    "models": {"masks", "schedules", "runtime", "kernels", "attention", "inference",
+    "models": {"schedules", "runtime", "kernels", "attention", "inference",
                "inference.megatron", "megatron", "training"},
     "runtime": ABOVE | {"masks", "kernels"},
     "schedules": {"attention", "inference", "inference.megatron", "planner", "megatron",
@@ -179,6 +185,15 @@ def test_folders_keep_their_layer(folder):
     bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if _folder(m) == folder
                  for t in targets if _folder(t) in NEVER[folder])
     assert not bad, bad
+
+
+def test_only_the_sparse_model_reads_masks():
+    """Of models/, only the sparse exchange's model imports masks/ (its bytes are the rows a
+    mask's blocks use); the other models price a plan from its shape alone."""
+    graph = import_graph(module_files())
+    readers = sorted(m for m, targets in graph.items() if _folder(m) == "models"
+                     and any(_folder(t) == "masks" for t in targets))
+    assert readers == [f"{PACKAGE}.models.sparse"], readers
 
 
 @pytest.mark.parametrize("folder", ["planner", "models", "masks"])

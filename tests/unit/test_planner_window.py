@@ -1,5 +1,5 @@
 """The planner under sliding windows: compute counts the pairs a window keeps, the mesh's
-bytes are those of the sparse exchange (closed form equal to `windowed.window_traffic`),
+bytes are those of the sparse exchange (closed form equal to `models.sparse.window_traffic`),
 Transformer Engine's rings are not available, a model of mixed layers is the weighted sum
 of its layer kinds, and bad window flags exit 2 naming the value."""
 from __future__ import annotations
@@ -12,13 +12,14 @@ import torch
 from megatron_mesh.cli import main
 from megatron_mesh.layer_plan import AttentionShape, grid_shapes, heads_shape
 from megatron_mesh.masks.layout import AttentionMask
+from megatron_mesh.masks.needed_rows import needed_rows
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.planner import Cluster, Workload, plan, search
 from megatron_mesh.planner.layers import LayerMix, model_plan
 from megatron_mesh.planner.model_report import format_model, verdict_line
 from megatron_mesh.planner.windows import kept_pairs, sparse_traffic
-from megatron_mesh.schedules.windowed import needed_rows, window_traffic
 
 MODEL = dict(seq_length=65536, num_heads=32, num_kv_heads=8, head_dim=128)
 CLI = ["plan", "--gpus", "16", "--seq-length", "65536", "--num-heads", "32",
@@ -85,7 +86,7 @@ def test_closed_form_bytes_equal_window_traffic(p, seq, window, causal) -> None:
 def exchange_maxima(shape: AttentionShape, heads: int, rows: int, cols: int, window, dq: int,
                     dkv: int) -> list[int]:
     """Per exchange of `windows.PARTS`, the most bytes any mesh rank sends in it, counted
-    with the algorithm's own `windowed.needed_rows` (the terms of `window_traffic`)."""
+    with the algorithm's own `masks.needed_rows` (the terms of `window_traffic`)."""
     inner = heads_shape(shape, heads) if heads > 1 else shape
     mesh = rows * cols
     local = inner.seq_len // mesh
