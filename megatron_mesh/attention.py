@@ -4,16 +4,18 @@ With A > 1 an all-to-all over the heads group first gives each rank 1/A of the h
 A times the tokens (`heads.py`); the R x C mesh then runs on those.
 
 Rank (i, j) computes the R * C rank-blocks of its tile: the Q chunks of its row against
-the K/V chunks of its column, one kernel call each (`layout.block_for`). Partial outputs
-go back to their owners and merge by log-sum-exp; backward reduces dQ over the row and
-dK, dV over the column, in the dtypes of `plan.GradDtype` (by default dQ in fp32, dK, dV in
-the input dtype). The schedules move the same bytes (streamed_q: partial
-outputs in fp32):
+the K/V chunks of its column (`layout.block_for`), in few kernel calls
+(`blocks.forward_tile`). Partial outputs go back to their owners and merge by log-sum-exp;
+backward reduces dQ over the row and dK, dV over the column, in the dtypes of
+`layer_plan.GradDtype` (by default dQ in fp32, dK, dV in the input dtype). The schedules
+move the same bytes (streamed_q: partial outputs in fp32):
   "gathered": all-gather the tile's Q and K/V, then compute (`gathered.py`);
   "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
   "streamed_q": Q travel around the row ring, overlapped with compute (`streamed_q.py`);
   "streamed": whichever of the two rings holds less memory for the shape, resolved once
-  into a `plan.MeshPlan` before anything runs (`plan.resolve_plan`).
+  into a `layer_plan.MeshPlan` before anything runs (`models.plan.resolve_plan`).
+Masks that leave rows unused (windows, placed documents, slice masks) run the sparse
+exchange instead, whatever the schedule (`schedules/sparse.py`).
 """
 from __future__ import annotations
 
@@ -365,52 +367,31 @@ def mesh_attention(
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
-    q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] (Megatron's sbhd; s = S / P,
-    sub-chunks r and 2P-1-r of 2P for CP rank r; dv = d, or V's own head dim as in
-    multi-latent attention) -> out [s, b, hq, dv] in q's dtype, differentiable in q, k, v.
-    causal: True (the default without a mask) or False.
-    Only the hkv heads travel; GQA / MQA are handled inside the tile kernels (with a heads
-    dimension A, K/V heads are repeated to lcm(A, hkv) for the all-to-all).
-    backend: tile kernels, 'auto' | 'torch' | 'cudnn' | 'te' (`kernels.get_kernel`), or a
-    `TileKernel` object;
-    schedule: 'streamed' (the ring of
-    'streamed_kv' / 'streamed_q' with less memory for the shape) | 'streamed_kv' | 'streamed_q'
-    | 'gathered';
-    grad_reduce_dtype: the dtypes the gradient partials travel in: 'mixed' (default: dK, dV in
-    the input dtype, as Transformer Engine's ring sends them, dQ in fp32), 'fp32' (all) or
-    'input' (all in the input dtype); each rank sums its own blocks in fp32 either way.
-    cu_seqlens: packed documents (THD). q [t, hq, d], k / v [t, hkv, d] hold this rank's
-    share in Transformer Engine's CP layout (`documents.py`: pieces r and 2P-1-r of every
-    document); cu_seqlens is the int32 [n + 1] cumulative document lengths of the WHOLE
-    packed sequence, the same on every rank; cu_seqlens_padded (optional) the padded ones,
-    each a multiple of 2P (without it the lengths themselves must be). Attention never
-    crosses a document; padding tokens get output 0 and zero gradients. A `Documents`
-    value may stand for both (resolved once by the caller).
-    window_size: a sliding window (left, right) as Transformer Engine and flash-attention
-    define it: query i sees keys i - left .. i + right of the whole sequence (of its
-    document when packed), -1 unbounded; with causal=True right is 0 or -1 (both mean 0).
-    Blocks with no pair inside the window are not computed (`window.py`).
-    window_exchange: under a window, 'sparse' (default: each rank receives only the rows its
-    blocks use, `schedules/sparse.py`, whatever the schedule) or 'gathered' (the gathered schedule's
-    whole chunks: on a P x 1 grid what Transformer Engine's all_gather moves under a window,
-    O(S) bytes; for comparison).
-    placement: packed documents placed by `place_documents` (a `DocumentPlacement`, the
-    same on every rank): q [t, hq, d], k / v [t, hkv, d] are the packed tensors at
-    `placement.token_indices(cp_rank)`. Causal within each document; documents held whole
-    by one rank cost no bytes, only the rows of documents that span ranks travel
-    (`placed.py`, `schedules/sparse.py`). Every grid, schedule and window; with cu_seqlens too, they
-    must be the placement's documents.
-    softmax_offset: attention sinks, a float32 [hq] tensor the same on every rank: each query
-    row's softmax gets one more logit offset[h] whose value is 0 (gpt-oss; Megatron-Core's
-    softmax_type "learnable", zeros for "off-by-one"), merged once per row at its owner
-    (`sink.py`). With offset.requires_grad its gradient is this rank's partial (the sum over
-    the CP group is the whole gradient, as Megatron's data x context parallel reduction sums).
-    mask: what each query sees, as slices over the whole sequence's positions: a `SliceMask`
-    or its list of (q_start, q_end, k_start, k_end, 'full' | 'causal') (`slices.py`; the
-    builders of `masks/` make them), the same on every rank; instead of causal, without
-    documents or a window. A query no slice reaches gets output 0 and no gradient. Blocks
-    the mask leaves empty are not computed; where that saves at least half the bytes, only
-    the rows the blocks use travel (`sparse_pays`; window_exchange 'gathered': whole chunks).
+    q [s, b, hq, d], k [s, b, hkv, d], v [s, b, hkv, dv] (sbhd; s = S / P: sub-chunks r and
+    2P-1-r of 2P for CP rank r; hq a multiple of hkv; dv = d, or V's own as in MLA) -> out
+    [s, b, hq, dv] in q's dtype, differentiable in q, k, v (and softmax_offset). With
+    cu_seqlens or placement the tensors are THD: q [t, hq, d], k / v [t, hkv, d | dv].
+
+    What each query sees, one of:
+      causal: True (the default) or False, over one dense sequence;
+      cu_seqlens: packed documents, int32 [n + 1] cumulative lengths of the whole packed
+        sequence (cu_seqlens_padded: the padded ones; or one `Documents`), each rank holding
+        Transformer Engine's CP share; causal or not within each document;
+      placement: a `DocumentPlacement` (`place_documents`), the tensors at
+        `placement.token_indices(cp_rank)`;
+      mask: a `SliceMask` or its list of (q_start, q_end, k_start, k_end, 'full' | 'causal'),
+        alone;
+    window_size (left, right), flash-attention's sliding window (-1 unbounded), with any but
+    mask. All of these are the same on every rank.
+    backend: 'auto' | 'torch' | 'cudnn' | 'te' or a `TileKernel`; schedule: 'streamed'
+    (default) | 'streamed_kv' | 'streamed_q' | 'gathered'; grad_reduce_dtype: 'mixed'
+    (default) | 'fp32' | 'input'; window_exchange: 'sparse' (default) | 'gathered';
+    softmax_offset: attention sinks, float32 [hq].
+
+    Refused, with a ValueError on every rank before any collective: bad shapes, dtypes and
+    names; a mask with causal, documents, a placement or a window; ranks that pass different
+    arguments (the agreement names both values). More: README.md "The API", docs/design.md
+    "Masks", docs/schedules.md.
     """
     if not isinstance(grid, MeshGrid):  # no group to tell the other ranks
         raise ValueError(f"grid must be a MeshGrid (from MeshGrid.build), got "
