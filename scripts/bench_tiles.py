@@ -29,13 +29,13 @@ import time
 
 import torch
 
+from megatron_mesh.common import merge_triton
+from megatron_mesh.common.merge import empty_accumulators
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
 from megatron_mesh.kernels.base import folds_diagonal
 from megatron_mesh.masks.layout import AttentionMask
-from megatron_mesh.schedules import merge_triton
 from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
-from megatron_mesh.schedules.merge import empty_accumulators
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..common.merge import merge_into
 from ..masks.seen import keeps, one_row
 from ..masks.sink import add_sink, check_offset
 from ..runtime import comm
-from ..schedules.merge import merge_into
 from .cache import KVShard
 from .packed import PackedShard
 

@@ -5,7 +5,8 @@
 
 The mesh merges a row's partials exactly by log-sum-exp, so the sink is one more partial
 (out 0, lse = sink) merged once per query row at its owner, after every block
-(`attention.finish_rows`): out <- out e^(lse - lse'), lse' = log(e^lse + e^sink). The tiles
+(`attention.finish_rows`, with the mesh's merge `common.merge.merge_into`): out <- out
+e^(lse - lse'), lse' = log(e^lse + e^sink). The tiles
 and their backward are unchanged: they take the row's final lse', and D = rowsum(dO * O)
 of the final output, which is what softmax with the extra column gives. The sink's
 gradient is d sink_h = -sum_rows e^(sink_h - lse') D over this rank's rows: a partial, which
@@ -15,6 +16,8 @@ parallel ranks does). No bytes travel for it.
 from __future__ import annotations
 
 import torch
+
+from ..common.merge import merge_into
 
 
 def check_offset(offset: object, q_heads: int) -> None:
@@ -39,9 +42,8 @@ def add_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor
     """out [s, b, h, dv] fp32 (scaled in place), lse [b, h, s] fp32 of whole rows and the
     heads' sink logits offset [h] -> (out, lse') with the sink merged in."""
     sink = offset.detach().to(device=lse.device, dtype=torch.float32)[None, :, None]
-    merged = torch.logaddexp(lse, sink)
-    weight = torch.exp(lse - merged)  # [b, h, s]; 0 on rows that see no key (lse -inf)
-    out.mul_(weight.permute(2, 0, 1).unsqueeze(-1))
+    merged = lse.float().clone()  # the caller's lse stays as it was
+    merge_into(out, merged, None, sink)  # a partial of output 0; rows that saw no key: 0
     return out, merged
 
 

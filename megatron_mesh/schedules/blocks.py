@@ -7,13 +7,13 @@ from typing import Collection, Sequence
 
 import torch
 
+from ..common.merge import merge_into
 from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
 from ..masks.groups import Call, Piece, group_calls
 from ..masks.layout import AttentionMask, block_for
 from ..models.tile_calls import grouping
 from ..runtime.flat import flat_size, views
-from .merge import merge_into
 
 
 def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:

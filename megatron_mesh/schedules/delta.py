@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .merge import bhs_to_sbh1
+from ..common.merge import bhs_to_sbh1
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

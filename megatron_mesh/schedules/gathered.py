@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.merge import empty_accumulators, merge_into
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
@@ -15,7 +16,6 @@ from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from .blocks import backward_block, backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import out_with_delta
-from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial
 
 

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ..common.merge import empty_accumulators, merge_into
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
@@ -27,7 +28,6 @@ from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
 from .delta import out_with_delta
-from .merge import empty_accumulators, merge_into
 
 
 def _index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.merge import empty_accumulators
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
@@ -33,7 +34,6 @@ from .blocks import (
     split_kv_grads,
 )
 from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
-from .merge import empty_accumulators
 from .rings import TrailingPartial, ring_steps
 
 

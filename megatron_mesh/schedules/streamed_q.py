@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.merge import empty_accumulators, merge_into
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
@@ -35,7 +36,6 @@ from .blocks import (
     split_kv_grads,
 )
 from .delta import out_with_delta
-from .merge import empty_accumulators, merge_into
 from .rings import TrailingPartial, ring_steps
 
 

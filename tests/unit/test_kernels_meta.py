@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_mesh.common.merge import empty_accumulators, merge_into
 from megatron_mesh.kernels import CudnnKernel, TorchFlashKernel, build
 from megatron_mesh.kernels.choice import Choice, DeviceFacts, choose
-from megatron_mesh.schedules.merge import empty_accumulators, merge_into
 
 HEADS = {"MHA": (8, 8), "GQA": (8, 2), "MQA": (8, 1)}
 VIEWS = {"view", "permute", "unsqueeze", "reshape", "expand", "slice", "select", "as_strided",

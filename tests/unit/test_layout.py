@@ -1,13 +1,17 @@
 """Zigzag layout, block kinds, LSE merge and the D stand-in, in one process."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
+from megatron_mesh.common.merge import empty_accumulators, merge_into
 from megatron_mesh.kernels import TorchFlashKernel
 from megatron_mesh.masks.layout import block_for, zigzag_chunks, zigzag_merge, zigzag_split
+from megatron_mesh.masks.sink import add_sink
 from megatron_mesh.schedules.delta import attention_delta, out_with_delta
-from megatron_mesh.schedules.merge import empty_accumulators, merge_into
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 8])
@@ -51,6 +55,40 @@ def test_merge_of_key_halves_equals_one_call() -> None:
         merge_into(acc_o, acc_l, *kernel.forward(q, k[keys], v[keys], False, 0.25))
     torch.testing.assert_close(acc_o, out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(acc_l, lse, atol=1e-6, rtol=1e-6)
+
+
+def test_the_log_sum_exp_merge_is_coded_once() -> None:
+    """Every merge of partials (the tiles', the sink's, decode's) is common/merge.py's: no other
+    module of the package forms a logaddexp."""
+    root = Path(__file__).resolve().parents[2] / "megatron_mesh"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("logaddexp", "logaddexp_"):
+                found.append(str(path.relative_to(root)))
+    assert found == ["common/merge.py"], found
+
+
+def test_sink_merge_equals_the_softmax_with_one_more_logit() -> None:
+    """add_sink (the mesh's merge of a partial of output 0) against the fp64 softmax over the
+    scores and the sink's logit; a row that sees no key stays 0; the caller's lse is kept."""
+    torch.manual_seed(0)
+    s, b, h, n, dv = 5, 2, 3, 7, 4
+    scores = torch.randn(b, h, s, n, dtype=torch.float64)
+    scores[0, 1, 2] = float("-inf")  # a row that sees no key
+    v = torch.randn(n, dv, dtype=torch.float64)
+    offset = torch.randn(h, dtype=torch.float32)
+    lse = torch.logsumexp(scores, -1)
+    out = (torch.softmax(scores, -1).nan_to_num(0.0) @ v).permute(2, 0, 1, 3)  # [s, b, h, dv]
+    logits = torch.cat([scores, offset.double()[None, :, None, None].expand(b, h, s, 1)], -1)
+    want = (torch.softmax(logits, -1)[..., :n] @ v).permute(2, 0, 1, 3)
+    kept = lse.float().clone()
+    got, got_lse = add_sink(out.float(), kept, offset)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_lse.double(), torch.logsumexp(logits, -1), rtol=1e-5,
+                               atol=1e-6)
+    assert torch.equal(kept, lse.float())
+    assert torch.equal(got[2, 0, 1], torch.zeros(dv))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

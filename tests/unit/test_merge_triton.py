@@ -1,4 +1,4 @@
-"""The fused Triton merge (`megatron_mesh.schedules.merge_triton`) against today's torch merge
+"""The fused Triton merge (`megatron_mesh.common.merge_triton`) against today's torch merge
 (`merge.merge_into_torch`) and against the merge written out from its definition
 (out = sum_j exp(lse_j - L) out_j, L = logsumexp_j lse_j): on CPU through Triton's
 interpreter (TRITON_INTERPRET=1), on a GPU (`gpu` marker) compiled. Skipped, saying so,
@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_mesh.schedules import merge, merge_triton
+from megatron_mesh.common import merge, merge_triton
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,

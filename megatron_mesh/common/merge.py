@@ -1,4 +1,5 @@
-"""Log-sum-exp merging of partial attention results, in fp32.
+"""Log-sum-exp merging of partial attention results, in fp32: the one merge of the package
+(the schedules' tiles, the sink's extra logit in masks/sink.py, decode's CP partials).
 
 On CUDA with Triton importable, `merge_into` is one fused kernel (`merge_triton`); else
 (CPU, no Triton, MESH_TRITON_MERGE=0) the torch ops below (`merge_into_torch`).
@@ -18,7 +19,7 @@ def bhs_to_sbh1(t: torch.Tensor) -> torch.Tensor:
 def merge_into(
     out_acc: torch.Tensor,
     lse_acc: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     lse: torch.Tensor,
     rows: slice = slice(None),
 ) -> None:
@@ -26,17 +27,18 @@ def merge_into(
     accumulators out_acc [s, b, h, d] and lse_acc [b, h, s], in place.
 
     Rows whose accumulated lse is still -inf (nothing merged yet) take the partial as is.
+    out None: a partial whose output is 0 (an attention sink; lse may broadcast, [1, h, 1]).
     One Triton kernel where `merge_triton.available`, else `merge_into_torch`.
     """
     acc_o, acc_l = out_acc[rows], lse_acc[..., rows]
-    if merge_triton.available(acc_o):
+    if out is not None and merge_triton.available(acc_o):
         merge_triton.merge_into(acc_o, acc_l, out, lse)
     else:
         merge_into_torch(acc_o, acc_l, out, lse)
 
 
 def merge_into_torch(
-    acc_o: torch.Tensor, acc_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    acc_o: torch.Tensor, acc_l: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor
 ) -> None:
     """`merge_into` on the rows given, with torch ops (ten kernels, two passes over acc_o).
 
@@ -46,7 +48,8 @@ def merge_into_torch(
     lse = lse.float()
     new_l = torch.logaddexp(acc_l, lse)
     acc_o.mul_(bhs_to_sbh1(weight(acc_l, new_l)))
-    acc_o.addcmul_(out, bhs_to_sbh1(weight(lse, new_l)))
+    if out is not None:
+        acc_o.addcmul_(out, bhs_to_sbh1(weight(lse, new_l)))
     acc_l.copy_(new_l)
 
 

@@ -1,6 +1,6 @@
 """The log-sum-exp merge of one tile's partial as ONE fused Triton kernel (CUDA).
 
-`merge_into(acc_o, acc_l, out, lse)` does what `merge.merge_into` does with torch ops (ten
+`merge_into(acc_o, acc_l, out, lse)` does what `common.merge.merge_into` does with torch ops (ten
 kernels and two passes over the fp32 accumulator) in one pass: each program takes a block
 of rows (s, b, h) with their whole head dim, reads the accumulated lse and the partial's,
 forms new_lse = logaddexp(acc_lse, lse) and the two weights exp(. - new_lse) (0 where both
