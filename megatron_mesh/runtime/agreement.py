@@ -20,6 +20,14 @@ backward follows the forward's decisions) on a gloo group, on the CPU, so it nev
 for a GPU stream (`grid.AGREEMENT_BACKEND`); `scripts/bench_agreement.py` measures it.
 Decode steps take part through their own `Signature` (`inference/decode_agreement.py`),
 at calls every rank chooses alike from the layer numbers (once per generated token).
+
+The mask is compared by what the caller gave, not by its slices (`layout.mask_slices`):
+causal, the documents' or placement's digest (their lengths), the window, a `SliceMask`'s
+digest (its slices). Every mask kind's slices are a function of these and the shapes, so a
+digest of the slices would tell apart no call these do not, while building them on every
+call costs O(documents) (and this module may not import masks/); the fields also name the
+value that differs ("causal True here, False on CP rank 3"), which one digest of the
+slices could not.
 """
 from __future__ import annotations
 
