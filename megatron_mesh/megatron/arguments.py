@@ -20,10 +20,9 @@ from megatron_mesh.layer_plan import (
 )
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.megatron.shape import (
-    cp_ranks_per_node,
     describe_mesh_shape,
+    launched_mesh_shape,
     parse_mesh_shape,
-    resolve_mesh_shape,
 )
 
 logger = logging.getLogger(__name__)
@@ -258,20 +257,11 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         )
     heads, groups = _head_counts(args)
     tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
-    per_node = cp_ranks_per_node(tp_size)
-    shape, automatic = resolve_mesh_shape(
-        cp_size,
-        mesh_shape,
-        mesh_heads=mesh_heads,
-        tensor_parallel_size=tp_size,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        head_dim=attention_head_dims(args)[0],
-        seq_length=seq_length,
+    shape, automatic, per_node = launched_mesh_shape(
+        cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads, num_attention_heads=heads,
+        num_query_groups=groups, head_dim=attention_head_dims(args)[0], seq_length=seq_length,
         schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
-        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE),
-        cp_ranks_per_node=per_node,
-    )
+        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE))
     if cp_size == 1:
         logger.warning(
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"

@@ -17,9 +17,8 @@ from megatron.core import parallel_state
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, shape_text
 from megatron_mesh.megatron.shape import (
     GridTriple,
-    cp_ranks_per_node,
     describe_mesh_shape,
-    resolve_mesh_shape,
+    launched_mesh_shape,
 )
 from megatron_mesh.runtime.grid import MeshGrid
 
@@ -90,20 +89,11 @@ def initialize_mesh_grids(
         )
     cp_size = parallel_state.get_context_parallel_world_size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    per_node = cp_ranks_per_node(tp_size)
-    shape, automatic = resolve_mesh_shape(
-        cp_size,
-        mesh_shape,
-        mesh_heads=mesh_heads,
-        tensor_parallel_size=tp_size,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups,
-        head_dim=head_dim,
-        seq_length=seq_length,
-        cp_ranks_per_node=per_node,
-        schedule=schedule,
-        grad_reduce_dtype=grad_reduce_dtype,
-    )
+    shape, automatic, per_node = launched_mesh_shape(
+        cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads,
+        num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
+        head_dim=head_dim, seq_length=seq_length, schedule=schedule,
+        grad_reduce_dtype=grad_reduce_dtype)
     if cp_size == 1:
         grid = single_rank_grid(parallel_state.get_context_parallel_group())
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from typing import Any, Mapping
 
 from megatron_mesh.layer_plan import (
     DEFAULT_GRAD_DTYPE,
@@ -224,8 +224,8 @@ def resolve_mesh_shape(
     (A, R, C); mesh_heads: the all-to-all size A, or None. What is not given, the planner
     chooses (`auto_mesh_shape`). A must divide the query heads of one TP rank (num heads /
     tensor_parallel_size). A pure function of its arguments: the flag check and the group
-    builder call it with the same values (`cp_ranks_per_node()` for the node size), so they
-    cannot disagree.
+    builder call it with the same values (through `launched_mesh_shape`, with
+    `cp_ranks_per_node()` for the node size), so they cannot disagree.
     """
     check_positive_int("context-parallel size", cp_size)
     if seq_length is not None:
@@ -249,6 +249,19 @@ def resolve_mesh_shape(
                            cp_ranks_per_node, schedule, grad_reduce_dtype, mesh_heads=heads,
                            tensor_parallel_size=tensor_parallel_size)
     return auto, True
+
+
+def launched_mesh_shape(cp_size: int, mesh_shape: object, tensor_parallel_size: int,
+                        **layer: Any) -> tuple[GridTriple, bool, int | None]:
+    """((A, R, C), chosen automatically, CP ranks per node): `resolve_mesh_shape` of the
+    `layer` (mesh_heads, head counts, head_dim, seq_length, schedule, grad_reduce_dtype)
+    with the launcher's CP ranks per node for this TP size (`cp_ranks_per_node`): the one
+    call of the flag check and of the group builder, so they resolve alike."""
+    per_node = cp_ranks_per_node(tensor_parallel_size)
+    shape, automatic = resolve_mesh_shape(cp_size, mesh_shape,
+                                          tensor_parallel_size=tensor_parallel_size,
+                                          cp_ranks_per_node=per_node, **layer)
+    return shape, automatic, per_node
 
 
 def describe_mesh_shape(shape: GridTriple, cp_size: int, automatic: bool,

@@ -97,6 +97,11 @@ class Workload:
             dtype_bytes=self.dtype_bytes,
         )
 
+    def kv_chunk_bytes(self, cp_size: int) -> int:
+        """Bytes of one rank's K,V (its S / cp_size tokens) in the input dtype."""
+        _, kv, _ = self.attention_shape().local_elements(cp_size)
+        return kv * self.dtype_bytes
+
     def check_cp_size(self, cp_size: int) -> None:
         """Megatron's zigzag layout cuts the sequence into 2 * cp_size equal chunks."""
         if cp_size < 1:

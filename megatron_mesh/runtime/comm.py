@@ -26,7 +26,7 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator, Literal, Protocol, Sequence
+from typing import Any, Iterator, Literal, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,23 +119,23 @@ _transport: list[Transport] = [TorchTransport()]  # innermost last
 
 
 @contextlib.contextmanager
-def observing(observer: Observer) -> Iterator[Observer]:
+def _pushed(stack: list, item: Any) -> Iterator[Any]:
+    """`item` on `stack` within the context."""
+    stack.append(item)
+    try:
+        yield item
+    finally:
+        stack.remove(item)
+
+
+def observing(observer: Observer) -> contextlib.AbstractContextManager[Observer]:
     """Within the context, `observer` sees every transfer of this process."""
-    _observers.append(observer)
-    try:
-        yield observer
-    finally:
-        _observers.remove(observer)
+    return _pushed(_observers, observer)
 
 
-@contextlib.contextmanager
-def using(transport: Transport) -> Iterator[Transport]:
+def using(transport: Transport) -> contextlib.AbstractContextManager[Transport]:
     """Within the context, `transport` runs the mesh's collectives (then the previous one)."""
-    _transport.append(transport)
-    try:
-        yield transport
-    finally:
-        _transport.remove(transport)
+    return _pushed(_transport, transport)
 
 
 class Observing:
@@ -198,14 +198,19 @@ class TrafficCounter(Observing):
         return self.bytes()
 
 
+def _result(started: tuple[Any, Pending]) -> Any:
+    """The result of a collective started in the background (`..._async`), once done."""
+    out, pending = started
+    pending.wait()
+    return out
+
+
 def all_gather(
     t: torch.Tensor, group: dist.ProcessGroup | None, phase: Phase, direction: Direction,
     order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """[m, ...] on each of n ranks -> [n * m, ...], in grid order (`order`, module docstring)."""
-    out, pending = all_gather_async(t, group, phase, direction, order)
-    pending.wait()
-    return out
+    return _result(all_gather_async(t, group, phase, direction, order))
 
 
 def all_gather_stacked(
@@ -215,9 +220,7 @@ def all_gather_stacked(
     """Tensors of one dtype (shapes may differ), gathered in one collective: result[r][i] is
     parts[i] of the member at grid position r (`order`). A group of one gets its own parts
     back, uncopied."""
-    out, pending = all_gather_stacked_async(parts, group, phase, direction, order)
-    pending.wait()
-    return out
+    return _result(all_gather_stacked_async(parts, group, phase, direction, order))
 
 
 def reduce_scatter(
@@ -226,9 +229,7 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """[n * m, ...] on each rank, piece p for grid position p (`order`) -> this rank's
     [m, ...] piece of the sum over ranks."""
-    out, pending = reduce_scatter_async(t, group, phase, direction, order)
-    pending.wait()
-    return out
+    return _result(reduce_scatter_async(t, group, phase, direction, order))
 
 
 def reduce_scatter_async(

@@ -9,16 +9,14 @@ evaluates on the samples the unbroken run would have.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mesh.training.data import micro_batches
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.metrics import perplexity
-from megatron_mesh.training.step import forward_step, global_loss
+from megatron_mesh.training.step import global_batch, global_loss
 
 if TYPE_CHECKING:
     from megatron_mesh.training.config import TrainingConfig
@@ -38,21 +36,12 @@ def evaluate(model: torch.nn.Module, dataset: Any, first_sample: int,
     """Mean token loss over --eval-iters global batches of `dataset` from `first_sample`,
     on every rank; the model is left in training mode."""
     data = micro_batches(dataset, args, first_sample)
-    step = partial(forward_step, per_token_loss=args.calculate_per_token_loss)
     reports: list[dict] = []
     model.eval()
     try:
         with torch.no_grad():
             for _ in range(args.eval_iters):
-                reports += get_forward_backward_func()(
-                    forward_step_func=step,
-                    data_iterator=data,
-                    model=[model],
-                    num_microbatches=args.num_microbatches,
-                    seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size,
-                    forward_only=True,
-                )
+                reports += global_batch(model, data, args, forward_only=True)
     finally:
         model.train()
     return global_loss(reports)

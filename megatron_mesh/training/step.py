@@ -3,15 +3,19 @@ evaluation share (megatron-core's forward_step_func and loss function)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mesh.training.device import device
 from megatron_mesh.training.moe import router_padding_mask
 from megatron_mesh.training.pipeline import report_to_all_stages
+
+if TYPE_CHECKING:
+    from megatron_mesh.training.config import TrainingConfig
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False):
@@ -52,6 +56,21 @@ def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module,
                    labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"),
                    **router_padding_mask(batch, model))
     return output, partial(loss_func, batch.get("loss_mask"), per_token_loss=per_token_loss)
+
+
+def global_batch(model: torch.nn.Module, data_iterator: Iterator[dict], args: TrainingConfig,
+                 forward_only: bool) -> list[dict]:
+    """megatron-core's forward/backward schedule over one global batch of `data_iterator`
+    (`forward_step` on each micro-batch): the last stage's reports (`loss_func`)."""
+    return get_forward_backward_func()(
+        forward_step_func=partial(forward_step, per_token_loss=args.calculate_per_token_loss),
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
 
 
 def global_loss(reports: list[dict]) -> float:

@@ -4,12 +4,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from functools import partial
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mesh.megatron.arguments import mesh_active
 from megatron_mesh.training import faults
@@ -19,7 +17,7 @@ from megatron_mesh.training.device import peak_memory_bytes, synchronize
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.metrics import IntervalStats, Loggers, interval_metrics, log_line
 from megatron_mesh.training.moe import aux_losses
-from megatron_mesh.training.step import forward_step, global_loss
+from megatron_mesh.training.step import global_batch, global_loss
 from megatron_mesh.training.stopping import ExitConditions, check_finite
 
 if TYPE_CHECKING:
@@ -33,16 +31,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
     if hasattr(model, "zero_grad_buffer"):  # megatron-core DDP
         model.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=partial(forward_step,
-                                  per_token_loss=args.calculate_per_token_loss),
-        data_iterator=data_iterator,
-        model=[model],
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    reports = global_batch(model, data_iterator, args, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)

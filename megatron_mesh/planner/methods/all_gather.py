@@ -20,9 +20,7 @@ from megatron_mesh.planner.workload import Workload
 
 def all_gather_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:
     p = cluster.gpus
-    shape = workload.attention_shape()
-    _, kv, _ = shape.local_elements(p)
-    piece = kv * shape.dtype_bytes
+    piece = workload.kv_chunk_bytes(p)
     cross = crosses_nodes([range(p)], cluster)
     dtype = workload.dtype
     return [

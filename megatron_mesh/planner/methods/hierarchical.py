@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.methods.ring import check_takes_window
+from megatron_mesh.planner.methods.ring import check_takes_window, ring_kv_transfers
 from megatron_mesh.planner.methods.ulysses import a2a_pair, check_heads
 from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
 from megatron_mesh.planner.workload import Workload
@@ -36,14 +36,5 @@ def a2a_p2p_transfers(workload: Workload, cluster: Cluster, a2a_size: int) -> li
     check_heads(workload, a2a_size)
     ring_size = p // a2a_size
     transfers = a2a_pair(workload, cluster, consecutive_groups(p, a2a_size), a2a_size)
-    _, kv, _ = workload.attention_shape().local_elements(p)
-    step = kv * workload.dtype_bytes
     cross = crosses_nodes(strided_groups(p, ring_size), cluster)
-    dtype = workload.dtype
-    sent = (ring_size - 1) * step
-    return transfers + [
-        PricedTransfer("forward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
-        PricedTransfer("backward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
-        PricedTransfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, True, ring_size,
-                 trailing=True),
-    ]
+    return transfers + ring_kv_transfers(workload, ring_size, cross, workload.kv_chunk_bytes(p))

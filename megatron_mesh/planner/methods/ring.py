@@ -28,14 +28,18 @@ def check_takes_window(workload: Workload, method: str) -> None:
 def ring_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:
     check_takes_window(workload, "p2p ring")
     p = cluster.gpus
-    shape = workload.attention_shape()
-    _, kv, _ = shape.local_elements(p)
-    step = kv * shape.dtype_bytes
-    cross = crosses_nodes([range(p)], cluster)
-    dtype = workload.dtype
+    return ring_kv_transfers(workload, p, cross=crosses_nodes([range(p)], cluster),
+                             chunk_bytes=workload.kv_chunk_bytes(p))
+
+
+def ring_kv_transfers(workload: Workload, ring_size: int, cross: bool,
+                      chunk_bytes: int) -> list[PricedTransfer]:
+    """A K,V ring of `ring_size` ranks: K,V forward, again in backward with dK,dV trailing,
+    (ring_size - 1) chunks of `chunk_bytes` each, all hidden behind the blocks."""
+    sent, dtype = (ring_size - 1) * chunk_bytes, workload.dtype
     return [
-        PricedTransfer("forward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
-        PricedTransfer("backward", "ring", f"K,V ({dtype})", (p - 1) * step, cross, True, p),
-        PricedTransfer("backward", "ring", f"dK,dV ({dtype})", (p - 1) * step, cross, True, p,
-                 trailing=True),
+        PricedTransfer("forward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        PricedTransfer("backward", "ring", f"K,V ({dtype})", sent, cross, True, ring_size),
+        PricedTransfer("backward", "ring", f"dK,dV ({dtype})", sent, cross, True, ring_size,
+                       trailing=True),
     ]
