@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from .base import TileKernel
+from .base import TileKernel, folds_diagonal
 from .caps import WINDOWS, KernelCaps, caps_of, kernel_name, what
 from .choice import Choice, DeviceFacts, choose, log_skips
 from .cudnn import CudnnKernel
@@ -67,6 +67,18 @@ def backend_for(backend: str | TileKernel, needs: Needs) -> str | TileKernel:
             k.caps.covers(needs) for k in OP_KERNELS.values()):
         return "torch"
     return backend
+
+
+def backend_folds_diagonal(backend: str, dtype: torch.dtype) -> bool:
+    """Whether the kernel `backend` names ('torch', 'cudnn', 'te') folds a causal diagonal
+    into a grouped call for inputs of `dtype` on a GPU: `base.folds_diagonal` asked on a meta
+    tensor (a device that is not the CPU), the rule the tiles run by. torch's in fp16 / bf16
+    (CUDA's flash op, its own bottom-right causal), not in fp32 (the memory-efficient op would
+    need a mask of sq x sk); cuDNN's and TE's never."""
+    if backend not in BACKEND_KERNELS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKEND_KERNELS)}")
+    q = torch.empty(0, 1, 1, 1, dtype=dtype, device="meta")
+    return folds_diagonal(BACKEND_KERNELS[backend](), q)
 
 
 def get_kernel(
@@ -135,5 +147,5 @@ def build(chosen: Choice) -> TileKernel:
 
 
 __all__ = ["BACKENDS", "BACKEND_KERNELS", "WINDOWS", "Choice", "CudnnKernel", "DeviceFacts",
-           "KernelCaps", "TEFusedKernel", "TileKernel", "TorchFlashKernel", "backend_for",
-           "build", "caps_of", "check_backend", "choose", "get_kernel", "is_kernel", "refuse"]
+           "KernelCaps", "TEFusedKernel", "TileKernel", "TorchFlashKernel", "backend_folds_diagonal",
+           "backend_for", "build", "caps_of", "check_backend", "choose", "get_kernel", "is_kernel", "refuse"]

@@ -23,14 +23,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from megatron_mesh.dtypes import TORCH_DTYPES
+from megatron_mesh.kernels import backend_folds_diagonal
 from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.masks.window import Window
 from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner.workload import Workload
-
-# kernels that take a causal call of more keys than queries, bottom-right aligned
-# (`KernelCaps.bottom_right`: torch's; not cuDNN's nor Transformer Engine's)
-BOTTOM_RIGHT_BACKENDS = ("torch",)
 
 
 @dataclass(frozen=True)
@@ -84,10 +82,11 @@ def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: in
                blocks: int | None = None, backend: str | None = None) -> TileCalls:
     """The calls of a heads x rows x cols grid's tile (module docstring); `blocks`: the
     most blocks holding a pair on any rank (placed documents; a window's are counted here);
-    `backend`: the kernels' (a causal call of more keys than queries is one call only for
-    `BOTTOM_RIGHT_BACKENDS`; None: as for those)."""
+    `backend`: the kernels' ('torch', 'cudnn', 'te'; None: 'torch'): the causal diagonal is
+    folded into a call of more keys than queries only where that kernel does so for the
+    workload's dtype on a GPU (`kernels.backend_folds_diagonal`: torch's in fp16 / bf16)."""
     schedule = workload.mesh_plan(rows, cols, heads).schedule
-    right = backend is None or backend in BOTTOM_RIGHT_BACKENDS
+    right = backend_folds_diagonal(backend or "torch", TORCH_DTYPES[workload.dtype])
     fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
     bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
     if blocks is None and workload.window is not None:
