@@ -19,6 +19,11 @@ K/V(x) (causal, last), and the second half of Q(x) against K/V(y > x); the row's
 against one K/V chunk are at most three (those above it, those below it, the diagonal).
 Without a causal mask everything on hand is one call. Calls with documents or a tile mask
 (packed documents, sliding windows) are kept as they are.
+
+A call concatenates at most `limit` rows on its grouped side (keys in 1, query rows in 2):
+more go in several calls, cut greedily from the last piece back (the diagonal's run first,
+as many keys before it as fit), each at least one piece; the copies and outputs of one call
+stay bounded however many chunks are on hand.
 """
 from __future__ import annotations
 
@@ -63,11 +68,31 @@ def _key(piece: Piece) -> tuple | None:
     return piece.chunk, piece.rows.start, piece.rows.stop
 
 
+def _runs(pieces: list[Piece], limit: int | None) -> list[list[Piece]]:
+    """Consecutive runs of `pieces` of at most `limit` rows each (at least one piece),
+    filled from the last back; limit None: one run."""
+    if limit is None:
+        return [pieces] if pieces else []
+    out: list[list[Piece]] = []
+    run: list[Piece] = []
+    total = 0
+    for p in reversed(pieces):
+        if run and total + p.size > limit:
+            out.append(run[::-1])
+            run, total = [], 0
+        run.append(p)
+        total += p.size
+    if run:
+        out.append(run[::-1])
+    return out[::-1]
+
+
 def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
-                grouped: bool = True) -> list[Call]:
+                grouped: bool = True, limit: int | None = None) -> list[Call]:
     """The calls computing `blocks` [(query chunk index, key chunk index, Block)], grouped
     (module docstring); `bottom_right`: the kernel takes causal calls of sq < sk;
-    grouped=False: each block's own calls, as they are (an A/B baseline)."""
+    grouped=False: each block's own calls, as they are (an A/B baseline); `limit`: the most
+    rows a call concatenates (None: no cap)."""
     plain: dict[tuple, list[Call]] = {}
     out: list[Call] = []
     for qi, ki, blk in blocks:
@@ -84,18 +109,21 @@ def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
     for calls in plain.values():  # 1. the same query rows: keys concatenated
         full = sorted((c for c in calls if not c.causal), key=lambda c: c.kv[0].chunk)
         causal = [c for c in calls if c.causal]
+        keys = [p for c in full for p in c.kv]
         if (causal and bottom_right and full
                 and causal[0].q[0].size == causal[0].kv[0].size):
             diagonal, *rest = causal
-            out.append(Call(full[0].q, tuple(p for c in full for p in c.kv) + diagonal.kv,
-                            causal=True))
+            *runs, last = _runs(keys + list(diagonal.kv), limit)
+            out.append(Call(full[0].q, tuple(last), causal=True))  # the diagonal's run
             out.extend(rest)
         else:
             out.extend(causal)
-            if full:
-                merged = Call(full[0].q, tuple(p for c in full for p in c.kv))
-                by_keys.setdefault(tuple(_key(p) for p in merged.kv), []).append(merged)
+            runs = _runs(keys, limit)
+        for run in runs:
+            merged = Call(full[0].q, tuple(run))
+            by_keys.setdefault(tuple(_key(p) for p in merged.kv), []).append(merged)
     for calls in by_keys.values():  # 2. the same key rows: queries concatenated
         calls.sort(key=lambda c: c.q[0].chunk)
-        out.append(Call(tuple(c.q[0] for c in calls), calls[0].kv))
+        for run in _runs([c.q[0] for c in calls], limit):
+            out.append(Call(tuple(run), calls[0].kv))
     return out

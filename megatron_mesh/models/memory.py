@@ -22,7 +22,9 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         copy), or with the merge's new lse and one weight of a piece; backward, dq, dk, dv
         of its rows with its concatenated dO, Q, out, lse and K/V pieces; "off the
         diagonal" the largest but the diagonal on its own. bottom_right: the diagonal is
-        folded into the call with the keys before it (one K/V chunk more there)
+        folded into the call with the keys before it (one K/V chunk more there). A call
+        concatenates at most `tile_calls.group_tokens()` keys or query rows (16K), so its
+        copies are a few chunks' worth on any grid
     merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
 
     gathered forward : C Q (row's Q; none when C = 1) + R KV (column's K/V; none when R = 1)
@@ -120,7 +122,7 @@ from typing import Sequence
 
 from ..layer_plan import FP32_BYTES as FP32
 from ..layer_plan import AttentionShape, GradDtype, MeshPlan, Schedule, heads_shape, kv_repeats
-from .tile_calls import CallShape, call_shapes, grouping
+from .tile_calls import CallShape, call_shapes, grouping, piece_limit
 
 
 @dataclass(frozen=True)
@@ -217,12 +219,13 @@ class _Chunk:
 DIAGONAL = CallShape((2,), (2,))  # a causal diagonal block on its own
 
 
-def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool) -> _Chunk:
+def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool,
+                  limit: int | None = None) -> _Chunk:
     """m with the largest grouped call of `schedule` on an R x C mesh (any rank, causal
     zigzag; `tile_calls.call_shapes`) in place of one block's: forward, backward,
     and backward but the diagonal on its own; `bottom_right`: the kernel folds the
     diagonal into a call (`kernels.base.folds_diagonal`)."""
-    shapes = {phase: call_shapes(r, c, True, schedule, phase, bottom_right)
+    shapes = {phase: call_shapes(r, c, True, schedule, phase, bottom_right, limit)
               for phase in ("forward", "backward")}
     off = [m.backward_call(call) for call in shapes["backward"] if call != DIAGONAL]
     return replace(m, call_forward=max(map(m.forward_call, shapes["forward"])),
@@ -321,7 +324,7 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
 
 
 def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
-           grouped: bool | None = None) -> dict[str, int]:
+           grouped: bool | None = None, limit: int | None = None) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included; the blocks' calls
     grouped where `tile_calls.grouping(grouped)` (`grouped_calls`)."""
     row_q = c * m.q if c > 1 else 0
@@ -330,7 +333,7 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
         raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
                          "streamed_q, ring or windowed")
     if grouping(grouped):
-        m = grouped_calls(m, r, c, schedule, bottom_right)
+        m = grouped_calls(m, r, c, schedule, bottom_right, limit)
     # the schedule has no ring to run here: the gathered code runs
     if Schedule(schedule).runs_gathered(r, c):
         partials = c * (m.o + m.lse) if c > 1 else 0  # one column: the accumulator is the row's
@@ -405,7 +408,8 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
         return {"forward": 2 * kv * e, "backward": 2 * kv * e + 2 * FP32 * kv}
     m = _Chunk.of(shape, rows * cols, GradDtype(grad_reduce_dtype))
     if schedule != "windowed":
-        peaks = _peaks(m, rows, cols, schedule, bottom_right, grouped)
+        peaks = _peaks(m, rows, cols, schedule, bottom_right, grouped,
+                       piece_limit(shape.seq_len // (rows * cols)))
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
     peaks = _windowed_memory(shape, m, rows, cols, windowed or True)
     result = dict(m.result)
@@ -424,7 +428,8 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     inner = heads_shape(shape, plan.heads)
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_reduce_dtype)
     mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
-            else _peaks(m, plan.rows, plan.cols, plan.schedule.value, bottom_right, grouped))
+            else _peaks(m, plan.rows, plan.cols, plan.schedule.value, bottom_right, grouped,
+                        piece_limit(inner.seq_len // (plan.rows * plan.cols))))
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_reduce_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0

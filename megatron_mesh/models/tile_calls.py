@@ -20,6 +20,15 @@ full calls over the same keys take their queries concatenated. What is on hand t
                 backward: likewise; the own chunk's blocks kept for after the last step
                           (`streamed_q.own_blocks_later`) in one group
 
+A grouped call concatenates at most `group_tokens()` keys (or query rows; 16384 unless
+MESH_GROUP_TOKENS says otherwise): past that the pieces go in several calls, cut from the
+last (the diagonal's) back, so its copies and outputs stay a few chunks' worth however tall
+or wide the grid is (a query chunk of a 64 x 1 grid's tile would otherwise copy up to the
+whole column's K/V). The value is where the H200 profile (`planner/profiles`) puts an
+8-chunk column's tile within a point of the uncapped one at 4K and 8K tokens per rank;
+8K keys would cost 3 to 4 points there.
+Counts take the chunk's tokens (`chunk_tokens`; None: no cap).
+
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls
 sets the pace), or one rank's (`rank`). Torch-free: the planner prices kernel time by
@@ -40,6 +49,8 @@ from ..layer_plan import Schedule, check_positive_int
 # the blocks' own calls are kept for A/B comparisons only (`scripts/bench_tiles.py
 # --calls blocks`).
 GROUP_CALLS_DEFAULT = True
+# The most keys (or query rows) one grouped call concatenates (MESH_GROUP_TOKENS overrides)
+GROUP_TOKENS = 16384
 
 
 def grouping(grouped: bool | None = None) -> bool:
@@ -49,6 +60,38 @@ def grouping(grouped: bool | None = None) -> bool:
         return grouped
     value = os.environ.get("MESH_GROUP_CALLS")
     return GROUP_CALLS_DEFAULT if value is None else value != "0"
+
+
+def group_tokens(tokens: int | None = None) -> int:
+    """The most keys (or query rows) a grouped call concatenates: `tokens` where given,
+    else MESH_GROUP_TOKENS in the environment, else `GROUP_TOKENS`."""
+    if tokens is None:
+        value = os.environ.get("MESH_GROUP_TOKENS")
+        if value is None:
+            return GROUP_TOKENS
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MESH_GROUP_TOKENS={value!r} is not a positive integer (tokens)")
+        return int(value)
+    check_positive_int("group tokens", tokens)
+    return tokens
+
+
+def piece_limit(chunk_tokens: int | None, tokens: int | None = None) -> int | None:
+    """The cap (`group_tokens(tokens)`) in half chunks of a rank's `chunk_tokens`-token
+    chunk (None: no cap)."""
+    if chunk_tokens is None:
+        return None
+    check_positive_int("chunk_tokens", chunk_tokens)
+    return group_tokens(tokens) // max(1, chunk_tokens // 2)
+
+
+def _runs(n: int, size: int, limit: int | None) -> list[int]:
+    """Pieces per call of n pieces of `size` half chunks cut into runs of at most `limit`
+    half chunks (at least one piece each; None: one run)."""
+    if n == 0:
+        return []
+    m = n if limit is None else max(1, limit // size)
+    return [m] * (n // m) + [n % m] * (n % m > 0)
 
 
 Pair = tuple[int, int]  # (query owner x, key owner y): mesh ranks (zigzag positions)
@@ -84,35 +127,40 @@ def _schedule(schedule: Schedule | str) -> Schedule:
 
 
 @functools.lru_cache(maxsize=1024)
-def group_shapes(group: Group, causal: bool, bottom_right: bool = True
-                 ) -> tuple[CallShape, ...]:
-    """The calls `masks.groups.group_calls` makes of `group`'s dense blocks. The zigzag
+def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
+                 limit: int | None = None) -> tuple[CallShape, ...]:
+    """The calls `masks.groups.group_calls` makes of `group`'s dense blocks, each
+    concatenating at most `limit` half chunks (`piece_limit`; None: no cap). The zigzag
     block rule (`masks.block.block_kind`): x > y sees y's first half with all its rows,
     x < y sees all of y with its second half, x == y is the causal diagonal; without a
     causal mask every block is whole against whole."""
     lower, higher, diagonal = group.lower, group.higher, group.diagonal
     others = lower + higher
-    if not causal:  # every block whole: one call, its pieces concatenated on one side
-        pieces = (2,) * (others + diagonal)
-        return (CallShape((2,), pieces) if group.by_rows else CallShape(pieces, (2,)),)
+    if not causal:  # every block whole: pieces concatenated on one side
+        runs = _runs(others + diagonal, 2, limit)
+        return tuple(CallShape((2,), (2,) * n) if group.by_rows else CallShape((2,) * n, (2,))
+                     for n in runs)
     out = []
     if group.by_rows:  # Q(x) against the first halves of y < x, its second half against y > x
         if diagonal and lower and bottom_right:  # the diagonal's keys last, one call
-            out.append(CallShape((2,), (1,) * lower + (2,)))
+            folded = lower if limit is None else min(lower, max(0, limit - 2))
+            out.append(CallShape((2,), (1,) * folded + (2,)))
+            lower -= folded
         else:
             out += [CallShape((2,), (2,))] * diagonal
-            out += [CallShape((2,), (1,) * lower)] * (lower > 0)
-        out += [CallShape((1,), (2,) * higher)] * (higher > 0)
+        out += [CallShape((2,), (1,) * n) for n in _runs(lower, 1, limit)]
+        out += [CallShape((1,), (2,) * n) for n in _runs(higher, 2, limit)]
     else:  # Q(x > y) against y's first half, the second halves of Q(x < y) against all of y
         out += [CallShape((2,), (2,))] * diagonal
-        out += [CallShape((2,) * higher, (1,))] * (higher > 0)
-        out += [CallShape((1,) * lower, (2,))] * (lower > 0)
+        out += [CallShape((2,) * n, (1,)) for n in _runs(higher, 2, limit)]
+        out += [CallShape((1,) * n, (2,)) for n in _runs(lower, 1, limit)]
     return tuple(out)
 
 
-def group_count(group: Group, causal: bool, bottom_right: bool = True) -> int:
+def group_count(group: Group, causal: bool, bottom_right: bool = True,
+                limit: int | None = None) -> int:
     """Kernel calls for the blocks of `group` (`masks.groups.group_calls` on dense blocks)."""
-    return len(group_shapes(group, causal, bottom_right))
+    return len(group_shapes(group, causal, bottom_right, limit))
 
 
 def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
@@ -159,54 +207,61 @@ def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
 
 
 def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: str,
-                bottom_right: bool, rank: int) -> dict[CallShape, int]:
+                bottom_right: bool, rank: int, limit: int | None) -> dict[CallShape, int]:
     """The calls of one rank's pass, grouped: how many of each shape (empty groups make
     none)."""
     calls: dict[CallShape, int] = {}
     for g, n in _groups(rows, cols, schedule, rank, phase):
         if n and (g.lower or g.higher or g.diagonal):
-            for c in group_shapes(g, causal, bottom_right):
+            for c in group_shapes(g, causal, bottom_right, limit):
                 calls[c] = calls.get(c, 0) + n
     return calls
 
 
 @functools.lru_cache(maxsize=1024)
 def _calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-           bottom_right: bool, rank: int | None, grouped: bool) -> int:
+           bottom_right: bool, rank: int | None, grouped: bool, limit: int | None) -> int:
     schedule = _grid(rows, cols, schedule)
     if not grouped:
         return rows * cols  # one call per block
     ranks = range(rows * cols) if rank is None else [rank]
-    return max(sum(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r).values())
+    return max(sum(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r,
+                               limit).values())
                for r in ranks)
 
 
 def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
                   bottom_right: bool = True, rank: int | None = None,
-                  grouped: bool | None = None) -> int:
+                  grouped: bool | None = None, chunk_tokens: int | None = None,
+                  cap_tokens: int | None = None) -> int:
     """Kernel calls of one rank's forward tile (R = rows K/V chunks x C = cols query
     chunks, a dense sequence, `causal` or full): the most over the mesh's ranks, or rank
     `rank`'s (its mesh rank); `bottom_right`: the kernel folds a causal diagonal into a
     call of more keys than queries (`kernels.base.folds_diagonal`: torch's kernel on CUDA's
     flash op; not cuDNN's nor TE's); `grouped`: as `grouping` (None: as the runtime runs
-    now, grouped unless MESH_GROUP_CALLS=0; ungrouped, R * C)."""
+    now, grouped unless MESH_GROUP_CALLS=0; ungrouped, R * C); `chunk_tokens`: the tokens
+    of a rank's chunk, each call concatenating at most `cap_tokens` of them (None: the
+    runtime's, `group_tokens()`; chunk_tokens None: no cap)."""
     return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank,
-                  grouping(grouped))
+                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens))
 
 
 def backward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
                    bottom_right: bool = True, rank: int | None = None,
-                   grouped: bool | None = None) -> int:
+                   grouped: bool | None = None, chunk_tokens: int | None = None,
+                   cap_tokens: int | None = None) -> int:
     """Kernel calls of one rank's backward tile (as `forward_calls`)."""
     return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank,
-                  grouping(grouped))
+                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens))
 
 
 @functools.lru_cache(maxsize=1024)
 def call_shapes(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-                bottom_right: bool = False) -> frozenset[CallShape]:
+                bottom_right: bool = False, limit: int | None = None) -> frozenset[CallShape]:
     """Every shape of call (`CallShape`) some rank makes in `phase` ('forward' or
-    'backward'), grouped, the schedule as it runs on this grid."""
+    'backward'), grouped, the schedule as it runs on this grid, each call at most `limit`
+    half chunks (`piece_limit`; None: no cap)."""
     schedule = _grid(rows, cols, schedule)
     return frozenset(c for r in range(rows * cols)
-                     for c in _rank_calls(rows, cols, causal, schedule, phase, bottom_right, r))
+                     for c in _rank_calls(rows, cols, causal, schedule, phase, bottom_right, r,
+                                          limit))

@@ -87,13 +87,15 @@ def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: in
     workload's dtype on a GPU (`kernels.backend_folds_diagonal`: torch's in fp16 / bf16)."""
     schedule = workload.mesh_plan(rows, cols, heads).schedule
     right = backend_folds_diagonal(backend or "torch", TORCH_DTYPES[workload.dtype])
-    fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
-    bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right)
+    chunk = workload.seq_length * heads // cp_size
+    fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
+                        chunk_tokens=chunk)
+    bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
+                         chunk_tokens=chunk)
     if blocks is None and workload.window is not None:
         blocks = window_blocks(workload.seq_length, rows, cols, workload.window, workload.causal)
     if blocks is not None:
         fwd, bwd = min(fwd, max(1, blocks)), min(bwd, max(1, blocks))
-    chunk = workload.seq_length * heads // cp_size
     per_call = chunk * max(1, cols // min(fwd, bwd))
     return _calls(workload, fwd, bwd, per_call, workload.num_heads // heads)
 

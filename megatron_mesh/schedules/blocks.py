@@ -12,7 +12,7 @@ from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
 from ..masks.groups import Call, Piece, group_calls
 from ..masks.layout import AttentionMask, block_for
-from ..models.tile_calls import grouping
+from ..models.tile_calls import group_tokens, grouping
 from ..runtime.flat import flat_size, views
 
 
@@ -36,11 +36,12 @@ def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torc
                grouped: bool | None = None) -> list[Call]:
     """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
     `skip`, grouped (`groups.group_calls`; a causal diagonal folded in where
-    `folds_diagonal(kernel, q)`) unless `models.tile_calls.grouping(grouped)` says not,
+    `folds_diagonal(kernel, q)`; at most `models.tile_calls.group_tokens()` keys or query
+    rows concatenated per call) unless `models.tile_calls.grouping(grouped)` says not,
     else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk."""
     blocks = [(qi, ki, block_for(x, y, q.shape[0], mask, q.device))
               for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
-    return group_calls(blocks, folds_diagonal(kernel, q), grouping(grouped))
+    return group_calls(blocks, folds_diagonal(kernel, q), grouping(grouped), group_tokens())
 
 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:

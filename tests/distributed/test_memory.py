@@ -1,10 +1,13 @@
 """Extra memory of each schedule, measured on CPU tensors, against `memory.extra_memory`
 (every R x C shape and every heads x rows x cols grid, fp32 and bf16 with a small head dim;
 the tiles' kernel calls grouped, as they run by default, and in fp32 also with the causal
-diagonal folded into bottom-right calls, `bottom_right=True`): streamed_kv holds two K/V
+diagonal folded into bottom-right calls, `bottom_right=True`, and with each call capped at
+one chunk's keys or query rows, MESH_GROUP_TOKENS): streamed_kv holds two K/V
 chunks instead of R, streamed_q two Q chunks instead of C, "streamed" picks the one that
 holds less, and the model stays close to measurement."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -36,7 +39,10 @@ def test_peak_memory_counts_live_storages() -> None:
 # softmax statistics weigh as much as the chunks themselves
 SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
          "bf16 d4": dict(s=128, b=1, hq=16, hkv=4, d=4, dtype=torch.bfloat16),
-         "fp32 folded": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32)}
+         "fp32 folded": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
+         "fp32 capped": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32)}
+# "capped": at most one chunk's keys (or query rows) per grouped call (the R x C meshes)
+CAPPED = "64"
 # "folded": the diagonal folded into bottom-right calls, as CUDA's flash op takes them; on
 # the CPU by the band's mask, which a layer makes once per shape and keeps (not counted:
 # measured on a second pass)
@@ -59,7 +65,8 @@ def cases(world: int) -> list[tuple[str, int, int, int, str]]:
             for schedule in SCHEDULES:
                 ringless = (schedule == "streamed_kv" and r == 1) or (
                     schedule == "streamed_q" and c == 1)
-                if (a == 1 or not ringless) and (a == 1 or size != "fp32 folded"):
+                if (a == 1 or not ringless) and (a == 1 or size not in ("fp32 folded",
+                                                                        "fp32 capped")):
                     out.append((size, a, r, c, schedule))
     return out
 
@@ -81,9 +88,14 @@ def measure_worker(rank: int, world: int) -> dict:
         if folded:  # the band masks made once
             pass_peaks(run, dout)
             q.grad = k.grad = v.grad = None  # else the next backward adds into them
-        measured = pass_peaks(run, dout)
-        model = extra_memory(problem(size, world), MeshPlan(rows, cols, schedule, heads=a),
-                             bottom_right=folded)
+        if size == "fp32 capped":  # the runtime and the model read the cap alike
+            os.environ["MESH_GROUP_TOKENS"] = CAPPED
+        try:
+            measured = pass_peaks(run, dout)
+            model = extra_memory(problem(size, world), MeshPlan(rows, cols, schedule, heads=a),
+                                 bottom_right=folded)
+        finally:
+            os.environ.pop("MESH_GROUP_TOKENS", None)
         results[(size, a, rows, cols, schedule)] = {
             phase: (measured[phase], model[phase]) for phase in ("forward", "backward")}
     return results

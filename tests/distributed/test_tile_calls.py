@@ -5,9 +5,11 @@ the real kernel (torch's, wrapped to count) in every schedule and grid, held to
 other mask kinds; grouped, every schedule and grid equals whole-sequence SDPA, forward and
 backward (causal and full, fp32 and bf16), with the causal diagonal a call of its own (the
 CPU op's causal is top-left) and folded into one bottom-right call (the band's mask, as
-CUDA's flash op takes it natively)."""
+CUDA's flash op takes it natively), and with each call capped at fewer rows than a tile
+holds (MESH_GROUP_TOKENS), its calls as the model counts them."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -22,6 +24,7 @@ from dist_utils import run_distributed
 from reference import Case, Failure, assert_no_failures, check_cases, errors, full_inputs
 
 WORLD = 4
+CAP = 8  # MESH_GROUP_TOKENS of the capped cases: one zigzag half of a 16-row chunk per call
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
 MASKS = ("causal", "full", "documents", "window")
 
@@ -43,6 +46,16 @@ class CountingKernel:
     def backward(self, *args, **kwargs):
         self.calls["backward"] += 1
         return self.inner.backward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def capped(cap: int):
+    """MESH_GROUP_TOKENS = cap while the block runs."""
+    os.environ["MESH_GROUP_TOKENS"] = str(cap)
+    try:
+        yield
+    finally:
+        os.environ.pop("MESH_GROUP_TOKENS")
 
 
 def count_calls(grid: mm.MeshGrid, schedule: str, mask: str, grouped: bool,
@@ -104,6 +117,18 @@ def calls_worker(rank: int, world: int) -> dict:
                                                                           grouped)
             got[(a, r, c, schedule, "causal", "folded")] = count_calls(grid, schedule, "causal",
                                                                        True, fold=True)
+        with capped(CAP):  # every call at most CAP keys or query rows: exact, as counted
+            got["exactness"] += [Failure(f"capped {f.case}", f.message)
+                                 for f in check_cases(grid, cases)]
+            for case in cases:
+                if case.causal:
+                    got["exactness"] += folded_errors(case, grid)
+            for schedule in SCHEDULES:
+                for mask in ("causal", "full"):
+                    got[(a, r, c, schedule, mask, "capped")] = count_calls(grid, schedule, mask,
+                                                                           True)
+                got[(a, r, c, schedule, "causal", "capped folded")] = count_calls(
+                    grid, schedule, "causal", True, fold=True)
     return got
 
 
@@ -129,12 +154,14 @@ def test_dense_tiles_make_the_modelled_calls(counted) -> None:
             if mask not in ("causal", "full"):
                 continue
             mesh_rank = cp_rank // a
-            causal, fold = mask == "causal", grouped == "folded"
+            causal, fold = mask == "causal", grouped in ("folded", "capped folded")
+            # capped: a mesh chunk of 16 rows per head group (64 x a / 4)
+            cap = {"chunk_tokens": 16 * a, "cap_tokens": CAP} if "capped" in str(grouped) else {}
             grouped = bool(grouped)
             want = {"forward": forward_calls(r, c, causal, schedule, rank=mesh_rank,
-                                             grouped=grouped, bottom_right=fold),
+                                             grouped=grouped, bottom_right=fold, **cap),
                     "backward": backward_calls(r, c, causal, schedule, rank=mesh_rank,
-                                               grouped=grouped, bottom_right=fold)}
+                                               grouped=grouped, bottom_right=fold, **cap)}
             if not grouped and want != {"forward": r * c, "backward": r * c}:
                 bad.append(Failure(f"{r}x{c} {schedule} model", f"ungrouped: {want}"))
             if calls != want:
@@ -159,7 +186,8 @@ def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
                     bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} rank {cp_rank}",
                                        f"{phase}: {calls[phase]} calls > {blocks[phase]} "
                                        "ungrouped"))
-            if mask == "causal" and c == 1 and r >= 2 and schedule != "streamed_kv":
+            if (mask == "causal" and c == 1 and r >= 2 and schedule != "streamed_kv"
+                    and "capped" not in str(grouped)):
                 most = 2 if grouped == "folded" else 3
                 if calls["forward"] > most or calls["backward"] > 3:
                     bad.append(Failure(f"{a}x{r}x{c} {schedule} {grouped} rank {cp_rank}",

@@ -121,9 +121,13 @@ def test_planner_prices_each_method_by_its_calls_and_the_mesh_by_tile_calls():
     for e in priced.meshes + priced.grids:
         r, c = e.mesh_shape
         schedule = priced.workload.mesh_plan(r, c, e.heads).schedule
-        # cuDNN takes no bottom-right causal call: as tile_calls counts for it
-        assert e.calls.forward == forward_calls(r, c, True, schedule, bottom_right=False)
-        assert e.calls.backward == backward_calls(r, c, True, schedule, bottom_right=False)
+        # cuDNN takes no bottom-right causal call: as tile_calls counts for it, each call
+        # at most the cap's keys of the mesh's chunks
+        chunk = priced.workload.seq_length * e.heads // 64
+        assert e.calls.forward == forward_calls(r, c, True, schedule, bottom_right=False,
+                                                chunk_tokens=chunk)
+        assert e.calls.backward == backward_calls(r, c, True, schedule, bottom_right=False,
+                                                  chunk_tokens=chunk)
         assert e.calls.heads == 32 // e.heads
         for phase in PASSES:
             assert e.compute_s[phase] == pytest.approx(profile.tile_seconds(

@@ -1,6 +1,7 @@
 """`models.tile_calls` in closed form against the grouping itself: for every rank of every
 grid up to 12 ranks, each schedule and pass, causal or full, the diagonal folded or not,
-the blocks the schedule has on hand together (listed here pair by pair, as the schedules
+uncapped and with every cap on the rows a call concatenates that binds at these sizes, the
+blocks the schedule has on hand together (listed here pair by pair, as the schedules
 form them) go through `masks.groups.group_calls` on real dense blocks, and the calls made
 and their shapes equal the model's."""
 from __future__ import annotations
@@ -11,7 +12,13 @@ import torch
 from megatron_mesh.layer_plan import Schedule
 from megatron_mesh.masks.groups import group_calls
 from megatron_mesh.masks.layout import AttentionMask, block_for
-from megatron_mesh.models.tile_calls import CallShape, backward_calls, call_shapes, forward_calls
+from megatron_mesh.models.tile_calls import (
+    CallShape,
+    backward_calls,
+    call_shapes,
+    forward_calls,
+    piece_limit,
+)
 
 S = 8  # rows of a chunk (halves of 4)
 
@@ -50,11 +57,16 @@ def shape_of(call) -> CallShape:
     return CallShape(tuple(half(p) for p in call.q), tuple(half(p) for p in call.kv))
 
 
+@pytest.mark.parametrize("cap", [None, 4, 8, 12, 20, 28])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("schedule", ["gathered", "streamed_kv", "streamed_q"])
-def test_closed_form_counts_the_grouped_calls(schedule: str, folded: bool, causal: bool) -> None:
+def test_closed_form_counts_the_grouped_calls(schedule: str, folded: bool, causal: bool,
+                                              cap: int | None) -> None:
+    """cap: the most rows a call concatenates (None: no cap; 4: one half per call)."""
     cpu = torch.device("cpu")
+    chunk = None if cap is None else S
+    limit = piece_limit(chunk, cap)
     for p in (1, 2, 3, 4, 6, 8, 12):
         mask = AttentionMask(causal, ranks=p)
         for rows in (r for r in range(1, p + 1) if p % r == 0):
@@ -68,10 +80,13 @@ def test_closed_form_counts_the_grouped_calls(schedule: str, folded: bool, causa
                         ys = list(dict.fromkeys(y for _, y in group))
                         blocks = [(xs.index(x), ys.index(y), block_for(x, y, S, mask, cpu))
                                   for x, y in group]
-                        calls += group_calls(blocks, folded) if blocks else []
+                        calls += group_calls(blocks, folded, limit=cap) if blocks else []
+                        if cap is not None:
+                            assert all(len(side) == 1 or sum(p.size for p in side) <= cap
+                                       for c in calls for side in (c.q, c.kv)), calls
                     want = model(rows, cols, causal, schedule, rank=rank, bottom_right=folded,
-                                 grouped=True)
+                                 grouped=True, chunk_tokens=chunk, cap_tokens=cap)
                     assert len(calls) == want, (p, rows, cols, rank, phase, len(calls), want)
                     shapes |= {shape_of(c) for c in calls}
-                assert shapes == call_shapes(rows, cols, causal, schedule, phase, folded), (
-                    p, rows, cols, phase)
+                assert shapes == call_shapes(rows, cols, causal, schedule, phase, folded,
+                                             limit), (p, rows, cols, phase)
