@@ -326,7 +326,8 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
 def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
            grouped: bool | None = None, limit: int | None = None) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included; the blocks' calls
-    grouped where `tile_calls.grouping(grouped)` (`grouped_calls`)."""
+    grouped where `tile_calls.grouping(grouped)` (`grouped_calls`), each at most `limit`
+    half chunks (`tile_calls.piece_limit`)."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
     if schedule not in tuple(Schedule):  # ('ring' and 'windowed' go elsewhere: extra_memory)

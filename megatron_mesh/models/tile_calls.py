@@ -26,8 +26,8 @@ last (the diagonal's) back, so its copies and outputs stay a few chunks' worth h
 or wide the grid is (a query chunk of a 64 x 1 grid's tile would otherwise copy up to the
 whole column's K/V). The value is where the H200 profile (`planner/profiles`) puts an
 8-chunk column's tile within a point of the uncapped one at 4K and 8K tokens per rank;
-8K keys would cost 3 to 4 points there.
-Counts take the chunk's tokens (`chunk_tokens`; None: no cap).
+8K keys would cost 3 to 4 points there. The counts take a rank's chunk tokens for it
+(`chunk_tokens`; None: no cap).
 
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls

@@ -17,6 +17,7 @@ from megatron_mesh.models.tile_calls import (
     backward_calls,
     call_shapes,
     forward_calls,
+    group_tokens,
     piece_limit,
 )
 
@@ -90,3 +91,18 @@ def test_closed_form_counts_the_grouped_calls(schedule: str, folded: bool, causa
                     shapes |= {shape_of(c) for c in calls}
                 assert shapes == call_shapes(rows, cols, causal, schedule, phase, folded,
                                              limit), (p, rows, cols, phase)
+
+
+@pytest.mark.parametrize("value", ["0", "-8", "8K", ""])
+def test_a_bad_cap_in_the_environment_is_named(value: str, monkeypatch) -> None:
+    monkeypatch.setenv("MESH_GROUP_TOKENS", value)
+    with pytest.raises(ValueError, match=f"MESH_GROUP_TOKENS={value!r} is not a positive"):
+        group_tokens()
+
+
+def test_the_cap_in_half_chunks() -> None:
+    """16K keys: 16 halves of 2K-token chunks, 4 of 8K; a cap below one half: 0 (one piece
+    a call); no chunk size: no cap."""
+    assert piece_limit(4096, 16384) == 8
+    assert piece_limit(8192) == 4 and piece_limit(2048) == 16
+    assert piece_limit(4096, 1000) == 0 and piece_limit(None) is None
