@@ -10,16 +10,19 @@ import torch
 from .kernels import check_backend
 from .layer_plan import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 from .masks.zigzag import check_zigzag_divisible
+from .models.tile_calls import group_tokens
 from .runtime.grid import MeshGrid
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_options(backend: str, schedule: str, grad_reduce_dtype: str) -> None:
-    """ValueError unless the tile backend, schedule and gradient dtype are known names."""
+    """ValueError unless the tile backend, schedule and gradient dtype are known names and
+    the grouped calls' cap in the environment (MESH_GROUP_TOKENS) is a number of tokens."""
     check_backend(backend)
     check_schedule_name(schedule)
     check_grad_reduce_dtype(grad_reduce_dtype)
+    group_tokens()
 
 
 def check_inputs(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 
 import torch
 
@@ -70,6 +71,19 @@ def worker(rank: int, world: int) -> list[Failure]:
                 problems.append(Failure(f"bad input: {expected}",
                                         f"message {str(e)!r} does not say it"))
     q = torch.randn(4, 1, 2, 16, requires_grad=True)
+    os.environ["MESH_GROUP_TOKENS"] = "lots"  # the grouped calls' cap: read before the gathers
+    try:
+        with mm.TrafficCounter() as counter:
+            mm.mesh_attention(q, q, q, grid)
+        problems.append(Failure("bad input: MESH_GROUP_TOKENS='lots'", "accepted"))
+    except ValueError as e:
+        if "MESH_GROUP_TOKENS='lots' is not a positive integer" not in str(e):
+            problems.append(Failure("bad input: MESH_GROUP_TOKENS", f"unclear error: {e}"))
+        if counter.total_bytes:
+            problems.append(Failure("bad input: MESH_GROUP_TOKENS",
+                                    f"raised after {counter.total_bytes} bytes were sent"))
+    finally:
+        del os.environ["MESH_GROUP_TOKENS"]
     mm.mesh_attention(q, q, q, grid).sum().backward()  # collectives still line up
     return problems + shape_disagreements(rank, grid, [])
 
