@@ -129,7 +129,7 @@ def _assert_refused_on_every_rank(args: list[str]) -> None:
     message = (f"pretrain_gpt: error: --multi-latent-attention: megatron-core "
                f"{MEGATRON_CORE_VERSION} cannot build multi-latent attention without "
                "Transformer Engine")
-    assert run.output.count(message) == 4, run.output[-2000:]
+    assert run.output.count(message) == 1, run.output[-2000:]  # printed once (first local rank)
     assert "use megatron-core >= 0.17 (0.19.2 is tested) or install Transformer Engine" in (
         run.output)
     assert "iteration" not in run.output and " world 4 =" not in run.output
