@@ -1,7 +1,8 @@
 """Sliding windows through the mesh against whole-sequence SDPA in fp64 with the explicit
 windowed mask, forward and backward, on gloo ranks: P = 2, 4, 8; windows of 1 token, half a
 sub-chunk, one sub-chunk, three sub-chunks and longer than S; every 2D and heads x mesh grid
-and every schedule; GQA; causal and two-sided windows; bf16 within twice SDPA's own error;
+and every schedule; GQA; causal and two-sided windows; every dtype within
+`reference.merged_error_limit` (SDPA's own error, and the partial results merged);
 dense and packed documents (the window on positions within each document)."""
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.models.traffic import mesh_traffic
 
 from dist_utils import run_distributed
+from reference import beyond_tolerance, partial_results
 
 LOCAL = 8  # tokens per rank: sub-chunks of 4
 SCHEDULES = tuple(str(s) for s in Schedule)
@@ -134,18 +136,10 @@ def check(case: WindowCase, grid: mm.MeshGrid, schedule: str,
                 "dv": sbhd(t["v"].grad)}
 
     ref = reference(torch.float64)
-    same = reference(case.dtype) if case.dtype != torch.float32 else None
+    same = reference(case.dtype)
+    same32 = reference(torch.float32) if case.dtype != torch.float32 else None
     where = f"{case} grid {grid.shape_text} {schedule} {window_exchange} rank {grid.cp_rank}"
-    bad = []
-    for n, t in ref.items():
-        err = (got[n].double() - t).abs().max().item()
-        if same is None:
-            limit = 1e-5 * max(1.0, t.abs().max().item())
-        else:  # twice SDPA's own error in this dtype, plus a few ulps
-            limit = (2 * (same[n] - t).abs().max().item()
-                     + 2 * torch.finfo(case.dtype).eps * t.abs().max().item())
-        if not err <= limit:
-            bad.append(f"{where} {n}: max error {err:.3g} > {limit:.3g}")
+    bad = beyond_tolerance(got, ref, same, case.dtype, where, partial_results(grid), same32)
     # bytes sent: the window formula for this rank, never more than without a window
     shape = mm.AttentionShape(seq, 1, case.q_heads, case.kv_heads, 8, case.dtype.itemsize)
     plan = resolve_plan(shape, grid.rows, grid.cols, schedule, heads=grid.heads)
