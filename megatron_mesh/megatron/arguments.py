@@ -20,7 +20,10 @@ from megatron_mesh.layer_plan import (
 )
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.megatron.shape import (
+    AUTO,
+    MESH_GPU_PROFILES,
     describe_mesh_shape,
+    launch_pricing,
     launched_mesh_shape,
     parse_mesh_shape,
 )
@@ -86,8 +89,8 @@ def _mesh_shape_type(text: str) -> tuple[int, ...]:
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --context-parallel-algo, --mesh-shape, --mesh-heads, --mesh-schedule and
-    --mesh-grad-reduce-dtype to `parser` (idempotent); returns it."""
+    """Add --context-parallel-algo, --mesh-shape, --mesh-heads, --mesh-schedule,
+    --mesh-grad-reduce-dtype and --mesh-gpu-profile to `parser` (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
     group = parser.add_argument_group("mesh context parallelism")
@@ -152,6 +155,16 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="dtypes in which the mesh's gradient partials travel: mixed (dK, dV in the input "
         "dtype, as Transformer Engine's ring sends them, dQ in fp32), fp32 (all), or input "
         "(all in bf16 / fp16 with such inputs).",
+    )
+    group.add_argument(
+        "--mesh-gpu-profile",
+        dest="mesh_gpu_profile",
+        choices=MESH_GPU_PROFILES,
+        default=AUTO,
+        help="How the planner prices attention when it picks the grid (no --mesh-shape): "
+        "by a GPU profile's measured kernel calls (h200; h100 is the H200's scaled, not "
+        "measured), at a flat TFLOP/s (flat), or auto: the profile the CUDA device's name "
+        "names (H200, H100), else flat. The log line of the grid says which.",
     )
     return parser
 
@@ -257,11 +270,15 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         )
     heads, groups = _head_counts(args)
     tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
+    # how the planner prices attention, decided here once (the device read only for auto)
+    pricing = (launch_pricing(getattr(args, "mesh_gpu_profile", None) or AUTO)
+               if mesh_shape is None and cp_size > 1 else None)
     shape, automatic, per_node = launched_mesh_shape(
         cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads, num_attention_heads=heads,
         num_query_groups=groups, head_dim=attention_head_dims(args)[0], seq_length=seq_length,
         schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
-        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE))
+        grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE),
+        gpu=None if pricing is None else pricing.gpu)
     if cp_size == 1:
         logger.warning(
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"
@@ -269,5 +286,5 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         return None
     args.mesh_heads = shape[0]
     args.mesh_shape_chosen_by_planner = automatic
-    logger.info(describe_mesh_shape(shape, cp_size, automatic, per_node))
+    logger.info(describe_mesh_shape(shape, cp_size, automatic, per_node, pricing))
     return shape

@@ -2,12 +2,15 @@
 
 A shape is written 'RxC' (the 2D mesh, heads A = 1) or 'AxRxC' (an all-to-all over A
 consecutive CP ranks, then the R x C mesh over the ranks sharing a head slice); it is
-resolved once, to (A, R, C), by `resolve_mesh_shape`.
+resolved once, to (A, R, C), by `resolve_mesh_shape`. Where the planner picks it, attention is
+priced as `mesh_pricing` decides (--mesh-gpu-profile): by a GPU profile's kernel calls or at
+the flat rate.
 """
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_mesh.layer_plan import (
@@ -21,12 +24,77 @@ from megatron_mesh.layer_plan import (
 )
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.planner import Cluster, Workload, search
+from megatron_mesh.planner.gpu_profile import (
+    GPU_PROFILES,
+    GpuProfile,
+    load_profile,
+    profile_for_device,
+)
+from megatron_mesh.planner.hardware import DEFAULT_ATTENTION_TFLOPS
 from megatron_mesh.planner.search import grid_key
 
 _SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
 
 GridTriple = tuple[int, int, int]
 """(heads, rows, cols): A x R x C = the CP size."""
+
+AUTO, FLAT = "auto", "flat"
+MESH_GPU_PROFILES = (AUTO, *GPU_PROFILES, FLAT)
+"""--mesh-gpu-profile values: auto (the profile the CUDA device names, else flat), a
+profile (`planner.gpu_profile.GPU_PROFILES`) or flat (the planner's flat TFLOP/s)."""
+
+
+@dataclass(frozen=True)
+class MeshPricing:
+    """How the planner prices attention when it picks the grid: `gpu` (a GPU profile, or
+    None for the flat rate) and why (`reason`, e.g. "--mesh-gpu-profile auto: CUDA device
+    'NVIDIA H200'")."""
+
+    gpu: GpuProfile | None
+    reason: str
+
+    def describe(self) -> str:
+        """The log line's words, e.g. "MODEL: attention priced by GPU profile h200
+        (measured kernel calls; --mesh-gpu-profile auto: CUDA device 'NVIDIA H200')"."""
+        if self.gpu is None:
+            how, notes = f"at the flat {DEFAULT_ATTENTION_TFLOPS:g} TFLOP/s", [self.reason]
+        else:
+            kind = "measured" if self.gpu.measured else "SCALED, not measured"
+            how, notes = f"by GPU profile {self.gpu.name}", [f"{kind} kernel calls", self.reason]
+        said = "; ".join(n for n in notes if n)
+        return f"MODEL: attention priced {how}" + (f" ({said})" if said else "")
+
+
+def mesh_pricing(choice: str = AUTO, device_name: str | None = None) -> MeshPricing:
+    """The pricing --mesh-gpu-profile `choice` (one of `MESH_GPU_PROFILES`) means on a
+    device called `device_name` (None: no CUDA device): a profile by name, flat, or auto:
+    the profile the device names (`gpu_profile.profile_for_device`), else flat. Pure; the
+    driver passes `cuda_device_name()`. ValueError naming the valid choices otherwise."""
+    if choice not in MESH_GPU_PROFILES:
+        raise ValueError(f"--mesh-gpu-profile {choice!r} is not one of "
+                         f"{', '.join(MESH_GPU_PROFILES)}")
+    flag = f"--mesh-gpu-profile {choice}"
+    if choice == FLAT:
+        return MeshPricing(None, flag)
+    if choice != AUTO:
+        return MeshPricing(load_profile(choice), flag)
+    name = profile_for_device(device_name)
+    if name is not None:
+        return MeshPricing(load_profile(name), f"{flag}: CUDA device {device_name!r}")
+    why = "no CUDA device" if not device_name else f"no profile for {device_name!r}"
+    return MeshPricing(None, f"{flag}: {why}")
+
+
+def cuda_device_name() -> str | None:
+    """This process's CUDA device name (`torch.cuda.get_device_name()`), None without one."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def launch_pricing(choice: str = AUTO) -> MeshPricing:
+    """`mesh_pricing(choice)` on this process's CUDA device (read only for auto)."""
+    return mesh_pricing(choice, cuda_device_name() if choice == AUTO else None)
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:
@@ -178,11 +246,13 @@ def auto_mesh_shape(
     *,
     mesh_heads: int | None = None,
     tensor_parallel_size: int = 1,
+    gpu: GpuProfile | None = None,
 ) -> GridTriple:
     """The (A, R, C) grid the planner predicts fastest for cp_size ranks (`planner.search`
     of `mesh_workload` on the default cluster: the best of every 2D mesh and every heads x
     rows x cols grid whose A divides a TP rank's query heads); with mesh_heads, the best
-    R x C for that A.
+    R x C for that A. Attention is priced by `gpu`'s kernel calls, or at the flat rate
+    (None).
 
     cp_ranks_per_node defaults to the planner's GPUs per node (with TP inside a node, pass
     GPUs per node // TP; `cp_ranks_per_node()` reads it from the launcher).
@@ -194,7 +264,7 @@ def auto_mesh_shape(
     workload = mesh_workload(cp_size, q_heads or mesh_heads, kv_heads or mesh_heads, head_dim,
                              seq_length, schedule, grad_reduce_dtype)
     node = {"gpus_per_node": cp_ranks_per_node} if cp_ranks_per_node else {}
-    plan = search(workload, Cluster(gpus=cp_size, **node))
+    plan = search(workload, Cluster(gpus=cp_size, gpu=gpu, **node))
     if mesh_heads is None:
         chosen = plan.best_grid
     else:
@@ -217,15 +287,17 @@ def resolve_mesh_shape(
     cp_ranks_per_node: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+    gpu: GpuProfile | None = None,
 ) -> tuple[GridTriple, bool]:
     """((A, R, C), chosen_automatically) for a CP group of cp_size; ValueError when invalid.
 
     mesh_shape: None, 'RxC' / (R, C) (heads from mesh_heads, else 1) or 'AxRxC' /
     (A, R, C); mesh_heads: the all-to-all size A, or None. What is not given, the planner
-    chooses (`auto_mesh_shape`). A must divide the query heads of one TP rank (num heads /
-    tensor_parallel_size). A pure function of its arguments: the flag check and the group
-    builder call it with the same values (through `launched_mesh_shape`, with
-    `cp_ranks_per_node()` for the node size), so they cannot disagree.
+    chooses (`auto_mesh_shape`, attention priced by `gpu`, flat where None). A must divide
+    the query heads of one TP rank (num heads / tensor_parallel_size). A pure function of
+    its arguments: the flag check and the group builder call it with the same values
+    (through `launched_mesh_shape`, with `cp_ranks_per_node()` for the node size), so they
+    cannot disagree.
     """
     check_positive_int("context-parallel size", cp_size)
     if seq_length is not None:
@@ -247,15 +319,15 @@ def resolve_mesh_shape(
         return shape, False
     auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length,
                            cp_ranks_per_node, schedule, grad_reduce_dtype, mesh_heads=heads,
-                           tensor_parallel_size=tensor_parallel_size)
+                           tensor_parallel_size=tensor_parallel_size, gpu=gpu)
     return auto, True
 
 
 def launched_mesh_shape(cp_size: int, mesh_shape: object, tensor_parallel_size: int,
                         **layer: Any) -> tuple[GridTriple, bool, int | None]:
     """((A, R, C), chosen automatically, CP ranks per node): `resolve_mesh_shape` of the
-    `layer` (mesh_heads, head counts, head_dim, seq_length, schedule, grad_reduce_dtype)
-    with the launcher's CP ranks per node for this TP size (`cp_ranks_per_node`): the one
+    `layer` (mesh_heads, head counts, head_dim, seq_length, schedule, grad_reduce_dtype,
+    gpu) with the launcher's CP ranks per node for this TP size (`cp_ranks_per_node`): the one
     call of the flag check and of the group builder, so they resolve alike."""
     per_node = cp_ranks_per_node(tensor_parallel_size)
     shape, automatic = resolve_mesh_shape(cp_size, mesh_shape,
@@ -265,15 +337,19 @@ def launched_mesh_shape(cp_size: int, mesh_shape: object, tensor_parallel_size: 
 
 
 def describe_mesh_shape(shape: GridTriple, cp_size: int, automatic: bool,
-                        ranks_per_node: int | None = None) -> str:
+                        ranks_per_node: int | None = None,
+                        pricing: MeshPricing | None = None) -> str:
     """The log line naming the shape a job builds, e.g. 'mesh context parallelism: 2x2x4
     grid (heads x rows x cols) of 16 CP ranks (chosen by the planner for 4 CP ranks per
-    node)'; a 2D mesh reads '4x4 grid of 16 CP ranks'."""
+    node)'; a 2D mesh reads '4x4 grid of 16 CP ranks'. With `pricing`, a grid the planner
+    chose also says how it priced attention ('...; MODEL: attention priced at the flat
+    400 TFLOP/s (--mesh-gpu-profile auto: no CUDA device)')."""
     if automatic:
         node = f"{ranks_per_node} CP ranks per node" if ranks_per_node else "the default node"
         how = f"chosen by the planner for {node}"
     else:
         how = "as given"
     dims = " (heads x rows x cols)" if shape[0] > 1 else ""
+    priced = f"; {pricing.describe()}" if automatic and pricing is not None else ""
     return (f"mesh context parallelism: {shape_text(*shape)} grid{dims} of {cp_size} CP ranks "
-            f"({how})")
+            f"({how}){priced}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -207,3 +208,16 @@ def load_profile(name: str) -> GpuProfile:
     data = json.loads((PROFILE_DIR / f"{name}.json").read_text())
     base = load_profile(data["scaled_from"]) if "scaled_from" in data else None
     return profile_from_dict(data, base)
+
+
+def profile_for_device(device_name: str | None) -> str | None:
+    """The profile (one of `GPU_PROFILES`) a CUDA device name names as a model number:
+    'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100'; None for any other device
+    ('NVIDIA A100-SXM4-80GB', 'NVIDIA GH200 480GB') or none (None, '')."""
+    if not device_name:
+        return None
+    text = device_name.lower()
+    for name in GPU_PROFILES:
+        if re.search(rf"(?<![a-z0-9]){re.escape(name)}(?![0-9])", text):
+            return name
+    return None
