@@ -4,12 +4,11 @@ The interface of `megatron_mesh.kernels.base.TileKernel`; the results are zeros 
 shapes and dtypes (out [sq, b, hq, dv], lse [b, hq, sq] fp32; dq, dk, dv like q, k, v), so
 every schedule runs its real communication and merging around tiles that cost what the
 planner's compute model says: forward 4 sq sk hq d b FLOPs (half when causal), backward
-`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A tile under a
-`TileMask` (sliding windows: a band, or an explicit mask) costs 4 hq d b per (query, key)
-pair the mask keeps (`TileMask.pairs`), as the planner prices windows
-(`planner.windows.kept_pairs`). A varlen tile (packed documents, `Segments`) costs the
-same per in-document pair only: segment i's queries against its own keys (causal: top-left
-aligned, query t sees min(t + 1, keys) of them), never the dense sq x sk.
+`BACKWARD_FLOPS_RATIO` times that, at the emulated GPU's attention FLOP/s. A call with
+slices (`TileSlices`: packed documents, a sliding window's band, any slices) costs 4 hq d b
+per (query, key) pair they keep (`TileSlices.pairs`), as the planner prices windows
+(`planner.windows.kept_pairs`): a varlen call over documents their in-document pairs only,
+never the dense sq x sk.
 Given a GPU profile (`planner.gpu_profile`), a call sleeps its share of a tile on that GPU
 instead (`GpuProfile.share_seconds`: the larger of the host's time per call and the call's
 GPU time plus its merge, at the call's FLOPs, query rows, heads and dtype), as the planner
@@ -21,31 +20,21 @@ import time
 
 import torch
 
-from megatron_mesh.common.tile_mask import Segments, TileMask
+from megatron_mesh.common.tile_slices import TileSlices
 from megatron_mesh.dtypes import DTYPE_NAMES
 from megatron_mesh.kernels.base import check_call
 from megatron_mesh.kernels.caps import KernelCaps
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, attention_flops
-from megatron_mesh.masks.document_placement import run_pairs
 from megatron_mesh.planner.gpu_profile import GpuProfile
 
 
-def segment_pairs(segments, causal: bool) -> int:
-    """(query, key) pairs of a varlen tile: within each segment only (`Segments`; causal
-    segments are top-left aligned: query t sees keys 0 .. t)."""
-    return sum(run_pairs(0, q1 - q0, 0, k1 - k0, causal) for q0, q1, k0, k1 in
-               zip(segments.cu_q, segments.cu_q[1:], segments.cu_kv, segments.cu_kv[1:]))
-
-
-def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, mask=None,
-               segments=None) -> float:
-    """Forward FLOPs of one tile: q [sq, b, hq, d] against k [sk, b, hkv, d]; with a
-    `TileMask`, of the pairs it keeps; with `Segments`, of the in-document pairs."""
+def tile_flops(q: torch.Tensor, k: torch.Tensor, causal: bool,
+               slices: TileSlices | None = None) -> float:
+    """Forward FLOPs of one call: q [sq, b, hq, d] against k [sk, b, hkv, d]; with
+    `slices`, of the pairs they keep."""
     sq, b, hq, d = q.shape
-    if mask is not None:
-        return 4.0 * mask.pairs * b * hq * d
-    if segments is not None:
-        return 4.0 * segment_pairs(segments, causal) * b * hq * d
+    if slices is not None:
+        return 4.0 * slices.pairs * b * hq * d
     return attention_flops(sq, k.shape[0], b, hq, d, causal)
 
 
@@ -77,20 +66,19 @@ class EmulatedKernel:
         time.sleep(seconds)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
-                segments: Segments | None = None, mask: TileMask | None = None):
+                slices: TileSlices | None = None):
         """Zeros: out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq] fp32."""
-        check_call(self, q, v, segments, mask)
-        self._compute("forward", tile_flops(q, k, causal, mask, segments), q)
+        check_call(self, q, v, slices)
+        self._compute("forward", tile_flops(q, k, causal, slices), q)
         sq, b, hq, _ = q.shape
         out = torch.zeros(sq, b, hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return out, torch.zeros(b, hq, sq, dtype=torch.float32, device=q.device)
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
-                 segments: Segments | None = None, mask: TileMask | None = None):
+                 slices: TileSlices | None = None):
         """Zeros like q, k, v."""
-        check_call(self, q, v, segments, mask)
-        self._compute("backward", BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, mask, segments),
-                      q)
+        check_call(self, q, v, slices)
+        self._compute("backward", BACKWARD_FLOPS_RATIO * tile_flops(q, k, causal, slices), q)
         return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
                 torch.zeros(k.shape, dtype=k.dtype, device=k.device),
                 torch.zeros(v.shape, dtype=v.dtype, device=v.device))

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ..common.tile_mask import Segments, TileMask
+from ..common.tile_slices import BAND, DOCUMENTS, TileSlices
 from .caps import KernelCaps, caps_of, kernel_name, what
 
 logger = logging.getLogger("megatron_mesh.kernels")
@@ -42,19 +42,17 @@ class TileKernel(Protocol):
         causal: bool,
         softmax_scale: float,
         *,
-        segments: Segments | None = None,
-        mask: TileMask | None = None,
+        slices: TileSlices | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns out [sq, b, hq, dv] in q's dtype and lse [b, hq, sq] in fp32.
 
         `causal` with sq == sk is the plain causal mask; with sq < sk it is aligned at the
         bottom right (query i sees key j <= i + sk - sq), taken by kernels whose caps
-        declare `bottom_right` (ValueError otherwise). With `segments` (packed
-        documents; b = 1) attention stays inside each document's rows (`Segments`). With
-        `mask` (sliding windows; then causal is False and segments None) query row i sees
-        key row j where mask.seen[i, j]. Segments need `caps.documents`, a band mask
-        `caps.window` (or `tile_mask`), an explicit one `caps.tile_mask`, dv != d
-        `caps.v_head_dim`: ValueError otherwise.
+        declare `bottom_right` (ValueError otherwise). With `slices` (`TileSlices`) query
+        row i sees key row j where a slice of the call keeps the pair, and `causal` is the
+        slices' own (documents: each causal; else False): documents (b = 1) need
+        `caps.documents`, a band `caps.window` (or `tile_mask`), other slices
+        `caps.tile_mask`, dv != d `caps.v_head_dim`: ValueError otherwise.
         """
         ...
 
@@ -69,11 +67,10 @@ class TileKernel(Protocol):
         causal: bool,
         softmax_scale: float,
         *,
-        segments: Segments | None = None,
-        mask: TileMask | None = None,
+        slices: TileSlices | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv] in the inputs'
-        dtype; `segments` and `mask` as in `forward`.
+        dtype; `slices` as in `forward`.
 
         `out` [sq, b, hq, d] and `lse` [b, hq, sq] (fp32) are those of the WHOLE attention
         row, not of this tile: then the tile's gradients are exact partial sums. The
@@ -82,26 +79,24 @@ class TileKernel(Protocol):
         ...
 
 
-def call_needs(q: torch.Tensor, v: torch.Tensor, segments: Segments | None,
-               mask: TileMask | None, causal: bool = False) -> KernelCaps:
-    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its segments and mask,
-    and whether it is causal (with sq != sk and no segments: bottom-right aligned)."""
-    return KernelCaps(documents=segments is not None,
-                      tile_mask=mask is not None and mask.flash_window is None,
-                      window=mask is not None and mask.flash_window is not None,
-                      v_head_dim=q.shape[-1] != v.shape[-1],
-                      bottom_right=causal and segments is None and q.shape[0] != v.shape[0])
+def call_needs(q: torch.Tensor, v: torch.Tensor, slices: TileSlices | None,
+               causal: bool = False) -> KernelCaps:
+    """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its slices, and whether
+    it is causal (with sq != sk and no slices: bottom-right aligned)."""
+    form = None if slices is None else slices.form
+    return KernelCaps(documents=form == DOCUMENTS, tile_mask=form not in (None, DOCUMENTS, BAND),
+                      window=form == BAND, v_head_dim=q.shape[-1] != v.shape[-1],
+                      bottom_right=causal and slices is None and q.shape[0] != v.shape[0])
 
 
 def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
-               segments: Segments | None = None, mask: TileMask | None = None,
-               causal: bool = False) -> None:
+               slices: TileSlices | None = None, causal: bool = False) -> None:
     """ValueError, naming the kernel and the capability, when the call carries an input
     `kernel`'s caps do not declare."""
-    if (segments is None and mask is None and q.shape[-1] == v.shape[-1]
+    if (slices is None and q.shape[-1] == v.shape[-1]
             and not (causal and q.shape[0] != v.shape[0])):
         return  # a plain tile: every kernel takes it
-    missing = caps_of(kernel).missing(call_needs(q, v, segments, mask, causal))
+    missing = caps_of(kernel).missing(call_needs(q, v, slices, causal))
     if missing:
         raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
                          f"(its caps: {caps_of(kernel)}; it declares what it takes in "

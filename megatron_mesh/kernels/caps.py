@@ -17,10 +17,10 @@ from typing import Iterable
 class KernelCaps:
     """What a kernel takes (or what a layer needs of one).
 
-    documents:  `Segments`, packed documents (varlen tiles, b = 1);
-    tile_mask:  any `TileMask`, explicit or band (sliding windows; windows inside packed
-                documents are explicit);
-    window:     band `TileMask`s only (`TileMask.flash_window`, flash-attention's window);
+    documents:  `TileSlices` of form documents: packed documents (varlen tiles, b = 1);
+    tile_mask:  any `TileSlices` of form band or slices (sliding windows; windows inside
+                packed documents, masks given as slices: their additive bias);
+    window:     `TileSlices` of form band only (`flash_window`, flash-attention's window);
                 implied by `tile_mask`;
     v_head_dim: v [sk, b, hkv, dv] with dv != d (multi-latent attention);
     bottom_right: `causal` with sq < sk, aligned at the bottom right (query i sees key j
@@ -77,7 +77,7 @@ NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KernelCaps))
 # What each capability is, in the words of the layer's options (for error messages).
 WHAT = {
     "documents": "packed documents (cu_seqlens)",
-    "tile_mask": "sliding windows (window_size)",
+    "tile_mask": "sliding windows (window_size) or masks given as slices (mask=)",
     "window": "sliding-window bands (flash-attention windows)",
     "v_head_dim": "a V head dim of its own (multi-latent attention)",
     "bottom_right": "causal tiles of more keys than queries (bottom-right aligned)",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_mask import Segments, TileMask
+from ..common.tile_slices import TileSlices
 from .base import check_call
 from .caps import KernelCaps
 from .choice import DeviceFacts, cudnn_unsupported
@@ -64,9 +64,9 @@ class CudnnKernel:
     caps = KernelCaps(v_head_dim=True)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
-                segments: Segments | None = None, mask: TileMask | None = None):
+                slices: TileSlices | None = None):
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32."""
-        check_call(self, q, v, segments, mask, causal)
+        check_call(self, q, v, slices, causal)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
@@ -76,10 +76,10 @@ class CudnnKernel:
         return sbhd(out), lse.reshape(b, hq, sq).float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
-                 segments: Segments | None = None, mask: TileMask | None = None):
+                 slices: TileSlices | None = None):
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
-        check_call(self, q, v, segments, mask, causal)
+        check_call(self, q, v, slices, causal)
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))

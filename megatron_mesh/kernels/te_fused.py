@@ -8,7 +8,7 @@ backend query (`get_attention_backend`) has accepted the tile's shape, dtype, he
 dims (`head_dim_qk`, `head_dim_v`), mask and window. The keyword arguments come from
 `fwd_kwargs` / `bwd_kwargs`, pure functions of the installed function's parameter names
 (its Python signature changed in 2.8, 2.9, 2.10, 2.12 and 2.15, see docs/kernels.md).
-Packed documents (a tile's `Segments`) run as TE's "thd_thd_thd" layout: q [t, hq, d],
+Packed documents (a tile's `TileSlices`) run as TE's "thd_thd_thd" layout: q [t, hq, d],
 k [t, hkv, d], v [t, hkv, dv] with cu_seqlens = the documents' bounds, masks "padding" /
 "padding_causal"; TE's softmax stats come back per token ([t', hq, 1], cuDNN >= 9.6) or per
 document ([docs, hq, max_q, 1], older cuDNN and sm120 from TE 2.14) and are converted to
@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..common.tile_mask import Segments, TileMask
+from ..common.tile_slices import TileSlices
 from .base import check_call, log_once
 from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
@@ -189,15 +189,15 @@ def bwd_kwargs(
     return kw
 
 
-def _thd(kw: dict[str, Any], segments: Segments, causal: bool) -> dict[str, Any]:
+def _thd(kw: dict[str, Any], docs: TileSlices, causal: bool) -> dict[str, Any]:
     """kw (built for sbhd) turned into the call on packed documents: "thd_thd_thd", padding
     masks, cu_seqlens and their padded offsets (the same: the rows of each document are
-    contiguous, nothing between them) from `segments`, max_seqlen its longest document."""
+    contiguous, nothing between them) from `docs`, max_seqlen its longest document."""
     mask, window = _mask(causal, documents=True)
     kw.update(
-        max_seqlen_q=segments.max_q, max_seqlen_kv=segments.max_kv,
-        cu_seqlens_q=segments.cu_q_tensor, cu_seqlens_kv=segments.cu_kv_tensor,
-        cu_seqlens_q_padded=segments.cu_q_tensor, cu_seqlens_kv_padded=segments.cu_kv_tensor,
+        max_seqlen_q=docs.max_q, max_seqlen_kv=docs.max_kv,
+        cu_seqlens_q=docs.cu_q_tensor, cu_seqlens_kv=docs.cu_kv_tensor,
+        cu_seqlens_q_padded=docs.cu_q_tensor, cu_seqlens_kv_padded=docs.cu_kv_tensor,
         qkv_layout=THD_LAYOUT, attn_mask_type=mask, window_size=window,
     )
     for name in ("o_format", "do_format"):
@@ -213,7 +213,7 @@ def thd_fwd_kwargs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segments: Segments,
+    docs: TileSlices,
     causal: bool,
     softmax_scale: float,
     backend: Any,
@@ -222,9 +222,9 @@ def thd_fwd_kwargs(
     """Keyword arguments of `fused_attn_fwd` (parameter names `params`) for one tile of
     packed documents: q [t_q, hq, d], k [t_kv, hkv, d], v [t_kv, hkv, dv] (t = the documents'
     rows)."""
-    kw = fwd_kwargs(params, q, k, v, segments.cu_q_tensor, segments.cu_kv_tensor, causal,
+    kw = fwd_kwargs(params, q, k, v, docs.cu_q_tensor, docs.cu_kv_tensor, causal,
                     softmax_scale, backend, cuda_graph)
-    return _thd(kw, segments, causal)
+    return _thd(kw, docs, causal)
 
 
 def thd_bwd_kwargs(
@@ -235,7 +235,7 @@ def thd_bwd_kwargs(
     v: torch.Tensor,
     out: torch.Tensor,
     aux_ctx_tensors: Sequence[torch.Tensor],
-    segments: Segments,
+    docs: TileSlices,
     causal: bool,
     softmax_scale: float,
     backend: Any,
@@ -246,10 +246,10 @@ def thd_bwd_kwargs(
     """Keyword arguments of `fused_attn_bwd` (parameter names `params`) for one tile of
     packed documents: out, dout [t_q, hq, dv]; aux_ctx_tensors = [softmax stats in TE's
     layout (`lse_to_te`), rng_state]."""
-    kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, segments.cu_q_tensor,
-                    segments.cu_kv_tensor, causal, softmax_scale, backend, dqkv_te_dtype,
+    kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, docs.cu_q_tensor,
+                    docs.cu_kv_tensor, causal, softmax_scale, backend, dqkv_te_dtype,
                     cuda_graph, deterministic)
-    return _thd(kw, segments, causal)
+    return _thd(kw, docs, causal)
 
 
 @dataclass(frozen=True)
@@ -357,25 +357,25 @@ class TileSpec:
 
     @classmethod
     def of_documents(cls, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                     segments: Segments, causal: bool, deterministic: bool, cuda_graph: bool,
+                     docs: TileSlices, causal: bool, deterministic: bool, cuda_graph: bool,
                      head_dim_v: int = 0) -> TileSpec:
-        """The spec of a tile over packed documents (`segments`)."""
-        return cls(dtype, len(segments.cu_q) - 1, heads, kv_heads, segments.max_q,
-                   segments.max_kv, head_dim, causal, deterministic, cuda_graph,
-                   documents=len(segments.cu_q) - 1, tokens_q=segments.cu_q[-1],
-                   tokens_kv=segments.cu_kv[-1], head_dim_v=head_dim_v)
+        """The spec of a tile over packed documents (`docs`)."""
+        return cls(dtype, len(docs.cu_q) - 1, heads, kv_heads, docs.max_q,
+                   docs.max_kv, head_dim, causal, deterministic, cuda_graph,
+                   documents=len(docs.cu_q) - 1, tokens_q=docs.cu_q[-1],
+                   tokens_kv=docs.cu_kv[-1], head_dim_v=head_dim_v)
 
 
 def tile_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              deterministic: bool, cuda_graph: bool, segments: Segments | None = None
+              deterministic: bool, cuda_graph: bool, docs: TileSlices | None = None
               ) -> TileSpec:
     """The spec of one tile: q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, dv] (dv, V's
-    head dim, goes to the query as head_dim_v); with `segments`, their packed documents."""
+    head dim, goes to the query as head_dim_v); with `docs`, their packed documents."""
     sq, b, hq, d = q.shape
-    if segments is None:
+    if docs is None:
         return TileSpec(q.dtype, b, hq, k.shape[2], sq, k.shape[0], d, causal, deterministic,
                         cuda_graph, head_dim_v=v.shape[-1])
-    return TileSpec.of_documents(q.dtype, hq, k.shape[2], d, segments, causal, deterministic,
+    return TileSpec.of_documents(q.dtype, hq, k.shape[2], d, docs, causal, deterministic,
                                  cuda_graph, head_dim_v=v.shape[-1])
 
 
@@ -525,24 +525,24 @@ class TEFusedKernel:
         self._told: set[tuple] = set()  # (heads, dims, dtype, mask, documents?) logged once
 
     def _te_takes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  segments: Segments | None = None) -> bool:
+                  docs: TileSlices | None = None) -> bool:
         """Whether TE runs this tile (asked once per shape, V head dim, dtype, mask and
         documents)."""
         if not _uses_te(q):
             return False
         capturing = torch.cuda.is_current_stream_capturing()
-        if segments is None:
+        if docs is None:
             key: tuple = (q.shape, k.shape, v.shape[-1], q.dtype, causal, capturing)
         else:  # what TileSpec.of_documents reads: the documents change every batch
             key = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, capturing,
-                   len(segments.cu_q),
-                   segments.max_q, segments.max_kv, segments.cu_q[-1], segments.cu_kv[-1])
+                   len(docs.cu_q),
+                   docs.max_q, docs.max_kv, docs.cu_q[-1], docs.cu_kv[-1])
         takes = self._takes.get(key)
         if takes is None:
             if len(self._takes) >= MAX_ASKED:
                 self._takes.clear()  # documents of ever new lengths: ask again, bounded
-            spec = tile_spec(q, k, v, causal, self.deterministic, capturing, segments)
-            fallback = self._fallback if segments is None else self._documents_fallback
+            spec = tile_spec(q, k, v, causal, self.deterministic, capturing, docs)
+            fallback = self._fallback if docs is None else self._documents_fallback
             try:
                 why = te_rejects(spec)
             except Exception as e:  # a query that fails says no more than a refusal
@@ -550,7 +550,7 @@ class TEFusedKernel:
             # said once per kind of tile, not per length: packed documents (THD or placed)
             # bring tiles of new lengths every micro-batch, and a message per length would
             # grow the log and log_once's memory for the whole run
-            told = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, segments is None)
+            told = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, docs is None)
             if why is not None and told not in self._told:
                 self._told.add(told)
                 log_once(f"te tile kernel: {why}; these tiles, and any other of these heads, "
@@ -561,17 +561,17 @@ class TEFusedKernel:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-        softmax_scale: float, *, segments: Segments | None = None,
-        mask: TileMask | None = None,
+        softmax_scale: float, *, slices: TileSlices | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
-        with `segments`)."""
-        check_call(self, q, v, segments, mask, causal)
-        if segments is not None:
-            if not self._te_takes(q, k, v, causal, segments):
+        with `slices`, documents)."""
+        check_call(self, q, v, slices, causal)
+        docs = slices
+        if docs is not None:
+            if not self._te_takes(q, k, v, causal, docs):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
-                                                        segments=segments)
-            return self._documents_forward(q, k, v, causal, softmax_scale, segments)
+                                                        slices=docs)
+            return self._documents_forward(q, k, v, causal, softmax_scale, docs)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
         te = _load()
@@ -605,18 +605,18 @@ class TEFusedKernel:
         causal: bool,
         softmax_scale: float,
         *,
-        segments: Segments | None = None,
-        mask: TileMask | None = None,
+        slices: TileSlices | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
-        check_call(self, q, v, segments, mask, causal)
-        if segments is not None:
-            if not self._te_takes(q, k, v, causal, segments):
+        check_call(self, q, v, slices, causal)
+        docs = slices
+        if docs is not None:
+            if not self._te_takes(q, k, v, causal, docs):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
-                                                         softmax_scale, segments=segments)
+                                                         softmax_scale, slices=docs)
             return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
-                                            segments)
+                                            docs)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         te = _load()
@@ -638,46 +638,46 @@ class TEFusedKernel:
     # Packed documents: [t, 1, h, d] -> TE's thd [t, h, d] (a view) and back.
 
     def _documents_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           causal: bool, softmax_scale: float, segments: Segments
+                           causal: bool, softmax_scale: float, docs: TileSlices
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [t_q, 1, hq, dv], lse [1, hq, t_q] fp32 of one tile over packed documents."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         fn = te.fused_attn.fused_attn_fwd
-        kw = thd_fwd_kwargs(_parameters(fn)[0], q3, k3, v3, segments, causal, softmax_scale,
+        kw = thd_fwd_kwargs(_parameters(fn)[0], q3, k3, v3, docs, causal, softmax_scale,
                             te.backend, cuda_graph=torch.cuda.is_current_stream_capturing())
         out, aux = _call(fn, kw, te.version)[:2]
         stats = aux[0]
         packed = _stats_per_token(q.device)
-        heads, tokens = q.shape[2], segments.cu_q[-1]
+        heads, tokens = q.shape[2], docs.cu_q[-1]
         ok = stats.dtype == torch.float32 and (
             (stats.dim() == 3 and stats.shape[0] >= tokens and stats.shape[1:] == (heads, 1))
             if packed else
-            (stats.dim() == 4 and tuple(stats.shape[:2]) == (len(segments.cu_q) - 1, heads)
-             and stats.shape[2] >= segments.max_q and stats.shape[3] == 1))
+            (stats.dim() == 4 and tuple(stats.shape[:2]) == (len(docs.cu_q) - 1, heads)
+             and stats.shape[2] >= docs.max_q and stats.shape[3] == 1))
         if not ok:
             expected = (f"(>= {tokens}, {heads}, 1)" if packed else
-                        f"({len(segments.cu_q) - 1}, {heads}, >= {segments.max_q}, 1)")
+                        f"({len(docs.cu_q) - 1}, {heads}, >= {docs.max_q}, 1)")
             raise RuntimeError(
                 f"Transformer Engine {te.version} returned thd softmax stats "
                 f"{tuple(stats.shape)} {stats.dtype}, expected {expected} float32 (cuDNN "
                 f"{te.cudnn()}): not the {BACKEND} backend, or a stats layout not known here")
-        return out.unsqueeze(1), lse_from_te(stats, segments)
+        return out.unsqueeze(1), lse_from_te(stats, docs)
 
     def _documents_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                            softmax_scale: float, segments: Segments
+                            softmax_scale: float, docs: TileSlices
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [t_q, 1, hq, d], dk [t_kv, 1, hkv, d], dv [t_kv, 1, hkv, dv]; out / lse are the whole row's."""
         te = _load()
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         out3, dout3 = (t[:, 0].to(q.dtype).contiguous() for t in (out, dout))
         packed = _stats_per_token(q.device)
-        stats = lse_to_te(lse, segments, packed, stats_rows(te.minor, segments.cu_q[-1]))
+        stats = lse_to_te(lse, docs, packed, stats_rows(te.minor, docs.cu_q[-1]))
         fn = te.fused_attn.fused_attn_bwd
         kw = thd_bwd_kwargs(
             _parameters(fn)[0], dout3, q3, k3, v3, out3, [stats, rng_state(q.device)],
-            segments, causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
+            docs, causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
             cuda_graph=torch.cuda.is_current_stream_capturing(),
             deterministic=self.deterministic,
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_mask import Segments
+from ..common.tile_slices import TileSlices
 
 PACKED_STATS_CUDNN = (9, 6, 0)  # from this cuDNN on, TE's thd softmax stats are per token
 SM120 = (12, 0)  # where TE 2.14+ keeps per-document stats for thd (no ragged stats there)
@@ -45,40 +45,40 @@ def stats_rows(te_minor: tuple[int, int], tokens: int) -> int:
     return tokens if tuple(te_minor) >= TE_STATS_EXACT_TOKENS else te_max_tokens(tokens)
 
 
-def _token_positions(segments: Segments, device: torch.device
+def _token_positions(docs: TileSlices, device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(document, position in it) of each query row, int64 [t_q] each, on `device`."""
-    cu = segments.cu_q_tensor.to(device=device, dtype=torch.int64)
-    tokens = segments.cu_q[-1]
-    doc = torch.repeat_interleave(torch.arange(len(segments.cu_q) - 1, device=device),
+    cu = docs.cu_q_tensor.to(device=device, dtype=torch.int64)
+    tokens = docs.cu_q[-1]
+    doc = torch.repeat_interleave(torch.arange(len(docs.cu_q) - 1, device=device),
                                   cu.diff(), output_size=tokens)
     return doc, torch.arange(tokens, device=device) - cu[doc]
 
 
-def lse_from_te(stats: torch.Tensor, segments: Segments) -> torch.Tensor:
+def lse_from_te(stats: torch.Tensor, docs: TileSlices) -> torch.Tensor:
     """TE's thd softmax stats -> our lse [1, hq, t_q] fp32.
 
     Per token: [rows >= t_q, hq, 1], row i = query row i (offsets = cu_seqlens, rows past
     t_q unused). Per document: [docs, hq, >= max_q, 1], [j, h, p] = row cu_q[j] + p."""
-    tokens = segments.cu_q[-1]
+    tokens = docs.cu_q[-1]
     if stats.dim() == 3:
         return stats[:tokens, :, 0].t().unsqueeze(0).float().contiguous()
-    doc, pos = _token_positions(segments, stats.device)
+    doc, pos = _token_positions(docs, stats.device)
     return stats[doc, :, pos, 0].t().unsqueeze(0).float().contiguous()
 
 
-def lse_to_te(lse: torch.Tensor, segments: Segments, packed: bool, rows: int = 0
+def lse_to_te(lse: torch.Tensor, docs: TileSlices, packed: bool, rows: int = 0
               ) -> torch.Tensor:
     """Our lse [1, hq, t_q] -> TE's thd softmax stats, fp32: per token [max(rows, t_q), hq, 1]
     (`packed`), else per document [docs, hq, max_q, 1]; places no row stands for are 0."""
-    heads, tokens = lse.shape[1], segments.cu_q[-1]
+    heads, tokens = lse.shape[1], docs.cu_q[-1]
     rows_of = lse[0].t().to(torch.float32)  # [t_q, hq]
     if packed:
         stats = rows_of.new_zeros(max(rows, tokens), heads, 1)
         stats[:tokens, :, 0] = rows_of
         return stats
-    doc, pos = _token_positions(segments, lse.device)
-    stats = rows_of.new_zeros(len(segments.cu_q) - 1, heads, segments.max_q, 1)
+    doc, pos = _token_positions(docs, lse.device)
+    stats = rows_of.new_zeros(len(docs.cu_q) - 1, heads, docs.max_q, 1)
     stats[doc, :, pos, 0] = rows_of
     return stats
 

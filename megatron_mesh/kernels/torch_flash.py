@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_mask import Segments, TileMask
+from ..common.tile_slices import BAND, DOCUMENTS, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 
@@ -71,7 +71,7 @@ class TorchFlashKernel:
     Causal tiles of more keys than queries (`bottom_right`): CUDA's flash op aligns its
     causal mask at the bottom right itself; the CPU flash op and CUDA's memory-efficient op
     align theirs at the top left, so there the tile takes the band's additive mask
-    (`TileMask.band(sq, sk, -1, 0)`, one call, a mask of sq x sk). Grouped tiles fold a
+    (`TileSlices.band(sq, sk, -1, 0)`, one call, a mask of sq x sk). Grouped tiles fold a
     causal diagonal into such a call only where it needs no mask (`bottom_right_mask_free`),
     or everywhere with `band_bottom_right` (to check the folded calls on the CPU).
     """
@@ -93,32 +93,30 @@ class TorchFlashKernel:
         when built with `band_bottom_right` (the band's mask, made once per shape)."""
         return self.band_bottom_right or (q.device.type != "cpu" and self._uses_flash(q))
 
-    def _bottom_right_mask(self, q: torch.Tensor, k: torch.Tensor, causal: bool,
-                           segments: Segments | None) -> TileMask | None:
+    def _bottom_right_band(self, q: torch.Tensor, k: torch.Tensor, causal: bool
+                           ) -> TileSlices | None:
         """The band of a causal tile of sq < sk keys (bottom-right aligned) where the op
         aligns its own causal mask at the top left (CPU, memory-efficient op), else None."""
         sq, sk = q.shape[0], k.shape[0]
-        if not causal or segments is not None or sq == sk:
+        if not causal or sq == sk:
             return None
         if q.device.type != "cpu" and self._uses_flash(q):
             return None  # the flash op's causal is bottom-right aligned
-        return TileMask.band(sq, sk, -1, 0)
+        return TileSlices.band(sq, sk, -1, 0)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
-                segments: Segments | None = None, mask: TileMask | None = None):
-        check_call(self, q, v, segments, mask, causal)
-        mask = mask or self._bottom_right_mask(q, k, causal, segments)
+                slices: TileSlices | None = None):
+        check_call(self, q, v, slices, causal)
+        slices = slices or self._bottom_right_band(q, k, causal)
         width = padded_head_dim(q, v)
         if width:  # V of its own head dim where the op takes one: pad, exactly
             out, lse = self.forward(pad_head_dim(q, width), pad_head_dim(k, width),
                                     pad_head_dim(v, width), causal, softmax_scale,
-                                    segments=segments, mask=mask)
+                                    slices=slices)
             return out[..., :v.shape[-1]], lse
-        varlen = q.device.type != "cpu" and self._uses_flash(q)
-        if mask is not None:
-            return masked_forward(q, k, v, softmax_scale, mask, varlen)
-        if segments is not None:
-            return documents_forward(q, k, v, causal, softmax_scale, segments, varlen)
+        if slices is not None:
+            flash = q.device.type != "cpu" and self._uses_flash(q)
+            return sliced_forward(q, k, v, softmax_scale, slices, flash)
         qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -139,21 +137,18 @@ class TorchFlashKernel:
         return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
-                 segments: Segments | None = None, mask: TileMask | None = None):
-        check_call(self, q, v, segments, mask, causal)
-        mask = mask or self._bottom_right_mask(q, k, causal, segments)
+                 slices: TileSlices | None = None):
+        check_call(self, q, v, slices, causal)
+        slices = slices or self._bottom_right_band(q, k, causal)
         width = padded_head_dim(q, v)
         if width:  # the padded columns' gradients are dropped
             dq, dk, dv = self.backward(*(pad_head_dim(t, width) for t in (dout, q, k, v, out)),
-                                       lse, causal, softmax_scale, segments=segments, mask=mask)
+                                       lse, causal, softmax_scale, slices=slices)
             d = q.shape[-1]
             return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
-        varlen = q.device.type != "cpu" and self._uses_flash(q)
-        if mask is not None:
-            return masked_backward(dout, q, k, v, out, lse, softmax_scale, mask, varlen)
-        if segments is not None:
-            return documents_backward(dout, q, k, v, out, lse, causal, softmax_scale, segments,
-                                      varlen)
+        if slices is not None:
+            flash = q.device.type != "cpu" and self._uses_flash(q)
+            return sliced_backward(dout, q, k, v, out, lse, softmax_scale, slices, flash)
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
         lse = lse.contiguous()
         if q.device.type == "cpu":
@@ -183,17 +178,17 @@ class TorchFlashKernel:
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
 
 
-# Packed documents (`Segments`): b = 1. The CPU flash op and CUDA's memory-efficient op (fp32)
-# take the documents as an additive mask; CUDA's flash op (fp16 / bf16, where the kernel's
-# choice allows flash) as a variable-length call over the documents' rows, which does no work
-# across documents and takes GQA as it is.
+# A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
+# allows flash) documents as a variable-length call over their rows (b = 1; no work across
+# documents, GQA as it is) and a band as the op's own window; everywhere else (the CPU flash
+# op, CUDA's memory-efficient op) the slices' additive bias.
 
 
-def _mask(segments: Segments | TileMask, causal: bool, q: torch.Tensor) -> torch.Tensor:
-    """The additive mask for q [sq, b, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on CUDA in
-    q's dtype, its rows padded to 16 elements (the memory-efficient op reads them aligned)
-    and expanded to [b, hq, sq, sk]."""
-    mask = segments.additive_mask(causal, q.device)
+def _bias(slices: TileSlices, q: torch.Tensor) -> torch.Tensor:
+    """The slices' additive mask for q [sq, b, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on
+    CUDA in q's dtype, its rows padded to 16 elements (the memory-efficient op reads them
+    aligned) and expanded to [b, hq, sq, sk]."""
+    mask = slices.additive_mask(q.device)
     if q.device.type == "cpu":
         return mask[None, None]
     sq, sk = mask.shape
@@ -201,18 +196,27 @@ def _mask(segments: Segments | TileMask, causal: bool, q: torch.Tensor) -> torch
     return mask.expand(q.shape[1], q.shape[2], sq, sk)
 
 
-def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Segments,
-                      varlen: bool):
-    """The tile over packed documents: q [sq, 1, hq, d], k / v [sk, 1, hkv, d] ->
-    out [sq, 1, hq, d], lse [1, hq, sq] fp32 (`varlen`: CUDA's variable-length flash op).
-    A `TileMask` in place of the segments takes the additive-mask calls (any b)."""
-    if varlen and isinstance(segments, Segments):
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [b, s, h, d] view, its last dim made dense."""
+    return dense_last_dim(t).transpose(0, 1)
+
+
+def sliced_forward(q, k, v, softmax_scale: float, slices: TileSlices, flash: bool):
+    """The call under its slices: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
+    out [sq, b, hq, d], lse [b, hq, sq] fp32 (`flash`: CUDA's flash op may run)."""
+    if flash and slices.form == DOCUMENTS:
         out, lse, *_ = aten._flash_attention_forward(
             dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
-            segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
-            0.0, causal, False, scale=softmax_scale)
+            slices.cu_q_tensor, slices.cu_kv_tensor, slices.max_q, slices.max_kv,
+            0.0, slices.causal, False, scale=softmax_scale)
         return out.unsqueeze(1), lse.unsqueeze(0)
-    mask = _mask(segments, causal, q)
+    if flash and slices.form == BAND:
+        left, right = slices.flash_window
+        out, lse, *_ = aten._flash_attention_forward(
+            _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, False,
+            False, scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return out.transpose(0, 1), lse
+    mask = _bias(slices, q)
     qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -225,19 +229,27 @@ def documents_forward(q, k, v, causal: bool, softmax_scale: float, segments: Seg
     return sbhd(out), lse[..., :q.shape[0]].contiguous()
 
 
-def documents_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                       segments: Segments, varlen: bool):
-    """Gradients of `documents_forward`'s tile: dq [sq, 1, hq, d], dk, dv [sk, 1, hkv, d];
-    lse [1, hq, sq] is the whole row's."""
-    if varlen and isinstance(segments, Segments):
+def sliced_backward(dout, q, k, v, out, lse, softmax_scale: float, slices: TileSlices,
+                    flash: bool):
+    """Gradients of `sliced_forward`'s call: dq [sq, b, hq, d], dk, dv [sk, b, hkv, d];
+    lse [b, hq, sq] is the whole row's."""
+    if flash and slices.form in (DOCUMENTS, BAND):
         no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+    if flash and slices.form == DOCUMENTS:
         dq, dk, dv = aten._flash_attention_backward(
             dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
             dense_last_dim(v[:, 0]), dense_last_dim(out[:, 0]), lse[0].contiguous(),
-            segments.cu_q_tensor, segments.cu_kv_tensor, segments.max_q, segments.max_kv,
-            0.0, causal, no_dropout, no_dropout, scale=softmax_scale)
+            slices.cu_q_tensor, slices.cu_kv_tensor, slices.max_q, slices.max_kv,
+            0.0, slices.causal, no_dropout, no_dropout, scale=softmax_scale)
         return dq.unsqueeze(1), dk.unsqueeze(1), dv.unsqueeze(1)
-    mask = _mask(segments, causal, q)
+    if flash and slices.form == BAND:
+        left, right = slices.flash_window
+        dq, dk, dv = aten._flash_attention_backward(
+            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(),
+            None, None, q.shape[0], k.shape[0], 0.0, False, no_dropout, no_dropout,
+            scale=softmax_scale, window_size_left=left, window_size_right=right)
+        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+    mask = _bias(slices, q)
     qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
     lse = lse.contiguous()
     if q.device.type == "cpu":
@@ -263,39 +275,3 @@ def _empty_philox(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _PHILOX[device] = torch.empty(0, dtype=torch.int64, device=device)
     return t
-
-
-# Sliding windows (`TileMask`): CUDA's flash op (fp16 / bf16) with its own window where that
-# window is exact for the tile (`TileMask.flash_window`), else the additive mask of the
-# document tiles (CPU flash op; CUDA memory-efficient op, any dtype).
-
-
-def _bshd(t: torch.Tensor) -> torch.Tensor:
-    """[s, b, h, d] -> [b, s, h, d] view, its last dim made dense."""
-    return dense_last_dim(t).transpose(0, 1)
-
-
-def masked_forward(q, k, v, softmax_scale: float, mask: TileMask, flash: bool):
-    """The tile under an explicit mask: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
-    out [sq, b, hq, d], lse [b, hq, sq] fp32 (`flash`: CUDA's flash op may run)."""
-    if flash and mask.flash_window is not None:
-        left, right = mask.flash_window
-        out, lse, *_ = aten._flash_attention_forward(
-            _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, False,
-            False, scale=softmax_scale, window_size_left=left, window_size_right=right)
-        return out.transpose(0, 1), lse
-    return documents_forward(q, k, v, False, softmax_scale, mask, False)
-
-
-def masked_backward(dout, q, k, v, out, lse, softmax_scale: float, mask: TileMask,
-                    flash: bool):
-    """Gradients of `masked_forward`'s tile; lse [b, hq, sq] is the whole row's."""
-    if flash and mask.flash_window is not None:
-        left, right = mask.flash_window
-        no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
-        dq, dk, dv = aten._flash_attention_backward(
-            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(),
-            None, None, q.shape[0], k.shape[0], 0.0, False, no_dropout, no_dropout,
-            scale=softmax_scale, window_size_left=left, window_size_right=right)
-        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
-    return documents_backward(dout, q, k, v, out, lse, False, softmax_scale, mask, False)

@@ -4,7 +4,7 @@ A rank-block's calls (`Block.calls`) each take rows of one query chunk and one k
 Blocks on hand together (a query chunk against the column's K/V, or the row's query chunks
 against one arriving K/V chunk) go to the kernel as few calls:
 
-1. Plain calls (no documents, no tile mask) over the same query rows of one chunk take the
+1. Plain calls (no slices) over the same query rows of one chunk take the
    keys of all of them, concatenated, in one call; a causal one (the diagonal, sq == sk)
    puts its keys last and the call is causal aligned at the bottom right (query i sees key
    j <= i + sk - sq), which is exactly the union, where the kernel takes that without a
@@ -17,8 +17,8 @@ So under the causal zigzag a query chunk x against the column's chunks Y is at m
 calls (three with the diagonal apart): Q(x) against the first halves of K/V(y < x) and
 K/V(x) (causal, last), and the second half of Q(x) against K/V(y > x); the row's chunks
 against one K/V chunk are at most three (those above it, those below it, the diagonal).
-Without a causal mask everything on hand is one call. Calls with documents or a tile mask
-(packed documents, sliding windows) are kept as they are.
+Without a causal mask everything on hand is one call. Calls with slices (packed
+documents, sliding windows, masks given as slices) are kept as they are.
 
 A call concatenates at most `limit` rows on its grouped side (keys in 1, query rows in 2):
 more go in several calls, cut greedily from the last piece back (the diagonal's run first,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.tile_mask import Segments, TileMask
+from ..common.tile_slices import TileSlices
 from .block import Block
 
 
@@ -57,8 +57,7 @@ class Call:
     q: tuple[Piece, ...]
     kv: tuple[Piece, ...]
     causal: bool = False
-    segments: Segments | None = None
-    mask: TileMask | None = None
+    slices: TileSlices | None = None
 
 
 def _key(piece: Piece) -> tuple | None:
@@ -97,11 +96,9 @@ def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
     out: list[Call] = []
     for qi, ki, blk in blocks:
         for c in blk.calls:
-            call = Call((Piece(qi, c.q_rows),), (Piece(ki, c.kv_rows),), c.causal, c.segments,
-                        c.mask)
+            call = Call((Piece(qi, c.q_rows),), (Piece(ki, c.kv_rows),), c.causal, c.slices)
             key = _key(call.q[0])
-            if not grouped or c.segments is not None or c.mask is not None or key is None or _key(
-                    call.kv[0]) is None:
+            if not grouped or c.slices is not None or key is None or _key(call.kv[0]) is None:
                 out.append(call)
             else:
                 plain.setdefault(key, []).append(call)

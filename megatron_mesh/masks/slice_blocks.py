@@ -1,82 +1,327 @@
-"""The rank-blocks of a `SliceMask` (a mask given as slices, `slices.py`).
+"""The rank-blocks of any mask, from its slices: the one way a block's rows and calls are
+made.
 
-Block (x, y) is the mask's slices cut to x's zigzag rows and y's columns: each pair of
-their sub-chunks is a rectangle of positions, and each slice meeting it gives at most two
-slices of it (`Slice.cut`), moved to the local rows. Then:
+A rank's local rows are runs of contiguous positions of the whole sequence (`position_runs`:
+its zigzag sub-chunks, its pieces of each packed document, its placed runs). Block (x, y) is
+the mask's slices (`layout.mask_slices`) cut to x's runs as queries and y's runs as keys
+(`block_parts`: each slice meeting a pair of runs gives at most two slices of it,
+`Slice.cut`), moved to local rows. Its kernel calls (`block_calls`), each a few slices of
+its own rows (`TileSlices`) in the form its kernel takes best:
 
-    no cut slice          the block is empty: not computed, and the sparse exchange
-                          (`schedules/sparse.py`) sends none of its rows
-    each cut slice        one plain call over its rows: full; causal where it is square,
-                          else flash-attention's bottom-right causal (`TileMask.band`);
-                          a window band as flash-attention's window (`TileMask.band`)
+    no part                  the block is empty: not computed, and the sparse exchange
+                             (`schedules/sparse.py`) sends none of its rows
+    parts that are one slice one call over their rows: full, causal (square), or a band
+                             (flash-attention's window, bottom-right aligned)
+    documents                parts linked by shared rows are a document; documents that are
+                             each one full slice go in one variable-length call, those that
+                             are each one causal square in another
+    what is left             one call per part (a slice over its rows)
 
-Every call's rows see a key and its keys are seen, so the merge and the backward never meet
-a row without one; a query row no slice reaches is in no call (output 0, no gradient). A
-block holds its rows and its calls' bounds only, no mask of size rows x keys, whatever the
-mask (`groups.py` then joins calls that share query or key rows). Many small slices (short
-documents) are many small calls: a variable-length call over the ones that run down the
-diagonal would be one, where the kernels take it for any batch.
+Calls under a sliding window keep their work near the band: on shares of more than
+`ONE_CALL_ROWS` rows a band is cut into query slabs of `slab_rows`, and parts of short
+documents (fewer than `SMALL_DOCUMENT_ROWS` query rows) go in groups of at least
+`MIN_SLAB_ROWS` query rows, one call each; on shorter shares the block is one call. Every
+call's rows see a key and its keys are seen, so the merge and the backward never meet a row
+without one; a query row no slice reaches is in no call (output 0, no gradient). No call
+holds a mask of its rows x keys; kernels that need one make it from the slices
+(`TileSlices.additive_mask`).
 """
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+
 import torch
 
-from ..common.caches import per_documents
-from ..common.tile_mask import TileMask
-from .block import Block, BlockKind
-from .slices import CAUSAL, Slice, SliceMask
-from .zigzag import held_pieces
+from ..common.tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
+from .block import Block
+from .slices import Slice, SliceMask, pieces
+
+Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
+
+# A block under a window on shares of at most this many rows is one call; on taller shares
+# its bands are cut into query slabs of `slab_rows` (at least MIN_SLAB_ROWS), and parts of
+# documents of fewer than SMALL_DOCUMENT_ROWS query rows are grouped, consecutive ones, into
+# calls of at least MIN_SLAB_ROWS query rows.
+ONE_CALL_ROWS = 1024
+MIN_SLAB_ROWS = 1024
+SMALL_DOCUMENT_ROWS = 256
 
 
-def runs(ranks: int, rank: int, local_len: int) -> list[tuple[int, int, int]]:
-    """(first local row, first position, rows) of each run of contiguous positions `rank`
-    holds in the zigzag layout of `ranks` shares of `local_len` rows."""
-    pieces = held_pieces(ranks, rank)
-    size = local_len // len(pieces)
-    return [(n * size, piece * size, size) for n, piece in enumerate(pieces)]
+def position_runs(positions: torch.Tensor) -> tuple[Run, ...]:
+    """The runs of contiguous positions of a rank's rows (`positions`: int64 [local rows],
+    -1 on padding), sorted by position."""
+    pos = positions.long().cpu()
+    rows = (pos >= 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return ()
+    at = pos[rows]
+    new = torch.ones(rows.numel(), dtype=torch.bool)
+    new[1:] = (rows[1:] != rows[:-1] + 1) | (at[1:] != at[:-1] + 1)
+    starts = new.nonzero().flatten().tolist()
+    ends = starts[1:] + [rows.numel()]
+    runs = [(int(rows[a]), int(at[a]), b - a) for a, b in zip(starts, ends)]
+    return tuple(sorted(runs, key=lambda r: r[1]))
 
 
-def local_slices(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int,
-                 local_len: int) -> list[Slice]:
-    """Block (q_rank, kv_rank)'s pairs as slices of local rows: q_* rows of q_rank's share,
-    k_* rows of kv_rank's."""
-    unit = local_len // len(held_pieces(ranks, q_rank))
+def block_parts(mask: SliceMask, q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]
+                ) -> list[Slice]:
+    """The pairs `mask` keeps of query runs x key runs, as slices of local rows (q_* rows of
+    the query rank, k_* of the key rank): a sweep over the slices meeting each query run
+    and the key runs meeting each slice, so it costs the parts it finds, not runs x runs."""
+    table = _slice_index(mask)
+    k_starts = [pos for _, pos, _ in k_runs]
     out = []
-    for q_row, q_pos, q_len in runs(ranks, q_rank, local_len):
-        for k_row, k_pos, k_len in runs(ranks, kv_rank, local_len):
-            for s in mask.cut(q_pos, q_pos + q_len, k_pos, k_pos + k_len, unit):
-                dq, dk = q_row - q_pos, k_row - k_pos
-                out.append(Slice(s.q_start + dq, s.q_end + dq, s.k_start + dk, s.k_end + dk,
-                                 s.kind, s.window))
+    for q_row, q_pos, q_len in q_runs:
+        for s in table.meeting(q_pos, q_pos + q_len):
+            first = max(0, bisect.bisect_right(k_starts, s.k_start) - 1)
+            for k_row, k_first, k_len in k_runs[first:]:
+                if k_first >= s.k_end:  # the runs past the slice's keys
+                    break
+                dq, dk = q_row - q_pos, k_row - k_first
+                for part in s.cut(q_pos, q_pos + q_len, k_first, k_first + k_len):
+                    out.append(Slice(part.q_start + dq, part.q_end + dq, part.k_start + dk,
+                                     part.k_end + dk, part.kind, part.window))
     return out
 
 
-@per_documents(lambda mask, *_: mask)  # the blocks of the last few masks (`caches.py`)
-def slice_block(mask: SliceMask, ranks: int, q_rank: int, kv_rank: int, local_len: int,
-                device: torch.device) -> Block:
-    """Block (q_rank, kv_rank) of `mask` on zigzag shares of `local_len` rows, with its
-    kernel calls (the rows it uses on `device` where they are an index tensor)."""
-    parts = local_slices(mask, ranks, q_rank, kv_rank, local_len)
-    if not parts:
-        return Block(BlockKind.FULL, slice(0, 0), slice(0, 0), tiles=())
+@dataclass(frozen=True)
+class _Index:
+    """A mask's slices sorted by q_start, and the longest query range of one."""
+
+    slices: tuple[Slice, ...]
+    q_starts: tuple[int, ...]
+    longest: int
+
+    def meeting(self, q_lo: int, q_hi: int) -> list[Slice]:
+        """The slices whose query range meets [q_lo, q_hi)."""
+        first = bisect.bisect_right(self.q_starts, q_lo - self.longest)
+        last = bisect.bisect_left(self.q_starts, q_hi)
+        return [s for s in self.slices[first:last] if s.q_end > q_lo]
+
+
+_INDEXES: dict[SliceMask, _Index] = {}
+
+
+def _slice_index(mask: SliceMask) -> _Index:
+    index = _INDEXES.get(mask)
+    if index is None:
+        if len(_INDEXES) >= 16:  # a few masks (layers of a model share one)
+            _INDEXES.pop(next(iter(_INDEXES)))
+        ordered = tuple(sorted(mask.slices, key=lambda s: (s.q_start, s.k_start)))
+        index = _INDEXES[mask] = _Index(ordered, tuple(s.q_start for s in ordered),
+                                        max(s.q_end - s.q_start for s in ordered))
+    return index
+
+
+def bound_of(s: Slice) -> Bound:
+    """A slice of rows as (q0, q1, k0, k1, lo, hi): lo <= j - i <= hi on its rows."""
+    return (s.q_start, s.q_end, s.k_start, s.k_end, *s.bounds)
+
+
+def merged(parts: list[Bound]) -> Bound | None:
+    """The one slice whose pairs are exactly the union of `parts` (disjoint slices whose rows
+    each see a key), its rows each seeing a key, or None where there is none."""
     if len(parts) == 1:
-        return _call(parts[0])
-    q_rows = _rows(_union([(s.q_start, s.q_end) for s in parts]), device)
-    kv_rows = _rows(_union([(s.k_start, s.k_end) for s in parts]), device)
-    return Block(BlockKind.FULL, q_rows, kv_rows, tiles=tuple(_call(s) for s in parts))
+        return parts[0]
+    q0, q1 = min(p[0] for p in parts), max(p[1] for p in parts)
+    k0, k1 = min(p[2] for p in parts), max(p[3] for p in parts)
+    lo = min(max(k0p - (q1p - 1), -(1 << 62) if lop is None else lop)
+             for q0p, q1p, k0p, k1p, lop, _ in parts)
+    hi = max(min(k1p - 1 - q0p, 1 << 62 if hip is None else hip)
+             for q0p, q1p, k0p, k1p, _, hip in parts)
+    lo = None if lo <= k0 - (q1 - 1) else lo
+    hi = None if hi >= k1 - 1 - q0 else hi
+    if slice_pairs(q0, q1, k0, k1, lo, hi) != sum(slice_pairs(*p) for p in parts):
+        return None
+    trimmed = pieces(q0, q1, k0, k1, lo, hi)
+    if (min(p.q_start for p in trimmed), max(p.q_end for p in trimmed),
+            min(p.k_start for p in trimmed), max(p.k_end for p in trimmed)) != (q0, q1, k0, k1):
+        return None
+    return q0, q1, k0, k1, lo, hi
 
 
-def _call(s: Slice) -> Block:
-    """One slice of local rows as one kernel call."""
-    rows, cols = slice(s.q_start, s.q_end), slice(s.k_start, s.k_end)
-    sq, sk = s.q_end - s.q_start, s.k_end - s.k_start
-    if s.window is not None:  # a window band, bottom-right aligned on the cut
-        return Block(BlockKind.FULL, rows, cols, mask=TileMask.band(sq, sk, *s.window))
-    if s.kind != CAUSAL:
-        return Block(BlockKind.FULL, rows, cols)
-    if sq == sk:  # top-left and bottom-right alignment agree
-        return Block(BlockKind.DIAGONAL, rows, cols)
-    return Block(BlockKind.FULL, rows, cols, mask=TileMask.band(sq, sk, -1, 0))
+def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: int,
+                device: torch.device) -> Block:
+    """Block of `parts` (slices of local rows) with its kernel calls (module docstring);
+    `windowed`: a sliding window is laid on the mask, its bands cut into `slab_rows` query
+    rows on shares of more than `ONE_CALL_ROWS`."""
+    bounds = [bound_of(s) for s in parts]
+    if not bounds:
+        return Block(slice(0, 0), slice(0, 0), tiles=())
+    whole = merged(bounds)
+    if whole is not None and not (windowed and local_len > ONE_CALL_ROWS):
+        return _one_slice(whole)
+    if windowed and local_len <= ONE_CALL_ROWS:
+        return gathered_call([bounds], device)
+    calls: list[Block] = []
+    documents: dict[bool, list[list[Bound]]] = {True: [], False: []}
+    small: list[list[Bound]] = []
+    for component in _components(bounds):
+        one = _gathered_merge(component)
+        if one is not None and one[4] is None and (
+                one[5] is None or (one[5] == 0 and one[1] - one[0] == one[3] - one[2])):
+            documents[one[5] is not None].append(component)  # full, or a causal square
+        elif windowed and _rows(component) < SMALL_DOCUMENT_ROWS:
+            small.append(component)
+            if sum(_rows(c) for c in small) >= MIN_SLAB_ROWS:
+                calls.append(gathered_call(small, device))
+                small = []
+        elif one is not None and (not windowed or one[1] - one[0] <= slab_rows):
+            calls.append(gathered_call([component], device))
+        else:
+            for part in component:
+                calls += [_one_slice(s) for s in _slabs(part, slab_rows if windowed else None)]
+    if small:
+        calls.append(gathered_call(small, device))
+    for causal in (True, False):
+        if documents[causal]:
+            calls.append(gathered_call(documents[causal], device))
+    return _block(calls, local_len, device)
+
+
+def _rows(component: list[Bound]) -> int:
+    return sum(q1 - q0 for q0, q1 in _union([(p[0], p[1]) for p in component]))
+
+
+def _components(bounds: list[Bound]) -> list[list[Bound]]:
+    """`bounds` in groups linked by shared query rows or shared key rows, in order of their
+    first query row."""
+    parent = list(range(len(bounds)))
+
+    def find(n: int) -> int:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for side in (0, 2):  # query rows, then key rows: sweep the ranges in order
+        order = sorted(range(len(bounds)), key=lambda n: bounds[n][side])
+        reach, owner = -1, -1
+        for n in order:
+            start, end = bounds[n][side], bounds[n][side + 1]
+            if start < reach:
+                parent[find(n)] = find(owner)
+            if end > reach:
+                reach, owner = end, n
+    groups: dict[int, list[Bound]] = {}
+    for n, b in enumerate(bounds):
+        groups.setdefault(find(n), []).append(b)
+    return sorted(groups.values(), key=lambda g: min(b[0] for b in g))
+
+
+def _gathered(component: list[Bound]) -> tuple[list[tuple[int, int]], list[tuple[int, int]],
+                                                list[Bound]]:
+    """A group's query row runs and key row runs (sorted, disjoint) and its slices moved to
+    the rows of those runs concatenated."""
+    q_runs = _union([(b[0], b[1]) for b in component])
+    k_runs = _union([(b[2], b[3]) for b in component])
+    q_at, k_at = _offsets(q_runs), _offsets(k_runs)
+    moved = []
+    for q0, q1, k0, k1, lo, hi in component:
+        dq, dk = q_at(q0) - q0, k_at(k0) - k0
+        shift = dk - dq  # j - i grows by it
+        moved.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, None if lo is None else lo + shift,
+                      None if hi is None else hi + shift))
+    return q_runs, k_runs, moved
+
+
+def _gathered_merge(component: list[Bound]) -> Bound | None:
+    """The one slice a group is on its rows concatenated, or None."""
+    return merged(_gathered(component)[2])
+
+
+def gathered_call(groups: list[list[Bound]], device: torch.device) -> Block:
+    """One call over groups of slices: each group's query rows (and key rows) concatenated,
+    the groups one after another, with the slices of the call (`TileSlices.of`)."""
+    q_rows, k_rows, slices, nq, nk = [], [], [], 0, 0
+    for group in groups:
+        q_runs, k_runs, moved = _gathered(group)
+        merged_one = merged(moved)
+        for q0, q1, k0, k1, lo, hi in [merged_one] if merged_one is not None else moved:
+            shift = nk - nq
+            slices.append((q0 + nq, q1 + nq, k0 + nk, k1 + nk, None if lo is None else lo + shift,
+                           None if hi is None else hi + shift))
+        q_rows += q_runs
+        k_rows += k_runs
+        nq += sum(b - a for a, b in q_runs)
+        nk += sum(b - a for a, b in k_runs)
+    tile = TileSlices.of(slices, (nq, nk), device)
+    rows_q, rows_k = _rows_of(q_rows, device), _rows_of(k_rows, device)
+    if tile.form == DOCUMENTS and len(tile.cu_q) == 2:  # one document: a plain call
+        return Block(rows_q, rows_k, causal=tile.causal)
+    if tile.form == BAND and tile.flash_window == (-1, -1):
+        return Block(rows_q, rows_k)
+    return Block(rows_q, rows_k, causal=tile.causal, slices=tile)
+
+
+def _one_slice(b: Bound) -> Block:
+    """One slice of contiguous local rows as one kernel call."""
+    q0, q1, k0, k1, lo, hi = b
+    rows, cols = slice(q0, q1), slice(k0, k1)
+    sq, sk = q1 - q0, k1 - k0
+    if lo is None and hi is None:
+        return Block(rows, cols)
+    if lo is None and hi == k0 - q0 and sq == sk:
+        return Block(rows, cols, causal=True)
+    return Block(rows, cols,
+                 slices=TileSlices.of([(0, sq, 0, sk, None if lo is None else lo - (k0 - q0),
+                                        None if hi is None else hi - (k0 - q0))], (sq, sk),
+                                      torch.device("cpu")))
+
+
+def _slabs(b: Bound, slab_rows: int | None) -> list[Bound]:
+    """A slice cut into query slabs of at most `slab_rows` rows where its window's lower
+    bound binds (each trimmed to the keys it sees), else the slice itself."""
+    q0, q1, k0, k1, lo, hi = b
+    if slab_rows is None or lo is None or q1 - q0 <= slab_rows:
+        return [b]
+    out = []
+    for start in range(q0, q1, slab_rows):
+        parts = [bound_of(s) for s in pieces(start, min(start + slab_rows, q1), k0, k1, lo, hi)]
+        if parts:
+            out.append(merged(parts) or parts[0])
+            out += [] if merged(parts) is not None else parts[1:]
+    return out
+
+
+def _block(calls: list[Block], local_len: int, device: torch.device) -> Block:
+    """A block of several calls: the union of their rows."""
+    if len(calls) == 1:
+        return calls[0]
+    q_used = torch.zeros(local_len, dtype=torch.bool)
+    kv_used = torch.zeros(local_len, dtype=torch.bool)
+    for call in calls:
+        q_used[_cpu(call.q_rows)] = True
+        kv_used[_cpu(call.kv_rows)] = True
+    return Block(_rows_of(_true_runs(q_used), device), _rows_of(_true_runs(kv_used), device),
+                 tiles=tuple(calls))
+
+
+def _cpu(rows: slice | torch.Tensor) -> slice | torch.Tensor:
+    return rows if isinstance(rows, slice) else rows.cpu()
+
+
+def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs [start, end) of True in a bool vector."""
+    edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), used.to(torch.int8),
+                                  torch.zeros(1, dtype=torch.int8)]))
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends))
+
+
+def _offsets(runs: list[tuple[int, int]]):
+    """Row -> its index in the runs concatenated (rows inside a run)."""
+    starts = [a for a, _ in runs]
+    before = [0]
+    for a, b in runs:
+        before.append(before[-1] + b - a)
+
+    def at(row: int) -> int:
+        n = bisect.bisect_right(starts, row) - 1
+        return before[n] + row - starts[n]
+    return at
 
 
 def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -90,9 +335,11 @@ def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
-    """The rows of [start, end) ranges in order: a slice where they follow one another, else
-    an int64 index on `device`."""
+def _rows_of(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """The rows of [start, end) ranges in the order given: a slice where they follow one
+    another, else an int64 index on `device`."""
+    if not ranges:
+        return slice(0, 0)
     if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
         return slice(ranges[0][0], ranges[-1][1])
     return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device)

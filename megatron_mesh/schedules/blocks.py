@@ -73,8 +73,7 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
         q = _cat([rows(queries[p.chunk][1], p.rows) for p in call.q])
         k = _cat([rows(keys[p.chunk][1], p.rows) for p in call.kv])
         v = _cat([rows(keys[p.chunk][2], p.rows) for p in call.kv])
-        out, lse = kernel.forward(q, k, v, call.causal, scale, segments=call.segments,
-                                  mask=call.mask)
+        out, lse = kernel.forward(q, k, v, call.causal, scale, slices=call.slices)
         del q, k, v
         for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
             _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
@@ -128,7 +127,7 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
         lse = _cat([rows(queries[p.chunk][4], p.rows, -1) for p in call.q], -1)
         k, v = (_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]) for i in (1, 2))
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.causal, scale,
-                                     segments=call.segments, mask=call.mask)
+                                     slices=call.slices)
         del dout, q, out, lse, k, v
         for p, part in _pieces(dq, call.q):
             _add_rows(queries[p.chunk][5], p.rows, part)

@@ -160,18 +160,19 @@ def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_emulated_kernel_prices_varlen_tiles_by_in_document_pairs() -> None:
-    """A tile of packed documents (Segments) costs its in-document pairs only, not sq x sk."""
-    from megatron_mesh.common.tile_mask import Segments
+    """A call over packed documents (`TileSlices` of form documents) costs its in-document
+    pairs only, not sq x sk."""
+    from megatron_mesh.common.tile_slices import TileSlices
     rate = 1e15  # fast: the price is read from kernel.seconds
     q = torch.zeros(100, 1, 4, 8)
-    segs = Segments.build((0, 30, 100), (0, 30, 100), torch.device("cpu"))
+    segs = TileSlices.documents((0, 30, 100), (0, 30, 100), True, torch.device("cpu"))
     kernel = EmulatedKernel(rate)
-    kernel.forward(q, q, q, True, 1.0, segments=segs)
+    kernel.forward(q, q, q, True, 1.0, slices=segs)
     causal_pairs = 30 * 31 // 2 + 70 * 71 // 2
     assert kernel.seconds == pytest.approx(4 * causal_pairs * 4 * 8 / rate)
-    full = Segments.build((0, 30, 100), (0, 50, 60), torch.device("cpu"))  # 30 x 50, 70 x 10
+    full = TileSlices.documents((0, 30, 100), (0, 50, 60), False, torch.device("cpu"))  # 30 x 50, 70 x 10
     kernel = EmulatedKernel(rate)
-    kernel.backward(q, q, q[:60], q[:60], q, None, False, 1.0, segments=full)
+    kernel.backward(q, q, q[:60], q[:60], q, None, False, 1.0, slices=full)
     assert kernel.seconds == pytest.approx(2.5 * 4 * (30 * 50 + 70 * 10) * 4 * 8 / rate)
 
 

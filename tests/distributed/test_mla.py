@@ -102,11 +102,11 @@ def test_mla_head_dims_exact_on_every_grid(cp_size: int) -> None:
 def test_cuda_calls_take_v_head_dim_on_meta(dtype: torch.dtype, packed: bool) -> None:
     """The CUDA calls (flash, dense or variable-length, with V padded; memory-efficient with
     V's own head dim) run on meta tensors and give out and dv of V's head dim."""
-    from megatron_mesh.common.tile_mask import Segments
+    from megatron_mesh.common.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel, padded_head_dim
 
     meta = torch.device("meta")
-    segments = Segments.build((0, 3, 8), (0, 3, 8), meta) if packed else None
+    documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta) if packed else None
     b = 1 if packed else 2
     q = torch.empty(8, b, 4, D, device=meta, dtype=dtype)
     k = torch.empty(8, b, 2, D, device=meta, dtype=dtype)
@@ -118,7 +118,7 @@ def test_cuda_calls_take_v_head_dim_on_meta(dtype: torch.dtype, packed: bool) ->
 
         kernels.append(CudnnKernel())  # takes V's head dim as it is (no padding)
     for kernel in kernels:
-        kw = {"segments": segments} if packed else {}
+        kw = {"slices": documents} if packed else {}
         out, lse = kernel.forward(q, k, v, True, 0.25, **kw)
         assert (out.shape, out.dtype, lse.shape) == ((8, b, 4, DV), dtype, (b, 4, 8))
         dq, dk, dv = kernel.backward(out, q, k, v, out, lse, True, 0.25, **kw)

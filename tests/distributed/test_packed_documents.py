@@ -208,17 +208,17 @@ def test_packed_documents_exact_on_every_grid(cp_size: int) -> None:
 def test_cuda_branches_of_the_document_tiles_on_meta(dtype: torch.dtype) -> None:
     """The CUDA calls (varlen flash for fp16 / bf16, memory-efficient with a mask for fp32)
     run on meta tensors: aten checks their argument lists, shapes and dtypes."""
-    from megatron_mesh.common.tile_mask import Segments
+    from megatron_mesh.common.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 
-    segments = Segments.build((0, 3, 8), (0, 3, 8), torch.device("meta"))
+    documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, torch.device("meta"))
     q = torch.empty(8, 1, 4, 16, device="meta", dtype=dtype)
     kv = torch.empty(8, 1, 2, 16, device="meta", dtype=dtype)
     kernel = TorchFlashKernel()
-    out, lse = kernel.forward(q, kv, kv, True, 0.25, segments=segments)
+    out, lse = kernel.forward(q, kv, kv, True, 0.25, slices=documents)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (1, 4, 8),
                                                             torch.float32)
-    dq, dk, dv = kernel.backward(out, q, kv, kv, out, lse, True, 0.25, segments=segments)
+    dq, dk, dv = kernel.backward(out, q, kv, kv, out, lse, True, 0.25, slices=documents)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
     assert dq.dtype == dk.dtype == dv.dtype == dtype
 

@@ -271,20 +271,20 @@ def test_bad_windows_are_named_before_any_collective(window, causal, message) ->
 def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> None:
     """The CUDA calls of a windowed tile run on meta tensors: flash with the band's own
     window (fp16 / bf16), else the memory-efficient op with the additive bias (a band's
-    made on the device; an explicit mask's); V of its own head dim too."""
-    from megatron_mesh.common.tile_mask import TileMask
+    made on the device; other slices' likewise); V of its own head dim too."""
+    from megatron_mesh.common.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
-    from megatron_mesh.masks.window import Window
 
     meta = torch.device("meta")
-    seen = Window(2, 0).sees(torch.arange(6) + 2, torch.arange(8))
-    mask = TileMask.band(6, 8, 2, 0) if band else TileMask.explicit(seen, meta)
+    mask = TileSlices.band(6, 8, 2, 0) if band else TileSlices.of(
+        [(0, 3, 0, 5, 0, 2), (3, 6, 5, 8, 0, 2)], (6, 8), meta)  # two documents' bands
     q = torch.empty(6, 2, 4, 16, device=meta, dtype=dtype)
     k = torch.empty(8, 2, 2, 16, device=meta, dtype=dtype)
     for v in (k, torch.empty(8, 2, 2, 8, device=meta, dtype=dtype)):
-        out, lse = TorchFlashKernel().forward(q, k, v, False, 0.25, mask=mask)
+        out, lse = TorchFlashKernel().forward(q, k, v, False, 0.25, slices=mask)
         assert (out.shape, out.dtype, lse.shape) == ((6, 2, 4, v.shape[-1]), dtype, (2, 4, 6))
-        dq, dk, dv = TorchFlashKernel().backward(out, q, k, v, out, lse, False, 0.25, mask=mask)
+        dq, dk, dv = TorchFlashKernel().backward(out, q, k, v, out, lse, False, 0.25,
+                                                 slices=mask)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
@@ -356,19 +356,19 @@ def test_tall_window_shares_on_meta() -> None:
 def test_band_mask_counts_and_draws_the_same_pairs() -> None:
     """A band's closed-form pair count equals its drawn mask's; its additive form is 0
     exactly where it sees."""
-    from megatron_mesh.common.tile_mask import TileMask
+    from megatron_mesh.common.tile_slices import TileSlices
 
     for sq, sk in ((5, 5), (3, 9), (9, 3), (1, 7)):
         for left in (-1, 0, 1, 4, 20):
             for right in (-1, 0, 2, 20):
-                band = TileMask.band(sq, sk, left, right)
+                band = TileSlices.band(sq, sk, left, right)
                 e = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
                 want = (e >= -left if left >= 0 else True) & (e <= right if right >= 0
                                                                else True)
                 want = torch.as_tensor(want).expand(sq, sk)
-                assert torch.equal(band.seen, want), (sq, sk, left, right)
+                assert torch.equal(band.seen(), want), (sq, sk, left, right)
                 assert band.pairs == int(want.sum())
-                bias = band.additive_mask(False, torch.device("cpu"))
+                bias = band.additive_mask(torch.device("cpu"))
                 assert torch.equal(bias == 0, want)
 
 
@@ -388,7 +388,7 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
     local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
     sub-chunks cut into slabs; packed documents on tall shares take band tiles per
     document piece and groups of short documents."""
-    from megatron_mesh.masks.layout import AttentionMask, BlockKind, block_for, block_pairs
+    from megatron_mesh.masks.layout import AttentionMask, block_for, block_pairs
     from megatron_mesh.masks.window import Window
 
     docs = WindowCase((1, 0), **LONG_DOCUMENTS).documents if documents else None
@@ -408,11 +408,7 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
                         tiles += 1
                         q_index = torch.arange(local_len)[call.q_rows]
                         kv_index = torch.arange(local_len)[call.kv_rows]
-                        seen = torch.ones(len(q_index), len(kv_index), dtype=torch.bool)
-                        if call.mask is not None:
-                            seen = call.mask.seen
-                        elif call.kind is BlockKind.DIAGONAL:
-                            seen = seen.tril()
+                        seen = call.seen()
                         assert bool(seen.any(1).all()) and bool(seen.any(0).all())
                         got[q_index[:, None], kv_index[None, :]] += seen.to(torch.int16)
                     assert torch.equal(got, want.to(torch.int16)), (window, causal, x, y)

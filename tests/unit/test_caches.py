@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mesh.common import caches, tile_mask
+from megatron_mesh.common import caches, tile_slices
 
 
 def band_from_definition(sq: int, sk: int, left: int) -> torch.Tensor:
@@ -19,7 +19,7 @@ def test_band_masks_kept_within_their_byte_bound() -> None:
 
     def bias(shape: tuple[int, int], window: tuple[int, int], device: torch.device):
         made.append(shape)
-        return tile_mask._band_bias.fn(shape, window, device)  # the real band mask
+        return tile_slices._band_bias.fn(shape, window, device)  # the real band mask
 
     kept = caches.BytesLRU(bias, max_bytes=1 << 20)  # 1 MiB: a few 256 x 256 fp32 masks
     cpu = torch.device("cpu")
@@ -33,5 +33,5 @@ def test_band_masks_kept_within_their_byte_bound() -> None:
     too_big = kept((1024, 1024), (16, 0), cpu)  # 4 MiB: made, never kept
     assert too_big.shape == (1024, 1024) and kept.held <= 1 << 20
     assert made.count((1024, 1024)) == 1 and (1024, 1024) not in {k[0] for k in kept.entries}
-    assert isinstance(tile_mask._band_bias, caches.BytesLRU)
-    assert tile_mask._band_bias.max_bytes == tile_mask.BAND_MASK_BYTES == 64 << 20
+    assert isinstance(tile_slices._band_bias, caches.BytesLRU)
+    assert tile_slices._band_bias.max_bytes == tile_slices.BAND_MASK_BYTES == 64 << 20

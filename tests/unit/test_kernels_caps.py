@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.attention import window_backend
-from megatron_mesh.common.tile_mask import Segments, TileMask
+from megatron_mesh.common.tile_slices import TileSlices
 from megatron_mesh.emulation import EmulatedKernel
 from megatron_mesh.kernels import (
     WINDOWS,
@@ -47,17 +47,14 @@ class Wrapper:
         if declare:
             self.caps = inner.caps
 
-    def _note(self, segments, mask) -> None:
-        self.seen |= {n for n, x in (("segments", segments), ("mask", mask)) if x is not None}
+    def forward(self, q, k, v, causal, softmax_scale, *, slices=None):
+        if slices is not None:
+            self.seen.add(slices.form)
+        return self.inner.forward(q, k, v, causal, softmax_scale, slices=slices)
 
-    def forward(self, q, k, v, causal, softmax_scale, *, segments=None, mask=None):
-        self._note(segments, mask)
-        return self.inner.forward(q, k, v, causal, softmax_scale, segments=segments, mask=mask)
-
-    def backward(self, dout, q, k, v, out, lse, causal, softmax_scale, *, segments=None,
-                 mask=None):
+    def backward(self, dout, q, k, v, out, lse, causal, softmax_scale, *, slices=None):
         return self.inner.backward(dout, q, k, v, out, lse, causal, softmax_scale,
-                                   segments=segments, mask=mask)
+                                   slices=slices)
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
@@ -97,10 +94,10 @@ def test_kernels_refuse_inputs_they_do_not_declare(name: str) -> None:
     device = META if name == "cudnn" else CPU
     q, k, v = _tile(device)
     inputs = {
-        "documents": dict(segments=Segments.build((0, 3, 8), (0, 3, 8), device)),
-        "window": dict(mask=TileMask.band(8, 8, 2, 0)),
-        "tile_mask": dict(mask=TileMask.explicit(torch.ones(8, 8, dtype=torch.bool).tril(),
-                                                 device)),
+        "documents": dict(slices=TileSlices.documents((0, 3, 8), (0, 3, 8), False, device)),
+        "window": dict(slices=TileSlices.band(8, 8, 2, 0)),
+        "tile_mask": dict(slices=TileSlices.of([(0, 4, 0, 8, None, 0), (4, 8, 2, 8, None, None)],
+                                               (8, 8), device)),
     }
     for cap, kw in inputs.items():
         if cap in names:
@@ -126,7 +123,8 @@ def test_te_caps_follow_its_fallbacks() -> None:
     assert te.caps == KernelCaps(v_head_dim=True)
     q, k, v = _tile(CPU)
     with pytest.raises(ValueError, match="tile kernel 'te' does not take packed documents"):
-        te.forward(q, k, v, True, 0.25, segments=Segments.build((0, 3, 8), (0, 3, 8), CPU))
+        te.forward(q, k, v, True, 0.25,
+                   slices=TileSlices.documents((0, 3, 8), (0, 3, 8), True, CPU))
 
 
 def test_get_kernel_decides_from_needs() -> None:
@@ -137,7 +135,8 @@ def test_get_kernel_decides_from_needs() -> None:
     # a named backend without a need is refused from its caps, before any device check
     for backend, words in (("cudnn", "sliding windows"), ("te", "sliding windows")):
         with pytest.raises(ValueError, match=f"backend='{backend}' does not take {words} "
-                                             "\\(window_size\\); use backend='torch' or 'auto'"):
+                                             "\\(window_size\\) or masks given as slices \\(mask=\\); "
+                                             "use backend='torch' or 'auto'"):
             get_kernel(backend, CPU, torch.bfloat16, 64, needs=WINDOWS)
     with pytest.raises(ValueError, match="backend='cudnn' does not take packed documents"):
         get_kernel("cudnn", META, torch.bfloat16, 64, needs=KernelCaps(documents=True))
@@ -196,7 +195,7 @@ def one_rank():
 def test_wrapper_declaring_caps_runs_windows_and_documents_exactly(window, packed,
                                                                    one_rank) -> None:
     """mesh_attention on a 1 x 1 grid under a window and / or packed documents: the wrapper
-    gets tile masks (windows; inside documents the masks hold them) or segments, gives what
+    gets its calls' slices (documents, a band, or windows in documents), gives what
     torch's kernel gives bit for bit, and both equal fp64 SDPA with the mask; a wrapper
     declaring nothing is refused."""
     grid = mm.MeshGrid(rows=1, cols=1, cp_rank=0, cp_ranks=(0,), row_group=None,
@@ -217,7 +216,8 @@ def test_wrapper_declaring_caps_runs_windows_and_documents_exactly(window, packe
 
     wrapped = Wrapper(TorchFlashKernel())
     got, want = run(wrapped), run("torch")
-    assert wrapped.seen == ({"segments"} if window is None else {"mask"})
+    # documents as a variable-length call, a window as a band, windows in documents as slices
+    assert wrapped.seen == {"documents" if window is None else "slices" if packed else "band"}
     ref = _reference(q, k, v, dout, cu, 24 if window is None else window)
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, want, ref):
         assert torch.equal(a, b), name

@@ -334,11 +334,13 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     on a 1 x 1 grid (one rank: no collective carries data, every tile call is made)."""
     import megatron_mesh as mm
     from megatron_mesh.attention import finish_rows, grad_dtypes
+    from megatron_mesh.masks.layout import AttentionMask
     from megatron_mesh.models.plan import GradDtype
     from megatron_mesh.schedules import gathered, streamed_kv, streamed_q
     from megatron_mesh.schedules.delta import attention_delta
 
     grid = mm.MeshGrid.build(rows=1, cols=1)
+    causal = AttentionMask(True)  # one rank's dense causal sequence
     rows = []
     for sched in (gathered, streamed_kv, streamed_q):
         for op, make in KERNELS.items():
@@ -349,10 +351,10 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
                     q, k, v = tile(dtype, hq, hkv, sq=64, sk=64)
                     kernel = make()
                     with OpLog() as log:
-                        out, lse = finish_rows(*sched.forward(q, k, v, grid, True, 0.125,
+                        out, lse = finish_rows(*sched.forward(q, k, v, grid, causal, 0.125,
                                                               kernel), dtype)
                         grads = sched.backward(out, q, k, v, out, lse,
-                                               attention_delta(out, out), grid, True, 0.125,
+                                               attention_delta(out, out), grid, causal, 0.125,
                                                kernel,
                                                grad_dtypes(GradDtype.MIXED, dtype))
                     calls = sorted({n for n, _ in log.calls if n.startswith("_scaled_dot")})

@@ -9,7 +9,7 @@ import torch
 
 from megatron_mesh.common.merge import empty_accumulators, merge_into
 from megatron_mesh.kernels import TorchFlashKernel
-from megatron_mesh.masks.layout import block_for, zigzag_chunks, zigzag_merge, zigzag_split
+from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_chunks, zigzag_merge, zigzag_split
 from megatron_mesh.masks.sink import add_sink
 from megatron_mesh.schedules.delta import attention_delta, out_with_delta
 
@@ -36,12 +36,9 @@ def test_blocks_cover_exactly_the_causal_mask(cp_size: int) -> None:
     covered = torch.zeros(s * cp_size, s * cp_size, dtype=torch.int64)
     for x in range(cp_size):
         for y in range(cp_size):
-            blk = block_for(x, y, s, True)
-            qp, kp = pos[x][blk.q_rows], pos[y][blk.kv_rows]
-            tile = torch.ones(len(qp), len(kp), dtype=torch.int64)
-            if blk.causal:
-                tile = torch.tril(tile)
-            covered[qp.unsqueeze(1), kp.unsqueeze(0)] += tile
+            for call in block_for(x, y, s, AttentionMask(True, ranks=cp_size)).calls:
+                qp, kp = pos[x][call.q_rows], pos[y][call.kv_rows]
+                covered[qp.unsqueeze(1), kp.unsqueeze(0)] += call.seen().long()
     assert torch.equal(covered, torch.tril(torch.ones_like(covered)))
 
 

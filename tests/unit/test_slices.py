@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.masks.block import BlockKind
 from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_split
 from megatron_mesh.masks.seen import sees
 from megatron_mesh.masks.slices import Slice, SliceMask
@@ -232,46 +231,37 @@ def test_every_block_calls_each_pair_of_the_mask_once(ranks):
                 block = block_for(x, y, local, mask)
                 for call in block.calls:
                     pq, pk = position[x][call.q_rows], position[y][call.kv_rows]
-                    sq, sk = len(pq), len(pk)
-                    if call.mask is not None:
-                        seen = call.mask.seen
-                    elif call.kind is BlockKind.DIAGONAL:
-                        seen = torch.ones(sq, sk, dtype=torch.bool).tril()
-                    else:
-                        seen = torch.ones(sq, sk, dtype=torch.bool)
+                    seen = call.seen()
                     assert bool(seen.any(1).all()), (name, x, y)  # every row sees a key
                     got[pq[:, None], pk[None, :]] += seen.long()
         want = dense(slices, seq)
         assert torch.equal(got, want.long()), (name, ranks)
 
 
-def test_blocks_hold_no_mask_of_their_size():
-    """Short documents: one plain call per piece (full, or causal where square), a band only
-    for a causal piece of more keys than queries; an empty block has no call."""
+def test_short_documents_are_one_variable_length_call():
+    """Short causal documents: one variable-length call of them all, holding their bounds
+    only (no mask of rows x keys); a causal piece of more keys than queries joins the
+    square before it when together they are one causal document; an empty block has no
+    call."""
     mask = AttentionMask(False, ranks=2, slices=SliceMask(
         [(n, n + 2, n, n + 2, "causal") for n in range(0, 30, 2)] + [(30, 32, 28, 32, "causal")]))
-    *documents, last = block_for(0, 0, 16, mask).calls  # rank 0: positions 0..7, 24..31
-    assert len(documents) == 7 and all(c.kind is BlockKind.DIAGONAL and c.mask is None
-                                       for c in documents)
-    assert (last.q_rows, last.kv_rows) == (slice(14, 16), slice(12, 16))  # 30, 31 x 28..31
-    assert last.mask is not None and last.mask.flash_window == (-1, 0)
+    (call,) = block_for(0, 0, 16, mask).calls  # rank 0: positions 0..7, 24..31
+    assert (call.q_rows, call.kv_rows) == (slice(0, 16), slice(0, 16)) and call.causal
+    assert call.slices.form == "documents" and call.slices._bias == {}
+    assert call.slices.cu_q == call.slices.cu_kv == (0, 2, 4, 6, 8, 10, 12, 16)  # 28..31
     assert block_for(0, 1, 16, mask).calls == ()
-    assert len(block_for(1, 1, 16, mask).calls) == 8
+    (call,) = block_for(1, 1, 16, mask).calls
+    assert call.slices.cu_q == tuple(range(0, 17, 2))
 
 
 # ---- a new mask kind is one file ----
 
-# The modules that say which (query, key) pairs a mask keeps. `slices.py` defines what a
-# slice means, `seen.py` evaluates it on positions, and the builders make each mask kind's
-# slices; the others still code their mask kinds' rules themselves: `layout.py` (the band
-# tiles of windows and their groups of short documents), `placed.py` (a placed block's
-# runs), `block.py` (the closed-form band tile) and `common/tile_mask.py` (a tile's
-# documents and bands).
-MASK_RULE_FILES = {
-    "masks/slices.py", "masks/seen.py", "masks/prefix.py", "masks/window.py",
-    "masks/documents.py", "masks/layout.py", "masks/placed.py", "masks/block.py",
-    "common/tile_mask.py",
-}
+# The modules that say which (query, key) pairs a mask keeps: `slices.py` defines what a
+# slice means, `common/tile_slices.py` holds the one rule (`keeps`, read by `seen.py` on
+# positions and by kernel calls on their rows) and a band's closed form, and `seen.py`
+# applies the rule to any positions. Every mask kind, and every block's calls
+# (`slice_blocks.py`), is made of slices and codes no rule of its own.
+MASK_RULE_FILES = {"masks/slices.py", "masks/seen.py", "common/tile_slices.py"}
 # What coding a mask rule looks like: a causal or band shape cut from a matrix, a comparison
 # of key and query positions, or of their difference.
 RULE_PATTERN = re.compile(

@@ -1,0 +1,218 @@
+"""The mask of one kernel call, as the masks make it and the kernels take it: slices of the
+call's own rows.
+
+A slice of a call is query rows [q0, q1) x key rows [k0, k1) where query row i sees key
+row j iff lo <= j - i <= hi (None: unbounded), rows counted in the call (the pieces it
+gathers, concatenated). `keeps` is that rule on tensors, the one every mask is read by
+(`masks/seen.py` reads whole-sequence slices with it). A `TileSlices` holds a call's slices
+and the form a kernel takes them in:
+
+    documents   document-diagonal: document n is query rows cu_q[n] .. cu_q[n+1] against
+                key rows cu_kv[n] .. cu_kv[n+1], all full or all causal (square, top-left):
+                the variable-length form (`cu_q_tensor`, `cu_kv_tensor` made once)
+    band        one slice over the whole call: flash-attention's window `flash_window`
+                (left, right), aligned at the bottom right (-1: unbounded)
+    slices      anything else: the additive bias of its slices (`additive_mask`)
+
+Every query row of a call is in some slice and sees a key there, so the merge and the
+backward never meet a row without one.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from .caches import BytesLRU
+
+DOCUMENTS, BAND, SLICES = "documents", "band", "slices"
+UNBOUNDED = 1 << 62  # a bound that limits nothing (positions stay far below)
+
+Bound = tuple[int, int, int, int, "int | None", "int | None"]  # (q0, q1, k0, k1, lo, hi)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Slices as numbers (ints, or tensors that broadcast against the positions): query
+    positions [q_start, q_end) x key positions [k_start, k_end), lo <= j - i <= hi."""
+
+    q_start: torch.Tensor | int
+    q_end: torch.Tensor | int
+    k_start: torch.Tensor | int
+    k_end: torch.Tensor | int
+    lo: torch.Tensor | int = -UNBOUNDED
+    hi: torch.Tensor | int = UNBOUNDED
+
+
+def keeps(bounds: Bounds, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """bool, broadcast of i and j: the slice(s) `bounds` keep the pair (query i, key j)."""
+    delta = j - i
+    return ((i >= bounds.q_start) & (i < bounds.q_end) & (j >= bounds.k_start)
+            & (j < bounds.k_end) & (delta >= bounds.lo) & (delta <= bounds.hi))
+
+
+def slice_pairs(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None) -> int:
+    """How many pairs of queries [a, b) x keys [c, e) have lo <= j - i <= hi (None:
+    unbounded), in closed form: row i's count, min(e - 1, i + hi) - max(c, i + lo) + 1, is
+    linear between its break rows."""
+    def count(i: int) -> int:
+        first = c if lo is None else max(c, i + lo)
+        last = e - 1 if hi is None else min(e - 1, i + hi)
+        return max(0, last - first + 1)
+
+    breaks = (None if hi is None else e - 1 - hi, None if lo is None else c - lo,
+              None if hi is None else c - hi, None if lo is None else e - lo)
+    cuts = sorted({a, b, *(x for x in breaks if x is not None and a < x < b)})
+    total = 0
+    for start, stop in zip(cuts, cuts[1:]):  # count is linear on [start, stop)
+        first, last = count(start), count(stop - 1)
+        total += (first + last) * (stop - start) // 2
+    return total
+
+
+@dataclass(frozen=True, eq=False)
+class TileSlices:
+    """The slices of one kernel call of `shape` (sq, sk) rows and their form (module
+    docstring). Build with `documents`, `band` or `of`."""
+
+    shape: tuple[int, int]
+    slices: tuple[Bound, ...]
+    form: str
+    causal: bool = False  # documents: each causal (square, top-left)
+    cu_q: tuple[int, ...] = ()
+    cu_kv: tuple[int, ...] = ()
+    flash_window: tuple[int, int] | None = None  # band: (left, right)
+    cu_q_tensor: torch.Tensor | None = field(default=None, repr=False)
+    cu_kv_tensor: torch.Tensor | None = field(default=None, repr=False)
+    _bias: dict = field(default_factory=dict, repr=False)  # slices: device -> bias
+
+    @classmethod
+    def documents(cls, cu_q: tuple[int, ...], cu_kv: tuple[int, ...], causal: bool,
+                  device: torch.device) -> TileSlices:
+        """Documents n = 0 .. len(cu_q) - 2: query rows cu_q[n] .. cu_q[n+1] against key rows
+        cu_kv[n] .. cu_kv[n+1], causal (top-left, the counts equal) or full; none empty."""
+        cu_q, cu_kv = tuple(cu_q), tuple(cu_kv)
+        slices = tuple((q0, q1, k0, k1, None, k0 - q0 if causal else None)
+                       for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]))
+        as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
+        return cls((cu_q[-1], cu_kv[-1]), slices, DOCUMENTS, causal, cu_q, cu_kv,
+                   cu_q_tensor=as_tensor(cu_q), cu_kv_tensor=as_tensor(cu_kv))
+
+    @classmethod
+    def band(cls, sq: int, sk: int, left: int, right: int) -> TileSlices:
+        """One slice over sq x sk: query i sees key j iff -left <= j - i - (sk - sq) <= right
+        (flash-attention's window, bottom-right aligned; -1 unbounded)."""
+        if left < -1 or right < -1:
+            raise ValueError(f"a band's window ({left}, {right}) must be >= -1 on each side")
+        d = sk - sq
+        bound = (0, sq, 0, sk, d - left if left >= 0 else None, d + right if right >= 0 else None)
+        return cls((sq, sk), (bound,), BAND, flash_window=(left, right))
+
+    @classmethod
+    def of(cls, slices: list[Bound], shape: tuple[int, int], device: torch.device
+           ) -> TileSlices:
+        """A call's slices in its own rows, in the form a kernel takes them best: one slice
+        over the whole call as a band, document-diagonal ones as documents, else slices."""
+        slices = sorted(slices)
+        sq, sk = shape
+        if len(slices) == 1 and slices[0][:4] == (0, sq, 0, sk):
+            lo, hi = slices[0][4:]
+            d = sk - sq
+            left, right = (-1 if lo is None else d - lo), (-1 if hi is None else hi - d)
+            if left >= -1 and right >= -1 and (lo is None) == (left == -1) and (
+                    hi is None) == (right == -1):
+                return cls.band(sq, sk, left, right)
+        cu = _diagonal(slices, shape)
+        if cu is not None:
+            return cls.documents(*cu, device)
+        return cls(shape, tuple(slices), SLICES)
+
+    @property
+    def max_q(self) -> int:
+        """Documents: the most query rows of one."""
+        return max(b - a for a, b in zip(self.cu_q, self.cu_q[1:]))
+
+    @property
+    def max_kv(self) -> int:
+        """Documents: the most key rows of one."""
+        return max(b - a for a, b in zip(self.cu_kv, self.cu_kv[1:]))
+
+    @functools.cached_property
+    def pairs(self) -> int:
+        """How many (query, key) pairs the call keeps (closed form)."""
+        return sum(slice_pairs(*s) for s in self.slices)
+
+    def seen(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """bool [sq, sk]: query row i sees key row j (made on each call)."""
+        sq, sk = self.shape
+        i = torch.arange(sq, device=device)[:, None]
+        j = torch.arange(sk, device=device)[None, :]
+        out = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+        for q0, q1, k0, k1, lo, hi in self.slices:
+            out |= keeps(Bounds(q0, q1, k0, k1, -UNBOUNDED if lo is None else lo,
+                                UNBOUNDED if hi is None else hi), i, j)
+        return out
+
+    def additive_mask(self, device: torch.device | str) -> torch.Tensor:
+        """[sq, sk] fp32 on `device`: 0 where a query row sees a key row, -inf elsewhere. A
+        band's is kept per shape and window (`BAND_MASK_BYTES`), other slices' with the
+        call (made once per device); documents' is made per call (their kernels mostly
+        take them as documents)."""
+        device = torch.device(device)
+        if self.form == BAND:
+            return _band_bias(self.shape, self.flash_window, device)
+        if self.form == DOCUMENTS:
+            return additive(self.seen(device))
+        bias = self._bias.get(device)
+        if bias is None:
+            bias = self._bias[device] = additive(self.seen(device))
+        return bias
+
+
+def _diagonal(slices: list[Bound], shape: tuple[int, int]
+              ) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
+    """(cu_q, cu_kv, causal) where sorted `slices` are documents down the diagonal covering
+    the call's rows (each full, or each causal square top-left), else None."""
+    cu_q, cu_kv, kinds = [0], [0], set()
+    for q0, q1, k0, k1, lo, hi in slices:
+        if (q0, k0) != (cu_q[-1], cu_kv[-1]) or lo is not None:
+            return None
+        if hi is None:
+            kinds.add(False)
+        elif hi == k0 - q0 and q1 - q0 == k1 - k0:
+            kinds.add(True)
+        else:
+            return None
+        cu_q.append(q1)
+        cu_kv.append(k1)
+    if len(kinds) != 1 or (cu_q[-1], cu_kv[-1]) != tuple(shape):
+        return None
+    return tuple(cu_q), tuple(cu_kv), kinds.pop()
+
+
+# at most this many bytes of band masks are kept (a larger one is made per call)
+BAND_MASK_BYTES = 64 << 20
+
+
+@functools.partial(BytesLRU, max_bytes=BAND_MASK_BYTES)
+def _band_bias(shape: tuple[int, int], window: tuple[int, int], device: torch.device
+               ) -> torch.Tensor:
+    """The additive form of a band (0 seen, -inf not), made once per shape, window and
+    device while the kept ones fit in `BAND_MASK_BYTES`: a layer's dense window tiles take
+    a few shapes; packed documents bring new ones with their lengths."""
+    sq, sk = shape
+    left, right = window
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        seen = seen.tril(right + sk - sq)
+    if left >= 0:
+        seen = seen.triu(sk - sq - left)
+    return additive(seen)
+
+
+def additive(seen: torch.Tensor) -> torch.Tensor:
+    """The additive form of a bool mask, the one way every tile's bias is made: fp32 of
+    `seen`'s shape and device, 0 where it is True, -inf elsewhere."""
+    return torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(
+        ~seen, float("-inf"))
