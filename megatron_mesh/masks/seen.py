@@ -11,6 +11,7 @@ the host per step). A position < 0 (padding, an unwritten cache slot) is in no s
 from __future__ import annotations
 
 import functools
+
 import torch
 
 from ..common.tile_slices import UNBOUNDED, Bounds, keeps

@@ -1,4 +1,4 @@
-"""Tile kernels over packed documents (a call's `TileSlices` of form documents), Transformer Engine's and torch's.
+"""Tile kernels over packed documents (a call's `TileSlices` of form documents), TE's and torch's.
 
 Part 1 runs anywhere: the keyword arguments built for a "thd" tile are ones TE's real
 `fused_attn_fwd` / `fused_attn_bwd` accept at every release read (signatures kept as data
