@@ -12,9 +12,9 @@ layout. Attention never crosses a document. In the padded form the actual length
 than the padded ones: padding tokens attend to nothing, are attended by nothing, get output 0
 and zero gradients.
 
-`Documents` is the value the attention call takes (python ints, the same on every rank); it
-answers which local rows of a rank-block meet which (`rows_of_block`), and its mask as
-slices over the padded packed sequence's positions (`slices`: one per document).
+`Documents` is the value the attention call takes (python ints, the same on every rank); its
+mask is slices over the padded packed sequence's positions (`slices`: one per document),
+from which every rank-block is cut like any mask's (`slice_blocks.py`).
 """
 from __future__ import annotations
 
@@ -105,39 +105,6 @@ class Documents:
             out.append((offset, piece))
             offset += n // cp_size
         return out
-
-    def valid_rows(self, cp_size: int, rank: int, first: bool, second: bool,
-                   doc: int) -> range:
-        """Local rows of `rank` in document `doc`'s first and / or second piece that are
-        real tokens, not padding: one range, since padding ends a document and the second
-        piece follows the first in token order."""
-        offset, piece = self.pieces(cp_size)[doc]
-        real = [min(piece, max(0, self.lengths[doc] - index * piece))
-                for index in zigzag_chunks(cp_size, rank)]
-        start = offset if first else offset + piece
-        return range(start, start + (real[0] if first else 0) + (real[1] if second else 0))
-
-    def rows_of_block(self, cp_size: int, q_rank: int, kv_rank: int, causal: bool
-                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Rank-block (q_rank, kv_rank) document by document, by the zigzag rule inside
-        each document: (query rows, key rows, cumulative query rows, cumulative key rows),
-        rows local to the two ranks, documents with no rows on either side left out."""
-        if not causal or q_rank == kv_rank:
-            q_parts, kv_parts = (True, True), (True, True)
-        elif q_rank > kv_rank:  # all of Q x the first pieces of K/V
-            q_parts, kv_parts = (True, True), (True, False)
-        else:  # the second pieces of Q x all of K/V
-            q_parts, kv_parts = (False, True), (True, True)
-        q_rows, kv_rows, cu_q, cu_kv = [], [], [0], [0]
-        for doc in range(self.count):
-            rq = self.valid_rows(cp_size, q_rank, *q_parts, doc)
-            rk = self.valid_rows(cp_size, kv_rank, *kv_parts, doc)
-            if len(rq) and len(rk):
-                q_rows += rq
-                kv_rows += rk
-                cu_q.append(cu_q[-1] + len(rq))
-                cu_kv.append(cu_kv[-1] + len(rk))
-        return tuple(q_rows), tuple(kv_rows), tuple(cu_q), tuple(cu_kv)
 
     def heads_order(self, cp_size: int, heads: int) -> tuple[int, ...]:
         """After the heads all-to-all a rank holds its A group members' local tokens one

@@ -29,7 +29,8 @@ holds a mask of its rows x keys; kernels that need one make it from the slices
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -151,24 +152,25 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
         return Block(slice(0, 0), slice(0, 0), tiles=())
     whole = merged(bounds)
     if whole is not None and not (windowed and local_len > ONE_CALL_ROWS):
-        return _one_slice(whole)
+        return _block([_one_slice(whole)], local_len, device)
     if windowed and local_len <= ONE_CALL_ROWS:
-        return gathered_call([bounds], device)
+        return _block([gathered_call([_group(bounds)], device)], local_len, device)
     calls: list[Block] = []
-    documents: dict[bool, list[list[Bound]]] = {True: [], False: []}
-    small: list[list[Bound]] = []
+    documents: dict[bool, list[_Group]] = {True: [], False: []}
+    small: list[_Group] = []
     for component in _components(bounds):
-        one = _gathered_merge(component)
+        group = _group(component)
+        one = group.one
         if one is not None and one[4] is None and (
                 one[5] is None or (one[5] == 0 and one[1] - one[0] == one[3] - one[2])):
-            documents[one[5] is not None].append(component)  # full, or a causal square
-        elif windowed and _rows(component) < SMALL_DOCUMENT_ROWS:
-            small.append(component)
-            if sum(_rows(c) for c in small) >= MIN_SLAB_ROWS:
+            documents[one[5] is not None].append(group)  # full, or a causal square
+        elif windowed and group.q_count < SMALL_DOCUMENT_ROWS:
+            small.append(group)
+            if sum(g.q_count for g in small) >= MIN_SLAB_ROWS:
                 calls.append(gathered_call(small, device))
                 small = []
         elif one is not None and (not windowed or one[1] - one[0] <= slab_rows):
-            calls.append(gathered_call([component], device))
+            calls.append(gathered_call([group], device))
         else:
             for part in component:
                 calls += [_one_slice(s) for s in _slabs(part, slab_rows if windowed else None)]
@@ -178,10 +180,6 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
         if documents[causal]:
             calls.append(gathered_call(documents[causal], device))
     return _block(calls, local_len, device)
-
-
-def _rows(component: list[Bound]) -> int:
-    return sum(q1 - q0 for q0, q1 in _union([(p[0], p[1]) for p in component]))
 
 
 def _components(bounds: list[Bound]) -> list[list[Bound]]:
@@ -210,44 +208,50 @@ def _components(bounds: list[Bound]) -> list[list[Bound]]:
     return sorted(groups.values(), key=lambda g: min(b[0] for b in g))
 
 
-def _gathered(component: list[Bound]) -> tuple[list[tuple[int, int]], list[tuple[int, int]],
-                                                list[Bound]]:
-    """A group's query row runs and key row runs (sorted, disjoint) and its slices moved to
-    the rows of those runs concatenated."""
+class _Group(NamedTuple):
+    """Slices of local rows gathered for one call: their query row runs and key row runs
+    (sorted, disjoint), the slices moved to the rows of those runs concatenated, the one
+    slice they are there (None: none), and the query rows."""
+
+    q_runs: list[tuple[int, int]]
+    k_runs: list[tuple[int, int]]
+    slices: list[Bound]
+    one: Bound | None
+    q_count: int
+
+
+def _group(component: list[Bound]) -> _Group:
     q_runs = _union([(b[0], b[1]) for b in component])
     k_runs = _union([(b[2], b[3]) for b in component])
-    q_at, k_at = _offsets(q_runs), _offsets(k_runs)
+    if len(q_runs) == 1 and len(k_runs) == 1:  # contiguous: moved by the runs' starts
+        q_at = lambda row: row - q_runs[0][0]  # noqa: E731
+        k_at = lambda row: row - k_runs[0][0]  # noqa: E731
+    else:
+        q_at, k_at = _offsets(q_runs), _offsets(k_runs)
     moved = []
     for q0, q1, k0, k1, lo, hi in component:
         dq, dk = q_at(q0) - q0, k_at(k0) - k0
         shift = dk - dq  # j - i grows by it
         moved.append((q0 + dq, q1 + dq, k0 + dk, k1 + dk, None if lo is None else lo + shift,
                       None if hi is None else hi + shift))
-    return q_runs, k_runs, moved
+    return _Group(q_runs, k_runs, moved, merged(moved), sum(b - a for a, b in q_runs))
 
 
-def _gathered_merge(component: list[Bound]) -> Bound | None:
-    """The one slice a group is on its rows concatenated, or None."""
-    return merged(_gathered(component)[2])
-
-
-def gathered_call(groups: list[list[Bound]], device: torch.device) -> Block:
+def gathered_call(groups: list[_Group], device: torch.device) -> Block:
     """One call over groups of slices: each group's query rows (and key rows) concatenated,
     the groups one after another, with the slices of the call (`TileSlices.of`)."""
     q_rows, k_rows, slices, nq, nk = [], [], [], 0, 0
     for group in groups:
-        q_runs, k_runs, moved = _gathered(group)
-        merged_one = merged(moved)
-        for q0, q1, k0, k1, lo, hi in [merged_one] if merged_one is not None else moved:
-            shift = nk - nq
+        shift = nk - nq
+        for q0, q1, k0, k1, lo, hi in [group.one] if group.one is not None else group.slices:
             slices.append((q0 + nq, q1 + nq, k0 + nk, k1 + nk, None if lo is None else lo + shift,
                            None if hi is None else hi + shift))
-        q_rows += q_runs
-        k_rows += k_runs
-        nq += sum(b - a for a, b in q_runs)
-        nk += sum(b - a for a, b in k_runs)
+        q_rows += group.q_runs
+        k_rows += group.k_runs
+        nq += group.q_count
+        nk += sum(b - a for a, b in group.k_runs)
     tile = TileSlices.of(slices, (nq, nk), device)
-    rows_q, rows_k = _rows_of(q_rows, device), _rows_of(k_rows, device)
+    rows_q, rows_k = _rows_of(q_rows), _rows_of(k_rows)  # on the CPU until `_block`
     if tile.form == DOCUMENTS and len(tile.cu_q) == 2:  # one document: a plain call
         return Block(rows_q, rows_k, causal=tile.causal)
     if tile.form == BAND and tile.flash_window == (-1, -1):
@@ -286,20 +290,21 @@ def _slabs(b: Bound, slab_rows: int | None) -> list[Bound]:
 
 
 def _block(calls: list[Block], local_len: int, device: torch.device) -> Block:
-    """A block of several calls: the union of their rows."""
+    """A block of `calls` (rows on the CPU): the union of their rows, every index tensor
+    moved to `device`."""
+    on_device = lambda rows: rows if isinstance(rows, slice) else rows.to(device)  # noqa: E731
     if len(calls) == 1:
-        return calls[0]
+        (call,) = calls
+        return replace(call, q_rows=on_device(call.q_rows), kv_rows=on_device(call.kv_rows))
     q_used = torch.zeros(local_len, dtype=torch.bool)
     kv_used = torch.zeros(local_len, dtype=torch.bool)
     for call in calls:
-        q_used[_cpu(call.q_rows)] = True
-        kv_used[_cpu(call.kv_rows)] = True
-    return Block(_rows_of(_true_runs(q_used), device), _rows_of(_true_runs(kv_used), device),
-                 tiles=tuple(calls))
-
-
-def _cpu(rows: slice | torch.Tensor) -> slice | torch.Tensor:
-    return rows if isinstance(rows, slice) else rows.cpu()
+        q_used[call.q_rows] = True
+        kv_used[call.kv_rows] = True
+    calls = [replace(c, q_rows=on_device(c.q_rows), kv_rows=on_device(c.kv_rows))
+             for c in calls]
+    return Block(on_device(_rows_of(_true_runs(q_used))),
+                 on_device(_rows_of(_true_runs(kv_used))), tiles=tuple(calls))
 
 
 def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:
@@ -335,11 +340,11 @@ def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _rows_of(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+def _rows_of(ranges: list[tuple[int, int]]) -> slice | torch.Tensor:
     """The rows of [start, end) ranges in the order given: a slice where they follow one
-    another, else an int64 index on `device`."""
+    another, else an int64 index (on the CPU)."""
     if not ranges:
         return slice(0, 0)
     if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
         return slice(ranges[0][0], ranges[-1][1])
-    return torch.cat([torch.arange(start, end) for start, end in ranges]).to(device)
+    return torch.cat([torch.arange(start, end) for start, end in ranges])
