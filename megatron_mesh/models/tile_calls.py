@@ -131,7 +131,8 @@ def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
                  limit: int | None = None) -> tuple[CallShape, ...]:
     """The calls `masks.groups.group_calls` makes of `group`'s dense blocks, each
     concatenating at most `limit` half chunks (`piece_limit`; None: no cap). The zigzag
-    block rule (`masks.block.block_kind`): x > y sees y's first half with all its rows,
+    blocks of a dense causal sequence (`masks.layout.block_for`, cut from its one causal
+    slice): x > y sees y's first half with all its rows,
     x < y sees all of y with its second half, x == y is the causal diagonal; without a
     causal mask every block is whole against whole."""
     lower, higher, diagonal = group.lower, group.higher, group.diagonal
