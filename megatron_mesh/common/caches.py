@@ -126,6 +126,8 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
         return storage.nbytes()
     if isinstance(value, (tuple, list)):
         return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
+    if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)
+        return sum(_bytes(v, seen) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return sum(_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
     return 0

@@ -8,8 +8,10 @@ gathers, concatenated). `keeps` is that rule on tensors, the one every mask is r
 and the form a kernel takes them in:
 
     documents   document-diagonal: document n is query rows cu_q[n] .. cu_q[n+1] against
-                key rows cu_kv[n] .. cu_kv[n+1], all full or all causal (square, top-left):
-                the variable-length form (`cu_q_tensor`, `cu_kv_tensor` made once)
+                key rows cu_kv[n] .. cu_kv[n+1], all full or all causal (aligned at the
+                bottom right, as flash-attention's variable-length causal; square ones
+                are the plain causal mask): the variable-length form (`cu_q_tensor`,
+                `cu_kv_tensor` made once; `bottom_right` where one is not square)
     band        one slice over the whole call: flash-attention's window `flash_window`
                 (left, right), aligned at the bottom right (-1: unbounded)
     slices      anything else: the additive bias of its slices (`additive_mask`)
@@ -79,7 +81,7 @@ class TileSlices:
     shape: tuple[int, int]
     slices: tuple[Bound, ...]
     form: str
-    causal: bool = False  # documents: each causal (square, top-left)
+    causal: bool = False  # documents: each causal (bottom-right aligned)
     cu_q: tuple[int, ...] = ()
     cu_kv: tuple[int, ...] = ()
     flash_window: tuple[int, int] | None = None  # band: (left, right)
@@ -91,9 +93,10 @@ class TileSlices:
     def documents(cls, cu_q: tuple[int, ...], cu_kv: tuple[int, ...], causal: bool,
                   device: torch.device) -> TileSlices:
         """Documents n = 0 .. len(cu_q) - 2: query rows cu_q[n] .. cu_q[n+1] against key rows
-        cu_kv[n] .. cu_kv[n+1], causal (top-left, the counts equal) or full; none empty."""
+        cu_kv[n] .. cu_kv[n+1], causal (aligned at the bottom right: query i sees key j iff
+        j - i <= k_end - q_end; no more queries than keys) or full; none empty."""
         cu_q, cu_kv = tuple(cu_q), tuple(cu_kv)
-        slices = tuple((q0, q1, k0, k1, None, k0 - q0 if causal else None)
+        slices = tuple((q0, q1, k0, k1, None, k1 - q1 if causal else None)
                        for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]))
         as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
         return cls((cu_q[-1], cu_kv[-1]), slices, DOCUMENTS, causal, cu_q, cu_kv,
@@ -127,6 +130,13 @@ class TileSlices:
         if cu is not None:
             return cls.documents(*cu, device)
         return cls(shape, tuple(slices), SLICES)
+
+    @property
+    def bottom_right(self) -> bool:
+        """Documents: some causal one has more keys than queries (its causal is aligned at
+        the bottom right, which not every kernel takes)."""
+        return self.causal and any(b - a != e - c for a, b, c, e in
+                                   zip(self.cu_q, self.cu_q[1:], self.cu_kv, self.cu_kv[1:]))
 
     @property
     def max_q(self) -> int:
@@ -173,22 +183,24 @@ class TileSlices:
 def _diagonal(slices: list[Bound], shape: tuple[int, int]
               ) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
     """(cu_q, cu_kv, causal) where sorted `slices` are documents down the diagonal covering
-    the call's rows (each full, or each causal square top-left), else None."""
+    the call's rows (each full, or each causal aligned at the bottom right), else None."""
     cu_q, cu_kv, kinds = [0], [0], set()
     for q0, q1, k0, k1, lo, hi in slices:
         if (q0, k0) != (cu_q[-1], cu_kv[-1]) or lo is not None:
             return None
-        if hi is None:
+        if q1 - q0 == 1 and k1 - k0 == 1:
+            pass  # one query and one key: full and causal alike
+        elif hi is None:
             kinds.add(False)
-        elif hi == k0 - q0 and q1 - q0 == k1 - k0:
+        elif hi == k1 - q1 and q1 - q0 <= k1 - k0:
             kinds.add(True)
         else:
             return None
         cu_q.append(q1)
         cu_kv.append(k1)
-    if len(kinds) != 1 or (cu_q[-1], cu_kv[-1]) != tuple(shape):
+    if len(kinds) > 1 or (cu_q[-1], cu_kv[-1]) != tuple(shape):
         return None
-    return tuple(cu_q), tuple(cu_kv), kinds.pop()
+    return tuple(cu_q), tuple(cu_kv), bool(kinds) and kinds.pop()
 
 
 # at most this many bytes of band masks are kept (a larger one is made per call)

@@ -86,7 +86,8 @@ def call_needs(q: torch.Tensor, v: torch.Tensor, slices: TileSlices | None,
     form = None if slices is None else slices.form
     return KernelCaps(documents=form == DOCUMENTS, tile_mask=form not in (None, DOCUMENTS, BAND),
                       window=form == BAND, v_head_dim=q.shape[-1] != v.shape[-1],
-                      bottom_right=causal and slices is None and q.shape[0] != v.shape[0])
+                      bottom_right=(causal and slices is None and q.shape[0] != v.shape[0])
+                      or (form == DOCUMENTS and slices.bottom_right))
 
 
 def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,

@@ -11,6 +11,8 @@ import torch
 
 from ..common.tile_slices import TileSlices
 
+Runs = tuple[tuple[int, int], ...]  # [start, end) runs of local rows
+
 
 @dataclass(frozen=True)
 class Block:
@@ -19,14 +21,18 @@ class Block:
     mask of a square call), the call's `slices` (`TileSlices`: documents, a band, or any
     slices; they hold the causal rule themselves), or neither (all pairs).
 
-    A block of several calls is the union of the rows its `tiles` use, and the tiles are
-    its kernel calls (each a `Block`)."""
+    A call over documents (`slices` of form documents) says which local rows each of its
+    documents holds (`doc_runs`: per document, its query row runs and key row runs, in the
+    order of the call's rows), so the tile can join calls document by document
+    (`groups.py`). A block of several calls is the union of the rows its `tiles` use, and
+    the tiles are its kernel calls (each a `Block`)."""
 
     q_rows: slice | torch.Tensor
     kv_rows: slice | torch.Tensor
     causal: bool = False
     slices: TileSlices | None = None
     tiles: tuple[Block, ...] | None = None
+    doc_runs: tuple[tuple[Runs, Runs], ...] | None = None
 
     @property
     def empty(self) -> bool:

@@ -27,12 +27,13 @@ stay bounded however many chunks are on hand.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..common.tile_slices import TileSlices
 from .block import Block
+from .document_groups import Member, groups_of, join
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class Call:
     kv: tuple[Piece, ...]
     causal: bool = False
     slices: TileSlices | None = None
+    # documents joined (`document_groups.py`): the rows of the pieces concatenated, in the
+    # call's order (None: as concatenated)
+    q_order: torch.Tensor | None = field(default=None, compare=False)
+    kv_order: torch.Tensor | None = field(default=None, compare=False)
 
 
 def _key(piece: Piece) -> tuple | None:
@@ -94,8 +99,12 @@ def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
     rows a call concatenates (None: no cap)."""
     plain: dict[tuple, list[Call]] = {}
     out: list[Call] = []
+    documents: list[tuple[int, int, Block]] = []
     for qi, ki, blk in blocks:
         for c in blk.calls:
+            if grouped and c.doc_runs is not None:
+                documents.append((qi, ki, c))
+                continue
             call = Call((Piece(qi, c.q_rows),), (Piece(ki, c.kv_rows),), c.causal, c.slices)
             key = _key(call.q[0])
             if not grouped or c.slices is not None or key is None or _key(call.kv[0]) is None:
@@ -123,4 +132,78 @@ def group_calls(blocks: list[tuple[int, int, Block]], bottom_right: bool,
         calls.sort(key=lambda c: c.q[0].chunk)
         for run in _runs([c.q[0] for c in calls], limit):
             out.append(Call(tuple(run), calls[0].kv))
+    return out + document_calls(documents, bottom_right, limit)
+
+
+def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
+                   limit: int | None) -> list[Call]:
+    """Calls over documents [(query chunk, key chunk, call)] joined document by document
+    (`document_groups.py`): 1. full calls of one query chunk, keys concatenated, the chunk's
+    causal diagonal last where `bottom_right` takes it; 2. full calls left alone, of one key
+    chunk, queries concatenated. At most `limit` rows concatenated per call."""
+    if not calls:
+        return []
+    device = calls[0][2].slices.cu_q_tensor.device
+    full = [Member(qi, ki, c) for qi, ki, c in calls if not c.causal]
+    diagonals: dict[int, list[Member]] = {}
+    for qi, ki, c in calls:
+        if c.causal:
+            diagonals.setdefault(qi, []).append(Member(qi, ki, c))
+    out: list[Call] = []
+    alone: list[Member] = []
+    for group in groups_of(full, "q"):  # 1. the same query chunk
+        members = sorted(group.members, key=lambda m: m.other)
+        diagonal = diagonals.get(group.shared, [])
+        fold = bottom_right and len(diagonal) == 1 and _covers(group, diagonal[0])
+        if fold:
+            members.append(diagonal.pop())
+        runs = _member_runs(members, "kv", limit)
+        for n, run in enumerate(runs):
+            last = fold and n == len(runs) - 1
+            if len(run) == 1 and not last:
+                alone.append(run[0])
+                continue
+            (sub,) = groups_of(run, "q")
+            joined = join(sub, "q", last, device)
+            out.append(Call((Piece(group.shared, _on(joined.shared_rows, device)),),
+                            tuple(Piece(c, r) for c, r in joined.pieces), joined.causal,
+                            joined.slices, kv_order=joined.order))
+    for rest in diagonals.values():  # diagonals not folded: calls of their own
+        out += [_own(m.shared, m.other, m.call) for m in rest]
+    swapped = [Member(m.other, m.shared, m.call) for m in alone]
+    for group in groups_of(swapped, "kv"):  # 2. the same key chunk
+        members = sorted(group.members, key=lambda m: m.other)
+        for run in _member_runs(members, "q", limit):
+            if len(run) == 1:
+                m = run[0]
+                out.append(_own(m.other, m.shared, m.call))
+                continue
+            (sub,) = groups_of(run, "kv")
+            joined = join(sub, "kv", False, device)
+            out.append(Call(tuple(Piece(c, r) for c, r in joined.pieces),
+                            (Piece(group.shared, _on(joined.shared_rows, device)),), False,
+                            joined.slices, q_order=joined.order))
     return out
+
+
+def _own(qi: int, ki: int, c: Block) -> Call:
+    return Call((Piece(qi, c.q_rows),), (Piece(ki, c.kv_rows),), c.causal, c.slices)
+
+
+def _on(rows: slice | torch.Tensor, device: torch.device) -> slice | torch.Tensor:
+    return rows if isinstance(rows, slice) else rows.to(device)
+
+
+def _covers(group, diagonal: Member) -> bool:
+    """Whether the causal diagonal's documents hold every document of `group` (the same
+    query rows) and meet none of its other rows: then each document ends with its keys."""
+    own = {doc[0] for doc in diagonal.call.doc_runs}
+    return all(doc in own for doc in group.docs) and group.takes(tuple(own))
+
+
+def _member_runs(members: list[Member], side: str, limit: int | None) -> list[list[Member]]:
+    """Consecutive runs of members of at most `limit` rows on `side` ('q' or 'kv') each
+    (at least one member), filled from the last back; limit None: one run."""
+    rows = [Piece(n, m.call.kv_rows if side == "kv" else m.call.q_rows)
+            for n, m in enumerate(members)]
+    return [[members[p.chunk] for p in run] for run in _runs(rows, limit)]

@@ -176,9 +176,14 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
                 calls += [_one_slice(s) for s in _slabs(part, slab_rows if windowed else None)]
     if small:
         calls.append(gathered_call(small, device))
+    if documents[True]:  # a document of one query and one key is causal as well as full
+        single = [g for g in documents[False] if g.q_count == 1 and g.one[3] - g.one[2] == 1]
+        documents[True] += single
+        documents[False] = [g for g in documents[False] if g not in single]
     for causal in (True, False):
         if documents[causal]:
-            calls.append(gathered_call(documents[causal], device))
+            groups = sorted(documents[causal], key=lambda g: g.q_runs[0][0])
+            calls.append(gathered_call(groups, device))
     return _block(calls, local_len, device)
 
 
@@ -252,11 +257,15 @@ def gathered_call(groups: list[_Group], device: torch.device) -> Block:
         nk += sum(b - a for a, b in group.k_runs)
     tile = TileSlices.of(slices, (nq, nk), device)
     rows_q, rows_k = _rows_of(q_rows), _rows_of(k_rows)  # on the CPU until `_block`
-    if tile.form == DOCUMENTS and len(tile.cu_q) == 2:  # one document: a plain call
-        return Block(rows_q, rows_k, causal=tile.causal)
-    if tile.form == BAND and tile.flash_window == (-1, -1):
-        return Block(rows_q, rows_k)
-    return Block(rows_q, rows_k, causal=tile.causal, slices=tile)
+    if tile.form == DOCUMENTS and len(tile.cu_q) == 2 and not tile.bottom_right:
+        return Block(rows_q, rows_k, causal=tile.causal)  # one document: a plain call
+    if tile.form == BAND and (tile.flash_window == (-1, -1) or (
+            tile.flash_window == (-1, 0) and nq == nk)):
+        return Block(rows_q, rows_k, causal=tile.flash_window == (-1, 0))  # plain
+    doc_runs = None
+    if tile.form == DOCUMENTS and all(g.one is not None for g in groups):
+        doc_runs = tuple((tuple(g.q_runs), tuple(g.k_runs)) for g in groups)
+    return Block(rows_q, rows_k, causal=tile.causal, slices=tile, doc_runs=doc_runs)
 
 
 def _one_slice(b: Bound) -> Block:

@@ -7,6 +7,7 @@ from typing import Collection, Sequence
 
 import torch
 
+from ..common.caches import per_documents
 from ..common.merge import merge_into
 from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
@@ -33,19 +34,42 @@ GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
 
 def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torch.Tensor,
                mask: AttentionMask, skip: Collection[tuple[int, int]] = (),
-               grouped: bool | None = None) -> list[Call]:
+               grouped: bool | None = None) -> tuple[Call, ...]:
     """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
     `skip`, grouped (`groups.group_calls`; a causal diagonal folded in where
     `folds_diagonal(kernel, q)`; at most `models.tile_calls.group_tokens()` keys or query
     rows concatenated per call) unless `models.tile_calls.grouping(grouped)` says not,
     else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk."""
-    blocks = [(qi, ki, block_for(x, y, q.shape[0], mask, q.device))
+    return _tile_calls(mask, tuple(xs), tuple(ys), q.shape[0], q.device, frozenset(skip),
+                       folds_diagonal(kernel, q), grouping(grouped), group_tokens())
+
+
+# a layer's tiles: every layer and both passes of a micro-batch take the same calls; with
+# documents for the last few micro-batches only (`caches.py`)
+@per_documents(lambda mask, *_: mask.packing)
+def _tile_calls(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], local_len: int,
+                device: torch.device, skip: frozenset, bottom_right: bool, grouped: bool,
+                limit: int | None) -> tuple[Call, ...]:
+    blocks = [(qi, ki, block_for(x, y, local_len, mask, device))
               for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
-    return group_calls(blocks, folds_diagonal(kernel, q), grouping(grouped), group_tokens())
+    return tuple(group_calls(blocks, bottom_right, grouped, limit))
 
 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _in_order(t: torch.Tensor, order: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """A call's rows of its pieces concatenated (t, along dim) in the call's order (documents
+    joined: `groups.Call.q_order` / `kv_order`)."""
+    return t if order is None else t.index_select(dim, order)
+
+
+def _back(t: torch.Tensor, order: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """A call's result rows (along dim) back in the order of its pieces concatenated."""
+    if order is None:
+        return t
+    return torch.empty_like(t).index_copy_(dim % t.dim(), order, t)
 
 
 def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
@@ -70,11 +94,12 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
                        grouped)
     for call in calls:
-        q = _cat([rows(queries[p.chunk][1], p.rows) for p in call.q])
-        k = _cat([rows(keys[p.chunk][1], p.rows) for p in call.kv])
-        v = _cat([rows(keys[p.chunk][2], p.rows) for p in call.kv])
+        q = _in_order(_cat([rows(queries[p.chunk][1], p.rows) for p in call.q]), call.q_order)
+        k, v = (_in_order(_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]),
+                          call.kv_order) for i in (1, 2))
         out, lse = kernel.forward(q, k, v, call.causal, scale, slices=call.slices)
         del q, k, v
+        out, lse = _back(out, call.q_order), _back(lse, call.q_order, -1)
         for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
             _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
         del out, lse, out_part, lse_part  # not held while the next call runs
@@ -122,13 +147,17 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
                        grouped)
     for call in calls:
-        dout, q, out = (_cat([rows(queries[p.chunk][i], p.rows) for p in call.q])
-                        for i in (1, 2, 3))
-        lse = _cat([rows(queries[p.chunk][4], p.rows, -1) for p in call.q], -1)
-        k, v = (_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]) for i in (1, 2))
+        dout, q, out = (_in_order(_cat([rows(queries[p.chunk][i], p.rows) for p in call.q]),
+                                  call.q_order) for i in (1, 2, 3))
+        lse = _in_order(_cat([rows(queries[p.chunk][4], p.rows, -1) for p in call.q], -1),
+                        call.q_order, -1)
+        k, v = (_in_order(_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]),
+                          call.kv_order) for i in (1, 2))
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.causal, scale,
                                      slices=call.slices)
         del dout, q, out, lse, k, v
+        dq = _back(dq, call.q_order)
+        dk, dv = _back(dk, call.kv_order), _back(dv, call.kv_order)
         for p, part in _pieces(dq, call.q):
             _add_rows(queries[p.chunk][5], p.rows, part)
         del dq, part

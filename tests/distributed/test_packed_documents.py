@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.kernels import TorchFlashKernel
 from megatron_mesh.masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 
 from dist_utils import run_distributed
@@ -111,7 +112,7 @@ def reference(case: DocCase, x: dict[str, torch.Tensor], dtype: torch.dtype
     return {"out": thd(out), "dq": thd(q.grad), "dk": thd(k.grad), "dv": thd(v.grad)}
 
 
-def check_case(case: DocCase, grid: mm.MeshGrid) -> list[str]:
+def check_case(case: DocCase, grid: mm.MeshGrid, backend: object = "torch") -> list[str]:
     """Failures of one case on this rank: exactness and bytes."""
     x = doc_inputs(case)
     docs = case.documents
@@ -123,10 +124,11 @@ def check_case(case: DocCase, grid: mm.MeshGrid) -> list[str]:
     cu_padded = torch.tensor(docs.cu_padded, dtype=torch.int32)
     with mm.TrafficCounter() as counter:
         out = mm.mesh_attention(q, k, v, grid, causal=case.causal, schedule=case.schedule,
-                                cu_seqlens=cu, cu_seqlens_padded=cu_padded, backend="torch")
+                                cu_seqlens=cu, cu_seqlens_padded=cu_padded, backend=backend)
         out.backward(share["dout"])
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    where = f"{case} grid {grid.shape_text} rank {grid.cp_rank}"
+    folded = "" if backend == "torch" else " diagonal folded"
+    where = f"{case}{folded} grid {grid.shape_text} rank {grid.cp_rank}"
     bad = []
     if out.shape != q.shape or out.dtype != case.dtype:
         bad.append(f"{where}: out {tuple(out.shape)} {out.dtype}")
@@ -181,6 +183,10 @@ def _run(rank: int, world: int) -> list[str]:
                 bad += check_case(case, grid)
             except Exception as e:  # noqa: BLE001 (reported with the case)
                 bad.append(f"{case} grid {grid.shape_text} rank {rank}: {type(e).__name__}: {e}")
+        # documents joined with the causal diagonal's keys last, bottom-right aligned (as
+        # CUDA's flash op takes them; on the CPU by the calls' slices): padded lengths
+        if cases[4].q_heads % a == 0:
+            bad += check_case(cases[4], grid, TorchFlashKernel(band_bottom_right=True))
     bad += _disagreeing_documents(rank, world)
     return bad
 

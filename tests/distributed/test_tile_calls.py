@@ -1,12 +1,13 @@
 """Kernel calls per tile: the blocks a rank has on hand together go to the kernel as few
 calls (`masks.groups`; the default, MESH_GROUP_CALLS=0 the blocks' own calls), counted on
 the real kernel (torch's, wrapped to count) in every schedule and grid, held to
-`models.tile_calls` on a dense sequence, and never more than one call per block under the
-other mask kinds; grouped, every schedule and grid equals whole-sequence SDPA, forward and
-backward (causal and full, fp32 and bf16), with the causal diagonal a call of its own (the
-CPU op's causal is top-left) and folded into one bottom-right call (the band's mask, as
-CUDA's flash op takes it natively), and with each call capped at fewer rows than a tile
-holds (MESH_GROUP_TOKENS), its calls as the model counts them."""
+`models.tile_calls` on a dense sequence and on packed documents (joined document by
+document), and never more than one call per block under a window; grouped, every schedule
+and grid equals whole-sequence SDPA, forward and backward (causal and full, fp32 and bf16),
+with the causal diagonal a call of its own (the CPU op's causal is top-left) and folded
+into one bottom-right call (the band's mask, as CUDA's flash op takes it natively), and
+with each call capped at fewer rows than a tile holds (MESH_GROUP_TOKENS), its calls as
+the model counts them."""
 from __future__ import annotations
 
 import contextlib
@@ -115,7 +116,8 @@ def calls_worker(rank: int, world: int) -> dict:
                 for grouped in (True, False):
                     got[(a, r, c, schedule, mask, grouped)] = count_calls(grid, schedule, mask,
                                                                           grouped)
-            got[(a, r, c, schedule, "causal", "folded")] = count_calls(grid, schedule, "causal",
+            for mask in ("causal", "documents"):
+                got[(a, r, c, schedule, mask, "folded")] = count_calls(grid, schedule, mask,
                                                                        True, fold=True)
         with capped(CAP):  # every call at most CAP keys or query rows: exact, as counted
             got["exactness"] += [Failure(f"capped {f.case}", f.message)
@@ -144,17 +146,19 @@ def test_grouped_calls_are_exact(counted) -> None:
 def test_dense_tiles_make_the_modelled_calls(counted) -> None:
     """Causal and full: each rank's calls equal `tile_calls` for its mesh rank (the CPU
     op's causal is top-left: the diagonal a call of its own; 'folded': one bottom-right
-    call with the keys before it); ungrouped, one call per block."""
+    call with the keys before it); ungrouped, one call per block. Packed documents with
+    rows in every block (24 and 40 tokens) make the causal sequence's calls: each group's
+    blocks joined document by document into one variable-length call."""
     bad = []
     for cp_rank, per_case in enumerate(counted):
         for key, calls in per_case.items():
             if key == "exactness":
                 continue
             a, r, c, schedule, mask, grouped = key
-            if mask not in ("causal", "full"):
+            if mask not in ("causal", "full", "documents"):
                 continue
             mesh_rank = cp_rank // a
-            causal, fold = mask == "causal", grouped in ("folded", "capped folded")
+            causal, fold = mask != "full", grouped in ("folded", "capped folded")
             # capped: a mesh chunk of 16 rows per head group (64 x a / 4)
             cap = {"chunk_tokens": 16 * a, "cap_tokens": CAP} if "capped" in str(grouped) else {}
             grouped = bool(grouped)

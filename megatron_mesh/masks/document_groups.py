@@ -1,0 +1,161 @@
+"""Calls over documents on hand together, joined document by document into few calls.
+
+A block over packed documents is one variable-length call (`slice_blocks.py`): document n
+of the call is its query rows against its key rows, and the block says which local rows
+those are (`Block.doc_runs`). Blocks on hand together share a side: the query chunk of a
+row against the column's K/V chunks, or the row's query chunks against one K/V chunk. Their
+calls join into one variable-length call per group, as the dense blocks do (`groups.py`):
+
+    the same query chunk    each document's query rows against its keys of every call,
+                            concatenated (the calls in chunk order); a causal call (the
+                            diagonal block) last, its documents then causal aligned at the
+                            bottom right, where the kernel takes that (`bottom_right`) and
+                            every document of the group has keys in it; else apart
+    the same K/V chunk      each document's key rows against its queries of every full call,
+                            concatenated
+
+A call joins a group where each of its documents either is one of the group's (the same
+rows on the shared side) or meets none of its rows: so the lower blocks (all of a chunk's
+rows) and the upper ones (its second pieces) make two groups, as in the dense case. The
+joined call gathers each call's rows as one piece (`Piece`) and reorders the concatenation
+document by document (`Call.order`, an index on the device), so a group of any number of
+documents is a few copies, not one per document. At most `limit` rows are concatenated on
+the joined side per call (the last calls first, as `groups.py` cuts them).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from ..common.tile_slices import TileSlices
+from .block import Block, Runs
+
+
+@dataclass(frozen=True)
+class Member:
+    """One call of a group: its chunks on both sides (`side` first: the joined side's chunk
+    is `other`), its block call."""
+
+    shared: int  # the chunk of the side the group shares
+    other: int  # the chunk of the joined side
+    call: Block
+
+
+def _side_runs(call: Block, side: str) -> tuple[Runs, ...]:
+    """Each document's runs of local rows on `side` ('q' or 'kv')."""
+    n = 0 if side == "q" else 1
+    return tuple(doc[n] for doc in call.doc_runs)
+
+
+def _count(runs: Runs) -> int:
+    return sum(b - a for a, b in runs)
+
+
+@dataclass
+class _Group:
+    """Calls sharing one chunk on the shared side whose documents there agree: the
+    documents by their shared runs (in order of rows), and the row ranges they hold."""
+
+    shared: int
+    members: list[Member]
+    docs: dict[Runs, int]  # shared runs -> document index in the group
+    starts: list[int]  # sorted first rows of the documents' runs
+    ends: list[int]  # the last row + 1 of the document starting at starts[n]
+
+    def takes(self, runs: tuple[Runs, ...]) -> bool:
+        """Whether a call whose documents have these shared runs fits the group."""
+        for doc in runs:
+            if doc in self.docs:
+                continue
+            first, last = doc[0][0], doc[-1][1]
+            n = bisect.bisect_right(self.starts, last - 1) - 1
+            if n >= 0 and self.ends[n] > first:
+                return False
+        return True
+
+    def add(self, member: Member, runs: tuple[Runs, ...]) -> None:
+        self.members.append(member)
+        for doc in runs:
+            if doc not in self.docs:
+                self.docs[doc] = len(self.docs)
+                first, last = doc[0][0], doc[-1][1]
+                n = bisect.bisect_left(self.starts, first)
+                self.starts.insert(n, first)
+                self.ends.insert(n, last)
+
+
+def groups_of(members: list[Member], side: str) -> list[_Group]:
+    """`members` (calls over documents) in groups that share their chunk on `side` and
+    agree there, first fit in the order given."""
+    out: list[_Group] = []
+    for m in members:
+        runs = _side_runs(m.call, side)
+        for g in out:
+            if g.shared == m.shared and g.takes(runs):
+                g.add(m, runs)
+                break
+        else:
+            g = _Group(m.shared, [], {}, [], [])
+            g.add(m, runs)
+            out.append(g)
+    return out
+
+
+@dataclass(frozen=True)
+class Joined:
+    """One call joining a group's members on side `joined` ('kv': keys concatenated, 'q':
+    queries): the rows of each member's call on that side in order (one piece each), the
+    shared side's rows, the order of the concatenation's rows in the call, and its slices."""
+
+    shared_rows: slice | torch.Tensor
+    pieces: tuple[tuple[int, slice | torch.Tensor], ...]  # (chunk, rows) per member
+    order: torch.Tensor
+    slices: TileSlices
+    causal: bool
+
+
+def join(group: _Group, side: str, causal_last: bool, device: torch.device) -> Joined:
+    """The members of `group` as one call, documents concatenated on the side other than
+    `side` (the shared one); `causal_last`: the last member is the causal diagonal, its
+    documents' keys last and every document causal at the bottom right."""
+    shared = 0 if side == "q" else 1
+    joined = 1 - shared
+    docs = sorted(group.docs, key=lambda runs: runs[0][0])
+    # per member: where its rows start in the concatenation, and its documents' offsets
+    offsets, starts = [], 0
+    for m in group.members:
+        offsets.append(starts)
+        starts += _count(tuple(r for doc in m.call.doc_runs for r in doc[joined]))
+    where: list[dict[Runs, tuple[int, int]]] = []  # member: shared runs -> [a, b) in it
+    for m, offset in zip(group.members, offsets):
+        inside, at = {}, offset
+        for doc in m.call.doc_runs:
+            n = _count(doc[joined])
+            inside[doc[shared]] = (at, at + n)
+            at += n
+        where.append(inside)
+    order, cu_joined, cu_shared = [], [0], [0]
+    for doc in docs:
+        for inside in where:
+            if doc in inside:
+                a, b = inside[doc]
+                order.append(torch.arange(a, b))
+        cu_joined.append(cu_joined[-1] + sum(inside[doc][1] - inside[doc][0]
+                                             for inside in where if doc in inside))
+        cu_shared.append(cu_shared[-1] + _count(doc))
+    cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
+    slices = TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal_last, device)
+    shared_rows = _rows([r for doc in docs for r in doc])
+    pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
+                   for m in group.members)
+    return Joined(shared_rows, pieces, torch.cat(order).to(device), slices, causal_last)
+
+
+def _rows(runs: list[tuple[int, int]]) -> slice | torch.Tensor:
+    """Runs of local rows in order: a slice where they follow one another, else an index
+    (on the CPU; the caller moves it)."""
+    if all(a[1] == b[0] for a, b in zip(runs, runs[1:])):
+        return slice(runs[0][0], runs[-1][1])
+    return torch.cat([torch.arange(a, b) for a, b in runs])
