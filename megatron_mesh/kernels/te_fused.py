@@ -568,7 +568,8 @@ class TEFusedKernel:
         check_call(self, q, v, slices, causal)
         docs = slices
         if docs is not None:
-            if not self._te_takes(q, k, v, causal, docs):
+            # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
+            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, docs):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
                                                         slices=docs)
             return self._documents_forward(q, k, v, causal, softmax_scale, docs)
@@ -612,7 +613,8 @@ class TEFusedKernel:
         check_call(self, q, v, slices, causal)
         docs = slices
         if docs is not None:
-            if not self._te_takes(q, k, v, causal, docs):
+            # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
+            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, docs):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
                                                          softmax_scale, slices=docs)
             return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,

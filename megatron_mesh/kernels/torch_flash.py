@@ -179,9 +179,10 @@ class TorchFlashKernel:
 
 
 # A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
-# allows flash) documents as a variable-length call over their rows (b = 1; no work across
-# documents, GQA as it is) and a band as the op's own window; everywhere else (the CPU flash
-# op, CUDA's memory-efficient op) the slices' additive bias.
+# allows flash) documents as a variable-length call over their rows (b = 1 only: the op
+# reads one packed sequence; no work across documents, GQA as it is) and a band as the op's
+# own window; everywhere else (the CPU flash op, CUDA's memory-efficient op) the slices'
+# additive bias.
 
 
 def _bias(slices: TileSlices, q: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 def sliced_forward(q, k, v, softmax_scale: float, slices: TileSlices, flash: bool):
     """The call under its slices: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
     out [sq, b, hq, d], lse [b, hq, sq] fp32 (`flash`: CUDA's flash op may run)."""
-    if flash and slices.form == DOCUMENTS:
+    if flash and slices.form == DOCUMENTS and q.shape[1] == 1:  # varlen reads batch 0 only
         out, lse, *_ = aten._flash_attention_forward(
             dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
             slices.cu_q_tensor, slices.cu_kv_tensor, slices.max_q, slices.max_kv,
@@ -233,9 +234,10 @@ def sliced_backward(dout, q, k, v, out, lse, softmax_scale: float, slices: TileS
                     flash: bool):
     """Gradients of `sliced_forward`'s call: dq [sq, b, hq, d], dk, dv [sk, b, hkv, d];
     lse [b, hq, sq] is the whole row's."""
-    if flash and slices.form in (DOCUMENTS, BAND):
+    varlen = flash and slices.form == DOCUMENTS and q.shape[1] == 1  # batch 0 only
+    if varlen or (flash and slices.form == BAND):
         no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
-    if flash and slices.form == DOCUMENTS:
+    if varlen:
         dq, dk, dv = aten._flash_attention_backward(
             dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
             dense_last_dim(v[:, 0]), dense_last_dim(out[:, 0]), lse[0].contiguous(),

@@ -380,3 +380,33 @@ def test_thd_partition_indices_equal_te(cp_size: int) -> None:
             want = tex.thd_get_partitioned_indices(cu, docs.total, cp_size, rank)
             got = thd_partition_indices(docs, cp_size, rank)
             assert got.tolist() == want.cpu().tolist(), (padded, cp_size, rank)
+
+
+def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
+    """CUDA's variable-length flash op reads one packed sequence (batch entry 0): a call over
+    documents of a batch of two (a mask given as slices) takes the memory-efficient op with
+    the slices' bias instead, and gives both entries (meta tensors: the CUDA branches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.overloadpacket.__name__:
+                self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    meta = torch.device("meta")
+    documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
+    for batch, want in ((1, "_flash_attention_forward"),
+                        (2, "_scaled_dot_product_efficient_attention")):
+        q = torch.empty(8, batch, 4, 16, device=meta, dtype=torch.bfloat16)
+        kv = torch.empty(8, batch, 2, 16, device=meta, dtype=torch.bfloat16)
+        with Ops() as ops:
+            out, lse = TorchFlashKernel().forward(q, kv, kv, True, 0.25, slices=documents)
+            dq, dk, dv = TorchFlashKernel().backward(out, q, kv, kv, out, lse, True, 0.25,
+                                                     slices=documents)
+        assert want in ops.names and out.shape == q.shape and lse.shape == (batch, 4, 8)
+        assert (dq.shape, dk.shape) == (q.shape, kv.shape)
