@@ -293,23 +293,13 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
     on 'meta' tensors (the CUDA branches of the torch kernel) on a 1 x 1 grid with a window
     on a share of 4712 rows: dense band tiles, and packed documents (band tiles per piece,
     short documents grouped); which attention ops ran, and the shapes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from attention_ops import AttentionOps
 
     from megatron_mesh.kernels import TorchFlashKernel
     from megatron_mesh.masks.layout import AttentionMask
     from megatron_mesh.masks.window import Window
     from megatron_mesh.schedules import sparse
     from megatron_mesh.schedules.delta import attention_delta
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "attention" in func.overloadpacket.__name__:
-                self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     grid = mm.MeshGrid.build(rows=1, cols=1)
     docs = WindowCase((64, 0), **LONG_DOCUMENTS).documents
@@ -320,7 +310,7 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
             q = torch.empty(docs.total, 1, 4, 16, device="meta", dtype=dtype)
             k, v = (torch.empty(docs.total, 1, 2, 16, device="meta", dtype=dtype)
                     for _ in range(2))
-            with Ops() as ops:
+            with AttentionOps() as ops:
                 out, lse = sparse.forward(q, k, v, grid, mask, 0.25, TorchFlashKernel())
                 out = out.to(dtype)  # the runner's fp32 rows, finished as attention does
                 dq, dk, dv = sparse.backward(out, q, k, v, out, lse,

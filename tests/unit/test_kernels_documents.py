@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from attention_ops import AttentionOps
 from te_releases import ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
 from megatron_mesh.common.tile_slices import TileSlices
@@ -386,25 +387,13 @@ def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
     """CUDA's variable-length flash op reads one packed sequence (batch entry 0): a call over
     documents of a batch of two (a mask given as slices) takes the memory-efficient op with
     the slices' bias instead, and gives both entries (meta tensors: the CUDA branches)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "attention" in func.overloadpacket.__name__:
-                self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     meta = torch.device("meta")
     documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
     for batch, want in ((1, "_flash_attention_forward"),
                         (2, "_scaled_dot_product_efficient_attention")):
         q = torch.empty(8, batch, 4, 16, device=meta, dtype=torch.bfloat16)
         kv = torch.empty(8, batch, 2, 16, device=meta, dtype=torch.bfloat16)
-        with Ops() as ops:
+        with AttentionOps() as ops:
             out, lse = TorchFlashKernel().forward(q, kv, kv, True, 0.25, slices=documents)
             dq, dk, dv = TorchFlashKernel().backward(out, q, kv, kv, out, lse, True, 0.25,
                                                      slices=documents)
