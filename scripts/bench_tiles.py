@@ -9,10 +9,15 @@ or accumulated in fp32 (backward), exactly as `megatron_mesh.schedules.blocks.fo
 query rows against P * s / 2 keys (P * s without causal masking), no mask. Each row gives
 the tile's kernel calls in that pass ('calls', counted on the kernel), 'grouped' and
 'folded' (the causal diagonal in one bottom-right call with the keys before it:
-`kernels.base.folds_diagonal`, torch's kernel on CUDA's flash op).
+`kernels.base.folds_diagonal`, torch's kernel on CUDA's flash op). --documents N: the
+sequence is N packed documents of P s / N tokens (THD), the tile's blocks variable-length
+calls joined document by document (`masks/document_groups.py`); its single call is one
+variable-length call of the same documents' FLOPs (each document's s / N query rows against
+P s / 2N keys, P s / N without causal masking). --calls grouped,blocks gives both rows.
 
     python scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8    # CUDA, every backend
     python scripts/bench_tiles.py --device cpu --chunk 256 --cp-size 4   # smoke run (CPU)
+    python scripts/bench_tiles.py --chunk 2048 --documents 16 --calls grouped,blocks
 
 Prints milliseconds, TFLOP/s, efficiency (single-call time / tile time) and, on CUDA, the
 peak memory of each pass, per chunk size and backend (torch, cudnn, te; one that cannot
@@ -31,9 +36,11 @@ import torch
 
 from megatron_mesh.common import merge_triton
 from megatron_mesh.common.merge import empty_accumulators
+from megatron_mesh.common.tile_slices import TileSlices
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
 from megatron_mesh.kernels.base import folds_diagonal
+from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.layout import AttentionMask
 from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
 
@@ -52,9 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="torch,cudnn,te", help="comma-separated: torch, cudnn, te")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--calls", choices=("grouped", "blocks"), default="grouped",
-                   help="the tile's blocks grouped into few kernel calls (default), or one "
-                        "call per block")
+    p.add_argument("--documents", type=int, default=0,
+                   help="N packed documents of equal length (0: one dense sequence)")
+    p.add_argument("--calls", default="grouped",
+                   help="grouped (the tile's blocks in few kernel calls, the default), blocks "
+                        "(one call per block), or grouped,blocks for both rows")
     p.add_argument("--json", default=None, help="append one JSON object per row to this file")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
@@ -66,6 +75,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chunk {args.chunk} must be positive and even (two zigzag halves)")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    args.call_modes = args.calls.split(",")
+    if not args.call_modes or any(c not in ("grouped", "blocks") for c in args.call_modes):
+        p.error(f"--calls {args.calls!r} must be grouped, blocks or both, comma-separated")
+    if args.documents < 0:
+        p.error(f"--documents {args.documents} must be 0 (one sequence) or a positive count")
+    if args.documents:
+        unit = 2 * args.cp_size * args.documents  # each document a multiple of 2P tokens
+        bad = [c for c in args.chunks if c * args.cp_size % unit]
+        if bad:
+            p.error(f"--chunk {bad[0]} x --cp-size {args.cp_size} must split into "
+                    f"--documents {args.documents} documents of a multiple of 2P = "
+                    f"{2 * args.cp_size} tokens each")
+        if args.batch != 1:
+            p.error(f"--documents takes one packed sequence: --batch must be 1, got {args.batch}")
     return args
 
 
@@ -114,12 +137,13 @@ class Counting:
         return self.kernel.backward(*args, **kwargs)
 
 
-def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
+def bench(args: argparse.Namespace, backend: str, s: int, calls_mode: str = "grouped"
+          ) -> list[dict]:
     device = torch.device(args.device)
     default = "bf16" if device.type == "cuda" else "fp32"
     dtype = TORCH_DTYPES[args.dtype or default]
     kernel = Counting(get_kernel(backend, device, dtype, args.head_dim))
-    grouped = args.calls == "grouped"
+    grouped = calls_mode == "grouped"
     p, b, hq, hkv, d = args.cp_size, args.batch, args.heads, args.kv_heads, args.head_dim
     scale = d ** -0.5
     make = lambda n, h: torch.randn(n, b, h, d, device=device, dtype=dtype)  # noqa: E731
@@ -129,7 +153,15 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     keys_single = p * s // 2 if args.causal else p * s
     k1, v1 = make(keys_single, hkv), make(keys_single, hkv)
 
-    mask = AttentionMask(args.causal, ranks=p)
+    mask, single_slices, docs = AttentionMask(args.causal, ranks=p), None, args.documents
+    if docs:  # N documents of p s / N tokens; the single call: their FLOPs in one varlen call
+        length = p * s // docs
+        cu = torch.arange(docs + 1, dtype=torch.int32) * length
+        mask = AttentionMask(args.causal, Documents.from_cu_seqlens(cu), p)
+        per_doc = keys_single // docs
+        single_slices = TileSlices.documents(tuple(range(0, s + 1, s // docs)),
+                                             tuple(range(0, keys_single + 1, per_doc)), False,
+                                             device)
     column = [(y, k, v) for y, (k, v) in enumerate(kv)]
 
     def tile_forward():
@@ -138,7 +170,7 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
         return out.to(dtype), lse
 
     def single_forward():
-        return kernel.forward(q, k1, v1, False, scale)
+        return kernel.forward(q, k1, v1, False, scale, slices=single_slices)
 
     out, lse = tile_forward()
     out1, lse1 = single_forward()
@@ -158,7 +190,7 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
     calls["fwd+bwd"] = calls["forward"] + calls["backward"]
 
     def single_backward():
-        kernel.backward(dout, q, k1, v1, out1, lse1, False, scale)
+        kernel.backward(dout, q, k1, v1, out1, lse1, False, scale, slices=single_slices)
 
     def tile_both():
         tile_forward()
@@ -168,7 +200,7 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
         single_forward()
         single_backward()
 
-    flops_fwd = 4 * b * hq * d * s * keys_single
+    flops_fwd = 4 * b * hq * d * s * keys_single // max(1, docs)
     merge = "triton" if merge_triton.available(out) else "torch"  # MESH_TRITON_MERGE=0: torch
     rows = []
     for name, tile, single, flops in (("forward", tile_forward, single_forward, flops_fwd),
@@ -184,6 +216,7 @@ def bench(args: argparse.Namespace, backend: str, s: int) -> list[dict]:
                      else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
                      "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal,
                      "merge": merge, "calls": calls[name], "grouped": grouped,
+                     "documents": docs,
                      "folded": grouped and folds_diagonal(kernel, q)})
     return rows
 
@@ -201,24 +234,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     where = (f"CUDA ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda")
              else "CPU (not a GPU measurement)")
+    docs = f", {args.documents} packed documents" if args.documents else ""
     print(f"one rank's tile: P={args.cp_size} blocks of {args.chunk} tokens, heads "
-          f"{args.heads}/{args.kv_heads}, d={args.head_dim}, b={args.batch}, causal={args.causal}, "
-          f"{where}")
+          f"{args.heads}/{args.kv_heads}, d={args.head_dim}, b={args.batch}, causal={args.causal}"
+          f"{docs}, {where}")
     print(f"{'kernel':>6} {'chunk':>6} {'pass':>9} {'calls':>5} {'tile ms':>10} {'single ms':>10} "
           f"{'tile TF/s':>10} {'single TF/s':>10} {'efficiency':>10} {'tile MiB':>9} "
           f"{'single MiB':>9}")
     for s in args.chunks:
         for backend in args.backends.split(","):
-            try:
-                rows = bench(args, backend, s)
-            except ValueError as err:  # e.g. 'te' without Transformer Engine or CUDA
-                print(f"{backend:>6} {s:>6} skipped: {err}")
-                continue
-            for row in rows:
-                print(format_row(row))
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.writelines(json.dumps(row) + "\n" for row in rows)
+            for mode in args.call_modes:
+                try:
+                    rows = bench(args, backend, s, mode)
+                except ValueError as err:  # e.g. 'te' without Transformer Engine or CUDA
+                    print(f"{backend:>6} {s:>6} skipped: {err}")
+                    break
+                for row in rows:
+                    print(format_row(row) + ("" if mode == "grouped" else "  (one call a block)"))
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

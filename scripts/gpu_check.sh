@@ -40,8 +40,9 @@ rm -f "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.log "$OUT/summary.txt"
 # to at most BUDGET_S, so that a rerun fits a 15-minute device lease beside the first run.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 RESERVE_S=30
-declare -A LIMITS=([gpu_tests]=100 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
-                   [driver_vs_hf_4k]=40 [driver_vs_hf_16k]=40 [cp_on_one_gpu]=55 [profile_fit]=15)
+declare -A LIMITS=([gpu_tests]=95 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
+                   [tiles_documents]=10 [driver_vs_hf_4k]=40 [driver_vs_hf_16k]=40
+                   [cp_on_one_gpu]=55 [profile_fit]=10)
 total=$RESERVE_S
 for name in "${!LIMITS[@]}"; do total=$((total + LIMITS[$name])); done
 if [ "$total" -gt "$BUDGET_S" ]; then
@@ -160,6 +161,9 @@ MESH_TRITON_MERGE=0 step tiles_torch_merge "$PY" scripts/bench_tiles.py --chunk 
     --heads 16 --head-dim 128 --dtype bf16 --backends torch --json "$OUT/tiles.jsonl"
 step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 32 \
     --kv-heads 8 --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
+step tiles_documents "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 --heads 16 \
+    --head-dim 128 --dtype bf16 --backends torch --documents 16 --calls grouped,blocks \
+    --json "$OUT/tiles_documents.jsonl"
 if ! has megatron.core; then
     why="megatron-core does not import (carry its wheel in $WHEELS/: scripts/gpu_wheels.sh)"
     skip driver_vs_hf_4k "$why"; skip driver_vs_hf_16k "$why"; skip cp_on_one_gpu "$why"
@@ -205,7 +209,8 @@ def tail(name, n=15):
     path = out / name
     return path.read_text().splitlines()[-n:] if path.exists() else []
 report = {"machine": load("machine.json"), "steps": lines("steps.jsonl"),
-          "tiles": lines("tiles.jsonl"), "memory": lines("memory.jsonl"),
+          "tiles": lines("tiles.jsonl"), "tiles_documents": lines("tiles_documents.jsonl"),
+          "memory": lines("memory.jsonl"),
           "driver_vs_hf": {seq: load(f"driver_vs_hf_{seq}.json") for seq in ("4k", "16k")},
           "cp_on_one_gpu": load("cp_on_one_gpu.json"), "profile_fit": tail("profile_fit.log")}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
@@ -225,6 +230,13 @@ for r in tiles:
     print(f"  {r['backend']:>6} merge {r.get('merge', '?'):>6} heads {r['heads']}/{r['kv_heads']} "
           f"chunk {r['chunk']:>5}: "
           f"{100 * r['efficiency']:5.1f}%  tile peak {r.get('tile_peak_bytes', 0) / 2**20:.0f} MiB")
+documents = [r for r in report["tiles_documents"] if r.get("pass") == "fwd+bwd"]
+if documents:
+    print("tile of packed documents (fwd+bwd, one varlen call of the same FLOPs / tile time):")
+for r in documents:
+    how = "joined by document" if r["grouped"] else "one call a block"
+    print(f"  {r['backend']:>6} {r['documents']} documents, chunk {r['chunk']:>5}, {how:>18}: "
+          f"{r['calls']:>3} calls, {r['tile_ms']:.3f} ms, {100 * r['efficiency']:5.1f}%")
 worst = {}
 for r in report["memory"]:
     key = (r["shape"], r["schedule"])

@@ -81,6 +81,28 @@ def test_bench_tiles_reports_every_pass_and_why_cudnn_and_te_are_skipped(tmp_pat
         (3, True, False), (3, True, False), (6, True, False)]
 
 
+def test_bench_tiles_of_packed_documents_joins_their_calls(tmp_path) -> None:
+    """--documents 4 --calls grouped,blocks: the tile over packed documents in the dense
+    tile's calls (joined by document) and in one call per block, each against one varlen
+    call of the same FLOPs; a count of documents that does not split the sequence into
+    multiples of 2P tokens exits 2."""
+    report = tmp_path / "docs.json"
+    out = run_script("bench_tiles.py", "--device", "cpu", "--chunk", "64", "--cp-size", "4",
+                     "--heads", "4", "--head-dim", "32", "--iters", "1", "--backends", "torch",
+                     "--documents", "4", "--calls", "grouped,blocks", "--json", str(report))
+    assert "4 packed documents" in out and "(one call a block)" in out, out
+    rows = [json.loads(line) for line in report.read_text().splitlines()]
+    calls = {(r["grouped"], r["pass"]): r["calls"] for r in rows}
+    assert all(r["documents"] == 4 and r["efficiency"] > 0 for r in rows), rows
+    assert calls == {(True, "forward"): 3, (True, "backward"): 3, (True, "fwd+bwd"): 6,
+                     (False, "forward"): 4, (False, "backward"): 4, (False, "fwd+bwd"): 8}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tiles.py"), "--device",
+                           "cpu", "--chunk", "60", "--cp-size", "4", "--documents", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "multiple of 2P = 8 tokens" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out")],
