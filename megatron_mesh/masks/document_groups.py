@@ -17,9 +17,9 @@ calls join into one variable-length call per group, as the dense blocks do (`gro
 A call joins a group where each of its documents either is one of the group's (the same
 rows on the shared side) or meets none of its rows: so the lower blocks (all of a chunk's
 rows) and the upper ones (its second pieces) make two groups, as in the dense case. The
-joined call gathers each call's rows as one piece (`Piece`) and reorders the concatenation
-document by document (`Call.order`, an index on the device), so a group of any number of
-documents is a few copies, not one per document. At most `limit` rows are concatenated on
+joined call gathers each call's rows as one piece (`Piece`), each placed document by
+document (`Call.q_place` / `kv_place`, an index on the device), so a group of any number of
+documents is one copy of its rows, not one per document. At most `limit` rows are concatenated on
 the joined side per call (the last calls first, as `groups.py` cuts them).
 """
 from __future__ import annotations
@@ -105,13 +105,13 @@ def groups_of(members: list[Member], side: str) -> list[_Group]:
 
 @dataclass(frozen=True)
 class Joined:
-    """One call joining a group's members on side `joined` ('kv': keys concatenated, 'q':
-    queries): the rows of each member's call on that side in order (one piece each), the
-    shared side's rows, the order of the concatenation's rows in the call, and its slices."""
+    """One call joining a group's members on the side not shared: the rows of each member's
+    call on that side (one piece each, concatenated in member order), the shared side's rows,
+    where each row of the concatenation sits in the call, and its slices."""
 
     shared_rows: slice | torch.Tensor
     pieces: tuple[tuple[int, slice | torch.Tensor], ...]  # (chunk, rows) per member
-    order: torch.Tensor
+    place: torch.Tensor
     slices: TileSlices
     causal: bool
 
@@ -150,7 +150,10 @@ def join(group: _Group, side: str, causal_last: bool, device: torch.device) -> J
     shared_rows = _rows([r for doc in docs for r in doc])
     pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
                    for m in group.members)
-    return Joined(shared_rows, pieces, torch.cat(order).to(device), slices, causal_last)
+    order_of_call = torch.cat(order)  # the concatenation's row at each place of the call
+    place = torch.empty_like(order_of_call)
+    place[order_of_call] = torch.arange(order_of_call.numel())
+    return Joined(shared_rows, pieces, place.to(device), slices, causal_last)
 
 
 def _rows(runs: list[tuple[int, int]]) -> slice | torch.Tensor:

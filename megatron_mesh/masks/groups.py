@@ -59,10 +59,10 @@ class Call:
     kv: tuple[Piece, ...]
     causal: bool = False
     slices: TileSlices | None = None
-    # documents joined (`document_groups.py`): the rows of the pieces concatenated, in the
-    # call's order (None: as concatenated)
-    q_order: torch.Tensor | None = field(default=None, compare=False)
-    kv_order: torch.Tensor | None = field(default=None, compare=False)
+    # documents joined (`document_groups.py`): where each row of the pieces concatenated
+    # sits in the call (None: in that order)
+    q_place: torch.Tensor | None = field(default=None, compare=False)
+    kv_place: torch.Tensor | None = field(default=None, compare=False)
 
 
 def _key(piece: Piece) -> tuple | None:
@@ -167,7 +167,7 @@ def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
             joined = join(sub, "q", last, device)
             out.append(Call((Piece(group.shared, _on(joined.shared_rows, device)),),
                             tuple(Piece(c, r) for c, r in joined.pieces), joined.causal,
-                            joined.slices, kv_order=joined.order))
+                            joined.slices, kv_place=joined.place))
     for rest in diagonals.values():  # diagonals not folded: calls of their own
         out += [_own(m.shared, m.other, m.call) for m in rest]
     swapped = [Member(m.other, m.shared, m.call) for m in alone]
@@ -182,7 +182,7 @@ def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
             joined = join(sub, "kv", False, device)
             out.append(Call(tuple(Piece(c, r) for c, r in joined.pieces),
                             (Piece(group.shared, _on(joined.shared_rows, device)),), False,
-                            joined.slices, q_order=joined.order))
+                            joined.slices, q_place=joined.place))
     return out
 
 

@@ -59,17 +59,29 @@ def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _in_order(t: torch.Tensor, order: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
-    """A call's rows of its pieces concatenated (t, along dim) in the call's order (documents
-    joined: `groups.Call.q_order` / `kv_order`)."""
-    return t if order is None else t.index_select(dim, order)
+def _gather(chunks: Sequence, i: int, pieces: Sequence[Piece], place: torch.Tensor | None,
+            dim: int = 0) -> torch.Tensor:
+    """A call's rows along `dim` of tensor `i` of the chunks its pieces index: the pieces
+    concatenated, or each copied to its place in the call (documents joined:
+    `groups.Call.q_place` / `kv_place`), one copy either way."""
+    parts = [rows(chunks[p.chunk][i], p.rows, dim) for p in pieces]
+    if place is None:
+        return _cat(parts, dim)
+    dim %= parts[0].dim()
+    shape = list(parts[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in parts)
+    out = parts[0].new_empty(shape)
+    offset = 0
+    for t in parts:
+        n = t.shape[dim]
+        out.index_copy_(dim, place[offset:offset + n], t)
+        offset += n
+    return out
 
 
-def _back(t: torch.Tensor, order: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
-    """A call's result rows (along dim) back in the order of its pieces concatenated."""
-    if order is None:
-        return t
-    return torch.empty_like(t).index_copy_(dim % t.dim(), order, t)
+def _back(t: torch.Tensor, place: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """A call's result rows (along dim) in the order of its pieces concatenated."""
+    return t if place is None else t.index_select(dim, place)
 
 
 def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
@@ -94,12 +106,11 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
                        grouped)
     for call in calls:
-        q = _in_order(_cat([rows(queries[p.chunk][1], p.rows) for p in call.q]), call.q_order)
-        k, v = (_in_order(_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]),
-                          call.kv_order) for i in (1, 2))
+        q = _gather(queries, 1, call.q, call.q_place)
+        k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
         out, lse = kernel.forward(q, k, v, call.causal, scale, slices=call.slices)
         del q, k, v
-        out, lse = _back(out, call.q_order), _back(lse, call.q_order, -1)
+        out, lse = _back(out, call.q_place), _back(lse, call.q_place, -1)
         for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
             _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
         del out, lse, out_part, lse_part  # not held while the next call runs
@@ -147,17 +158,14 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
                        grouped)
     for call in calls:
-        dout, q, out = (_in_order(_cat([rows(queries[p.chunk][i], p.rows) for p in call.q]),
-                                  call.q_order) for i in (1, 2, 3))
-        lse = _in_order(_cat([rows(queries[p.chunk][4], p.rows, -1) for p in call.q], -1),
-                        call.q_order, -1)
-        k, v = (_in_order(_cat([rows(keys[p.chunk][i], p.rows) for p in call.kv]),
-                          call.kv_order) for i in (1, 2))
+        dout, q, out = (_gather(queries, i, call.q, call.q_place) for i in (1, 2, 3))
+        lse = _gather(queries, 4, call.q, call.q_place, -1)
+        k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.causal, scale,
                                      slices=call.slices)
         del dout, q, out, lse, k, v
-        dq = _back(dq, call.q_order)
-        dk, dv = _back(dk, call.kv_order), _back(dv, call.kv_order)
+        dq = _back(dq, call.q_place)
+        dk, dv = _back(dk, call.kv_place), _back(dv, call.kv_place)
         for p, part in _pieces(dq, call.q):
             _add_rows(queries[p.chunk][5], p.rows, part)
         del dq, part
