@@ -169,6 +169,14 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _attention_dtype(args: Any) -> str:
+    """The dtype attention runs in under Megatron's flags: 'bf16' (--bf16), 'fp16' (--fp16)
+    or 'fp32' (neither), what the planner prices the automatic shape in."""
+    if getattr(args, "bf16", False):
+        return "bf16"
+    return "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
 def _head_counts(args: Any) -> tuple[int | None, int | None]:
     """(num_attention_heads, num_query_groups) as Megatron-LM means them."""
     heads = getattr(args, "num_attention_heads", None)
@@ -278,7 +286,8 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
         num_query_groups=groups, head_dim=attention_head_dims(args)[0], seq_length=seq_length,
         schedule=getattr(args, "mesh_schedule", DEFAULT_SCHEDULE),
         grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", DEFAULT_GRAD_DTYPE),
-        gpu=None if pricing is None else pricing.gpu)
+        gpu=None if pricing is None else pricing.gpu,
+        batch=getattr(args, "micro_batch_size", None) or 1, dtype=_attention_dtype(args))
     if cp_size == 1:
         logger.warning(
             "context-parallel size is 1: the mesh is a 1x1 grid and runs as plain attention"

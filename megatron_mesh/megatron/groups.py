@@ -20,6 +20,7 @@ from megatron_mesh.megatron.shape import (
     describe_mesh_shape,
     launched_mesh_shape,
 )
+from megatron_mesh.planner.gpu_profile import GpuProfile
 from megatron_mesh.runtime.grid import MeshGrid
 
 logger = logging.getLogger(__name__)
@@ -64,13 +65,17 @@ def initialize_mesh_grids(
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     chosen_by_planner: bool | None = None,
+    gpu: GpuProfile | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
     mesh_shape (A, R, C) / 'AxRxC', or (R, C) / 'RxC' with heads mesh_heads (default 1),
     must have A * R * C == CP size, and A must divide this TP rank's query heads; what is
     not given, the planner chooses for the head counts after TP, schedule, gradient dtype
-    and the launcher's ranks per node (`shape.resolve_mesh_shape`, the function
+    and the launcher's ranks per node, for `batch` sequences in `dtype`, attention priced by
+    `gpu`'s kernel calls or at the flat rate (None) (`shape.resolve_mesh_shape`, the function
     `validate_mesh_args` calls with the same values); pass the shape `validate_mesh_args`
     returned to build exactly what it logged.
     `chosen_by_planner` says, for the log line, whether the shape passed was the planner's
@@ -93,7 +98,7 @@ def initialize_mesh_grids(
         cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads,
         num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         head_dim=head_dim, seq_length=seq_length, schedule=schedule,
-        grad_reduce_dtype=grad_reduce_dtype)
+        grad_reduce_dtype=grad_reduce_dtype, gpu=gpu, batch=batch, dtype=dtype)
     if cp_size == 1:
         grid = single_rank_grid(parallel_state.get_context_parallel_group())
     else:

@@ -220,9 +220,12 @@ def mesh_workload(
     seq_length: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
+    batch: int = 1,
+    dtype: str = "bf16",
 ) -> Workload:
     """The layer the planner sizes when choosing a mesh shape for Megatron's flags: the
-    heads one TP rank's attention sees (`local_head_counts`).
+    heads one TP rank's attention sees (`local_head_counts`), `batch` sequences (the
+    micro-batch) in `dtype` ('bf16', 'fp16', 'fp32': the bytes, and a GPU profile's rate).
 
     Missing head counts mean multi-head attention, a missing head_dim means 128, a missing
     seq_length 4096 tokens per rank. schedule and grad_reduce_dtype are the mesh's (they
@@ -231,7 +234,8 @@ def mesh_workload(
     heads = num_attention_heads or 1
     return Workload(seq_length=seq_length or 4096 * cp_size, num_heads=heads,
                     num_kv_heads=num_query_groups or heads, head_dim=head_dim or 128,
-                    mesh_schedule=schedule, mesh_grad_reduce_dtype=grad_reduce_dtype)
+                    batch=batch, dtype=dtype, mesh_schedule=schedule,
+                    mesh_grad_reduce_dtype=grad_reduce_dtype)
 
 
 def auto_mesh_shape(
@@ -247,6 +251,8 @@ def auto_mesh_shape(
     mesh_heads: int | None = None,
     tensor_parallel_size: int = 1,
     gpu: GpuProfile | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
 ) -> GridTriple:
     """The (A, R, C) grid the planner predicts fastest for cp_size ranks (`planner.search`
     of `mesh_workload` on the default cluster: the best of every 2D mesh and every heads x
@@ -262,7 +268,7 @@ def auto_mesh_shape(
     q_heads, kv_heads = local_head_counts(num_attention_heads, num_query_groups,
                                           tensor_parallel_size)
     workload = mesh_workload(cp_size, q_heads or mesh_heads, kv_heads or mesh_heads, head_dim,
-                             seq_length, schedule, grad_reduce_dtype)
+                             seq_length, schedule, grad_reduce_dtype, batch, dtype)
     node = {"gpus_per_node": cp_ranks_per_node} if cp_ranks_per_node else {}
     plan = search(workload, Cluster(gpus=cp_size, gpu=gpu, **node))
     if mesh_heads is None:
@@ -288,12 +294,15 @@ def resolve_mesh_shape(
     schedule: str = DEFAULT_SCHEDULE,
     grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE,
     gpu: GpuProfile | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
 ) -> tuple[GridTriple, bool]:
     """((A, R, C), chosen_automatically) for a CP group of cp_size; ValueError when invalid.
 
     mesh_shape: None, 'RxC' / (R, C) (heads from mesh_heads, else 1) or 'AxRxC' /
     (A, R, C); mesh_heads: the all-to-all size A, or None. What is not given, the planner
-    chooses (`auto_mesh_shape`, attention priced by `gpu`, flat where None). A must divide
+    chooses (`auto_mesh_shape` for `batch` sequences in `dtype`, attention priced by `gpu`,
+    flat where None). A must divide
     the query heads of one TP rank (num heads / tensor_parallel_size). A pure function of
     its arguments: the flag check and the group builder call it with the same values
     (through `launched_mesh_shape`, with `cp_ranks_per_node()` for the node size), so they
@@ -319,7 +328,8 @@ def resolve_mesh_shape(
         return shape, False
     auto = auto_mesh_shape(cp_size, num_attention_heads, num_query_groups, head_dim, seq_length,
                            cp_ranks_per_node, schedule, grad_reduce_dtype, mesh_heads=heads,
-                           tensor_parallel_size=tensor_parallel_size, gpu=gpu)
+                           tensor_parallel_size=tensor_parallel_size, gpu=gpu, batch=batch,
+                           dtype=dtype)
     return auto, True
 
 
@@ -327,7 +337,7 @@ def launched_mesh_shape(cp_size: int, mesh_shape: object, tensor_parallel_size: 
                         **layer: Any) -> tuple[GridTriple, bool, int | None]:
     """((A, R, C), chosen automatically, CP ranks per node): `resolve_mesh_shape` of the
     `layer` (mesh_heads, head counts, head_dim, seq_length, schedule, grad_reduce_dtype,
-    gpu) with the launcher's CP ranks per node for this TP size (`cp_ranks_per_node`): the one
+    gpu, batch, dtype) with the launcher's CP ranks per node for this TP size (`cp_ranks_per_node`): the one
     call of the flag check and of the group builder, so they resolve alike."""
     per_node = cp_ranks_per_node(tensor_parallel_size)
     shape, automatic = resolve_mesh_shape(cp_size, mesh_shape,

@@ -15,7 +15,7 @@ from megatron_mesh.planner import plan
 def _args(**overrides) -> SimpleNamespace:
     base = dict(
         seq_length=4096, context_parallel_size=8, context_parallel_algo="mesh", mesh_shape=None,
-        num_attention_heads=32, num_query_groups=None, hidden_size=4096,
+        num_attention_heads=32, num_query_groups=None, hidden_size=4096, bf16=True,
     )
     base.update(overrides)
     return SimpleNamespace(**base)

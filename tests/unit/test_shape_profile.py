@@ -56,7 +56,7 @@ def _args(profile: str, **over) -> argparse.Namespace:
                 mesh_heads=None, context_parallel_size=64, tensor_model_parallel_size=1,
                 num_attention_heads=32, num_query_groups=8, group_query_attention=True,
                 kv_channels=128, seq_length=128 * K, attention_dropout=0.0,
-                mesh_gpu_profile=profile)
+                mesh_gpu_profile=profile, bf16=True, micro_batch_size=1)
     args.update(over)
     return argparse.Namespace(**args)
 
@@ -86,17 +86,34 @@ def test_flag_check_prices_by_the_flag_and_logs_one_line_saying_so(
     assert "priced" not in caplog.text
 
 
+def test_the_shape_is_priced_in_the_dtype_the_run_trains_in(monkeypatch) -> None:
+    """At the flat rate the published GQA case takes 4x16x1 in bf16 (--bf16) and 8x8x1 in
+    fp32 (neither --bf16 nor --fp16): the bytes double, as the planner says for that dtype;
+    the micro-batch goes to the planner too."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for over, dtype in (({}, "bf16"), ({"bf16": False}, "fp32"),
+                        ({"bf16": False, "fp16": True}, "fp16"),
+                        ({"micro_batch_size": 2}, "bf16")):
+        reference = plan(64, seq_length=128 * K, num_heads=32, num_kv_heads=8, head_dim=128,
+                         gpus_per_node=8, dtype=dtype,
+                         batch=over.get("micro_batch_size", 1)).best_grid.grid_shape
+        assert validate_mesh_args(_args("flat", **over)) == reference, over
+    assert validate_mesh_args(_args("flat")) == (4, 16, 1)
+    assert validate_mesh_args(_args("flat", bf16=False)) == (8, 8, 1)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto is flat only without CUDA")
 def test_driver_default_is_auto_and_flat_without_cuda(monkeypatch, caplog) -> None:
     monkeypatch.setenv("WORLD_SIZE", "64")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    # the driver trains in fp32 on a CPU (--bf16 needs CUDA): MHA there is 16x4x1 flat and
+    # 8x8x1 by the H200's profile
     flags = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32",
-             "--group-query-attention", "--num-query-groups", "8", "--seq-length", str(128 * K),
-             "--vocab-size", "255", "--context-parallel-size", "64",
-             "--context-parallel-algo", "mesh"]
+             "--seq-length", str(128 * K), "--vocab-size", "255",
+             "--context-parallel-size", "64", "--context-parallel-algo", "mesh"]
     with caplog.at_level(logging.INFO, logger="megatron_mesh"):
         args = parse_args(flags)
-    assert args.mesh_gpu_profile == "auto" and args.mesh_shape == (4, 16, 1)
+    assert args.mesh_gpu_profile == "auto" and args.mesh_shape == (16, 4, 1)
     assert ("(chosen by the planner for 8 CP ranks per node); MODEL: attention priced at the "
             "flat 400 TFLOP/s (--mesh-gpu-profile auto: no CUDA device)") in caplog.text
     assert parse_args(flags + ["--mesh-gpu-profile", "h200"]).mesh_shape == (8, 8, 1)

@@ -35,12 +35,12 @@ def _megatron_args(**over) -> argparse.Namespace:
 
 
 def _built(mesh_shape=None, per_node: int | None = None,
-           mesh_heads: int | None = 1) -> tuple[int, int, int]:
-    """What initialize_mesh_grids builds for CASE: its own resolution."""
+           mesh_heads: int | None = 1, dtype: str = "bf16") -> tuple[int, int, int]:
+    """What initialize_mesh_grids builds for CASE in `dtype`: its own resolution."""
     return resolve_mesh_shape(
         CASE["cp"], mesh_shape, mesh_heads=mesh_heads, num_attention_heads=CASE["heads"],
         num_query_groups=CASE["groups"], head_dim=CASE["head_dim"], seq_length=CASE["seq"],
-        tensor_parallel_size=CASE["tp"], cp_ranks_per_node=per_node)[0]
+        tensor_parallel_size=CASE["tp"], cp_ranks_per_node=per_node, dtype=dtype)[0]
 
 
 def test_ranks_per_node_come_from_the_launcher() -> None:
@@ -70,8 +70,10 @@ def test_megatron_path_logs_the_shape_it_builds(monkeypatch, caplog) -> None:
             "ranks per node)") in caplog.text
 
 
-@pytest.mark.parametrize("local, expected", [("8", (1, 4, 4)), ("16", (1, 2, 8))])
-def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) -> None:
+@pytest.mark.parametrize("local, expected, heads_open", [("8", (1, 4, 4), (4, 4, 1)),
+                                                        ("16", (1, 2, 8), (2, 2, 4))])
+def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected, heads_open) -> None:
+    """The driver trains in fp32 on a CPU (--bf16 needs CUDA): the planner sizes fp32."""
     monkeypatch.setenv("WORLD_SIZE", "32")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     flags = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32",
@@ -82,8 +84,10 @@ def test_driver_path_stores_the_shape_it_builds(monkeypatch, local, expected) ->
     args = parse_args(flags)
     # the groups are built from args.mesh_shape: a given shape, never chosen again
     assert args.mesh_shape == expected
-    assert _built(args.mesh_shape) == _built(per_node=cp_ranks_per_node(2)) == expected
+    built = _built(per_node=cp_ranks_per_node(2), dtype="fp32")
+    assert _built(args.mesh_shape) == built == expected
     assert parse_args(flags + ["--mesh-shape", "8x2"]).mesh_shape == (1, 8, 2)
     auto = parse_args(flags[:-2])  # heads open: the planner's 3D choice, stored as built
-    assert auto.mesh_shape == _built(per_node=cp_ranks_per_node(2), mesh_heads=None) == (4, 4, 1)
-    assert auto.mesh_heads == 4
+    assert auto.mesh_shape == _built(per_node=cp_ranks_per_node(2), mesh_heads=None,
+                                     dtype="fp32") == heads_open
+    assert auto.mesh_heads == heads_open[0]
