@@ -417,7 +417,8 @@ def _shape_decided_once(out):
             built = {}
             for how, shape in (("planner", None), ("given", logged)):
                 _init_parallel(1, 4)
-                grid = initialize_mesh_grids(shape, **model)
+                # the flags train in fp32 (no --bf16): the group builder sizes the same
+                grid = initialize_mesh_grids(shape, **model, dtype="fp32")
                 built[how] = (grid.heads, grid.rows, grid.cols)
             out[f"shape_once_{groups}"] = {"logged": logged, **built}
     finally:
