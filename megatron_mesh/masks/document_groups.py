@@ -53,6 +53,11 @@ def _count(runs: Runs) -> int:
     return sum(b - a for a, b in runs)
 
 
+def _span(runs: Runs) -> tuple[int, int]:
+    """The first row and the last row + 1 of a document's runs (in any order)."""
+    return min(a for a, _ in runs), max(b for _, b in runs)
+
+
 @dataclass
 class _Group:
     """Calls sharing one chunk on the shared side whose documents there agree: the
@@ -69,7 +74,7 @@ class _Group:
         for doc in runs:
             if doc in self.docs:
                 continue
-            first, last = doc[0][0], doc[-1][1]
+            first, last = _span(doc)
             n = bisect.bisect_right(self.starts, last - 1) - 1
             if n >= 0 and self.ends[n] > first:
                 return False
@@ -80,7 +85,7 @@ class _Group:
         for doc in runs:
             if doc not in self.docs:
                 self.docs[doc] = len(self.docs)
-                first, last = doc[0][0], doc[-1][1]
+                first, last = _span(doc)
                 n = bisect.bisect_left(self.starts, first)
                 self.starts.insert(n, first)
                 self.ends.insert(n, last)

@@ -87,10 +87,10 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
-    parts = block_parts(mask_slices(mask, local_len), rank_runs(mask, q_rank, local_len),
-                        rank_runs(mask, kv_rank, local_len))
+    q_runs, k_runs = rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len)
+    parts = block_parts(mask_slices(mask, local_len), q_runs, k_runs)
     return block_calls(parts, local_len, mask.window is not None,
-                       slab_rows(mask.window, mask.causal), device)
+                       slab_rows(mask.window, mask.causal), device, q_runs, k_runs)
 
 
 @per_documents(lambda mask, *_: mask.packing)

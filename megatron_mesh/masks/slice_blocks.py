@@ -29,6 +29,7 @@ holds a mask of its rows x keys; kernels that need one make it from the slices
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -143,11 +144,15 @@ def merged(parts: list[Bound]) -> Bound | None:
 
 
 def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: int,
-                device: torch.device) -> Block:
+                device: torch.device, q_runs: tuple[Run, ...] = (),
+                k_runs: tuple[Run, ...] = ()) -> Block:
     """Block of `parts` (slices of local rows) with its kernel calls (module docstring);
     `windowed`: a sliding window is laid on the mask, its bands cut into `slab_rows` query
-    rows on shares of more than `ONE_CALL_ROWS`."""
+    rows on shares of more than `ONE_CALL_ROWS`. `q_runs` / `k_runs`: the two ranks' runs
+    of positions (`position_runs`); a call gathers each document's rows in the order of
+    their positions (local order where not given)."""
     bounds = [bound_of(s) for s in parts]
+    _group = functools.partial(_gather_group, q_order=_Order(q_runs), k_order=_Order(k_runs))
     if not bounds:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     whole = merged(bounds)
@@ -225,9 +230,34 @@ class _Group(NamedTuple):
     q_count: int
 
 
-def _group(component: list[Bound]) -> _Group:
-    q_runs = _union([(b[0], b[1]) for b in component])
-    k_runs = _union([(b[2], b[3]) for b in component])
+class _Order:
+    """A rank's runs of positions, to lay rows in the order of their positions: `ranges`
+    cuts row ranges at the runs' bounds and sorts the pieces by position."""
+
+    def __init__(self, runs: tuple[Run, ...]) -> None:
+        by_row = sorted(runs)
+        self.starts = [row for row, _, _ in by_row]
+        self.runs = by_row
+
+    def ranges(self, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Disjoint sorted row ranges, cut at run bounds, in order of position."""
+        if not self.runs:
+            return rows
+        out = []
+        for start, end in rows:
+            while start < end:
+                n = bisect.bisect_right(self.starts, start) - 1
+                first, pos, count = self.runs[n] if n >= 0 else (start, start, end - start)
+                stop = min(end, first + count) if n >= 0 else end
+                out.append((pos + start - first, start, stop))
+                start = stop
+        return [(a, b) for _, a, b in sorted(out)]
+
+
+def _gather_group(component: list[Bound], q_order: _Order, k_order: _Order) -> _Group:
+    """A group's rows gathered for one call, each side's in the order of positions."""
+    q_runs = q_order.ranges(_union([(b[0], b[1]) for b in component]))
+    k_runs = k_order.ranges(_union([(b[2], b[3]) for b in component]))
     if len(q_runs) == 1 and len(k_runs) == 1:  # contiguous: moved by the runs' starts
         q_at = lambda row: row - q_runs[0][0]  # noqa: E731
         k_at = lambda row: row - k_runs[0][0]  # noqa: E731
@@ -326,15 +356,17 @@ def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _offsets(runs: list[tuple[int, int]]):
-    """Row -> its index in the runs concatenated (rows inside a run)."""
-    starts = [a for a, _ in runs]
-    before = [0]
+    """Row -> its index in the runs concatenated in the order given (rows inside a run)."""
+    before, at_start = 0, []
     for a, b in runs:
-        before.append(before[-1] + b - a)
+        at_start.append((a, before))
+        before += b - a
+    at_start.sort()
+    starts = [a for a, _ in at_start]
 
     def at(row: int) -> int:
         n = bisect.bisect_right(starts, row) - 1
-        return before[n] + row - starts[n]
+        return at_start[n][1] + row - starts[n]
     return at
 
 

@@ -26,7 +26,15 @@ from ..masks.layout import AttentionMask
 from ..masks.needed_rows import needed_rows
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from .blocks import backward_block, forward_block, kv_grad_buffer, kv_grads, split_kv_grads
+from .blocks import (
+    backward_block,
+    backward_tile,
+    forward_block,
+    forward_tile,
+    kv_grad_buffer,
+    kv_grads,
+    split_kv_grads,
+)
 from .delta import out_with_delta
 
 
@@ -100,21 +108,19 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     (q_row,), land_q = _gather_rows([q], peers.row, grid.cols, grid.col_index, "forward", ROW)
     (k_col, v_col), land_kv = _gather_rows([k, v], peers.col, grid.rows, grid.row_index,
                                            "forward", COLUMN)
-    me, own = grid.mesh_rank, (grid.col_index, grid.row_index)
+    me = grid.mesh_rank
     # this rank's own block needs no rows of anyone's: it runs while the rows travel
     accs = {grid.col_index: empty_accumulators(s, b, hq, dv, q.device)}
     forward_block(kernel, q, k, v, me, me, mask, scale, *accs[grid.col_index])
     land_q()
     land_kv()
+    column = [(y, k_col[i], v_col[i]) for i, y in enumerate(grid.col_mesh_ranks)]
     for j, x in enumerate(grid.row_mesh_ranks):
         if j not in accs:
             accs[j] = empty_accumulators(s, b, hq, dv, q.device)
-        out_acc, lse_acc = accs[j]
-        for i, y in enumerate(grid.col_mesh_ranks):
-            if (j, i) != own:
-                forward_block(kernel, q_row[j], k_col[i], v_col[i], x, y, mask, scale,
-                              out_acc, lse_acc)
-        del out_acc, lse_acc
+        # the query chunk against the column in few calls (`groups.py`), the own block done
+        forward_tile(kernel, [(x, q_row[j], *accs[j])], column, mask, scale, skip={(me, me)})
+    del column
     accs = [accs[j] for j in range(grid.cols)]
     del q_row, k_col, v_col
     own_out, own_lse = accs[grid.col_index]
@@ -148,20 +154,21 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
                                            "backward", COLUMN)
     dq_part = torch.zeros(grid.cols, *q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
-    me, own = grid.mesh_rank, (grid.col_index, grid.row_index)
+    me = grid.mesh_rank
     # this rank's own block needs no rows of anyone's: it runs while the rows travel
     backward_block(kernel, dout, q, out, lse, k, v, me, me, mask, scale,
                    dq_part[grid.col_index], kv_grads(dkv_part[grid.row_index], k, v))
     land_q()
     land_kv()
+    column = [(y, k_col[i], v_col[i], kv_grads(dkv_part[i], k, v))
+              for i, y in enumerate(grid.col_mesh_ranks)]
     for j, x in enumerate(grid.row_mesh_ranks):
         lse_x, delta_x = st_row[j].permute(1, 2, 3, 0)
         out_x = out if j == grid.col_index else out_with_delta(do_row[j], delta_x)
-        for i, y in enumerate(grid.col_mesh_ranks):
-            if (j, i) != own:
-                backward_block(kernel, do_row[j], q_row[j], out_x, lse_x, k_col[i], v_col[i],
-                               x, y, mask, scale, dq_part[j], kv_grads(dkv_part[i], k, v))
+        backward_tile(kernel, [(x, do_row[j], q_row[j], out_x, lse_x, dq_part[j])], column,
+                      mask, scale, skip={(me, me)})
         del out_x  # a stand-in output goes before the next one is made
+    del column
     del q_row, do_row, st_row, k_col, v_col
     dq = dq_part[grid.col_index]
     for rows, got in _return_rows(list(dq_part), peers.row, "backward", ROW, grad_dtypes.dq):

@@ -27,7 +27,7 @@ from reference import Case, Failure, assert_no_failures, check_cases, errors, fu
 WORLD = 4
 CAP = 8  # MESH_GROUP_TOKENS of the capped cases: one zigzag half of a 16-row chunk per call
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
-MASKS = ("causal", "full", "documents", "window")
+MASKS = ("causal", "full", "documents", "placed", "window")
 
 
 class CountingKernel:
@@ -66,8 +66,12 @@ def count_calls(grid: mm.MeshGrid, schedule: str, mask: str, grouped: bool,
     g = torch.Generator().manual_seed(3 + grid.cp_rank)
     q, k, v = (torch.randn(s, 1, h, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
     kw = {"causal": mask != "full"}
-    if mask == "documents":  # whole sequence 64: documents of 24, 40
-        kw["cu_seqlens"] = torch.tensor([0, 24, 64], dtype=torch.int32)
+    if mask in ("documents", "placed"):  # whole sequence 64: documents of 24, 40
+        cu = torch.tensor([0, 24, 64], dtype=torch.int32)
+        if mask == "documents":
+            kw["cu_seqlens"] = cu
+        else:  # placed over the ranks, the sparse exchange: the column joined per query chunk
+            kw["placement"] = mm.place_documents(cu, grid.cp_size)
         q, k, v = (t.detach()[:, 0].requires_grad_() for t in (q, k, v))
     if mask == "window":
         kw["window_size"] = (20, 0)
@@ -175,7 +179,8 @@ def test_dense_tiles_make_the_modelled_calls(counted) -> None:
 
 
 def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
-    """Every mask kind: never more calls than blocks' calls; a causal tile of R >= 2 K/V
+    """Every mask kind: never more calls than blocks' calls; packed documents (THD or
+    placed) one call per block ungrouped; a causal tile of R >= 2 K/V
     chunks on one query chunk (R x 1) in at most three calls per pass, whatever R (two
     forward where the diagonal is folded in)."""
     bad = []
@@ -190,6 +195,12 @@ def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
                     bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} rank {cp_rank}",
                                        f"{phase}: {calls[phase]} calls > {blocks[phase]} "
                                        "ungrouped"))
+            if mask in ("documents", "placed") and max(blocks.values()) > r * c:
+                # each block's documents in one variable-length call, whatever the grid: a
+                # document's runs are gathered in the order of their positions (after the
+                # heads all-to-all a mesh rank holds its members' runs one after another)
+                bad.append(Failure(f"{a}x{r}x{c} {schedule} {mask} rank {cp_rank}",
+                                   f"{blocks} calls for {r * c} blocks ungrouped"))
             if (mask == "causal" and c == 1 and r >= 2 and schedule != "streamed_kv"
                     and "capped" not in str(grouped)):
                 most = 2 if grouped == "folded" else 3
