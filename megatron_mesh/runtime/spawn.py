@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import tempfile
 import time
@@ -27,10 +28,35 @@ __all__ = ["free_port", "run_gloo"]
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
+    """A TCP port free on 127.0.0.1 now, drawn below the kernel's ephemeral range where it
+    has one: a port the kernel hands out itself (binding port 0) is freed on return, and any
+    socket the kernel numbers meanwhile (gloo's connections, a client's) may take it before
+    the job's store binds it; below that range only another job's draw can."""
+    low = _ephemeral_low()
+    draw = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(64 if low > PORTS_FROM + 1024 else 0):
+        port = draw.randrange(PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORTS_FROM = 10000  # the first port `free_port` draws
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), or 0 where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, threads: int,
