@@ -566,13 +566,12 @@ class TEFusedKernel:
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
         with `slices`, documents)."""
         check_call(self, q, v, slices, causal)
-        docs = slices
-        if docs is not None:
+        if slices is not None:  # the documents form (the only slices TE's caps take)
             # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
-            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, docs):
+            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, slices):
                 return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
-                                                        slices=docs)
-            return self._documents_forward(q, k, v, causal, softmax_scale, docs)
+                                                        slices=slices)
+            return self._documents_forward(q, k, v, causal, softmax_scale, slices)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
         te = _load()
@@ -611,14 +610,13 @@ class TEFusedKernel:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
         check_call(self, q, v, slices, causal)
-        docs = slices
-        if docs is not None:
+        if slices is not None:  # the documents form (the only slices TE's caps take)
             # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
-            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, docs):
+            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, slices):
                 return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
-                                                         softmax_scale, slices=docs)
+                                                         softmax_scale, slices=slices)
             return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
-                                            docs)
+                                            slices)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         te = _load()

@@ -182,9 +182,9 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
     if small:
         calls.append(gathered_call(small, device))
     if documents[True]:  # a document of one query and one key is causal as well as full
-        single = [g for g in documents[False] if g.q_count == 1 and g.one[3] - g.one[2] == 1]
-        documents[True] += single
-        documents[False] = [g for g in documents[False] if g not in single]
+        one_pair = [g.q_count == 1 and g.one[3] - g.one[2] == 1 for g in documents[False]]
+        documents[True] += [g for g, one in zip(documents[False], one_pair) if one]
+        documents[False] = [g for g, one in zip(documents[False], one_pair) if not one]
     for causal in (True, False):
         if documents[causal]:
             groups = sorted(documents[causal], key=lambda g: g.q_runs[0][0])
