@@ -49,6 +49,17 @@ def shape_text(heads: int, rows: int, cols: int) -> str:
     return f"{heads}x{rows}x{cols}" if heads > 1 else f"{rows}x{cols}"
 
 
+def dim_groups(ranks: range | list[int] | tuple[int, ...], rows: int, cols: int,
+               heads: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The groups of each dim of the R x C x A grid over `ranks` (CP order, rank = ((i * C)
+    + j) * A + a): (columns: R ranks each, rows: C ranks each, heads: A ranks each)."""
+    at = lambda i, j, a: ranks[(i * cols + j) * heads + a]  # noqa: E731
+    columns = [[at(i, j, a) for i in range(rows)] for j in range(cols) for a in range(heads)]
+    row_groups = [[at(i, j, a) for j in range(cols)] for i in range(rows) for a in range(heads)]
+    heads_groups = [[at(i, j, a) for a in range(heads)] for i in range(rows) for j in range(cols)]
+    return columns, row_groups, heads_groups
+
+
 def mesh_shapes(cp_size: int) -> list[tuple[int, int]]:
     """Every rows x cols factorization of cp_size, from cp_size x 1 down to 1 x cp_size."""
     return [(cp_size // c, c) for c in range(1, cp_size + 1) if cp_size % c == 0]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_mesh.layer_plan import GridShape
+from megatron_mesh.layer_plan import GridShape, dim_groups
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.runtime.grid import dim_groups
 
 
 @dataclass(frozen=True)

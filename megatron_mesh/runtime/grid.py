@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layer_plan import AXES, COLUMN, HEADS, ROW, GridShape, shape_text
+from ..layer_plan import AXES, COLUMN, HEADS, ROW, GridShape, dim_groups, shape_text
 
 # The per-call agreement (`agreement.py`) runs on the CPU: it never waits for a GPU stream.
 AGREEMENT_BACKEND = "gloo"
@@ -238,14 +238,6 @@ def group_order(group: dist.ProcessGroup | None, members: Sequence[int]
         return None
     order = tuple(dist.get_group_rank(group, rank) for rank in members)
     return None if order == tuple(range(len(order))) else order
-
-
-def dim_groups(ranks: Sequence[int], rows: int, cols: int,
-               heads: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The groups of each dim of the grid over `ranks` (CP order): (columns, rows, heads)."""
-    grid = torch.tensor(list(ranks)).view(rows, cols, heads)
-    along = lambda dim: grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()  # noqa: E731
-    return along(0), along(1), along(2)
 
 
 def row_of(ranks: Sequence[int], cols: int, i: int) -> list[int]:

@@ -197,18 +197,60 @@ def test_only_the_sparse_model_reads_masks():
     assert readers == [f"{PACKAGE}.models.sparse"], readers
 
 
+def _imports_torch_distributed(path: Path) -> bool:
+    """Whether the module at `path` itself names torch.distributed in an import."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              and n.module and not n.level}
+    return any(n.startswith("torch.distributed") for n in names)
+
+
+def _chain_to(graph: dict[str, set[str]], start: str, bad: set[str]) -> list[str] | None:
+    """The import chain [start, ..., b] from `start` to a module of `bad`, or None."""
+    came_from = {start: None}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        if module in bad:
+            chain = [module]
+            while came_from[chain[-1]] is not None:
+                chain.append(came_from[chain[-1]])
+            return chain[::-1]
+        for nxt in sorted(graph[module]):
+            if nxt not in came_from:
+                came_from[nxt] = module
+                queue.append(nxt)
+    return None
+
+
 @pytest.mark.parametrize("folder", ["planner", "models", "masks"])
 def test_models_planner_and_masks_import_no_torch_distributed(folder):
     """The planner and the models price plans, the masks describe blocks: none of them
-    talks to other ranks."""
-    for module, path in module_files().items():
-        if _folder(module) != folder:
-            continue
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                  and n.module and not n.level}
-        assert not {n for n in names if n.startswith("torch.distributed")}, (module, names)
+    talks to other ranks, through any chain of project imports (a package's __init__ that
+    an import runs on the way is not counted: the top package re-exports the runtime)."""
+    mods = module_files()
+    graph = import_graph(mods)
+    bad = {m for m, path in mods.items() if _imports_torch_distributed(path)}
+    for module in sorted(m for m in mods if _folder(m) == folder):
+        chain = _chain_to(graph, module, bad)
+        assert chain is None, " -> ".join(chain)
+
+
+def test_torch_distributed_finder_follows_chains(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "planner").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "planner" / "__init__.py"):
+        init.write_text("")
+    (pkg / "grid.py").write_text("import torch.distributed as dist\n")
+    (pkg / "leaf.py").write_text("def f():\n    from .grid import dist\n")
+    (pkg / "planner" / "search.py").write_text("from ..leaf import f\n")
+    mods = module_files(pkg)
+    bad = {m for m, path in mods.items() if _imports_torch_distributed(path)}
+    assert _chain_to(import_graph(mods), f"{PACKAGE}.planner.search", bad) == [
+        f"{PACKAGE}.planner.search", f"{PACKAGE}.leaf", f"{PACKAGE}.grid"]
+    (pkg / "leaf.py").write_text("import torch\n")
+    assert _chain_to(import_graph(module_files(pkg)), f"{PACKAGE}.planner.search", bad) is None
 
 
 TOP_LEVEL = {"attention", "checks", "layer_plan", "dtypes", "cli", "pretrain_gpt", "generate",

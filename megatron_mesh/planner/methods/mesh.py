@@ -18,7 +18,7 @@ Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
 """
 from __future__ import annotations
 
-from megatron_mesh.layer_plan import COLUMN, FP32_BYTES, ROW, GridShape
+from megatron_mesh.layer_plan import COLUMN, FP32_BYTES, ROW, GridShape, dim_groups
 from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
@@ -26,7 +26,6 @@ from megatron_mesh.planner.methods.sparse import sparse_transfers
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
 from megatron_mesh.planner.topology import crosses_nodes
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.runtime.grid import dim_groups
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,

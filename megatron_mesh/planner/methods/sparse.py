@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_mesh.layer_plan import dim_groups
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
@@ -33,7 +34,6 @@ from megatron_mesh.planner.windows import (
     row_counts,
 )
 from megatron_mesh.planner.workload import Workload
-from megatron_mesh.runtime.grid import dim_groups
 
 INBOUND = ("Q", "K,V", "Q,dO, lse,D")  # `PARTS` received while the own block computes
 
