@@ -48,6 +48,7 @@ from .masks.slices import SliceMask, as_mask
 from .masks.window import Window, window_of
 from .models.plan import resolve_plan
 from .models.sparse import sparse_traffic
+from .models.tile_calls import env_group_tokens
 from .models.traffic import mesh_traffic
 from .runtime import agreement, heads
 from .runtime.agreement import CallSignature
@@ -299,7 +300,7 @@ class MeshAttention:
             (self.grid.heads, self.grid.rows, self.grid.cols), softmax_offset is not None,
             torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (q, k, v, softmax_offset)),
-            self.mask)
+            self.mask, env_group_tokens())
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple:

@@ -23,7 +23,7 @@ from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, in
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.length_histogram import LengthHistogram
 from megatron_mesh.planner.model_report import format_model, model_to_dict
-from megatron_mesh.planner.placed import PLACEMENT_FLAG, lognormal_lengths, price_placement
+from megatron_mesh.planner.placed import lognormal_lengths, price_placement
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
 from megatron_mesh.planner.search import Plan, plan, resolve_head_dim
@@ -369,9 +369,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if placed is not None:
         choice = placed.best.grid_shape
     flags = driver_flags(tp.cp_size, choice, tp.size, args.mesh_schedule,
-                         args.mesh_grad_reduce_dtype)
-    if placed is not None:
-        flags.append(PLACEMENT_FLAG)
+                         args.mesh_grad_reduce_dtype, placed_documents=placed is not None,
+                         window=None if window is None else (window.left, window.right),
+                         window_attn_skip_freq=args.window_attn_skip_freq)
     if args.json:
         data = model_to_dict(mixed) if layers is not None else plan_to_dict(result)
         data["tensor_model_parallel_size"] = tp.size

@@ -128,6 +128,15 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
             for tag in events.Tags()["scalars"]}
 
 
+def tensorboard_events(folder: Path, tag: str) -> list[tuple[int, float]]:
+    """Every (step, value) written under `tag` in `folder`, in order, repeats kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a driver job: one thread per rank, wandb offline, no fault."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",

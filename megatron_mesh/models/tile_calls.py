@@ -66,14 +66,21 @@ def group_tokens(tokens: int | None = None) -> int:
     """The most keys (or query rows) a grouped call concatenates: `tokens` where given,
     else MESH_GROUP_TOKENS in the environment, else `GROUP_TOKENS`."""
     if tokens is None:
-        value = os.environ.get("MESH_GROUP_TOKENS")
-        if value is None:
-            return GROUP_TOKENS
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"MESH_GROUP_TOKENS={value!r} is not a positive integer (tokens)")
-        return int(value)
+        value = env_group_tokens()
+        return GROUP_TOKENS if value is None else value
     check_positive_int("group tokens", tokens)
     return tokens
+
+
+def env_group_tokens() -> int | None:
+    """MESH_GROUP_TOKENS in the environment as tokens (None: unset); ValueError naming a
+    value that is not a positive integer."""
+    value = os.environ.get("MESH_GROUP_TOKENS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MESH_GROUP_TOKENS={value!r} is not a positive integer (tokens)")
+    return int(value)
 
 
 def piece_limit(chunk_tokens: int | None, tokens: int | None = None) -> int | None:

@@ -43,8 +43,6 @@ from megatron_mesh.planner.tiles import mesh_calls, ring_calls
 from megatron_mesh.planner.windows import RowCounts
 from megatron_mesh.planner.workload import Workload
 
-PLACEMENT_FLAG = "--mesh-document-placement balanced"
-
 
 def lognormal_lengths(seq_length: int, median: int, longest: int, seed: int = 0,
                       shortest: int = 1) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_mesh.planner.cost import Estimate
+from megatron_mesh.planner.flags import PLACEMENT_FLAG
 from megatron_mesh.planner.search import Plan
 from megatron_mesh.planner.windows import kept_pairs
 
@@ -199,8 +200,6 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 def format_placed(plan: Plan, placed) -> str:
     """THD beside the document placement (`planner.placed.PlacedPlan`), per mesh shape and
     grid, with the compute floor; the placement is what the driver runs by default."""
-    from megatron_mesh.planner.placed import PLACEMENT_FLAG  # placed imports this module's peers
-
     thd = {e.grid_shape: e for e in (*plan.meshes, *plan.grids)}
     best_thd = plan.best_grid
     best = placed.best
@@ -220,7 +219,8 @@ def format_placed(plan: Plan, placed) -> str:
         "",
         "packed documents, THD layout (every document cut over all ranks: the bytes of one "
         "sequence) vs placed whole (place_documents, the sparse exchange of the documents "
-        f"that span ranks); the driver runs the placement by default ({PLACEMENT_FLAG})",
+        f"that span ranks); the driver runs the placement with --reset-attention-mask "
+        f"({PLACEMENT_FLAG} by default)",
         "  " + placed.placement.summary(),
         f"compute floor (MODEL: busiest rank's in-document FLOPs): forward "
         f"{placed.floor_s['forward'] * 1e3:.3f} ms, backward "

@@ -1,7 +1,8 @@
 """Every rank of a CP group agrees on each mesh-attention call before any of its collectives.
 
 Ranks that pass different shapes, dtype, documents, causal, softmax_scale, schedule,
-gradient dtypes, window or window exchange would run different collectives (a hang until
+gradient dtypes, window or window exchange (or run under different MESH_GROUP_TOKENS, which
+can resolve 'streamed' to another schedule) would run different collectives (a hang until
 the timeout, or a gloo abort) or the same ones on different data (silently wrong); an
 input rejected on some ranks only would leave the others waiting in the first collective.
 So a call first checks its input locally without raising, then takes part in ONE
@@ -41,8 +42,9 @@ import torch.distributed as dist
 from .grid import MeshGrid
 
 # what every rank of a CP group must pass alike, as named in the messages
-FIELDS = ("shapes", "documents", "causal", "softmax_scale", "schedule", "grad_reduce_dtype",
-          "window_size", "window_exchange", "grid", "softmax_offset", "backward", "mask")
+FIELDS = ("shapes", "documents", "causal", "softmax_scale", "MESH_GROUP_TOKENS", "schedule",
+          "grad_reduce_dtype", "window_size", "window_exchange", "grid", "softmax_offset",
+          "backward", "mask")
 _DIGEST_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -88,9 +90,13 @@ class CallSignature:
     sink: bool = False  # a softmax_offset is passed (its values are a replicated parameter)
     backward: bool = False  # autograd records the call: its backward's collectives will run
     mask: MaskValue | None = None  # a mask given as slices (`masks/slices.py`)
+    # the grouped calls' cap from the environment (None: unset); it decides the schedule
+    # 'streamed' resolves to, so a rank launched with another value plans other collectives
+    group_tokens: int | None = None
     SUBJECT: ClassVar[str] = "mesh attention"  # what the ranks pass arguments to, in messages
     SAME: ClassVar[str] = ("the same shapes, dtype, cu_seqlens, causal, softmax_scale, "
-                           "schedule, grad_reduce_dtype, window_size, window_exchange and mask")
+                           "schedule, grad_reduce_dtype, window_size, window_exchange and mask, "
+                           "and run with the same MESH_GROUP_TOKENS")
 
     def values(self) -> tuple:
         """The fields as values whose repr is the same on every process: the documents by
@@ -99,7 +105,7 @@ class CallSignature:
         return (self.q, self.k, self.dv, str(self.dtype), docs, self.causal,
                 repr(self.softmax_scale), self.schedule, self.grad_reduce_dtype, self.window,
                 self.window_exchange, self.grid, self.sink, self.backward,
-                None if self.mask is None else self.mask.agreement_key())
+                None if self.mask is None else self.mask.agreement_key(), self.group_tokens)
 
     def digest(self) -> int:
         """A 63-bit digest of `values` (blake2b: python's hash of a str differs per process)."""
@@ -118,6 +124,7 @@ class CallSignature:
             "documents": "none" if self.documents is None else _documents_text(self.documents),
             "causal": repr(self.causal),
             "softmax_scale": repr(self.softmax_scale),
+            "MESH_GROUP_TOKENS": "unset" if self.group_tokens is None else str(self.group_tokens),
             "schedule": repr(self.schedule),
             "grad_reduce_dtype": repr(self.grad_reduce_dtype),
             "window_size": "none" if self.window is None else repr(self.window),

@@ -5,7 +5,10 @@ A pass runs --eval-iters global batches through megatron-core's schedule with
 (loss sum, token count) over the whole batch, as the training loss is. Validation pass k
 (counted from 0 over the run: one every --eval-interval iterations, one at the end) reads
 validation samples [k * eval_iters * GBS, (k + 1) * eval_iters * GBS), so a resumed run
-evaluates on the samples the unbroken run would have.
+evaluates on the samples the unbroken run would have. When the last iteration is itself a
+validation iteration, the final "on validation set" pass is that iteration's pass (the same
+samples, the same model): its value is printed again under the final name, and the loggers
+get it once, so no tag holds two values at one step.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class Evaluator:
         self.model, self.valid, self.test, self.args = model, valid, test, args
         self.loggers = loggers
         self._batch = args.eval_iters * args.global_batch_size  # samples per pass
+        self._passes: dict[int, float] = {}  # iteration -> its validation loss, this run
 
     def due(self, iteration: int) -> bool:
         """Whether training validates after `iteration` (every --eval-interval)."""
@@ -69,15 +73,30 @@ class Evaluator:
         loss = evaluate(self.model, self.valid, index * self._batch, self.args)
         print_rank0(evaluation_line(prefix or f"iteration {iteration}", loss))
         self.loggers.validation(loss, iteration, consumed_samples, "validation")
+        self._passes[iteration] = loss
         return loss
 
     def finish(self, iteration: int, consumed_samples: int) -> None:
-        """Megatron-LM's passes after training: the validation set, then the test set."""
+        """Megatron-LM's passes after training: the validation set, then the test set. At a
+        validation iteration the validation set's pass is that iteration's (`_final_index`),
+        reused when this run made it."""
         if self.valid is not None and self.args.eval_iters > 0:
-            last = 0 if self.args.skip_train else self.args.train_iters // self.args.eval_interval
-            self.validate(iteration, consumed_samples, f"iteration {iteration} on validation set",
-                          index=last)
+            prefix = f"iteration {iteration} on validation set"
+            if iteration in self._passes:  # the same evaluation: printed, logged once
+                print_rank0(evaluation_line(prefix, self._passes[iteration]))
+            else:
+                self.validate(iteration, consumed_samples, prefix,
+                              index=self._final_index(iteration))
         if self.test is not None and self.args.eval_iters > 0:
             loss = evaluate(self.model, self.test, 0, self.args)
             print_rank0(evaluation_line(f"iteration {iteration} on test set", loss))
             self.loggers.validation(loss, iteration, consumed_samples, "test")
+
+    def _final_index(self, iteration: int) -> int:
+        """The final validation pass's number: with --skip-train the first; at a validation
+        iteration that iteration's own (a run resumed at its last iteration logs the value
+        the run that reached it logged); else the next one."""
+        if self.args.skip_train:
+            return 0
+        passes, rest = divmod(iteration, self.args.eval_interval)
+        return passes - 1 if rest == 0 and passes > 0 else passes

@@ -112,4 +112,20 @@ def no_effect_report(args: Any) -> list[str]:
         given = "" if value is True else " " + (
             " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
         lines.append(f"{flag.name}{given}: no effect here ({flag.why})")
-    return lines
+    return lines + _ineffective_together(args)
+
+
+def _ineffective_together(args: Any) -> list[str]:
+    """Flags honoured alone that do nothing with the others given: --reset-position-ids
+    moves only learned absolute positions (RoPE rotates by the position in the packed
+    sequence, restarted per document under --reset-attention-mask only)."""
+    kind = getattr(args, "position_embedding_type", "learned_absolute")
+    if not getattr(args, "reset_position_ids", False) or kind == "learned_absolute":
+        return []
+    if getattr(args, "reset_attention_mask", False):
+        return []  # RoPE restarts at each document anyway
+    why = ("no position embedding" if kind == "none" else
+           "RoPE rotates each token by its position in the whole sequence; it restarts at "
+           "each document with --reset-attention-mask")
+    return [f"--reset-position-ids: no effect here with --position-embedding-type {kind} "
+            f"({why})"]

@@ -64,6 +64,11 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
     cp = args.context_parallel_size
     mesh = is_mesh(args.context_parallel_algo)
     asked = args.mesh_document_placement
+    if asked is not None and not args.reset_attention_mask:
+        fail(f"--mesh-document-placement {asked} needs --reset-attention-mask: it lays out "
+             "packed documents, and without --reset-attention-mask attention is causal over "
+             "whole sequences (no documents to place); add --reset-attention-mask, or drop "
+             "--mesh-document-placement")
     if asked == BALANCED and cp > 1 and not mesh:
         fail(f"--mesh-document-placement balanced with --context-parallel-algo "
              f"{args.context_parallel_algo}: Transformer Engine's CP attention takes only its "

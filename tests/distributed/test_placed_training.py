@@ -20,11 +20,16 @@ attention work; the losses and grad norms equal those of --no-mesh-balance-data-
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 from preloaded import Run, driver, driver_data_args, launch
+
+from megatron_mesh import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -41,8 +46,25 @@ def data_args(work: Path) -> list[str]:
     return [*driver_data_args(work, ITERS, (5, 40), seed=1), *DOCUMENTS]
 
 
+PLAN = ["plan", "--gpus", "4", "--gpus-per-node", "4", "--seq-length", "128",
+        "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2", "--dtype", "fp32",
+        "--doc-length-dist", "lognormal:16:40:1"]  # tiny-cpu.yaml's micro-batch, packed
+
+
 @pytest.fixture(scope="module")
-def runs(data_args: list[str], work: Path) -> dict[str, Run]:
+def planner_flags() -> list[str]:
+    """The line `megatron-mesh plan` prints under 'driver flags of the choice' for the tiny
+    model's packed micro-batches, as a user pastes it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(PLAN) == 0
+    lines = out.getvalue().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("driver flags of the choice"))
+    return shlex.split(lines[at + 1])
+
+
+@pytest.fixture(scope="module")
+def runs(data_args: list[str], work: Path, planner_flags: list[str]) -> dict[str, Run]:
     ckpt = str(work / "cp1-ckpt")
     resume = ["--pipeline-model-parallel-size", "2", "--load", ckpt, "--ckpt-step",
               str(SAVE_AT)]
@@ -60,6 +82,9 @@ def runs(data_args: list[str], work: Path) -> dict[str, Run]:
                                  "--sequence-parallel", *cp2]),
         "cp1 window": launch(1, [*data_args, *WINDOW]),
         "2x2 window": launch(4, [*data_args, *WINDOW, *cp4, *MESH, "2x2"]),
+        # the planner's line with the documents' data but without DOCUMENTS' mask flag
+        "planner": launch(4, [*[a for a in data_args if a != "--reset-attention-mask"],
+                              *planner_flags]),
     }
 
 
@@ -77,6 +102,22 @@ def test_balanced_placement_matches_cp1(runs: dict[str, Run], name: str) -> None
         assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
         assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
                                                            abs=2e-3)
+
+
+def test_planner_flags_train_documents_as_priced(runs: dict[str, Run],
+                                                 planner_flags: list[str]) -> None:
+    """The planner's printed flags for packed documents, pasted as they are, train the
+    documents masked and placed as it priced them: CP = 1's documents-masked losses."""
+    assert "--reset-attention-mask" in planner_flags, planner_flags
+    at = planner_flags.index("--mesh-document-placement")
+    assert planner_flags[at + 1] == "balanced", planner_flags
+    run, ref = runs["planner"], runs["cp1"]
+    assert run.returncode == 0, run.output[-3000:]
+    assert BALANCED in run.output
+    got, want = run.losses(), ref.losses()
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it, loss in got.items():
+        assert loss == pytest.approx(want[it], rel=2e-5), (it, got, want)
 
 
 def test_window_changes_cp1_losses(runs: dict[str, Run]) -> None:
@@ -102,6 +143,9 @@ def test_balanced_placement_moves_fewer_bytes_than_te(runs: dict[str, Run]) -> N
     (["--mesh-document-placement", "te", "--mesh-balance-data-parallel",
       "--calculate-per-token-loss"], "--mesh-document-placement balanced"),
     (["--mesh-balance-data-parallel"], "--calculate-per-token-loss"),
+    # the placement alone (the planner's line before it named --reset-attention-mask)
+    (["--no-reset-attention-mask", "--mesh-document-placement", "balanced"],
+     "--mesh-document-placement balanced needs --reset-attention-mask"),
 ])
 def test_bad_placement_flags_exit_2(data_args: list[str], flags: list[str], named: str) -> None:
     run = driver([*data_args, *flags])

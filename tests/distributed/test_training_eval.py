@@ -12,7 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preloaded import TINY, Run, driver_data_args, launch, tensorboard_scalars
+from preloaded import (
+    TINY,
+    Run,
+    driver_data_args,
+    launch,
+    tensorboard_events,
+    tensorboard_scalars,
+)
 from wandb_records import wandb_history
 
 VOCAB = 255  # tiny-cpu.yaml's --vocab-size: ids 0 .. 254, end of document 255
@@ -90,10 +97,11 @@ def test_per_token_loss_does_not_depend_on_cp(per_token_cp1: tuple[Run, dict],
     assert abs(ref["grad-norm"][1] - mean_of_means["grad-norm"][1]) > 1e-5
 
 
-def test_validation_lines_and_tensorboard_series(cp1: tuple[Run, dict]) -> None:
+def test_validation_lines_and_tensorboard_series(cp1: tuple[Run, dict], work: Path) -> None:
     """Megatron-LM's validation lines (loss value and PPL at each --eval-interval, then the
-    validation and test sets at the end) match what TensorBoard holds; the training series
-    are there for every iteration."""
+    validation and test sets at the end) match what TensorBoard holds; the final validation
+    at the last iteration, itself a validation iteration, is that iteration's pass (one
+    value, written once); the training series are there for every iteration."""
     import math
     import re
 
@@ -105,6 +113,12 @@ def test_validation_lines_and_tensorboard_series(cp1: tuple[Run, dict]) -> None:
     for _, loss, ppl in found:
         assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
     assert float(found[0][1]) == pytest.approx(scalars["lm loss validation"][2], rel=1e-6)
+    assert found[2][1] == found[1][1], found  # the final pass is iteration 4's
+    for tag in ("lm loss validation", "lm loss validation vs samples"):
+        events = tensorboard_events(work / "tb-cp1", tag)
+        assert [step for step, _ in events] == sorted({step for step, _ in events}), events
+    assert dict(tensorboard_events(work / "tb-cp1", "lm loss validation")) == pytest.approx(
+        {2: float(found[0][1]), ITERS: float(found[1][1])}, rel=1e-6)
     assert float(found[3][1]) == pytest.approx(scalars["lm loss test"][ITERS], rel=1e-6)
     for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size", "memory/peak-bytes",
                 "throughput/tokens-per-sec", "throughput/tflops-per-gpu"):
@@ -164,8 +178,7 @@ def test_real_documents_train_and_validation_loss_falls(work: Path) -> None:
     # each pass reads the next validation samples (as Megatron-LM): the curve is not smooth
     assert max(valid[30], valid[40]) < valid[10] - 0.3, valid
     assert "validation loss at iteration 40 on validation set | lm loss value: " in run.output
-    # the final pass is written at the last iteration after that iteration's own pass, to the
-    # same tag (as Megatron-LM does); the reader's last value at 40 is the final pass
+    # the final pass at iteration 40, a validation iteration, is iteration 40's own pass
     for it, prefix in ((10, "iteration 10"), (20, "iteration 20"), (30, "iteration 30"),
                        (40, "iteration 40 on validation set")):
         line = run.output.split(f" validation loss at {prefix} | lm loss value: ")[1]

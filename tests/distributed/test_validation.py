@@ -85,7 +85,29 @@ def worker(rank: int, world: int) -> list[Failure]:
     finally:
         del os.environ["MESH_GROUP_TOKENS"]
     mm.mesh_attention(q, q, q, grid).sum().backward()  # collectives still line up
+    problems += group_tokens_disagreement(rank, grid, q)
     return problems + shape_disagreements(rank, grid, [])
+
+
+def group_tokens_disagreement(rank: int, grid: mm.MeshGrid, q: torch.Tensor) -> list[Failure]:
+    """MESH_GROUP_TOKENS 8 on rank 1, unset on rank 0: every rank raises naming the variable
+    and both values; then a call with it unset everywhere runs."""
+    if rank == 1:
+        os.environ["MESH_GROUP_TOKENS"] = "8"
+    problems = []
+    try:
+        mm.mesh_attention(q, q, q, grid).sum().backward()
+        problems.append(Failure("MESH_GROUP_TOKENS differs", f"rank {rank}: accepted"))
+    except ValueError as e:
+        mine, other = ("8", "unset") if rank == 1 else ("unset", "8")
+        text = f"MESH_GROUP_TOKENS {mine} here (CP rank {rank}), {other} on CP rank {1 - rank}"
+        if text not in str(e):
+            problems.append(Failure("MESH_GROUP_TOKENS differs",
+                                    f"rank {rank}: {str(e)!r} does not say {text!r}"))
+    finally:
+        os.environ.pop("MESH_GROUP_TOKENS", None)
+    mm.mesh_attention(q, q, q, grid).sum().backward()
+    return problems
 
 
 def shape_disagreements(rank: int, grid: mm.MeshGrid, odd_ranks: list[int]) -> list[Failure]:

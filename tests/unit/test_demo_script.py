@@ -3,6 +3,7 @@ without pip; where the checkout is not the installed megatron_mesh it runs the s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,5 +48,30 @@ def test_demo_sets_up_a_machine_without_this_checkout_installed(tmp_path: Path) 
     (other / "megatron_mesh").mkdir(parents=True)
     (other / "megatron_mesh" / "__init__.py").write_text("")
     calls = _demo(tmp_path, str(other))
-    assert '-m pip install -e .[megatron,wandb]' in calls, calls
+    assert '-m pip install -e .[megatron,wandb,tensorboard]' in calls, calls
     assert calls[-1].startswith("-m torch.distributed.run"), calls
+
+
+def demo_extras() -> set[str]:
+    """The extras scripts/demo.sh checks for and installs."""
+    text = (ROOT / "scripts" / "demo.sh").read_text()
+    (extras,) = re.findall(r"^EXTRAS=([a-z0-9_,-]+)$", text, re.MULTILINE)
+    assert 'env_ready.py "$EXTRAS"' in text and 'setup.sh "$EXTRAS"' in text
+    return set(extras.split(","))
+
+
+def test_demo_installs_what_the_walk_through_uses() -> None:
+    """The logger flags of docs/training.md's real-data walk-through (the README points a
+    new user there after the demo) need extras the demo's set-up installs, and the
+    walk-through says so."""
+    from megatron_mesh.training.arguments import LOGGER_PACKAGES
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    walk = text.split("## Real data, step by step", 1)[1].split("\n## ", 1)[0]
+    used = {extra for dest, (_, extra) in LOGGER_PACKAGES.items()
+            if "--" + dest.replace("_", "-") in walk}
+    if "tensorboard --logdir" in walk:
+        used.add("tensorboard")
+    assert "tensorboard" in used, walk[:300]
+    assert used <= demo_extras(), (used, demo_extras())
+    assert "scripts/demo.sh" in walk and "[megatron,wandb,tensorboard]" in walk

@@ -57,6 +57,24 @@ def test_plan_prints_the_driver_flags_of_its_choice(capsys) -> None:
     assert list(args.mesh_shape) == data["best_grid"]
 
 
+def test_plan_flags_name_the_mask_it_priced(capsys) -> None:
+    """Packed documents and a sliding window are in the printed flags, as the driver's own
+    parser reads them: documents masked and placed, the window and its global layers."""
+    from megatron_mesh.training.arguments import build_parser
+
+    driver = build_parser()
+    docs = printed_flags(run(capsys, "--gpus", "64", *MODEL, "--doc-length", "4096"))
+    args = driver.parse_args(docs)
+    assert args.reset_attention_mask and args.mesh_document_placement == "balanced", docs
+    window = printed_flags(run(capsys, "--gpus", "64", *MODEL, "--window-size", "4096",
+                               "--window-attn-skip-freq", "4"))
+    args = driver.parse_args(window)
+    assert args.window_size == [4096, 0] and args.window_attn_skip_freq == 4, window
+    assert not args.reset_attention_mask and args.mesh_document_placement is None
+    plain = printed_flags(run(capsys, "--gpus", "64", *MODEL))
+    assert not {"--reset-attention-mask", "--window-size"} & set(plain), plain
+
+
 def test_tensor_parallel_divides_heads_and_gpus_as_the_driver_does(capsys) -> None:
     out = run(capsys, "--gpus", "128", "--tensor-model-parallel-size", "2", *MODEL, "--json")
     data = json.loads(out)

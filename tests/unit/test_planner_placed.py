@@ -136,7 +136,9 @@ def test_json_has_the_placement(capsys) -> None:
     assert main([*MODEL, "--doc-length-dist", "lognormal:1024:8192:1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["placed"]["floor_s"]["total"] > 0
-    assert "--mesh-document-placement balanced" in data["driver_flags"]
+    flags = data["driver_flags"]
+    at = flags.index("--mesh-document-placement")
+    assert flags[at + 1] == "balanced" and "--reset-attention-mask" in flags, flags
     assert len(data["placed"]["estimates"]) > 10
 
 

@@ -364,6 +364,25 @@ def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
     assert no_effect_report(parse_args(["--vocab-size", "255"])) == []
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--position-embedding-type", "rope"], "with --position-embedding-type rope (RoPE"),
+    (["--position-embedding-type", "none"], "with --position-embedding-type none (no position"),
+    (["--position-embedding-type", "rope", "--reset-attention-mask"], None),
+    (["--position-embedding-type", "learned_absolute"], None),
+])
+def test_reset_position_ids_without_effect_is_named(flags: list[str], named: str | None) -> None:
+    """--reset-position-ids moves learned positions only: with RoPE (or none) and no
+    --reset-attention-mask the start-up report says it does nothing."""
+    from megatron_mesh.training.megatron_lm_flags import no_effect_report
+
+    report = no_effect_report(parse_args(["--vocab-size", "255", "--reset-position-ids", *flags]))
+    if named is None:
+        assert report == []
+    else:
+        assert len(report) == 1 and report[0].startswith("--reset-position-ids: no effect "
+                                                         "here " + named), report
+
+
 def test_megatron_lm_command_line_sets_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPT example's command line (with --num-workers 2) gives 2 workers, and the flag is
     not among those reported as having no effect."""
