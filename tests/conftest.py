@@ -50,7 +50,8 @@ def tier_of(item: pytest.Item) -> str:
 # unit files, so that the other worker takes the rest meanwhile; then the next longest.
 LONGEST_FIRST = ("test_slurm.py", "test_benchmarks.py")
 LONG_NEXT = ("test_training_driver.py", "test_reliability.py", "test_megatron_parity.py",
-             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py")
+             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py",
+             "test_megatron_lm.py")
 
 
 def _start_rank(item: pytest.Item) -> int:
