@@ -106,9 +106,8 @@ def test_get_kernel_choices_and_errors() -> None:
 
 # The refusals the GPU cases expect, (backend, dtype, head dim, V head dim) -> the reason
 # get_kernel's ValueError gives; each is asserted. Any other refusal fails the case.
-FP32 = "dtype torch.float32 is not one of float16, bfloat16"
 EXPECTED_REFUSALS = {
-    ("cudnn", torch.float32, 64, 64): FP32,
+    ("cudnn", torch.float32, 64, 64): "dtype torch.float32 is not one of float16, bfloat16",
     ("te", torch.float32, 64, 64): "dtype torch.float32: TE's fused attention takes float16 / bfloat16",
     **{("cudnn", dt, 192, 128): "head dim 192 is not a multiple of 8 up to 128"
        for dt in (torch.bfloat16, torch.float16)},
