@@ -18,7 +18,10 @@ setup(
         "plot": ["matplotlib"],
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "megatron-core>=0.16.1,<0.20",
                 "pyyaml", "psutil", "wandb", "matplotlib", "tensorboard", "sentencepiece",
-                "transformers"],
+                "transformers",
+                # the Triton merge in Triton's CPU interpreter; with the rest, what Megatron-LM's
+                # megatron.training imports (tests/system/test_megatron_lm.py)
+                "triton", "einops", "six", "regex"],
     },
     entry_points={"console_scripts": ["megatron-mesh = megatron_mesh.cli:main"]},
 )

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The Megatron parts of the suite on megatron-core 0.19.x: core attention, groups, layer
 # specs, arguments, parity with CP = 1 (megatron-core and the driver), checkpoint
-# interchange (arguments go to pytest). Creates, once, a second environment in .venv-mcore019/ (ignored by git) on top
-# of the first one's packages (torch, wandb, pytest; see setup.sh): megatron-core 0.19.2
+# interchange, the no-patch example in Megatron-LM core_v0.19.0 (arguments go to pytest).
+# Creates, once, a second environment in .venv-mcore019/ (ignored by git) on top of the
+# first one's packages (torch, wandb, pytest, triton; see setup.sh): megatron-core 0.19.2
 # with what it needs beyond them, numpy<2.4 and triton. Its wheel says Python >= 3.12 but
-# imports on 3.11, hence --ignore-requires-python.
+# imports on 3.11, hence --ignore-requires-python. As in test.sh, a test may skip only
+# because it needs a GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${MCORE019_VENV:-.venv-mcore019}
@@ -19,7 +21,6 @@ TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.p
        tests/distributed/test_megatron_sinks.py tests/distributed/test_training_gpt_oss.py
        tests/distributed/test_moe_documents.py  # GPTModel's padding_mask for the MoE routers
        tests/unit/test_patches.py  # every patched name exists in this megatron-core
-       tests/unit/test_merge_triton.py  # the Triton merge in Triton's CPU interpreter (triton is here)
        # --multi-latent-attention: refused on 0.16 without TE, trained on 0.17+
        tests/unit/test_mla_flags.py tests/distributed/test_training_mla.py
        # the driver's jobs that differ by megatron-core version: CP = 1, a 2x2 mesh, a 3D grid, PP 2,
@@ -34,17 +35,27 @@ TESTS=(tests/unit/test_megatron_args.py tests/distributed/test_megatron_parity.p
        "tests/distributed/test_training_driver.py::test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it"
        "tests/distributed/test_training_driver.py::test_sequence_parallel_tp2_x_mesh_2_matches_cp1"
        # the loss across CP with masked tokens, validation, TensorBoard, the NullTokenizer's EOD
-       tests/distributed/test_training_eval.py)
+       tests/distributed/test_training_eval.py
+       # Megatron-LM core_v0.19.0 with the no-patch example (test.sh runs the patch on core_v0.16.1)
+       "tests/system/test_megatron_lm.py::test_no_patch_example_imports_and_adds_the_flags"
+       "tests/system/test_megatron_lm.py::test_no_patch_example_trains_the_mesh_model_like_megatron_lm_s_own")
 if ! "$VENV/bin/python" -c "import megatron.core, torch" 2>/dev/null; then
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
   "$VENV/bin/pip" install "numpy<2.4" triton
   "$VENV/bin/pip" install --no-deps --ignore-requires-python "$MCORE"
 fi
-if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then  # a given venv without the test workers
-  "$VENV/bin/pip" install "pytest-xdist>=3.6"
+if ! "$VENV/bin/python" -c "import xdist, einops" 2>/dev/null; then  # a given venv made before
+  "$VENV/bin/pip" install "pytest-xdist>=3.6" einops six regex
 fi
 "$VENV/bin/python" -c "import megatron.core as m; print('megatron-core', m.__version__)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+export MESH_ALLOWED_SKIPS="needs a GPU"
+MEGATRON_LM_DIR=$(bash scripts/megatron_lm_checkout.sh core_v0.19.0)
+if [[ -z $MEGATRON_LM_DIR ]]; then
+  echo "no Megatron-LM sources: the example's tests skip" >&2
+  MESH_ALLOWED_SKIPS+=";no Megatron-LM checkout"
+fi
+export MEGATRON_LM_DIR
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile \
   --no-loadscope-reorder \
   "${TESTS[@]}" "$@"

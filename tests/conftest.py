@@ -9,9 +9,15 @@ A test may name another tier itself (``@pytest.mark.distributed``). A test file 
 three folders is a collection error, not silently a unit test. Shared helpers (preloaded.py,
 dist_utils.py, reference.py, ...) stay in tests/, on the path (pyproject.toml). `gpu` tests
 need a CUDA device and are skipped, saying so, without one.
+
+MESH_ALLOWED_SKIPS (scripts/test.sh sets it): phrases separated by ';'. Where it is set, a
+test that skips with a reason containing none of them fails the run, listed at the end: in
+CI a test may skip only because it "needs a GPU" (Transformer Engine's tests too: TE needs
+CUDA, and their reasons say so).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,7 +50,8 @@ def tier_of(item: pytest.Item) -> str:
 # unit files, so that the other worker takes the rest meanwhile; then the next longest.
 LONGEST_FIRST = ("test_slurm.py", "test_benchmarks.py")
 LONG_NEXT = ("test_training_driver.py", "test_reliability.py", "test_megatron_parity.py",
-             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py")
+             "test_cluster_emulation.py", "test_heads.py", "test_mesh_attention.py",
+             "test_megatron_lm.py")
 
 
 def _start_rank(item: pytest.Item) -> int:
@@ -62,10 +69,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier_of(item)))
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="gpu test: no CUDA device (run scripts/gpu_check.sh on one)")
+    skip = pytest.mark.skip(reason="gpu test: needs a GPU, no CUDA device here "
+                            "(scripts/gpu_check.sh runs them on one)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _allowed_skips() -> list[str]:
+    return [p.strip() for p in os.environ.get("MESH_ALLOWED_SKIPS", "").split(";") if p.strip()]
+
+
+_UNALLOWED_SKIPS: list[str] = []  # "nodeid: reason" of each skip MESH_ALLOWED_SKIPS does not allow
+
+
+def _check_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not report.skipped or hasattr(report, "wasxfail") or "MESH_ALLOWED_SKIPS" not in os.environ:
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, (tuple, list)) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if not any(phrase in reason for phrase in _allowed_skips()):
+        _UNALLOWED_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _check_skip(report)  # with xdist: on each worker and on the controller; the latter decides
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _check_skip(report)  # a whole module skipped at import
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _UNALLOWED_SKIPS and not hasattr(session.config, "workerinput") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _UNALLOWED_SKIPS or hasattr(config, "workerinput"):
+        return
+    terminalreporter.section("skips not allowed here", red=True)
+    terminalreporter.line(f"MESH_ALLOWED_SKIPS={os.environ['MESH_ALLOWED_SKIPS']!r} allows skips "
+                          "whose reason contains one of its phrases; these fail the run:")
+    for line in _UNALLOWED_SKIPS:
+        terminalreporter.line(f"  {line}")
 
 
 @pytest.fixture(scope="module")

@@ -168,5 +168,5 @@ def test_spec_keeps_extra_state_where_the_replaced_attention_had_it():
     try:
         te_spec = get_gpt_layer_spec(use_te=True)
     except ValueError:
-        pytest.skip("Transformer Engine is not installed")
+        pytest.skip("needs a GPU: Transformer Engine (which needs CUDA) is not installed")
     assert core(te_spec) is MeshDotProductAttentionInTEState

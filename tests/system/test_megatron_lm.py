@@ -2,11 +2,14 @@
 
 Set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1, or core_v0.18 and later
 for the no-patch example) whose Python environment can import megatron.training (it needs
-triton, six, einops and regex, among others); skipped otherwise. The checkout itself is never
-modified: the patch is applied to an overlay of it. Megatron-LM's pretrain() asserts CUDA,
-so on a CPU the model is built through Megatron-LM's own argument parsing and builders and
-trained for a step here. core_v0.18+ declares Python >= 3.12; on 3.11 the subprocesses
-give `typing` the one name it lacks, `override` (a marker decorator), from typing_extensions.
+triton, six, einops and regex, among others: the dev extra has them); skipped, saying so,
+otherwise. scripts/test.sh sets it (core_v0.16.1, every test here) where the Megatron-LM
+sources are at hand (scripts/megatron_lm_checkout.sh), scripts/test_mcore019.sh too
+(core_v0.19.0, the example's tests). The checkout itself is never modified: the patch is
+applied to an overlay of it. Megatron-LM's pretrain() asserts CUDA, so on a CPU the model
+is built through Megatron-LM's own argument parsing and builders and trained for a step
+here. core_v0.18+ declares Python >= 3.12; on 3.11 the subprocesses give `typing` the one
+name it lacks, `override` (a marker decorator), from typing_extensions.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ PATCHED = ("gpt_builders.py", "megatron/training/arguments.py", "megatron/traini
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR,
-    reason="MEGATRON_LM_DIR is not set (point it at a Megatron-LM checkout of core_v0.16.1)",
+    reason="no Megatron-LM checkout: MEGATRON_LM_DIR is not set (point it at one of core_v0.16.1; "
+    "scripts/test.sh does where scripts/megatron_lm_checkout.sh finds the sources)",
 )
 _TYPING_BACKPORT = """
 import sys, typing

@@ -9,6 +9,7 @@ input layout against SDPA in fp64, to the error SDPA itself makes in that dtype.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_mesh.kernels import CudnnKernel, TorchFlashKernel, get_kernel
 from megatron_mesh.kernels import cudnn as cudnn_kernel
+from megatron_mesh.kernels.choice import DeviceFacts, cudnn_unsupported
 
 from reference import LAYOUTS, as_layout
 
@@ -68,8 +70,10 @@ def test_cpu_expanded_gradient_is_read_as_its_values() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_calls_on_meta_tensors(kernel, dtype: torch.dtype) -> None:
     """The CUDA ops' arguments (schemas) and the shapes / dtypes the kernels return."""
-    if kernel.name == "cudnn" and dtype == torch.float32:
-        pytest.skip("cuDNN attention takes fp16 / bf16 only")
+    if kernel.name == "cudnn" and dtype == torch.float32:  # refused before any call, saying why
+        assert cudnn_kernel.unsupported(torch.device("meta"), dtype, 64) == (
+            "dtype torch.float32 is not one of float16, bfloat16")
+        return
     sq, sk, b, hq, hkv, d = 16, 24, 2, 4, 2, 64
     meta = lambda *s, dt=dtype: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
     q, k, v = meta(sq, b, hq, d), meta(sk, b, hkv, d), meta(sk, b, hkv, d)
@@ -100,6 +104,32 @@ def test_get_kernel_choices_and_errors() -> None:
 
 # ------------------------------------------------------------------------------- GPU
 
+# The refusals the GPU cases expect, (backend, dtype, head dim, V head dim) -> the reason
+# get_kernel's ValueError gives; each is asserted. Any other refusal fails the case.
+EXPECTED_REFUSALS = {
+    ("cudnn", torch.float32, 64, 64): "dtype torch.float32 is not one of float16, bfloat16",
+    ("te", torch.float32, 64, 64): "dtype torch.float32: TE's fused attention takes float16 / bfloat16",
+    **{("cudnn", dt, 192, 128): "head dim 192 is not a multiple of 8 up to 128"
+       for dt in (torch.bfloat16, torch.float16)},
+}
+
+
+def kernel_or_refusal(backend: str, dtype: torch.dtype, d: int, dv: int | None = None):
+    """get_kernel's kernel for the case, or None where EXPECTED_REFUSALS names its refusal
+    (asserted). Skips, saying why, only where this GPU cannot run the backend at all (no
+    Transformer Engine; cuDNN's GPU generation or version)."""
+    facts = DeviceFacts.of(GPU, want_te=backend == "te")
+    cannot = {"te": facts.te, "cudnn": cudnn_unsupported(facts, torch.bfloat16, 64)}.get(backend)
+    if cannot is not None:
+        pytest.skip(f"backend={backend!r} cannot run on this GPU: {cannot}")
+    expected = EXPECTED_REFUSALS.get((backend, dtype, d, d if dv is None else dv))
+    if expected is None:
+        return get_kernel(backend, GPU, dtype, d, v_head_dim=dv)  # a refusal here fails
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        get_kernel(backend, GPU, dtype, d, v_head_dim=dv)
+    return None
+
+
 def sdpa(x: dict[str, torch.Tensor], causal: bool, scale: float, dtype: torch.dtype,
          input_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """SDPA of x (rounded to input_dtype) computed in `dtype`: out, dq, dk, dv as fp64."""
@@ -122,10 +152,9 @@ def test_gpu_kernel_matches_sdpa_fp64(backend: str, dtype: torch.dtype, heads: s
     device = GPU
     hq, hkv = HEADS[heads]
     sq, sk, b, d = 256, 256 if causal else 384, 2, 64
-    try:
-        kernel = get_kernel(backend, device, dtype, d)
-    except ValueError as err:
-        pytest.skip(str(err))
+    kernel = kernel_or_refusal(backend, dtype, d)
+    if kernel is None:
+        return  # refused as expected, saying why
     x = tile_inputs(sq, sk, b, hq, hkv, d, seed=3, equal_batches=layout == "broadcast_batch")
     scale = 1 / math.sqrt(d)
     on_gpu = {n: as_layout(t.to(dtype).to(device), layout) for n, t in x.items()}
@@ -158,12 +187,11 @@ def test_gpu_kernel_matches_sdpa_fp64(backend: str, dtype: torch.dtype, heads: s
 def test_gpu_kernel_v_head_dim_matches_sdpa_fp64(backend: str, dtype: torch.dtype,
                                                  causal: bool, d: int, dv: int) -> None:
     """Multi-latent attention (V of its own head dim dv != d) on the kernel each backend
-    gives for (d, dv) (skipped, saying why, where a named one cannot take it): out, dq, dk,
+    gives for (d, dv) (its refusal asserted where EXPECTED_REFUSALS names one): out, dq, dk,
     dv against fp64 SDPA, within 2x SDPA's own error in the same dtype."""
-    try:
-        kernel = get_kernel(backend, GPU, dtype, d, v_head_dim=dv)
-    except ValueError as err:
-        pytest.skip(str(err))
+    kernel = kernel_or_refusal(backend, dtype, d, dv)
+    if kernel is None:
+        return  # refused as expected, saying why
     hq, hkv, sq, sk, b = 4, 2, 256, 256 if causal else 384, 2
     g = torch.Generator().manual_seed(7)
     x = {n: torch.randn(s, b, h, e, generator=g, dtype=torch.float64).to(GPU)

@@ -287,8 +287,8 @@ def test_te_kernel_documents_off_cuda_run_on_torch() -> None:
 
 needs_te = pytest.mark.skipif(
     not (torch.cuda.is_available() and te_fused.is_available()),
-    reason=f"needs CUDA and Transformer Engine ({te_fused.unavailable()})"
-    if torch.cuda.is_available() else "needs CUDA and Transformer Engine (no CUDA)")
+    reason=f"needs a GPU and Transformer Engine ({te_fused.unavailable()})"
+    if torch.cuda.is_available() else "needs a GPU and Transformer Engine (no CUDA)")
 
 # (lengths, padded lengths, CP size): padded documents of 2P multiples, long beside short
 DOCUMENTS = [((300, 61, 517, 7), (304, 64, 520, 8), 2),

@@ -62,8 +62,11 @@ KERNELS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("op", KERNELS)
 def test_cuda_branch_on_meta(op: str, dtype: torch.dtype, heads: str, causal: bool) -> None:
-    if op == "cudnn" and dtype == torch.float32:
-        pytest.skip("cuDNN attention takes fp16 / bf16 only (choice.cudnn_unsupported)")
+    if op == "cudnn" and dtype == torch.float32:  # refused before any call, saying why
+        facts = DeviceFacts.of(torch.device("meta"), want_te=False)
+        with pytest.raises(ValueError, match="dtype torch.float32 is not one of float16, bfloat16"):
+            choose("cudnn", facts, dtype, 64)
+        return
     hq, hkv = HEADS[heads]
     q, k, v = tile(dtype, hq, hkv, sk=128 if causal else 192)
     kernel = KERNELS[op]()

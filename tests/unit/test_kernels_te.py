@@ -323,7 +323,7 @@ def _check(got, ref_fp32, ref_same_dtype, what: str):
 
 needs_te = pytest.mark.skipif(
     te_fused.te_version() is None or not torch.cuda.is_available() or not te_fused.is_available(),
-    reason="needs CUDA and Transformer Engine "
+    reason="needs a GPU and Transformer Engine "
     f"(CUDA {'yes' if torch.cuda.is_available() else 'no'}, TE {te_fused.te_version()})",
 )
 DTYPES = [torch.bfloat16, torch.float16]

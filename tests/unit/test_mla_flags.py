@@ -59,7 +59,9 @@ def test_attention_head_dims_of_megatron_lm_arguments() -> None:
     assert attention_head_dims(Namespace(kv_channels=32)) == (32, 32)
 
 
-@pytest.mark.skipif(not BUILDABLE, reason="MLA is refused here: see test_refused_where_...")
+@pytest.mark.skipif(not BUILDABLE, reason="needs a GPU: MLA is refused here without Transformer "
+                    "Engine, which needs CUDA (see test_refused_where_...; scripts/test_mcore019.sh "
+                    "runs it on megatron-core 0.19)")
 def test_mla_head_dims_are_decided_with_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """And the mesh's shape is chosen for them (no GQA: 4 K/V heads)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
