@@ -17,7 +17,9 @@ ranks Y of a column (causal: the key at position t is seen by queries at positio
     key rows of a key run (d, k, m) that X's queries reach:  [k, min(k + m, max(p + n)))
                                                              over p + n > k
 
-(non-causal: the whole run when the other side holds any of the document). Compute: the
+(non-causal: the whole run when the other side holds any of the document); equal to the
+generic counts from the mask's slices (`masked.mask_counts`), which price it
+(`masked.mask_estimate`). Compute: the
 busiest mesh rank's (query, key) pairs over its blocks (x in its row, y in its column), in
 closed form per pair of runs. The floor: the busiest CP rank's in-document pairs
 (`DocumentPlacement.works`) at the GPU's rate (with a GPU profile: in one kernel call),
@@ -33,13 +35,14 @@ import numpy as np
 
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
 from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
+from megatron_mesh.masks.mask import documents_mask
 from megatron_mesh.masks.placed import mesh_placement
-from megatron_mesh.planner.cost import Estimate, price
+from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.methods.sparse import exchange_transfers
+from megatron_mesh.planner.masked import mask_estimate, mesh_totals, pair_flops
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
-from megatron_mesh.planner.tiles import mesh_calls, ring_calls
+from megatron_mesh.planner.tiles import ring_calls
 from megatron_mesh.planner.windows import RowCounts
 from megatron_mesh.planner.workload import Workload
 
@@ -102,17 +105,7 @@ def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 
                causal: bool = True) -> list[int]:
     """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
     its column, of the mesh placement (each pair of the layer once over the mesh)."""
-    return _mesh_totals(_block_pairs(placement, heads, causal), rows, cols)
-
-
-def _mesh_totals(block: dict[tuple[int, int], int], rows: int, cols: int) -> list[int]:
-    """Each mesh rank's sum of its blocks (x in its row, y in its column)."""
-    out = []
-    for me in range(rows * cols):
-        i, j = divmod(me, cols)
-        out.append(sum(block.get((i * cols + c, r * cols + j), 0)
-                       for c in range(cols) for r in range(rows)))
-    return out
+    return mesh_totals(_block_pairs(placement, heads, causal), rows, cols)
 
 
 def own_block_pairs(placement: DocumentPlacement, heads: int = 1, causal: bool = True
@@ -157,30 +150,14 @@ class PlacedPlan:
         return self.floor_s["forward"] + self.floor_s["backward"]
 
 
-def pair_flops(workload: Workload, heads: int = 1) -> float:
-    """Forward FLOPs of one (query, key) pair on one GPU of an `heads`-way all-to-all."""
-    return 4.0 * workload.batch * (workload.num_heads / heads) * workload.head_dim
-
-
 def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPlacement,
                     rows: int, cols: int, heads: int = 1) -> Estimate:
-    """The placement on a heads x rows x cols grid: the sparse exchange of its rows (the
-    inbound ones under the least own block) plus the busiest mesh rank's compute."""
-    counts = placement_counts(placement, rows, cols, heads, workload.causal)
-    transfers = exchange_transfers(workload, cluster, counts, heads)
-    block = _block_pairs(placement, heads, workload.causal)  # walked once for both
-    busiest = max(_mesh_totals(block, rows, cols))
-    own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
-    fwd = busiest * pair_flops(workload, heads)
-    label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
-    calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
-        workload, cluster.gpus, rows, cols, heads, blocks=max(
-            _mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
-        backend=cluster.gpu.backend)
-    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
-                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
-                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
-                 calls=calls)
+    """The placement on a heads x rows x cols grid: its mask priced like any mask's
+    (`masked.mask_estimate`: the sparse exchange of its rows, the inbound ones under the
+    least own block, plus the busiest mesh rank's compute; the closed forms here count
+    them)."""
+    return mask_estimate(workload, cluster, documents_mask(placement, causal=workload.causal),
+                         rows, cols, heads)
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_mesh.masks.mask import Mask
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
@@ -30,7 +31,6 @@ from megatron_mesh.planner.windows import (
     heads_bytes,
     inner_shape,
     peer_bytes,
-    row_counts,
 )
 from megatron_mesh.planner.workload import Workload
 from megatron_mesh.runtime.grid import dim_groups
@@ -50,10 +50,13 @@ def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                      heads: int = 1) -> list[PricedTransfer]:
     """The windowed layer's transfers on a heads x rows x cols grid: for each exchange,
     the bytes of the rank whose part takes longest (the first of them on a tie)."""
+    from megatron_mesh.planner.masked import counts_of  # it prices through exchange_transfers
+
     assert workload.window is not None
     inner = inner_shape(workload.attention_shape(), heads)
-    counts = row_counts(inner.seq_len, rows, cols, workload.window, workload.causal)
-    return exchange_transfers(workload, cluster, counts, heads)
+    mask = Mask(workload.causal, window=workload.window)
+    return exchange_transfers(workload, cluster, counts_of(mask, inner.seq_len, rows, cols, heads),
+                              heads)
 
 
 def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
