@@ -7,25 +7,23 @@ rows x cols grid gives, from its slices cut to each mesh rank's runs of position
     rows each mesh rank needs of each peer's chunk  (`mask_counts`: `masks.needed_rows`)
     (query, key) pairs of every block (x, y)          (`block_pair_counts`: `Slice.pairs`)
 
-and `mask_estimate` prices the sparse exchange of those rows beside the busiest mesh
-rank's pairs, whatever the kind. Closed forms stand in for the generic counts only where a
-test shows them equal (tests/unit/test_planner_masks.py) and they are what scales to a
-planner's sequence lengths: a window over one dense sequence (`windows.row_counts`) and
-placed documents alone (`placed.placement_counts`, `placed._block_pairs`).
+and `methods.sparse.mask_estimate` prices the sparse exchange of those rows beside the
+busiest mesh rank's pairs, whatever the kind. Closed forms stand in for the generic counts
+only where a test shows them equal (tests/unit/test_planner_masks.py) and they are what
+scales to a planner's sequence lengths: a window over one dense sequence
+(`windows.row_counts`) and placed documents alone (`placement_counts`, `_block_pairs`, the
+formulas of `planner/placed.py`'s docstring).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO
+from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
 from megatron_mesh.masks.layout import AttentionMask, mask_slices, rank_runs
 from megatron_mesh.masks.mask import Mask
 from megatron_mesh.masks.needed_rows import needed_rows
 from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.masks.slice_blocks import block_parts
-from megatron_mesh.planner.cost import Estimate, price
-from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.methods.sparse import exchange_transfers
 from megatron_mesh.planner.windows import RowCounts, row_counts
 from megatron_mesh.planner.workload import Workload
 
@@ -76,6 +74,57 @@ def block_pair_counts(mask: Mask, seq_len: int, rows: int, cols: int, heads: int
     return out
 
 
+def _doc_runs(placement: DocumentPlacement) -> dict[int, list[tuple[int, int, int]]]:
+    """Per document held by more than one rank: its runs as (rank, first position, tokens)."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, runs in enumerate(placement.runs):
+        for doc, first, n in runs:
+            if len(placement.groups[doc]) > 1:
+                out.setdefault(doc, []).append((rank, first, n))
+    return out
+
+
+def placement_counts(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
+                     causal: bool = True) -> RowCounts:
+    """`RowCounts` of `placement` on a heads x rows x cols grid: q[j, o] query rows of mesh
+    rank o's chunk that column j's ranks use, kv[i, o] key rows of o's chunk that row i's
+    ranks use (module docstring; the diagonal block never travels)."""
+    mp = mesh_placement(placement, heads)
+    mesh = rows * cols
+    q = np.zeros((cols, mesh), dtype=np.int64)
+    kv = np.zeros((rows, mesh), dtype=np.int64)
+    for runs in _doc_runs(mp).values():
+        for o, p, n in runs:
+            for j in range(cols):
+                keys = [k for y, k, _ in runs if y % cols == j and y != o
+                        and (not causal or k < p + n)]
+                if keys:
+                    q[j, o] += n if not causal else p + n - max(p, min(keys))
+            for i in range(rows):
+                ends = [k + m for x, k, m in runs if x // cols == i and x != o
+                        and (not causal or k + m > p)]
+                if ends:
+                    kv[i, o] += n if not causal else min(n, max(ends) - p)
+    return RowCounts(rows, cols, q, kv)
+
+
+def _block_pairs(placement: DocumentPlacement, heads: int, causal: bool
+                 ) -> dict[tuple[int, int], int]:
+    """Pairs of every non-empty block (x, y) of the mesh placement (the own blocks always)."""
+    mp = mesh_placement(placement, heads)
+    block: dict[tuple[int, int], int] = {}
+    for rank, runs in enumerate(mp.runs):
+        whole = {d for d, _, _ in runs if len(mp.groups[d]) == 1}  # all its runs are here
+        block[rank, rank] = sum(run_pairs(0, n, 0, n, causal)
+                                for n in (mp.lengths[d] for d in whole))
+    for runs in _doc_runs(mp).values():
+        for x, p, n in runs:
+            for y, k, m in runs:
+                key = (x, y)
+                block[key] = block.get(key, 0) + run_pairs(p, n, k, m, causal)
+    return block
+
+
 def _closed_form(mask: Mask) -> str | None:
     """The kind whose closed forms equal the generic counts (tested), None: generic."""
     if mask.slices is not None or mask.documents is not None:
@@ -87,8 +136,6 @@ def _closed_form(mask: Mask) -> str | None:
 
 def counts_of(mask: Mask, seq_len: int, rows: int, cols: int, heads: int = 1) -> RowCounts:
     """The rows of `mask`'s sparse exchange (`mask_counts`, or its closed form)."""
-    from megatron_mesh.planner.placed import placement_counts  # placed prices through here
-
     kind = _closed_form(mask)
     if kind == "window":
         return row_counts(seq_len, rows, cols, mask.window, mask.causal)
@@ -100,8 +147,6 @@ def counts_of(mask: Mask, seq_len: int, rows: int, cols: int, heads: int = 1) ->
 def pairs_of(mask: Mask, seq_len: int, rows: int, cols: int, heads: int = 1
              ) -> dict[tuple[int, int], int]:
     """The pairs of `mask`'s blocks (`block_pair_counts`, or its closed form)."""
-    from megatron_mesh.planner.placed import _block_pairs
-
     if _closed_form(mask) == "placed":
         return _block_pairs(mask.placement, heads, mask.causal)
     return block_pair_counts(mask, seq_len, rows, cols, heads)
@@ -120,28 +165,3 @@ def mesh_totals(block: dict[tuple[int, int], int], rows: int, cols: int) -> list
 def pair_flops(workload: Workload, heads: int = 1) -> float:
     """Forward FLOPs of one (query, key) pair on one GPU of an `heads`-way all-to-all."""
     return 4.0 * workload.batch * (workload.num_heads / heads) * workload.head_dim
-
-
-def mask_estimate(workload: Workload, cluster: Cluster, mask: Mask, rows: int, cols: int,
-                  heads: int = 1) -> Estimate:
-    """`mask` on a heads x rows x cols grid: the sparse exchange of its rows (the inbound
-    ones under the least own block) plus the busiest mesh rank's pairs (`workload` gives
-    the shape: its seq_length is the (packed) sequence the mask covers)."""
-    from megatron_mesh.planner.tiles import mesh_calls
-
-    seq = workload.seq_length
-    counts = counts_of(mask, seq, rows, cols, heads)
-    transfers = exchange_transfers(workload, cluster, counts, heads)
-    block = pairs_of(mask, seq, rows, cols, heads)  # walked once for both
-    busiest = max(mesh_totals(block, rows, cols))
-    own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
-    fwd = busiest * pair_flops(workload, heads)
-    label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
-    calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
-        workload, cluster.gpus, rows, cols, heads, blocks=max(
-            mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
-        backend=cluster.gpu.backend)
-    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
-                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
-                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
-                 calls=calls)

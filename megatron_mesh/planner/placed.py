@@ -7,8 +7,9 @@ pairs, the bytes stay those of one sequence of the packed length (`search.plan` 
 over a few consecutive ranks; `mesh_attention(placement=...)` runs it through the sparse
 exchange, so each rank receives of each peer only the rows of documents both hold.
 
-Rows, in closed form from the placement's runs (equal to `models.sparse.placement_traffic`,
-which builds every block's rows, tests/unit/test_planner_placed.py). On the mesh
+Rows, in closed form from the placement's runs (`masked.placement_counts`, `_block_pairs`;
+equal to `models.sparse.placement_traffic`, which builds every block's rows,
+tests/unit/test_planner_placed.py). On the mesh
 placement (`placed.mesh_placement`: after a heads all-to-all mesh rank m holds CP ranks
 mA .. mA+A-1's runs), a query run (d, p, n) of rank o and the key runs (d, k, m) of the
 ranks Y of a column (causal: the key at position t is seen by queries at positions >= t):
@@ -31,19 +32,22 @@ import math
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
-from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
+from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.masks.mask import documents_mask
-from megatron_mesh.masks.placed import mesh_placement
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.masked import mask_estimate, mesh_totals, pair_flops
+from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, named here too
+    _block_pairs,
+    _doc_runs,
+    mesh_totals,
+    pair_flops,
+    placement_counts,
+)
+from megatron_mesh.planner.methods.sparse import mask_estimate
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
 from megatron_mesh.planner.tiles import ring_calls
-from megatron_mesh.planner.windows import RowCounts
 from megatron_mesh.planner.workload import Workload
 
 PLACEMENT_FLAG = "--mesh-document-placement balanced"
@@ -67,40 +71,6 @@ def lognormal_lengths(seq_length: int, median: int, longest: int, seed: int = 0,
     return tuple(out)
 
 
-def _doc_runs(placement: DocumentPlacement) -> dict[int, list[tuple[int, int, int]]]:
-    """Per document held by more than one rank: its runs as (rank, first position, tokens)."""
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for rank, runs in enumerate(placement.runs):
-        for doc, first, n in runs:
-            if len(placement.groups[doc]) > 1:
-                out.setdefault(doc, []).append((rank, first, n))
-    return out
-
-
-def placement_counts(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
-                     causal: bool = True) -> RowCounts:
-    """`RowCounts` of `placement` on a heads x rows x cols grid: q[j, o] query rows of mesh
-    rank o's chunk that column j's ranks use, kv[i, o] key rows of o's chunk that row i's
-    ranks use (module docstring; the diagonal block never travels)."""
-    mp = mesh_placement(placement, heads)
-    mesh = rows * cols
-    q = np.zeros((cols, mesh), dtype=np.int64)
-    kv = np.zeros((rows, mesh), dtype=np.int64)
-    for runs in _doc_runs(mp).values():
-        for o, p, n in runs:
-            for j in range(cols):
-                keys = [k for y, k, _ in runs if y % cols == j and y != o
-                        and (not causal or k < p + n)]
-                if keys:
-                    q[j, o] += n if not causal else p + n - max(p, min(keys))
-            for i in range(rows):
-                ends = [k + m for x, k, m in runs if x // cols == i and x != o
-                        and (not causal or k + m > p)]
-                if ends:
-                    kv[i, o] += n if not causal else min(n, max(ends) - p)
-    return RowCounts(rows, cols, q, kv)
-
-
 def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
                causal: bool = True) -> list[int]:
     """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
@@ -114,23 +84,6 @@ def own_block_pairs(placement: DocumentPlacement, heads: int = 1, causal: bool =
     computes while the sparse exchange's inbound rows travel."""
     block = _block_pairs(placement, heads, causal)
     return [block[m, m] for m in range(placement.cp_size // heads)]
-
-
-def _block_pairs(placement: DocumentPlacement, heads: int, causal: bool
-                 ) -> dict[tuple[int, int], int]:
-    """Pairs of every non-empty block (x, y) of the mesh placement (the own blocks always)."""
-    mp = mesh_placement(placement, heads)
-    block: dict[tuple[int, int], int] = {}
-    for rank, runs in enumerate(mp.runs):
-        whole = {d for d, _, _ in runs if len(mp.groups[d]) == 1}  # all its runs are here
-        block[rank, rank] = sum(run_pairs(0, n, 0, n, causal)
-                                for n in (mp.lengths[d] for d in whole))
-    for runs in _doc_runs(mp).values():
-        for x, p, n in runs:
-            for y, k, m in runs:
-                key = (x, y)
-                block[key] = block.get(key, 0) + run_pairs(p, n, k, m, causal)
-    return block
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,8 @@ LAYERS = (1, 2)  # a session's layers
 
 
 def session_failures(rank: int, world: int) -> list[str]:
-    """InferenceSession on a 2x2 grid, 2 layers, 3 decode steps: exact against the formula,
+    """InferenceSession on a 2x2 grid, 2 layers, 3 decode steps: exact against the formula
+    (a prefix-LM model's too),
     the ranks agreeing once per layer at the first step and once per step after it; ranks
     that disagree (a window, an exchange or sinks on one rank, another step, a change on one
     rank after the first step, bad input on one rank) and a step past the cache's room
@@ -273,6 +274,25 @@ def session_failures(rank: int, world: int) -> list[str]:
             failures += _compare(x, case, (1, 2, 2), n, prompt, prompt + n, out[0], "session")
         if calls[0] != (len(LAYERS) if n == 0 else 1):
             failures.append(f"rank {rank} step {n}: {calls[0]} agreements")
+    # a prefix-LM model's session: its prefix bidirectional in prefill, decode reading each
+    # new token's row of the same mask
+    lm = DecodeCase(prefix=4)
+    s = InferenceSession(CacheLayout(world, rank, prompt, steps), torch.tensor(LENGTHS),
+                         attention_mask=lm.mask(prompt + steps))
+    share = [zigzag_split(x[n][:prompt].float(), world)[rank] for n in "qkv"]
+    positions = zigzag_split(torch.arange(prompt), world)[rank].tolist()
+    for layer in LAYERS:
+        out = s.attend(layer, *share, grid, scale)
+        for i, p in enumerate(positions):
+            for sb, n in enumerate(LENGTHS):
+                if p < n:
+                    err = (out[i, sb].double() - formula(x, sb, p, seen(lm, p, n, None), lm))
+                    if err.abs().max() > 1e-5:
+                        failures.append(f"rank {rank} prefix-LM session prefill pos {p} seq {sb}")
+    s.phase = DECODE
+    for n in range(steps):
+        for out in step(s, n):
+            failures += _compare(x, lm, (1, 2, 2), n, prompt, prompt + n, out[0], "session")
     window, sink = {1: {"window": (3, 0)}}, {2: {"softmax_offset": x["sink"].float()}}
 
     def at_step_1_rank_0_adds_a_window() -> None:

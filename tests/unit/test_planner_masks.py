@@ -14,13 +14,14 @@ from megatron_mesh.models.sparse import sparse_traffic
 from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.masked import (
+    _block_pairs,
     block_pair_counts,
     mask_counts,
-    mask_estimate,
     mesh_mask,
     mesh_totals,
+    placement_counts,
 )
-from megatron_mesh.planner.placed import _block_pairs, placement_counts
+from megatron_mesh.planner.methods.sparse import mask_estimate
 from megatron_mesh.planner.tiles import window_blocks
 from megatron_mesh.planner.windows import (
     RowSizes,
