@@ -155,7 +155,7 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
     `visible(q_pos, window_left)`, when the caller built it once for the step's layers;
     `attention_mask`: the model's `Mask` (or `SliceMask`) over the whole generated
     sequence's positions, of which each new token reads its row (None: causal; a dense
-    shard's, e.g. a prefix-LM model's, whose prompt `prefill_attention` ran under the same
+    shard's, e.g. one with a bidirectional prefix, whose prompt `prefill_attention` ran under the same
     mask)."""
     check_offset(softmax_offset, q.shape[1])
     if attention_mask is not None and isinstance(shard, PackedShard):

@@ -29,7 +29,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: M
     the padded prompts at global `positions` [s]; `lengths` [b]: each prompt's real length
     -> out [s, b, hq, dv] (`mesh_attention`, causal, no autograd state kept). K / V go
     into `shard`. `attention_mask`: the model's mask over the whole generated sequence (a
-    prefix-LM's, say; decode reads the same value), run on the prompts' positions
+    bidirectional prefix, say; decode reads the same value), run on the prompts' positions
     (`Mask.leading`); it must not let a real token see a later prompt's padding.
     `options`: mesh_attention's (backend, schedule)."""
     if attention_mask is None:

@@ -35,7 +35,7 @@ class InferenceSession:
     `placement`: packed prompts placed by `place_documents` (its first b documents are the
     prompts, a last one may be padding), None for dense prompts (the zigzag share);
     `attention_mask`: dense prompts' model mask over the whole generated sequence (a
-    `Mask` or `SliceMask`, e.g. a prefix-LM's; None: causal), which prefill runs on the
+    `Mask` or `SliceMask`, e.g. a bidirectional prefix; None: causal), which prefill runs on the
     prompts and decode reads a row of per new token."""
 
     layout: CacheLayout

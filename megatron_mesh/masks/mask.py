@@ -72,8 +72,8 @@ class Mask:
     def __and__(self, other: object) -> Mask:
         """The pairs both masks keep: causal if either is, their documents (ValueError where
         both hold different ones), the windows' common band, the slices' intersection."""
-        if isinstance(other, SliceMask):
-            other = Mask(False, slices=other)
+        if isinstance(other, (SliceMask, list, tuple)):
+            other = Mask(False, slices=as_mask(other))
         if not isinstance(other, Mask):
             return NotImplemented
         documents = _same("documents", self.documents, other.documents)
