@@ -42,10 +42,11 @@ from .layer_plan import (
 from .masks.document_placement import DocumentPlacement
 from .masks.documents import Documents
 from .masks.layout import AttentionMask
+from .masks.mask import Mask, packed_documents, resolve_mask
 from .masks.placed import check_placement, check_placement_documents, mesh_placement
 from .masks.sink import add_sink, check_offset, sink_grad
-from .masks.slices import SliceMask, as_mask
-from .masks.window import Window, window_of
+from .masks.slices import SliceMask
+from .masks.window import Window
 from .models.plan import resolve_plan
 from .models.sparse import sparse_traffic
 from .models.tile_calls import env_group_tokens
@@ -92,31 +93,14 @@ WINDOW_EXCHANGES = ("sparse", "gathered")
 SPARSE_PAYS = 0.5
 
 
-def mask_of(mask: SliceMask | Iterable | None, causal: bool | None, packed: bool,
-            window_size: tuple[int, int] | None) -> tuple[bool, SliceMask | None]:
-    """(causal, the checked `SliceMask` or None) of a call's `mask` and `causal` (None: True
-    without a mask); ValueError where a mask comes with causal, documents or a window."""
-    if mask is None:
-        return (True if causal is None else causal), None
-    if causal is not None:
-        raise ValueError(f"causal={causal!r} was given with a mask; the mask alone says what "
-                         "each query sees (causal slices where it is causal): pass one of them")
-    if packed:
-        raise ValueError("a mask is given over one dense sequence's positions; pass it without "
-                         "cu_seqlens or placement (a document's slices are its own rectangle)")
-    if window_size is not None:
-        raise ValueError(f"window_size={window_size!r} was given with a mask; give the mask "
-                         "alone (its slices say what each query sees)")
-    return False, as_mask(mask)
-
-
 @functools.lru_cache(maxsize=64)  # a few layers' masks and shapes
-def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: SliceMask) -> bool:
+def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: Mask) -> bool:
     """Whether the sparse exchange of `mask` (only the rows its blocks use) sends at most
     `SPARSE_PAYS` of the bytes of the dense `plan`, on the rank sending most
     (`models.sparse.sparse_traffic` against `traffic.mesh_traffic`)."""
     e = shape.dtype_bytes
-    slices = AttentionMask(False, ranks=plan.rows * plan.cols, slices=mask)
+    slices = AttentionMask(mask.causal, mask.documents, plan.rows * plan.cols, mask.window,
+                           None, mask.slices)
     moved = sparse_traffic(shape, plan.heads, plan.rows, plan.cols, slices, None,
                            plan.dq_bytes(e), plan.dkv_bytes(e))
     return moved.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
@@ -188,7 +172,7 @@ class MeshAttention:
     signature: tuple = field(repr=False)  # (q shape, k shape, dtype, device) it was built for
     window: Window | None = None  # the sliding window (`window.window_of`), None: none
     placed: bool = False  # built for placed documents (`DocumentPlacement`)
-    mask: SliceMask | None = None  # a mask given as slices (`slices.py`), None: none
+    mask: SliceMask | None = None  # a user's slices (`slices.py`), with the rest; None: none
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
@@ -197,30 +181,33 @@ class MeshAttention:
               grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, packed: bool = False,
               window_size: tuple[int, int] | None = None,
               window_exchange: str = "sparse", placed: bool = False,
-              mask: SliceMask | Iterable | None = None) -> MeshAttention:
+              mask: Mask | SliceMask | Iterable | None = None) -> MeshAttention:
         """Check q, k, v [s, b, h, d] and the options (ValueError, before any collective)
         and decide the layer's plan and kernel (`packed`: for packed documents;
         `window_size`: a sliding window, `window.window_of`; `window_exchange`: what
-        travels under it, `mesh_attention`; `placed`: for placed documents; `mask`: a
-        mask given as slices, `mesh_attention`)."""
-        causal, mask = mask_of(mask, causal, packed or placed, window_size)
+        travels under it, `mesh_attention`; `placed`: for placed documents; `mask`: the
+        call's `Mask` (or slices), `mesh_attention`: its documents say packed / placed, the
+        calls pass them)."""
+        value = resolve_mask(mask, causal, None, None, window_size)
+        packed, placed = packed or value.packing is not None, placed or value.placement is not None
+        causal, window, user = value.causal, value.window, value.slices
         check_inputs(q, k, v, grid, softmax_scale, backend, schedule, grad_reduce_dtype, causal)
-        window = window_of(window_size, causal)
-        if window is not None or mask is not None:
+        if window is not None or user is not None:
             backend = window_backend(backend)
         sparse = window is not None or placed
-        if mask is not None:
-            mask.check_length(q.shape[0] * grid.cp_size)
+        if user is not None:
+            user.check_length(q.shape[0] * grid.cp_size)
+        if user is not None and not sparse:
             sparse = window_exchange == "gathered" or (window_exchange == "sparse" and sparse_pays(
                 layer_shape(q, k, grid, v), plan_for(q, k, grid, schedule, grad_reduce_dtype, v),
-                mask))
+                value))
         schedule, exchange = sparse_plan(schedule, window_exchange, sparse)
         plan = plan_for(q, k, grid, schedule, grad_reduce_dtype, v, exchange)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], documents=packed or placed,
                             v_head_dim=v.shape[-1])
         return cls(grid, plan, kernel, bool(causal), float(scale), _signature(q, k, v), window,
-                   bool(placed), mask)
+                   bool(placed), user)
 
     def matches(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether q, k (, v) have the shapes, dtype and device this layer was built for."""
@@ -315,25 +302,6 @@ def window_backend(backend: str | TileKernel) -> str | TileKernel:
     return backend_for(backend, WINDOWS)
 
 
-def packed_documents(cu_seqlens: torch.Tensor | list[int] | Documents | None,
-                     cu_seqlens_padded: torch.Tensor | list[int] | None = None
-                     ) -> Documents | None:
-    """The `Documents` of Megatron's cumulative lengths (None without them); a `Documents`
-    value is taken as it is. Reads the tensors once (a device-to-host copy on a GPU): a
-    caller that runs many layers on one packed batch resolves it once and passes the value."""
-    if cu_seqlens is None:
-        if cu_seqlens_padded is not None:
-            raise ValueError("cu_seqlens_padded was given without cu_seqlens")
-        return None
-    if isinstance(cu_seqlens, Documents):
-        if cu_seqlens_padded is not None:
-            raise ValueError("cu_seqlens is a Documents value, which holds the padded lengths "
-                             f"already (cu_padded {list(cu_seqlens.cu_padded)}); pass "
-                             "cu_seqlens_padded=None with it, or both as cumulative lengths")
-        return cu_seqlens
-    return Documents.from_cu_seqlens(cu_seqlens, cu_seqlens_padded)
-
-
 def as_sbhd(documents: Documents | DocumentPlacement | None, *tensors: torch.Tensor
             ) -> tuple[torch.Tensor, ...]:
     """THD tensors [t, h, d] as [t, 1, h, d] with packed documents (ValueError unless 3-D);
@@ -364,7 +332,7 @@ def mesh_attention(
     window_exchange: str = "sparse",
     placement: DocumentPlacement | None = None,
     softmax_offset: torch.Tensor | None = None,
-    mask: SliceMask | Iterable | None = None,
+    mask: Mask | SliceMask | Iterable | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's zigzag share over the whole CP sequence.
 
@@ -373,24 +341,27 @@ def mesh_attention(
     [s, b, hq, dv] in q's dtype, differentiable in q, k, v (and softmax_offset). With
     cu_seqlens or placement the tensors are THD: q [t, hq, d], k / v [t, hkv, d | dv].
 
-    What each query sees, one of:
-      causal: True (the default) or False, over one dense sequence;
+    What each query sees is one `Mask` (`masks/mask.py`): `mask`, a `Mask` (e.g.
+    `documents_mask(cu_seqlens) & sliding_window_mask(128)`), a `SliceMask` or its list of
+    (q_start, q_end, k_start, k_end, 'full' | 'causal'). The keywords build the same value
+    and compose with it (`resolve_mask`):
+      causal: True (the default without a mask) or False; not with a mask;
       cu_seqlens: packed documents, int32 [n + 1] cumulative lengths of the whole packed
         sequence (cu_seqlens_padded: the padded ones; or one `Documents`), each rank holding
-        Transformer Engine's CP share; causal or not within each document;
+        Transformer Engine's CP share (`documents_mask`);
       placement: a `DocumentPlacement` (`place_documents`), the tensors at
         `placement.token_indices(cp_rank)`;
-      mask: a `SliceMask` or its list of (q_start, q_end, k_start, k_end, 'full' | 'causal'),
-        alone;
-    window_size (left, right), flash-attention's sliding window (-1 unbounded), with any but
-    mask. All of these are the same on every rank.
+      window_size (left, right), flash-attention's sliding window (-1 unbounded)
+        (`sliding_window_mask`).
+    A mask with documents holds the tensors in their layout (THD); its slices are over the
+    packed sequence's positions (padded for THD). All of these are the same on every rank.
     backend: 'auto' | 'torch' | 'cudnn' | 'te' or a `TileKernel`; schedule: 'streamed'
     (default) | 'streamed_kv' | 'streamed_q' | 'gathered'; grad_reduce_dtype: 'mixed'
     (default) | 'fp32' | 'input'; window_exchange: 'sparse' (default) | 'gathered';
     softmax_offset: attention sinks, float32 [hq].
 
     Refused, with a ValueError on every rank before any collective: bad shapes, dtypes and
-    names; a mask with causal, documents, a placement or a window; ranks that pass different
+    names; a mask with causal, or with other documents than its own; ranks that pass different
     arguments (the agreement names both values). More: README.md "The API", docs/design.md
     "Masks", docs/schedules.md.
     """
@@ -401,15 +372,16 @@ def mesh_attention(
         if placement is not None:
             documents = None
             check_placement_documents(placement, cu_seqlens, cu_seqlens_padded)
-            q, k, v = as_sbhd(placement, q, k, v)
         else:
             documents = packed_documents(cu_seqlens, cu_seqlens_padded)
-            q, k, v = as_sbhd(documents, q, k, v)
-        packed = documents is not None or placement is not None
-        layer = MeshAttention.build(q, k, v, grid, causal, softmax_scale, backend, schedule,
-                                    grad_reduce_dtype, packed=packed, window_size=window_size,
+        value = resolve_mask(mask, causal, documents, placement, window_size)
+        documents, placement = value.documents, value.placement
+        q, k, v = as_sbhd(value.packing, q, k, v)
+        packed = value.packing is not None
+        layer = MeshAttention.build(q, k, v, grid, None, softmax_scale, backend, schedule,
+                                    grad_reduce_dtype, packed=packed,
                                     window_exchange=window_exchange,
-                                    placed=placement is not None, mask=mask)
+                                    placed=placement is not None, mask=value)
     except Exception as error:  # noqa: BLE001 - every rank must hear of it
         agreement.refuse(grid, error)
     out = layer(q, k, v, documents, placement, softmax_offset)

@@ -29,22 +29,39 @@ import torch
 import torch.distributed as dist
 
 from ..common.merge import merge_into
+from ..masks.mask import Mask, as_attention_mask, sliding_window_mask
 from ..masks.seen import keeps, one_row
 from ..masks.sink import add_sink, check_offset
+from ..masks.slices import SliceMask
 from ..runtime import comm
 from .cache import KVShard
 from .packed import PackedShard
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window_left: int | None) -> torch.Tensor:
-    """[b, n] bool: key slot positions k_pos [n, b] a query at q_pos [b] sees (its one-row
-    causal slice, `seen.one_row`: within `window_left` keys before it when given; EMPTY
-    slots never)."""
-    return keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos.t())
+def decode_mask(window_left: int | None = None,
+                attention_mask: Mask | SliceMask | None = None) -> Mask:
+    """The `Mask` a decode step reads its rows from: `attention_mask` (the model's, over the
+    whole generated sequence's positions; None: causal) within a window of `window_left`
+    keys before each query where given."""
+    mask = Mask() if attention_mask is None else as_attention_mask(attention_mask)
+    if window_left is not None and window_left >= 0:
+        mask = mask & sliding_window_mask(window_left, 0, causal=mask.causal)
+    return mask
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window_left: int | None,
+            attention_mask: Mask | SliceMask | None = None) -> torch.Tensor:
+    """[b, n] bool: key slot positions k_pos [n, b] a query at q_pos [b] sees: its row of
+    the mask (`decode_mask`, `Mask.row`: causal by default, `seen.one_row`; within
+    `window_left` keys before it when given; EMPTY slots never)."""
+    if attention_mask is None:
+        return keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos.t())
+    return decode_mask(window_left, attention_mask).row(q_pos, k_pos.t())
 
 
 def local_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-                  q_pos: torch.Tensor, scale: float, window_left: int | None = None
+                  q_pos: torch.Tensor, scale: float, window_left: int | None = None,
+                  attention_mask: Mask | SliceMask | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, hq, d] against k [n, b, hkv, d], v [n, b, hkv, dv] at positions k_pos [n, b]
     -> fp32 out [b, hq, dv], lse [b, hq] (hq a multiple of hkv: GQA / MQA by grouping)."""
@@ -54,7 +71,7 @@ def local_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torc
     kf = k.float().permute(1, 2, 0, 3)  # [b, hkv, n, d]
     vf = v.float().permute(1, 2, 0, 3)
     scores = torch.einsum("bhgd,bhnd->bhgn", qg, kf) * scale
-    mask = visible(q_pos, k_pos, window_left)[:, None, None, :]
+    mask = visible(q_pos, k_pos, window_left, attention_mask)[:, None, None, :]
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible
     probs = torch.exp(scores - lse[..., None]).nan_to_num_(nan=0.0)
@@ -126,7 +143,8 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
                      window_left: int | None = None,
                      softmax_offset: torch.Tensor | None = None,
                      exchange: str = "all_gather",
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None,
+                     attention_mask: Mask | SliceMask | None = None) -> torch.Tensor:
     """The new tokens' attention over the whole cache: q [b, hq, d] (the same on every CP
     rank), this rank's `shard` (dense or packed prompts; the new token's K / V already
     appended on its owner),
@@ -134,8 +152,15 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
     group of `cp_size` ranks; None: the default group). `window_left`: keys q_pos - left
     .. q_pos only; `softmax_offset` [hq] fp32: each head's sink logit; `exchange`: how the
     partials merge (`EXCHANGES`, module docstring); `mask`: a packed shard's
-    `visible(q_pos, window_left)`, when the caller built it once for the step's layers."""
+    `visible(q_pos, window_left)`, when the caller built it once for the step's layers;
+    `attention_mask`: the model's `Mask` (or `SliceMask`) over the whole generated
+    sequence's positions, of which each new token reads its row (None: causal; a dense
+    shard's, e.g. one with a bidirectional prefix, whose prompt `prefill_attention` ran under the same
+    mask)."""
     check_offset(softmax_offset, q.shape[1])
+    if attention_mask is not None and isinstance(shard, PackedShard):
+        raise ValueError("attention_mask is read on a dense cache's positions; a packed "
+                         "cache's documents decode causally (pass attention_mask=None)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
     if isinstance(shard, PackedShard):
@@ -144,7 +169,7 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
         n = shard.used
         out, lse = shared_partial(q, shard.k[:n], shard.v[:n], mask, scale)
     else:
-        out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left)
+        out, lse = local_partial(q, *shard.view(), q_pos, scale, window_left, attention_mask)
     if exchange == "all_reduce":
         out, lse = reduce_partials(out, lse, group, cp_size)
     else:

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..masks.document_placement import DocumentPlacement
+from ..masks.mask import Mask, as_attention_mask
 from ..masks.sink import check_offset
+from ..masks.slices import SliceMask
 from ..runtime import agreement
 from ..runtime.grid import MeshGrid
 from .cache import CacheLayout, KVShard
@@ -31,7 +33,10 @@ class InferenceSession:
     """The cache and position of one batch. `lengths` [b]: each prompt's real length;
     `group`: the CP group the decode exchange runs over (None: the default group);
     `placement`: packed prompts placed by `place_documents` (its first b documents are the
-    prompts, a last one may be padding), None for dense prompts (the zigzag share)."""
+    prompts, a last one may be padding), None for dense prompts (the zigzag share);
+    `attention_mask`: dense prompts' model mask over the whole generated sequence (a
+    `Mask` or `SliceMask`, e.g. a bidirectional prefix; None: causal), which prefill runs on the
+    prompts and decode reads a row of per new token."""
 
     layout: CacheLayout
     lengths: torch.Tensor
@@ -42,12 +47,18 @@ class InferenceSession:
     options: dict = field(default_factory=dict)  # mesh_attention's backend / schedule
     exchange: str = "all_gather"  # how decode merges the partials (`decode.EXCHANGES`)
     placement: DocumentPlacement | None = None
+    attention_mask: Mask | SliceMask | None = None
     # built on the first prefill layer, on its device, and kept for the others: the zigzag
     # share's positions [s] (dense) or the placed rows' (documents [t], positions [t])
     _prompt_positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, repr=False)
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     _agreement: DecodeAgreement = field(default_factory=DecodeAgreement, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.attention_mask is not None and self.placement is not None:
+            raise ValueError("attention_mask is a dense session's mask; packed prompts "
+                             "(placement) decode causally inside each document: pass one")
 
     @property
     def batch(self) -> int:
@@ -78,7 +89,7 @@ class InferenceSession:
                 self._prompt_positions = self.layout.prompt_positions().to(k.device)
             return prefill_attention(q, k, v, grid, shard, self._prompt_positions,
                                      self.lengths, scale, window, softmax_offset,
-                                     **self.options)
+                                     self.attention_mask, **self.options)
         return self._decode(layer, q, k, v, grid, scale, window, softmax_offset)
 
     def check_room(self) -> None:
@@ -115,9 +126,10 @@ class InferenceSession:
         self.check_room()
         left = None if window is None else window[0]
         layout = self.layout
+        kind = "packed" if self.placement is not None else "dense" if \
+            self.attention_mask is None else f"dense (mask {self._mask_text()})"
         options = DecodeOptions.of(layer, q, k, v, scale, left, softmax_offset, self.exchange,
-                                   (layout.cp_size, layout.prompt_len, layout.max_new,
-                                    "dense" if self.placement is None else "packed"))
+                                   (layout.cp_size, layout.prompt_len, layout.max_new, kind))
         try:
             self._check_decode(layer, q, k, v, softmax_offset)
         except ValueError as error:
@@ -140,8 +152,14 @@ class InferenceSession:
             if mask is None:
                 mask = self._masks[(self.step, left)] = shard.visible(pos, left)
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset, exchange, mask)
+                               softmax_offset, exchange, mask,
+                               None if isinstance(shard, PackedShard) else self.attention_mask)
         return out[None]
+
+    def _mask_text(self) -> str:
+        """The session's mask as every rank's agreement compares it."""
+        mask = self.attention_mask
+        return mask.text() if isinstance(mask, SliceMask) else as_attention_mask(mask).describe()
 
     def _prefill_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         grid: MeshGrid, scale: float, window: tuple[int, int] | None,

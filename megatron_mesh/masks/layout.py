@@ -17,11 +17,12 @@ from ..common.caches import per_documents
 from .block import Block
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .placed import placed_slices, positions
+from .mask import Mask
+from .placed import positions
 from .seen import sees
 from .slice_blocks import MIN_SLAB_ROWS, Run, block_calls, block_parts, position_runs
 from .slices import CAUSAL, FULL, SliceMask
-from .window import Window, token_positions, windowed
+from .window import Window, token_positions
 from .zigzag import check_zigzag_divisible, zigzag_chunks
 
 
@@ -47,27 +48,32 @@ def zigzag_merge(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """What a layer's queries see, decided once per call and passed to every block:
-    causal or not, the packed documents (None: one dense sequence per batch entry) and the
-    sliding window (None: none); or a mask given as slices (`slices`, then causal is False
-    and the others None). `ranks` is the number of zigzag shares the local tensors are (P,
-    or P / A after the heads all-to-all)."""
+    """What a layer's queries see, decided once per call and passed to every block: the
+    call's `mask.Mask` (the pairs causal, the packed documents, THD or placed, the sliding
+    window and a user's slices all keep; None: that part limits nothing) on local tensors
+    that are `ranks` zigzag shares (P, or P / A after the heads all-to-all)."""
 
     causal: bool
     documents: Documents | None = None
     ranks: int = 1
     window: Window | None = None  # sliding window on global positions (`window.py`)
     placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
-    slices: SliceMask | None = None  # a mask given as slices (`slices.py`): it alone rules
+    slices: SliceMask | None = None  # a user's slices (`slices.py`), over the same positions
 
     @property
-    def packing(self) -> Documents | DocumentPlacement | SliceMask | None:
-        """The packed documents, THD or placed, or the slices of a mask given as such (None:
-        one dense sequence): what block data depends on beyond shapes
-        (`caches.per_documents` keys on it)."""
-        if self.documents is not None:
-            return self.documents
-        return self.placement if self.placement is not None else self.slices
+    def packing(self) -> Documents | DocumentPlacement | SliceMask | tuple | None:
+        """The packed documents, THD or placed, and the user's slices (None: one dense
+        sequence): what block data depends on beyond shapes (`caches.per_documents` keys
+        on it)."""
+        documents = self.documents if self.documents is not None else self.placement
+        if documents is None or self.slices is None:
+            return self.slices if documents is None else documents
+        return documents, self.slices
+
+    @property
+    def value(self) -> Mask:
+        """The call's `Mask` (without `ranks`)."""
+        return Mask(self.causal, self.documents, self.placement, self.window, self.slices)
 
     @property
     def packed(self) -> bool:
@@ -126,17 +132,9 @@ def sequence_slices(seq_len: int, causal: bool) -> SliceMask:
 @per_documents(lambda mask, *_: mask.packing)
 def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
     """`mask` on shares of `local_len` rows as slices over the whole sequence's positions
-    (`global_positions`), whatever its kind: its builder's slices (a dense sequence, THD
-    documents, placed documents, or the slices given), with the window laid on them."""
-    if mask.slices is not None:
-        return mask.slices
-    if mask.placement is not None:
-        base = placed_slices(mask.placement, mask.causal)
-    elif mask.documents is not None:
-        base = mask.documents.slices(mask.causal)
-    else:
-        base = sequence_slices(local_len * mask.ranks, mask.causal)
-    return windowed(base, mask.window)
+    (`global_positions`), whatever its kind (`Mask.sequence_slices`): its documents' or the
+    dense sequence's slices, the user's intersected with them, the window laid on them."""
+    return mask.value.sequence_slices(local_len * mask.ranks)
 
 
 def global_positions(mask: AttentionMask, rank: int, local_len: int) -> torch.Tensor:
@@ -146,9 +144,6 @@ def global_positions(mask: AttentionMask, rank: int, local_len: int) -> torch.Te
         pos, doc = positions(mask.placement, rank)
         starts = torch.tensor((0, *mask.placement.lengths[:-1])).cumsum(0)
         return starts[doc] + pos
-    if mask.slices is not None:
-        pos, _ = token_positions(mask.ranks, rank, local_len)
-        return pos
     pos, doc = token_positions(mask.ranks, rank, local_len, mask.documents)
     if mask.documents is None:
         return pos

@@ -42,13 +42,17 @@ def sees(mask: SliceMask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Ten
     return seen
 
 
-def one_row(q_pos: torch.Tensor, window_left: int | None = None) -> Bounds:
+def one_row(q_pos: torch.Tensor, window_left: int | None = None, window_right: int = 0
+            ) -> Bounds:
     """Decode's mask: the new token of sequence b at q_pos[b] ([b] int64) sees its keys at
     positions 0 .. q_pos[b] (one causal slice of one row), within `window_left` keys
-    before it when given (>= 0). [b, 1] tensors, for keys [b, n]."""
+    before it when given (>= 0); `window_right` > 0 (or -1: unbounded) lets it see that
+    many keys after it too (a mask that is not causal). [b, 1] tensors, for keys [b, n]."""
     p = q_pos.long()[:, None]
     lo = -window_left if window_left is not None and window_left >= 0 else -UNBOUNDED
-    return Bounds(p, p + 1, 0, p + 1, lo, 0)
+    if window_right == 0:
+        return Bounds(p, p + 1, 0, p + 1, lo, 0)
+    return Bounds(p, p + 1, 0, UNBOUNDED, lo, window_right if window_right > 0 else UNBOUNDED)
 
 
 @functools.lru_cache(maxsize=16)  # a few masks' tables (layers of a model share one)

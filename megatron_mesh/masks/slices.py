@@ -24,6 +24,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
+
 FULL, CAUSAL = "full", "causal"
 KINDS = (FULL, CAUSAL)
 
@@ -249,6 +251,22 @@ class SliceMask:
                              f"but the call's sequence has {seq_len} (local tokens x CP size)")
         _check_bounds(self.slices, seq_len)
 
+    def __and__(self, other: object) -> SliceMask:
+        """The pairs both masks keep (`intersect`); another kind of mask composes through
+        its own `&` (`mask.Mask`)."""
+        if not isinstance(other, SliceMask):
+            return NotImplemented
+        return intersect(self, other)
+
+    def leading(self, length: int) -> SliceMask:
+        """The mask's pairs of the first `length` positions (queries and keys < length), as
+        a mask of a sequence of `length` tokens: what a prompt of that length sees of a mask
+        written for the whole generated sequence."""
+        if self.seq_len is not None and length >= self.seq_len:
+            return self if length == self.seq_len else SliceMask(self.slices, length)
+        parts = [part.as_tuple for s in self.slices for part in s.cut(0, length, 0, length)]
+        return SliceMask(parts, length)
+
     def cut(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int, unit: int) -> tuple[Slice, ...]:
         """The mask's pairs of queries [q_lo, q_hi) x keys [k_lo, k_hi) as slices (`Slice.cut`),
         looking at the slices that meet the range only: `unit` is the grid of chunks they
@@ -259,6 +277,31 @@ class SliceMask:
             for kc in range(k_lo // unit, (k_hi - 1) // unit + 1):
                 found.update(dict.fromkeys(table.get((qc, kc), ())))
         return tuple(part for s in found for part in s.cut(q_lo, q_hi, k_lo, k_hi))
+
+
+def intersect(a: SliceMask, b: SliceMask) -> SliceMask:
+    """The pairs that both `a` and `b` keep, as slices (each pair of slices that meets gives
+    at most two: their common rectangle under both rules, `pieces`); seq_len: theirs
+    (ValueError where both name one and they differ)."""
+    if a.seq_len is not None and b.seq_len is not None and a.seq_len != b.seq_len:
+        raise ValueError(f"masks of {a.seq_len} and {b.seq_len} tokens cannot be composed: "
+                         "build both for the same sequence")
+    parts: list[tuple] = []
+    if a.slices and b.slices:
+        rect = np.array([(t.q_start, t.q_end, t.k_start, t.k_end) for t in b.slices])
+        for s in a.slices:
+            meets = ((rect[:, 0] < s.q_end) & (s.q_start < rect[:, 1])
+                     & (rect[:, 2] < s.k_end) & (s.k_start < rect[:, 3])).nonzero()[0]
+            lo_s, hi_s = s.bounds
+            for n in meets.tolist():
+                t = b.slices[n]
+                lo_t, hi_t = t.bounds
+                lo = lo_s if lo_t is None else lo_t if lo_s is None else max(lo_s, lo_t)
+                hi = hi_s if hi_t is None else hi_t if hi_s is None else min(hi_s, hi_t)
+                parts += [p.as_tuple for p in pieces(
+                    max(s.q_start, t.q_start), min(s.q_end, t.q_end),
+                    max(s.k_start, t.k_start), min(s.k_end, t.k_end), lo, hi)]
+    return SliceMask(parts, a.seq_len if a.seq_len is not None else b.seq_len)
 
 
 def as_mask(mask: SliceMask | Iterable) -> SliceMask:

@@ -7,8 +7,9 @@ pairs, the bytes stay those of one sequence of the packed length (`search.plan` 
 over a few consecutive ranks; `mesh_attention(placement=...)` runs it through the sparse
 exchange, so each rank receives of each peer only the rows of documents both hold.
 
-Rows, in closed form from the placement's runs (equal to `models.sparse.placement_traffic`,
-which builds every block's rows, tests/unit/test_planner_placed.py). On the mesh
+Rows, in closed form from the placement's runs (`masked.placement_counts`, `_block_pairs`;
+equal to `models.sparse.placement_traffic`, which builds every block's rows,
+tests/unit/test_planner_placed.py). On the mesh
 placement (`placed.mesh_placement`: after a heads all-to-all mesh rank m holds CP ranks
 mA .. mA+A-1's runs), a query run (d, p, n) of rank o and the key runs (d, k, m) of the
 ranks Y of a column (causal: the key at position t is seen by queries at positions >= t):
@@ -17,7 +18,9 @@ ranks Y of a column (causal: the key at position t is seen by queries at positio
     key rows of a key run (d, k, m) that X's queries reach:  [k, min(k + m, max(p + n)))
                                                              over p + n > k
 
-(non-causal: the whole run when the other side holds any of the document). Compute: the
+(non-causal: the whole run when the other side holds any of the document); equal to the
+generic counts from the mask's slices (`masked.mask_counts`), which price it
+(`masked.mask_estimate`). Compute: the
 busiest mesh rank's (query, key) pairs over its blocks (x in its row, y in its column), in
 closed form per pair of runs. The floor: the busiest CP rank's in-document pairs
 (`DocumentPlacement.works`) at the GPU's rate (with a GPU profile: in one kernel call),
@@ -29,18 +32,22 @@ import math
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
-from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
-from megatron_mesh.masks.placed import mesh_placement
-from megatron_mesh.planner.cost import Estimate, price
+from megatron_mesh.masks.document_placement import DocumentPlacement
+from megatron_mesh.masks.mask import documents_mask
+from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.methods.sparse import exchange_transfers
+from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, named here too
+    _block_pairs,
+    _doc_runs,
+    mesh_totals,
+    pair_flops,
+    placement_counts,
+)
+from megatron_mesh.planner.methods.sparse import mask_estimate
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
-from megatron_mesh.planner.tiles import mesh_calls, ring_calls
-from megatron_mesh.planner.windows import RowCounts
+from megatron_mesh.planner.tiles import ring_calls
 from megatron_mesh.planner.workload import Workload
 
 
@@ -62,55 +69,11 @@ def lognormal_lengths(seq_length: int, median: int, longest: int, seed: int = 0,
     return tuple(out)
 
 
-def _doc_runs(placement: DocumentPlacement) -> dict[int, list[tuple[int, int, int]]]:
-    """Per document held by more than one rank: its runs as (rank, first position, tokens)."""
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for rank, runs in enumerate(placement.runs):
-        for doc, first, n in runs:
-            if len(placement.groups[doc]) > 1:
-                out.setdefault(doc, []).append((rank, first, n))
-    return out
-
-
-def placement_counts(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
-                     causal: bool = True) -> RowCounts:
-    """`RowCounts` of `placement` on a heads x rows x cols grid: q[j, o] query rows of mesh
-    rank o's chunk that column j's ranks use, kv[i, o] key rows of o's chunk that row i's
-    ranks use (module docstring; the diagonal block never travels)."""
-    mp = mesh_placement(placement, heads)
-    mesh = rows * cols
-    q = np.zeros((cols, mesh), dtype=np.int64)
-    kv = np.zeros((rows, mesh), dtype=np.int64)
-    for runs in _doc_runs(mp).values():
-        for o, p, n in runs:
-            for j in range(cols):
-                keys = [k for y, k, _ in runs if y % cols == j and y != o
-                        and (not causal or k < p + n)]
-                if keys:
-                    q[j, o] += n if not causal else p + n - max(p, min(keys))
-            for i in range(rows):
-                ends = [k + m for x, k, m in runs if x // cols == i and x != o
-                        and (not causal or k + m > p)]
-                if ends:
-                    kv[i, o] += n if not causal else min(n, max(ends) - p)
-    return RowCounts(rows, cols, q, kv)
-
-
 def mesh_pairs(placement: DocumentPlacement, rows: int, cols: int, heads: int = 1,
                causal: bool = True) -> list[int]:
     """(query, key) pairs each mesh rank computes: its blocks (x, y), x in its row, y in
     its column, of the mesh placement (each pair of the layer once over the mesh)."""
-    return _mesh_totals(_block_pairs(placement, heads, causal), rows, cols)
-
-
-def _mesh_totals(block: dict[tuple[int, int], int], rows: int, cols: int) -> list[int]:
-    """Each mesh rank's sum of its blocks (x in its row, y in its column)."""
-    out = []
-    for me in range(rows * cols):
-        i, j = divmod(me, cols)
-        out.append(sum(block.get((i * cols + c, r * cols + j), 0)
-                       for c in range(cols) for r in range(rows)))
-    return out
+    return mesh_totals(_block_pairs(placement, heads, causal), rows, cols)
 
 
 def own_block_pairs(placement: DocumentPlacement, heads: int = 1, causal: bool = True
@@ -119,23 +82,6 @@ def own_block_pairs(placement: DocumentPlacement, heads: int = 1, causal: bool =
     computes while the sparse exchange's inbound rows travel."""
     block = _block_pairs(placement, heads, causal)
     return [block[m, m] for m in range(placement.cp_size // heads)]
-
-
-def _block_pairs(placement: DocumentPlacement, heads: int, causal: bool
-                 ) -> dict[tuple[int, int], int]:
-    """Pairs of every non-empty block (x, y) of the mesh placement (the own blocks always)."""
-    mp = mesh_placement(placement, heads)
-    block: dict[tuple[int, int], int] = {}
-    for rank, runs in enumerate(mp.runs):
-        whole = {d for d, _, _ in runs if len(mp.groups[d]) == 1}  # all its runs are here
-        block[rank, rank] = sum(run_pairs(0, n, 0, n, causal)
-                                for n in (mp.lengths[d] for d in whole))
-    for runs in _doc_runs(mp).values():
-        for x, p, n in runs:
-            for y, k, m in runs:
-                key = (x, y)
-                block[key] = block.get(key, 0) + run_pairs(p, n, k, m, causal)
-    return block
 
 
 @dataclass(frozen=True)
@@ -155,30 +101,14 @@ class PlacedPlan:
         return self.floor_s["forward"] + self.floor_s["backward"]
 
 
-def pair_flops(workload: Workload, heads: int = 1) -> float:
-    """Forward FLOPs of one (query, key) pair on one GPU of an `heads`-way all-to-all."""
-    return 4.0 * workload.batch * (workload.num_heads / heads) * workload.head_dim
-
-
 def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPlacement,
                     rows: int, cols: int, heads: int = 1) -> Estimate:
-    """The placement on a heads x rows x cols grid: the sparse exchange of its rows (the
-    inbound ones under the least own block) plus the busiest mesh rank's compute."""
-    counts = placement_counts(placement, rows, cols, heads, workload.causal)
-    transfers = exchange_transfers(workload, cluster, counts, heads)
-    block = _block_pairs(placement, heads, workload.causal)  # walked once for both
-    busiest = max(_mesh_totals(block, rows, cols))
-    own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
-    fwd = busiest * pair_flops(workload, heads)
-    label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
-    calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
-        workload, cluster.gpus, rows, cols, heads, blocks=max(
-            _mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
-        backend=cluster.gpu.backend)
-    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
-                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
-                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
-                 calls=calls)
+    """The placement on a heads x rows x cols grid: its mask priced like any mask's
+    (`masked.mask_estimate`: the sparse exchange of its rows, the inbound ones under the
+    least own block, plus the busiest mesh rank's compute; the closed forms here count
+    them)."""
+    return mask_estimate(workload, cluster, documents_mask(placement, causal=workload.causal),
+                         rows, cols, heads)
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:

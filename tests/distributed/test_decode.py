@@ -3,8 +3,10 @@
 (one new token per sequence, appended round robin; partial (out, lse) per rank, one
 all-gather and the log-sum-exp merge, or the two all-reduces; the sink after it) for a
 batch of prompts of different lengths (not multiples of 2P), MHA / GQA / MQA, a window,
-sinks, on 2x2, 1x4 and 2x1x2; the cache of each rank holds 1 / P of the tokens, and the
-bytes counted equal the formulas (prefill: the mesh forward's; decode: the exchange's)."""
+sinks, a prefix-LM model (its prefix bidirectional in prefill, each generated token's row
+read from the same mask in decode), on 2x2, 1x4 and 2x1x2; the cache of each rank holds
+1 / P of the tokens, and the bytes counted equal the formulas (prefill: the mesh forward's;
+decode: the exchange's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,14 +44,21 @@ class DecodeCase:
     window: int | None = None  # left window (causal)
     sink: bool = False
     seed: int = 0
+    prefix: int | None = None  # a prefix-LM model: its first `prefix` tokens bidirectional
 
     def __str__(self) -> str:
-        return f"hq={self.q_heads} hkv={self.kv_heads} window={self.window} sink={self.sink}"
+        return (f"hq={self.q_heads} hkv={self.kv_heads} window={self.window} sink={self.sink}"
+                + ("" if self.prefix is None else f" prefix-LM {self.prefix}"))
+
+    def mask(self, seq: int) -> mm.SliceMask | None:
+        """The model's mask over the whole generated sequence of `seq` positions."""
+        return None if self.prefix is None else mm.prefix_lm_mask(seq, self.prefix)
 
 
 CASES = [DecodeCase(), DecodeCase(kv_heads=4, seed=1), DecodeCase(kv_heads=1, seed=2),
          DecodeCase(window=6, seed=3), DecodeCase(sink=True, seed=4),
-         DecodeCase(window=3, sink=True, kv_heads=1, seed=5)]
+         DecodeCase(window=3, sink=True, kv_heads=1, seed=5),
+         DecodeCase(prefix=4, kv_heads=1, seed=6), DecodeCase(prefix=5, window=3, seed=7)]
 
 
 def tensors(case: DecodeCase, seq: int) -> dict[str, torch.Tensor]:
@@ -85,8 +94,11 @@ def formula(x: dict[str, torch.Tensor], seq_b: int, query: int, keys: list[int],
 
 def seen(case: DecodeCase, query: int, length: int, step: int | None) -> list[int]:
     """Key positions a query at `query` sees: the prompt's real tokens and decoded ones up
-    to itself, within the window."""
+    to itself, within the window; a prefix-LM's prefix sees all of the prefix."""
     last = query if step is not None else min(query, length - 1)
+    if case.prefix is not None and query < case.prefix and case.window is None:
+        last = case.prefix - 1  # within every prompt (prefix <= its length); a window (L, 0)
+        # keeps no later key
     lo = 0 if case.window is None else max(0, query - case.window)
     return list(range(lo, last + 1))
 
@@ -111,10 +123,11 @@ def check(rank: int, world: int, shape: tuple[int, int, int], device: str = "cpu
         share = [zigzag_split(x[n][:prompt].float(), world)[rank].to(device) for n in "qkv"]
         positions = layout.prompt_positions()
         window = None if case.window is None else (case.window, 0)
+        mask = case.mask(prompt + STEPS)
         with mm.TrafficCounter() as counter:
             out = prefill_attention(*share, grid, shard, positions, lengths, window_size=window,
-                                    softmax_offset=sink)
-        if window is None:  # the forward's formula (windows: the sparse exchange's own)
+                                    softmax_offset=sink, attention_mask=mask)
+        if window is None and mask is None:  # the forward's formula (else the sparse one's)
             want = mm.mesh_traffic(layer_shape(share[0], share[1], grid),
                                    plan_for(share[0], share[1], grid)).forward
             if counter.total_bytes != want:
@@ -137,14 +150,14 @@ def check(rank: int, world: int, shape: tuple[int, int, int], device: str = "cpu
                 shard.append(layout.slot(step), new["k"], new["v"], q_pos.to(device))
             with mm.TrafficCounter() as counter:
                 got = decode_attention(new["q"], shard, q_pos.to(device), case.head_dim ** -0.5,
-                                       None, world, case.window, sink)
+                                       None, world, case.window, sink, attention_mask=mask)
             want = decode_step_bytes(b, case.q_heads, case.head_dim, world)
             if counter.total_bytes != want:
                 failures.append(f"{shape} {case} step {step}: sent {counter.total_bytes}, "
                                 f"formula {want}")
             reduced = decode_attention(new["q"], shard, q_pos.to(device),
                                        case.head_dim ** -0.5, None, world, case.window, sink,
-                                       exchange="all_reduce")
+                                       exchange="all_reduce", attention_mask=mask)
             for name, result in (("all_gather", got), ("all_reduce", reduced)):
                 failures += _compare(x, case, shape, step, prompt, row, result.cpu(), name)
         # the cache is sharded: this rank holds its slots, 1 / P of one device's
@@ -217,7 +230,8 @@ LAYERS = (1, 2)  # a session's layers
 
 
 def session_failures(rank: int, world: int) -> list[str]:
-    """InferenceSession on a 2x2 grid, 2 layers, 3 decode steps: exact against the formula,
+    """InferenceSession on a 2x2 grid, 2 layers, 3 decode steps: exact against the formula
+    (a prefix-LM model's too),
     the ranks agreeing once per layer at the first step and once per step after it; ranks
     that disagree (a window, an exchange or sinks on one rank, another step, a change on one
     rank after the first step, bad input on one rank) and a step past the cache's room
@@ -260,6 +274,25 @@ def session_failures(rank: int, world: int) -> list[str]:
             failures += _compare(x, case, (1, 2, 2), n, prompt, prompt + n, out[0], "session")
         if calls[0] != (len(LAYERS) if n == 0 else 1):
             failures.append(f"rank {rank} step {n}: {calls[0]} agreements")
+    # a prefix-LM model's session: its prefix bidirectional in prefill, decode reading each
+    # new token's row of the same mask
+    lm = DecodeCase(prefix=4)
+    s = InferenceSession(CacheLayout(world, rank, prompt, steps), torch.tensor(LENGTHS),
+                         attention_mask=lm.mask(prompt + steps))
+    share = [zigzag_split(x[n][:prompt].float(), world)[rank] for n in "qkv"]
+    positions = zigzag_split(torch.arange(prompt), world)[rank].tolist()
+    for layer in LAYERS:
+        out = s.attend(layer, *share, grid, scale)
+        for i, p in enumerate(positions):
+            for sb, n in enumerate(LENGTHS):
+                if p < n:
+                    err = (out[i, sb].double() - formula(x, sb, p, seen(lm, p, n, None), lm))
+                    if err.abs().max() > 1e-5:
+                        failures.append(f"rank {rank} prefix-LM session prefill pos {p} seq {sb}")
+    s.phase = DECODE
+    for n in range(steps):
+        for out in step(s, n):
+            failures += _compare(x, lm, (1, 2, 2), n, prompt, prompt + n, out[0], "session")
     window, sink = {1: {"window": (3, 0)}}, {2: {"softmax_offset": x["sink"].float()}}
 
     def at_step_1_rank_0_adds_a_window() -> None:

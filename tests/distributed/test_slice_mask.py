@@ -4,7 +4,9 @@ and backward: every (A, R, C) grid of P = 2, 4, 8; prefix-LM, block-diagonal doc
 random slice list, rows that see nothing, full and causal slices of unequal lengths; GQA and
 MQA, fp32 and bf16. Each case's bytes, counted on the real collectives and by the
 TrafficCounter, equal the traffic model of the exchange that ran; short documents take the
-sparse exchange and send a fraction of the dense bytes. Bad masks raise on every rank."""
+sparse exchange and send a fraction of the dense bytes. Bad masks raise on every rank. One
+`Mask` composed of documents (THD, placed), a window and slices is exact too, and the old
+keywords build the same value."""
 from __future__ import annotations
 
 import random
@@ -175,7 +177,119 @@ def _run(rank: int, world: int) -> list[str]:
                 bad += check(case, grid)[0]
             except Exception as e:  # noqa: BLE001 (reported with the case)
                 bad.append(f"{case} grid {grid.shape_text} rank {rank}: {type(e).__name__}: {e}")
-    return bad + _sparse_bytes(rank, world) + _bad_masks(rank, world)
+    return bad + _sparse_bytes(rank, world) + _bad_masks(rank, world) + _composed(rank, world)
+
+
+def packed_seen(cu: list[int], lengths: list[int], causal: bool) -> torch.Tensor:
+    """[T, T] bool from the definition of packed documents starting at `cu` (padded starts)
+    with `lengths` real tokens: same document, real tokens, j <= i where causal."""
+    total = cu[-1]
+    doc = torch.full((total,), -1)
+    for d, (start, n) in enumerate(zip(cu, lengths)):
+        doc[start:start + n] = d
+    i, j = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    seen = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    return seen & (j <= i) if causal else seen
+
+
+def band_seen(seq: int, left: int, right: int) -> torch.Tensor:
+    """[seq, seq] bool: i - left <= j <= i + right (-1: unbounded)."""
+    d = torch.arange(seq)[None, :] - torch.arange(seq)[:, None]
+    return (d >= (-left if left >= 0 else -seq)) & (d <= (right if right >= 0 else seq))
+
+
+def _composed(rank: int, world: int) -> list[str]:
+    """One Mask composed of documents (THD with padding, placed), a window and a user's
+    slices, against SDPA with the intersection built here from each part's definition,
+    forward and backward, on every grid; the old keywords build the same value (bit for
+    bit)."""
+    seq = LOCAL * world
+    p2 = 2 * world
+    cu_pad = [0, p2, 3 * p2, 4 * p2]  # padded documents of 2P, 4P, 2P tokens
+    lengths = [p2 - 1, 2 * p2 - 1, world]
+    cu = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+    docs = mm.Documents.from_cu_seqlens(cu, cu_pad)
+    prefix = mm.prefix_lm_mask(seq, 5)  # over the packed positions: 5 global prefix tokens
+    user = mm.SliceMask(random_slices(seq, 5, 7 * world))
+    thd = dict(documents=docs)
+    cases = {  # name -> (mask, the keywords that build it (or None), pairs kept, layout)
+        "window & THD documents": (
+            mm.documents_mask(cu, cu_pad) & mm.sliding_window_mask(3),
+            dict(cu_seqlens=cu, cu_seqlens_padded=cu_pad, window_size=(3, 0)),
+            packed_seen(cu_pad, lengths, True) & band_seen(seq, 3, 0), thd),
+        "prefix-LM & THD documents": (
+            mm.documents_mask(docs, causal=False) & prefix,
+            dict(cu_seqlens=docs, mask=prefix),
+            packed_seen(cu_pad, lengths, False) & dense_mask(
+                [s.as_tuple for s in prefix.slices], seq), thd),
+        "slices & window & THD documents, not causal": (
+            mm.documents_mask(docs, causal=False) & user & mm.sliding_window_mask(2, 3, False),
+            dict(cu_seqlens=docs, mask=user, window_size=(2, 3)),
+            packed_seen(cu_pad, lengths, False) & band_seen(seq, 2, 3)
+            & dense_mask([s.as_tuple for s in user.slices], seq), thd),
+        "slices & window": (
+            mm.sliding_window_mask(4, 1, causal=False) & user, dict(mask=user, window_size=(4, 1)),
+            band_seen(seq, 4, 1) & dense_mask([s.as_tuple for s in user.slices], seq), {}),
+    }
+    placed_cu = [0, 3, 3 + 2 * p2 + 1, seq - 2, seq]  # one document spans ranks
+    placement = mm.place_documents(placed_cu, world)
+    placed_len = [b - a for a, b in zip(placed_cu, placed_cu[1:])]
+    cases["prefix-LM & placed documents"] = (
+        mm.documents_mask(placement, causal=False) & prefix, dict(placement=placement, mask=prefix),
+        packed_seen(placed_cu, placed_len, False)
+        & dense_mask([s.as_tuple for s in prefix.slices], seq), dict(placement=placement))
+    cases["window & placed documents"] = (
+        mm.documents_mask(placement) & mm.sliding_window_mask(5),
+        dict(placement=placement, window_size=(5, 0)),
+        packed_seen(placed_cu, placed_len, True) & band_seen(seq, 5, 0),
+        dict(placement=placement))
+    bad = []
+    for index, (a, r, c) in enumerate(grid_shapes(world)):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for n, (name, (mask, keywords, seen, layout)) in enumerate(cases.items()):
+            where = f"{name} grid {grid.shape_text} rank {rank}"
+            try:
+                bad += _check_composed(grid, mask, keywords, seen, layout, index + n, where)
+            except Exception as e:  # noqa: BLE001 (reported with the case)
+                bad.append(f"{where}: {type(e).__name__}: {e}")
+    return bad
+
+
+def _check_composed(grid: mm.MeshGrid, mask: mm.Mask, keywords: dict | None,
+                    seen: torch.Tensor, layout: dict, n: int, where: str) -> list[str]:
+    seq = seen.shape[0]
+    g = torch.Generator().manual_seed(n)
+    kv_heads = (2, 1)[n % 2]
+    heads = {"q": Q_HEADS, "k": kv_heads, "v": kv_heads, "dout": Q_HEADS}
+    x = {name: torch.randn(seq, 1, h, 8, generator=g, dtype=torch.float64)
+         for name, h in heads.items()}
+    if "documents" in layout:
+        mine = lambda t: mm.thd_split(t, layout["documents"], grid.cp_size)[grid.cp_rank]  # noqa: E731
+    elif "placement" in layout:
+        index = layout["placement"].token_indices(grid.cp_rank)
+        mine = lambda t: t[index]  # noqa: E731
+    else:
+        mine = lambda t: zigzag_split(t, grid.cp_size)[grid.cp_rank]  # noqa: E731
+    packed = bool(layout)
+    share = {name: mine(t)[:, 0] if packed else mine(t) for name, t in x.items()}
+    results = {}
+    for how, kwargs in (("mask", dict(mask=mask)), ("keywords", keywords)):
+        if kwargs is None:
+            continue
+        q, k, v = (share[name].float().requires_grad_() for name in "qkv")
+        out = mm.mesh_attention(q, k, v, grid, **kwargs)
+        out.backward(share["dout"].float())
+        results[how] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    got = results["mask"]
+    unpack = (lambda t: t[:, None]) if packed else (lambda t: t)  # noqa: E731
+    ref = {name: mine(t) for name, t in reference(x, seen, torch.float64).items()}
+    same = {name: mine(t) for name, t in reference(x, seen, torch.float32).items()}
+    bad = beyond_tolerance({name: unpack(t) for name, t in got.items()}, ref, same,
+                           torch.float32, where, partial_results(grid))
+    if "keywords" in results and any(not torch.equal(got[name], results["keywords"][name])
+                                     for name in got):
+        bad.append(f"{where}: the keywords' mask differs from the Mask's (want bit for bit)")
+    return bad
 
 
 def _sparse_bytes(rank: int, world: int) -> list[str]:
@@ -216,7 +330,10 @@ def _bad_masks(rank: int, world: int) -> list[str]:
         ("built for another length", dict(mask=mm.prefix_lm_mask(2 * seq, 2)),
          f"built for a sequence of {2 * seq} tokens"),
         ("with causal", dict(mask=good, causal=True), "causal=True was given with a mask"),
-        ("with a window", dict(mask=good, window_size=(2, 0)), "window_size=(2, 0)"),
+        ("a window that is not one", dict(mask=good, window_size=(2, 0, 1)),
+         "window_size=(2, 0, 1)"),
+        ("other documents", dict(mask=mm.documents_mask([0, seq]), cu_seqlens=[0, 2, seq]),
+         "different documents"),
     ]
     bad = []
     for name, kwargs, words in calls:

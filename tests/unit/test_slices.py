@@ -270,7 +270,7 @@ RULE_PATTERN = re.compile(
     r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
-                  "masks/layout.py", "masks/placed.py"}
+                  "masks/layout.py", "masks/placed.py", "masks/mask.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -412,3 +412,104 @@ def test_every_mask_kind_is_its_slices(kind):
                 for y in range(ranks):
                     want = _pairs_by_definition(mask, x, y, local)
                     assert torch.equal(block_pairs(mask, x, y, local), want), (kind, window, x, y)
+
+
+# ---- one mask value: the keywords and `&` build it, its slices are the intersection ----
+
+def test_intersection_keeps_the_pairs_both_masks_keep():
+    """`a & b` of two SliceMasks (windows, causal and full slices of unequal lengths) keeps
+    exactly the pairs of the definition that both keep; `leading` the first n positions."""
+    rng = random.Random(11)
+    seq = 40
+    for _ in range(30):
+        a = random_slices(seq, 6, rng, windows=True)
+        b = random_slices(seq, 6, rng, windows=True)
+        both = SliceMask(a) & SliceMask(b)
+        assert torch.equal(dense([s.as_tuple for s in both.slices], seq),
+                           dense(a, seq) & dense(b, seq))
+        n = rng.randint(1, seq)
+        head = SliceMask(a).leading(n)
+        assert head.seq_len == n
+        assert torch.equal(dense([s.as_tuple for s in head.slices], n), dense(a, seq)[:n, :n])
+
+
+def test_the_keywords_build_the_same_mask():
+    """mesh_attention's keywords (`resolve_mask`) build the value the builders and `&` do:
+    causal, documents (THD, placed), a window, slices; `&` is commutative, causal if either
+    is, and refuses two different packed sequences or causal beside a mask."""
+    from megatron_mesh.masks.mask import resolve_mask
+    from megatron_mesh.planner.document_placer import place_documents
+
+    docs = mm.Documents.from_cu_seqlens([0, 5, 12], [0, 8, 16])
+    placement = place_documents([0, 5, 16], 2)
+    user = mm.prefix_lm_mask(16, 3)
+    assert resolve_mask(None, None, None, None, None) == mm.Mask()
+    assert resolve_mask(None, False, docs, None, (3, 0)) == \
+        mm.documents_mask([0, 5, 12], [0, 8, 16], causal=False) & \
+        mm.sliding_window_mask(3, 0, causal=False)
+    assert resolve_mask(None, None, docs, None, (3, -1)) == \
+        mm.documents_mask(docs) & mm.sliding_window_mask(3)
+    assert resolve_mask(None, None, None, placement, None) == mm.documents_mask(placement)
+    assert resolve_mask(user, None, None, None, None) == mm.Mask(False, slices=user)
+    assert resolve_mask(user, None, docs, None, (2, 1)) == \
+        mm.documents_mask(docs, causal=False) & user & mm.sliding_window_mask(2, 1, False)
+    a, b = mm.documents_mask(docs, causal=False) & user, user & mm.documents_mask(docs, causal=False)
+    assert a == b and not a.causal
+    assert (mm.Mask() & user).causal and (mm.Mask() & user).slices == user
+    assert (mm.sliding_window_mask(4) & mm.sliding_window_mask(2, 5, False)).window == Window(2, 0)
+    with pytest.raises(ValueError, match="different documents"):
+        mm.documents_mask(docs) & mm.documents_mask([0, 16])
+    with pytest.raises(ValueError, match="causal=True was given with a mask"):
+        resolve_mask(user, True, None, None, None)
+    with pytest.raises(ValueError, match="cu_seqlens_padded was given with a placement"):
+        mm.documents_mask(placement, [0, 8, 16])
+
+
+@pytest.mark.parametrize("kind", ["dense", "documents", "placed"])
+def test_a_users_slices_compose_with_every_mask_kind(kind):
+    """A user's slices over the (packed) sequence's positions, with the documents (THD,
+    placed) or the dense sequence and a window: every block keeps the pairs of the
+    definition that the slices keep too."""
+    from megatron_mesh.masks.documents import Documents
+    from megatron_mesh.masks.layout import block_pairs, global_positions
+    from megatron_mesh.planner.document_placer import place_documents
+
+    ranks, rng = 4, random.Random(5)
+    for window in (None, Window(6, 0), Window(3, 4)):
+        causal = window is None or window.right == 0
+        user = SliceMask(random_slices(256, 8, rng, windows=True))
+        if kind == "dense":
+            mask, local = AttentionMask(causal, ranks=ranks, window=window, slices=user), 64
+        elif kind == "documents":
+            docs = Documents.from_cu_seqlens([0, 43, 59, 116, 121, 191, 232],
+                                             [0, 48, 64, 128, 136, 208, 256])
+            mask, local = AttentionMask(causal, docs, ranks, window, slices=user), 64
+        else:
+            placement = place_documents([0, 40, 56, 120, 128, 200, 256], ranks)
+            mask = AttentionMask(causal, ranks=ranks, window=window, placement=placement,
+                                 slices=user)
+            local = placement.local_tokens
+        kept = dense([s.as_tuple for s in user.slices], 256)
+        for x in range(ranks):
+            for y in range(ranks):
+                want = _pairs_by_definition(mask, x, y, local)
+                px, py = global_positions(mask, x, local), global_positions(mask, y, local)
+                want &= kept[px.clamp(min=0)][:, py.clamp(min=0)]
+                assert torch.equal(block_pairs(mask, x, y, local), want), (kind, window, x, y)
+
+
+def test_a_mask_row_is_its_slices_row():
+    """`Mask.row` (decode: a token's row over cached keys) equals the mask's slices read by
+    `sees` on the same positions, for causal, windows, full and a user's slices; empty
+    slots (-1) are never seen."""
+    gen = torch.Generator().manual_seed(4)
+    seq, b, n = 48, 6, 30
+    q_pos = torch.randint(0, seq, (b,), generator=gen)
+    k_pos = torch.randint(-1, seq, (b, n), generator=gen)
+    user = SliceMask(random_slices(seq, 6, random.Random(2), windows=True), seq)
+    for mask in (mm.Mask(), mm.Mask(False), mm.sliding_window_mask(5),
+                 mm.sliding_window_mask(3, 2, causal=False), mm.Mask(False, slices=user),
+                 mm.Mask(slices=mm.prefix_lm_mask(seq, 7)) & mm.sliding_window_mask(9),
+                 mm.sliding_window_mask(-1, 4, causal=False) & user):
+        want = sees(mask.sequence_slices(seq), q_pos, k_pos.clamp(min=0)) & (k_pos >= 0)
+        assert torch.equal(mask.row(q_pos, k_pos), want), mask.describe()

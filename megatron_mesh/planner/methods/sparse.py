@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_mesh.layer_plan import dim_groups
-from megatron_mesh.planner.cost import PricedTransfer
+from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, dim_groups
+from megatron_mesh.masks.mask import Mask
+from megatron_mesh.planner.cost import Estimate, PricedTransfer, price
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.masked import counts_of, mesh_totals, pair_flops, pairs_of
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
+from megatron_mesh.planner.tiles import mesh_calls
 from megatron_mesh.planner.windows import (
     COL_PARTS,
     PARTS,
@@ -31,7 +34,6 @@ from megatron_mesh.planner.windows import (
     heads_bytes,
     inner_shape,
     peer_bytes,
-    row_counts,
 )
 from megatron_mesh.planner.workload import Workload
 
@@ -52,8 +54,9 @@ def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
     the bytes of the rank whose part takes longest (the first of them on a tie)."""
     assert workload.window is not None
     inner = inner_shape(workload.attention_shape(), heads)
-    counts = row_counts(inner.seq_len, rows, cols, workload.window, workload.causal)
-    return exchange_transfers(workload, cluster, counts, heads)
+    mask = Mask(workload.causal, window=workload.window)
+    return exchange_transfers(workload, cluster, counts_of(mask, inner.seq_len, rows, cols, heads),
+                              heads)
 
 
 def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
@@ -94,3 +97,26 @@ def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
                                   off_node_share=off_n / n if n else 0.0,
                                   under_own_block=tensors in INBOUND))
     return out
+
+
+def mask_estimate(workload: Workload, cluster: Cluster, mask: Mask, rows: int, cols: int,
+                  heads: int = 1) -> Estimate:
+    """`mask` on a heads x rows x cols grid: the sparse exchange of its rows (the inbound
+    ones under the least own block) plus the busiest mesh rank's pairs (`workload` gives
+    the shape: its seq_length is the (packed) sequence the mask covers)."""
+    seq = workload.seq_length
+    counts = counts_of(mask, seq, rows, cols, heads)
+    transfers = exchange_transfers(workload, cluster, counts, heads)
+    block = pairs_of(mask, seq, rows, cols, heads)  # walked once for both
+    busiest = max(mesh_totals(block, rows, cols))
+    own = min(block[m, m] for m in range(rows * cols)) * pair_flops(workload, heads)
+    fwd = busiest * pair_flops(workload, heads)
+    label = f"mesh {rows}x{cols}" if heads == 1 else f"mesh {heads}x{rows}x{cols}"
+    calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
+        workload, cluster.gpus, rows, cols, heads, blocks=max(
+            mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
+        backend=cluster.gpu.backend)
+    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
+                 flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
+                 own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
+                 calls=calls)
