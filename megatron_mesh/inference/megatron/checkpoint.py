@@ -38,7 +38,7 @@ from megatron_mesh.training.model_description import (
 )
 
 EMBEDDING = "embedding.word_embeddings.weight"
-OLDER = "give another --ckpt-step"  # what to load instead of a checkpoint that cannot be
+OLDER = "give another --ckpt-step"  # what to load instead of a checkpoint that cannot be used
 # a weight's name -> the flag that makes it (named when a checkpoint and the flags differ)
 WEIGHT_FLAGS = (("softmax_offset", "--softmax-type learnable"),
                 ("q_layernorm", "--qk-layernorm"), ("k_layernorm", "--qk-layernorm"),
@@ -98,9 +98,8 @@ def _tensors_metadata(path: str) -> dict[str, Any]:
     try:
         return dist_checkpointing.load_tensors_metadata(path)
     except Exception as e:  # a damaged .metadata: pickle or torch errors of many kinds
-        text = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"checkpoint {path}: file .metadata cannot be read "
-                              f"({type(e).__name__}: {text}); {OLDER}") from None
+                              f"({type(e).__name__}); {OLDER}") from None
 
 
 def check_vocabulary(path: str, vocab: int, hidden: int) -> None:
@@ -183,18 +182,18 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     verify_manifest(path, OLDER)
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
-    except (Exception, CheckpointException) as e:  # the latter gathers every rank's failure
+    except CheckpointException as e:  # every rank's failure to read, gathered on each
         raise CheckpointError(f"checkpoint {path}: its tensor files do not hold what its "
                               f".metadata says ({_load_failure(e)}); {OLDER}") from None
     model.load_state_dict(loaded["model"])
 
 
-def _load_failure(e: BaseException) -> str:
-    """The first rank's reason in a failed load's exception: its traceback's last line."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = failures[min(failures)]
-        e = first[0] if isinstance(first, tuple) else first
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+def _load_failure(e: CheckpointException) -> str:
+    """The first failing rank's reason in a failed load: its exception's last line."""
+    cause: BaseException = e
+    if e.failures:
+        first = e.failures[min(e.failures)]
+        cause = first[0] if isinstance(first, tuple) else first
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
     reason = lines[-1].strip().split(". ")[0][:300] if lines else ""
-    return f"{type(e).__name__}: {reason}"
+    return f"{type(cause).__name__}: {reason}"
