@@ -18,7 +18,7 @@ EXTRA_MODULES = ("megatron", "yaml", "psutil")  # what the 'megatron' extra inst
 # a rank that does not print a flag error waits for the printing rank's mark at most this
 # long (that rank may have died of something else): the launcher (torchrun) stops every rank
 # at the first that ends, so none may end before the line is written
-FLAG_ERROR_WAIT_S = 300.0
+FLAG_ERROR_WAIT_S = 60.0
 # tests only: seconds the printing rank sleeps before it writes a flag error (a slow rank
 # under load); unset in any real run
 PRINT_DELAY_ENV = "MEGATRON_MESH_TEST_PRINT_DELAY_S"
