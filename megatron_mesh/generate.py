@@ -12,11 +12,12 @@ lives with the rest of generation, in megatron_mesh/inference/megatron/command.p
 from __future__ import annotations
 
 import sys
-import warnings
 
-from megatron_mesh.inference.megatron.command import main  # imports megatron-core in main only
+from megatron_mesh.training.console import quiet_library_warnings
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+quiet_library_warnings()  # the driver's set: megatron-core's notes to its own developers
+
+from megatron_mesh.inference.megatron.command import main  # noqa: E402  (megatron-core in main)
 
 __all__ = ["main"]
 

@@ -8,13 +8,17 @@
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Sequence
 
-from megatron_mesh.training.console import error, flag_error, log_to_stdout, missing_extra
+from megatron_mesh.training.console import (
+    error,
+    flag_error,
+    log_to_stdout,
+    missing_extra,
+    quiet_library_warnings,
+)
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
-warnings.filterwarnings("ignore", message="full scope is deprecated")
+quiet_library_warnings()
 
 PROG = "pretrain_gpt"
 

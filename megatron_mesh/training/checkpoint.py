@@ -30,7 +30,12 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mesh.megatron.patches import patched
-from megatron_mesh.training.checksums import CheckpointError, verify_manifest, write_manifest
+from megatron_mesh.training.checksums import (
+    CheckpointError,
+    verify_files,
+    verify_manifest,
+    write_manifest,
+)
 from megatron_mesh.training.device import has_cuda
 from megatron_mesh.training.distributed import print_rank0
 from megatron_mesh.training.model import unwrap
@@ -47,6 +52,9 @@ if TYPE_CHECKING:
     from megatron_mesh.training.config import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
+# the files every rank reads before the collective load: dist_checkpointing's metadata, the
+# common state, the tensors' index
+EARLY_FILES = ("metadata.json", "common.pt", ".metadata")
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's mark of megatron-core's Q, K, V layout
 
 
@@ -79,6 +87,23 @@ def _older(root: str, below: int | None = None) -> str:
         return "no other complete checkpoint is there (start afresh without --load)"
     return (f"load an older one with --ckpt-step N (complete here: "
             f"{', '.join(map(str, its))})")
+
+
+def read_common_state(path: str, older: str) -> dict[str, Any]:
+    """The common state of checkpoint `path` (iteration, optimizer kind, model description),
+    its early files checked against the manifest first, on this rank alone; CheckpointError
+    naming the file (and `older`, what to load instead) when one differs or is unreadable."""
+    verify_files(path, EARLY_FILES, older)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # garbage bytes: pickle, zip, torch errors of many kinds
+        why = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: its common state (common.pt, metadata.json) "
+                              f"cannot be read ({why}); {older}") from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"checkpoint {path}: common.pt holds a {type(common).__name__}, "
+                              f"not a checkpoint's common state; {older}")
+    return common
 
 
 def latest_iteration(root: str) -> int | None:
@@ -298,7 +323,7 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Any, scheduler
     if not verify_manifest(path, _older(root, iteration)):
         print_rank0(f" checkpoint {path} has no checksums (saved by an older version): "
                     "loading it unverified")
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = read_common_state(path, _older(root, iteration))
     with_optim = not (args.no_load_optim or args.finetune)
     with_rng = not (args.no_load_rng or args.finetune)
     if with_optim:

@@ -15,7 +15,7 @@ import os
 from megatron_mesh.training.checksums import CheckpointError
 
 
-def _checkpoint_path(args: argparse.Namespace) -> str:
+def _checkpoint_path(args: argparse.Namespace) -> tuple[str, int]:
     from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
 
     if not args.load:
@@ -31,17 +31,22 @@ def _checkpoint_path(args: argparse.Namespace) -> str:
     path = checkpoint_dir(args.load, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"--use-checkpoint-args: {path} is not a complete checkpoint")
-    return path
+    return path, iteration
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     """Set `args`' model-shape values to the checkpoint's; returns a line per value that
     replaced a different one ('--hidden-size 64 (was 32)'). Raises ValueError with the reason
-    when the checkpoint cannot provide them."""
-    from megatron.core import dist_checkpointing
+    when the checkpoint cannot provide them (its files checked against its checksums first)."""
+    from megatron_mesh.training.checkpoint import _older, read_common_state
+    from megatron_mesh.training.model_description import checked_description, completed
 
-    path = _checkpoint_path(args)
-    shape = dist_checkpointing.load_common_state_dict(path).get("model_shape")
+    path, iteration = _checkpoint_path(args)
+    try:
+        common = read_common_state(path, _older(args.load, iteration))
+        shape = completed(checked_description(common, path))
+    except CheckpointError as e:
+        raise ValueError(f"--use-checkpoint-args: {e}") from None
     if not shape:
         raise ValueError(f"--use-checkpoint-args: checkpoint {path} stores no model shape "
                          "(saved by an older version); give the shape flags instead")
@@ -52,6 +57,4 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) != value:
             changed.append(f"--{name.replace('_', '-')} {value} (was {getattr(args, name)})")
         setattr(args, name, value)
-    if "group_query_attention" not in shape:  # older checkpoints: GQA from the group count
-        args.group_query_attention = shape["num_query_groups"] != shape["num_attention_heads"]
     return changed

@@ -74,22 +74,24 @@ def write_manifest(folder: str) -> None:
             os.fsync(f.fileno())
 
 
-def verify_manifest(folder: str, older: str) -> bool:
-    """Check every file listed in folder's manifest (collective); False without a manifest.
-
-    Raises CheckpointError naming the checkpoint, the file and ``older`` (what to load
-    instead) on a missing file, a size or a checksum that differs.
-    """
+def _listed(folder: str, older: str) -> dict[str, list] | None:
+    """The manifest's {file: [bytes, crc32]} (None without a manifest)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        return False
+        return None
     try:
         with open(path) as f:
             listed = json.load(f)["files"]
+        if not isinstance(listed, dict):
+            raise TypeError(f"'files' is a {type(listed).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable ({e}); {older}")
-    actual = _shared(sorted(listed), folder)
-    for name in sorted(listed):
+    return listed
+
+
+def _compare(folder: str, listed: dict[str, list], actual: dict[str, list], older: str) -> None:
+    """CheckpointError naming the first file whose size or checksum is not the manifest's."""
+    for name in sorted(actual):
         size, crc = listed[name]
         got_size, got = actual[name]
         if got_size == -1:
@@ -101,4 +103,33 @@ def verify_manifest(folder: str, older: str) -> bool:
         else:
             continue
         raise CheckpointError(f"checkpoint {folder}: file {name} {problem}; {older}")
+
+
+def verify_manifest(folder: str, older: str) -> bool:
+    """Check every file listed in folder's manifest (collective); False without a manifest.
+
+    Raises CheckpointError naming the checkpoint, the file and ``older`` (what to load
+    instead) on a missing file, a size or a checksum that differs.
+    """
+    listed = _listed(folder, older)
+    if listed is None:
+        return False
+    _compare(folder, listed, _shared(sorted(listed), folder), older)
+    return True
+
+
+def verify_files(folder: str, names: tuple[str, ...], older: str) -> bool:
+    """`verify_manifest` for the manifest's files among `names` alone, on this rank (no
+    collective): the small files read before the load (common.pt, metadata). False without a
+    manifest."""
+    listed = _listed(folder, older)
+    if listed is None:
+        return False
+    actual = {}
+    for name in sorted(set(names) & set(listed)):
+        try:
+            actual[name] = list(file_checksum(os.path.join(folder, name)))
+        except OSError as e:
+            actual[name] = [-1, str(e)]
+    _compare(folder, listed, actual, older)
     return True

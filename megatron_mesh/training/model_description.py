@@ -10,6 +10,7 @@ in neither, so a new flag is classified before it can run a different model sile
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megatron_mesh.training.megatron_lm_flags import NO_EFFECT
@@ -137,3 +138,63 @@ def differences(saved: dict[str, Any], args: Any) -> list[str]:
 def unrecorded(saved: dict[str, Any]) -> list[str]:
     """The model flags a description (saved by an older version) does not record."""
     return [k for k in MODEL_FLAGS if k not in saved]
+
+
+def _invalid(value: Any, action: Any) -> str | None:
+    """Why `value` cannot be the value of the flag `action` parses (None: it can)."""
+    if value is None:
+        return None if action.default is None else "unset, and the flag has no unset value"
+    if action.nargs == 0:  # a switch
+        return None if isinstance(value, bool) else "not on / off"
+    if isinstance(action.nargs, int):  # a fixed number of values (--window-size L R)
+        if not isinstance(value, (list, tuple)) or len(value) != action.nargs:
+            return f"not {action.nargs} values"
+        return next((why for v in value if (why := _invalid_one(v, action))), None)
+    return _invalid_one(value, action)
+
+
+def _invalid_one(value: Any, action: Any) -> str | None:
+    if action.choices is not None:
+        return None if value in action.choices else \
+            f"not one of {', '.join(map(str, action.choices))}"
+    if action.type is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else \
+            "not an integer"
+    if action.type is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+        return None if ok else "not a finite number"
+    return None if isinstance(value, str) else "not text"
+
+
+def checked_description(common: dict[str, Any], path: str) -> dict[str, Any]:
+    """The model description in the common state of checkpoint `path` ({} when it has none),
+    each value checked against its flag: CheckpointError naming the first that no command
+    line could give (a description that is not a mapping, --hidden-size 64.5)."""
+    from megatron_mesh.training.arguments import build_parser
+    from megatron_mesh.training.checksums import CheckpointError
+
+    saved = common.get("model_shape") or {}
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path}: its model description (model_shape in "
+                              f"common.pt) is a {type(saved).__name__}, not a mapping of flags "
+                              "to values: give another checkpoint")
+    actions = {a.dest: a for a in build_parser()._actions}
+    for key in SAVED_FLAGS:
+        if key in saved:
+            why = _invalid(saved[key], actions[key])
+            if why:
+                raise CheckpointError(f"checkpoint {path}: its model description has "
+                                      f"{flag_name(key)} {saved[key]!r}, {why}: give another "
+                                      "checkpoint")
+    return dict(saved)
+
+
+def completed(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with what older descriptions imply: --group-query-attention from the group
+    count (the first descriptions recorded the count, not the switch)."""
+    out = dict(saved)
+    if ("group_query_attention" not in out and "num_attention_heads" in out
+            and out.get("num_query_groups") is not None):
+        out["group_query_attention"] = out["num_query_groups"] != out["num_attention_heads"]
+    return out

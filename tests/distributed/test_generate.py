@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from megatron.core import dist_checkpointing
-from preloaded import TINY, TINY_VOCAB, Job, Run, build_indexed_dataset, job_env, launch
+from preloaded import (
+    DRIVER,
+    ROOT,
+    TINY,
+    TINY_VOCAB,
+    Job,
+    Run,
+    build_indexed_dataset,
+    job_env,
+    launch,
+)
 
-from megatron_mesh.training.checksums import MANIFEST, file_checksum
+from megatron_mesh.training.checksums import MANIFEST, file_checksum, write_manifest
+from megatron_mesh.training.console import PRINT_DELAY_ENV
 from megatron_mesh.training.model_description import MODEL_FLAGS, SAVED_FLAGS
 
 GENERATE = "megatron_mesh.generate"
@@ -148,25 +161,46 @@ OLDER_DESCRIPTION = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
 """What checkpoints of an older version describe of their model."""
 
 
-def as_saved_by_an_older_version(root: Path, to: Path) -> Path:
-    """A copy of the checkpoint folder `root` whose model description holds only
-    OLDER_DESCRIPTION (its manifest updated to match)."""
-    shutil.copytree(root, to)
-    iteration = int((to / "latest_checkpointed_iteration.txt").read_text())
-    path = to / f"iter_{iteration:07d}"
+FIRST_DESCRIPTION = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "seq_length", "ffn_hidden_size")
+"""What the first checkpoints with a description recorded: the group count, not the switch."""
+
+
+def latest(root: Path) -> Path:
+    """The folder of the newest checkpoint under root."""
+    iteration = int((root / "latest_checkpointed_iteration.txt").read_text())
+    return root / f"iter_{iteration:07d}"
+
+
+def rewrite_common(path: Path, change) -> None:
+    """change(common state) on checkpoint folder `path`'s common.pt, saved back, its checksum
+    in the manifest (where there is one) updated to match."""
     common = torch.load(path / "common.pt", weights_only=False)
-    common["model_shape"] = {k: common["model_shape"][k] for k in OLDER_DESCRIPTION}
+    change(common)
     torch.save(common, path / "common.pt")
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest["files"]["common.pt"] = list(file_checksum(str(path / "common.pt")))
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    if (path / MANIFEST).exists():
+        manifest = json.loads((path / MANIFEST).read_text())
+        manifest["files"]["common.pt"] = list(file_checksum(str(path / "common.pt")))
+        (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def as_saved_by_an_older_version(root: Path, to: Path,
+                                 description: tuple[str, ...] = OLDER_DESCRIPTION) -> Path:
+    """A copy of the checkpoint folder `root` whose model description holds only
+    `description` (its manifest updated to match)."""
+    shutil.copytree(root, to)
+    path = latest(to)
+    rewrite_common(path, lambda common: common.update(
+        model_shape={k: common["model_shape"][k] for k in description}))
     return path
 
 
 def test_a_checkpoint_saved_by_an_older_version(greedy_cp1: list[dict], checkpoint: Path,
                                                prompt_file: Path, work: Path) -> None:
     """Its description lacks most model flags: those run with the flags' values, named in
-    one warning line; a flag that adds weights the checkpoint lacks (learnable sinks) exits
+    one warning line; a description of the first kind (six keys: the group count, not the
+    GQA switch) generates with a config that does not give the switch, which was refused by a
+    flag never given; a flag that adds weights the checkpoint lacks (learnable sinks) exits
     2 naming the weight and the flag (a KeyError traceback before)."""
     old = work / "ckpt-old"
     path = as_saved_by_an_older_version(checkpoint, old)
@@ -180,6 +214,20 @@ def test_a_checkpoint_saved_by_an_older_version(greedy_cp1: list[dict], checkpoi
             "10000") in warning and "--softmax-type vanilla" in warning, warning
     for got, want in zip(records, greedy_cp1, strict=True):
         assert got["generated_ids"] == want["generated_ids"][:4]
+    # the first descriptions record the group count, not --group-query-attention: a config
+    # without the switch was refused ("--num-query-groups needs --group-query-attention")
+    first = work / "ckpt-first"
+    as_saved_by_an_older_version(checkpoint, first, FIRST_DESCRIPTION)
+    config = work / "tiny-no-gqa.yaml"
+    config.write_text("".join(line for line in Path(TINY).read_text().splitlines(True)
+                              if not line.startswith("group-query-attention")))
+    run, records = generate(1, ["--config", str(config), "--load", str(first), *args[2:]],
+                            work / "first.jsonl", config=False)
+    assert run.returncode == 0, run.output[-3000:]
+    (warning,) = [line for line in run.output.splitlines() if "older version" in line]
+    assert "--group-query-attention" not in warning, warning
+    for got, want in zip(records, greedy_cp1, strict=True):
+        assert got["generated_ids"] == want["generated_ids"][:4]
     # on 4 ranks: the weights are checked after the process groups exist, each rank alike;
     # the line is printed once
     run = each_rank(4, ["--config", TINY, *args, "--softmax-type", "learnable", *GRIDS["2x2"]])
@@ -188,6 +236,116 @@ def test_a_checkpoint_saved_by_an_older_version(greedy_cp1: list[dict], checkpoi
     assert (f"checkpoint {path} has no weight decoder.layers.self_attention.core_attention."
             "softmax_offset, which the flags' model has (made by --softmax-type learnable)"
             ) in line, line
+
+
+@pytest.fixture(scope="module")
+def hidden32(work: Path) -> Path:
+    """The driver's checkpoint of a model of hidden size 32 (otherwise tiny-cpu.yaml's), mock
+    data, 4 iterations."""
+    run = launch(1, ["--config", TINY, "--train-iters", "4", "--hidden-size", "32",
+                     "--save", str(work / "ckpt-h32")])
+    assert run.returncode == 0, run.output[-3000:]
+    return work / "ckpt-h32"
+
+
+def _damaged(root: Path, to: Path, checksums: bool = True) -> Path:
+    """A copy of checkpoint folder `root` (without its manifest unless `checksums`); the
+    newest checkpoint's folder in it."""
+    shutil.copytree(root, to)
+    path = latest(to)
+    if not checksums:
+        (path / MANIFEST).unlink()
+    return path
+
+
+def _error(run: Run, prog: str = "generate") -> str:
+    """The one error line of a job that exited 2 without a traceback."""
+    assert run.returncode == 2, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1 and "Traceback" not in run.output, run.output[-3000:]
+    return errors[0]
+
+
+def test_damaged_checkpoints_exit_2_naming_what_differs(
+        checkpoint: Path, hidden32: Path, prompt_file: Path, work: Path) -> None:
+    """A common.pt of garbage bytes (with or without its checksums), a model description that
+    is not a mapping or holds --hidden-size 64.5, the weights of a hidden-32 model in the
+    checkpoint of another, tensor files of another model without checksums: generate and
+    pretrain_gpt --use-checkpoint-args read common.pt before any check (UnpicklingError,
+    ValueError, torch's CheckpointException tracebacks) or named the vocabulary, which does
+    not differ. Each exits 2 with one line naming the file, flag or tensor that differs."""
+    prompts = ["--prompt-ids-file", str(prompt_file), "--max-new-tokens", "4"]
+
+    def both(root: Path) -> tuple[str, str]:
+        """generate's line, and --use-checkpoint-args' of the driver on the same folder."""
+        gen = _error(launch(1, ["--config", TINY, "--load", str(root), *prompts],
+                            module=GENERATE))
+        drv = _error(launch(1, ["--config", TINY, "--train-iters", "6", "--load", str(root),
+                                "--use-checkpoint-args"], module=DRIVER), "pretrain_gpt")
+        return gen, drv
+
+    def garbage(common: Path) -> None:  # as many bytes as were written
+        size = common.stat().st_size
+        common.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
+
+    path = _damaged(checkpoint, work / "bad-common")
+    garbage(path / "common.pt")
+    gen, drv = both(work / "bad-common")
+    assert gen.startswith(f"generate: error: checkpoint {path}: file common.pt is corrupted "
+                          "(crc32 "), gen
+    assert drv.startswith(f"pretrain_gpt: error: --use-checkpoint-args: checkpoint {path}: "
+                          "file common.pt is corrupted (crc32 "), drv
+
+    path = _damaged(checkpoint, work / "bad-common-unlisted", checksums=False)
+    garbage(path / "common.pt")
+    unreadable = (f"checkpoint {path}: its common state (common.pt, metadata.json) cannot be "
+                  "read (UnpicklingError)")
+    for line in both(work / "bad-common-unlisted"):
+        assert unreadable in line, line
+
+    for name, shape, message in (
+            ("list", [64, 2], "its model description (model_shape in common.pt) is a list, "
+                              "not a mapping of flags to values"),
+            ("half", {"hidden_size": 64.5}, "its model description has --hidden-size 64.5, "
+                                            "not an integer")):
+        path = _damaged(checkpoint, work / f"description-{name}")
+        rewrite_common(path, lambda common: common.update(model_shape=shape))
+        for line in both(work / f"description-{name}"):
+            assert f"checkpoint {path}: {message}" in line, line
+
+    # the weights of a hidden-32 model (.metadata and tensor files), checksums to match
+    path = _damaged(checkpoint, work / "weights-h32")
+    for f in latest(hidden32).iterdir():
+        if f.suffix == ".distcp" or f.name == ".metadata":
+            shutil.copy(f, path / f.name)
+    write_manifest(str(path))
+    line = _error(launch(1, ["--config", TINY, "--load", str(work / "weights-h32"), *prompts],
+                         module=GENERATE))
+    assert (f"checkpoint {path} holds embedding.word_embeddings.weight of shape [256, 32], the "
+            "flags' model (--hidden-size 64) [256, 64]: give the model flags it was trained "
+            "with") in line, line
+
+    # tensor files of the hidden-32 model under the other's .metadata, no checksums: shorter
+    # than the offsets it names, found before any process group
+    path = _damaged(checkpoint, work / "files-h32", checksums=False)
+    for f in latest(hidden32).glob("*.distcp"):
+        shutil.copy(f, path / f.name)
+    line = _error(launch(1, ["--config", TINY, "--load", str(work / "files-h32"), *prompts],
+                         module=GENERATE))
+    assert f"checkpoint {path}: file __0_0.distcp has " in line, line
+    assert "the tensor files are not this checkpoint's" in line, line
+    # the other way round (longer files at other offsets) fails in the load itself: one line
+    # from 2 ranks, the same on both
+    path = _damaged(hidden32, work / "files-h64", checksums=False)
+    for f in latest(checkpoint).glob("*.distcp"):
+        if (path / f.name).exists():
+            shutil.copy(f, path / f.name)
+    run = launch(2, ["--config", TINY, "--load", str(work / "files-h64"), "--hidden-size", "32",
+                     *prompts, "--context-parallel-size", "2", "--cp-comm-type", "mesh"],
+                 module=GENERATE)
+    line = _error(run)
+    assert (f"checkpoint {path}: its tensor files do not hold what its .metadata says ("
+            ) in line and "loaded weights" not in run.output, line
 
 
 @pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
@@ -355,3 +513,39 @@ def test_bad_sampling_flags_and_prompt_files_exit_2_when_parsed(checkpoint: Path
                          str(prompt_file), *extra], module=GENERATE, timeout=120)
         line = refused(run)
         assert line == f"generate: error: {message}", (extra, line)
+
+
+def test_a_fresh_generate_prints_no_library_warnings(checkpoint: Path, prompt_file: Path,
+                                                     work: Path) -> None:
+    """generate printed megatron-core's and torch's notes to their developers (a deprecated
+    CUDA-graph scope, DCP's load_state_dict, ShardedTensor; about 16 lines on 4 ranks) that
+    the driver hides. A fresh process, not forked from the tests' server (which imported the
+    driver, filters and all): its own lines only, nothing on stderr."""
+    out = work / "fresh.jsonl"
+    proc = subprocess.run([sys.executable, "-m", GENERATE, "--config", TINY, "--load",
+                           str(checkpoint), "--prompt-ids-file", str(prompt_file),
+                           "--max-new-tokens", "2", "--output", str(out)],
+                          env=job_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr == "" and "Warning" not in proc.stdout, proc.stderr[-3000:]
+    assert "loaded weights" in proc.stdout and out.exists()
+
+
+def test_a_flag_error_under_torchrun_is_printed_by_a_slow_rank(tmp_path: Path) -> None:
+    """torchrun stops every rank once one ends. The first local rank prints a flag error;
+    the others waited a fixed 2 s and exited, so a printing rank slower than that (a loaded
+    machine; here slowed by 15 s through the tests' hook) was stopped with SIGTERM before it
+    wrote, and `generate --max-new-tokens 0` on 2 ranks exited with no line at all. The
+    others now wait until the line is written."""
+    (tmp_path / "prompts.json").write_text("[[1, 2]]")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", GENERATE, "--load", str(tmp_path),
+                           "--prompt-ids-file", str(tmp_path / "prompts.json"),
+                           "--max-new-tokens", "0"],
+                          env=job_env(**{PRINT_DELAY_ENV: "15"}), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("generate: error:")]
+    assert errors == ["generate: error: --max-new-tokens must be a positive integer, got 0"], \
+        output[-3000:]

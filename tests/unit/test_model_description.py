@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from megatron_mesh.training.arguments import build_parser, parse_args
+from megatron_mesh.training.checksums import CheckpointError
 from megatron_mesh.training.model_description import (
     MODEL_FLAGS,
     OTHER_FLAGS,
     SAVED_FLAGS,
+    checked_description,
+    completed,
     describe,
     differences,
     unrecorded,
@@ -84,3 +87,36 @@ def test_an_older_description_names_what_it_does_not_record() -> None:
     old = {k: v for k, v in saved.items() if k not in ("rotary_base", "softmax_type")}
     assert unrecorded(old) == ["rotary_base", "softmax_type"]
     assert differences(old, parse_args(["--config", TINY, "--rotary-base", "500"])) == []
+
+
+def test_a_description_no_command_line_could_give_is_refused_by_flag() -> None:
+    """A saved description's values took the place of the parser's defaults unchecked:
+    --hidden-size 64.5 ran into a misleading vocabulary message. Each value is checked
+    against its flag (integer, number, switch, choice, two values, unset where allowed)."""
+    saved = describe(parse_args(["--config", TINY]))
+    assert checked_description({"model_shape": saved}, "ckpt") == saved
+    assert checked_description({}, "ckpt") == {}
+    for key, value, why in (("hidden_size", 64.5, "not an integer"),
+                            ("num_layers", True, "not an integer"),
+                            ("norm_epsilon", "1e-5", "not a finite number"),
+                            ("swiglu", 1, "not on / off"),
+                            ("normalization", "BatchNorm", "not one of LayerNorm, RMSNorm"),
+                            ("window_size", [8], "not 2 values"),
+                            ("hidden_size", None, "unset, and the flag has no unset value")):
+        with pytest.raises(CheckpointError) as e:
+            checked_description({"model_shape": {**saved, key: value}}, "ckpt")
+        assert str(e.value) == (f"checkpoint ckpt: its model description has --"
+                                f"{key.replace('_', '-')} {value!r}, {why}: give another "
+                                "checkpoint"), str(e.value)
+    with pytest.raises(CheckpointError, match="model_shape in common.pt\\) is a list, not a "
+                                              "mapping"):
+        checked_description({"model_shape": [64, 2]}, "ckpt")
+
+
+def test_the_first_descriptions_imply_the_gqa_switch_by_the_group_count() -> None:
+    first = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "seq_length": 64, "ffn_hidden_size": 128}
+    assert completed(first)["group_query_attention"] is True
+    assert completed({**first, "num_query_groups": 4})["group_query_attention"] is False
+    assert "group_query_attention" not in completed({**first, "num_query_groups": None})
+    assert completed({**first, "group_query_attention": False})["group_query_attention"] is False

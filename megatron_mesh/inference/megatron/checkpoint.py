@@ -16,14 +16,21 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
+from megatron_mesh.training.checkpoint import (
+    checkpoint_dir,
+    latest_iteration,
+    read_common_state,
+)
 from megatron_mesh.training.checksums import CheckpointError, verify_manifest
 from megatron_mesh.training.model_description import (
     MODEL_FLAGS,
+    checked_description,
+    completed,
     differences,
     flag_name,
     unrecorded,
@@ -31,6 +38,7 @@ from megatron_mesh.training.model_description import (
 )
 
 EMBEDDING = "embedding.word_embeddings.weight"
+OLDER = "give another --ckpt-step"  # what to load instead of a checkpoint that cannot be used
 # a weight's name -> the flag that makes it (named when a checkpoint and the flags differ)
 WEIGHT_FLAGS = (("softmax_offset", "--softmax-type learnable"),
                 ("q_layernorm", "--qk-layernorm"), ("k_layernorm", "--qk-layernorm"),
@@ -55,12 +63,11 @@ def checkpoint_path(root: str, step: int | None) -> str:
 
 
 def saved_model(path: str) -> dict[str, Any]:
-    """The checkpoint's model description ({flag dest: value}; empty from a very old one)."""
-    try:
-        common = dist_checkpointing.load_common_state_dict(path)
-    except (CheckpointingException, OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path}: its common state is unreadable ({e})") from None
-    return dict(common.get("model_shape") or {})
+    """The checkpoint's model description ({flag dest: value}; empty from a very old one),
+    with what an older description implies (`model_description.completed`). Its files are
+    checked against the checksums first; CheckpointError on a file that differs or is
+    unreadable, or a description no command line could give."""
+    return completed(checked_description(read_common_state(path, OLDER), path))
 
 
 def model_defaults(saved: dict[str, Any]) -> dict[str, Any]:
@@ -87,15 +94,55 @@ def unrecorded_warning(path: str, missing: list[str], args: Any) -> str:
             "was trained with")
 
 
+def _tensors_metadata(path: str) -> dict[str, Any]:
+    try:
+        return dist_checkpointing.load_tensors_metadata(path)
+    except Exception as e:  # a damaged .metadata: pickle or torch errors of many kinds
+        raise CheckpointError(f"checkpoint {path}: file .metadata cannot be read "
+                              f"({type(e).__name__}); {OLDER}") from None
+
+
 def check_vocabulary(path: str, vocab: int, hidden: int) -> None:
-    """CheckpointError when the padded vocabulary the flags make differs from the
-    embedding's saved shape."""
-    meta = dist_checkpointing.load_tensors_metadata(path)
-    emb = meta.get(EMBEDDING)
-    if emb is not None and tuple(emb.global_shape) != (vocab, hidden):
-        raise CheckpointError(f"checkpoint {path} has a {emb.global_shape[0]}-token padded "
-                              f"vocabulary, the flags make {vocab}: give the --vocab-size / "
-                              "tokenizer it was trained with")
+    """CheckpointError when the embedding's saved shape differs from the flags' model's
+    [padded vocabulary, hidden size], naming which."""
+    emb = _tensors_metadata(path).get(EMBEDDING)
+    if emb is None:
+        return
+    shape = list(emb.global_shape)
+    if shape[0] != vocab:
+        raise CheckpointError(f"checkpoint {path} has a {shape[0]}-token padded vocabulary, the "
+                              f"flags make {vocab}: give the --vocab-size / tokenizer it was "
+                              "trained with")
+    if shape != [vocab, hidden]:
+        raise CheckpointError(f"checkpoint {path} holds {EMBEDDING} of shape {shape}, the flags' "
+                              f"model (--hidden-size {hidden}) [{vocab}, {hidden}]: give the "
+                              "model flags it was trained with")
+
+
+def check_tensor_files(path: str) -> None:
+    """CheckpointError when a tensor file the checkpoint's .metadata indexes is missing or
+    shorter than the bytes it places there (files of another checkpoint, a cut copy):
+    on this rank alone, before the collective load."""
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: file .metadata cannot be read "
+                              f"({type(e).__name__}); {OLDER}") from None
+    ends: dict[str, tuple[int, str]] = {}
+    for index, info in storage.items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    for name, (end, key) in sorted(ends.items()):
+        try:
+            size = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            raise CheckpointError(f"checkpoint {path}: file {name}, which its .metadata "
+                                  f"indexes, is missing; {OLDER}") from None
+        if size < end:
+            raise CheckpointError(f"checkpoint {path}: file {name} has {size} bytes, its "
+                                  f".metadata places {key} up to byte {end}: the tensor files "
+                                  f"are not this checkpoint's; {OLDER}")
 
 
 def _flag_of(key: str) -> str:
@@ -108,7 +155,7 @@ def check_weights(path: str, model: torch.nn.Module) -> None:
     share (missing on either side, or another global shape). Reads the checkpoint's metadata
     and the model's sharded state dict on this rank alone: every rank decides the same,
     before the collective load."""
-    meta = dist_checkpointing.load_tensors_metadata(path)
+    meta = _tensors_metadata(path)
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
     mine = {t.key: tuple(t.global_shape) for t in nested_values(sharded)
@@ -129,7 +176,24 @@ def check_weights(path: str, model: torch.nn.Module) -> None:
 
 
 def load_weights(path: str, model: torch.nn.Module) -> None:
-    """Collective: verify the checksums, then load the model's weights (not the optimizer)."""
-    verify_manifest(path, "give another --ckpt-step")
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    """Collective: verify the checksums, then load the model's weights (not the optimizer).
+    CheckpointError, the same on every rank, when the tensor files do not hold what the
+    checkpoint's .metadata says (files of another model in a checkpoint without checksums)."""
+    verify_manifest(path, OLDER)
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+    except CheckpointException as e:  # every rank's failure to read, gathered on each
+        raise CheckpointError(f"checkpoint {path}: its tensor files do not hold what its "
+                              f".metadata says ({_load_failure(e)}); {OLDER}") from None
     model.load_state_dict(loaded["model"])
+
+
+def _load_failure(e: CheckpointException) -> str:
+    """The first failing rank's reason in a failed load: its exception's last line."""
+    cause: BaseException = e
+    if e.failures:
+        first = e.failures[min(e.failures)]
+        cause = first[0] if isinstance(first, tuple) else first
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    reason = lines[-1].strip().split(". ")[0][:300] if lines else ""
+    return f"{type(cause).__name__}: {reason}"

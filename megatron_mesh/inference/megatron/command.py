@@ -51,7 +51,11 @@ def _check(argv: list[str]) -> tuple[GenerateConfig, TrainingConfig, Any, list[l
     import os
 
     from megatron_mesh.inference.megatron.arguments import load_prompts, parse_generate
-    from megatron_mesh.inference.megatron.checkpoint import check_vocabulary, unrecorded_warning
+    from megatron_mesh.inference.megatron.checkpoint import (
+        check_tensor_files,
+        check_vocabulary,
+        unrecorded_warning,
+    )
     from megatron_mesh.training.data import build_tokenizer
     from megatron_mesh.training.model import padded_vocab_size
 
@@ -60,6 +64,7 @@ def _check(argv: list[str]) -> tuple[GenerateConfig, TrainingConfig, Any, list[l
     prompts = load_prompts(gen, tokenizer, tokenizer.vocab_size, args.max_position_embeddings)
     path = gen.checkpoint
     check_vocabulary(path, padded_vocab_size(tokenizer.vocab_size, args), args.hidden_size)
+    check_tensor_files(path)
     if gen.unrecorded and os.environ.get("RANK", "0") == "0":
         print(unrecorded_warning(path, list(gen.unrecorded), args), flush=True)
     return gen, args, tokenizer, prompts
@@ -88,12 +93,12 @@ def _run(gen: GenerateConfig, args: TrainingConfig, tokenizer: Any,
             distributed.init_model_parallel(args)
             distributed.set_seed(args.seed)
             model = build_generation_model(args, tokenizer.vocab_size)
-            try:
-                check_weights(path, model)  # the same verdict on every rank, before the load
+            try:  # the same verdict on every rank: printed once
+                check_weights(path, model)  # before the load, from the files alone
+                load_weights(path, model)
             except CheckpointError as e:
                 flag_error(PROG, str(e))
                 return 2
-            load_weights(path, model)
             distributed.print_rank0(f" loaded weights of {path}; generating for "
                                     f"{len(prompts)} prompts on CP {args.context_parallel_size}"
                                     + (f" (mesh {shape_text(*args.mesh_shape)})"
