@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from megatron_mesh.training.preprocess_data import InputError, preprocess
+        from megatron_mesh.training.preprocess_data import InputError, Stopped, preprocess
     except ModuleNotFoundError as e:
         _fail(f"preprocess needs the 'megatron' extra (no module named {e.name!r}): "
               "pip install 'megatron-mesh[megatron]'")
@@ -80,6 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = preprocess(args)
     except InputError as e:
         _fail(str(e))
+    except Stopped as e:
+        lead = "\n" if sys.stderr.isatty() else ""  # after the progress line's \r
+        sys.stderr.write(f"{lead}preprocess: stopped by {e}: nothing written (the dataset's "
+                         "files appear only complete; what the output paths held stays)\n")
+        sys.stderr.flush()
+        raise SystemExit(128 + e.signum) from None
     print(summary.text(), flush=True)
     return 0
 
