@@ -135,11 +135,15 @@ def test_a_failed_rerun_leaves_the_earlier_dataset_whole(tmp_path: Path,
 
 def test_two_runs_to_one_prefix_at_once_leave_one_runs_whole_output(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Two runs (threads of this process) write 4000 documents each to the same prefix at
-    once: the dataset left is exactly one run's, its lengths file the same run's."""
-    count = 4000
-    inputs = {run: _jsonl(tmp_path / f"{run}.jsonl",
-                          [f"{run} {i % 900} {run}" for i in range(count)]) for run in (1, 2)}
+    """Two runs (threads of this process) write to the same prefix at once, one 4000
+    documents of 40 tokens, the other 6000 of 1 (writing the first blocks of the .bin last,
+    and finishing first): the dataset left is exactly one run's, its lengths file the same
+    run's, and no private file stays."""
+    shapes = {1: (4000, 40), 2: (6000, 1)}  # documents, tokens each
+    want = {run: [[run, *[i % 900] * (n - 2), run][:n] for i in range(count)]
+            for run, (count, n) in shapes.items()}
+    inputs = {run: _jsonl(tmp_path / f"{run}.jsonl", [" ".join(map(str, d)) for d in docs])
+              for run, docs in want.items()}
     prefix = str(tmp_path / "shared")
     codes: dict[int, object] = {}
 
@@ -157,9 +161,11 @@ def test_two_runs_to_one_prefix_at_once_leave_one_runs_whole_output(
         t.join()
     assert codes == {1: 0, 2: 0}, capsys.readouterr().err
     got = _tokens(prefix + "_text_document")
-    assert got in ([[run, i % 900, run] for i in range(count)] for run in (1, 2)), got[:3]
+    winner = 1 if len(got) == shapes[1][0] else 2
+    assert got == want[winner], [d for d in got if d[0] != d[-1] or d[0] != winner][:3]
     lengths = json.loads(Path(prefix + "_text_document_lengths.json").read_text())
-    assert (lengths["documents"], lengths["tokens"]) == (count, 3 * count)
+    assert (lengths["documents"], lengths["tokens"]) == (shapes[winner][0],
+                                                         shapes[winner][0] * shapes[winner][1])
     assert _files(tmp_path) == {"1.jsonl", "2.jsonl", *(f"shared_text_document{s}" for s in
                                                          (".bin", ".idx", "_lengths.json"))}
 
