@@ -7,8 +7,10 @@
 --input is a JSON lines file (one document a line, its text under --json-key) or a folder
 (every file under it one document). Writes PREFIX_KEY_document.bin / .idx (give
 PREFIX_KEY_document to --data-path) and PREFIX_KEY_document_lengths.json (the length
-histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads); shows progress on
-stderr and a summary on stdout. Bad input exits 2 with one line. The work is in
+histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads), all three only
+whole (private names, renamed at the end; the folder made when missing); shows progress on
+stderr and a summary on stdout. Bad input or an output it cannot write exits 2 with one
+line before tokenizing; SIGINT / SIGTERM exit 128 + the signal, leaving nothing. The work is in
 megatron_mesh/training/preprocess_data.py; docs/training.md, "Real data", walks through it.
 """
 from __future__ import annotations

@@ -9,6 +9,8 @@ processes (documents keep their input order), an end-of-document id appended wit
 progress line on stderr shows documents, tokens, tokens/s and the ETA from input bytes
 read; the summary gives the length percentiles and writes the length histogram
 (`planner/length_histogram.py`) the planner's `--doc-length-dist histogram:FILE` reads.
+The input is read whole once before tokenizing (a bad line stops the run at once), and the
+three files appear only whole (`DatasetFiles`).
 """
 from __future__ import annotations
 
