@@ -7,8 +7,10 @@
 --input is a JSON lines file (one document a line, its text under --json-key) or a folder
 (every file under it one document). Writes PREFIX_KEY_document.bin / .idx (give
 PREFIX_KEY_document to --data-path) and PREFIX_KEY_document_lengths.json (the length
-histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads); shows progress on
-stderr and a summary on stdout. Bad input exits 2 with one line. The work is in
+histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads), all three only
+whole (private names, renamed at the end; the folder made when missing); shows progress on
+stderr and a summary on stdout. Bad input or an output it cannot write exits 2 with one
+line before tokenizing; SIGINT / SIGTERM exit 128 + the signal, leaving nothing. The work is in
 megatron_mesh/training/preprocess_data.py; docs/training.md, "Real data", walks through it.
 """
 from __future__ import annotations
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from megatron_mesh.training.preprocess_data import InputError, preprocess
+        from megatron_mesh.training.preprocess_data import InputError, Stopped, preprocess
     except ModuleNotFoundError as e:
         _fail(f"preprocess needs the 'megatron' extra (no module named {e.name!r}): "
               "pip install 'megatron-mesh[megatron]'")
@@ -80,6 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = preprocess(args)
     except InputError as e:
         _fail(str(e))
+    except Stopped as e:
+        lead = "\n" if sys.stderr.isatty() else ""  # after the progress line's \r
+        sys.stderr.write(f"{lead}preprocess: stopped by {e}: nothing written (the dataset's "
+                         "files appear only complete; what the output paths held stays)\n")
+        sys.stderr.flush()
+        raise SystemExit(128 + e.signum) from None
     print(summary.text(), flush=True)
     return 0
 

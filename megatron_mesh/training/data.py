@@ -24,6 +24,7 @@ from megatron_mesh.megatron.compat import (
     null_tokenizer_options,
 )
 from megatron_mesh.training.device import device, has_cuda
+from megatron_mesh.training.gpt2_bpe import gpt2_bpe_tokenizer
 from megatron_mesh.training.packing import document_lengths
 from megatron_mesh.training.pipeline import batch_keys
 from megatron_mesh.training.placement import document_packer
@@ -43,15 +44,14 @@ _LIBRARIES = {
 
 def build_tokenizer(args: TrainingConfig) -> MegatronTokenizerBase:
     """megatron-core's tokenizer for --tokenizer-type (NullTokenizer: ids are tokens, ids
-    0 .. V - 1 of --vocab-size V and the end-of-document id V)."""
+    0 .. V - 1 of --vocab-size V and the end-of-document id V; GPT2BPETokenizer: from
+    --vocab-file and --merge-file alone, `gpt2_bpe`)."""
     metadata = {"library": _LIBRARIES[args.tokenizer_type] or null_tokenizer_library()}
     if args.tokenizer_type == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path=metadata,
                                                  **null_tokenizer_options(args.vocab_size))
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path="GPT2BPETokenizer", metadata_path=metadata,
-            vocab_file=args.vocab_file, merges_file=args.merge_file)
+    if args.tokenizer_type == "GPT2BPETokenizer":  # from the local files, no hub
+        return gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
     return MegatronTokenizer.from_pretrained(tokenizer_path=args.tokenizer_model,
                                              metadata_path=metadata)
 
