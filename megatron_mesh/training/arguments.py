@@ -377,7 +377,7 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
     from megatron_mesh.training.checkpoint_args import apply_checkpoint_args
 
     try:
-        changed = apply_checkpoint_args(args)
+        changed = apply_checkpoint_args(args, build_parser())
     except ValueError as e:
         _fail(str(e))
     if changed and os.environ.get("RANK", "0") == "0":

@@ -34,9 +34,11 @@ def _checkpoint_path(args: argparse.Namespace) -> tuple[str, int]:
     return path, iteration
 
 
-def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
+def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentParser
+                          ) -> list[str]:
     """Set `args`' model-shape values to the checkpoint's; returns a line per value that
-    replaced a different one ('--hidden-size 64 (was 32)'). Raises ValueError with the reason
+    replaced a different one ('--hidden-size 64 (was 32)'), each checked against its flag in
+    the driver's `parser`. Raises ValueError with the reason
     when the checkpoint cannot provide them (its files checked against its checksums first)."""
     from megatron_mesh.training.checkpoint import _older, read_common_state
     from megatron_mesh.training.model_description import checked_description, completed
@@ -44,7 +46,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     path, iteration = _checkpoint_path(args)
     try:
         common = read_common_state(path, _older(args.load, iteration))
-        shape = completed(checked_description(common, path))
+        shape = completed(checked_description(common, path, parser))
     except CheckpointError as e:
         raise ValueError(f"--use-checkpoint-args: {e}") from None
     if not shape:

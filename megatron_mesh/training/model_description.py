@@ -10,6 +10,7 @@ in neither, so a new flag is classified before it can run a different model sile
 """
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
@@ -167,11 +168,12 @@ def _invalid_one(value: Any, action: Any) -> str | None:
     return None if isinstance(value, str) else "not text"
 
 
-def checked_description(common: dict[str, Any], path: str) -> dict[str, Any]:
+def checked_description(common: dict[str, Any], path: str,
+                        parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The model description in the common state of checkpoint `path` ({} when it has none),
-    each value checked against its flag: CheckpointError naming the first that no command
-    line could give (a description that is not a mapping, --hidden-size 64.5)."""
-    from megatron_mesh.training.arguments import build_parser
+    each value checked against its flag in the driver's `parser`: CheckpointError naming the
+    first that no command line could give (a description that is not a mapping,
+    --hidden-size 64.5)."""
     from megatron_mesh.training.checksums import CheckpointError
 
     saved = common.get("model_shape") or {}
@@ -179,7 +181,7 @@ def checked_description(common: dict[str, Any], path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: its model description (model_shape in "
                               f"common.pt) is a {type(saved).__name__}, not a mapping of flags "
                               "to values: give another checkpoint")
-    actions = {a.dest: a for a in build_parser()._actions}
+    actions = {a.dest: a for a in parser._actions}
     for key in SAVED_FLAGS:
         if key in saved:
             why = _invalid(saved[key], actions[key])

@@ -22,6 +22,7 @@ from megatron_mesh.training.model_description import (
 )
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml")
+PARSER = build_parser()
 
 
 @pytest.fixture(autouse=True)
@@ -94,8 +95,8 @@ def test_a_description_no_command_line_could_give_is_refused_by_flag() -> None:
     --hidden-size 64.5 ran into a misleading vocabulary message. Each value is checked
     against its flag (integer, number, switch, choice, two values, unset where allowed)."""
     saved = describe(parse_args(["--config", TINY]))
-    assert checked_description({"model_shape": saved}, "ckpt") == saved
-    assert checked_description({}, "ckpt") == {}
+    assert checked_description({"model_shape": saved}, "ckpt", PARSER) == saved
+    assert checked_description({}, "ckpt", PARSER) == {}
     for key, value, why in (("hidden_size", 64.5, "not an integer"),
                             ("num_layers", True, "not an integer"),
                             ("norm_epsilon", "1e-5", "not a finite number"),
@@ -104,13 +105,13 @@ def test_a_description_no_command_line_could_give_is_refused_by_flag() -> None:
                             ("window_size", [8], "not 2 values"),
                             ("hidden_size", None, "unset, and the flag has no unset value")):
         with pytest.raises(CheckpointError) as e:
-            checked_description({"model_shape": {**saved, key: value}}, "ckpt")
+            checked_description({"model_shape": {**saved, key: value}}, "ckpt", PARSER)
         assert str(e.value) == (f"checkpoint ckpt: its model description has --"
                                 f"{key.replace('_', '-')} {value!r}, {why}: give another "
                                 "checkpoint"), str(e.value)
     with pytest.raises(CheckpointError, match="model_shape in common.pt\\) is a list, not a "
                                               "mapping"):
-        checked_description({"model_shape": [64, 2]}, "ckpt")
+        checked_description({"model_shape": [64, 2]}, "ckpt", PARSER)
 
 
 def test_the_first_descriptions_imply_the_gqa_switch_by_the_group_count() -> None:

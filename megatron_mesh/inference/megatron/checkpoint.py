@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_mesh.training.arguments import build_parser
 from megatron_mesh.training.checkpoint import (
     checkpoint_dir,
     latest_iteration,
@@ -67,7 +68,8 @@ def saved_model(path: str) -> dict[str, Any]:
     with what an older description implies (`model_description.completed`). Its files are
     checked against the checksums first; CheckpointError on a file that differs or is
     unreadable, or a description no command line could give."""
-    return completed(checked_description(read_common_state(path, OLDER), path))
+    return completed(checked_description(read_common_state(path, OLDER), path,
+                                         build_parser()))
 
 
 def model_defaults(saved: dict[str, Any]) -> dict[str, Any]:
