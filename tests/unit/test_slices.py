@@ -270,7 +270,7 @@ RULE_PATTERN = re.compile(
     r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
-                  "masks/layout.py", "masks/placed.py"}
+                  "masks/layout.py", "masks/placed.py", "masks/chunked.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -412,3 +412,50 @@ def test_every_mask_kind_is_its_slices(kind):
                 for y in range(ranks):
                     want = _pairs_by_definition(mask, x, y, local)
                     assert torch.equal(block_pairs(mask, x, y, local), want), (kind, window, x, y)
+
+
+# ---- chunked attention (Llama 4's local layers) ----
+
+def _chunked_by_definition(seq: int, chunk: int, cu: list[int] | None = None) -> torch.Tensor:
+    """[seq, seq] bool: query i sees key j iff j <= i and i // chunk == j // chunk, positions
+    counted from the start of their document (the same document only, with `cu`)."""
+    cu = [0, seq] if cu is None else cu
+    doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    pos = torch.arange(seq) - torch.tensor(cu)[doc]
+    i, j = pos[:, None], pos[None, :]
+    same = doc[:, None] == doc[None, :]
+    return same & (j <= i) & (i // chunk == j // chunk)
+
+
+@pytest.mark.parametrize("seq,chunk,cu", [(64, 8, None), (64, 5, None), (30, 64, None),
+                                          (1, 1, None), (40, 6, [0, 7, 7, 26, 40]),
+                                          (48, 4, [0, 48])])
+def test_chunked_mask_is_the_definition(seq, chunk, cu):
+    mask = mm.chunked_mask(seq, chunk, cu)
+    assert torch.equal(dense([s.as_tuple for s in mask.slices], seq),
+                       _chunked_by_definition(seq, chunk, cu))
+    assert mask == mm.chunked_mask(seq, chunk, cu) and mask.seq_len == seq
+    if chunk >= seq and cu is None:  # one chunk: the plain causal mask
+        assert [s.as_tuple for s in mask.slices] == [(0, seq, 0, seq, "causal")]
+
+
+@pytest.mark.parametrize("args,words", [((0, 4), "seq_len=0"), ((8, 0), "chunk=0"),
+                                        ((8, True), "chunk=True"),
+                                        ((8, 4, [0, 9]), "must rise from 0 to seq_len=8"),
+                                        ((8, 4, [0, 5, 3, 8]), "must rise")])
+def test_chunked_mask_names_bad_values(args, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        mm.chunked_mask(*args)
+
+
+def test_the_chunked_mask_is_one_file():
+    """Outside the Megatron integration only masks/chunked.py (and the package's __init__,
+    which exports it) knows chunked attention; it imports nothing of the package but slices."""
+    mentions = {name for name, text in _sources().items()
+                if re.search(r"chunked_mask", text)
+                and not name.startswith(("megatron/", "training/"))}
+    assert mentions == {"masks/chunked.py", "__init__.py"}, mentions
+    tree = ast.parse((PACKAGE / "masks/chunked.py").read_text())
+    project = {node.module for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.level}
+    assert project == {"slices"}
