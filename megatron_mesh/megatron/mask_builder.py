@@ -18,6 +18,11 @@ Chunked layers (`--attention-chunk-size N`, Llama 4's local attention): every la
 applies RoPE (megatron-core's `no_rope_freq`: 0 for the layer) attends causally within
 chunks of N tokens (`masks/chunked.py`); the layers without RoPE attend causally over the
 whole sequence.
+
+Megatron-LM's own pretrain_gpt.py splits the batch over the CP ranks before the model sees
+it; there `attach_mask_builder` puts a forward pre-hook on the GPTModel that gathers the
+micro-batch's tokens and positions over the CP group (its zigzag shares, in order), calls
+the builder on the whole sequence and passes the mask as `packed_seq_params`.
 """
 from __future__ import annotations
 
@@ -30,9 +35,11 @@ from typing import Any, Callable
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_mesh.masks.layout import zigzag_merge
 from megatron_mesh.masks.slices import SliceMask, as_mask
 
-__all__ = ["MaskBuilderError", "MaskedSeqParams", "build_mask", "layer_chunk",
+__all__ = ["MaskBuilderError", "MaskedSeqParams", "attach_mask_builder", "build_mask",
+           "layer_chunk",
            "load_mask_builder", "masked_seq_params"]
 
 FLAG = "--mesh-mask-builder"
@@ -134,3 +141,45 @@ def layer_chunk(config: Any, layer_number: int, chunk: int | None) -> int | None
     else:
         skipped = bool(no_rope) and bool(no_rope[layer_number - 1])
     return None if skipped else chunk
+
+
+def _whole(share: torch.Tensor, group: Any) -> torch.Tensor:
+    """[b, s] on the CPU from this rank's zigzag share [b, s / P] over `group` (P ranks)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    if size == 1:
+        return share.cpu()
+    parts = [torch.empty_like(share) for _ in range(size)]
+    dist.all_gather(parts, share.contiguous(), group=group)
+    return zigzag_merge([p.cpu() for p in parts], dim=1)
+
+
+def attach_mask_builder(model: torch.nn.Module, spec: str, cp_group: Any = None) -> Any:
+    """Make `model` (a megatron-core GPTModel on the first pipeline stage, taking this CP
+    rank's zigzag share of input_ids and position_ids) call the builder `spec` names on
+    every forward with the whole micro-batch, and pass its mask to every layer as
+    `MaskedSeqParams`. Collective over `cp_group` (default: megatron's CP group) per
+    forward. Returns the hook's handle."""
+    builder = load_mask_builder(spec)
+    if not getattr(model, "pre_process", True) or not getattr(model, "post_process", True):
+        raise MaskBuilderError(f"{FLAG} {spec}: with pipeline parallelism use the driver "
+                               "(python -m megatron_mesh.pretrain_gpt), which gives every "
+                               "stage the micro-batch's tokens")
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        names = ("input_ids", "position_ids")
+        given = dict(zip(names, args))
+        given.update({n: kwargs[n] for n in names if n in kwargs})
+        if kwargs.get("packed_seq_params") is not None:
+            raise MaskBuilderError(f"{FLAG} {spec}: the batch is packed (packed_seq_params); "
+                                   "a mask is given over one unpacked sequence")
+        tokens, positions = (_whole(given[n], cp_group) for n in names)
+        mask = build_mask(builder, spec, tokens, positions)
+        return args, {**kwargs, "packed_seq_params": masked_seq_params(mask)}
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
