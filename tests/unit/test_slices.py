@@ -459,3 +459,26 @@ def test_the_chunked_mask_is_one_file():
     project = {node.module for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom) and node.level}
     assert project == {"slices"}
+
+
+def test_chunked_bytes_per_rank_stay_o_of_the_chunk():
+    """The sparse exchange of a chunked mask on 2x2 moves about the same bytes (the rank
+    sending most) whatever the sequence length, a chunk's rows per boundary, while the dense
+    exchange's grow with it; chunks that are whole sub-chunks move nothing."""
+    from megatron_mesh.layer_plan import AttentionShape, Exchange
+    from megatron_mesh.models.plan import resolve_plan
+    from megatron_mesh.models.sparse import sparse_traffic
+    from megatron_mesh.models.traffic import mesh_traffic
+
+    def moved(seq: int, chunk: int) -> tuple[int, int]:
+        shape = AttentionShape(seq, 1, 8, 8, 128, 2)
+        plan = resolve_plan(shape, 2, 2, "streamed", "mixed", exchange=Exchange.SPARSE)
+        mask = AttentionMask(False, ranks=4, slices=mm.chunked_mask(seq, chunk))
+        sparse = sparse_traffic(shape, 1, 2, 2, mask, None, plan.dq_bytes(2), plan.dkv_bytes(2))
+        return sparse.total, mesh_traffic(shape, resolve_plan(shape, 2, 2, "streamed",
+                                                              "mixed")).total
+
+    (short, dense_short), (long, dense_long) = moved(32768, 1000), moved(131072, 1000)
+    assert 0 < long < 1.1 * short and dense_long > 3.5 * dense_short
+    assert long < 0.02 * dense_long
+    assert moved(65536, 4096)[0] == 0  # 4096 = S / 2P: each chunk is one sub-chunk
