@@ -4,7 +4,10 @@ match the same model at CP = 1 whose core attention is torch SDPA on the whole s
 the explicit windowed mask, on 4 gloo ranks: 2x2, 4x1, 1x4 and heads x mesh 2x2x1 grids,
 windows of 3 tokens (less than a sub-chunk of 4) and 9. Chunked attention the same way
 (attention_chunk_size 5 with no_rope_freq [0, 1]: layer 1 chunked, layer 2 global; the
-reference's mask from the definition, j <= i and i // 5 == j // 5) on 2x2 and 2x1x2."""
+reference's mask from the definition, j <= i and i // 5 == j // 5) on 2x2 and 2x1x2; and a
+mask builder attached to the model (`attach_mask_builder`, as Megatron-LM takes it: the
+model gathers the zigzag shares of the tokens over CP) giving the prefix-LM mask of the
+definition (j < 8 or j <= i)."""
 from __future__ import annotations
 
 import math
@@ -25,7 +28,7 @@ CHUNK_GRIDS = [(2, 2), (2, 1, 2)]
 NO_ROPE = [0, 1]  # layer 2 without RoPE: Llama 4's global layer
 
 
-def _sdpa_class(chunk: int | None = None):
+def _sdpa_class(chunk: int | None = None, prefix: int | None = None):
     from megatron.core.transformer.module import MegatronModule
 
     class SDPACoreAttention(MegatronModule):
@@ -48,6 +51,8 @@ def _sdpa_class(chunk: int | None = None):
                 seen &= i[None, :] >= i[:, None] - self.window[0]
             if self.chunk is not None:
                 seen &= i[None, :] // self.chunk == i[:, None] // self.chunk
+            if prefix is not None:
+                seen |= i[None, :] < prefix
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
@@ -65,14 +70,14 @@ def _config(cp: int, window, no_rope=None):
         no_rope_freq=no_rope)
 
 
-def _model(cp: int, reference: bool, window, chunk=None, no_rope=None):
+def _model(cp: int, reference: bool, window, chunk=None, no_rope=None, prefix=None):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_mesh.megatron import get_gpt_layer_spec
 
     spec = get_gpt_layer_spec("mesh", attention_chunk_size=chunk)
     if reference:
-        spec.submodules.self_attention.submodules.core_attention = _sdpa_class(chunk)
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_class(chunk, prefix)
     return GPTModel(_config(cp, window, no_rope), spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope")
 
@@ -108,7 +113,22 @@ def _job(rank: int, world: int) -> dict:
         torch.manual_seed(1234)
         causal = _model(1, True, None, None, NO_ROPE)
         out["causal_loss"] = loss_and_grads(causal, full, denominator)[0].item()
+        # a prefix-LM builder attached to the model
+        init_parallel(1)
+        torch.manual_seed(1234)
+        reference = _model(1, True, None, prefix=SEQ // 4)
+        per_grid = compare_on_grids(reference, lambda: _with_builder(_model(world, False, None)),
+                                    CHUNK_GRIDS, world, HEADS, 2, SEQ, full, denominator,
+                                    _describe)
+        out.update((("builder", shape), r) for shape, r in per_grid.items())
     return out
+
+
+def _with_builder(model):
+    from megatron_mesh.megatron import attach_mask_builder
+
+    attach_mask_builder(model, "examples.mask_builders:prefix_lm")  # prefix: SEQ // 4
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +158,12 @@ def test_chunked_gpt_matches_cp1(results, shape) -> None:
         assert math.isclose(loss, ref, rel_tol=1e-5), (rank, loss, ref)
         assert r["grad_err"] < 1e-5, (rank, r["grad_err"])
         assert abs(ref - res["causal_loss"]) > 1e-4, (ref, res["causal_loss"])
+
+
+@pytest.mark.parametrize("shape", CHUNK_GRIDS)
+def test_attached_mask_builder_matches_cp1(results, shape) -> None:
+    for rank, res in enumerate(results):
+        r = res["builder", shape]
+        loss, ref = r["loss"]
+        assert math.isclose(loss, ref, rel_tol=1e-5), (rank, loss, ref)
+        assert r["grad_err"] < 1e-5, (rank, r["grad_err"])
