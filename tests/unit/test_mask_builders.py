@@ -100,3 +100,20 @@ def test_layers_with_rope_are_chunked(no_rope, chunks):
     config = SimpleNamespace(no_rope_freq=no_rope)
     assert [layer_chunk(config, n, 8) for n in range(1, 5)] == chunks
     assert [layer_chunk(config, n, None) for n in range(1, 5)] == [None] * 4
+
+
+@pytest.mark.parametrize("chunk,builder,named", [
+    (8, None, "--attention-chunk-size 8"),
+    (None, "examples.mask_builders:prefix_lm",
+     "--mesh-mask-builder examples.mask_builders:prefix_lm")])
+def test_generation_refuses_a_model_it_would_mask_causally(chunk, builder, named):
+    """A checkpoint's chunked layers or mask builder would decode causally: refused."""
+    from megatron_mesh.inference.megatron.arguments import _check_layout
+    from megatron_mesh.training.arguments import ConfigError
+
+    args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                           data_parallel_size=1, world_size=1, context_parallel_size=1,
+                           context_parallel_algo="mesh", attention_chunk_size=chunk,
+                           mesh_mask_builder=builder)
+    with pytest.raises(ConfigError, match=re.escape(f"trained with {named} yet")):
+        _check_layout(args)
