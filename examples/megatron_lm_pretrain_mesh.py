@@ -151,9 +151,6 @@ def mesh_layer_spec(args, base, model_config, vp_stage=None):
     spec = default_layer_spec(model_config, vp_stage) if base is None else base
     if callable(spec) and not hasattr(spec, "submodules"):
         spec = spec(model_config, vp_stage=vp_stage)
-    if args.mesh_mask_builder:
-        raise ValueError("--mesh-mask-builder in this example needs Megatron-LM core_v0.16.1 "
-                         "(or the driver, python -m megatron_mesh.pretrain_gpt)")
     return use_mesh_core_attention(spec, **mesh_spec_options(args))
 
 
@@ -192,6 +189,9 @@ def main() -> None:
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=ARGS_DEFAULTS)
     validate_mesh_args(args)  # before any collective: a bad flag stops every rank alike
+    if args.mesh_mask_builder:
+        raise ValueError("--mesh-mask-builder in this example needs Megatron-LM core_v0.16.1 "
+                         "(or the driver, python -m megatron_mesh.pretrain_gpt)")
     pretrain(
         pretrain_cfg_container_from_args(args, mesh_model_config(args)),
         pretrain_gpt.train_valid_test_datasets_provider,
