@@ -108,6 +108,15 @@ def _job(rank: int, world: int) -> dict:
                                     CHUNK_GRIDS, world, HEADS, 2, SEQ, full, denominator,
                                     _describe)
         out.update((("chunk", shape), r) for shape, r in per_grid.items())
+        # the mesh at CP = 1 (a 1 x 1 grid, what the driver runs there) is the definition too
+        init_parallel(1)
+        single = _model(1, False, None, CHUNK, NO_ROPE)
+        single.load_state_dict(reference.state_dict())
+        (loss, grads), (ref, ref_grads) = (loss_and_grads(m, full, denominator)
+                                           for m in (single, reference))
+        out["chunk_cp1"] = (loss.item(), ref.item(), max(
+            ((grads[n] - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6)).item()
+            for n in grads))
         # the chunks change the model: the reference differs from the same without chunks
         init_parallel(1)
         torch.manual_seed(1234)
@@ -146,6 +155,12 @@ def test_windowed_gpt_matches_cp1(results, window, shape) -> None:
         loss, ref = r["loss"]
         assert math.isclose(loss, ref, rel_tol=1e-5), (rank, loss, ref)
         assert r["grad_err"] < 1e-5, (rank, r["grad_err"])
+
+
+def test_chunked_gpt_at_cp1_is_the_definition(results) -> None:
+    for res in results:
+        loss, ref, grad_err = res["chunk_cp1"]
+        assert math.isclose(loss, ref, rel_tol=1e-5) and grad_err < 1e-5, res["chunk_cp1"]
 
 
 @pytest.mark.parametrize("shape", CHUNK_GRIDS)
