@@ -4,7 +4,9 @@ Megatron-LM's own `pretrain()`, data pipeline and `forward_step` (from its pretr
 run unchanged; megatron-mesh adds two things through the hooks `pretrain()` already has:
 
 - `extra_args_provider`: --context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh},
-  --mesh-shape RxC and the other mesh flags (`megatron_mesh.megatron.add_mesh_args`);
+  --mesh-shape RxC and the other mesh flags (`megatron_mesh.megatron.add_mesh_args`),
+  --attention-chunk-size N (chunked attention in the layers Megatron's --no-rope-freq leaves
+  with RoPE) and --mesh-mask-builder MODULE:FUNCTION (a mask per micro-batch, core_v0.16.1);
   Megatron's own `--cp-comm-type mesh` selects the mesh as well;
 - the layer spec: with `mesh` the flags are checked, the R x C grid of every
   context-parallel group is built (once, after Megatron-LM has made its model-parallel
@@ -48,9 +50,11 @@ from model_provider import model_provider  # noqa: E402
 
 from megatron_mesh.megatron import (  # noqa: E402
     add_mesh_args,
+    attach_mask_builder,
     get_gpt_layer_spec,
     initialize_mesh_grids,
     mesh_grid_is_initialized,
+    mesh_spec_options,
     use_mesh_core_attention,
     validate_mesh_args,
 )
@@ -116,9 +120,9 @@ def mesh_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None
     spec_options = dict(qk_layernorm=args.qk_layernorm, qk_l2_norm=args.qk_l2_norm)
     if not use_te:
         spec_options["normalization"] = args.normalization
-    layer_spec = get_gpt_layer_spec("mesh", use_te=use_te, schedule=args.mesh_schedule,
-                                    grad_reduce_dtype=args.mesh_grad_reduce_dtype, **spec_options)
-    return GPTModel(
+    layer_spec = get_gpt_layer_spec("mesh", use_te=use_te, **mesh_spec_options(args),
+                                    **spec_options)
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,
@@ -135,6 +139,9 @@ def mesh_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    if args.mesh_mask_builder:  # the builder sees the whole micro-batch (gathered over CP)
+        attach_mask_builder(model, args.mesh_mask_builder)
+    return model
 
 
 def mesh_layer_spec(args, base, model_config, vp_stage=None):
@@ -144,8 +151,7 @@ def mesh_layer_spec(args, base, model_config, vp_stage=None):
     spec = default_layer_spec(model_config, vp_stage) if base is None else base
     if callable(spec) and not hasattr(spec, "submodules"):
         spec = spec(model_config, vp_stage=vp_stage)
-    return use_mesh_core_attention(spec, schedule=args.mesh_schedule,
-                                   grad_reduce_dtype=args.mesh_grad_reduce_dtype)
+    return use_mesh_core_attention(spec, **mesh_spec_options(args))
 
 
 def mesh_model_config(args):
@@ -183,6 +189,9 @@ def main() -> None:
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=ARGS_DEFAULTS)
     validate_mesh_args(args)  # before any collective: a bad flag stops every rank alike
+    if args.mesh_mask_builder:
+        raise ValueError("--mesh-mask-builder in this example needs Megatron-LM core_v0.16.1 "
+                         "(or the driver, python -m megatron_mesh.pretrain_gpt)")
     pretrain(
         pretrain_cfg_container_from_args(args, mesh_model_config(args)),
         pretrain_gpt.train_valid_test_datasets_provider,

@@ -9,6 +9,7 @@
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .layer_plan import AttentionShape, mesh_shapes
+from .masks.chunked import chunked_mask
 from .masks.document_placement import DocumentPlacement, zigzag_placement
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .masks.layout import zigzag_merge, zigzag_split
@@ -36,6 +37,7 @@ __all__ = [
     "Traffic",
     "TrafficCounter",
     "best_mesh_shape",
+    "chunked_mask",
     "documents_mask",
     "mesh_attention",
     "mesh_shapes",

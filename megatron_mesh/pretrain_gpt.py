@@ -36,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         flag_error(PROG, str(e))
         return 2
+    from megatron_mesh.megatron.mask_builder import MaskBuilderError
     from megatron_mesh.training.checksums import CheckpointError
     from megatron_mesh.training.run import run
     from megatron_mesh.training.save_failure import SaveError
@@ -45,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
         error(PROG, str(e))
+        return 2
+    except MaskBuilderError as e:  # every rank builds the same mask: said once
+        flag_error(PROG, str(e))
         return 2
     except (NonFiniteError, SaveError) as e:  # stopped; what was saved before is intact
         error(PROG, str(e))

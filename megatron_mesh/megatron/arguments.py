@@ -8,6 +8,7 @@ layer); `resolve_context_parallel_algo` reconciles the two, once.
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 from typing import Any
 
@@ -45,6 +46,8 @@ __all__ = [
     "check_algorithm",
     "is_mesh",
     "mesh_active",
+    "mesh_spec_options",
+    "no_rope_pattern",
     "parse_mesh_shape",
     "resolve_context_parallel_algo",
     "te_cp_comm_type",
@@ -88,9 +91,136 @@ def _mesh_shape_type(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        return check_positive_int("value", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer") from None
+
+
+def _pattern_value(node: ast.AST) -> int | list[int]:
+    """The value of a pattern expression made of int lists, ints, + and * only."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_pattern_value(e) for e in node.elts]
+        if all(type(i) is int for i in items):
+            return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and type(left) is type(right):
+            return left + right
+        if isinstance(node.op, ast.Mult) and (type(left), type(right)) != (list, list):
+            return left * right
+    raise ValueError("not a pattern")
+
+
+def no_rope_pattern(text: str | int | list | None) -> int | list[int] | None:
+    """--no-rope-freq as megatron-core's `no_rope_freq` takes it: an int N (every N-th layer
+    without RoPE) or a list of 0 / 1 per layer (1: no RoPE), written as a list expression
+    of ints, + and * (\"([0]*3+[1])*2\"; nothing is evaluated beyond those)."""
+    if text is None or isinstance(text, (int, list)):
+        return text
+    try:
+        value = _pattern_value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        value = None
+    if type(value) is int and value >= 1:
+        return value
+    if isinstance(value, list) and value and set(value) <= {0, 1}:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give an int N >= 1 (every N-th layer without RoPE) or a list of 0 / 1 per "
+        "layer, 1 meaning no RoPE (e.g. '([0]*3+[1])*2')")
+
+
+def mesh_spec_options(args: Any) -> dict[str, Any]:
+    """What the mesh core attention spec takes from the flags (`use_mesh_core_attention`,
+    `get_gpt_layer_spec` keywords): schedule, gradient dtypes, chunked attention."""
+    return {"schedule": getattr(args, "mesh_schedule", None),
+            "grad_reduce_dtype": getattr(args, "mesh_grad_reduce_dtype", None),
+            "attention_chunk_size": getattr(args, "attention_chunk_size", None)}
+
+
+def add_mask_args(parser: argparse.ArgumentParser) -> None:
+    """--attention-chunk-size, --mesh-mask-builder and (unless the parser has Megatron-LM's)
+    --no-rope-freq."""
+    group = parser.add_argument_group("mesh attention masks")
+    group.add_argument(
+        "--attention-chunk-size",
+        dest="attention_chunk_size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="Chunked attention (Llama 4): the layers that apply RoPE attend causally within "
+        "chunks of N tokens (query i sees key j iff j <= i and i // N == j // N); the layers "
+        "--no-rope-freq leaves without RoPE attend causally over the whole sequence. Needs "
+        "--context-parallel-algo mesh.",
+    )
+    group.add_argument(
+        "--mesh-mask-builder",
+        dest="mesh_mask_builder",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="A mask per micro-batch: FUNCTION(tokens, position_ids) of MODULE (importable, or "
+        "a path to a .py file) gets the whole micro-batch's int64 [b, s] tensors and returns "
+        "a megatron_mesh.SliceMask or its list of slices (q_start, q_end, k_start, k_end, "
+        "'full' | 'causal'), one for all b samples, used by every layer "
+        "(examples/mask_builders.py). Needs --context-parallel-algo mesh.",
+    )
+    if "--no-rope-freq" not in parser._option_string_actions:  # Megatron-LM defines it
+        group.add_argument(
+            "--no-rope-freq",
+            dest="no_rope_freq",
+            type=no_rope_pattern,
+            default=None,
+            metavar="N|PATTERN",
+            help="Layers without RoPE (megatron-core's no_rope_freq, Llama 4's NoPE layers): "
+            "an int N, every N-th layer; or a list of 0 / 1 per layer, 1 without RoPE (e.g. "
+            "'([0]*3+[1])*2'). With --attention-chunk-size these are the global layers.",
+        )
+
+
+def check_mask_args(args: Any) -> None:
+    """ValueError naming the flag: --attention-chunk-size and --mesh-mask-builder need the
+    mesh, exclude each other, a sliding window and packed documents; the builder must load;
+    --no-rope-freq must fit --num-layers."""
+    chunk = getattr(args, "attention_chunk_size", None)
+    builder = getattr(args, "mesh_mask_builder", None)
+    layers = getattr(args, "num_layers", None)
+    no_rope = getattr(args, "no_rope_freq", None)
+    if layers and no_rope:
+        if isinstance(no_rope, int) and layers % no_rope:
+            raise ValueError(f"--no-rope-freq {no_rope} must divide --num-layers {layers}")
+        if isinstance(no_rope, (list, tuple)) and len(no_rope) != layers:
+            raise ValueError(f"--no-rope-freq gives {len(no_rope)} layers, --num-layers is "
+                             f"{layers}: give one 0 / 1 per layer")
+    if chunk is None and builder is None:
+        return
+    flag = (f"--attention-chunk-size {chunk}" if builder is None
+            else f"--mesh-mask-builder {builder}")
+    if chunk is not None and builder is not None:
+        raise ValueError(f"--attention-chunk-size {chunk} and --mesh-mask-builder {builder} "
+                         "are exclusive: a builder's mask applies to every layer (it may build "
+                         "chunks itself: megatron_mesh.chunked_mask)")
+    if not is_mesh(getattr(args, "context_parallel_algo", None)):
+        raise ValueError(f"{flag} runs in the mesh's core attention: add "
+                         "--context-parallel-algo mesh (any --context-parallel-size)")
+    if getattr(args, "window_size", None):
+        raise ValueError(f"{flag} with --window-size: give one mask")
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError(f"{flag} with --reset-attention-mask: a mask over packed documents is "
+                         "not supported; drop --reset-attention-mask")
+    if builder is not None:
+        from megatron_mesh.megatron.mask_builder import load_mask_builder
+
+        load_mask_builder(builder)
+
+
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add --context-parallel-algo, --mesh-shape, --mesh-heads, --mesh-schedule,
-    --mesh-grad-reduce-dtype and --mesh-gpu-profile to `parser` (idempotent); returns it."""
+    --mesh-grad-reduce-dtype, --mesh-gpu-profile and the mask flags (`add_mask_args`) to
+    `parser` (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
     group = parser.add_argument_group("mesh context parallelism")
@@ -166,6 +296,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "measured), at a flat TFLOP/s (flat), or auto: the profile the CUDA device's name "
         "names (H200, H100), else flat. The log line of the grid says which.",
     )
+    add_mask_args(parser)
     return parser
 
 
@@ -256,6 +387,7 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
     named = ("--context-parallel-algo mesh" if getattr(args, "context_parallel_algo", None)
              else "--cp-comm-type mesh")  # the flag the user gave, for the errors below
     algo = resolve_context_parallel_algo(args)
+    check_mask_args(args)
     cp_size = getattr(args, "context_parallel_size", None)
     cp_size = 1 if cp_size is None else cp_size
     check_positive_int("context-parallel size", cp_size)

@@ -22,8 +22,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
-from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE
+from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, check_positive_int
+from megatron_mesh.masks.chunked import chunked_mask
 from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
 from megatron_mesh.megatron.compat import have_transformer_engine
@@ -32,6 +34,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
+from megatron_mesh.megatron.mask_builder import MaskedSeqParams, layer_chunk
 from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.megatron.sink import (
@@ -156,6 +159,9 @@ class MeshDotProductAttention(MegatronModule):
     spec's params: `get_gpt_layer_spec(..., grid=grid)`); without one the layer takes the
     grid `initialize_mesh_grids` built for its CP group (for model builders that cannot pass
     it, as megatron-core's `use_mpu_process_groups` stands in for `pg_collection`).
+
+    `attention_chunk_size` (spec params): Llama 4's chunked attention in the layers that
+    apply RoPE (`mask_builder.layer_chunk`); a `MaskedSeqParams` brings a micro-batch's mask.
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class MeshDotProductAttention(MegatronModule):
         k_channels: int | None = None,
         v_channels: int | None = None,
         grid: MeshGrid | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__(config=config)
         self.context_parallel_algo = resolve_algorithm(context_parallel_algo, cp_comm_type, config)
@@ -189,6 +196,13 @@ class MeshDotProductAttention(MegatronModule):
         _check_supported(config, attn_mask_type, attention_type, attention_dropout)
         self.window_size = layer_window(config, self.layer_number)
         window_of(self.window_size, _MASKS.get(attn_mask_type, True))  # ValueError if bad
+        if attention_chunk_size is not None:
+            check_positive_int("attention_chunk_size", attention_chunk_size)
+        self.chunk = layer_chunk(config, self.layer_number, attention_chunk_size)
+        if self.chunk is not None and self.window_size is not None:
+            raise ValueError(f"layer {self.layer_number} has a sliding window "
+                             f"{self.window_size} and chunked attention (attention_chunk_size="
+                             f"{self.chunk}); give one of the two")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
@@ -229,20 +243,22 @@ class MeshDotProductAttention(MegatronModule):
         self._layers: OrderedDict[tuple, MeshAttention] = OrderedDict()
 
     def _layer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               causal: bool, packed: bool, placed: bool = False) -> MeshAttention:
+               causal: bool, packed: bool, placed: bool = False,
+               mask: SliceMask | None = None) -> MeshAttention:
         """The layer's MeshAttention for these inputs, decided at their first forward
-        (`placed`: for placed documents, `PlacedSeqParams`)."""
+        (`placed`: for placed documents, `PlacedSeqParams`; `mask`: a mask given as slices,
+        which alone says what each query sees)."""
         signature = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
-                     query.device, causal, packed, placed)
+                     query.device, causal, packed, placed, mask)
         layer = self._layers.get(signature)
         if layer is not None:
             self._layers.move_to_end(signature)
         else:
             layer = MeshAttention.build(
-                query, key, value, self.grid, causal=causal, softmax_scale=self.softmax_scale,
-                backend=self.backend, schedule=self.schedule,
+                query, key, value, self.grid, causal=None if mask is not None else causal,
+                softmax_scale=self.softmax_scale, backend=self.backend, schedule=self.schedule,
                 grad_reduce_dtype=self.grad_reduce_dtype, packed=packed,
-                window_size=self.window_size, placed=placed)
+                window_size=self.window_size, placed=placed, mask=mask)
             self._layers[signature] = layer
             while len(self._layers) > LAYER_CACHE_SIZE:
                 self._layers.popitem(last=False)
@@ -267,12 +283,16 @@ class MeshDotProductAttention(MegatronModule):
 
         `attention_mask` is not read: the mask is the causal (or no) mask of
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
-        document when packed, and this layer's sliding window (`layer_window`).
+        document when packed, and this layer's sliding window (`layer_window`); or this
+        layer's chunks (`attention_chunk_size`); or the mask a `MaskedSeqParams` carries.
         """
         try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
             if attention_bias is not None:
                 raise ValueError("MeshDotProductAttention does not support attention_bias")
             mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+            mask = self._mask(query, packed_seq_params)
+            if isinstance(packed_seq_params, MaskedSeqParams):
+                packed_seq_params = None  # an unpacked batch
             masks = _MASKS if packed_seq_params is None else _PACKED_MASKS
             if mask_type not in masks:
                 raise ValueError(
@@ -289,8 +309,12 @@ class MeshDotProductAttention(MegatronModule):
                     f"MeshDotProductAttention needs as many queries as keys per rank (got "
                     f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not "
                     "supported")
+            if mask is not None and packed is not None:
+                raise ValueError(f"layer {self.layer_number}: chunked attention (attention_"
+                                 f"chunk_size={self.chunk}) over packed documents is not "
+                                 "supported; train without packed documents")
             layer = self._layer(query, key, value, masks[mask_type], packed is not None,
-                                placement is not None)
+                                placement is not None, mask)
         except Exception as error:  # noqa: BLE001 - every rank must hear of it
             agreement.refuse(self.grid, error)
         out = layer(query, key, value, documents, placement,  # agrees with the others first
@@ -298,6 +322,19 @@ class MeshDotProductAttention(MegatronModule):
         if packed is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _mask(self, query: torch.Tensor, params: PackedSeqParams | None) -> SliceMask | None:
+        """The mask of this call given as slices: the micro-batch's (`MaskedSeqParams`), or
+        this layer's chunks over the whole sequence; None: the causal (or no) mask."""
+        if isinstance(params, MaskedSeqParams):
+            if self.chunk is not None:
+                raise ValueError(f"layer {self.layer_number} is chunked (attention_chunk_size="
+                                 f"{self.chunk}) and the micro-batch brings a mask "
+                                 f"({params.mask.text(2)}); give one of the two")
+            return params.mask
+        if self.chunk is None:
+            return None
+        return chunked_mask(query.shape[0] * self.grid.cp_size, self.chunk)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

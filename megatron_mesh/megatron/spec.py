@@ -36,17 +36,23 @@ def mesh_core_attention_spec(
     schedule: str | None = None,
     grad_reduce_dtype: str | None = None,
     grid: MeshGrid | None = None,
+    attention_chunk_size: int | None = None,
 ) -> ModuleSpec:
     """The core_attention submodule spec for `context_parallel_algo`: the mesh (tile kernel
     `backend`; `schedule` and `grad_reduce_dtype`, None for the defaults; `grid`, the mesh
-    grid of the layers' CP group) or, for another algorithm, Transformer Engine's attention
-    when it is installed."""
+    grid of the layers' CP group; `attention_chunk_size`, chunked attention in the layers
+    that apply RoPE) or, for another algorithm, Transformer Engine's attention when it is
+    installed (which takes no chunks: ValueError)."""
     if context_parallel_algo not in ALGORITHMS:
         raise ValueError(
             f"unknown context-parallel algorithm {context_parallel_algo!r}; "
             f"valid: {', '.join(ALGORITHMS)}"
         )
     te_attention = None if is_mesh(context_parallel_algo) else transformer_engine_attention()
+    if te_attention is not None and attention_chunk_size is not None:
+        raise ValueError(f"attention_chunk_size={attention_chunk_size} runs in the mesh's core "
+                         f"attention, not Transformer Engine's ({context_parallel_algo!r}); use "
+                         "the 'mesh' algorithm")
     if te_attention is not None:
         return ModuleSpec(module=te_attention, params={"cp_comm_type": context_parallel_algo})
     params: dict[str, Any] = {"context_parallel_algo": context_parallel_algo}
@@ -58,13 +64,15 @@ def mesh_core_attention_spec(
         params["grad_reduce_dtype"] = grad_reduce_dtype
     if grid is not None:
         params["grid"] = grid
+    if attention_chunk_size is not None:
+        params["attention_chunk_size"] = attention_chunk_size
     return ModuleSpec(module=MeshDotProductAttention, params=params)
 
 
 def use_mesh_core_attention(
     spec: Any, context_parallel_algo: str = "mesh", backend: str = "auto",
     schedule: str | None = None, grad_reduce_dtype: str | None = None,
-    grid: MeshGrid | None = None,
+    grid: MeshGrid | None = None, attention_chunk_size: int | None = None,
 ) -> Any:
     """A copy of a layer or block spec with every `core_attention` submodule replaced.
 
@@ -74,7 +82,7 @@ def use_mesh_core_attention(
     MeshDotProductAttentionInTEState, so checkpoints keep their keys.
     """
     core = mesh_core_attention_spec(context_parallel_algo, backend, schedule, grad_reduce_dtype,
-                                    grid)
+                                    grid, attention_chunk_size)
     spec, count = _replace(spec, core)
     if count == 0:
         raise ValueError(f"no core_attention submodule found in spec {spec!r}")
@@ -123,6 +131,7 @@ def get_gpt_layer_spec(
     schedule: str | None = None,
     grad_reduce_dtype: str | None = None,
     grid: MeshGrid | None = None,
+    attention_chunk_size: int | None = None,
     **kwargs: Any,
 ) -> ModuleSpec:
     """Megatron's GPT layer spec (local, or TE's with use_te) with the mesh core attention.
@@ -130,7 +139,8 @@ def get_gpt_layer_spec(
     kwargs go to `get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`
     (num_experts, qk_layernorm, normalization, ...). backend picks the mesh tile kernel,
     schedule the mesh schedule (`layer_plan.SCHEDULE_NAMES`), grad_reduce_dtype the dtype of the
-    gradient exchange (fp32 / input), grid the mesh grid `initialize_mesh_grids` returned.
+    gradient exchange (fp32 / input), grid the mesh grid `initialize_mesh_grids` returned,
+    attention_chunk_size chunked attention in the layers that apply RoPE (Llama 4).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -144,4 +154,4 @@ def get_gpt_layer_spec(
     else:
         layer = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
     return use_mesh_core_attention(layer, context_parallel_algo, backend, schedule,
-                                   grad_reduce_dtype, grid)
+                                   grad_reduce_dtype, grid, attention_chunk_size)

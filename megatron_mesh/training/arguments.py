@@ -561,6 +561,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "
               "--context-parallel-algo mesh (works without it) or install transformer-engine")
+    if args.attention_backend == "local" and (args.attention_chunk_size or args.mesh_mask_builder):
+        _fail("--attention-chunk-size / --mesh-mask-builder with --attention-backend local: "
+              "megatron-core's local attention takes no such mask; use --attention-backend auto")
     if args.attention_backend == "local" and cp > 1:
         _fail(f"--attention-backend local with --context-parallel-size {cp}: megatron-core's "
               "local attention has no context parallelism; use --attention-backend auto or flash")

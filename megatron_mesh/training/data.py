@@ -23,6 +23,7 @@ from megatron_mesh.megatron.compat import (
     null_tokenizer_library,
     null_tokenizer_options,
 )
+from megatron_mesh.megatron.mask_builder import build_mask, load_mask_builder, masked_seq_params
 from megatron_mesh.training.device import device, has_cuda
 from megatron_mesh.training.gpt2_bpe import gpt2_bpe_tokenizer
 from megatron_mesh.training.packing import document_lengths
@@ -170,12 +171,14 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     processes or this one; the same batches either way). All TP and CP ranks of a replica
     read the same samples; get_batch_on_this_cp_rank then keeps this CP rank's two zigzag
     chunks (--reset-attention-mask: `placement.DocumentPacker` its share of the packed
-    documents, placed as --mesh-document-placement says).
+    documents, placed as --mesh-document-placement says). With --mesh-mask-builder each
+    micro-batch also brings the mask the builder makes of its whole sequence, on every rank
+    (`mask_builder.MaskedSeqParams`).
     Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
     stage reads no samples (with --reset-attention-mask their token ids, for the
     documents).
     """
-    keys = batch_keys(args.reset_attention_mask)
+    keys = batch_keys(args.reset_attention_mask, args.mesh_mask_builder is not None)
     if not keys:
         while True:
             yield get_batch_on_this_cp_rank({})
@@ -189,9 +192,15 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
         yield from balanced_micro_batches(dataset, args, consumed_samples, StackFields(keys),
                                           pack, eod, dev)
         return
+    spec = args.mesh_mask_builder
+    builder = None if spec is None else load_mask_builder(spec)
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
         if args.reset_attention_mask:  # documents read on the host: no wait for the device
             yield pack(batch, eod, document_lengths(cpu_batch["tokens"], eod))
-        else:
-            yield get_batch_on_this_cp_rank(batch)
+            continue
+        mine = get_batch_on_this_cp_rank(batch)
+        if builder is not None:  # from the whole sequence, on the host: the same on every rank
+            mine["packed_seq_params"] = masked_seq_params(build_mask(
+                builder, spec, cpu_batch["tokens"], cpu_batch["position_ids"]))
+        yield mine

@@ -51,7 +51,9 @@ def attention_count_note(args: TrainingConfig) -> str:
     layer's attention as causal over the whole sequence, whatever the masks; so does this
     driver, so that TFLOP/s compare across the two)."""
     what = [name for flag, name in ((args.reset_attention_mask, "document masks"),
-                                    (args.window_size is not None, "the window")) if flag]
+                                    (args.window_size is not None, "the window"),
+                                    (args.attention_chunk_size is not None, "the chunks"),
+                                    (args.mesh_mask_builder is not None, "the mask")) if flag]
     return COUNT_CONVENTION.format(what=" or ".join(what)) if what else ""
 
 

@@ -44,6 +44,8 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         window_size=None if args.window_size is None else tuple(args.window_size),
         window_attn_skip_freq=args.window_attn_skip_freq,
+        no_rope_freq=(list(args.no_rope_freq) if isinstance(args.no_rope_freq, tuple)
+                      else args.no_rope_freq),
         softmax_type=args.softmax_type,
         qk_layernorm=args.qk_layernorm,
         init_method_std=args.init_method_std,
@@ -149,6 +151,7 @@ def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
     return get_gpt_layer_spec(context_parallel_algo=algo, grid=grid,
                               use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
                               grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
+                              attention_chunk_size=args.attention_chunk_size,
                               normalization=args.normalization,
                               multi_latent_attention=args.multi_latent_attention,
                               qk_layernorm=args.qk_layernorm, **moe_spec(args))

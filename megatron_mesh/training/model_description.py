@@ -22,6 +22,7 @@ MODEL_FLAGS: tuple[str, ...] = (
     "position_embedding_type", "rotary_percent", "rotary_base", "max_position_embeddings",
     "disable_bias_linear", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
     "window_size", "window_attn_skip_freq", "softmax_type", "qk_layernorm",
+    "attention_chunk_size", "no_rope_freq", "mesh_mask_builder",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type",

@@ -19,13 +19,14 @@ _FIRST_STAGE_KEYS = ("tokens", "position_ids")
 _LAST_STAGE_KEYS = ("labels", "loss_mask")
 
 
-def batch_keys(documents: bool = False) -> tuple[str, ...]:
+def batch_keys(documents: bool = False, mask: bool = False) -> tuple[str, ...]:
     """The batch fields this stage reads: token ids and positions on the first stage,
     labels and loss mask on the last (all four without PP, none on a middle stage). With
     `documents` (--reset-attention-mask) every stage reads the token ids: each stage's
-    attention layers take the documents the EOD tokens delimit."""
+    attention layers take the documents the EOD tokens delimit; with `mask`
+    (--mesh-mask-builder) the ids and positions the builder takes."""
     keys: tuple[str, ...] = ()
-    if parallel_state.is_pipeline_first_stage():
+    if parallel_state.is_pipeline_first_stage() or mask:
         keys += _FIRST_STAGE_KEYS
     elif documents:
         keys += ("tokens",)

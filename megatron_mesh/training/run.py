@@ -103,6 +103,13 @@ def _masks_label(args: TrainingConfig) -> str:
         every = args.window_attn_skip_freq
         layers = f"one layer in {every} global" if every else "all layers"
         parts.append(f"window {left} left, {right} right (--window-size; {layers})")
+    if args.attention_chunk_size is not None:
+        nope = args.no_rope_freq
+        layers = ("all layers" if not nope else f"one layer in {nope} global" if isinstance(
+            nope, int) else f"{sum(nope)} of {len(nope)} layers global")
+        parts.append(f"chunks of {args.attention_chunk_size} (--attention-chunk-size; {layers})")
+    if args.mesh_mask_builder is not None:
+        parts.append(f"mask per micro-batch from {args.mesh_mask_builder}")
     return "".join(f" | {p}" for p in parts)
 
 

@@ -165,6 +165,83 @@ def test_patched_megatron_lm_parses_and_checks_the_mesh_flags(tmp_path):
     assert "BAD" in out and "3x2" in out
 
 
+def test_patched_megatron_lm_builds_chunked_layers_and_a_builder_s_mask(tmp_path):
+    """The patched Megatron-LM parses --attention-chunk-size with its own --no-rope-freq and
+    its gpt_builder makes layer 1 chunked (RoPE) and layer 2 global (no RoPE); with
+    --mesh-mask-builder the model takes the builder's prefix-LM mask on every forward: the
+    loss equals the same weights given that mask as packed_seq_params, and differs from
+    causal attention."""
+    _needs_patch_tag()
+    overlay = _overlay(_checkout(), tmp_path / "Megatron-LM")
+    proc = subprocess.run(["bash", str(APPLY), str(overlay)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _python(
+        """
+        import os, sys
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+        from megatron.training import arguments, global_vars
+        from gpt_builders import gpt_builder
+        import megatron_mesh as mm
+        from megatron_mesh.megatron.cpu import megatron_on_cpu
+        from megatron_mesh.megatron.mask_builder import masked_seq_params
+
+        os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29519")
+        base = ["pretrain_gpt.py", *%r, "--context-parallel-algo", "mesh"]
+
+        def parse(*extra):
+            sys.argv = base + list(extra)
+            args = arguments.parse_args()
+            arguments.validate_args(args)
+            return args
+
+        args = parse("--attention-chunk-size", "8", "--no-rope-freq", "2")
+        global_vars.set_global_variables(args, build_tokenizer=True)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+
+        def build(later):
+            later.padded_vocab_size = args.padded_vocab_size  # set by the tokenizer's build
+            torch.manual_seed(1234)
+            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            return gpt_builder(later, True, True)
+
+        with megatron_on_cpu():
+            model = build(args)
+            cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+            print("CHUNKS", [c.chunk for c in cores], model.config.no_rope_freq)
+            tokens = torch.randint(0, 255, (2, 65), generator=torch.Generator().manual_seed(0))
+            positions = torch.arange(64).expand(2, 64)
+            losses = {}
+            for name, extra in (("builder", ["--mesh-mask-builder",
+                                             "examples.mask_builders:prefix_lm"]),
+                                ("plain", [])):
+                model = build(parse(*extra))
+                losses[name] = model(tokens[:, :-1], positions, None,
+                                     labels=tokens[:, 1:]).mean().item()
+                if name == "plain":
+                    given = masked_seq_params(mm.prefix_lm_mask(64, 16))
+                    losses["given"] = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:],
+                                            packed_seq_params=given).mean().item()
+            print("SAME", abs(losses["builder"] - losses["given"]) < 1e-6,
+                  abs(losses["builder"] - losses["plain"]) > 1e-4)
+        try:
+            parse("--attention-chunk-size", "8", "--window-size", "4,0")
+        except ValueError as error:
+            print("BAD", error)
+        """ % TINY_IN_MEGATRON_LM,
+        overlay,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-4000:]
+    assert "CHUNKS [8, None] [0, 1]" in out
+    assert "SAME True True" in out
+    assert "BAD --attention-chunk-size 8 with --window-size: give one mask" in out
+
+
 def test_no_patch_example_imports_and_adds_the_flags():
     checkout = _checkout()
     proc = _python(

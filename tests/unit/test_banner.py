@@ -18,6 +18,10 @@ MASKS = {
     "documents": ["--reset-attention-mask"],
     "window": ["--window-size", "16", "0", "--window-attn-skip-freq", "2"],
     "both": ["--reset-attention-mask", "--window-size", "16", "0"],
+    "chunks": ["--context-parallel-algo", "mesh", "--attention-chunk-size", "16",
+               "--no-rope-freq", "2"],
+    "builder": ["--context-parallel-algo", "mesh", "--mesh-mask-builder",
+                "examples.mask_builders:prefix_lm"],
 }
 
 
@@ -39,6 +43,10 @@ def test_banner_names_masks_and_flops_count_them_as_megatron_lm(case: str, monke
     assert (window in world) == (case in ("window", "both")), world
     if case == "window":
         assert "one layer in 2 global" in world
+    assert ("chunks of 16 (--attention-chunk-size; one layer in 2 global)" in world) == (
+        case == "chunks"), world
+    assert ("mask per micro-batch from examples.mask_builders:prefix_lm" in world) == (
+        case == "builder"), world
     convention = "(Megatron-LM's count: causal attention over the whole --seq-length, not reduced"
     assert model.endswith(f"model FLOPs per iteration {flops:.4e}") == (case == "none"), model
     assert (convention in model) == (case != "none"), model

@@ -15,6 +15,8 @@ from megatron_mesh.training.arguments import parse_args
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 G8 = ["--global-batch-size", "8"]  # micro batch 2 x DP 4 (WORLD_SIZE 4)
+MESH1 = ["--context-parallel-algo", "mesh"]  # the mesh's core attention at CP = 1
+BUILDERS = "examples.mask_builders"
 
 # GPT-3 paper, Table 2.1: n_layers, d_model, n_heads, d_head
 GPT3 = {
@@ -106,6 +108,23 @@ def test_window_flags_reach_the_transformer_config() -> None:
                                                      "--window-attn-skip-freq", "2"]))
     assert (tuple(config.window_size), config.window_attn_skip_freq) == ((16, 0), 2)
     assert transformer_config(parse_args(common)).window_size is None
+
+
+def test_mask_flags_reach_the_config_and_the_spec() -> None:
+    """--no-rope-freq (an int or a pattern) reaches megatron-core's no_rope_freq,
+    --attention-chunk-size the mesh core attention's spec params."""
+    from megatron_mesh.training.model import layer_spec, transformer_config
+
+    common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
+    args = parse_args(common + ["--attention-chunk-size", "8", "--no-rope-freq", "([0]+[1])*1"])
+    assert args.attention_chunk_size == 8 and transformer_config(args).no_rope_freq == [0, 1]
+    core = layer_spec(args).submodules.self_attention.submodules.core_attention
+    assert core.params["attention_chunk_size"] == 8
+    assert transformer_config(parse_args(common + ["--no-rope-freq", "2"])).no_rope_freq == [0, 1]
+    plain = parse_args(common)
+    assert plain.attention_chunk_size is None and transformer_config(plain).no_rope_freq is None
+    assert "attention_chunk_size" not in (
+        layer_spec(plain).submodules.self_attention.submodules.core_attention.params)
 
 
 def test_pipeline_stages_share_the_world() -> None:
@@ -224,6 +243,33 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     ([*G8, "--use-checkpoint-args"], "--use-checkpoint-args needs --load DIR"),
     ([*G8, "--use-checkpoint-args", "--load", "/nonexistent/ckpt"],
      "--use-checkpoint-args: no checkpoint under --load /nonexistent/ckpt"),
+    ([*G8, "--attention-chunk-size", "8"], "--attention-chunk-size 8 runs in the mesh's core "
+     "attention: add --context-parallel-algo mesh"),
+    ([*G8, "--attention-chunk-size", "0"],
+     "argument --attention-chunk-size: '0' is not a positive integer"),
+    ([*G8, *MESH1, "--attention-chunk-size", "8", "--window-size", "4", "0"],
+     "--attention-chunk-size 8 with --window-size: give one mask"),
+    ([*G8, *MESH1, "--attention-chunk-size", "8", "--reset-attention-mask"],
+     "--attention-chunk-size 8 with --reset-attention-mask"),
+    ([*G8, *MESH1, "--attention-chunk-size", "8", "--mesh-mask-builder", f"{BUILDERS}:prefix_lm"],
+     "--attention-chunk-size 8 and --mesh-mask-builder examples.mask_builders:prefix_lm are "
+     "exclusive"),
+    ([*G8, *MESH1, "--mesh-mask-builder", "prefix_lm"],
+     "--mesh-mask-builder 'prefix_lm': give MODULE:FUNCTION"),
+    ([*G8, *MESH1, "--mesh-mask-builder", "no_such_module_here:f"],
+     "--mesh-mask-builder no_such_module_here:f: cannot import 'no_such_module_here' "
+     "(ModuleNotFoundError"),
+    ([*G8, *MESH1, "--mesh-mask-builder", f"{BUILDERS}:nothing"],
+     "--mesh-mask-builder examples.mask_builders:nothing: module 'examples.mask_builders' has "
+     "no function 'nothing'"),
+    ([*G8, *MESH1, "--mesh-mask-builder", f"{BUILDERS}:PREFIX_SHARE"],
+     "has no function 'PREFIX_SHARE' (it is a int)"),
+    ([*G8, *MESH1, "--mesh-mask-builder", f"{BUILDERS}:prefix_lm", "--attention-backend",
+      "local"], "--attention-chunk-size / --mesh-mask-builder with --attention-backend local"),
+    ([*G8, "--no-rope-freq", "3"], "--no-rope-freq 3 must divide --num-layers 2"),
+    ([*G8, "--no-rope-freq", "[0,1,1]"], "--no-rope-freq gives 3 layers, --num-layers is 2"),
+    ([*G8, "--no-rope-freq", "__import__('os')"],
+     "argument --no-rope-freq: \"__import__('os')\": give an int N >= 1"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"],
      "--sequence-parallel: the 63 tokens per context-parallel rank (--seq-length 63 / CP 1) are "
      "not divisible by --tensor-model-parallel-size 2"),

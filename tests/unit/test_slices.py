@@ -270,7 +270,7 @@ RULE_PATTERN = re.compile(
     r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
-                  "masks/layout.py", "masks/placed.py", "masks/mask.py"}
+                  "masks/layout.py", "masks/placed.py", "masks/mask.py", "masks/chunked.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -513,3 +513,73 @@ def test_a_mask_row_is_its_slices_row():
                  mm.sliding_window_mask(-1, 4, causal=False) & user):
         want = sees(mask.sequence_slices(seq), q_pos, k_pos.clamp(min=0)) & (k_pos >= 0)
         assert torch.equal(mask.row(q_pos, k_pos), want), mask.describe()
+
+
+# ---- chunked attention (Llama 4's local layers) ----
+
+def _chunked_by_definition(seq: int, chunk: int, cu: list[int] | None = None) -> torch.Tensor:
+    """[seq, seq] bool: query i sees key j iff j <= i and i // chunk == j // chunk, positions
+    counted from the start of their document (the same document only, with `cu`)."""
+    cu = [0, seq] if cu is None else cu
+    doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    pos = torch.arange(seq) - torch.tensor(cu)[doc]
+    i, j = pos[:, None], pos[None, :]
+    same = doc[:, None] == doc[None, :]
+    return same & (j <= i) & (i // chunk == j // chunk)
+
+
+@pytest.mark.parametrize("seq,chunk,cu", [(64, 8, None), (64, 5, None), (30, 64, None),
+                                          (1, 1, None), (40, 6, [0, 7, 7, 26, 40]),
+                                          (48, 4, [0, 48])])
+def test_chunked_mask_is_the_definition(seq, chunk, cu):
+    mask = mm.chunked_mask(seq, chunk, cu)
+    assert torch.equal(dense([s.as_tuple for s in mask.slices], seq),
+                       _chunked_by_definition(seq, chunk, cu))
+    assert mask == mm.chunked_mask(seq, chunk, cu) and mask.seq_len == seq
+    if chunk >= seq and cu is None:  # one chunk: the plain causal mask
+        assert [s.as_tuple for s in mask.slices] == [(0, seq, 0, seq, "causal")]
+
+
+@pytest.mark.parametrize("args,words", [((0, 4), "seq_len=0"), ((8, 0), "chunk=0"),
+                                        ((8, True), "chunk=True"),
+                                        ((8, 4, [0, 9]), "must rise from 0 to seq_len=8"),
+                                        ((8, 4, [0, 5, 3, 8]), "must rise")])
+def test_chunked_mask_names_bad_values(args, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        mm.chunked_mask(*args)
+
+
+def test_the_chunked_mask_is_one_file():
+    """Outside the Megatron integration only masks/chunked.py (and the package's __init__,
+    which exports it) knows chunked attention; it imports nothing of the package but slices."""
+    mentions = {name for name, text in _sources().items()
+                if re.search(r"chunked_mask", text)
+                and not name.startswith(("megatron/", "training/"))}
+    assert mentions == {"masks/chunked.py", "__init__.py"}, mentions
+    tree = ast.parse((PACKAGE / "masks/chunked.py").read_text())
+    project = {node.module for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.level}
+    assert project == {"slices"}
+
+
+def test_chunked_bytes_per_rank_stay_o_of_the_chunk():
+    """The sparse exchange of a chunked mask on 2x2 moves about the same bytes (the rank
+    sending most) whatever the sequence length, a chunk's rows per boundary, while the dense
+    exchange's grow with it; chunks that are whole sub-chunks move nothing."""
+    from megatron_mesh.layer_plan import AttentionShape, Exchange
+    from megatron_mesh.models.plan import resolve_plan
+    from megatron_mesh.models.sparse import sparse_traffic
+    from megatron_mesh.models.traffic import mesh_traffic
+
+    def moved(seq: int, chunk: int) -> tuple[int, int]:
+        shape = AttentionShape(seq, 1, 8, 8, 128, 2)
+        plan = resolve_plan(shape, 2, 2, "streamed", "mixed", exchange=Exchange.SPARSE)
+        mask = AttentionMask(False, ranks=4, slices=mm.chunked_mask(seq, chunk))
+        sparse = sparse_traffic(shape, 1, 2, 2, mask, None, plan.dq_bytes(2), plan.dkv_bytes(2))
+        return sparse.total, mesh_traffic(shape, resolve_plan(shape, 2, 2, "streamed",
+                                                              "mixed")).total
+
+    (short, dense_short), (long, dense_long) = moved(32768, 1000), moved(131072, 1000)
+    assert 0 < long < 1.1 * short and dense_long > 3.5 * dense_short
+    assert long < 0.02 * dense_long
+    assert moved(65536, 4096)[0] == 0  # 4096 = S / 2P: each chunk is one sub-chunk

@@ -131,6 +131,11 @@ def _check_layout(args: TrainingConfig) -> None:
         raise ConfigError(f"world size {args.world_size} must equal --context-parallel-size "
                           f"{args.context_parallel_size}: launch with torchrun --nproc-per-node "
                           f"{args.context_parallel_size}")
+    for flag, value in (("--attention-chunk-size", args.attention_chunk_size),
+                        ("--mesh-mask-builder", args.mesh_mask_builder)):
+        if value is not None:
+            raise ConfigError(f"generate does not run a model trained with {flag} {value} "
+                              "yet (its decode steps would attend causally)")
     if args.context_parallel_size > 1 and args.context_parallel_algo != "mesh":
         raise ConfigError(f"generate runs context parallelism through the mesh: use "
                           f"--cp-comm-type mesh, got {args.context_parallel_algo}")

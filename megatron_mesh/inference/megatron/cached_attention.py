@@ -40,6 +40,9 @@ class _CachedForward:
                                    attention_bias, packed_seq_params)
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("generation runs dense prompts without attention_bias")
+        if self.chunk is not None:
+            raise ValueError(f"layer {self.layer_number} has chunked attention (attention_chunk_"
+                             f"size={self.chunk}), which generation does not run yet")
         out = self.session.attend(self.layer_number, query, key, value, self.grid,
                                   self.softmax_scale, self.window_size,
                                   mesh_offset(self.softmax_offset))  # the sinks, if any

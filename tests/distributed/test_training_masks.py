@@ -1,0 +1,76 @@
+"""The driver's mask flags end to end on CPU, against the same flags at CP = 1:
+--attention-chunk-size 12 with --no-rope-freq 2 (Llama 4: layer 1 chunked with RoPE, layer 2
+global without) on a 2x2 mesh and a 2x1x2 grid, its attention bytes against the dense
+exchange's (layer 1 moves a few rows: a chunk spans at most two sub-chunks of 8 tokens);
+a prefix-LM mask from --mesh-mask-builder on 2x2; a builder that returns no mask stops
+every rank with one line, exit 2."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from preloaded import Job, Run, driver_data_args, job_env, launch
+
+ITERS = 3
+CHUNKED = ["--attention-chunk-size", "12", "--no-rope-freq", "2"]
+PREFIX = ["--mesh-mask-builder", "examples.mask_builders:prefix_lm"]
+MESH = ["--context-parallel-algo", "mesh"]
+CP4 = [*MESH, "--context-parallel-size", "4", "--mesh-shape"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    data = driver_data_args(tmp_path_factory.mktemp("masks"), ITERS)
+    return {
+        "cp1 chunked": launch(1, [*data, *MESH, *CHUNKED]),
+        "2x2 chunked": launch(4, [*data, *CHUNKED, *CP4, "2x2"]),
+        "2x1x2 chunked": launch(4, [*data, *CHUNKED, *CP4, "2x1x2"]),
+        "2x2 nope": launch(4, [*data, "--no-rope-freq", "2", *CP4, "2x2"]),
+        "cp1 prefix": launch(1, [*data, *MESH, *PREFIX]),
+        "2x2 prefix": launch(4, [*data, *PREFIX, *CP4, "2x2"]),
+    }
+
+
+def _same(run: Run, ref: Run) -> None:
+    for r in (run, ref):
+        assert r.returncode == 0, r.output[-3000:]
+    got, want = run.lines(), ref.lines()
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it, fields in got.items():
+        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
+        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
+                                                           abs=2e-3)
+
+
+@pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
+def test_chunked_attention_matches_cp1(runs: dict[str, Run], grid: str) -> None:
+    _same(runs[f"{grid} chunked"], runs["cp1 chunked"])
+
+
+def test_chunks_change_the_model_and_move_few_bytes(runs: dict[str, Run]) -> None:
+    """Without chunks (the same NoPE layers) the losses differ; with them layer 1 takes the
+    sparse exchange and moves a fraction of what the dense layer 2 moves."""
+    chunked, dense = runs["2x2 chunked"], runs["2x2 nope"]
+    assert dense.returncode == 0, dense.output[-3000:]
+    assert chunked.losses() != pytest.approx(dense.losses(), rel=1e-4)
+    got, base = (list(map(float, r.traffic())) for r in (chunked, dense))
+    assert len(got) == len(base) == ITERS
+    for c, d in zip(got, base):  # d: two dense layers; c: one dense layer and the chunked one
+        assert 0 < c - d / 2 < 0.25 * d / 2, (got, base)
+
+
+def test_prefix_lm_builder_matches_cp1(runs: dict[str, Run]) -> None:
+    _same(runs["2x2 prefix"], runs["cp1 prefix"])
+    assert runs["2x2 prefix"].losses() != pytest.approx(runs["2x2 nope"].losses(), rel=1e-4)
+
+
+def test_a_builder_returning_no_mask_stops_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "bad_builder.py"
+    path.write_text("def build(tokens, position_ids):\n    return tokens.shape[-1]\n")
+    data = driver_data_args(tmp_path, ITERS)
+    job = Job([*data, "--mesh-mask-builder", f"{path}:build", *MESH,
+               "--context-parallel-size", "2"], job_env(), nproc=2, stop_others=False)
+    run = job.wait(timeout=200)
+    assert job.exitcodes == [2, 2], run.output[-2000:]
+    line = f"pretrain_gpt: error: --mesh-mask-builder {path}:build returned 64; it must return"
+    assert run.output.count(line) == 1, run.output[-2000:]
