@@ -41,7 +41,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
 def _sync_params(model: torch.nn.Module, args: TrainingConfig) -> None:
     """With --overlap-param-gather the updated parameters arrive in the next forward's
     pre-hooks; gather them now (before evaluation, a save or the end of training)."""
-    if args.overlap_param_gather:
+    if args.training.overlap_param_gather:
         model.start_param_sync(force_sync=True)
 
 
@@ -51,9 +51,11 @@ def _step_args(args: TrainingConfig, calculator: Any, consumed_samples: int) -> 
     if calculator is None:
         return args
     gbs, micro = batch_at(calculator, args, consumed_samples)
-    if (gbs, micro) == (args.global_batch_size, args.num_microbatches):
+    if (gbs, micro) == (args.training.global_batch_size, args.derived.num_microbatches):
         return args
-    return dataclasses.replace(args, global_batch_size=gbs, num_microbatches=micro)
+    return dataclasses.replace(
+        args, training=dataclasses.replace(args.training, global_batch_size=gbs),
+        derived=dataclasses.replace(args.derived, num_microbatches=micro))
 
 
 def _traffic_counter(args: TrainingConfig):
