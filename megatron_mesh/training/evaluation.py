@@ -43,7 +43,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, first_sample: int,
     model.eval()
     try:
         with torch.no_grad():
-            for _ in range(args.eval_iters):
+            for _ in range(args.evaluation.eval_iters):
                 reports += global_batch(model, data, args, forward_only=True)
     finally:
         model.train()
@@ -57,7 +57,7 @@ class Evaluator:
                  loggers: Loggers) -> None:
         self.model, self.valid, self.test, self.args = model, valid, test, args
         self.loggers = loggers
-        self._batch = args.eval_iters * args.global_batch_size  # samples per pass
+        self._batch = args.evaluation.eval_iters * args.training.global_batch_size  # samples per pass
         self._passes: dict[int, float] = {}  # iteration -> its validation loss, this run
 
     def due(self, iteration: int) -> bool:
