@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
-from megatron_mesh.training.arguments import _CONFIG, build_parser, parse_args
+from megatron_mesh.training.arguments import build_parser, parse_args
 from megatron_mesh.training.config import (
     GROUP_NAMES,
     Derived,
@@ -22,6 +22,7 @@ from megatron_mesh.training.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIG = config_class(build_parser())
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 MESH = ["--context-parallel-size", "4", "--context-parallel-algo", "mesh"]
 PARSED = {  # flag sets whose every value is checked against its field's type
@@ -78,23 +79,23 @@ def test_every_argument_group_is_one_frozen_group_of_the_config() -> None:
     parser = build_parser()
     groups = {GROUP_NAMES[g.title]: [a.dest for a in g._group_actions if a.dest != "help"]
               for g in parser._action_groups if g.title in GROUP_NAMES}
-    assert list(_CONFIG.GROUPS) == [*(n for n, dests in groups.items() if dests), "derived"]
-    for name, cls in _CONFIG.GROUPS.items():
+    assert list(CONFIG.GROUPS) == [*(n for n, dests in groups.items() if dests), "derived"]
+    for name, cls in CONFIG.GROUPS.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
         expected = groups.get(name) or [f.name for f in dataclasses.fields(Derived)]
         assert [f.name for f in dataclasses.fields(cls)] == expected, name
-    assert [f.name for f in dataclasses.fields(_CONFIG)] == list(_CONFIG.GROUPS)
+    assert [f.name for f in dataclasses.fields(CONFIG)] == list(CONFIG.GROUPS)
 
 
 def test_every_field_has_a_concrete_type() -> None:
     """No `Any`, no bare `object`: each flag's type resolved from its action."""
-    for name, cls in _CONFIG.GROUPS.items():
+    for name, cls in CONFIG.GROUPS.items():
         for field, kind in _field_types(cls).items():
             assert not {Any, object} & set(_parts(kind)), f"{name}.{field}: {kind}"
 
 
 def test_field_types_follow_the_actions() -> None:
-    hints = {name: _field_types(cls) for name, cls in _CONFIG.GROUPS.items()}
+    hints = {name: _field_types(cls) for name, cls in CONFIG.GROUPS.items()}
     assert hints["model"]["hidden_size"] is int
     assert hints["model"]["ffn_hidden_size"] == int | None
     assert hints["model"]["swiglu"] is bool
@@ -110,7 +111,8 @@ def test_field_types_follow_the_actions() -> None:
 @pytest.mark.parametrize("name", sorted(PARSED))
 def test_parsed_values_are_instances_of_their_declared_types(name: str) -> None:
     config = parse_args(PARSED[name])
-    for group, cls in _CONFIG.GROUPS.items():
+    assert list(type(config).GROUPS) == list(CONFIG.GROUPS)
+    for group, cls in type(config).GROUPS.items():
         values = getattr(config, group)
         assert type(values) is cls
         for field, kind in _field_types(cls).items():
@@ -124,7 +126,7 @@ def test_flat_names_read_the_groups_and_nothing_is_set() -> None:
     assert config.hidden_size == config.model.hidden_size == 64
     assert config.train_iters == config.training.train_iters == 20
     assert config.world_size == config.derived.world_size == 4
-    for flat, group in _CONFIG.FLAT.items():
+    for flat, group in CONFIG.FLAT.items():
         assert getattr(config, flat) == getattr(getattr(config, group), flat)
     with pytest.raises(AttributeError, match="no_such_flag"):
         config.no_such_flag  # noqa: B018
@@ -159,7 +161,7 @@ def test_a_value_no_group_declares_is_refused() -> None:
     args = parser.parse_args([])
     args.not_a_flag = 1
     with pytest.raises(TypeError, match="not_a_flag"):
-        freeze(args, _CONFIG)
+        freeze(args, CONFIG)
 
 
 def test_building_the_config_leaves_the_help_as_it_was() -> None:
