@@ -22,7 +22,7 @@ def _qkv_projection_flops(args: TrainingConfig) -> float:
 def _mlp_width(args: TrainingConfig) -> int:
     """The MLP hidden width a token passes through: --ffn-hidden-size, or with experts its
     top-k experts' --moe-ffn-hidden-size each (Megatron-LM's count: the router not counted)."""
-    if getattr(args, "num_experts", None) is None:
+    if args.moe.num_experts is None:
         return args.model.ffn_hidden_size
     return args.moe.moe_router_topk * args.moe.moe_ffn_hidden_size
 

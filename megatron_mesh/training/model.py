@@ -32,39 +32,40 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig of the flags; with --multi-latent-attention its
     MLATransformerConfig (RoPE as 'rope': Megatron-LM's MLA default, YaRN, with its default
     --rotary-scaling-factor 1 gives the same frequencies and softmax scale)."""
-    dtype = flag_dtype(args.training.bf16, args.training.fp16)
+    model, parallel, training = args.model, args.parallel, args.training
+    dtype = flag_dtype(training.bf16, training.fp16)
     common = dict(
-        num_layers=args.model.num_layers,
-        hidden_size=args.model.hidden_size,
-        ffn_hidden_size=args.model.ffn_hidden_size,
-        num_attention_heads=args.model.num_attention_heads,
-        num_query_groups=args.model.num_query_groups,
-        kv_channels=args.model.kv_channels,
-        hidden_dropout=args.model.hidden_dropout,
-        attention_dropout=args.model.attention_dropout,
-        window_size=None if args.model.window_size is None else tuple(args.model.window_size),
-        window_attn_skip_freq=args.model.window_attn_skip_freq,
-        softmax_type=args.model.softmax_type,
-        qk_layernorm=args.model.qk_layernorm,
-        init_method_std=args.model.init_method_std,
-        normalization=args.model.normalization,
-        layernorm_epsilon=args.model.norm_epsilon,
-        add_bias_linear=not args.model.disable_bias_linear,
-        gated_linear_unit=args.model.swiglu,
-        activation_func=F.silu if args.model.swiglu else F.gelu,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        window_size=None if model.window_size is None else tuple(model.window_size),
+        window_attn_skip_freq=model.window_attn_skip_freq,
+        softmax_type=model.softmax_type,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=not model.disable_bias_linear,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=args.parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.parallel.pipeline_model_parallel_size,
-        context_parallel_size=args.parallel.context_parallel_size,
-        sequence_parallel=args.parallel.sequence_parallel,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
         cp_comm_type=_cp_comm_type(args),
-        bf16=args.training.bf16,
-        fp16=args.training.fp16,
+        bf16=training.bf16,
+        fp16=training.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         variable_seq_lengths=varies_in_length(args),
@@ -74,25 +75,25 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
            if varies_in_length(args) and args.moe.num_experts is None else {}),
         **moe_config(args),
         use_cpu_initialization=not has_cuda(),
-        recompute_granularity=args.training.recompute_granularity,
-        recompute_method=args.training.recompute_method,
-        recompute_num_layers=args.training.recompute_num_layers,
-        calculate_per_token_loss=args.training.calculate_per_token_loss,
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers,
+        calculate_per_token_loss=training.calculate_per_token_loss,
     )
-    if not args.model.multi_latent_attention:
+    if not model.multi_latent_attention:
         return TransformerConfig(**common)
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     return MLATransformerConfig(
         **common,
         multi_latent_attention=True,
-        q_lora_rank=args.model.q_lora_rank,
-        kv_lora_rank=args.model.kv_lora_rank,
-        qk_head_dim=args.model.qk_head_dim,
-        qk_pos_emb_head_dim=args.model.qk_pos_emb_head_dim,
-        v_head_dim=args.model.v_head_dim,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+        v_head_dim=model.v_head_dim,
         rope_type="rope",
-        rotary_base=args.model.rotary_base,
+        rotary_base=model.rotary_base,
     )
 
 
@@ -147,8 +148,8 @@ def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     return get_gpt_layer_spec(context_parallel_algo=algo, grid=grid,
-                              use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
-                              grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
+                              use_te=use_te, schedule=args.mesh.mesh_schedule,
+                              grad_reduce_dtype=args.mesh.mesh_grad_reduce_dtype,
                               normalization=args.model.normalization,
                               multi_latent_attention=args.model.multi_latent_attention,
                               qk_layernorm=args.model.qk_layernorm, **moe_spec(args))

@@ -91,7 +91,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             synchronize()
             start = time.perf_counter()
             step_args = _step_args(args, ramp, state.consumed_samples)
-            flops = flops_per_iter * step_args.global_batch_size / args.training.global_batch_size
+            flops = flops_per_iter * step_args.training.global_batch_size / args.training.global_batch_size
             with counter if counter is not None else contextlib.nullcontext():
                 loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
                                                  step_args)
@@ -99,7 +99,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             aux = aux_losses(step_args)  # MoE aux losses, scaled by this step's micro-batches
             seconds = time.perf_counter() - start
             state.iteration += 1
-            state.consumed_samples += step_args.global_batch_size
+            state.consumed_samples += step_args.training.global_batch_size
             if args.stopping.check_for_nan_in_loss_and_grad:
                 check_finite(state.iteration, loss, grad_norm)
             traffic = counter.total_bytes if counter else 0
