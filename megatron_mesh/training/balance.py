@@ -98,9 +98,9 @@ class GlobalBatchIndices(Sampler[int]):
 def replica_works(lengths_per_sample: list[list[int]], args: TrainingConfig) -> list[int]:
     """Attention work of each DP replica without regrouping (sample j of the global batch
     belongs to replica (j // mbs) % DP)."""
-    works = [0] * args.data_parallel_size
+    works = [0] * args.derived.data_parallel_size
     for j, lengths in enumerate(lengths_per_sample):
-        works[(j // args.micro_batch_size) % args.data_parallel_size] += sum(
+        works[(j // args.training.micro_batch_size) % args.derived.data_parallel_size] += sum(
             document_work(n) for n in lengths)
     return works
 
@@ -115,11 +115,11 @@ def balanced_micro_batches(dataset, args: TrainingConfig, consumed_samples: int,
                            dev: torch.device) -> Iterator[dict]:
     """This rank's micro-batches with the global batch's documents dealt over DP x M
     (`collate`: the samples' fields stacked into [GBS, s] tensors)."""
-    dp, dp_rank = args.data_parallel_size, parallel_state.get_data_parallel_rank()
-    m_count = args.num_microbatches
-    sampler = GlobalBatchIndices(consumed_samples, len(dataset), args.global_batch_size)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size, sampler=sampler,
-                        num_workers=args.num_workers, collate_fn=collate,
+    dp, dp_rank = args.derived.data_parallel_size, parallel_state.get_data_parallel_rank()
+    m_count = args.derived.num_microbatches
+    sampler = GlobalBatchIndices(consumed_samples, len(dataset), args.training.global_batch_size)
+    loader = DataLoader(dataset, batch_size=args.training.global_batch_size, sampler=sampler,
+                        num_workers=args.data.num_workers, collate_fn=collate,
                         pin_memory=has_cuda())
     logged = False
     for batch in loader:  # the whole global batch stays on the CPU; micro-batches move

@@ -1,77 +1,193 @@
-"""The driver's configuration: the validated flags as one frozen, typed object.
+"""The driver's configuration: the validated flags as frozen, typed groups composed into one.
 
-The parser (`arguments.build_parser`) is the one declaration of the flags: `config_class`
-turns each of its actions into a field typed from the action (its `type`, bool for switches,
-a tuple for `nargs`), adds the values `validate_args` derives (`DERIVED`), and makes the
-class frozen. `freeze` fills it from the validated namespace; nothing changes it after that.
+The parser (`arguments.build_parser`) is the one declaration of the flags: their names,
+defaults, choices and help. Each of its argument groups becomes one frozen dataclass
+(`config_class`), named in `GROUP_NAMES`, with one field per flag typed from the flag's
+action: bool for a switch, a `Literal` of the choices, the action's type (a conversion
+function's return annotation), a tuple for `nargs`, and `| None` where the default is None.
+The classes are generated rather than written out so that a new flag needs no second
+declaration: it is a field of its group's class as soon as the parser has it, and a new
+group fails at import until it is named here. `Derived` holds what `validate_args` derives
+from the flags. `freeze` fills them from the validated namespace; nothing changes them after.
+
+`TrainingConfig` composes the groups: ``cfg.model.hidden_size``, ``cfg.training.train_iters``,
+``cfg.derived.world_size``. Code shared with Megatron-LM's flat argument namespace reads the
+same names flat (``cfg.hidden_size``): `TrainingConfig.__getattr__` is that read-only
+compatibility layer, and `as_dict` writes the flat names (logs, wandb, checkpoints).
 Runtime state (the rank, process groups, the mesh grid) lives with the code that creates it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import functools
+import operator
+import types
+import typing
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-# values validate_args derives from the flags (not flags themselves), with their types
-DERIVED: dict[str, Any] = {
-    "world_size": int,
-    "data_parallel_size": int,
-    "num_microbatches": int,
-    "mesh_shape_chosen_by_planner": bool,
-    "k_channels": int,  # the core attention's Q / K head dim (MLA: qk + rope, else kv_channels)
-    "v_channels": int,  # its V head dim (MLA: v_head_dim, else kv_channels)
-    "lr_warmup_steps": int,  # the LR schedule in samples (schedule_length.py)
-    "lr_decay_steps": int,
-    "wd_incr_steps": int,
+GROUP_NAMES: dict[str, str] = {
+    "options": "command_line",
+    "model": "model",
+    "training": "training",
+    "optimizer and learning rate": "optimization",
+    "parallelism": "parallel",
+    "mesh context parallelism": "mesh",
+    "mesh attention masks": "masks",
+    "packed documents (--reset-attention-mask)": "packing",
+    "mixture of experts": "moe",
+    "data": "data",
+    "checkpointing": "checkpoint",
+    "evaluation": "evaluation",
+    "logging": "logging",
+    "stopping safely": "stopping",
+    "Megatron-LM flags accepted without effect (named at start-up when given)": "no_effect",
 }
+"""The parser's argument group titles and the config's attribute for each group."""
 
 
-def _field_type(action: argparse.Action) -> Any:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
-                           argparse.BooleanOptionalAction)):
-        return bool
-    base = action.type if isinstance(action.type, type) else (
-        str if action.type is None else Any)
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """The values `validate_args` derives from the flags (not flags themselves)."""
+
+    world_size: int
+    data_parallel_size: int
+    num_microbatches: int
+    mesh_shape_chosen_by_planner: bool | None  # None: no mesh (CP = 1 or another algorithm)
+    k_channels: int  # the core attention's Q / K head dim (MLA: qk + rope, else kv_channels)
+    v_channels: int  # its V head dim (MLA: v_head_dim, else kv_channels)
+    lr_warmup_steps: int  # the LR schedule in samples (schedule_length.py)
+    lr_decay_steps: int
+    wd_incr_steps: int
+
+
+DERIVED_GROUP = "derived"
+_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction,
+             argparse.BooleanOptionalAction)
+
+
+def flag_type(action: argparse.Action) -> Any:
+    """The type of the values `action` stores: see the module docstring. TypeError for a
+    conversion function without a return annotation (its values' type is unknown)."""
+    if isinstance(action, _SWITCHES):
+        kind: Any = bool
+    elif action.choices is not None:
+        kind = Literal[tuple(action.choices)]
+    elif action.type is None:
+        kind = str
+    elif isinstance(action.type, type):
+        kind = action.type
+    else:
+        kind = typing.get_type_hints(action.type).get("return")
+        if kind is None:
+            raise TypeError(f"{action.option_strings[0]}: annotate the return type of its "
+                            f"type function {action.type.__name__} (the config field's type)")
+        kind = _frozen(kind)
     if action.nargs in ("+", "*"):
-        return tuple[base, ...] | None
-    return base | None if action.default is None else base
+        kind = tuple[kind, ...]
+    elif isinstance(action.nargs, int) and not isinstance(action, _SWITCHES):
+        kind = tuple[(kind,) * action.nargs]
+    return kind | None if action.default is None else kind
+
+
+def _frozen(kind: Any) -> Any:
+    """`kind` as `freeze` stores it: a list[X] (a conversion function's) becomes
+    tuple[X, ...], inside a union too."""
+    if typing.get_origin(kind) is list:
+        return tuple[(*typing.get_args(kind), ...)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        members = tuple(_frozen(k) for k in typing.get_args(kind))
+        return functools.reduce(operator.or_, members)
+    return kind
 
 
 class TrainingConfig:
-    """The validated flags, frozen: the base of the class `config_class` builds from the parser
-    (its fields are the flags plus `DERIVED`). Modules name this type for their arguments
-    without importing the parser, which imports them."""
+    """The validated flags, frozen: the base of the class `config_class` builds, whose fields
+    are one frozen dataclass per argument group (`GROUP_NAMES`) and `derived`. Modules name
+    this type for their arguments without importing the parser, which imports them.
+
+    A flag also reads flat (``cfg.hidden_size`` is ``cfg.model.hidden_size``), as in
+    Megatron-LM's namespace, which much shared code takes too; nothing can be set."""
 
     __slots__ = ()
+    GROUPS: ClassVar[dict[str, type]]  # attribute -> its group's class, derived last
+    FLAT: ClassVar[dict[str, str]]  # flat name -> its group's attribute, in the parser's order
 
     if TYPE_CHECKING:
-        def __getattr__(self, name: str) -> Any: ...  # the fields come from the parser
+        derived: Derived
+
+    def __getattr__(self, name: str) -> Any:
+        group = type(self).FLAT.get(name) if not name.startswith("__") else None
+        if group is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(getattr(self, group), name)
+
+
+def _class_name(attribute: str) -> str:
+    return "".join(word.capitalize() for word in attribute.split("_")) + "Flags"
 
 
 def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
-    """The frozen dataclass of `parser`'s flags plus `DERIVED`, a `TrainingConfig`."""
-    fields = [(a.dest, _field_type(a)) for a in parser._actions
-              if a.dest not in ("help", argparse.SUPPRESS)]
-    fields += [(name, kind) for name, kind in DERIVED.items()
-               if name not in {f for f, _ in fields}]
-    return dataclasses.make_dataclass("TrainingConfig", fields, bases=(TrainingConfig,),
-                                      frozen=True, namespace={"__doc__": __doc__.splitlines()[0]})
+    """The frozen `TrainingConfig` class of `parser`'s flags: a frozen dataclass per argument
+    group and `Derived`. TypeError for a group missing from `GROUP_NAMES`, a flag whose type
+    cannot be resolved, or a flag named like a group."""
+    groups: dict[str, type] = {}
+    flat: dict[str, str] = {}
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.dest not in ("help", argparse.SUPPRESS)]
+        if not actions:
+            continue
+        if group.title not in GROUP_NAMES:
+            raise TypeError(f"argument group {group.title!r} has no config attribute: name it "
+                            "in training/config.py's GROUP_NAMES")
+        name = GROUP_NAMES[group.title]
+        fields = [(a.dest, flag_type(a)) for a in actions]
+        groups[name] = dataclasses.make_dataclass(
+            _class_name(name), fields, frozen=True,
+            namespace={"__doc__": f"The flags of the parser's {group.title!r} group."})
+        flat.update((dest, name) for dest, _ in fields)
+    groups[DERIVED_GROUP] = Derived
+    flat.update((f.name, DERIVED_GROUP) for f in dataclasses.fields(Derived))
+    order = {a.dest: i for i, a in enumerate(parser._actions)}
+    flat = dict(sorted(flat.items(), key=lambda item: order.get(item[0], len(order))))
+    clashes = sorted(set(flat) & set(groups))
+    if clashes:
+        raise TypeError(f"flags {clashes} are named like a config group; rename the group")
+    return dataclasses.make_dataclass(
+        "TrainingConfig", list(groups.items()), bases=(TrainingConfig,), frozen=True,
+        namespace={"__doc__": __doc__.splitlines()[0], "GROUPS": groups, "FLAT": flat})
+
+
+def _as_declared(value: Any, kind: Any) -> Any:
+    """`value` as the field type `kind` holds it: a list as a tuple, an int (from YAML) as a
+    float where the field is a float."""
+    if isinstance(value, list):
+        return tuple(value)
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(kind) if union else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def freeze(args: argparse.Namespace, cls: type[TrainingConfig]) -> TrainingConfig:
-    """The validated namespace as a frozen `cls` (from `config_class`; lists become tuples).
+    """The validated namespace as a frozen `cls` (from `config_class`).
 
     A value the class does not declare is a programming error and raises TypeError, so no
     attribute set along the way is lost silently.
     """
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()}
-    unknown = sorted(set(values) - names)
+    values = vars(args)
+    unknown = sorted(set(values) - set(cls.FLAT))
     if unknown:
-        raise TypeError(f"TrainingConfig has no fields {unknown}; add them to DERIVED")
-    return cls(**{name: values.get(name) for name in names})
+        raise TypeError(f"TrainingConfig has no fields {unknown}; add them to Derived")
+    return cls(**{
+        name: group(**{f.name: _as_declared(values.get(f.name), f.type)
+                       for f in dataclasses.fields(group)})
+        for name, group in cls.GROUPS.items()})
 
 
-def as_dict(config: Any) -> dict[str, Any]:
-    """The config's fields and values (for logs, wandb and checkpoints)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+def as_dict(config: TrainingConfig) -> dict[str, Any]:
+    """The config's flat names and values, in the parser's order, then the derived ones (for
+    logs, wandb and checkpoints)."""
+    return {name: getattr(getattr(config, group), name)
+            for name, group in type(config).FLAT.items()}

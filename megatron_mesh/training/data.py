@@ -47,33 +47,33 @@ def build_tokenizer(args: TrainingConfig) -> MegatronTokenizerBase:
     """megatron-core's tokenizer for --tokenizer-type (NullTokenizer: ids are tokens, ids
     0 .. V - 1 of --vocab-size V and the end-of-document id V; GPT2BPETokenizer: from
     --vocab-file and --merge-file alone, `gpt2_bpe`)."""
-    metadata = {"library": _LIBRARIES[args.tokenizer_type] or null_tokenizer_library()}
-    if args.tokenizer_type == "NullTokenizer":
+    metadata = {"library": _LIBRARIES[args.data.tokenizer_type] or null_tokenizer_library()}
+    if args.data.tokenizer_type == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path=metadata,
-                                                 **null_tokenizer_options(args.vocab_size))
-    if args.tokenizer_type == "GPT2BPETokenizer":  # from the local files, no hub
-        return gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
-    return MegatronTokenizer.from_pretrained(tokenizer_path=args.tokenizer_model,
+                                                 **null_tokenizer_options(args.data.vocab_size))
+    if args.data.tokenizer_type == "GPT2BPETokenizer":  # from the local files, no hub
+        return gpt2_bpe_tokenizer(args.data.vocab_file, args.data.merge_file)
+    return MegatronTokenizer.from_pretrained(tokenizer_path=args.data.tokenizer_model,
                                              metadata_path=metadata)
 
 
 def _dataset_config(args: TrainingConfig, tokenizer: MegatronTokenizerBase) -> GPTDatasetConfig:
     """The GPT dataset config of all three splits: --data-path cut by --split, or the
     per-split paths, or (neither) mock data."""
-    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    use_split_paths = not args.mock_data and not args.data_path
+    per_split = [args.data.train_data_path, args.data.valid_data_path, args.data.test_data_path]
+    use_split_paths = not args.data.mock_data and not args.data.data_path
     return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=None if args.mock_data or use_split_paths else get_blend_from_list(args.data_path),
+        random_seed=args.training.seed,
+        sequence_length=args.training.seq_length,
+        blend=None if args.data.mock_data or use_split_paths else get_blend_from_list(args.data.data_path),
         blend_per_split=[get_blend_from_list(p) if p else None for p in per_split]
         if use_split_paths else None,
-        split=None if args.mock_data or use_split_paths else args.split,
-        path_to_cache=args.data_cache_path,
+        split=None if args.data.mock_data or use_split_paths else args.data.split,
+        path_to_cache=args.data.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.data.reset_position_ids,
+        reset_attention_mask=args.data.reset_attention_mask,
+        eod_mask_loss=args.data.eod_mask_loss,
         create_attention_mask=False,  # attention is causal by type; no [s, s] mask tensor
     )
 
@@ -81,18 +81,18 @@ def _dataset_config(args: TrainingConfig, tokenizer: MegatronTokenizerBase) -> G
 def evaluations_in_run(args: TrainingConfig) -> int:
     """Validation passes a run makes: one per --eval-interval iterations and one at the end
     (each --eval-iters global batches); the validation set holds that many batches."""
-    return (0 if args.skip_train else args.train_iters // args.eval_interval) + 1
+    return (0 if args.training.skip_train else args.training.train_iters // args.evaluation.eval_interval) + 1
 
 
 def _split_weights(args: TrainingConfig) -> list[float]:
     """(train, valid, test) share of the data: --split's, or 1 where a per-split path or
     mock data gives that split."""
-    if args.mock_data:
+    if args.data.mock_data:
         return [1.0, 1.0, 1.0]
-    if not args.data_path:
-        paths = (args.train_data_path, args.valid_data_path, args.test_data_path)
+    if not args.data.data_path:
+        paths = (args.data.train_data_path, args.data.valid_data_path, args.data.test_data_path)
         return [1.0 if p else 0.0 for p in paths]
-    return split_weights(args.split)
+    return split_weights(args.data.split)
 
 
 def build_datasets(args: TrainingConfig, tokenizer: MegatronTokenizerBase
@@ -101,19 +101,19 @@ def build_datasets(args: TrainingConfig, tokenizer: MegatronTokenizerBase
     set with --train-iters global batches (none with --skip-train), the validation set with
     `evaluations_in_run` x --eval-iters batches and the test set with --eval-iters batches;
     None for a split that --split / the paths leave empty or --eval-iters 0 does not use."""
-    gbs = args.global_batch_size
+    gbs = args.training.global_batch_size
     weights = _split_weights(args)
-    wanted = [None if args.skip_train else args.train_iters * gbs,
-              evaluations_in_run(args) * args.eval_iters * gbs,
-              args.eval_iters * gbs]
+    wanted = [None if args.training.skip_train else args.training.train_iters * gbs,
+              evaluations_in_run(args) * args.evaluation.eval_iters * gbs,
+              args.evaluation.eval_iters * gbs]
     sizes = [n if n and w > 0 else None for n, w in zip(wanted, weights)]
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    cls = MockGPTDataset if args.data.mock_data else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
         cls, sizes, lambda: True, _dataset_config(args, tokenizer)).build()
     for name, dataset, size in zip(("training", "validation", "test"), datasets, sizes):
         if size is not None and (dataset is None or len(dataset) < size):
             raise RuntimeError(f"{name} data holds {0 if dataset is None else len(dataset)} "
-                               f"samples of {args.seq_length} tokens; {size} are needed")
+                               f"samples of {args.training.seq_length} tokens; {size} are needed")
     return tuple(datasets)
 
 
@@ -126,8 +126,8 @@ class SampleIndices(Sampler[int]):
 
     def __init__(self, first: int, total: int, dp_rank: int, args: TrainingConfig) -> None:
         self.first, self.total, self.dp_rank = first, total, dp_rank
-        self.mbs, self.dp = args.micro_batch_size, args.data_parallel_size
-        self.num_microbatches, self.gbs = args.num_microbatches, args.global_batch_size
+        self.mbs, self.dp = args.training.micro_batch_size, args.derived.data_parallel_size
+        self.num_microbatches, self.gbs = args.derived.num_microbatches, args.training.global_batch_size
 
     def __iter__(self) -> Iterator[int]:
         start = self.first + self.dp_rank * self.mbs
@@ -158,8 +158,8 @@ def sample_loader(dataset: GPTDataset, args: TrainingConfig, consumed_samples: i
     pinned for the copy to the GPU where there is one."""
     sampler = SampleIndices(consumed_samples, len(dataset),
                             parallel_state.get_data_parallel_rank(), args)
-    return DataLoader(dataset, batch_size=args.micro_batch_size, sampler=sampler,
-                      num_workers=args.num_workers, collate_fn=StackFields(keys),
+    return DataLoader(dataset, batch_size=args.training.micro_batch_size, sampler=sampler,
+                      num_workers=args.data.num_workers, collate_fn=StackFields(keys),
                       pin_memory=has_cuda())
 
 
@@ -178,7 +178,7 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     stage reads no samples (with --reset-attention-mask their token ids, for the
     documents).
     """
-    keys = batch_keys(args.reset_attention_mask, args.mesh_mask_builder is not None)
+    keys = batch_keys(args.data.reset_attention_mask, args.masks.mesh_mask_builder is not None)
     if not keys:
         while True:
             yield get_batch_on_this_cp_rank({})
@@ -186,7 +186,7 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     cp_rank = parallel_state.get_context_parallel_rank()
     eod = dataset.config.tokenizer.eod
     pack = document_packer(args, cp_rank)  # --mesh-document-placement's layout
-    if args.mesh_balance_data_parallel:  # documents regrouped over DP x micro-batches
+    if args.packing.mesh_balance_data_parallel:  # documents regrouped over DP x micro-batches
         from megatron_mesh.training.balance import balanced_micro_batches
 
         yield from balanced_micro_batches(dataset, args, consumed_samples, StackFields(keys),
@@ -196,7 +196,7 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     builder = None if spec is None else load_mask_builder(spec)
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
-        if args.reset_attention_mask:  # documents read on the host: no wait for the device
+        if args.data.reset_attention_mask:  # documents read on the host: no wait for the device
             yield pack(batch, eod, document_lengths(cpu_batch["tokens"], eod))
             continue
         mine = get_batch_on_this_cp_rank(batch)

@@ -31,16 +31,16 @@ def init_distributed(args: TrainingConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    backend = args.distributed_backend  # resolved by the flag check (nccl needs CUDA)
+    backend = args.parallel.distributed_backend  # resolved by the flag check (nccl needs CUDA)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    elif args.mesh_host_staged_collectives and has_cuda():  # several ranks on one GPU
+    elif args.parallel.mesh_host_staged_collectives and has_cuda():  # several ranks on one GPU
         torch.cuda.set_device(local_device(local_rank, torch.cuda.device_count()))
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        timeout=datetime.timedelta(minutes=args.parallel.distributed_timeout_minutes),
     )
 
 
@@ -48,26 +48,26 @@ def init_model_parallel(args: TrainingConfig) -> MeshGrid | None:
     """megatron-core's TP / PP / CP / DP groups, then the mesh's groups built from the shape
     the flag check decided (args.mesh_shape); returns this rank's grid (None without one)."""
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        tensor_model_parallel_size=args.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.parallel.pipeline_model_parallel_size,
+        context_parallel_size=args.parallel.context_parallel_size,
+        expert_model_parallel_size=args.moe.expert_model_parallel_size,
+        distributed_timeout_minutes=args.parallel.distributed_timeout_minutes,
     )
-    if not is_mesh(args.context_parallel_algo):
+    if not is_mesh(args.mesh.context_parallel_algo):
         return None
     from megatron_mesh.megatron.groups import initialize_mesh_grids
 
     return initialize_mesh_grids(
-        args.mesh_shape,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
-        head_dim=args.k_channels,
-        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-        schedule=args.mesh_schedule,
-        grad_reduce_dtype=args.mesh_grad_reduce_dtype,
-        chosen_by_planner=bool(args.mesh_shape_chosen_by_planner),
+        args.mesh.mesh_shape,
+        num_attention_heads=args.model.num_attention_heads,
+        num_query_groups=args.model.num_query_groups,
+        seq_length=args.training.seq_length,
+        head_dim=args.derived.k_channels,
+        timeout=datetime.timedelta(minutes=args.parallel.distributed_timeout_minutes),
+        schedule=args.mesh.mesh_schedule,
+        grad_reduce_dtype=args.mesh.mesh_grad_reduce_dtype,
+        chosen_by_planner=bool(args.derived.mesh_shape_chosen_by_planner),
     )
 
 

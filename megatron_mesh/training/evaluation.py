@@ -43,7 +43,7 @@ def evaluate(model: torch.nn.Module, dataset: Any, first_sample: int,
     model.eval()
     try:
         with torch.no_grad():
-            for _ in range(args.eval_iters):
+            for _ in range(args.evaluation.eval_iters):
                 reports += global_batch(model, data, args, forward_only=True)
     finally:
         model.train()
@@ -57,19 +57,19 @@ class Evaluator:
                  loggers: Loggers) -> None:
         self.model, self.valid, self.test, self.args = model, valid, test, args
         self.loggers = loggers
-        self._batch = args.eval_iters * args.global_batch_size  # samples per pass
+        self._batch = args.evaluation.eval_iters * args.training.global_batch_size  # samples per pass
         self._passes: dict[int, float] = {}  # iteration -> its validation loss, this run
 
     def due(self, iteration: int) -> bool:
         """Whether training validates after `iteration` (every --eval-interval)."""
-        return (self.valid is not None and self.args.eval_iters > 0
-                and iteration % self.args.eval_interval == 0)
+        return (self.valid is not None and self.args.evaluation.eval_iters > 0
+                and iteration % self.args.evaluation.eval_interval == 0)
 
     def validate(self, iteration: int, consumed_samples: int, prefix: str | None = None,
                  index: int | None = None) -> float:
         """Validation pass number `index` (default: the one of `iteration`), logged as
         'validation loss at PREFIX' (default 'iteration N')."""
-        index = iteration // self.args.eval_interval - 1 if index is None else index
+        index = iteration // self.args.evaluation.eval_interval - 1 if index is None else index
         loss = evaluate(self.model, self.valid, index * self._batch, self.args)
         print_rank0(evaluation_line(prefix or f"iteration {iteration}", loss))
         self.loggers.validation(loss, iteration, consumed_samples, "validation")
@@ -80,14 +80,14 @@ class Evaluator:
         """Megatron-LM's passes after training: the validation set, then the test set. At a
         validation iteration the validation set's pass is that iteration's (`_final_index`),
         reused when this run made it."""
-        if self.valid is not None and self.args.eval_iters > 0:
+        if self.valid is not None and self.args.evaluation.eval_iters > 0:
             prefix = f"iteration {iteration} on validation set"
             if iteration in self._passes:  # the same evaluation: printed, logged once
                 print_rank0(evaluation_line(prefix, self._passes[iteration]))
             else:
                 self.validate(iteration, consumed_samples, prefix,
                               index=self._final_index(iteration))
-        if self.test is not None and self.args.eval_iters > 0:
+        if self.test is not None and self.args.evaluation.eval_iters > 0:
             loss = evaluate(self.model, self.test, 0, self.args)
             print_rank0(evaluation_line(f"iteration {iteration} on test set", loss))
             self.loggers.validation(loss, iteration, consumed_samples, "test")
@@ -96,7 +96,7 @@ class Evaluator:
         """The final validation pass's number: with --skip-train the first; at a validation
         iteration that iteration's own (a run resumed at its last iteration logs the value
         the run that reached it logged); else the next one."""
-        if self.args.skip_train:
+        if self.args.training.skip_train:
             return 0
-        passes, rest = divmod(iteration, self.args.eval_interval)
+        passes, rest = divmod(iteration, self.args.evaluation.eval_interval)
         return passes - 1 if rest == 0 and passes > 0 else passes

@@ -71,7 +71,7 @@ def local_device(local_rank: int, gpus: int) -> int:
 def staged_collectives(args: TrainingConfig) -> Iterator[HostStaging | None]:
     """With the flag, the mesh's collectives run through the `HostStaging` yielded (its
     `calls` count them); without it nothing changes (None)."""
-    if not args.mesh_host_staged_collectives:
+    if not args.parallel.mesh_host_staged_collectives:
         yield None
         return
     with comm.using(HostStaging()) as staging:

@@ -51,14 +51,14 @@ def interval_metrics(stats: IntervalStats, args: TrainingConfig, flops_per_iter:
     """The numbers of one log line, keyed as they go to wandb."""
     n = max(stats.iterations, 1)
     step_s = stats.time_sum / n
-    tokens = args.global_batch_size * args.seq_length
+    tokens = args.training.global_batch_size * args.training.seq_length
     out = {
         "lm loss": stats.loss_sum / n,
         "learning-rate": lr,
         "consumed-samples": consumed,
         "throughput/step-time-ms": 1000 * step_s,
         "throughput/tokens-per-sec": tokens / step_s if step_s > 0 else 0.0,
-        "throughput/tflops-per-gpu": flops_per_iter / step_s / args.world_size / 1e12
+        "throughput/tflops-per-gpu": flops_per_iter / step_s / args.derived.world_size / 1e12
         if step_s > 0 else 0.0,
         "memory/peak-bytes": peak_mem,
         "skipped-iterations": stats.skipped,
@@ -77,13 +77,13 @@ def log_line(iteration: int, args: TrainingConfig, m: dict) -> str:
     traffic = m.get("attention/traffic-bytes-per-rank")
     mem_kind = "GPU" if has_cuda() else "RSS"
     parts = [
-        f" [{now}] iteration {iteration:8d}/{args.train_iters:8d}",
+        f" [{now}] iteration {iteration:8d}/{args.training.train_iters:8d}",
         f"consumed samples: {m['consumed-samples']:12d}",
         f"elapsed time per iteration (ms): {m['throughput/step-time-ms']:.1f}",
         f"throughput per GPU (TFLOP/s/GPU): {m['throughput/tflops-per-gpu']:.4g}",
         f"tokens/s: {m['throughput/tokens-per-sec']:.1f}",
         f"learning rate: {m['learning-rate']:.6E}",
-        f"global batch size: {args.global_batch_size:5d}",
+        f"global batch size: {args.training.global_batch_size:5d}",
         f"lm loss: {m['lm loss']:.6E}",
     ]
     parts += [f"{name}: {m[name]:.6E}" for name in AUX_LOSS_NAMES.values() if name in m]
@@ -102,17 +102,17 @@ def mesh_grid_label(args: TrainingConfig) -> str | None:
     """'AxRxC' ('RxC' with A = 1) of the grid the flag check decided; None without a mesh."""
     if not mesh_active(args):
         return None
-    return shape_text(*args.mesh_shape)
+    return shape_text(*args.mesh.mesh_shape)
 
 
 def run_name(args: TrainingConfig, label: str | None) -> str | None:
     """--wandb-exp-name, else for a mesh run 'mesh-AxRxC-tpT-dpD' ('-ppP' before '-dp' with
     pipeline stages; None: wandb names it)."""
-    if args.wandb_exp_name or not label:
-        return args.wandb_exp_name
-    pp = args.pipeline_model_parallel_size
-    return (f"mesh-{label}-tp{args.tensor_model_parallel_size}-"
-            f"{f'pp{pp}-' if pp > 1 else ''}dp{args.data_parallel_size}")
+    if args.logging.wandb_exp_name or not label:
+        return args.logging.wandb_exp_name
+    pp = args.parallel.pipeline_model_parallel_size
+    return (f"mesh-{label}-tp{args.parallel.tensor_model_parallel_size}-"
+            f"{f'pp{pp}-' if pp > 1 else ''}dp{args.derived.data_parallel_size}")
 
 
 class WandbLogger:
@@ -120,7 +120,7 @@ class WandbLogger:
 
     def __init__(self, args: TrainingConfig, enabled: bool) -> None:
         self.run = None
-        if not (enabled and args.wandb_project):
+        if not (enabled and args.logging.wandb_project):
             return
         import wandb
 
@@ -129,8 +129,8 @@ class WandbLogger:
         label = mesh_grid_label(args)
         if label:
             config["mesh_grid"] = label
-        self.run = wandb.init(project=args.wandb_project, name=run_name(args, label),
-                              dir=args.wandb_save_dir, config=config)
+        self.run = wandb.init(project=args.logging.wandb_project, name=run_name(args, label),
+                              dir=args.logging.wandb_save_dir, config=config)
 
     def log(self, metrics: dict, iteration: int) -> None:
         if self.run is not None:

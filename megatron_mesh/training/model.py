@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:
     """Round the vocabulary up so that every tensor-parallel shard is equally sized."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    multiple = args.model.make_vocab_size_divisible_by * args.parallel.tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
@@ -32,84 +32,85 @@ def transformer_config(args: TrainingConfig) -> TransformerConfig:
     """megatron-core's TransformerConfig of the flags; with --multi-latent-attention its
     MLATransformerConfig (RoPE as 'rope': Megatron-LM's MLA default, YaRN, with its default
     --rotary-scaling-factor 1 gives the same frequencies and softmax scale)."""
-    dtype = flag_dtype(args.bf16, args.fp16)
+    model, parallel, training, masks = args.model, args.parallel, args.training, args.masks
+    dtype = flag_dtype(training.bf16, training.fp16)
     common = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        window_size=None if args.window_size is None else tuple(args.window_size),
-        window_attn_skip_freq=args.window_attn_skip_freq,
-        no_rope_freq=(list(args.no_rope_freq) if isinstance(args.no_rope_freq, tuple)
-                      else args.no_rope_freq),
-        softmax_type=args.softmax_type,
-        qk_layernorm=args.qk_layernorm,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        add_bias_linear=not args.disable_bias_linear,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        window_size=None if model.window_size is None else tuple(model.window_size),
+        window_attn_skip_freq=model.window_attn_skip_freq,
+        no_rope_freq=(list(masks.no_rope_freq) if isinstance(masks.no_rope_freq, tuple)
+                      else masks.no_rope_freq),
+        softmax_type=model.softmax_type,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=not model.disable_bias_linear,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
         cp_comm_type=_cp_comm_type(args),
-        bf16=args.bf16,
-        fp16=args.fp16,
+        bf16=training.bf16,
+        fp16=training.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         variable_seq_lengths=varies_in_length(args),
         # megatron-core refuses variable lengths beside its default MoE dispatcher even
         # without experts; without them the dispatcher named is never built
         **({"moe_token_dispatcher_type": "alltoall"}
-           if varies_in_length(args) and args.num_experts is None else {}),
+           if varies_in_length(args) and args.moe.num_experts is None else {}),
         **moe_config(args),
         use_cpu_initialization=not has_cuda(),
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        calculate_per_token_loss=args.calculate_per_token_loss,
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers,
+        calculate_per_token_loss=training.calculate_per_token_loss,
     )
-    if not args.multi_latent_attention:
+    if not model.multi_latent_attention:
         return TransformerConfig(**common)
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     return MLATransformerConfig(
         **common,
         multi_latent_attention=True,
-        q_lora_rank=args.q_lora_rank,
-        kv_lora_rank=args.kv_lora_rank,
-        qk_head_dim=args.qk_head_dim,
-        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-        v_head_dim=args.v_head_dim,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_head_dim,
+        qk_pos_emb_head_dim=model.qk_pos_emb_head_dim,
+        v_head_dim=model.v_head_dim,
         rope_type="rope",
-        rotary_base=args.rotary_base,
+        rotary_base=model.rotary_base,
     )
 
 
 def _cp_comm_type(args: TrainingConfig) -> str | None:
-    if args.context_parallel_size == 1:
+    if args.parallel.context_parallel_size == 1:
         return None
-    return te_cp_comm_type(args.context_parallel_algo)
+    return te_cp_comm_type(args.mesh.context_parallel_algo)
 
 
 def use_transformer_engine(args: TrainingConfig) -> bool:
     """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is there."""
-    if args.transformer_impl == "local":
+    if args.parallel.transformer_impl == "local":
         return False
     te = have_transformer_engine()
-    if args.transformer_impl == "transformer_engine" and not te:
+    if args.parallel.transformer_impl == "transformer_engine" and not te:
         raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
                            "installed; use --transformer-impl local")
     return te and has_cuda()
@@ -125,12 +126,12 @@ def attention_algo(args: TrainingConfig, use_te: bool) -> str | None:
     At CP = 1 the mesh is a 1 x 1 grid: one fused call over the whole sequence, whatever the
     algorithm's name; without TE, CP > 1 runs only the mesh (arguments.py).
     """
-    if args.attention_backend == "local":
+    if args.parallel.attention_backend == "local":
         return None
-    algo = args.context_parallel_algo
+    algo = args.mesh.context_parallel_algo
     if is_mesh(algo) or not use_te:
         return MESH
-    if args.attention_backend == "flash" and args.context_parallel_size == 1:
+    if args.parallel.attention_backend == "flash" and args.parallel.context_parallel_size == 1:
         return MESH
     return algo
 
@@ -143,18 +144,18 @@ def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
     if algo is None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec(normalization=args.normalization,
-                                        multi_latent_attention=args.multi_latent_attention,
-                                        qk_layernorm=args.qk_layernorm, **moe_spec(args))
+        return get_gpt_layer_local_spec(normalization=args.model.normalization,
+                                        multi_latent_attention=args.model.multi_latent_attention,
+                                        qk_layernorm=args.model.qk_layernorm, **moe_spec(args))
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     return get_gpt_layer_spec(context_parallel_algo=algo, grid=grid,
-                              use_te=use_te, schedule=getattr(args, "mesh_schedule", None),
-                              grad_reduce_dtype=getattr(args, "mesh_grad_reduce_dtype", None),
-                              attention_chunk_size=args.attention_chunk_size,
-                              normalization=args.normalization,
-                              multi_latent_attention=args.multi_latent_attention,
-                              qk_layernorm=args.qk_layernorm, **moe_spec(args))
+                              use_te=use_te, schedule=args.mesh.mesh_schedule,
+                              grad_reduce_dtype=args.mesh.mesh_grad_reduce_dtype,
+                              attention_chunk_size=args.masks.attention_chunk_size,
+                              normalization=args.model.normalization,
+                              multi_latent_attention=args.model.multi_latent_attention,
+                              qk_layernorm=args.model.qk_layernorm, **moe_spec(args))
 
 
 def build_model(args: TrainingConfig, vocab_size: int, grid: MeshGrid | None = None
@@ -164,7 +165,7 @@ def build_model(args: TrainingConfig, vocab_size: int, grid: MeshGrid | None = N
     embeddings the last stage holds a copy of the word embeddings, `param.shared`)."""
     config = transformer_config(args)
     spec = layer_spec(args, grid)
-    if args.sequence_parallel and not use_transformer_engine(args):
+    if args.parallel.sequence_parallel and not use_transformer_engine(args):
         from megatron_mesh.megatron.norm import sequence_parallel_block_spec
 
         spec = sequence_parallel_block_spec(spec, config)
@@ -181,14 +182,14 @@ def gpt_model(args: TrainingConfig, vocab_size: int, config, spec, pre_process: 
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, args),
-        max_sequence_length=args.max_position_embeddings,
+        max_sequence_length=args.model.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
+        share_embeddings_and_output_weights=not args.model.untie_embeddings_and_output_weights,
+        position_embedding_type=args.model.position_embedding_type,
+        rotary_base=args.model.rotary_base,
+        rotary_percent=args.model.rotary_percent,
     )
     if has_cuda():
         model.cuda(torch.cuda.current_device())
@@ -215,15 +216,15 @@ def wrap_model(model: GPTModel, args: TrainingConfig) -> torch.nn.Module:
     from megatron.core.transformer.module import Float16Module
 
     config = model.config
-    module = Float16Module(config, model) if (args.bf16 or args.fp16) else model
+    module = Float16Module(config, model) if (args.training.bf16 or args.training.fp16) else model
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        grad_reduce_in_fp32=args.training.bf16 or args.training.fp16,
+        overlap_grad_reduce=args.training.overlap_grad_reduce,
+        overlap_param_gather=args.training.overlap_param_gather,
+        use_distributed_optimizer=args.training.use_distributed_optimizer,
     )
     wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-    if args.overlap_grad_reduce:
+    if args.training.overlap_grad_reduce:
         print_rank0(f" {overlap_label(wrapped.ddp_config)}")
     config.no_sync_func = wrapped.no_sync
     config.finalize_model_grads_func = finalize_model_grads

@@ -141,7 +141,7 @@ def check_saved_experts(common: dict[str, Any], path: str, args: TrainingConfig)
     optimizer with EP > 1 only, whose state is keyed apart from EP 1's."""
     from megatron_mesh.training.checksums import CheckpointError
 
-    saved, ep = common.get("expert_model_parallel_size", 1), args.expert_model_parallel_size
+    saved, ep = common.get("expert_model_parallel_size", 1), args.moe.expert_model_parallel_size
     if (saved > 1) != (ep > 1):
         raise CheckpointError(
             f"checkpoint {path} holds optimizer state saved with --expert-model-parallel-size "
@@ -183,39 +183,39 @@ def _flag(dest: str) -> str:
 
 def moe_config(args: TrainingConfig) -> dict[str, Any]:
     """TransformerConfig keywords of the MoE flags ({} without --num-experts)."""
-    if args.num_experts is None:
+    if args.moe.num_experts is None:
         return {}
     return {
-        "num_moe_experts": args.num_experts,
-        "moe_router_topk": args.moe_router_topk,
-        "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
-        "moe_router_load_balancing_type": args.moe_router_load_balancing_type,
-        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
-        "moe_grouped_gemm": args.moe_grouped_gemm,
-        "expert_model_parallel_size": args.expert_model_parallel_size,
-        "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+        "num_moe_experts": args.moe.num_experts,
+        "moe_router_topk": args.moe.moe_router_topk,
+        "moe_ffn_hidden_size": args.moe.moe_ffn_hidden_size,
+        "moe_router_load_balancing_type": args.moe.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": args.moe.moe_aux_loss_coeff,
+        "moe_grouped_gemm": args.moe.moe_grouped_gemm,
+        "expert_model_parallel_size": args.moe.expert_model_parallel_size,
+        "moe_token_dispatcher_type": args.moe.moe_token_dispatcher_type,
     }
 
 
 def moe_spec(args: TrainingConfig) -> dict[str, Any]:
     """Layer-spec keywords (megatron-core's get_gpt_layer_*_spec) of the MoE flags."""
-    if args.num_experts is None:
+    if args.moe.num_experts is None:
         return {}
     from megatron_mesh.megatron.compat import define_moe_names_without_te
 
     define_moe_names_without_te()
-    return {"num_experts": args.num_experts, "moe_grouped_gemm": args.moe_grouped_gemm}
+    return {"num_experts": args.moe.num_experts, "moe_grouped_gemm": args.moe.moe_grouped_gemm}
 
 
 def moe_label(args: TrainingConfig) -> str:
     """'MoE 4 experts, top 2, ...' for the start-up banner ('' without --num-experts)."""
-    if args.num_experts is None:
+    if args.moe.num_experts is None:
         return ""
-    experts = "grouped GEMM" if args.moe_grouped_gemm else "SequentialMLP"
-    return (f"MoE {args.num_experts} experts ({experts}, hidden {args.moe_ffn_hidden_size}), "
-            f"top {args.moe_router_topk}, {args.moe_router_load_balancing_type} coeff "
-            f"{args.moe_aux_loss_coeff:g}, EP {args.expert_model_parallel_size}, "
-            f"{args.moe_token_dispatcher_type} dispatcher")
+    experts = "grouped GEMM" if args.moe.moe_grouped_gemm else "SequentialMLP"
+    return (f"MoE {args.moe.num_experts} experts ({experts}, hidden {args.moe.moe_ffn_hidden_size}), "
+            f"top {args.moe.moe_router_topk}, {args.moe.moe_router_load_balancing_type} coeff "
+            f"{args.moe.moe_aux_loss_coeff:g}, EP {args.moe.expert_model_parallel_size}, "
+            f"{args.moe.moe_token_dispatcher_type} dispatcher")
 
 
 def router_padding_mask(batch: dict, model: Any) -> dict[str, Any]:
@@ -240,9 +240,9 @@ def router_padding_mask(batch: dict, model: Any) -> dict[str, Any]:
 
 def aux_loss_names(args: TrainingConfig) -> list[str]:
     """The aux losses Megatron-LM logs for this run (none without --num-experts)."""
-    if args.num_experts is None:
+    if args.moe.num_experts is None:
         return []
-    name = AUX_LOSS_NAMES.get(args.moe_router_load_balancing_type)
+    name = AUX_LOSS_NAMES.get(args.moe.moe_router_load_balancing_type)
     return [name] if name else []
 
 
@@ -259,9 +259,9 @@ def aux_losses(args: TrainingConfig) -> dict[str, float]:
     from megatron.core.transformer.moe import moe_utils
 
     totals: dict[str, Any] = {}
-    kwargs = dict(loss_scale=1.0 / args.num_microbatches, iteration=0, writer=None,
+    kwargs = dict(loss_scale=1.0 / args.derived.num_microbatches, iteration=0, writer=None,
                   total_loss_dict=totals, force_initialize=True, track_names=names,
-                  num_layers=args.num_layers)
+                  num_layers=args.model.num_layers)
     if hasattr(moe_utils, "get_moe_metrics_tracker"):  # megatron-core >= 0.17
         moe_utils.get_moe_metrics_tracker().report(**kwargs)
     else:

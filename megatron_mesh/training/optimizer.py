@@ -31,7 +31,7 @@ OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"
 def optimizer_kind(args: TrainingConfig) -> str:
     """The optimizer whose state a checkpoint of this run holds; each kind lays it out its
     own way, so a checkpoint's optimizer state loads only into the same kind."""
-    return "megatron-core distributed" if args.use_distributed_optimizer else "megatron-core"
+    return "megatron-core distributed" if args.training.use_distributed_optimizer else "megatron-core"
 
 
 _KIND_FLAGS = {"megatron-core distributed": "with --use-distributed-optimizer",
@@ -135,19 +135,20 @@ def build_optimizer(model: torch.nn.Module, args: TrainingConfig):
     """megatron-core's optimizer over its DDP's grad buffers (`model.wrap_model`)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    opt, training = args.optimization, args.training
     config = OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=flag_dtype(args.bf16, args.fp16),
-        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+        sgd_momentum=opt.sgd_momentum, bf16=training.bf16, fp16=training.fp16,
+        params_dtype=flag_dtype(training.bf16, training.fp16),
+        clip_grad=opt.clip_grad, use_distributed_optimizer=training.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, [model])
-    if args.use_distributed_optimizer:
-        print_rank0(f" distributed optimizer: {args.optimizer} state of "
+    if training.use_distributed_optimizer:
+        print_rank0(f" distributed optimizer: {opt.optimizer} state of "
                     f"{_state_numel(optimizer):,} of {sum(p.numel() for p in model.parameters()):,} "
                     f"parameters on this rank (sharded over DP x CP "
-                    f"{args.data_parallel_size * args.context_parallel_size})")
+                    f"{args.derived.data_parallel_size * args.parallel.context_parallel_size})")
     return optimizer if has_cuda() else MegatronOptimizerOnCpu(optimizer)
 
 
@@ -164,19 +165,19 @@ def build_scheduler(optimizer: Any, args: TrainingConfig) -> OptimizerParamSched
 
     return CheckedParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_steps > 0 else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_steps,
-        lr_decay_steps=args.lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.wd_incr_steps,
+        init_lr=0.0 if args.derived.lr_warmup_steps > 0 else args.optimization.lr,
+        max_lr=args.optimization.lr,
+        min_lr=args.optimization.min_lr,
+        lr_warmup_steps=args.derived.lr_warmup_steps,
+        lr_decay_steps=args.derived.lr_decay_steps,
+        lr_decay_style=args.optimization.lr_decay_style,
+        start_wd=args.optimization.weight_decay,
+        end_wd=args.optimization.weight_decay,
+        wd_incr_steps=args.derived.wd_incr_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        refuse_mismatch=not (args.override_opt_param_scheduler
-                             or args.use_checkpoint_opt_param_scheduler),
-        load_root=args.load,
+        use_checkpoint_opt_param_scheduler=not args.optimization.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.optimization.override_opt_param_scheduler,
+        refuse_mismatch=not (args.optimization.override_opt_param_scheduler
+                             or args.optimization.use_checkpoint_opt_param_scheduler),
+        load_root=args.checkpoint.load,
     )

@@ -45,23 +45,24 @@ def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:
     ring it runs on this TP rank's share of the heads."""
     if not mesh_active(args) or grid is None:
         return ""
-    tp = args.tensor_model_parallel_size
-    local = AttentionShape(args.seq_length, args.micro_batch_size,
-                           args.num_attention_heads // tp,
-                           max(1, (args.num_query_groups or args.num_attention_heads) // tp),
-                           args.k_channels, DTYPE_BYTES[flag_dtype_name(args.bf16, args.fp16)],
-                           v_head_dim=args.v_channels)
-    plan = resolve_plan(local, grid.rows, grid.cols, args.mesh_schedule,
-                        args.mesh_grad_reduce_dtype, heads=grid.heads)
-    how = f" ({STREAMED})" if args.mesh_schedule == STREAMED else ""
+    tp, model, training = args.parallel.tensor_model_parallel_size, args.model, args.training
+    local = AttentionShape(training.seq_length, training.micro_batch_size,
+                           model.num_attention_heads // tp,
+                           max(1, (model.num_query_groups or model.num_attention_heads) // tp),
+                           args.derived.k_channels,
+                           DTYPE_BYTES[flag_dtype_name(training.bf16, training.fp16)],
+                           v_head_dim=args.derived.v_channels)
+    plan = resolve_plan(local, grid.rows, grid.cols, args.mesh.mesh_schedule,
+                        args.mesh.mesh_grad_reduce_dtype, heads=grid.heads)
+    how = f" ({STREAMED})" if args.mesh.mesh_schedule == STREAMED else ""
     return f" {plan.shape_label}, schedule {plan.schedule}{how}"
 
 
 def _cp_label(args: TrainingConfig, mesh: str) -> str:
     """'4 (mesh 2x2, schedule ...)'; '1' at CP = 1, where no CP algorithm runs."""
-    if args.context_parallel_size == 1:
+    if args.parallel.context_parallel_size == 1:
         return "1"
-    return f"{args.context_parallel_size} ({args.context_parallel_algo}{mesh})"
+    return f"{args.parallel.context_parallel_size} ({args.mesh.context_parallel_algo}{mesh})"
 
 
 def _attention_label(args: TrainingConfig) -> str:
@@ -74,33 +75,33 @@ def _attention_label(args: TrainingConfig) -> str:
 
 def _heads_label(args: TrainingConfig) -> str:
     """'query groups G', or multi-latent attention's head dims and latent ranks."""
-    if not args.multi_latent_attention:
-        return f"query groups {args.num_query_groups}"
-    q_rank = "none" if args.q_lora_rank is None else args.q_lora_rank
-    return (f"multi-latent attention: Q/K head dim {args.k_channels} = {args.qk_head_dim} + "
-            f"{args.qk_pos_emb_head_dim} RoPE, V head dim {args.v_channels}, latent ranks "
-            f"Q {q_rank}, KV {args.kv_lora_rank}")
+    if not args.model.multi_latent_attention:
+        return f"query groups {args.model.num_query_groups}"
+    q_rank = "none" if args.model.q_lora_rank is None else args.model.q_lora_rank
+    return (f"multi-latent attention: Q/K head dim {args.derived.k_channels} = {args.model.qk_head_dim} + "
+            f"{args.model.qk_pos_emb_head_dim} RoPE, V head dim {args.derived.v_channels}, latent ranks "
+            f"Q {q_rank}, KV {args.model.kv_lora_rank}")
 
 
 def _data_label(args: TrainingConfig) -> str:
     """'mock', the --data-path prefixes with --split, or the per-split prefixes."""
-    if args.mock_data:
+    if args.data.mock_data:
         return "mock"
-    if args.data_path:
-        return f"{' '.join(args.data_path)} (split {args.split})"
-    paths = (("train", args.train_data_path), ("valid", args.valid_data_path),
-             ("test", args.test_data_path))
+    if args.data.data_path:
+        return f"{' '.join(args.data.data_path)} (split {args.data.split})"
+    paths = (("train", args.data.train_data_path), ("valid", args.data.valid_data_path),
+             ("test", args.data.test_data_path))
     return ", ".join(f"{name} {' '.join(p)}" for name, p in paths if p)
 
 
 def _masks_label(args: TrainingConfig) -> str:
     """' | documents masked (...) | window ...': what cuts the causal attention ('' if none)."""
     parts = []
-    if args.reset_attention_mask:
+    if args.data.reset_attention_mask:
         parts.append("documents masked (--reset-attention-mask: each attends only within itself)")
-    if args.window_size is not None:
-        left, right = args.window_size
-        every = args.window_attn_skip_freq
+    if args.model.window_size is not None:
+        left, right = args.model.window_size
+        every = args.model.window_attn_skip_freq
         layers = f"one layer in {every} global" if every else "all layers"
         parts.append(f"window {left} left, {right} right (--window-size; {layers})")
     if args.attention_chunk_size is not None:
@@ -115,9 +116,9 @@ def _masks_label(args: TrainingConfig) -> str:
 
 def _features_label(args: TrainingConfig) -> str:
     """', sinks learnable, qk layernorm, MoE ...': the model's optional features ('' if none)."""
-    parts = [f"sinks {args.softmax_type} (--softmax-type)"] if args.softmax_type != "vanilla" \
+    parts = [f"sinks {args.model.softmax_type} (--softmax-type)"] if args.model.softmax_type != "vanilla" \
         else []
-    if args.qk_layernorm:
+    if args.model.qk_layernorm:
         parts.append("qk layernorm")
     moe = moe_label(args)
     return "".join(f", {p}" for p in parts + ([moe] if moe else []))
@@ -130,18 +131,18 @@ def banner_lines(args: TrainingConfig, grid: MeshGrid | None, n_params: int, voc
     mesh = _mesh_label(args, grid)
     note = attention_count_note(args)
     return [
-        f" world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-        f"{args.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
-        f"{args.data_parallel_size} | backend {args.distributed_backend} | attention "
+        f" world {args.derived.world_size} = TP {args.parallel.tensor_model_parallel_size} x PP "
+        f"{args.parallel.pipeline_model_parallel_size} x CP {_cp_label(args, mesh)} x DP "
+        f"{args.derived.data_parallel_size} | backend {args.parallel.distributed_backend} | attention "
         f"{_attention_label(args)}{_masks_label(args)} | "
-        f"{flag_dtype_name(args.bf16, args.fp16)}",
-        f" model: {args.num_layers} layers, hidden {args.hidden_size}, heads "
-        f"{args.num_attention_heads} ({_heads_label(args)}), seq "
-        f"{args.seq_length}, vocab {vocab}{_features_label(args)} | parameters on this rank "
+        f"{flag_dtype_name(args.training.bf16, args.training.fp16)}",
+        f" model: {args.model.num_layers} layers, hidden {args.model.hidden_size}, heads "
+        f"{args.model.num_attention_heads} ({_heads_label(args)}), seq "
+        f"{args.training.seq_length}, vocab {vocab}{_features_label(args)} | parameters on this rank "
         f"{n_params:,} | "
         f"model FLOPs per iteration {flops:.4e}" + (f" ({note})" if note else ""),
-        f" batch: global {args.global_batch_size} = micro {args.micro_batch_size} x DP "
-        f"{args.data_parallel_size} x {args.num_microbatches} micro-batches | "
+        f" batch: global {args.training.global_batch_size} = micro {args.training.micro_batch_size} x DP "
+        f"{args.derived.data_parallel_size} x {args.derived.num_microbatches} micro-batches | "
         f"data: {_data_label(args)}",
     ]
 
@@ -169,7 +170,7 @@ def _run(args: TrainingConfig, staging: HostStaging | None = None) -> int:
     distributed.init_distributed(args)
     try:
         grid = distributed.init_model_parallel(args)  # runtime state, not on args
-        distributed.set_seed(args.seed)
+        distributed.set_seed(args.training.seed)
         tokenizer = build_tokenizer(args)
         model = build_model(args, tokenizer.vocab_size, grid)
         vocab = padded_vocab_size(tokenizer.vocab_size, args)
@@ -180,8 +181,8 @@ def _run(args: TrainingConfig, staging: HostStaging | None = None) -> int:
             unwrap(model).config.grad_scale_func = optimizer.scale_loss
         scheduler = build_scheduler(optimizer, args)
         state = TrainState()
-        if args.load:
-            state = load_checkpoint(args.load, model, optimizer, scheduler, args)
+        if args.checkpoint.load:
+            state = load_checkpoint(args.checkpoint.load, model, optimizer, scheduler, args)
         train_set, valid_set, test_set = build_datasets(args, tokenizer)
         flops = flops_per_iteration(args, vocab)
         _banner(args, grid, n_params, vocab, flops)
@@ -191,12 +192,13 @@ def _run(args: TrainingConfig, staging: HostStaging | None = None) -> int:
         exit_code = 1
         try:
             evaluator = Evaluator(model, valid_set, test_set, args, loggers)
-            if not args.skip_train:
+            if not args.training.skip_train:
                 data = micro_batches(train_set, args, state.consumed_samples)
                 state = train(model, optimizer, scheduler, data, state, args, flops, loggers,
                               evaluator)
                 print_rank0(f" training done at iteration {state.iteration}")
-            if args.skip_train or state.iteration >= args.train_iters:  # not after an early stop
+            # the test set's evaluation at the end, not after an early stop
+            if args.training.skip_train or state.iteration >= args.training.train_iters:
                 evaluator.finish(state.iteration, state.consumed_samples)
             exit_code = 0
         finally:

@@ -63,12 +63,12 @@ def global_batch(model: torch.nn.Module, data_iterator: Iterator[dict], args: Tr
     """megatron-core's forward/backward schedule over one global batch of `data_iterator`
     (`forward_step` on each micro-batch): the last stage's reports (`loss_func`)."""
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, per_token_loss=args.calculate_per_token_loss),
+        forward_step_func=partial(forward_step, per_token_loss=args.training.calculate_per_token_loss),
         data_iterator=data_iterator,
         model=[model],
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.derived.num_microbatches,
+        seq_length=args.training.seq_length,
+        micro_batch_size=args.training.micro_batch_size,
         forward_only=forward_only,
     )
 

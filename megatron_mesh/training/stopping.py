@@ -46,9 +46,9 @@ class ExitConditions:
     """The signal flag and the time limit, agreed on by every rank at the end of an iteration."""
 
     def __init__(self, args: TrainingConfig) -> None:
-        self.signal_name = args.exit_signal if args.exit_signal_handler else None
-        self.deadline = (JOB_START + 60 * args.exit_duration_in_mins
-                         if args.exit_duration_in_mins else None)
+        self.signal_name = args.stopping.exit_signal if args.stopping.exit_signal_handler else None
+        self.deadline = (JOB_START + 60 * args.stopping.exit_duration_in_mins
+                         if args.stopping.exit_duration_in_mins else None)
         self.received = False
         self._previous = None
         if self.signal_name:

@@ -23,15 +23,15 @@ class TensorBoardLogger:
     def __init__(self, args: TrainingConfig, enabled: bool) -> None:
         self.args = args
         self.writer = None
-        if not (enabled and args.tensorboard_dir):
+        if not (enabled and args.logging.tensorboard_dir):
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch's writer needs the tensorboard package
             raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
                                "pip install tensorboard") from e
-        self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
-                                    max_queue=args.tensorboard_queue_size)
+        self.writer = SummaryWriter(log_dir=args.logging.tensorboard_dir,
+                                    max_queue=args.logging.tensorboard_queue_size)
 
     def iteration(self, metrics: dict, iteration: int, seconds: float) -> None:
         """One training iteration's figures (every --tensorboard-log-interval)."""

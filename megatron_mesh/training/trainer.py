@@ -34,14 +34,14 @@ def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,
     reports = global_batch(model, data_iterator, args, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     if ok:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=args.training.global_batch_size)
     return global_loss(reports), grad_norm, ok
 
 
 def _sync_params(model: torch.nn.Module, args: TrainingConfig) -> None:
     """With --overlap-param-gather the updated parameters arrive in the next forward's
     pre-hooks; gather them now (before evaluation, a save or the end of training)."""
-    if args.overlap_param_gather:
+    if args.training.overlap_param_gather:
         model.start_param_sync(force_sync=True)
 
 
@@ -51,9 +51,11 @@ def _step_args(args: TrainingConfig, calculator: Any, consumed_samples: int) -> 
     if calculator is None:
         return args
     gbs, micro = batch_at(calculator, args, consumed_samples)
-    if (gbs, micro) == (args.global_batch_size, args.num_microbatches):
+    if (gbs, micro) == (args.training.global_batch_size, args.derived.num_microbatches):
         return args
-    return dataclasses.replace(args, global_batch_size=gbs, num_microbatches=micro)
+    return dataclasses.replace(
+        args, training=dataclasses.replace(args.training, global_batch_size=gbs),
+        derived=dataclasses.replace(args.derived, num_microbatches=micro))
 
 
 def _traffic_counter(args: TrainingConfig):
@@ -74,13 +76,13 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
     exits = ExitConditions(args)
     stats = IntervalStats()
     rank = dist.get_rank()
-    last = args.train_iters
+    last = args.training.train_iters
     ramp = ramp_calculator(args)
     if ramp is not None:
-        start, increment, samples = args.rampup_batch_size
-        print_rank0(f" batch-size ramp-up: global batch {start} -> {args.global_batch_size} in "
-                    f"steps of {increment} over {samples} samples; {args.train_iters} "
-                    f"iterations for --train-samples {args.train_samples}")
+        start, increment, samples = args.training.rampup_batch_size
+        print_rank0(f" batch-size ramp-up: global batch {start} -> {args.training.global_batch_size} in "
+                    f"steps of {increment} over {samples} samples; {args.training.train_iters} "
+                    f"iterations for --train-samples {args.training.train_samples}")
     model.train()
     try:
         while state.iteration < last:
@@ -89,7 +91,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             synchronize()
             start = time.perf_counter()
             step_args = _step_args(args, ramp, state.consumed_samples)
-            flops = flops_per_iter * step_args.global_batch_size / args.global_batch_size
+            flops = flops_per_iter * step_args.training.global_batch_size / args.training.global_batch_size
             with counter if counter is not None else contextlib.nullcontext():
                 loss, grad_norm, ok = train_step(model, optimizer, scheduler, data_iterator,
                                                  step_args)
@@ -97,8 +99,8 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
             aux = aux_losses(step_args)  # MoE aux losses, scaled by this step's micro-batches
             seconds = time.perf_counter() - start
             state.iteration += 1
-            state.consumed_samples += step_args.global_batch_size
-            if args.check_for_nan_in_loss_and_grad:
+            state.consumed_samples += step_args.training.global_batch_size
+            if args.stopping.check_for_nan_in_loss_and_grad:
                 check_finite(state.iteration, loss, grad_norm)
             traffic = counter.total_bytes if counter else 0
             stats.add(loss, seconds, grad_norm, traffic, ok, aux)
@@ -109,7 +111,7 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 interval_metrics(one, step_args, flops, lr, state.consumed_samples,
                                  peak_memory_bytes(), traffic_known=counter is not None),
                 state.iteration, seconds)
-            if state.iteration % args.log_interval == 0 or state.iteration == last:
+            if state.iteration % args.logging.log_interval == 0 or state.iteration == last:
                 m = interval_metrics(stats, step_args, flops, lr, state.consumed_samples,
                                      peak_memory_bytes(), traffic_known=counter is not None)
                 print_rank0(log_line(state.iteration, step_args, m))
@@ -119,15 +121,15 @@ def train(model: torch.nn.Module, optimizer: Any, scheduler: Any, data_iterator:
                 _sync_params(model, args)
                 evaluator.validate(state.iteration, state.consumed_samples)
             stop = state.iteration == last or bool(
-                args.exit_interval and state.iteration % args.exit_interval == 0)
+                args.training.exit_interval and state.iteration % args.training.exit_interval == 0)
             reason = exits.reason()
             if reason:
                 print_rank0(f" {reason}: saving and exiting after iteration {state.iteration}")
                 stop = True
-            if args.save and (stop or (
-                    args.save_interval and state.iteration % args.save_interval == 0)):
+            if args.checkpoint.save and (stop or (
+                    args.checkpoint.save_interval and state.iteration % args.checkpoint.save_interval == 0)):
                 _sync_params(model, args)
-                save_checkpoint(args.save, model, optimizer, scheduler, state, args)
+                save_checkpoint(args.checkpoint.save, model, optimizer, scheduler, state, args)
             if stop:
                 break
     finally:

@@ -11,6 +11,7 @@ from preloaded import Job, job_env
 
 from megatron_mesh.pretrain_gpt import main
 from megatron_mesh.training.arguments import parse_args
+from megatron_mesh.training.config import as_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -83,8 +84,8 @@ def test_backend_is_decided_with_the_flags(monkeypatch) -> None:
 
 def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
     common = ["--config", TINY, "--context-parallel-size", "4", "--mesh-shape", "2x2"]
-    by_algo = vars(parse_args(common + ["--context-parallel-algo", "mesh"]))
-    by_comm = vars(parse_args(common + ["--cp-comm-type", "mesh"]))
+    by_algo = as_dict(parse_args(common + ["--context-parallel-algo", "mesh"]))
+    by_comm = as_dict(parse_args(common + ["--cp-comm-type", "mesh"]))
     assert by_comm.pop("cp_comm_type") == ("mesh",) and by_algo.pop("cp_comm_type") is None
     assert by_comm == by_algo and by_comm["context_parallel_algo"] == "mesh"
 
