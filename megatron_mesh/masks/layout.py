@@ -15,11 +15,13 @@ import torch
 
 from ..common.caches import per_documents
 from .block import Block
+from .document_blocks import document_block
 from .document_placement import DocumentPlacement
 from .documents import Documents
+from .part_arrays import RunArrays, part_arrays
 from .placed import placed_slices, positions
 from .seen import sees
-from .slice_blocks import MIN_SLAB_ROWS, Run, block_calls, block_parts, position_runs
+from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_runs
 from .slices import CAUSAL, FULL, SliceMask
 from .window import Window, token_positions, windowed
 from .zigzag import check_zigzag_divisible, zigzag_chunks
@@ -87,10 +89,17 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
-    q_runs, k_runs = rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len)
-    parts = block_parts(mask_slices(mask, local_len), q_runs, k_runs)
-    return block_calls(parts, local_len, mask.window is not None,
-                       slab_rows(mask.window, mask.causal), device, q_runs, k_runs)
+    q_runs, k_runs = run_arrays(mask, q_rank, local_len), run_arrays(mask, kv_rank, local_len)
+    parts = part_arrays(mask_slices(mask, local_len), q_runs, k_runs)
+    if len(parts) == 0:
+        return Block(slice(0, 0), slice(0, 0), tiles=())
+    if mask.window is None:
+        block = document_block(parts, local_len, q_runs, k_runs, device)
+        if block is not None:
+            return block
+    return bounds_calls(parts.bounds(), local_len, mask.window is not None,
+                        slab_rows(mask.window, mask.causal), device,
+                        rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len))
 
 
 @per_documents(lambda mask, *_: mask.packing)
@@ -98,6 +107,12 @@ def rank_runs(mask: AttentionMask, rank: int, local_len: int) -> tuple[Run, ...]
     """`rank`'s local rows as runs of contiguous positions (`global_positions`), sorted by
     position: its zigzag sub-chunks, its pieces of each document, or its placed runs."""
     return position_runs(global_positions(mask, rank, local_len))
+
+
+@per_documents(lambda mask, *_: mask.packing)
+def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
+    """`rank_runs` as arrays (`part_arrays.RunArrays`)."""
+    return RunArrays.of(rank_runs(mask, rank, local_len))
 
 
 def slab_rows(window: Window | None, causal: bool) -> int:

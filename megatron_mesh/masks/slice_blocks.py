@@ -151,7 +151,14 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
     rows on shares of more than `ONE_CALL_ROWS`. `q_runs` / `k_runs`: the two ranks' runs
     of positions (`position_runs`); a call gathers each document's rows in the order of
     their positions (local order where not given)."""
-    bounds = [bound_of(s) for s in parts]
+    return bounds_calls([bound_of(s) for s in parts], local_len, windowed, slab_rows, device,
+                        q_runs, k_runs)
+
+
+def bounds_calls(bounds: list[Bound], local_len: int, windowed: bool, slab_rows: int,
+                 device: torch.device, q_runs: tuple[Run, ...] = (),
+                 k_runs: tuple[Run, ...] = ()) -> Block:
+    """`block_calls` of parts given as `Bound` tuples (`bound_of`)."""
     _group = functools.partial(_gather_group, q_order=_Order(q_runs), k_order=_Order(k_runs))
     if not bounds:
         return Block(slice(0, 0), slice(0, 0), tiles=())
@@ -342,8 +349,18 @@ def _block(calls: list[Block], local_len: int, device: torch.device) -> Block:
         kv_used[call.kv_rows] = True
     calls = [replace(c, q_rows=on_device(c.q_rows), kv_rows=on_device(c.kv_rows))
              for c in calls]
-    return Block(on_device(_rows_of(_true_runs(q_used))),
-                 on_device(_rows_of(_true_runs(kv_used))), tiles=tuple(calls))
+    return Block(on_device(_used_rows(q_used)), on_device(_used_rows(kv_used)),
+                 tiles=tuple(calls))
+
+
+def _used_rows(used: torch.Tensor) -> slice | torch.Tensor:
+    """`_rows_of(_true_runs(used))`: the rows of a bool vector, a slice where they follow
+    one another, else an int64 index (on the CPU)."""
+    rows = used.nonzero().flatten()
+    if rows.numel() == 0:
+        return slice(0, 0)
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    return slice(first, last) if last - first == rows.numel() else rows
 
 
 def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:

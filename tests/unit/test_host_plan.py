@@ -1,0 +1,130 @@
+"""The array planner (`part_arrays`, `document_blocks`) makes exactly the blocks and calls of
+the per-part one (`slice_blocks.block_parts`, `block_calls`) on random packed documents and
+masks given as slices."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_mesh.masks.block import Block
+from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.layout import (AttentionMask, block_for, mask_slices, rank_runs,
+                                        slab_rows)
+from megatron_mesh.masks.part_arrays import RunArrays, part_arrays
+from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of
+from megatron_mesh.masks.slices import SliceMask
+from megatron_mesh.masks.window import Window
+
+
+
+def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
+                  ) -> list[tuple]:
+    """Up to `count` random non-overlapping slices; `windows`: some with a band."""
+    out: list[tuple] = []
+    for _ in range(20 * count):
+        q0, k0 = rng.randrange(seq), rng.randrange(seq)
+        q1, k1 = rng.randint(q0 + 1, min(seq, q0 + max(1, seq // 2))), rng.randint(k0 + 1, seq)
+        s = (q0, q1, k0, k1, rng.choice(("full", "causal")))
+        if windows and rng.random() < 0.6:
+            s += ((rng.randint(-1, seq // 4), rng.randint(-1, seq // 4)),)
+        if len(out) < count and not any(a < q1 and q0 < b and c < k1 and k0 < d
+                                        for a, b, c, d, *_ in out):
+            out.append(s)
+    return out
+
+
+def reference_block(mask: AttentionMask, x: int, y: int, local: int) -> Block:
+    """Block (x, y) part by part: the sweep over Slice objects and the general calls."""
+    q_runs, k_runs = rank_runs(mask, x, local), rank_runs(mask, y, local)
+    parts = block_parts(mask_slices(mask, local), q_runs, k_runs)
+    return block_calls(parts, local, mask.window is not None,
+                       slab_rows(mask.window, mask.causal), torch.device("cpu"), q_runs, k_runs)
+
+
+def same_rows(a, b) -> bool:
+    if isinstance(a, slice) or isinstance(b, slice):
+        return a == b
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def same_tile(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    fields = ("shape", "slices", "form", "causal", "cu_q", "cu_kv", "flash_window")
+    tensors = ("cu_q_tensor", "cu_kv_tensor")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and all(
+        (getattr(a, t) is None and getattr(b, t) is None)
+        or torch.equal(getattr(a, t), getattr(b, t)) for t in tensors)
+
+
+def same_block(a: Block, b: Block) -> bool:
+    if (a.tiles is None) != (b.tiles is None):
+        return False
+    return (same_rows(a.q_rows, b.q_rows) and same_rows(a.kv_rows, b.kv_rows)
+            and a.causal == b.causal and same_tile(a.slices, b.slices)
+            and a.doc_runs == b.doc_runs
+            and (a.tiles is None or (len(a.tiles) == len(b.tiles) and all(
+                same_block(s, t) for s, t in zip(a.tiles, b.tiles)))))
+
+
+def random_documents(rng: random.Random, ranks: int, units: int) -> Documents:
+    """Documents of random padded lengths (multiples of 2P) filling `units` x 2P tokens,
+    some shorter than padded, one or two of one token."""
+    unit = 2 * ranks
+    count = rng.randint(1, units)
+    cuts = sorted(rng.sample(range(1, units), count - 1)) if count > 1 else []
+    sizes = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, units])]
+    cu = [0]
+    for n in sizes:
+        cu.append(cu[-1] + n)
+    lengths = [rng.choice([n, n, n - rng.randrange(n), 1]) for n in sizes]
+    return Documents(tuple(cu), tuple(lengths))
+
+
+def masks(rng: random.Random, ranks: int) -> list[AttentionMask]:
+    units = rng.choice([2, 3, 6, 12])
+    docs = random_documents(rng, ranks, units)
+    seq = docs.total
+    out = [AttentionMask(causal, docs, ranks) for causal in (True, False)]
+    out.append(AttentionMask(True, docs, ranks, Window(rng.randint(0, 9), 0)))
+    out.append(AttentionMask(False, ranks=ranks, slices=docs.slices(rng.random() < 0.5)))
+    out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(random_slices(seq, 8, rng), seq)))
+    out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(
+        random_slices(seq, 8, rng, windows=True), seq)))
+    out.append(AttentionMask(rng.random() < 0.5, ranks=ranks))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_array_parts_equal_the_sweep(ranks):
+    """`part_arrays` gives the parts `block_parts` gives, in its order."""
+    rng = random.Random(ranks)
+    for _ in range(15):
+        for mask in masks(rng, ranks):
+            local = (mask.documents.total if mask.documents else
+                     mask.slices.seq_len if mask.slices and mask.slices.seq_len else
+                     8 * ranks) // ranks
+            for x in range(ranks):
+                for y in range(ranks):
+                    q, k = rank_runs(mask, x, local), rank_runs(mask, y, local)
+                    want = [bound_of(s) for s in block_parts(mask_slices(mask, local), q, k)]
+                    got = part_arrays(mask_slices(mask, local), RunArrays.of(q), RunArrays.of(k))
+                    assert got.bounds() == want, (mask, x, y)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_array_blocks_equal_the_per_part_blocks(ranks):
+    """Every block of random documents and slice masks is the reference's: the same
+    calls, rows, slices and documents."""
+    rng = random.Random(10 + ranks)
+    for _ in range(12):
+        for mask in masks(rng, ranks):
+            seq = (mask.documents.total if mask.documents else
+                   mask.slices.seq_len if mask.slices is not None else 16 * ranks)
+            local = seq // ranks
+            for x in range(ranks):
+                for y in range(ranks):
+                    got = block_for(x, y, local, mask)
+                    assert same_block(got, reference_block(mask, x, y, local)), (mask, x, y)
