@@ -21,7 +21,7 @@ from .documents import Documents
 from .part_arrays import RunArrays, part_arrays
 from .placed import placed_slices, positions
 from .seen import sees
-from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_runs
+from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
 from .slices import CAUSAL, FULL, SliceMask
 from .window import Window, token_positions, windowed
 from .zigzag import check_zigzag_divisible, zigzag_chunks
@@ -112,7 +112,7 @@ def rank_runs(mask: AttentionMask, rank: int, local_len: int) -> tuple[Run, ...]
 @per_documents(lambda mask, *_: mask.packing)
 def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
     """`rank_runs` as arrays (`part_arrays.RunArrays`)."""
-    return RunArrays.of(rank_runs(mask, rank, local_len))
+    return position_run_arrays(global_positions(mask, rank, local_len))
 
 
 def slab_rows(window: Window | None, causal: bool) -> int:

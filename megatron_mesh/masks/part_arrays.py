@@ -64,13 +64,14 @@ class SliceArrays(NamedTuple):
     reach: np.ndarray
 
 
-_TABLES: dict[SliceMask, SliceArrays] = {}
+_TABLES: dict[int, tuple[SliceMask, SliceArrays]] = {}  # by id, with the mask held
 
 
 def slice_arrays(mask: SliceMask) -> SliceArrays:
-    """`mask`'s slices as arrays, kept for a few masks (layers of a model share one)."""
-    table = _TABLES.get(mask)
-    if table is None:
+    """`mask`'s slices as arrays, kept for a few masks (layers of a model share one): found
+    by identity, so a new micro-batch's mask costs no comparison with an old one's."""
+    held, table = _TABLES.get(id(mask), (None, None))
+    if held is not mask or table is None:
         if len(_TABLES) >= 16:
             _TABLES.pop(next(iter(_TABLES)))
         rows = [(s.q_start, s.q_end, s.k_start, s.k_end,
@@ -78,7 +79,8 @@ def slice_arrays(mask: SliceMask) -> SliceArrays:
                 for s in mask.slices for lo, hi in (s.bounds,)]
         a = np.array(rows, dtype=np.int64).reshape(-1, 6)
         cols = [a[:, n].copy() for n in range(6)]
-        table = _TABLES[mask] = SliceArrays(*cols, np.maximum.accumulate(cols[1]))
+        table = SliceArrays(*cols, np.maximum.accumulate(cols[1]))
+        _TABLES[id(mask)] = (mask, table)
     return table
 
 

@@ -33,10 +33,12 @@ import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..common.tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 from .block import Block
+from .part_arrays import RunArrays
 from .slices import Slice, SliceMask, pieces
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -53,17 +55,22 @@ SMALL_DOCUMENT_ROWS = 256
 def position_runs(positions: torch.Tensor) -> tuple[Run, ...]:
     """The runs of contiguous positions of a rank's rows (`positions`: int64 [local rows],
     -1 on padding), sorted by position."""
-    pos = positions.long().cpu()
-    rows = (pos >= 0).nonzero().flatten()
-    if rows.numel() == 0:
-        return ()
+    runs = position_run_arrays(positions)
+    return tuple(zip(runs.row.tolist(), runs.pos.tolist(), runs.count.tolist()))
+
+
+def position_run_arrays(positions: torch.Tensor) -> RunArrays:
+    """`position_runs` as arrays (`part_arrays.RunArrays`)."""
+    pos = positions.long().cpu().numpy()
+    rows = np.flatnonzero(pos >= 0)
     at = pos[rows]
-    new = torch.ones(rows.numel(), dtype=torch.bool)
+    new = np.ones(len(rows), dtype=bool)
     new[1:] = (rows[1:] != rows[:-1] + 1) | (at[1:] != at[:-1] + 1)
-    starts = new.nonzero().flatten().tolist()
-    ends = starts[1:] + [rows.numel()]
-    runs = [(int(rows[a]), int(at[a]), b - a) for a, b in zip(starts, ends)]
-    return tuple(sorted(runs, key=lambda r: r[1]))
+    starts = np.flatnonzero(new)
+    count = np.diff(np.append(starts, len(rows)))
+    order = np.argsort(at[starts], kind="stable")
+    return RunArrays(rows[starts][order].astype(np.int64), at[starts][order].astype(np.int64),
+                     count[order].astype(np.int64))
 
 
 def block_parts(mask: SliceMask, q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]
@@ -354,22 +361,13 @@ def _block(calls: list[Block], local_len: int, device: torch.device) -> Block:
 
 
 def _used_rows(used: torch.Tensor) -> slice | torch.Tensor:
-    """`_rows_of(_true_runs(used))`: the rows of a bool vector, a slice where they follow
-    one another, else an int64 index (on the CPU)."""
+    """The rows of a bool vector: a slice where they follow one another, else an int64
+    index (on the CPU)."""
     rows = used.nonzero().flatten()
     if rows.numel() == 0:
         return slice(0, 0)
     first, last = int(rows[0]), int(rows[-1]) + 1
     return slice(first, last) if last - first == rows.numel() else rows
-
-
-def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:
-    """The runs [start, end) of True in a bool vector."""
-    edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), used.to(torch.int8),
-                                  torch.zeros(1, dtype=torch.int8)]))
-    starts = (edges == 1).nonzero().flatten().tolist()
-    ends = (edges == -1).nonzero().flatten().tolist()
-    return list(zip(starts, ends))
 
 
 def _offsets(runs: list[tuple[int, int]]):

@@ -10,13 +10,11 @@ import torch
 
 from megatron_mesh.masks.block import Block
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.masks.layout import (AttentionMask, block_for, mask_slices, rank_runs,
-                                        slab_rows)
+from megatron_mesh.masks.layout import AttentionMask, block_for, mask_slices, rank_runs, slab_rows
 from megatron_mesh.masks.part_arrays import RunArrays, part_arrays
-from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of
+from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window
-
 
 
 def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
@@ -128,3 +126,25 @@ def test_array_blocks_equal_the_per_part_blocks(ranks):
                 for y in range(ranks):
                     got = block_for(x, y, local, mask)
                     assert same_block(got, reference_block(mask, x, y, local)), (mask, x, y)
+
+
+def test_position_runs_equal_a_row_by_row_scan():
+    """`position_runs` gives the runs a scan of the rows finds, sorted by position."""
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(0, 30)
+        pos = [rng.choice([-1, rng.randrange(50)]) for _ in range(n)]
+        if rng.random() < 0.5:  # some contiguous stretches
+            pos = sorted(set(pos))[::-1] + list(range(60, 60 + rng.randint(0, 5)))
+        runs, last = [], None
+        for row, p in enumerate(pos):
+            if p < 0:
+                last = None
+                continue
+            if last is not None and p == last + 1:
+                runs[-1][2] += 1
+            else:
+                runs.append([row, p, 1])
+            last = p
+        want = tuple(sorted((tuple(r) for r in runs), key=lambda r: r[1]))
+        assert position_runs(torch.tensor(pos, dtype=torch.int64)) == want, pos
