@@ -9,9 +9,9 @@ one together (a documents value: any hashable value that names what a micro-batc
 blocks depend on, its documents, their placement or its mask); a backward that finds its
 micro-batch dropped makes its blocks again (the same values). Entries without documents
 depend on shapes only and sit in an LRU of `dense_size`. `held_bytes` counts what the
-caches hold (tensors by storage, tuples of ints at 8 bytes an element). `BytesLRU` bounds a
-per-shape cache of tensors by bytes (a band's additive mask: shapes vary with the
-documents, and one can be hundreds of MiB).
+caches hold (tensors by storage, numpy arrays by size, tuples of ints at 8 bytes an
+element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a band's additive mask:
+shapes vary with the documents, and one can be hundreds of MiB).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import functools
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator
 
+import numpy as np
 import torch
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
@@ -124,6 +125,8 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
             return 0
         seen.add(key)
         return storage.nbytes()
+    if isinstance(value, np.ndarray):  # a block's runs and slices as arrays
+        return value.nbytes
     if isinstance(value, (tuple, list)):
         return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
     if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)

@@ -18,7 +18,7 @@ from .block import Block
 from .document_blocks import document_block
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .part_arrays import RunArrays, part_arrays
+from .part_arrays import RunArrays, SliceArrays, document_arrays, part_arrays, slice_arrays
 from .placed import placed_slices, positions
 from .seen import sees
 from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
@@ -90,7 +90,7 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
     q_runs, k_runs = run_arrays(mask, q_rank, local_len), run_arrays(mask, kv_rank, local_len)
-    parts = part_arrays(mask_slices(mask, local_len), q_runs, k_runs)
+    parts = part_arrays(mask_arrays(mask, local_len), q_runs, k_runs)
     if len(parts) == 0:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     if mask.window is None:
@@ -152,6 +152,15 @@ def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
     else:
         base = sequence_slices(local_len * mask.ranks, mask.causal)
     return windowed(base, mask.window)
+
+
+@per_documents(lambda mask, *_: mask.packing)
+def mask_arrays(mask: AttentionMask, local_len: int) -> SliceArrays:
+    """`mask_slices` as arrays (`part_arrays.slice_arrays`); packed documents without a
+    window straight from their lengths."""
+    if mask.documents is not None and mask.window is None and mask.slices is None:
+        return document_arrays(mask.documents.cu_padded, mask.documents.lengths, mask.causal)
+    return slice_arrays(mask_slices(mask, local_len))
 
 
 def global_positions(mask: AttentionMask, rank: int, local_len: int) -> torch.Tensor:

@@ -84,6 +84,18 @@ def slice_arrays(mask: SliceMask) -> SliceArrays:
     return table
 
 
+def document_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], causal: bool
+                    ) -> SliceArrays:
+    """`slice_arrays` of `Documents.slices(causal)` (one square per non-empty document),
+    made from the documents' arrays without the `SliceMask`."""
+    start = np.array(cu_padded[:-1], dtype=np.int64)
+    size = np.array(lengths, dtype=np.int64)
+    start, end = start[size > 0], (start + size)[size > 0]
+    lo = np.full(len(start), NO_LO)
+    hi = np.zeros(len(start), dtype=np.int64) if causal else np.full(len(start), NO_HI)
+    return SliceArrays(start, end, start.copy(), end.copy(), lo, hi, end.copy())
+
+
 def spans(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     """first[n] + 0 .. count[n] - 1 for every n, concatenated (int64)."""
     total = int(count.sum())
@@ -91,11 +103,12 @@ def spans(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts - first, count)
 
 
-def part_arrays(mask: SliceMask, q_runs: RunArrays, k_runs: RunArrays) -> PartArrays:
+def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArrays
+                ) -> PartArrays:
     """The parts `slice_blocks.block_parts` finds, in its order: query runs in order, the
     slices meeting each (mask order), the key runs meeting each slice, a slice's causal
-    piece before its full one."""
-    t = slice_arrays(mask)
+    piece before its full one. `mask`: its slices, or their arrays (`slice_arrays`)."""
+    t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
     q_lo, q_hi = q_runs.pos, q_runs.pos + q_runs.count
     first = np.searchsorted(t.reach, q_lo, side="right")
     last = np.searchsorted(t.q0, q_hi, side="left")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from megatron_mesh.masks.block import Block
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.groups import group_calls
 from megatron_mesh.masks.layout import AttentionMask, block_for, mask_slices, rank_runs, slab_rows
-from megatron_mesh.masks.part_arrays import RunArrays, part_arrays
+from megatron_mesh.masks.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
 from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window
@@ -74,7 +75,7 @@ def same_block(a: Block, b: Block) -> bool:
 
 def random_documents(rng: random.Random, ranks: int, units: int) -> Documents:
     """Documents of random padded lengths (multiples of 2P) filling `units` x 2P tokens,
-    some shorter than padded, one or two of one token."""
+    some shorter than padded, of one token or none."""
     unit = 2 * ranks
     count = rng.randint(1, units)
     cuts = sorted(rng.sample(range(1, units), count - 1)) if count > 1 else []
@@ -82,7 +83,8 @@ def random_documents(rng: random.Random, ranks: int, units: int) -> Documents:
     cu = [0]
     for n in sizes:
         cu.append(cu[-1] + n)
-    lengths = [rng.choice([n, n, n - rng.randrange(n), 1]) for n in sizes]
+    lengths = [rng.choice([n, n, n - rng.randrange(n), 1, 0]) for n in sizes]
+    lengths[-1] = lengths[-1] or 1  # a mask of no slice is refused
     return Documents(tuple(cu), tuple(lengths))
 
 
@@ -256,3 +258,14 @@ def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
                             want = group_calls(blocks, fold, True, limit)
                         assert len(got) == len(want)
                         assert all(same_call(a, b) for a, b in zip(got, want)), (mask, me)
+
+
+def test_document_arrays_equal_the_documents_slices():
+    """Packed documents' slice arrays, made from their lengths, are their `SliceMask`'s."""
+    rng = random.Random(7)
+    for _ in range(50):
+        docs = random_documents(rng, rng.randint(1, 4), rng.randint(1, 12))
+        for causal in (True, False):
+            got = document_arrays(docs.cu_padded, docs.lengths, causal)
+            want = slice_arrays(docs.slices(causal))
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
