@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_mesh.common.caches import KEEP_DOCUMENTS
 from megatron_mesh.common.tile_slices import TileSlices
-from megatron_mesh.masks import document_groups
+from megatron_mesh.masks import document_groups, layout
 from megatron_mesh.masks import groups as groups_module
 from megatron_mesh.masks.block import Block
 from megatron_mesh.masks.documents import Documents
@@ -21,6 +22,7 @@ from megatron_mesh.masks.part_arrays import RunArrays, document_arrays, part_arr
 from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window
+from megatron_mesh.schedules.blocks import _tile_calls
 
 
 def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
@@ -269,3 +271,22 @@ def test_document_arrays_equal_the_documents_slices():
             got = document_arrays(docs.cu_padded, docs.lengths, causal)
             want = slice_arrays(docs.slices(causal))
             assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
+    """Every layer of a micro-batch builds its own mask value of the same documents: its
+    blocks are cut once, and the caches keep the last few micro-batches only."""
+    made = []
+    cut = layout.part_arrays
+    monkeypatch.setattr(layout, "part_arrays", lambda *args: made.append(1) or cut(*args))
+    rng = random.Random(3)
+    for batch in range(KEEP_DOCUMENTS + 3):
+        docs = random_documents(rng, 2, 10)
+        before = len(made)
+        for _ in range(4):  # layers, forward and backward alike
+            mask = AttentionMask(True, Documents(docs.cu_padded, docs.lengths), 2)
+            _tile_calls(mask, (0,), (0, 1), docs.total // 2, torch.device("cpu"),
+                        frozenset(), True, True, None)
+        assert len(made) - before == 2, batch  # blocks (0, 0) and (0, 1), once
+    for cache in (_tile_calls, layout._block, layout.run_arrays, layout.mask_arrays):
+        assert len(cache.by_documents) <= KEEP_DOCUMENTS
