@@ -40,23 +40,35 @@ class PerDocuments:
         self.dense: OrderedDict[Hashable, Any] = OrderedDict()
         _CACHES.append(self)
 
+    def _table(self, documents: Hashable | None) -> dict:
+        if documents is None:
+            return self.dense
+        table = self.by_documents.get(documents)
+        if table is None:
+            table = self.by_documents[documents] = {}
+            while len(self.by_documents) > self.keep:
+                self.by_documents.popitem(last=False)  # the oldest micro-batch's blocks
+        else:
+            self.by_documents.move_to_end(documents)
+        return table
+
     def __call__(self, *args: Hashable) -> Any:
         documents = self.documents_of(*args)
-        if documents is None:
-            table = self.dense
-        else:
-            table = self.by_documents.get(documents)
-            if table is None:
-                table = self.by_documents[documents] = {}
-                while len(self.by_documents) > self.keep:
-                    self.by_documents.popitem(last=False)  # the oldest micro-batch's blocks
-            else:
-                self.by_documents.move_to_end(documents)
+        table = self._table(documents)
         if args in table:
             if documents is None:
                 self.dense.move_to_end(args)
             return table[args]
-        value = table[args] = self.fn(*args)
+        return self.put(self.fn(*args), *args)
+
+    def holds(self, *args: Hashable) -> bool:
+        """Whether fn(*args) is kept."""
+        documents = self.documents_of(*args)
+        return args in (self.dense if documents is None else self.by_documents.get(documents, {}))
+
+    def put(self, value: Any, *args: Hashable) -> Any:
+        """Keep `value` as fn(*args) (made elsewhere: several in one pass) and return it."""
+        self._table(self.documents_of(*args))[args] = value
         while len(self.dense) > self.dense_size:
             self.dense.popitem(last=False)
         return value

@@ -25,54 +25,109 @@ def document_block(parts: PartArrays, local_len: int, q_runs: RunArrays, k_runs:
                    device: torch.device) -> Block | None:
     """The block of `parts` (non-empty, no window) as `slice_blocks.block_calls` makes it,
     or None where the fast path does not apply (module docstring)."""
-    if len(parts) == 0 or len(q_runs.row) == 0 or len(k_runs.row) == 0 or bool(
-            (parts.lo != NO_LO).any()):
-        return None
-    whole = _whole(parts)
-    if whole is not False:
-        return _block([_one_slice(whole)], local_len, device)
+    block = np.zeros(len(parts), dtype=np.int64)
+    return document_blocks(parts, block, local_len, [q_runs], [k_runs], device)[0]
+
+
+def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
+                    q_runs: list[RunArrays], k_runs: list[RunArrays], device: torch.device
+                    ) -> list[Block | None]:
+    """`document_block` of several blocks in one pass: block b's parts are those where
+    block == b (consecutive, non-empty), its runs q_runs[b] and k_runs[b]; None for a block
+    the fast path does not take."""
+    count = len(q_runs)
+    out: list[Block | None] = [None] * count
+    first = np.searchsorted(block, np.arange(count), side="left")
+    size = np.searchsorted(block, np.arange(count), side="right") - first
+    if len(parts) == 0 or (size == 0).any():
+        return out
+    bounded = np.logical_or.reduceat(parts.lo != NO_LO, first)
+    q0, q1 = np.minimum.reduceat(parts.q0, first), np.maximum.reduceat(parts.q1, first)
+    k0, k1 = np.minimum.reduceat(parts.k0, first), np.maximum.reduceat(parts.k1, first)
+    lo = np.minimum.reduceat(parts.k0 - parts.q1 + 1, first)
+    hi = np.maximum.reduceat(np.minimum(parts.k1 - 1 - parts.q0, parts.hi), first)
+    pairs = np.add.reduceat(_pairs(parts.q0, parts.q1, parts.k0, parts.k1, parts.hi), first)
+    rest = []
+    for b in range(count):
+        if bounded[b] or len(q_runs[b].row) == 0 or len(k_runs[b].row) == 0:
+            continue
+        if size[b] == 1:
+            whole = parts.take(slice(first[b], first[b] + 1)).bounds()[0]
+        else:
+            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi, pairs)))
+        if whole is not False:
+            out[b] = _block([_one_slice(whole)], local_len, device)
+        else:
+            rest.append(b)
+    if rest:
+        _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out)
+    return out
+
+
+def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out
+                  ) -> None:
+    """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
+    at rows b x local_len on, so one pass finds every block's groups."""
+    take = np.concatenate([np.arange(first[b], first[b] + size[b]) for b in rest])
+    parts, block = parts.take(take), block[take]
+    shift = block * local_len
+    parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
+                       parts.lo, parts.hi)
+    q_all = _laid_apart([q_runs[b] for b in rest], rest, local_len)
+    k_all = _laid_apart([k_runs[b] for b in rest], rest, local_len)
     comp = _components(parts)
-    q = _gathered(parts.q0, parts.q1, comp, q_runs)
-    k = _gathered(parts.k0, parts.k1, comp, k_runs)
+    q = _gathered(parts.q0, parts.q1, comp, q_all)
+    k = _gathered(parts.k0, parts.k1, comp, k_all)
     if q is None or k is None:
-        return None
+        return
     dq, dk = q.moved - parts.q0, k.moved - parts.k0
     hi = np.where(parts.hi == NO_HI, NO_HI, parts.hi + dk - dq)
-    kind = _documents(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk, hi, comp,
-                      q.count, k.count)
-    if kind is None:
-        return None
-    causal = kind == 1
+    kind, ok = _documents(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk, hi, comp,
+                          q.count, k.count)
+    groups = len(kind)
+    comp_block = np.zeros(groups, dtype=np.int64)
+    comp_block[comp] = block
+    good = np.ones(len(out), dtype=bool)
+    np.logical_and.at(good, comp_block, ok)
     one_pair = (q.count == 1) & (k.count == 1)
-    if causal.any():  # a document of one query and one key is causal as well as full
-        causal |= one_pair
-    calls = []
-    for want in (True, False):
-        members = np.flatnonzero(causal == want)
-        if len(members) == 0:
+    starts = np.searchsorted(comp_block, rest, side="left")
+    ends = np.searchsorted(comp_block, rest, side="right")
+    for b, c0, c1 in zip(rest, starts.tolist(), ends.tolist()):
+        if not good[b]:
             continue
-        members = members[np.argsort(q.first_row[members], kind="stable")]
-        if len(members) == 1:
-            calls.append(gathered_call([_group(members[0], q, k, kind)], device))
-        else:
-            calls.append(_documents_call(members, q, k, bool((causal & ~one_pair)[members].any())
-                                         and want, device))
-    return _block(calls, local_len, device)
+        causal = kind[c0:c1] == 1
+        pair = one_pair[c0:c1]
+        if causal.any():  # a document of one query and one key is causal as well as full
+            causal = causal | pair
+        calls = []
+        for want in (True, False):
+            members = np.flatnonzero(causal == want) + c0
+            if len(members) == 0:
+                continue
+            members = members[np.argsort(q.first_row[members], kind="stable")]
+            row = b * local_len
+            if len(members) == 1:
+                calls.append(gathered_call([_group(members[0], q, k, kind, row)], device))
+            else:
+                real = bool((causal & ~pair)[members - c0].any()) and want
+                calls.append(_documents_call(members, q, k, real, device, row))
+        out[b] = _block(calls, local_len, device)
 
 
-def _whole(parts: PartArrays):
-    """`slice_blocks.merged` of all parts (unbounded below): the one slice they are, or
-    False where they are none."""
-    if len(parts) == 1:
-        return parts.bounds()[0]
-    q0, q1 = int(parts.q0.min()), int(parts.q1.max())
-    k0, k1 = int(parts.k0.min()), int(parts.k1.max())
-    lo = int((parts.k0 - parts.q1 + 1).min())
-    hi = int(np.minimum(parts.k1 - 1 - parts.q0, parts.hi).max())
+def _laid_apart(runs: list[RunArrays], blocks: list[int], local_len: int) -> RunArrays:
+    """Runs of several blocks in one, block b's rows moved to b x local_len on."""
+    return RunArrays(np.concatenate([r.row + b * local_len for r, b in zip(runs, blocks)]),
+                     np.concatenate([r.pos for r in runs]),
+                     np.concatenate([r.count for r in runs]))
+
+
+def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int, pairs: int):
+    """`slice_blocks.merged` of a block's parts (unbounded below; their least and most
+    rows, least k0 - q1 + 1, most min(k1 - 1 - q0, hi), and pairs): the one slice they
+    are, or False where they are none."""
     lo = None if lo <= k0 - (q1 - 1) else lo
     hi = None if hi >= k1 - 1 - q0 else hi
-    if slice_pairs(q0, q1, k0, k1, lo, hi) != int(_pairs(parts.q0, parts.q1, parts.k0,
-                                                          parts.k1, parts.hi).sum()):
+    if slice_pairs(q0, q1, k0, k1, lo, hi) != pairs:
         return False
     trimmed = pieces(q0, q1, k0, k1, lo, hi)
     if not trimmed or (min(p.q_start for p in trimmed), max(p.q_end for p in trimmed),
@@ -182,9 +237,9 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
                  offset[at] + r0 - start[at])
 
 
-def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> np.ndarray | None:
-    """int8 [groups]: 0 where a group's gathered parts are one full slice, 1 one causal
-    square (`slice_blocks.merged`); None where some group is neither."""
+def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, np.ndarray]:
+    """(kind, ok) per group: kind 0 where its gathered parts are one full slice, 1 one
+    causal square (`slice_blocks.merged`); ok False where it is neither."""
     groups = len(q_count)
     lo_least = np.full(groups, np.iinfo(np.int64).max)
     np.minimum.at(lo_least, comp, k0 - q1 + 1)
@@ -194,41 +249,37 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> np.ndarray | None:
     first_k = first_q.copy()
     np.minimum.at(first_q, comp, q0)
     np.minimum.at(first_k, comp, k0)
-    if (first_q != 0).any() or (first_k != 0).any():
-        return None
-    if (lo_least > 1 - q_count).any():  # a lower bound binds: not a document
-        return None
     full = top >= k_count - 1
     causal = ~full & (top == 0) & (q_count == k_count)
-    if not (full | causal).all():
-        return None
     want = np.where(full, q_count * k_count, _pairs(0, q_count, 0, k_count, np.where(
         full, NO_HI, top)))
     got = np.zeros(groups, dtype=np.int64)
     np.add.at(got, comp, _pairs(q0, q1, k0, k1, hi))
-    if not np.array_equal(want, got):
-        return None
-    return causal.astype(np.int8)
+    ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
+          & (want == got))
+    return causal.astype(np.int8), ok
 
 
-def _group(n: int, q: _Side, k: _Side, kind: np.ndarray):
-    """Group n as `slice_blocks._Group` (its one slice only)."""
+def _group(n: int, q: _Side, k: _Side, kind: np.ndarray, row: int):
+    """Group n as `slice_blocks._Group` (its one slice only), rows from `row` on."""
     nq, nk = int(q.count[n]), int(k.count[n])
     one = (0, nq, 0, nk, None, 0 if kind[n] else None)
-    return _Group(_runs(q, n), _runs(k, n), [one], one, nq)
+    return _Group(_runs(q, n, row), _runs(k, n, row), [one], one, nq)
 
 
-def _runs(side: _Side, n: int) -> list[tuple[int, int]]:
+def _runs(side: _Side, n: int, row: int) -> list[tuple[int, int]]:
     a = side.group_start[n]
     b = side.group_start[n + 1] if n + 1 < len(side.group_start) else len(side.start)
-    return list(zip(side.start[a:b].tolist(), side.end[a:b].tolist()))
+    return list(zip((side.start[a:b] - row).tolist(), (side.end[a:b] - row).tolist()))
 
 
 def _documents_call(members: np.ndarray, q: _Side, k: _Side, causal: bool,
-                    device: torch.device) -> Block:
-    """`slice_blocks.gathered_call` of several documents (groups `members`, in order)."""
+                    device: torch.device, row: int) -> Block:
+    """`slice_blocks.gathered_call` of several documents (groups `members`, in order; their
+    rows from `row` on)."""
     q_start, q_end, q_cut = _pieces_of(q, members)
     k_start, k_end, k_cut = _pieces_of(k, members)
+    q_start, q_end, k_start, k_end = q_start - row, q_end - row, k_start - row, k_end - row
     cu_q = (0, *np.cumsum(q.count[members]).tolist())
     cu_kv = (0, *np.cumsum(k.count[members]).tolist())
     tile = TileSlices.documents(cu_q, cu_kv, causal, device)

@@ -93,6 +93,13 @@ class _Group:
             return
         self.calls.add(runs)
         docs = self.docs
+        if not docs:  # the group's first call: its documents at once
+            new = list(dict.fromkeys(runs))
+            docs.update(zip(new, range(len(new))))
+            spans = sorted(((*_span(doc), -n) for n, doc in enumerate(new)),
+                           key=lambda s: (s[0], s[2]))  # equal starts: the last first
+            self.starts, self.ends = [s[0] for s in spans], [s[1] for s in spans]
+            return
         for doc in [doc for doc in runs if doc not in docs]:
             if doc not in docs:  # twice in one call: once
                 docs[doc] = len(docs)

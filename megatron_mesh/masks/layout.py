@@ -11,14 +11,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..common.caches import per_documents
 from .block import Block
-from .document_blocks import document_block
+from .document_blocks import document_block, document_blocks
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .part_arrays import RunArrays, SliceArrays, document_arrays, part_arrays, slice_arrays
+from .part_arrays import (
+    PartArrays,
+    RunArrays,
+    SliceArrays,
+    document_arrays,
+    part_arrays,
+    slice_arrays,
+    tile_parts,
+)
 from .placed import placed_slices, positions
 from .seen import sees
 from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
@@ -85,6 +94,44 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
     return _block(mask, q_rank, kv_rank, local_len, torch.device(device))
 
 
+def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask,
+               device: torch.device | str = "cpu") -> list[Block]:
+    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet, of one query
+    rank, in one pass over their parts (`part_arrays.tile_parts`,
+    `document_blocks.document_blocks`)."""
+    device = torch.device(device)
+    missing: dict[int, list[int]] = {}
+    for x, y in pairs:
+        if not _block.holds(mask, x, y, local_len, device):
+            missing.setdefault(x, []).append(y)
+    for x, ys in missing.items():
+        ys = list(dict.fromkeys(ys))
+        if len(ys) > 1 and mask.window is None:
+            for y, block in zip(ys, _row_blocks(mask, x, ys, local_len, device)):
+                _block.put(block, mask, x, y, local_len, device)
+    return [_block(mask, x, y, local_len, device) for x, y in pairs]
+
+
+def _row_blocks(mask: AttentionMask, x: int, ys: list[int], local_len: int,
+                device: torch.device) -> list[Block]:
+    """Blocks (x, y) for y in `ys`, their parts cut and their documents found in one pass."""
+    q_runs = run_arrays(mask, x, local_len)
+    k_runs = [run_arrays(mask, y, local_len) for y in ys]
+    parts, block = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
+    first = np.searchsorted(block, np.arange(len(ys)), side="left")
+    end = np.searchsorted(block, np.arange(len(ys)), side="right")
+    full = [b for b in range(len(ys)) if end[b] > first[b]]
+    renumber = np.zeros(len(ys), dtype=np.int64)
+    renumber[full] = np.arange(len(full))
+    fast = document_blocks(parts, renumber[block], local_len, [q_runs] * len(full),
+                           [k_runs[b] for b in full], device) if full else []
+    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * len(ys)
+    for n, b in enumerate(full):
+        out[b] = fast[n] if fast[n] is not None else _general(
+            mask, x, ys[b], local_len, device, parts.take(slice(first[b], end[b])))
+    return out
+
+
 # per shape without documents; with them, for the last few micro-batches only (`caches.py`)
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
@@ -97,6 +144,12 @@ def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
         block = document_block(parts, local_len, q_runs, k_runs, device)
         if block is not None:
             return block
+    return _general(mask, q_rank, kv_rank, local_len, device, parts)
+
+
+def _general(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
+             device: torch.device, parts: PartArrays) -> Block:
+    """The block of `parts` (non-empty) on the general path (`slice_blocks.bounds_calls`)."""
     return bounds_calls(parts.bounds(), local_len, mask.window is not None,
                         slab_rows(mask.window, mask.causal), device,
                         rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len))

@@ -43,6 +43,10 @@ class PartArrays(NamedTuple):
     def __len__(self) -> int:
         return len(self.q0)
 
+    def take(self, index) -> PartArrays:
+        """The parts at `index` (a slice, mask or index array)."""
+        return PartArrays(*(a[index] for a in self))
+
     def bounds(self) -> list[tuple]:
         """The parts as `tile_slices.Bound` tuples (None where unbounded)."""
         lo = [None if v == NO_LO else v for v in self.lo.tolist()]
@@ -108,6 +112,14 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
     """The parts `slice_blocks.block_parts` finds, in its order: query runs in order, the
     slices meeting each (mask order), the key runs meeting each slice, a slice's causal
     piece before its full one. `mask`: its slices, or their arrays (`slice_arrays`)."""
+    return tile_parts(mask, q_runs, [k_runs])[0]
+
+
+def tile_parts(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: list[RunArrays]
+               ) -> tuple[PartArrays, np.ndarray]:
+    """`part_arrays` of blocks (x, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts of
+    every block (block after block, each in `part_arrays`' order) and int64 [parts] the
+    block b of each. `q_runs`: x's runs; `k_runs`: each y_b's."""
     t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
     q_lo, q_hi = q_runs.pos, q_runs.pos + q_runs.count
     first = np.searchsorted(t.reach, q_lo, side="right")
@@ -117,24 +129,32 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
     si = spans(first, count)
     keep = t.q1[si] > q_lo[qi]
     qi, si = qi[keep], si[keep]
-    k_first = np.maximum(np.searchsorted(k_runs.pos, t.k0[si], side="right") - 1, 0)
-    k_last = np.searchsorted(k_runs.pos, t.k1[si], side="left")
-    count = np.maximum(k_last - k_first, 0)
-    ki = spans(k_first, count)
-    qi, si = np.repeat(qi, count), np.repeat(si, count)
+    k_pos = np.concatenate([k.pos for k in k_runs])
+    k_end = k_pos + np.concatenate([k.count for k in k_runs])
+    k_shift = np.concatenate([k.row - k.pos for k in k_runs])
+    q_at, s_at, k_at, block_at, offset = [], [], [], [], 0
+    for b, k in enumerate(k_runs):
+        k_first = np.maximum(np.searchsorted(k.pos, t.k0[si], side="right") - 1, 0)
+        count = np.maximum(np.searchsorted(k.pos, t.k1[si], side="left") - k_first, 0)
+        k_at.append(spans(k_first + offset, count))
+        q_at.append(np.repeat(qi, count))
+        s_at.append(np.repeat(si, count))
+        block_at.append(np.full(len(k_at[-1]), b, dtype=np.int64))
+        offset += len(k.pos)
+    qi, si, ki = np.concatenate(q_at), np.concatenate(s_at), np.concatenate(k_at)
     a = np.maximum(t.q0[si], q_lo[qi])
     b = np.minimum(t.q1[si], q_hi[qi])
-    c = np.maximum(t.k0[si], k_runs.pos[ki])
-    e = np.minimum(t.k1[si], k_runs.pos[ki] + k_runs.count[ki])
+    c = np.maximum(t.k0[si], k_pos[ki])
+    e = np.minimum(t.k1[si], k_end[ki])
     parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
     index = np.repeat(np.arange(len(a)), 2).reshape(-1, 2)[parts.valid]
     dq = (q_runs.row - q_runs.pos)[qi][index]
-    dk = (k_runs.row - k_runs.pos)[ki][index]
+    dk = k_shift[ki][index]
     lo, hi = parts.lo[parts.valid], parts.hi[parts.valid]
     return PartArrays(parts.q0[parts.valid] + dq, parts.q1[parts.valid] + dq,
                       parts.k0[parts.valid] + dk, parts.k1[parts.valid] + dk,
                       np.where(lo == NO_LO, NO_LO, lo + dk - dq),
-                      np.where(hi == NO_HI, NO_HI, hi + dk - dq))
+                      np.where(hi == NO_HI, NO_HI, hi + dk - dq)), np.concatenate(block_at)[index]
 
 
 class _Pieces(NamedTuple):

@@ -10,19 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_mesh.common.caches import KEEP_DOCUMENTS
+from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
 from megatron_mesh.common.tile_slices import TileSlices
 from megatron_mesh.masks import document_groups, layout
 from megatron_mesh.masks import groups as groups_module
 from megatron_mesh.masks.block import Block
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.groups import group_calls
-from megatron_mesh.masks.layout import AttentionMask, block_for, mask_slices, rank_runs, slab_rows
+from megatron_mesh.masks.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
 from megatron_mesh.masks.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
 from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window
-from megatron_mesh.schedules.blocks import _tile_calls
+from megatron_mesh.runtime.grid import MeshGrid
+from megatron_mesh.schedules.blocks import _tile_calls, plan_blocks
 
 
 def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
@@ -131,10 +132,12 @@ def test_array_blocks_equal_the_per_part_blocks(ranks):
             seq = (mask.documents.total if mask.documents else
                    mask.slices.seq_len if mask.slices is not None else 16 * ranks)
             local = seq // ranks
-            for x in range(ranks):
-                for y in range(ranks):
-                    got = block_for(x, y, local, mask)
-                    assert same_block(got, reference_block(mask, x, y, local)), (mask, x, y)
+            pairs = [(x, y) for x in range(ranks) for y in range(ranks)]
+            for cache in _CACHES:  # a new micro-batch: each query rank's blocks in one pass
+                cache.cache_clear()
+            for (x, y), got in zip(pairs, blocks_for(pairs, local, mask)):
+                assert same_block(got, reference_block(mask, x, y, local)), (mask, x, y)
+                assert same_block(block_for(x, y, local, mask), got)
 
 
 def test_position_runs_equal_a_row_by_row_scan():
@@ -277,8 +280,9 @@ def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
     """Every layer of a micro-batch builds its own mask value of the same documents: its
     blocks are cut once, and the caches keep the last few micro-batches only."""
     made = []
-    cut = layout.part_arrays
-    monkeypatch.setattr(layout, "part_arrays", lambda *args: made.append(1) or cut(*args))
+    for name in ("part_arrays", "tile_parts"):
+        cut = getattr(layout, name)
+        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
     rng = random.Random(3)
     for batch in range(KEEP_DOCUMENTS + 3):
         docs = random_documents(rng, 2, 10)
@@ -287,6 +291,25 @@ def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
             mask = AttentionMask(True, Documents(docs.cu_padded, docs.lengths), 2)
             _tile_calls(mask, (0,), (0, 1), docs.total // 2, torch.device("cpu"),
                         frozenset(), True, True, None)
-        assert len(made) - before == 2, batch  # blocks (0, 0) and (0, 1), once
+        assert len(made) - before == 1, batch  # blocks (0, 0) and (0, 1): one pass
     for cache in (_tile_calls, layout._block, layout.run_arrays, layout.mask_arrays):
         assert len(cache.by_documents) <= KEEP_DOCUMENTS
+
+
+def test_blocks_planned_ahead_serve_every_tile(monkeypatch):
+    """`plan_blocks` makes a rank's blocks before the first layer: its tiles cut none."""
+    rng = random.Random(4)
+    docs = random_documents(rng, 4, 12)
+    mask, local = AttentionMask(True, docs, 4), docs.total // 4
+    grid = MeshGrid(2, 2, 3, (0, 1, 2, 3), None, None)
+    for cache in _CACHES:
+        cache.cache_clear()
+    plan_blocks(mask, grid, local)
+    made = []
+    for name in ("part_arrays", "tile_parts"):
+        cut = getattr(layout, name)
+        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    for x in grid.row_mesh_ranks:
+        _tile_calls(mask, (x,), tuple(grid.col_mesh_ranks), local, torch.device("cpu"),
+                    frozenset(), True, True, None)
+    assert not made
