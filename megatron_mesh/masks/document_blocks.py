@@ -162,7 +162,7 @@ def _components(parts: PartArrays) -> np.ndarray:
             break
     first = np.full(len(parts), np.iinfo(np.int64).max)
     np.minimum.at(first, label, parts.q0)
-    roots = np.unique(label)
+    roots = np.flatnonzero(label == np.arange(len(parts)))  # each group's least part
     order = roots[np.argsort(first[roots], kind="stable")]
     number = np.empty(len(parts), dtype=np.int64)
     number[order] = np.arange(len(order))
