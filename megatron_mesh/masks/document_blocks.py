@@ -301,6 +301,10 @@ def _pieces_of(side: _Side, members: np.ndarray):
 
 def _split(pairs: list, count: np.ndarray) -> list[tuple]:
     """`pairs` cut into consecutive tuples of `count` items."""
+    if (count == 1).all():
+        return list(zip(pairs))
+    if (count == 2).all():
+        return list(zip(pairs[::2], pairs[1::2]))
     out, at = [], 0
     for n in count.tolist():
         out.append(tuple(pairs[at:at + n]))
