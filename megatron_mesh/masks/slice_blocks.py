@@ -1,5 +1,6 @@
-"""The rank-blocks of any mask, from its slices: the one way a block's rows and calls are
-made.
+"""The rank-blocks of any mask, from its slices: how a block's rows and calls are made
+(`part_arrays.py` cuts the parts and `document_blocks.py` makes the calls of blocks of
+documents with array operations, the same as these functions make part by part).
 
 A rank's local rows are runs of contiguous positions of the whole sequence (`position_runs`:
 its zigzag sub-chunks, its pieces of each packed document, its placed runs). Block (x, y) is
