@@ -9,9 +9,9 @@ one together (a documents value: any hashable value that names what a micro-batc
 blocks depend on, its documents, their placement or its mask); a backward that finds its
 micro-batch dropped makes its blocks again (the same values). Entries without documents
 depend on shapes only and sit in an LRU of `dense_size`. `held_bytes` counts what the
-caches hold (tensors by storage, tuples of ints at 8 bytes an element). `BytesLRU` bounds a
-per-shape cache of tensors by bytes (a band's additive mask: shapes vary with the
-documents, and one can be hundreds of MiB).
+caches hold (tensors by storage, numpy arrays by size, tuples of ints at 8 bytes an
+element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a band's additive mask:
+shapes vary with the documents, and one can be hundreds of MiB).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import functools
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterator
 
+import numpy as np
 import torch
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
@@ -39,23 +40,35 @@ class PerDocuments:
         self.dense: OrderedDict[Hashable, Any] = OrderedDict()
         _CACHES.append(self)
 
+    def _table(self, documents: Hashable | None) -> dict:
+        if documents is None:
+            return self.dense
+        table = self.by_documents.get(documents)
+        if table is None:
+            table = self.by_documents[documents] = {}
+            while len(self.by_documents) > self.keep:
+                self.by_documents.popitem(last=False)  # the oldest micro-batch's blocks
+        else:
+            self.by_documents.move_to_end(documents)
+        return table
+
     def __call__(self, *args: Hashable) -> Any:
         documents = self.documents_of(*args)
-        if documents is None:
-            table = self.dense
-        else:
-            table = self.by_documents.get(documents)
-            if table is None:
-                table = self.by_documents[documents] = {}
-                while len(self.by_documents) > self.keep:
-                    self.by_documents.popitem(last=False)  # the oldest micro-batch's blocks
-            else:
-                self.by_documents.move_to_end(documents)
+        table = self._table(documents)
         if args in table:
             if documents is None:
                 self.dense.move_to_end(args)
             return table[args]
-        value = table[args] = self.fn(*args)
+        return self.put(self.fn(*args), *args)
+
+    def holds(self, *args: Hashable) -> bool:
+        """Whether fn(*args) is kept."""
+        documents = self.documents_of(*args)
+        return args in (self.dense if documents is None else self.by_documents.get(documents, {}))
+
+    def put(self, value: Any, *args: Hashable) -> Any:
+        """Keep `value` as fn(*args) (made elsewhere: several in one pass) and return it."""
+        self._table(self.documents_of(*args))[args] = value
         while len(self.dense) > self.dense_size:
             self.dense.popitem(last=False)
         return value
@@ -124,6 +137,8 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
             return 0
         seen.add(key)
         return storage.nbytes()
+    if isinstance(value, np.ndarray):  # a block's runs and slices as arrays
+        return value.nbytes
     if isinstance(value, (tuple, list)):
         return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
     if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)

@@ -25,8 +25,10 @@ the joined side per call (the last calls first, as `groups.py` cuts them).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
 
+import numpy as np
 import torch
 
 from ..common.tile_slices import TileSlices
@@ -45,8 +47,7 @@ class Member:
 
 def _side_runs(call: Block, side: str) -> tuple[Runs, ...]:
     """Each document's runs of local rows on `side` ('q' or 'kv')."""
-    n = 0 if side == "q" else 1
-    return tuple(doc[n] for doc in call.doc_runs)
+    return tuple(map(itemgetter(0 if side == "q" else 1), call.doc_runs))
 
 
 def _count(runs: Runs) -> int:
@@ -55,7 +56,9 @@ def _count(runs: Runs) -> int:
 
 def _span(runs: Runs) -> tuple[int, int]:
     """The first row and the last row + 1 of a document's runs (in any order)."""
-    return min(a for a, _ in runs), max(b for _, b in runs)
+    if len(runs) == 1:
+        return runs[0]
+    return min(runs)[0], max(map(itemgetter(1), runs))
 
 
 @dataclass
@@ -68,12 +71,16 @@ class _Group:
     docs: dict[Runs, int]  # shared runs -> document index in the group
     starts: list[int]  # sorted first rows of the documents' runs
     ends: list[int]  # the last row + 1 of the document starting at starts[n]
+    # the shared runs of members' calls as a whole: a call with the same has every
+    # document in the group (found by one hash, not document by document)
+    calls: set[tuple[Runs, ...]] = field(default_factory=set)
 
     def takes(self, runs: tuple[Runs, ...]) -> bool:
         """Whether a call whose documents have these shared runs fits the group."""
-        for doc in runs:
-            if doc in self.docs:
-                continue
+        if runs in self.calls:
+            return True
+        docs = self.docs
+        for doc in [doc for doc in runs if doc not in docs]:
             first, last = _span(doc)
             n = bisect.bisect_right(self.starts, last - 1) - 1
             if n >= 0 and self.ends[n] > first:
@@ -82,9 +89,20 @@ class _Group:
 
     def add(self, member: Member, runs: tuple[Runs, ...]) -> None:
         self.members.append(member)
-        for doc in runs:
-            if doc not in self.docs:
-                self.docs[doc] = len(self.docs)
+        if runs in self.calls:
+            return
+        self.calls.add(runs)
+        docs = self.docs
+        if not docs:  # the group's first call: its documents at once
+            new = list(dict.fromkeys(runs))
+            docs.update(zip(new, range(len(new))))
+            spans = sorted(((*_span(doc), -n) for n, doc in enumerate(new)),
+                           key=lambda s: (s[0], s[2]))  # equal starts: the last first
+            self.starts, self.ends = [s[0] for s in spans], [s[1] for s in spans]
+            return
+        for doc in [doc for doc in runs if doc not in docs]:
+            if doc not in docs:  # twice in one call: once
+                docs[doc] = len(docs)
                 first, last = _span(doc)
                 n = bisect.bisect_left(self.starts, first)
                 self.starts.insert(n, first)
@@ -128,42 +146,41 @@ def join(group: _Group, side: str, causal_last: bool, device: torch.device) -> J
     shared = 0 if side == "q" else 1
     joined = 1 - shared
     docs = sorted(group.docs, key=lambda runs: runs[0][0])
-    # per member: where its rows start in the concatenation, and its documents' offsets
-    offsets, starts = [], 0
-    for m in group.members:
-        offsets.append(starts)
-        starts += _count(tuple(r for doc in m.call.doc_runs for r in doc[joined]))
-    where: list[dict[Runs, tuple[int, int]]] = []  # member: shared runs -> [a, b) in it
-    for m, offset in zip(group.members, offsets):
-        inside, at = {}, offset
-        for doc in m.call.doc_runs:
-            n = _count(doc[joined])
-            inside[doc[shared]] = (at, at + n)
-            at += n
-        where.append(inside)
-    order, cu_joined, cu_shared = [], [0], [0]
-    for doc in docs:
-        for inside in where:
-            if doc in inside:
-                a, b = inside[doc]
-                order.append(torch.arange(a, b))
-        cu_joined.append(cu_joined[-1] + sum(inside[doc][1] - inside[doc][0]
-                                             for inside in where if doc in inside))
-        cu_shared.append(cu_shared[-1] + _count(doc))
+    index = {doc: n for n, doc in enumerate(docs)}
+    # per (member, document): the document, the member, its rows on the joined side (in
+    # the member's order: its rows start where the member's earlier documents end)
+    doc_of, member_of, size = [], [], []
+    for n, m in enumerate(group.members):
+        doc_of += map(index.__getitem__, map(itemgetter(shared), m.call.doc_runs))
+        size += [_count(doc[joined]) for doc in m.call.doc_runs]
+        member_of.append(np.full(len(m.call.doc_runs), n))
+    doc_of, size = np.array(doc_of, dtype=np.int64), np.array(size, dtype=np.int64)
+    start = np.cumsum(size) - size  # where each pair's rows sit in the concatenation
+    order = np.lexsort((np.concatenate(member_of), doc_of))  # by document, then member
+    cu_joined = np.concatenate([[0], np.cumsum(np.bincount(doc_of, size, len(docs)))])
+    cu_shared = np.concatenate([[0], np.cumsum([_count(doc) for doc in docs])])
+    cu_joined, cu_shared = tuple(cu_joined.astype(np.int64).tolist()), tuple(cu_shared.tolist())
     cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
-    slices = TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal_last, device)
+    slices = TileSlices.documents(cu_q, cu_kv, causal_last, device)
     shared_rows = _rows([r for doc in docs for r in doc])
     pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
                    for m in group.members)
-    order_of_call = torch.cat(order)  # the concatenation's row at each place of the call
-    place = torch.empty_like(order_of_call)
-    place[order_of_call] = torch.arange(order_of_call.numel())
-    return Joined(shared_rows, pieces, place.to(device), slices, causal_last)
+    rows = _aranges(start[order], size[order])  # the concatenation's row at each place
+    place = np.empty_like(rows)
+    place[rows] = np.arange(len(rows))
+    return Joined(shared_rows, pieces, torch.from_numpy(place).to(device), slices, causal_last)
+
+
+def _aranges(start: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """start[n] .. start[n] + size[n] - 1 for every n, concatenated (int64)."""
+    return np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size - start,
+                                                                  size)
 
 
 def _rows(runs: list[tuple[int, int]]) -> slice | torch.Tensor:
     """Runs of local rows in order: a slice where they follow one another, else an index
     (on the CPU; the caller moves it)."""
-    if all(a[1] == b[0] for a, b in zip(runs, runs[1:])):
+    table = np.array(runs, dtype=np.int64).reshape(-1, 2)
+    if (table[1:, 0] == table[:-1, 1]).all():
         return slice(runs[0][0], runs[-1][1])
-    return torch.cat([torch.arange(a, b) for a, b in runs])
+    return torch.from_numpy(_aranges(table[:, 0], table[:, 1] - table[:, 0]))

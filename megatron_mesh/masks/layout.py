@@ -11,16 +11,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..common.caches import per_documents
 from .block import Block
+from .document_blocks import document_block, document_blocks
 from .document_placement import DocumentPlacement
 from .documents import Documents
 from .mask import Mask
+from .part_arrays import (
+    PartArrays,
+    RunArrays,
+    SliceArrays,
+    document_arrays,
+    part_arrays,
+    slice_arrays,
+    tile_parts,
+)
 from .placed import positions
 from .seen import sees
-from .slice_blocks import MIN_SLAB_ROWS, Run, block_calls, block_parts, position_runs
+from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
 from .slices import CAUSAL, FULL, SliceMask
 from .window import Window, token_positions
 from .zigzag import check_zigzag_divisible, zigzag_chunks
@@ -89,14 +100,65 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
     return _block(mask, q_rank, kv_rank, local_len, torch.device(device))
 
 
+def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask,
+               device: torch.device | str = "cpu") -> list[Block]:
+    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet, of one query
+    rank, in one pass over their parts (`part_arrays.tile_parts`,
+    `document_blocks.document_blocks`)."""
+    device = torch.device(device)
+    missing: dict[int, list[int]] = {}
+    for x, y in pairs:
+        if not _block.holds(mask, x, y, local_len, device):
+            missing.setdefault(x, []).append(y)
+    for x, ys in missing.items():
+        ys = list(dict.fromkeys(ys))
+        if len(ys) > 1 and mask.window is None:
+            for y, block in zip(ys, _row_blocks(mask, x, ys, local_len, device)):
+                _block.put(block, mask, x, y, local_len, device)
+    return [_block(mask, x, y, local_len, device) for x, y in pairs]
+
+
+def _row_blocks(mask: AttentionMask, x: int, ys: list[int], local_len: int,
+                device: torch.device) -> list[Block]:
+    """Blocks (x, y) for y in `ys`, their parts cut and their documents found in one pass."""
+    q_runs = run_arrays(mask, x, local_len)
+    k_runs = [run_arrays(mask, y, local_len) for y in ys]
+    parts, block = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
+    first = np.searchsorted(block, np.arange(len(ys)), side="left")
+    end = np.searchsorted(block, np.arange(len(ys)), side="right")
+    full = [b for b in range(len(ys)) if end[b] > first[b]]
+    renumber = np.zeros(len(ys), dtype=np.int64)
+    renumber[full] = np.arange(len(full))
+    fast = document_blocks(parts, renumber[block], local_len, [q_runs] * len(full),
+                           [k_runs[b] for b in full], device) if full else []
+    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * len(ys)
+    for n, b in enumerate(full):
+        out[b] = fast[n] if fast[n] is not None else _general(
+            mask, x, ys[b], local_len, device, parts.take(slice(first[b], end[b])))
+    return out
+
+
 # per shape without documents; with them, for the last few micro-batches only (`caches.py`)
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
-    q_runs, k_runs = rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len)
-    parts = block_parts(mask_slices(mask, local_len), q_runs, k_runs)
-    return block_calls(parts, local_len, mask.window is not None,
-                       slab_rows(mask.window, mask.causal), device, q_runs, k_runs)
+    q_runs, k_runs = run_arrays(mask, q_rank, local_len), run_arrays(mask, kv_rank, local_len)
+    parts = part_arrays(mask_arrays(mask, local_len), q_runs, k_runs)
+    if len(parts) == 0:
+        return Block(slice(0, 0), slice(0, 0), tiles=())
+    if mask.window is None:
+        block = document_block(parts, local_len, q_runs, k_runs, device)
+        if block is not None:
+            return block
+    return _general(mask, q_rank, kv_rank, local_len, device, parts)
+
+
+def _general(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
+             device: torch.device, parts: PartArrays) -> Block:
+    """The block of `parts` (non-empty) on the general path (`slice_blocks.bounds_calls`)."""
+    return bounds_calls(parts.bounds(), local_len, mask.window is not None,
+                        slab_rows(mask.window, mask.causal), device,
+                        rank_runs(mask, q_rank, local_len), rank_runs(mask, kv_rank, local_len))
 
 
 @per_documents(lambda mask, *_: mask.packing)
@@ -104,6 +166,12 @@ def rank_runs(mask: AttentionMask, rank: int, local_len: int) -> tuple[Run, ...]
     """`rank`'s local rows as runs of contiguous positions (`global_positions`), sorted by
     position: its zigzag sub-chunks, its pieces of each document, or its placed runs."""
     return position_runs(global_positions(mask, rank, local_len))
+
+
+@per_documents(lambda mask, *_: mask.packing)
+def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
+    """`rank_runs` as arrays (`part_arrays.RunArrays`)."""
+    return position_run_arrays(global_positions(mask, rank, local_len))
 
 
 def slab_rows(window: Window | None, causal: bool) -> int:
@@ -135,6 +203,15 @@ def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
     (`global_positions`), whatever its kind (`Mask.sequence_slices`): its documents' or the
     dense sequence's slices, the user's intersected with them, the window laid on them."""
     return mask.value.sequence_slices(local_len * mask.ranks)
+
+
+@per_documents(lambda mask, *_: mask.packing)
+def mask_arrays(mask: AttentionMask, local_len: int) -> SliceArrays:
+    """`mask_slices` as arrays (`part_arrays.slice_arrays`); packed documents without a
+    window straight from their lengths."""
+    if mask.documents is not None and mask.window is None and mask.slices is None:
+        return document_arrays(mask.documents.cu_padded, mask.documents.lengths, mask.causal)
+    return slice_arrays(mask_slices(mask, local_len))
 
 
 def global_positions(mask: AttentionMask, rank: int, local_len: int) -> torch.Tensor:

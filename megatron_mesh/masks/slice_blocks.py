@@ -1,5 +1,6 @@
-"""The rank-blocks of any mask, from its slices: the one way a block's rows and calls are
-made.
+"""The rank-blocks of any mask, from its slices: how a block's rows and calls are made
+(`part_arrays.py` cuts the parts and `document_blocks.py` makes the calls of blocks of
+documents with array operations, the same as these functions make part by part).
 
 A rank's local rows are runs of contiguous positions of the whole sequence (`position_runs`:
 its zigzag sub-chunks, its pieces of each packed document, its placed runs). Block (x, y) is
@@ -33,10 +34,12 @@ import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..common.tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 from .block import Block
+from .part_arrays import RunArrays
 from .slices import Slice, SliceMask, pieces
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -53,17 +56,22 @@ SMALL_DOCUMENT_ROWS = 256
 def position_runs(positions: torch.Tensor) -> tuple[Run, ...]:
     """The runs of contiguous positions of a rank's rows (`positions`: int64 [local rows],
     -1 on padding), sorted by position."""
-    pos = positions.long().cpu()
-    rows = (pos >= 0).nonzero().flatten()
-    if rows.numel() == 0:
-        return ()
+    runs = position_run_arrays(positions)
+    return tuple(zip(runs.row.tolist(), runs.pos.tolist(), runs.count.tolist()))
+
+
+def position_run_arrays(positions: torch.Tensor) -> RunArrays:
+    """`position_runs` as arrays (`part_arrays.RunArrays`)."""
+    pos = positions.long().cpu().numpy()
+    rows = np.flatnonzero(pos >= 0)
     at = pos[rows]
-    new = torch.ones(rows.numel(), dtype=torch.bool)
+    new = np.ones(len(rows), dtype=bool)
     new[1:] = (rows[1:] != rows[:-1] + 1) | (at[1:] != at[:-1] + 1)
-    starts = new.nonzero().flatten().tolist()
-    ends = starts[1:] + [rows.numel()]
-    runs = [(int(rows[a]), int(at[a]), b - a) for a, b in zip(starts, ends)]
-    return tuple(sorted(runs, key=lambda r: r[1]))
+    starts = np.flatnonzero(new)
+    count = np.diff(np.append(starts, len(rows)))
+    order = np.argsort(at[starts], kind="stable")
+    return RunArrays(rows[starts][order].astype(np.int64), at[starts][order].astype(np.int64),
+                     count[order].astype(np.int64))
 
 
 def block_parts(mask: SliceMask, q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]
@@ -151,7 +159,14 @@ def block_calls(parts: list[Slice], local_len: int, windowed: bool, slab_rows: i
     rows on shares of more than `ONE_CALL_ROWS`. `q_runs` / `k_runs`: the two ranks' runs
     of positions (`position_runs`); a call gathers each document's rows in the order of
     their positions (local order where not given)."""
-    bounds = [bound_of(s) for s in parts]
+    return bounds_calls([bound_of(s) for s in parts], local_len, windowed, slab_rows, device,
+                        q_runs, k_runs)
+
+
+def bounds_calls(bounds: list[Bound], local_len: int, windowed: bool, slab_rows: int,
+                 device: torch.device, q_runs: tuple[Run, ...] = (),
+                 k_runs: tuple[Run, ...] = ()) -> Block:
+    """`block_calls` of parts given as `Bound` tuples (`bound_of`)."""
     _group = functools.partial(_gather_group, q_order=_Order(q_runs), k_order=_Order(k_runs))
     if not bounds:
         return Block(slice(0, 0), slice(0, 0), tiles=())
@@ -342,17 +357,18 @@ def _block(calls: list[Block], local_len: int, device: torch.device) -> Block:
         kv_used[call.kv_rows] = True
     calls = [replace(c, q_rows=on_device(c.q_rows), kv_rows=on_device(c.kv_rows))
              for c in calls]
-    return Block(on_device(_rows_of(_true_runs(q_used))),
-                 on_device(_rows_of(_true_runs(kv_used))), tiles=tuple(calls))
+    return Block(on_device(_used_rows(q_used)), on_device(_used_rows(kv_used)),
+                 tiles=tuple(calls))
 
 
-def _true_runs(used: torch.Tensor) -> list[tuple[int, int]]:
-    """The runs [start, end) of True in a bool vector."""
-    edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), used.to(torch.int8),
-                                  torch.zeros(1, dtype=torch.int8)]))
-    starts = (edges == 1).nonzero().flatten().tolist()
-    ends = (edges == -1).nonzero().flatten().tolist()
-    return list(zip(starts, ends))
+def _used_rows(used: torch.Tensor) -> slice | torch.Tensor:
+    """The rows of a bool vector: a slice where they follow one another, else an int64
+    index (on the CPU)."""
+    rows = used.nonzero().flatten()
+    if rows.numel() == 0:
+        return slice(0, 0)
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    return slice(first, last) if last - first == rows.numel() else rows
 
 
 def _offsets(runs: list[tuple[int, int]]):

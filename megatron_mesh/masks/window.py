@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .documents import Documents
@@ -81,14 +82,20 @@ def token_positions(ranks: int, rank: int, local_len: int,
         second = zigzag_chunks(ranks, rank)[1] * half + rows - half
         pos = torch.where(rows < half, rank * half + rows, second)
         return pos, torch.zeros(local_len, dtype=torch.int64)
-    pos = torch.empty(local_len, dtype=torch.int64)
-    doc = torch.empty(local_len, dtype=torch.int64)
-    for d, (offset, piece) in enumerate(documents.pieces(ranks)):
-        pieces = held_pieces(ranks, rank)
-        for half, index in enumerate(pieces):
-            start = offset + half * piece
-            pos[start:start + piece] = torch.arange(piece) + index * piece
-            doc[start:start + piece] = d
-        end = offset + len(pieces) * piece
-        doc[offset:end] = torch.where(pos[offset:end] < documents.lengths[d], d, -1)
-    return pos, doc
+    padded = np.diff(np.array(documents.cu_padded, dtype=np.int64))
+    piece = padded // (2 * ranks) if ranks > 1 else padded
+    share = padded // ranks
+    offset = np.cumsum(share) - share
+    held = held_pieces(ranks, rank)
+    count = len(held) * piece  # rows of each document on the rank
+    doc = np.repeat(np.arange(len(padded)), count)
+    row = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    half = row // np.maximum(piece, 1)[doc]  # which held piece
+    index = np.array(held, dtype=np.int64)[np.minimum(half, len(held) - 1)]
+    at = index * piece[doc] + row - half * piece[doc]
+    pos = np.zeros(local_len, dtype=np.int64)
+    which = np.full(local_len, -1, dtype=np.int64)
+    rows = offset[doc] + row
+    pos[rows] = at
+    which[rows] = np.where(at < np.array(documents.lengths, dtype=np.int64)[doc], doc, -1)
+    return torch.from_numpy(pos), torch.from_numpy(which)

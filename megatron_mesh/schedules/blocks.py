@@ -12,9 +12,10 @@ from ..common.merge import merge_into
 from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
 from ..masks.groups import Call, Piece, group_calls
-from ..masks.layout import AttentionMask, block_for
+from ..masks.layout import AttentionMask, blocks_for
 from ..models.tile_calls import group_tokens, grouping
 from ..runtime.flat import flat_size, views
+from ..runtime.grid import MeshGrid
 
 
 def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -44,14 +45,26 @@ def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torc
                        folds_diagonal(kernel, q), grouping(grouped), group_tokens())
 
 
+def plan_blocks(mask: AttentionMask, grid: MeshGrid, local_len: int,
+                device: torch.device | str = "cpu") -> None:
+    """Make this rank's blocks of a micro-batch ahead of its first layer (its row's query
+    chunks against its column's K/V chunks, one pass per query chunk): the layers' tiles
+    then find them in the caches (`layout.blocks_for`). `local_len`: rows of one chunk
+    after the heads all-to-all (A x tokens per rank); `mask.ranks`: R x C."""
+    blocks_for([(x, y) for x in grid.row_mesh_ranks for y in grid.col_mesh_ranks], local_len,
+               mask, device)
+
+
 # a layer's tiles: every layer and both passes of a micro-batch take the same calls; with
 # documents for the last few micro-batches only (`caches.py`)
 @per_documents(lambda mask, *_: mask.packing)
 def _tile_calls(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], local_len: int,
                 device: torch.device, skip: frozenset, bottom_right: bool, grouped: bool,
                 limit: int | None) -> tuple[Call, ...]:
-    blocks = [(qi, ki, block_for(x, y, local_len, mask, device))
-              for qi, x in enumerate(xs) for ki, y in enumerate(ys) if (x, y) not in skip]
+    pairs = [(qi, ki) for qi, x in enumerate(xs) for ki, y in enumerate(ys)
+             if (x, y) not in skip]
+    made = blocks_for([(xs[qi], ys[ki]) for qi, ki in pairs], local_len, mask, device)
+    blocks = [(qi, ki, block) for (qi, ki), block in zip(pairs, made)]
     return tuple(group_calls(blocks, bottom_right, grouped, limit))
 
 

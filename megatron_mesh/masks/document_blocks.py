@@ -1,0 +1,321 @@
+"""A block's calls from its parts as arrays where its parts form documents: the fast path of
+`slice_blocks.block_calls` (the same calls), in numpy operations over the parts.
+
+It applies to a block without a sliding window whose parts (`part_arrays.PartArrays`) are
+unbounded below and whose groups (parts linked by shared rows, `slice_blocks._components`)
+each make one full slice or one causal square once their rows are gathered in the order of
+their positions: packed documents, and masks given as slices of such documents. Then the
+block is its documents in at most two variable-length calls (full ones, causal ones), or
+one slice (`slice_blocks.merged`). Elsewhere `document_block` gives None and the caller
+takes the general path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..common.tile_slices import TileSlices, slice_pairs
+from .block import Block
+from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays
+from .slice_blocks import _block, _Group, _one_slice, gathered_call
+from .slices import pieces
+
+
+def document_block(parts: PartArrays, local_len: int, q_runs: RunArrays, k_runs: RunArrays,
+                   device: torch.device) -> Block | None:
+    """The block of `parts` (non-empty, no window) as `slice_blocks.block_calls` makes it,
+    or None where the fast path does not apply (module docstring)."""
+    block = np.zeros(len(parts), dtype=np.int64)
+    return document_blocks(parts, block, local_len, [q_runs], [k_runs], device)[0]
+
+
+def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
+                    q_runs: list[RunArrays], k_runs: list[RunArrays], device: torch.device
+                    ) -> list[Block | None]:
+    """`document_block` of several blocks in one pass: block b's parts are those where
+    block == b (consecutive, non-empty), its runs q_runs[b] and k_runs[b]; None for a block
+    the fast path does not take."""
+    count = len(q_runs)
+    out: list[Block | None] = [None] * count
+    first = np.searchsorted(block, np.arange(count), side="left")
+    size = np.searchsorted(block, np.arange(count), side="right") - first
+    if len(parts) == 0 or (size == 0).any():
+        return out
+    bounded = np.logical_or.reduceat(parts.lo != NO_LO, first)
+    q0, q1 = np.minimum.reduceat(parts.q0, first), np.maximum.reduceat(parts.q1, first)
+    k0, k1 = np.minimum.reduceat(parts.k0, first), np.maximum.reduceat(parts.k1, first)
+    lo = np.minimum.reduceat(parts.k0 - parts.q1 + 1, first)
+    hi = np.maximum.reduceat(np.minimum(parts.k1 - 1 - parts.q0, parts.hi), first)
+    pairs = np.add.reduceat(_pairs(parts.q0, parts.q1, parts.k0, parts.k1, parts.hi), first)
+    rest = []
+    for b in range(count):
+        if bounded[b] or len(q_runs[b].row) == 0 or len(k_runs[b].row) == 0:
+            continue
+        if size[b] == 1:
+            whole = parts.take(slice(first[b], first[b] + 1)).bounds()[0]
+        else:
+            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi, pairs)))
+        if whole is not False:
+            out[b] = _block([_one_slice(whole)], local_len, device)
+        else:
+            rest.append(b)
+    if rest:
+        _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out)
+    return out
+
+
+def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out
+                  ) -> None:
+    """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
+    at rows b x local_len on, so one pass finds every block's groups."""
+    take = np.concatenate([np.arange(first[b], first[b] + size[b]) for b in rest])
+    parts, block = parts.take(take), block[take]
+    shift = block * local_len
+    parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
+                       parts.lo, parts.hi)
+    q_all = _laid_apart([q_runs[b] for b in rest], rest, local_len)
+    k_all = _laid_apart([k_runs[b] for b in rest], rest, local_len)
+    comp = _components(parts)
+    q = _gathered(parts.q0, parts.q1, comp, q_all)
+    k = _gathered(parts.k0, parts.k1, comp, k_all)
+    if q is None or k is None:
+        return
+    dq, dk = q.moved - parts.q0, k.moved - parts.k0
+    hi = np.where(parts.hi == NO_HI, NO_HI, parts.hi + dk - dq)
+    kind, ok = _documents(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk, hi, comp,
+                          q.count, k.count)
+    groups = len(kind)
+    comp_block = np.zeros(groups, dtype=np.int64)
+    comp_block[comp] = block
+    good = np.ones(len(out), dtype=bool)
+    np.logical_and.at(good, comp_block, ok)
+    one_pair = (q.count == 1) & (k.count == 1)
+    starts = np.searchsorted(comp_block, rest, side="left")
+    ends = np.searchsorted(comp_block, rest, side="right")
+    for b, c0, c1 in zip(rest, starts.tolist(), ends.tolist()):
+        if not good[b]:
+            continue
+        causal = kind[c0:c1] == 1
+        pair = one_pair[c0:c1]
+        if causal.any():  # a document of one query and one key is causal as well as full
+            causal = causal | pair
+        calls = []
+        for want in (True, False):
+            members = np.flatnonzero(causal == want) + c0
+            if len(members) == 0:
+                continue
+            members = members[np.argsort(q.first_row[members], kind="stable")]
+            row = b * local_len
+            if len(members) == 1:
+                calls.append(gathered_call([_group(members[0], q, k, kind, row)], device))
+            else:
+                real = bool((causal & ~pair)[members - c0].any()) and want
+                calls.append(_documents_call(members, q, k, real, device, row))
+        out[b] = _block(calls, local_len, device)
+
+
+def _laid_apart(runs: list[RunArrays], blocks: list[int], local_len: int) -> RunArrays:
+    """Runs of several blocks in one, block b's rows moved to b x local_len on."""
+    return RunArrays(np.concatenate([r.row + b * local_len for r, b in zip(runs, blocks)]),
+                     np.concatenate([r.pos for r in runs]),
+                     np.concatenate([r.count for r in runs]))
+
+
+def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int, pairs: int):
+    """`slice_blocks.merged` of a block's parts (unbounded below; their least and most
+    rows, least k0 - q1 + 1, most min(k1 - 1 - q0, hi), and pairs): the one slice they
+    are, or False where they are none."""
+    lo = None if lo <= k0 - (q1 - 1) else lo
+    hi = None if hi >= k1 - 1 - q0 else hi
+    if slice_pairs(q0, q1, k0, k1, lo, hi) != pairs:
+        return False
+    trimmed = pieces(q0, q1, k0, k1, lo, hi)
+    if not trimmed or (min(p.q_start for p in trimmed), max(p.q_end for p in trimmed),
+                       min(p.k_start for p in trimmed), max(p.k_end for p in trimmed)
+                       ) != (q0, q1, k0, k1):
+        return False
+    return q0, q1, k0, k1, lo, hi
+
+
+def _pairs(a, b, c, e, hi) -> np.ndarray:
+    """Pairs of queries [a, b) x keys [c, e) with j - i <= hi (NO_HI: unbounded), each."""
+    full = (b - a) * (e - c)
+    start = np.clip(c - hi, a, b)  # the first row that sees a key
+    whole = np.clip(e - 1 - hi, a, b)  # the first row that sees every key
+    n = whole - start
+    partial = n * (hi - c + 1) + (start + whole - 1) * n // 2 + (b - whole) * (e - c)
+    return np.where(hi == NO_HI, full, partial)
+
+
+def _components(parts: PartArrays) -> np.ndarray:
+    """int64 [parts]: each part's group (parts linked by shared query or key rows), numbered
+    in order of the groups' first query row."""
+    label = np.arange(len(parts))
+    sides = [_clusters(parts.q0, parts.q1), _clusters(parts.k0, parts.k1)]
+    while True:  # the least part of each cluster, spread until nothing changes
+        before = label
+        for cluster in sides:
+            least = np.full(cluster.max() + 1, len(parts))
+            np.minimum.at(least, cluster, label)
+            label = least[cluster]
+        if np.array_equal(label, before):
+            break
+    first = np.full(len(parts), np.iinfo(np.int64).max)
+    np.minimum.at(first, label, parts.q0)
+    roots = np.flatnonzero(label == np.arange(len(parts)))  # each group's least part
+    order = roots[np.argsort(first[roots], kind="stable")]
+    number = np.empty(len(parts), dtype=np.int64)
+    number[order] = np.arange(len(order))
+    return number[label]
+
+
+def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """int64 [n]: each range's cluster of overlapping ranges [start, end)."""
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] >= reach[:-1]
+    out = np.empty(len(s), dtype=np.int64)
+    out[order] = np.cumsum(new) - 1
+    return out
+
+
+class _Side:
+    """One side's rows of every group, gathered in the order of their positions: the pieces
+    (start, end) of each group (`group_start` indexes its first in `start` / `end`), its
+    rows `count`, its first piece's row, and each part's first row in the gathered rows."""
+
+    def __init__(self, start, end, group_start, count, first_row, moved) -> None:
+        self.start, self.end, self.group_start = start, end, group_start
+        self.count, self.first_row, self.moved = count, first_row, moved
+
+
+def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
+              ) -> _Side | None:
+    """`slice_blocks._gather_group`'s rows of one side ([r0, r1) per part) for every group:
+    each group's union of ranges, cut at the runs' bounds, sorted by position."""
+    groups = int(comp.max()) + 1
+    order = np.lexsort((r0, comp))
+    g, a, b = comp[order], r0[order], r1[order]
+    span = int(r1.max()) + 1
+    reach = np.maximum.accumulate(g * span + b) - g * span
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
+    seg = np.cumsum(new) - 1
+    seg_start = a[new]
+    seg_end = np.zeros(int(seg[-1]) + 1, dtype=np.int64)
+    np.maximum.at(seg_end, seg, b)
+    seg_group = g[new]
+    by_row = np.argsort(runs.row, kind="stable")
+    run_row, run_pos = runs.row[by_row], runs.pos[by_row]
+    run_end = run_row + runs.count[by_row]
+    first = np.searchsorted(run_row, seg_start, side="right") - 1
+    last = np.searchsorted(run_row, seg_end, side="left") - 1
+    if (first < 0).any():
+        return None  # rows outside the runs: the general path decides
+    count = last - first + 1
+    ri = np.repeat(np.arange(len(seg_start)), count)
+    n = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + first[ri]
+    start = np.maximum(seg_start[ri], run_row[n])
+    end = np.minimum(seg_end[ri], run_end[n])
+    if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0), np.cumsum(count) - count),
+                          seg_end - seg_start):
+        return None  # rows outside the runs: the general path decides
+    pos = run_pos[n] + start - run_row[n]
+    group = seg_group[ri]
+    by_pos = np.lexsort((pos, group))
+    start, end, group = start[by_pos], end[by_pos], group[by_pos]
+    size = end - start
+    before = np.cumsum(size) - size
+    group_start = np.searchsorted(group, np.arange(groups), side="left")
+    group_rows = np.add.reduceat(size, group_start)
+    offset = before - before[group_start][group]  # rows before the piece in its group
+    rows = np.argsort(start, kind="stable")
+    at = rows[np.searchsorted(start[rows], r0, side="right") - 1]
+    return _Side(start, end, group_start, group_rows, start[group_start],
+                 offset[at] + r0 - start[at])
+
+
+def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, np.ndarray]:
+    """(kind, ok) per group: kind 0 where its gathered parts are one full slice, 1 one
+    causal square (`slice_blocks.merged`); ok False where it is neither."""
+    groups = len(q_count)
+    lo_least = np.full(groups, np.iinfo(np.int64).max)
+    np.minimum.at(lo_least, comp, k0 - q1 + 1)
+    top = np.full(groups, np.iinfo(np.int64).min)
+    np.maximum.at(top, comp, np.minimum(k1 - 1 - q0, hi))
+    first_q = np.full(groups, np.iinfo(np.int64).max)
+    first_k = first_q.copy()
+    np.minimum.at(first_q, comp, q0)
+    np.minimum.at(first_k, comp, k0)
+    full = top >= k_count - 1
+    causal = ~full & (top == 0) & (q_count == k_count)
+    want = np.where(full, q_count * k_count, _pairs(0, q_count, 0, k_count, np.where(
+        full, NO_HI, top)))
+    got = np.zeros(groups, dtype=np.int64)
+    np.add.at(got, comp, _pairs(q0, q1, k0, k1, hi))
+    ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
+          & (want == got))
+    return causal.astype(np.int8), ok
+
+
+def _group(n: int, q: _Side, k: _Side, kind: np.ndarray, row: int):
+    """Group n as `slice_blocks._Group` (its one slice only), rows from `row` on."""
+    nq, nk = int(q.count[n]), int(k.count[n])
+    one = (0, nq, 0, nk, None, 0 if kind[n] else None)
+    return _Group(_runs(q, n, row), _runs(k, n, row), [one], one, nq)
+
+
+def _runs(side: _Side, n: int, row: int) -> list[tuple[int, int]]:
+    a = side.group_start[n]
+    b = side.group_start[n + 1] if n + 1 < len(side.group_start) else len(side.start)
+    return list(zip((side.start[a:b] - row).tolist(), (side.end[a:b] - row).tolist()))
+
+
+def _documents_call(members: np.ndarray, q: _Side, k: _Side, causal: bool,
+                    device: torch.device, row: int) -> Block:
+    """`slice_blocks.gathered_call` of several documents (groups `members`, in order; their
+    rows from `row` on)."""
+    q_start, q_end, q_cut = _pieces_of(q, members)
+    k_start, k_end, k_cut = _pieces_of(k, members)
+    q_start, q_end, k_start, k_end = q_start - row, q_end - row, k_start - row, k_end - row
+    cu_q = (0, *np.cumsum(q.count[members]).tolist())
+    cu_kv = (0, *np.cumsum(k.count[members]).tolist())
+    tile = TileSlices.documents(cu_q, cu_kv, causal, device)
+    q_pairs = list(zip(q_start.tolist(), q_end.tolist()))
+    k_pairs = list(zip(k_start.tolist(), k_end.tolist()))
+    doc_runs = tuple(zip(_split(q_pairs, q_cut), _split(k_pairs, k_cut)))
+    return Block(_rows(q_start, q_end), _rows(k_start, k_end), causal=tile.causal,
+                 slices=tile, doc_runs=doc_runs)
+
+
+def _pieces_of(side: _Side, members: np.ndarray):
+    """The pieces of groups `members`, concatenated in their order, and each group's count."""
+    ends = np.append(side.group_start[1:], len(side.start))
+    count = ends[members] - side.group_start[members]
+    index = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - side.group_start[
+        members], count)
+    return side.start[index], side.end[index], count
+
+
+def _split(pairs: list, count: np.ndarray) -> list[tuple]:
+    """`pairs` cut into consecutive tuples of `count` items."""
+    if (count == 1).all():
+        return list(zip(pairs))
+    if (count == 2).all():
+        return list(zip(pairs[::2], pairs[1::2]))
+    out, at = [], 0
+    for n in count.tolist():
+        out.append(tuple(pairs[at:at + n]))
+        at += n
+    return out
+
+
+def _rows(start: np.ndarray, end: np.ndarray) -> slice | torch.Tensor:
+    """`slice_blocks._rows_of` of ranges [start, end) in order."""
+    if (start[1:] == end[:-1]).all():
+        return slice(int(start[0]), int(end[-1]))
+    size = end - start
+    index = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size - start, size)
+    return torch.from_numpy(index)

@@ -1,0 +1,197 @@
+"""A block's parts as arrays: the sweep of a mask's slices over two ranks' runs of positions
+(`slice_blocks.block_parts`) in numpy operations, no Python loop per slice or run.
+
+Runs and parts are int64 arrays. A part is a slice of local rows (q0, q1, k0, k1, lo, hi):
+query row i sees key row j iff lo <= j - i <= hi, `NO_LO` / `NO_HI` where unbounded (the
+values `slice_blocks.merged` reads None as).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .slices import SliceMask
+
+NO_LO, NO_HI = -(1 << 62), 1 << 62
+
+
+class RunArrays(NamedTuple):
+    """A rank's runs of contiguous positions, sorted by position: first local row, its
+    position and rows, int64 [runs] each (`slice_blocks.Run`)."""
+
+    row: np.ndarray
+    pos: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def of(cls, runs: tuple[tuple[int, int, int], ...]) -> RunArrays:
+        table = np.array(runs, dtype=np.int64).reshape(-1, 3)
+        return cls(table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy())
+
+
+class PartArrays(NamedTuple):
+    """Slices of local rows, int64 [parts] each (module docstring)."""
+
+    q0: np.ndarray
+    q1: np.ndarray
+    k0: np.ndarray
+    k1: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.q0)
+
+    def take(self, index) -> PartArrays:
+        """The parts at `index` (a slice, mask or index array)."""
+        return PartArrays(*(a[index] for a in self))
+
+    def bounds(self) -> list[tuple]:
+        """The parts as `tile_slices.Bound` tuples (None where unbounded)."""
+        lo = [None if v == NO_LO else v for v in self.lo.tolist()]
+        hi = [None if v == NO_HI else v for v in self.hi.tolist()]
+        return list(zip(self.q0.tolist(), self.q1.tolist(), self.k0.tolist(),
+                        self.k1.tolist(), lo, hi))
+
+
+class SliceArrays(NamedTuple):
+    """A mask's slices in order of (q_start, k_start), int64 [slices] each, with the running
+    maximum of q_end (`reach`: no slice before index n ends past reach[n - 1])."""
+
+    q0: np.ndarray
+    q1: np.ndarray
+    k0: np.ndarray
+    k1: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    reach: np.ndarray
+
+
+_TABLES: dict[int, tuple[SliceMask, SliceArrays]] = {}  # by id, with the mask held
+
+
+def slice_arrays(mask: SliceMask) -> SliceArrays:
+    """`mask`'s slices as arrays, kept for a few masks (layers of a model share one): found
+    by identity, so a new micro-batch's mask costs no comparison with an old one's."""
+    held, table = _TABLES.get(id(mask), (None, None))
+    if held is not mask or table is None:
+        if len(_TABLES) >= 16:
+            _TABLES.pop(next(iter(_TABLES)))
+        rows = [(s.q_start, s.q_end, s.k_start, s.k_end,
+                 NO_LO if lo is None else lo, NO_HI if hi is None else hi)
+                for s in mask.slices for lo, hi in (s.bounds,)]
+        a = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        cols = [a[:, n].copy() for n in range(6)]
+        table = SliceArrays(*cols, np.maximum.accumulate(cols[1]))
+        _TABLES[id(mask)] = (mask, table)
+    return table
+
+
+def document_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], causal: bool
+                    ) -> SliceArrays:
+    """`slice_arrays` of `Documents.slices(causal)` (one square per non-empty document),
+    made from the documents' arrays without the `SliceMask`."""
+    start = np.array(cu_padded[:-1], dtype=np.int64)
+    size = np.array(lengths, dtype=np.int64)
+    start, end = start[size > 0], (start + size)[size > 0]
+    lo = np.full(len(start), NO_LO)
+    hi = np.zeros(len(start), dtype=np.int64) if causal else np.full(len(start), NO_HI)
+    return SliceArrays(start, end, start.copy(), end.copy(), lo, hi, end.copy())
+
+
+def spans(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """first[n] + 0 .. count[n] - 1 for every n, concatenated (int64)."""
+    total = int(count.sum())
+    starts = np.cumsum(count) - count
+    return np.arange(total, dtype=np.int64) - np.repeat(starts - first, count)
+
+
+def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArrays
+                ) -> PartArrays:
+    """The parts `slice_blocks.block_parts` finds, in its order: query runs in order, the
+    slices meeting each (mask order), the key runs meeting each slice, a slice's causal
+    piece before its full one. `mask`: its slices, or their arrays (`slice_arrays`)."""
+    return tile_parts(mask, q_runs, [k_runs])[0]
+
+
+def tile_parts(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: list[RunArrays]
+               ) -> tuple[PartArrays, np.ndarray]:
+    """`part_arrays` of blocks (x, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts of
+    every block (block after block, each in `part_arrays`' order) and int64 [parts] the
+    block b of each. `q_runs`: x's runs; `k_runs`: each y_b's."""
+    t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
+    q_lo, q_hi = q_runs.pos, q_runs.pos + q_runs.count
+    first = np.searchsorted(t.reach, q_lo, side="right")
+    last = np.searchsorted(t.q0, q_hi, side="left")
+    count = np.maximum(last - first, 0)
+    qi = np.repeat(np.arange(len(q_lo)), count)
+    si = spans(first, count)
+    keep = t.q1[si] > q_lo[qi]
+    qi, si = qi[keep], si[keep]
+    k_pos = np.concatenate([k.pos for k in k_runs])
+    k_end = k_pos + np.concatenate([k.count for k in k_runs])
+    k_shift = np.concatenate([k.row - k.pos for k in k_runs])
+    q_at, s_at, k_at, block_at, offset = [], [], [], [], 0
+    for b, k in enumerate(k_runs):
+        k_first = np.maximum(np.searchsorted(k.pos, t.k0[si], side="right") - 1, 0)
+        count = np.maximum(np.searchsorted(k.pos, t.k1[si], side="left") - k_first, 0)
+        k_at.append(spans(k_first + offset, count))
+        q_at.append(np.repeat(qi, count))
+        s_at.append(np.repeat(si, count))
+        block_at.append(np.full(len(k_at[-1]), b, dtype=np.int64))
+        offset += len(k.pos)
+    qi, si, ki = np.concatenate(q_at), np.concatenate(s_at), np.concatenate(k_at)
+    a = np.maximum(t.q0[si], q_lo[qi])
+    b = np.minimum(t.q1[si], q_hi[qi])
+    c = np.maximum(t.k0[si], k_pos[ki])
+    e = np.minimum(t.k1[si], k_end[ki])
+    parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
+    index = np.repeat(np.arange(len(a)), 2).reshape(-1, 2)[parts.valid]
+    dq = (q_runs.row - q_runs.pos)[qi][index]
+    dk = k_shift[ki][index]
+    lo, hi = parts.lo[parts.valid], parts.hi[parts.valid]
+    return PartArrays(parts.q0[parts.valid] + dq, parts.q1[parts.valid] + dq,
+                      parts.k0[parts.valid] + dk, parts.k1[parts.valid] + dk,
+                      np.where(lo == NO_LO, NO_LO, lo + dk - dq),
+                      np.where(hi == NO_HI, NO_HI, hi + dk - dq)), np.concatenate(block_at)[index]
+
+
+class _Pieces(NamedTuple):
+    """Two slots of pieces per cut ([cuts, 2] each) and which hold one."""
+
+    q0: np.ndarray
+    q1: np.ndarray
+    k0: np.ndarray
+    k1: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    valid: np.ndarray
+
+
+def _pieces(a, b, c, e, lo, hi) -> _Pieces:
+    """`slices.pieces` of every cut at once, as bounds (lo, hi) of the pieces' rules: slot 0
+    the band, the full slice or the causal piece; slot 1 the full piece after a causal one."""
+    has_lo, has_hi = lo != NO_LO, hi != NO_HI
+    none = has_lo & has_hi & (lo > hi)
+    a = np.where(has_hi, np.maximum(a, c - hi), a)
+    e = np.where(has_hi, np.minimum(e, b + hi), e)
+    b = np.where(has_lo, np.minimum(b, e - lo), b)
+    c = np.where(has_lo, np.maximum(c, a + lo), c)
+    some = ~none & (a < b) & (c < e)
+    band = has_lo & (c - (b - 1) < lo)
+    fits = ~has_hi | (e - 1 - a <= hi)  # every row sees every key under the upper bound
+    right = np.where(fits, -1, hi - (e - b))
+    band_hi = np.where(right >= 0, hi, NO_HI)
+    split = np.minimum(np.maximum(e - hi, a), b)
+    cut = ~band & ~fits  # a causal piece and a full one
+    first_q1 = np.where(cut, split, b)
+    first_hi = np.where(band, band_hi, np.where(cut, e - split, NO_HI))
+    first_lo = np.where(band, lo, NO_LO)
+    first = some & (~cut | (split > a))
+    second = some & cut & (split < b)
+    valid = np.stack([first, second], axis=1)
+    return _Pieces(np.stack([a, split], 1), np.stack([first_q1, b], 1),
+                   np.stack([c, c], 1), np.stack([e, e], 1),
+                   np.stack([first_lo, np.full_like(lo, NO_LO)], 1),
+                   np.stack([first_hi, np.full_like(hi, NO_HI)], 1), valid)

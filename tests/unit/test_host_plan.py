@@ -1,0 +1,315 @@
+"""The array planner (`part_arrays`, `document_blocks`) makes exactly the blocks and calls of
+the per-part one (`slice_blocks.block_parts`, `block_calls`) on random packed documents and
+masks given as slices."""
+from __future__ import annotations
+
+import bisect
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
+from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.masks import document_groups, layout
+from megatron_mesh.masks import groups as groups_module
+from megatron_mesh.masks.block import Block
+from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.groups import group_calls
+from megatron_mesh.masks.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
+from megatron_mesh.masks.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
+from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
+from megatron_mesh.masks.slices import SliceMask
+from megatron_mesh.masks.window import Window
+from megatron_mesh.runtime.grid import MeshGrid
+from megatron_mesh.schedules.blocks import _tile_calls, plan_blocks
+
+
+def random_slices(seq: int, count: int, rng: random.Random, windows: bool = False
+                  ) -> list[tuple]:
+    """Up to `count` random non-overlapping slices; `windows`: some with a band."""
+    out: list[tuple] = []
+    for _ in range(20 * count):
+        q0, k0 = rng.randrange(seq), rng.randrange(seq)
+        q1, k1 = rng.randint(q0 + 1, min(seq, q0 + max(1, seq // 2))), rng.randint(k0 + 1, seq)
+        s = (q0, q1, k0, k1, rng.choice(("full", "causal")))
+        if windows and rng.random() < 0.6:
+            s += ((rng.randint(-1, seq // 4), rng.randint(-1, seq // 4)),)
+        if len(out) < count and not any(a < q1 and q0 < b and c < k1 and k0 < d
+                                        for a, b, c, d, *_ in out):
+            out.append(s)
+    return out
+
+
+def reference_block(mask: AttentionMask, x: int, y: int, local: int) -> Block:
+    """Block (x, y) part by part: the sweep over Slice objects and the general calls."""
+    q_runs, k_runs = rank_runs(mask, x, local), rank_runs(mask, y, local)
+    parts = block_parts(mask_slices(mask, local), q_runs, k_runs)
+    return block_calls(parts, local, mask.window is not None,
+                       slab_rows(mask.window, mask.causal), torch.device("cpu"), q_runs, k_runs)
+
+
+def same_rows(a, b) -> bool:
+    if isinstance(a, slice) or isinstance(b, slice):
+        return a == b
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def same_tile(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    fields = ("shape", "slices", "form", "causal", "cu_q", "cu_kv", "flash_window")
+    tensors = ("cu_q_tensor", "cu_kv_tensor")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and all(
+        (getattr(a, t) is None and getattr(b, t) is None)
+        or torch.equal(getattr(a, t), getattr(b, t)) for t in tensors)
+
+
+def same_block(a: Block, b: Block) -> bool:
+    if (a.tiles is None) != (b.tiles is None):
+        return False
+    return (same_rows(a.q_rows, b.q_rows) and same_rows(a.kv_rows, b.kv_rows)
+            and a.causal == b.causal and same_tile(a.slices, b.slices)
+            and a.doc_runs == b.doc_runs
+            and (a.tiles is None or (len(a.tiles) == len(b.tiles) and all(
+                same_block(s, t) for s, t in zip(a.tiles, b.tiles)))))
+
+
+def random_documents(rng: random.Random, ranks: int, units: int) -> Documents:
+    """Documents of random padded lengths (multiples of 2P) filling `units` x 2P tokens,
+    some shorter than padded, of one token or none."""
+    unit = 2 * ranks
+    count = rng.randint(1, units)
+    cuts = sorted(rng.sample(range(1, units), count - 1)) if count > 1 else []
+    sizes = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, units])]
+    cu = [0]
+    for n in sizes:
+        cu.append(cu[-1] + n)
+    lengths = [rng.choice([n, n, n - rng.randrange(n), 1, 0]) for n in sizes]
+    lengths[-1] = lengths[-1] or 1  # a mask of no slice is refused
+    return Documents(tuple(cu), tuple(lengths))
+
+
+def masks(rng: random.Random, ranks: int) -> list[AttentionMask]:
+    units = rng.choice([2, 3, 6, 12])
+    docs = random_documents(rng, ranks, units)
+    seq = docs.total
+    out = [AttentionMask(causal, docs, ranks) for causal in (True, False)]
+    out.append(AttentionMask(True, docs, ranks, Window(rng.randint(0, 9), 0)))
+    out.append(AttentionMask(False, ranks=ranks, slices=docs.slices(rng.random() < 0.5)))
+    out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(random_slices(seq, 8, rng), seq)))
+    out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(
+        random_slices(seq, 8, rng, windows=True), seq)))
+    out.append(AttentionMask(rng.random() < 0.5, ranks=ranks))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_array_parts_equal_the_sweep(ranks):
+    """`part_arrays` gives the parts `block_parts` gives, in its order."""
+    rng = random.Random(ranks)
+    for _ in range(15):
+        for mask in masks(rng, ranks):
+            local = (mask.documents.total if mask.documents else
+                     mask.slices.seq_len if mask.slices and mask.slices.seq_len else
+                     8 * ranks) // ranks
+            for x in range(ranks):
+                for y in range(ranks):
+                    q, k = rank_runs(mask, x, local), rank_runs(mask, y, local)
+                    want = [bound_of(s) for s in block_parts(mask_slices(mask, local), q, k)]
+                    got = part_arrays(mask_slices(mask, local), RunArrays.of(q), RunArrays.of(k))
+                    assert got.bounds() == want, (mask, x, y)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_array_blocks_equal_the_per_part_blocks(ranks):
+    """Every block of random documents and slice masks is the reference's: the same
+    calls, rows, slices and documents."""
+    rng = random.Random(10 + ranks)
+    for _ in range(12):
+        for mask in masks(rng, ranks):
+            seq = (mask.documents.total if mask.documents else
+                   mask.slices.seq_len if mask.slices is not None else 16 * ranks)
+            local = seq // ranks
+            pairs = [(x, y) for x in range(ranks) for y in range(ranks)]
+            for cache in _CACHES:  # a new micro-batch: each query rank's blocks in one pass
+                cache.cache_clear()
+            for (x, y), got in zip(pairs, blocks_for(pairs, local, mask)):
+                assert same_block(got, reference_block(mask, x, y, local)), (mask, x, y)
+                assert same_block(block_for(x, y, local, mask), got)
+
+
+def test_position_runs_equal_a_row_by_row_scan():
+    """`position_runs` gives the runs a scan of the rows finds, sorted by position."""
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(0, 30)
+        pos = [rng.choice([-1, rng.randrange(50)]) for _ in range(n)]
+        if rng.random() < 0.5:  # some contiguous stretches
+            pos = sorted(set(pos))[::-1] + list(range(60, 60 + rng.randint(0, 5)))
+        runs, last = [], None
+        for row, p in enumerate(pos):
+            if p < 0:
+                last = None
+                continue
+            if last is not None and p == last + 1:
+                runs[-1][2] += 1
+            else:
+                runs.append([row, p, 1])
+            last = p
+        want = tuple(sorted((tuple(r) for r in runs), key=lambda r: r[1]))
+        assert position_runs(torch.tensor(pos, dtype=torch.int64)) == want, pos
+
+
+def reference_join(group, side: str, causal_last: bool, device: torch.device):
+    """`document_groups.join` document by document (the per-document reference)."""
+    shared = 0 if side == "q" else 1
+    joined = 1 - shared
+    count = lambda runs: sum(b - a for a, b in runs)  # noqa: E731
+    docs = sorted(group.docs, key=lambda runs: runs[0][0])
+    offsets, starts = [], 0
+    for m in group.members:
+        offsets.append(starts)
+        starts += count(tuple(r for doc in m.call.doc_runs for r in doc[joined]))
+    where = []
+    for m, offset in zip(group.members, offsets):
+        inside, at = {}, offset
+        for doc in m.call.doc_runs:
+            n = count(doc[joined])
+            inside[doc[shared]] = (at, at + n)
+            at += n
+        where.append(inside)
+    order, cu_joined, cu_shared = [], [0], [0]
+    for doc in docs:
+        for inside in where:
+            if doc in inside:
+                order.append(torch.arange(*inside[doc]))
+        cu_joined.append(cu_joined[-1] + sum(inside[doc][1] - inside[doc][0]
+                                             for inside in where if doc in inside))
+        cu_shared.append(cu_shared[-1] + count(doc))
+    cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
+    runs = [r for doc in docs for r in doc]
+    shared_rows = (slice(runs[0][0], runs[-1][1])
+                   if all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+                   else torch.cat([torch.arange(a, b) for a, b in runs]))
+    pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
+                   for m in group.members)
+    order_of_call = torch.cat(order)
+    place = torch.empty_like(order_of_call)
+    place[order_of_call] = torch.arange(order_of_call.numel())
+    return document_groups.Joined(
+        shared_rows, pieces, place.to(device),
+        TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal_last, device), causal_last)
+
+
+def reference_takes(self, runs) -> bool:
+    for doc in runs:
+        if doc in self.docs:
+            continue
+        first, last = min(a for a, _ in doc), max(b for _, b in doc)
+        n = bisect.bisect_right(self.starts, last - 1) - 1
+        if n >= 0 and self.ends[n] > first:
+            return False
+    return True
+
+
+def reference_add(self, member, runs) -> None:
+    self.members.append(member)
+    for doc in runs:
+        if doc not in self.docs:
+            self.docs[doc] = len(self.docs)
+            first, last = min(a for a, _ in doc), max(b for _, b in doc)
+            n = bisect.bisect_left(self.starts, first)
+            self.starts.insert(n, first)
+            self.ends.insert(n, last)
+
+
+def same_call(a, b) -> bool:
+    pieces = lambda c, d: len(c) == len(d) and all(  # noqa: E731
+        p.chunk == q.chunk and same_rows(p.rows, q.rows) for p, q in zip(c, d))
+    places = lambda s, t: (s is None and t is None) or (  # noqa: E731
+        s is not None and t is not None and torch.equal(s, t))
+    return (pieces(a.q, b.q) and pieces(a.kv, b.kv) and a.causal == b.causal
+            and same_tile(a.slices, b.slices) and places(a.q_place, b.q_place)
+            and places(a.kv_place, b.kv_place))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 2), (2, 2), (2, 1), (4, 2)])
+def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
+    """The grouped calls of every rank's tile (query chunk by query chunk, and the row's
+    chunks against one K/V chunk) equal those the per-document join makes."""
+    rng = random.Random(rows * 10 + cols)
+    ranks = rows * cols
+    for _ in range(6):
+        docs = random_documents(rng, ranks, rng.choice([3, 8, 20]))
+        for mask in (AttentionMask(True, docs, ranks), AttentionMask(False, docs, ranks),
+                     AttentionMask(False, ranks=ranks, slices=docs.slices(True))):
+            local = docs.total // ranks
+            for me in range(ranks):
+                xs = [me // cols * cols + j for j in range(cols)]
+                ys = [i * cols + me % cols for i in range(rows)]
+                tiles = [([x], ys) for x in xs] + [(xs, [y]) for y in ys]
+                for txs, tys in tiles:
+                    for fold, limit in ((True, None), (False, 7), (True, 5)):
+                        blocks = [(qi, ki, block_for(x, y, local, mask))
+                                  for qi, x in enumerate(txs) for ki, y in enumerate(tys)]
+                        got = group_calls(blocks, fold, True, limit)
+                        with monkeypatch.context() as m:
+                            m.setattr(document_groups, "join", reference_join)
+                            m.setattr(document_groups._Group, "takes", reference_takes)
+                            m.setattr(document_groups._Group, "add", reference_add)
+                            m.setattr(groups_module, "join", reference_join)
+                            want = group_calls(blocks, fold, True, limit)
+                        assert len(got) == len(want)
+                        assert all(same_call(a, b) for a, b in zip(got, want)), (mask, me)
+
+
+def test_document_arrays_equal_the_documents_slices():
+    """Packed documents' slice arrays, made from their lengths, are their `SliceMask`'s."""
+    rng = random.Random(7)
+    for _ in range(50):
+        docs = random_documents(rng, rng.randint(1, 4), rng.randint(1, 12))
+        for causal in (True, False):
+            got = document_arrays(docs.cu_padded, docs.lengths, causal)
+            want = slice_arrays(docs.slices(causal))
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
+    """Every layer of a micro-batch builds its own mask value of the same documents: its
+    blocks are cut once, and the caches keep the last few micro-batches only."""
+    made = []
+    for name in ("part_arrays", "tile_parts"):
+        cut = getattr(layout, name)
+        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    rng = random.Random(3)
+    for batch in range(KEEP_DOCUMENTS + 3):
+        docs = random_documents(rng, 2, 10)
+        before = len(made)
+        for _ in range(4):  # layers, forward and backward alike
+            mask = AttentionMask(True, Documents(docs.cu_padded, docs.lengths), 2)
+            _tile_calls(mask, (0,), (0, 1), docs.total // 2, torch.device("cpu"),
+                        frozenset(), True, True, None)
+        assert len(made) - before == 1, batch  # blocks (0, 0) and (0, 1): one pass
+    for cache in (_tile_calls, layout._block, layout.run_arrays, layout.mask_arrays):
+        assert len(cache.by_documents) <= KEEP_DOCUMENTS
+
+
+def test_blocks_planned_ahead_serve_every_tile(monkeypatch):
+    """`plan_blocks` makes a rank's blocks before the first layer: its tiles cut none."""
+    rng = random.Random(4)
+    docs = random_documents(rng, 4, 12)
+    mask, local = AttentionMask(True, docs, 4), docs.total // 4
+    grid = MeshGrid(2, 2, 3, (0, 1, 2, 3), None, None)
+    for cache in _CACHES:
+        cache.cache_clear()
+    plan_blocks(mask, grid, local)
+    made = []
+    for name in ("part_arrays", "tile_parts"):
+        cut = getattr(layout, name)
+        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    for x in grid.row_mesh_ranks:
+        _tile_calls(mask, (x,), tuple(grid.col_mesh_ranks), local, torch.device("cpu"),
+                    frozenset(), True, True, None)
+    assert not made
