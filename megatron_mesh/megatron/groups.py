@@ -71,19 +71,16 @@ def initialize_mesh_grids(
 ) -> MeshGrid | None:
     """Collective over all ranks: build the grid of every CP group; returns this rank's.
 
-    mesh_shape (A, R, C) / 'AxRxC', or (R, C) / 'RxC' with heads mesh_heads (default 1),
-    must have A * R * C == CP size, and A must divide this TP rank's query heads; what is
-    not given, the planner chooses for the head counts after TP, schedule, gradient dtype
-    and the launcher's ranks per node, for `batch` sequences in `dtype`, attention priced by
-    `gpu`'s kernel calls or at the flat rate (None) (`shape.resolve_mesh_shape`, the function
-    `validate_mesh_args` calls with the same values); pass the shape `validate_mesh_args`
-    returned to build exactly what it logged.
-    `chosen_by_planner` says, for the log line, whether the shape passed was the planner's
-    choice (default: whether this call had to choose it). The shape is checked before any
-    collective. With CP == 1 the grid is 1x1 (plain
-    attention) and nothing is created.
-    `timeout` bounds the collectives of the row and column groups (pass the job's
-    distributed timeout, as Megatron does for its own groups).
+    mesh_shape: (A, R, C) / 'AxRxC', or (R, C) / 'RxC' with A = mesh_heads (default 1);
+    A * R * C must equal the CP size and A divide this TP rank's query heads. What is not
+    given, the planner chooses (`shape.resolve_mesh_shape`, which `validate_mesh_args` calls
+    with the same values) for the heads after TP, the schedule, gradient dtype and the
+    launcher's ranks per node, `batch` sequences in `dtype`, attention priced by `gpu`'s
+    kernel calls (None: the flat rate); pass the shape `validate_mesh_args` returned to build
+    exactly what it logged. `chosen_by_planner`: for the log line (default: whether this call
+    chose). The shape is checked before any collective; with CP == 1 the grid is 1x1 (plain
+    attention) and nothing is created. `timeout` bounds the row and column groups'
+    collectives (pass the job's distributed timeout, as Megatron does for its own groups).
     """
     if _GRIDS:
         raise RuntimeError("mesh grids are already initialized; call destroy_mesh_grids() first")

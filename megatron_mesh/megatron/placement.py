@@ -1,22 +1,20 @@
 """Placed documents through Megatron-Core: `PlacedSeqParams` and RoPE at placed positions.
 
-A micro-batch packed as documents placed by `place_documents` (whole documents on one CP
-rank, long ones zigzag over consecutive ranks, T / P tokens per rank, no padding per
-document) travels to every layer as Megatron's `PackedSeqParams`: `PlacedSeqParams` is one
-with qkv_format "thd", the documents' cu_seqlens (int32, unpadded), max_seqlen the longest
-document and the `placement` itself. `MeshDotProductAttention` takes the placement from it;
-the rest of megatron-core reads what it reads of any THD batch (qkv_format, max_seqlen for
-the RoPE table, cu_seqlens for RoPE).
+A micro-batch of documents placed by `place_documents` (whole documents on one CP rank,
+long ones zigzag over consecutive ranks, T / P tokens per rank, no padding per document)
+reaches every layer as a `PlacedSeqParams`: Megatron's `PackedSeqParams` with qkv_format
+"thd", the documents' cu_seqlens (int32, unpadded), max_seqlen the longest document, and the
+`placement`, which `MeshDotProductAttention` takes; megatron-core reads the rest as of any
+THD batch (max_seqlen for the RoPE table, cu_seqlens for RoPE).
 
 RoPE: megatron-core's THD RoPE (`rope_utils._apply_rotary_pos_emb_thd`, 0.16 and 0.19)
-assumes Transformer Engine's CP layout (each document cut into 2P pieces, rank r holding
-pieces r and 2P-1-r). Under a placement the local rows are other positions, so the
-attention modules' `apply_rotary_pos_emb` (SelfAttention's and MLA's, the name each module
-imported) is replaced, inside `placed_rope()`, by one that recognizes the cu_seqlens tensor
-of a `PlacedSeqParams` and applies megatron-core's own RoPE row-wise (its sbhd path) with
-the frequencies of each local row's position within its document; any other call goes to
-megatron-core's function unchanged. `MeshDotProductAttention` refuses a `PlacedSeqParams`
-outside `placed_rope()`, so RoPE at the wrong positions cannot pass silently.
+assumes Transformer Engine's CP layout (2P pieces per document, rank r holding pieces r and
+2P-1-r). Inside `placed_rope()` the attention modules' `apply_rotary_pos_emb` (SelfAttention's
+and MLA's, the name each module imported) is replaced by one that, given a
+`PlacedSeqParams`' cu_seqlens, applies megatron-core's own RoPE row-wise (its sbhd path) at
+each local row's position within its document; any other call goes through unchanged.
+`MeshDotProductAttention` refuses a `PlacedSeqParams` outside `placed_rope()`, so RoPE at
+the wrong positions cannot pass silently.
 """
 from __future__ import annotations
 

@@ -10,13 +10,11 @@ interchange with them:
   initialized by `config.init_method` (with `perform_initialization`), sharded over TP on
   axis 0 in the dist checkpoint, replicated over DP x CP.
 
-The mesh takes it as a float32 [heads] tensor (`megatron_mesh/masks/sink.py`). Its gradient on a
-CP rank is the partial of that rank's query rows; megatron-core's DDP sums (averages)
-every dense parameter's gradient over the data x context parallel group, which makes the
-partials one gradient, as for every other weight. One difference from megatron-core: the
-parameter is marked tensor-parallel (axis 0), so the gradient norm for clipping counts every
-TP rank's heads (megatron-core's own attention leaves it unmarked: only TP rank 0's heads
-enter the norm).
+The mesh takes it as a float32 [heads] tensor (`megatron_mesh/masks/sink.py`). A CP rank's
+gradient is the partial of its query rows; megatron-core's DDP sums (averages) them over the
+data x context parallel group, as for every dense weight. Unlike megatron-core's attention,
+the parameter is marked tensor-parallel (axis 0), so the gradient norm for clipping counts
+every TP rank's heads (megatron-core's counts only TP rank 0's).
 """
 from __future__ import annotations
 

@@ -2,33 +2,22 @@
 
 Ranks that pass different shapes, dtype, documents, causal, softmax_scale, schedule,
 gradient dtypes, window or window exchange (or run under different MESH_GROUP_TOKENS, which
-can resolve 'streamed' to another schedule) would run different collectives (a hang until
-the timeout, or a gloo abort) or the same ones on different data (silently wrong); an
-input rejected on some ranks only would leave the others waiting in the first collective.
-So a call first checks its input locally without raising, then takes part in ONE
-all_reduce (MAX) of three int64 over the whole CP group (`max_over_cp`): a 63-bit digest d
-of the call's `CallSignature`, -d, and a flag "rejected here". The digests are all equal
-iff max(d) == -max(-d). Only when they are not, or some rank rejected its input, a second
-collective gathers every rank's signature (as text) and error, and every rank raises a
-ValueError naming the values that differ, or the rejection: in bounded time, on every rank.
+can resolve 'streamed' to another schedule) would hang or compute wrong results, and an
+input rejected on some ranks only would leave the others waiting. So a call checks its input
+locally without raising, then takes part in ONE all_reduce (MAX) of three int64 over the CP
+group (`max_over_cp`): a 63-bit digest d of its `CallSignature`, -d, and a flag "rejected
+here"; the digests are equal iff max(d) == -max(-d). Only when they differ, or a rank
+rejected its input, a second collective gathers every rank's signature (as text) and error,
+and every rank raises a ValueError naming the values that differ, or the rejection.
 
-Every call takes part; no agreement is cached. A cache per signature lets a rank that
-agreed on X before skip the agreement while another rank, passed a new Y, waits in it: the
-first is already in the attention's collectives, the second in the agreement, and both
-hang. Nor can it ride on the attention's first collective: which collective comes first is
-what the ranks may disagree on. The cost is one small all_reduce per call (forward only:
-backward follows the forward's decisions) on a gloo group, on the CPU, so it never waits
-for a GPU stream (`grid.AGREEMENT_BACKEND`); `scripts/bench_agreement.py` measures it.
-Decode steps take part through their own `Signature` (`inference/decode_agreement.py`),
-at calls every rank chooses alike from the layer numbers (once per generated token).
-
-The mask is compared by what the caller gave, not by its slices (`layout.mask_slices`):
-causal, the documents' or placement's digest (their lengths), the window, a `SliceMask`'s
-digest (its slices). Every mask kind's slices are a function of these and the shapes, so a
-digest of the slices would tell apart no call these do not, while building them on every
-call costs O(documents) (and this module may not import masks/); the fields also name the
-value that differs ("causal True here, False on CP rank 3"), which one digest of the
-slices could not.
+Every call (forward only: backward follows the forward) takes part, on a gloo group on the
+CPU (`grid.AGREEMENT_BACKEND`; `scripts/bench_agreement.py` measures it): nothing is cached,
+since a rank that skipped a cached agreement would enter the attention's collectives while
+another waits in the agreement. Decode steps agree through their own `Signature`, once
+per generated token (`inference/decode_agreement.py`). The mask is compared by what the
+caller gave (causal, the documents' or placement's digest, the window, a `SliceMask`'s
+digest), not by its slices (`layout.mask_slices`): these fields determine the slices, name
+the value that differs, and need no O(documents) slicing per call (nor masks/ imported here).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from ..layer_plan import COLUMN, ROW
 from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from .blocks import backward_block, backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
+from .blocks import backward_tile, forward_tile, kv_grad_buffer, split_kv_grads
+from .chunks import column_grad_keys, column_keys, diagonal_backward
 from .delta import out_with_delta
 from .rings import TrailingPartial
 
@@ -63,7 +64,7 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     if grid.cols > 1:  # partials of the other members' rows, sent in the input dtype
         partial_out = q.new_empty(grid.cols, s, b, hq, dv)
         partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
-    column = [(y, kv_col[i][0], kv_col[i][1]) for i, y in enumerate(grid.col_mesh_ranks)]
+    column = column_keys(grid, kv_col)
     for j, x in enumerate(grid.row_mesh_ranks):  # a query chunk against the column: few calls
         out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
         forward_tile(kernel, [(x, q_row[j], out_acc, lse_acc)], column, mask, scale)
@@ -120,13 +121,12 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     dq_own = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_part = kv_grad_buffer(k, v, grid.rows)
     # the diagonal block needs nothing from anyone
-    backward_block(kernel, dout, q, out, lse, k, v, me, me, mask, scale, dq_own,
-                   kv_grads(dkv_part[my_row], k, v))
+    diagonal_backward(kernel, dout, q, out, lse, k, v, grid, mask, scale, dq_own,
+                      dkv_part[my_row])
     kv_pending.wait()
     row_pending.wait()
     trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
-    column = [(y, kv_col[i][0], kv_col[i][1], kv_grads(dkv_part[i], k, v))
-              for i, y in enumerate(grid.col_mesh_ranks)]
+    column = column_grad_keys(grid, kv_col, dkv_part, k, v)
     for j in row_order(grid)[:-1]:  # each query chunk against the column: few calls
         x = grid.row_mesh_ranks[j]
         dq = torch.zeros_like(dq_own)

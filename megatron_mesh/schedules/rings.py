@@ -79,3 +79,9 @@ class TrailingPartial:
         self.pending.wait()
         if self.arriving is not None:
             self.fold(own, self.arriving)
+
+
+def held_at(ranks: Sequence[int], index: int, t: int) -> int:
+    """The member whose chunks the member at `index` of a ring of `ranks` holds at step t
+    of `ring_steps`."""
+    return ranks[(index - t) % len(ranks)]

@@ -26,15 +26,8 @@ from ..masks.layout import AttentionMask
 from ..masks.needed_rows import needed_rows
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from .blocks import (
-    backward_block,
-    backward_tile,
-    forward_block,
-    forward_tile,
-    kv_grad_buffer,
-    kv_grads,
-    split_kv_grads,
-)
+from .blocks import backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
+from .chunks import column_grad_keys, column_keys, diagonal_backward, diagonal_forward
 from .delta import out_with_delta
 
 
@@ -111,10 +104,10 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     me = grid.mesh_rank
     # this rank's own block needs no rows of anyone's: it runs while the rows travel
     accs = {grid.col_index: empty_accumulators(s, b, hq, dv, q.device)}
-    forward_block(kernel, q, k, v, me, me, mask, scale, *accs[grid.col_index])
+    diagonal_forward(kernel, q, k, v, grid, mask, scale, *accs[grid.col_index])
     land_q()
     land_kv()
-    column = [(y, k_col[i], v_col[i]) for i, y in enumerate(grid.col_mesh_ranks)]
+    column = column_keys(grid, list(zip(k_col, v_col)))
     for j, x in enumerate(grid.row_mesh_ranks):
         if j not in accs:
             accs[j] = empty_accumulators(s, b, hq, dv, q.device)
@@ -156,12 +149,11 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     dkv_part = kv_grad_buffer(k, v, grid.rows)
     me = grid.mesh_rank
     # this rank's own block needs no rows of anyone's: it runs while the rows travel
-    backward_block(kernel, dout, q, out, lse, k, v, me, me, mask, scale,
-                   dq_part[grid.col_index], kv_grads(dkv_part[grid.row_index], k, v))
+    diagonal_backward(kernel, dout, q, out, lse, k, v, grid, mask, scale,
+                      dq_part[grid.col_index], dkv_part[grid.row_index])
     land_q()
     land_kv()
-    column = [(y, k_col[i], v_col[i], kv_grads(dkv_part[i], k, v))
-              for i, y in enumerate(grid.col_mesh_ranks)]
+    column = column_grad_keys(grid, list(zip(k_col, v_col)), dkv_part, k, v)
     for j, x in enumerate(grid.row_mesh_ranks):
         lse_x, delta_x = st_row[j].permute(1, 2, 3, 0)
         out_x = out if j == grid.col_index else out_with_delta(do_row[j], delta_x)

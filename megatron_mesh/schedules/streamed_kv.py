@@ -1,17 +1,14 @@
-"""The K/V-streamed schedule: K/V travel around the column ring while blocks are computed.
+"""The K/V-streamed schedule: K/V chunks travel around the column ring while blocks are computed.
 
-Rank (i, j) gathers its row's Q in the background while it computes its own diagonal
-block, then, at ring step t, holds the K/V chunk of column position i - t, starts passing
-it on, and computes that chunk's C blocks (one per query chunk of the row) while the next
-chunk arrives. With the row's Q in hand, each K/V arrival unlocks C blocks and nothing else
-unlocks any, so this is the greedy order. Backward: the row's Q, dO, lse and D are
-gathered while the diagonal block runs; K/V take the same ring; each chunk's dK/dV partial
-travels behind it, gaining each column member's part, and lands at its owner after R-1
-hops; at the last step each query chunk's dQ, final once its block has run, goes around
-the row ring the same way while the next block runs. Bytes sent equal the gathered
-schedule's (`traffic.py`); K/V memory is two chunks (plus two dK/dV partials) instead of
-R. A grid of one row has no column ring: there the plan runs the gathered code
-(`MeshPlan.runner`).
+Rank (i, j) gathers its row's Q while it computes its diagonal block; at ring step t it holds
+the K/V chunk of column position i - t, passes it on and computes that chunk's C blocks (one
+per query chunk of the row) while the next arrives: each arrival unlocks C blocks and nothing
+else unlocks any, so this order is greedy. Backward: the row's Q, dO, lse and D are gathered
+during the diagonal block; K/V take the same ring, each chunk's dK/dV partial one hop behind,
+landing at its owner after R-1 hops; at the last step each query chunk's dQ, final once its
+block has run, goes around the row ring the same way while the next block runs. Bytes: the
+gathered schedule's (`traffic.py`); K/V memory two chunks (plus two dK/dV partials) instead of
+R. A one-row grid has no column ring and runs the gathered code (`MeshPlan.runner`).
 """
 from __future__ import annotations
 
@@ -24,17 +21,10 @@ from ..layer_plan import COLUMN, ROW
 from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
-from .blocks import (
-    backward_block,
-    backward_tile,
-    forward_block,
-    forward_tile,
-    kv_grad_buffer,
-    kv_grads,
-    split_kv_grads,
-)
+from .blocks import backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads
+from .chunks import diagonal_backward, diagonal_forward
 from .gathered import finish_row_partials, row_order, stand_in_outputs, start_row_grads_inputs
-from .rings import TrailingPartial, ring_steps
+from .rings import TrailingPartial, held_at, ring_steps
 
 
 def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: TileKernel):
@@ -48,9 +38,9 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     accs = [empty_accumulators(s, b, hq, dv, q.device) for _ in range(grid.cols)]
     ring = ring_steps((k, v), grid.rows, *grid.col_neighbors(), grid.col_group, "forward", COLUMN)
     for t, (k_y, v_y) in ring:
-        y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
+        y = held_at(grid.col_mesh_ranks, grid.row_index, t)
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k_y, v_y, grid.mesh_rank, y, mask, scale, *accs[me])
+            diagonal_forward(kernel, q, k_y, v_y, grid, mask, scale, *accs[me])
             q_pending.wait()
             q_row = q_row.view(grid.cols, *q.shape)
         # the row's query chunks against the arrived chunk: few calls
@@ -83,11 +73,10 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     dq_ring = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
     order = row_order(grid)
     for t, (k_y, v_y) in ring_steps((k, v), grid.rows, *neighbors, grid.col_group, "backward", COLUMN):
-        y = grid.col_mesh_ranks[(grid.row_index - t) % grid.rows]
+        y = held_at(grid.col_mesh_ranks, grid.row_index, t)
         dkv = dkv_own if t == 0 else torch.zeros_like(dkv_own)
         if t == 0:  # this rank's own block needs nothing from anyone
-            backward_block(kernel, dout, q, out, lse, k, v, grid.mesh_rank, y, mask, scale,
-                           dq_part[me], kv_grads(dkv, k, v))
+            diagonal_backward(kernel, dout, q, out, lse, k, v, grid, mask, scale, dq_part[me], dkv)
             row_pending.wait()
             outs = stand_in_outputs(qdo, stats, out, grid)
         last = t == grid.rows - 1

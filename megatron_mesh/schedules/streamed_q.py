@@ -1,18 +1,16 @@
-"""The Q-streamed schedule: Q chunks travel around the row ring while blocks are computed.
+"""The Q-streamed schedule, the mirror of `streamed_kv`: Q chunks travel around the row ring
+while blocks are computed.
 
-The mirror of `streamed_kv`. Rank (i, j) gathers its column's K/V in the background while
-it computes its own diagonal block, then, at ring step t, holds the Q chunk of row position
-j - t, starts passing it on, and computes that chunk's R blocks (one per K/V chunk of the
-column) while the next Q arrives. A chunk's partial output (out and lse, fp32) travels one
-hop behind its Q, merged by log-sum-exp at each row member, and lands at its owner after
-C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same ring and dQ
-partials travel behind them (the own chunk's last off-diagonal blocks run after the last
-step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over the
-column at the end. Bytes
-sent equal the other schedules' except that the partial outputs travel in fp32
-(`layer_plan.Schedule.partial_out_bytes`). Q memory is two chunks instead of C; K/V stays R chunks. A
-grid of one column has no row ring: there the plan runs the gathered code
-(`MeshPlan.runner`).
+Rank (i, j) gathers its column's K/V while it computes its diagonal block; at ring step t it
+holds the Q chunk of row position j - t, passes it on and computes that chunk's R blocks (one
+per K/V chunk of the column) while the next arrives. Each chunk's partial output (out, lse;
+fp32) travels one hop behind its Q, merged by log-sum-exp at each row member, and lands at its
+owner after C-1 hops, in place of the all-to-all. Backward: Q, dO, lse and D take the same
+ring with the dQ partials behind them (the own chunk's last off-diagonal blocks run after the
+last step, while its dQ partial makes its last hop); dK, dV are reduce-scattered over the
+column at the end. Bytes: the other schedules', but the partial outputs travel in fp32
+(`layer_plan.Schedule.partial_out_bytes`); Q memory two chunks instead of C, K/V R chunks. A
+one-column grid has no row ring and runs the gathered code (`MeshPlan.runner`).
 """
 from __future__ import annotations
 
@@ -26,17 +24,10 @@ from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.flat import pack, views
 from ..runtime.grid import MeshGrid
-from .blocks import (
-    backward_block,
-    backward_tile,
-    forward_block,
-    forward_tile,
-    kv_grad_buffer,
-    kv_grads,
-    split_kv_grads,
-)
+from .blocks import backward_tile, forward_tile, kv_grad_buffer, split_kv_grads
+from .chunks import column_grad_keys, column_keys, diagonal_backward, diagonal_forward
 from .delta import out_with_delta
-from .rings import TrailingPartial, ring_steps
+from .rings import TrailingPartial, held_at, ring_steps
 
 
 def merge_partial(mine, arriving) -> None:
@@ -56,12 +47,12 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     # fp32 partials: rounding the running merge at every hop would add up
     trailing = TrailingPartial(*neighbors, grid.row_group, "forward", ROW, merge_partial)
     for t, (q_x,) in ring_steps((q,), grid.cols, *neighbors, grid.row_group, "forward", ROW):
-        x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
+        x = held_at(grid.row_mesh_ranks, grid.col_index, t)
         acc = own if t == 0 else empty_accumulators(s, b, hq, dv, q.device)
         if t == 0:  # this rank's own block needs nothing from anyone
-            forward_block(kernel, q, k, v, x, grid.mesh_rank, mask, scale, *acc)
+            diagonal_forward(kernel, q, k, v, grid, mask, scale, *acc)
             kv_pending.wait()
-            column = [(y, kv_col[i][0], kv_col[i][1]) for i, y in enumerate(grid.col_mesh_ranks)]
+            column = column_keys(grid, kv_col)
         # the arrived query chunk against the column: few calls
         forward_tile(kernel, [(x, q_x, *acc)], column, mask, scale,
                      skip=((x, grid.mesh_rank),) if t == 0 else ())
@@ -101,14 +92,13 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     later = own_blocks_later(grid)
     for t, (qdo_flat, stats_x) in ring:
         qdo_x = views(qdo_flat, (q.shape, dout.shape))
-        x = grid.row_mesh_ranks[(grid.col_index - t) % grid.cols]
+        x = held_at(grid.row_mesh_ranks, grid.col_index, t)
         dq = dq_own if t == 0 else torch.zeros_like(dq_own)
         if t == 0:  # own block first, while the column's K/V arrive
-            backward_block(kernel, dout, q, out, lse, k, v, x, grid.mesh_rank, mask, scale,
-                           dq, kv_grads(dkv_part[my_row], k, v))
+            diagonal_backward(kernel, dout, q, out, lse, k, v, grid, mask, scale, dq,
+                              dkv_part[my_row])
             kv_pending.wait()
-            column = [(y, kv_col[i][0], kv_col[i][1], kv_grads(dkv_part[i], k, v))
-                      for i, y in enumerate(grid.col_mesh_ranks)]
+            column = column_grad_keys(grid, kv_col, dkv_part, k, v)
         out_x = out if t == 0 else out_with_delta(qdo_x[1], stats_x[1])
         # the arrived query chunk against the column: few calls
         skip = [(x, column[i][0]) for i in [my_row, *later]] if t == 0 else ()
