@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches import BytesLRU
+from .tile_runs import Run, runs_of
 
 DOCUMENTS, BAND, SLICES = "documents", "band", "slices"
 UNBOUNDED = 1 << 62  # a bound that limits nothing (positions stay far below)
@@ -147,6 +148,13 @@ class TileSlices:
     def max_kv(self) -> int:
         """Documents: the most key rows of one."""
         return max(b - a for a, b in zip(self.cu_kv, self.cu_kv[1:]))
+
+    @functools.cached_property
+    def runs(self) -> tuple[Run, ...]:
+        """The call as runs (`tile_runs`): query rows against concatenated key ranges, each
+        full, causal or a window at the bottom right; what kernels without a mask argument
+        take (made once per call)."""
+        return runs_of(self.slices, self.shape)
 
     @functools.cached_property
     def pairs(self) -> int:

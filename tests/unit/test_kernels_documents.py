@@ -383,14 +383,13 @@ def test_thd_partition_indices_equal_te(cp_size: int) -> None:
             assert got.tolist() == want.cpu().tolist(), (padded, cp_size, rank)
 
 
-def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
-    """CUDA's variable-length flash op reads one packed sequence (batch entry 0): a call over
-    documents of a batch of two (a mask given as slices) takes the memory-efficient op with
-    the slices' bias instead, and gives both entries (meta tensors: the CUDA branches)."""
+def test_documents_of_a_batch_take_varlen_on_cuda_branches() -> None:
+    """CUDA's variable-length flash op reads one packed sequence: a call over documents of a
+    batch of two (a mask given as slices) makes one varlen call per batch entry, no bias,
+    and gives both entries (meta tensors: the CUDA branches)."""
     meta = torch.device("meta")
     documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
-    for batch, want in ((1, "_flash_attention_forward"),
-                        (2, "_scaled_dot_product_efficient_attention")):
+    for batch, want in ((1, "_flash_attention_forward"), (2, "_flash_attention_forward")):
         q = torch.empty(8, batch, 4, 16, device=meta, dtype=torch.bfloat16)
         kv = torch.empty(8, batch, 2, 16, device=meta, dtype=torch.bfloat16)
         with AttentionOps() as ops:
@@ -398,4 +397,5 @@ def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
             dq, dk, dv = TorchFlashKernel().backward(out, q, kv, kv, out, lse, True, 0.25,
                                                      slices=documents)
         assert want in ops.names and out.shape == q.shape and lse.shape == (batch, 4, 8)
+        assert ops.names == {"_flash_attention_forward", "_flash_attention_backward"}
         assert (dq.shape, dk.shape) == (q.shape, kv.shape)

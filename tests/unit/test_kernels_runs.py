@@ -1,0 +1,151 @@
+"""A call's slices as runs (`common/tile_runs.py`, `kernels/run_calls.py`) on torch's CPU
+kernel, against an fp64 formula on the whole call with the mask built here from the slices'
+definition (query i sees key j iff q0 <= i < q1, k0 <= j < k1 and lo <= j - i <= hi for some
+slice), forward and backward: documents (full, causal, more keys than queries), windows,
+prefix-LM calls, random slices, several runs on one row; batch 2, GQA, V of its own head dim.
+No call makes a mask of the call's size: the only additive masks the CPU op gets are a
+window block's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from attention_ops import AttentionOps
+
+from megatron_mesh.common.tile_runs import runs_of
+from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.kernels.run_calls import BAND_ROWS
+from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+
+SCALE = 0.3
+
+
+def seen_of(slices, shape) -> torch.Tensor:
+    """bool [sq, sk] from the definition."""
+    sq, sk = shape
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in slices:
+        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if lo is not None:
+            inside &= j - i >= lo
+        if hi is not None:
+            inside &= j - i <= hi
+        seen |= inside
+    return seen
+
+
+def reference(q, k, v, dout, seen):
+    """out, lse, dq, dk, dv in fp64 of softmax attention under `seen` (rows seeing nothing:
+    0, -inf, no gradient)."""
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(groups, 2) for t in x[1:])
+    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * SCALE
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhij,jbhd->ibhd", p, vv)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), *(t.grad for t in x)
+
+
+def random_slices(rng: random.Random, sq: int, sk: int, count: int) -> list[tuple]:
+    """Up to `count` rectangles that do not meet, each full, causal at its bottom right, or
+    a window."""
+    out: list[tuple] = []
+    for _ in range(count * 4):
+        q0, k0 = rng.randrange(sq), rng.randrange(sk)
+        q1, k1 = rng.randint(q0 + 1, sq), rng.randint(k0 + 1, sk)
+        if any(a < q1 and q0 < b and c < k1 and k0 < e for a, b, c, e, *_ in out):
+            continue
+        kind = rng.choice(("full", "causal", "window"))
+        lo = hi = None
+        if kind == "causal":
+            hi = k1 - q1
+        elif kind == "window":
+            hi = k1 - q1 + rng.randint(-2, 3)
+            lo = hi - rng.randint(0, 9)
+        out.append((q0, q1, k0, k1, lo, hi))
+        if len(out) == count:
+            break
+    return out
+
+
+def documents(lengths, causal: bool, extra_keys=()) -> TileSlices:
+    cu_q, cu_kv = [0], [0]
+    for n, length in enumerate(lengths):
+        cu_q.append(cu_q[-1] + length)
+        cu_kv.append(cu_kv[-1] + length + (extra_keys[n] if extra_keys else 0))
+    return TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal, torch.device("cpu"))
+
+
+def cases() -> dict[str, TileSlices]:
+    rng = random.Random(0)
+    out = {
+        "documents causal": documents((3, 1, 7, 12, 5, 2), True),
+        "documents full": documents((3, 1, 7, 12, 5, 2), False),
+        "documents causal, more keys": documents((3, 1, 7, 12), True, (2, 0, 5, 1)),
+        "window (4, 0)": TileSlices.band(30, 30, 4, 0),
+        "window (3, 2), more keys": TileSlices.band(20, 29, 3, 2),
+        "window (-1, 3)": TileSlices.band(20, 24, -1, 3),
+        "window (2, -1)": TileSlices.band(20, 24, 2, -1),
+        "causal, more keys": TileSlices.band(9, 30, -1, 0),
+        "long window rows": TileSlices.band(BAND_ROWS + 70, BAND_ROWS + 75, 5, 1),
+        "prefix-LM": TileSlices.of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)],
+                                   (30, 30), torch.device("cpu")),
+        "windows in documents": TileSlices.of(
+            [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), torch.device("cpu")),
+        "two causal on a row": TileSlices.of(
+            [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
+            (10, 22), torch.device("cpu")),
+    }
+    for n in range(6):
+        sq, sk = rng.randint(8, 40), rng.randint(8, 40)
+        found = random_slices(rng, sq, sk, rng.randint(1, 6))
+        out[f"random {n}"] = TileSlices.of(found, (sq, sk), torch.device("cpu"))
+    return out
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("batch, heads, dv", [(1, (4, 4), 8), (2, (4, 2), 8), (1, (2, 1), 12)])
+def test_runs_are_exact(name, batch, heads, dv):
+    slices = CASES[name]
+    sq, sk = slices.shape
+    torch.manual_seed(sq * sk + batch + dv)
+    q = torch.randn(sq, batch, heads[0], 8)
+    k = torch.randn(sk, batch, heads[1], 8)
+    v = torch.randn(sk, batch, heads[1], dv)
+    dout = torch.randn(sq, batch, heads[0], dv)
+    seen = seen_of(slices.slices, slices.shape)
+    want = reference(q, k, v, dout, seen)
+    kernel = TorchFlashKernel()
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
+        grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
+    for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+        assert got.shape == ref.shape, what
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (
+            what, (got.double() - ref).abs().nan_to_num(0).max())
+    band = any(r.rule == "window" for r in slices.runs)
+    assert all(numel < sq * sk or (band and numel <= BAND_ROWS * sk) for numel in ops.masks)
+    if not band:
+        assert ops.masks == [], f"{name}: an additive mask reached the CPU op"
+
+
+def test_documents_and_prefix_lm_are_runs_without_masks():
+    """One run per document (their own keys only); a prefix-LM call is two runs: the prefix
+    full against itself, the rest causal against all keys; a causal call of more keys than
+    queries is one run."""
+    docs = documents((3, 1, 7), True)
+    assert [(r.q0, r.q1, r.keys, r.rule) for r in docs.runs] == [
+        (0, 3, ((0, 3),), "causal"), (3, 4, ((3, 4),), "full"), (4, 11, ((4, 11),), "causal")]
+    prefix = runs_of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)], (30, 30))
+    assert [(r.q0, r.q1, r.keys, r.rule) for r in prefix] == [
+        (0, 11, ((0, 11),), "full"), (11, 30, ((0, 30),), "causal")]
+    assert [(r.keys, r.rule) for r in TileSlices.band(9, 30, -1, 0).runs] == [
+        (((0, 30),), "causal")]
