@@ -228,11 +228,20 @@ def test_te_kernel_takes_documents_and_falls_back_past_cudnn() -> None:
 
 
 def test_get_kernel_for_documents_passes_over_cudnn() -> None:
+    """cuDNN's kernel takes packed documents, and hands them to the variable-length flash op
+    where the choice has it (one call, not one per document; `kernels.build`)."""
     meta = torch.device("meta")
     assert get_kernel("auto", meta, torch.bfloat16, 64, documents=True).name == "torch"
     assert get_kernel("cudnn", meta, torch.bfloat16, 64).name == "cudnn"
-    with pytest.raises(ValueError, match="backend='cudnn' does not take packed documents"):
-        get_kernel("cudnn", meta, torch.bfloat16, 64, documents=True)
+    assert get_kernel("cudnn", meta, torch.bfloat16, 64, documents=True).name == "cudnn"
+    kernel = build(Choice(("cudnn", "flash", "efficient")))
+    q = torch.empty(8, 1, 4, 64, device=meta, dtype=torch.bfloat16)
+    docs = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, q, q, True, 0.25, slices=docs)
+        kernel.backward(out, q, q, q, out, lse, True, 0.25, slices=docs)
+    assert ops.names == {"_flash_attention_forward", "_flash_attention_backward"}
+    assert build(Choice(("cudnn", "efficient"))).documents is None  # then one call each
 
 
 def _tiles(lengths: tuple[int, ...], padded: tuple[int, ...], cp_size: int, causal: bool,

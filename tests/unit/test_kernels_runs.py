@@ -15,6 +15,7 @@ from attention_ops import AttentionOps
 
 from megatron_mesh.common.tile_runs import runs_of
 from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.kernels.cudnn import CudnnKernel
 from megatron_mesh.kernels.run_calls import BAND_ROWS
 from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 
@@ -73,20 +74,20 @@ def random_slices(rng: random.Random, sq: int, sk: int, count: int) -> list[tupl
     return out
 
 
-def documents(lengths, causal: bool, extra_keys=()) -> TileSlices:
+def documents(lengths, causal: bool, extra_keys=(), device=torch.device("cpu")) -> TileSlices:
     cu_q, cu_kv = [0], [0]
     for n, length in enumerate(lengths):
         cu_q.append(cu_q[-1] + length)
         cu_kv.append(cu_kv[-1] + length + (extra_keys[n] if extra_keys else 0))
-    return TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal, torch.device("cpu"))
+    return TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal, device)
 
 
-def cases() -> dict[str, TileSlices]:
+def cases(device: torch.device = torch.device("cpu")) -> dict[str, TileSlices]:
     rng = random.Random(0)
     out = {
-        "documents causal": documents((3, 1, 7, 12, 5, 2), True),
-        "documents full": documents((3, 1, 7, 12, 5, 2), False),
-        "documents causal, more keys": documents((3, 1, 7, 12), True, (2, 0, 5, 1)),
+        "documents causal": documents((3, 1, 7, 12, 5, 2), True, device=device),
+        "documents full": documents((3, 1, 7, 12, 5, 2), False, device=device),
+        "documents causal, more keys": documents((3, 1, 7, 12), True, (2, 0, 5, 1), device),
         "window (4, 0)": TileSlices.band(30, 30, 4, 0),
         "window (3, 2), more keys": TileSlices.band(20, 29, 3, 2),
         "window (-1, 3)": TileSlices.band(20, 24, -1, 3),
@@ -94,17 +95,17 @@ def cases() -> dict[str, TileSlices]:
         "causal, more keys": TileSlices.band(9, 30, -1, 0),
         "long window rows": TileSlices.band(BAND_ROWS + 70, BAND_ROWS + 75, 5, 1),
         "prefix-LM": TileSlices.of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)],
-                                   (30, 30), torch.device("cpu")),
+                                   (30, 30), device),
         "windows in documents": TileSlices.of(
-            [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), torch.device("cpu")),
+            [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), device),
         "two causal on a row": TileSlices.of(
             [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
-            (10, 22), torch.device("cpu")),
+            (10, 22), device),
     }
     for n in range(6):
         sq, sk = rng.randint(8, 40), rng.randint(8, 40)
         found = random_slices(rng, sq, sk, rng.randint(1, 6))
-        out[f"random {n}"] = TileSlices.of(found, (sq, sk), torch.device("cpu"))
+        out[f"random {n}"] = TileSlices.of(found, (sq, sk), device)
     return out
 
 
@@ -149,3 +150,40 @@ def test_documents_and_prefix_lm_are_runs_without_masks():
         (0, 11, ((0, 11),), "full"), (11, 30, ((0, 30),), "causal")]
     assert [(r.keys, r.rule) for r in TileSlices.band(9, 30, -1, 0).runs] == [
         (((0, 30),), "causal")]
+
+
+META_KERNELS = {  # CUDA branch: (kernel, dtype, the ops a call's runs may dispatch)
+    "flash": (TorchFlashKernel(flash=True), torch.bfloat16,
+              {"_scaled_dot_product_flash_attention", "_flash_attention_forward",
+               "_scaled_dot_product_flash_attention_backward", "_flash_attention_backward"}),
+    "efficient": (TorchFlashKernel(flash=False), torch.float32,
+                  {"_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_efficient_attention_backward"}),
+    "cudnn": (CudnnKernel(), torch.bfloat16,
+              {"_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_cudnn_attention_backward"}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("branch", list(META_KERNELS))
+def test_runs_on_cuda_branches_on_meta(branch, name):
+    """Every CUDA branch takes every case's runs on meta tensors (the ops' schemas check the
+    arguments): the shapes come back, only the branch's own ops run, and no additive mask
+    reaches an op but a window block's (the flash op takes windows itself: none)."""
+    kernel, dtype, allowed = META_KERNELS[branch]
+    sq, sk = CASES[name].shape
+    slices = cases(torch.device("meta"))[name]
+    q = torch.empty(sq, 2, 4, 64, device="meta", dtype=dtype)
+    k = torch.empty(sk, 2, 2, 64, device="meta", dtype=dtype)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, k, k, False, SCALE, slices=slices)
+        dq, dk, dv = kernel.backward(out, q, k, k, out, lse, False, SCALE, slices=slices)
+    assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
+        q.shape, (2, 4, sq), q.shape, k.shape, k.shape)
+    assert ops.names <= allowed, ops.names
+    band = any(r.rule == "window" for r in slices.runs)
+    if branch == "flash" or not band:
+        assert ops.masks == [], ops.masks
+    rows = max([BAND_ROWS, *(sum(r.window) + 1 for r in slices.runs if r.rule == "window")])
+    assert all(n <= 2 * 4 * rows * sk for n in ops.masks)  # [b, h, block rows, keys]
