@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_slices import DOCUMENTS, TileSlices
+from ..common.tile_slices import DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 from .run_calls import DenseOp, runs_backward, runs_forward
+from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
 aten = torch.ops.aten
 
@@ -71,10 +72,12 @@ class TorchFlashKernel:
     takes it), else the memory-efficient op. Takes everything `KernelCaps` names.
     Causal tiles of more keys than queries (`bottom_right`): CUDA's flash op aligns its
     causal mask at the bottom right itself; the CPU flash op and CUDA's memory-efficient op
-    align theirs at the top left, so there the tile takes the band's additive mask
-    (`TileSlices.band(sq, sk, -1, 0)`, one call, a mask of sq x sk). Grouped tiles fold a
-    causal diagonal into such a call only where it needs no mask (`bottom_right_mask_free`),
-    or everywhere with `band_bottom_right` (to check the folded calls on the CPU).
+    align theirs at the top left, so there the tile is the runs of `TileSlices.band(sq, sk,
+    -1, 0)`: a full call on the first sk - sq keys and a causal square, no mask (`run_calls`).
+    Grouped tiles fold a causal diagonal into such a call only where it is one call
+    (`bottom_right_mask_free`), or everywhere with `band_bottom_right` (to check the folded
+    calls on the CPU). Slices: documents as one variable-length call on CUDA's flash op,
+    everything else as runs (`common/tile_runs.py`) on the dense op.
     """
 
     name = "torch"
@@ -90,8 +93,8 @@ class TorchFlashKernel:
 
     def bottom_right_mask_free(self, q: torch.Tensor) -> bool:
         """Whether causal calls of more keys than queries on tensors like q [sq, b, hq, d]
-        run without a mask of sq x sk: on CUDA's flash op (its own causal), or anywhere
-        when built with `band_bottom_right` (the band's mask, made once per shape)."""
+        run as one op call: on CUDA's flash op (its own causal); elsewhere they are two (a
+        full call and a causal square), folded only when built with `band_bottom_right`."""
         return self.band_bottom_right or (q.device.type != "cpu" and self._uses_flash(q))
 
     def _bottom_right_band(self, q: torch.Tensor, k: torch.Tensor, causal: bool
@@ -119,6 +122,10 @@ class TorchFlashKernel:
             return self._dense_forward(q, k, v, causal, softmax_scale)
         if self._varlen(q, slices):
             return varlen_forward(q, k, v, softmax_scale, slices)
+        if self._packed(q, slices):
+            packs = packs_of(slices.runs)
+            return varlen_runs_forward(q, k, v, softmax_scale, packs,
+                                       _pack_tensors(slices, packs, q.device), flash_varlen)
         return runs_forward(q, k, v, softmax_scale, slices.runs, self.dense_op(q))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
@@ -135,12 +142,22 @@ class TorchFlashKernel:
             return self._dense_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         if self._varlen(q, slices):
             return varlen_backward(dout, q, k, v, out, lse, softmax_scale, slices)
+        if self._packed(q, slices):
+            packs = packs_of(slices.runs)
+            return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale, packs,
+                                        _pack_tensors(slices, packs, q.device),
+                                        flash_varlen_backward)
         return runs_backward(dout, q, k, v, out, lse, softmax_scale, slices.runs,
                              self.dense_op(q))
 
     def _varlen(self, q: torch.Tensor, slices: TileSlices) -> bool:
         """Whether CUDA's flash op takes the call's documents as one variable-length call."""
         return (slices.form == DOCUMENTS and q.device.type != "cpu" and self._uses_flash(q))
+
+    def _packed(self, q: torch.Tensor, slices: TileSlices) -> bool:
+        """Whether a call of slices (not one band) goes to CUDA's flash op as variable-length
+        calls of its runs (`varlen_runs`)."""
+        return slices.form == SLICES and q.device.type != "cpu" and self._uses_flash(q)
 
     def dense_op(self, q: torch.Tensor) -> DenseOp:
         """The dense call the runs of a call on tensors like q go to (`run_calls`): CUDA's
@@ -249,6 +266,33 @@ def _cuda_bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | Non
 def _bshd(t: torch.Tensor) -> torch.Tensor:
     """[s, b, h, d] -> [b, s, h, d] view, its last dim made dense."""
     return dense_last_dim(t).transpose(0, 1)
+
+
+def _pack_tensors(slices: TileSlices, packs, device: torch.device) -> list[dict]:
+    """Each pack's index and length tensors on `device`, made once per call."""
+    return slices.made_on("packs", device, lambda d: [p.tensors(d) for p in packs])
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                 window: tuple[int, int] | None, scale: float):
+    """CUDA's flash op on sequences: q [tq, hq, d], k / v [tk, hkv, d] -> out [tq, hq, d],
+    lse [hq, tq] fp32; `causal` bottom-right, or flash's `window` (left, right)."""
+    left, right = window if window is not None else (None, None)
+    out, lse, *_ = aten._flash_attention_forward(
+        dense_last_dim(q), dense_last_dim(k), dense_last_dim(v), cu_q, cu_k, max_q, max_k,
+        0.0, causal, False, scale=scale, window_size_left=left, window_size_right=right)
+    return out, lse
+
+
+def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int,
+                          causal: bool, window: tuple[int, int] | None, scale: float):
+    """Gradients of `flash_varlen`'s call; lse [hq, tq] is the rows' whole lse."""
+    left, right = window if window is not None else (None, None)
+    no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+    return aten._flash_attention_backward(
+        dense_last_dim(dout), dense_last_dim(q), dense_last_dim(k), dense_last_dim(v),
+        dense_last_dim(out), lse, cu_q, cu_k, max_q, max_k, 0.0, causal, no_dropout,
+        no_dropout, scale=scale, window_size_left=left, window_size_right=right)
 
 
 def varlen_forward(q, k, v, softmax_scale: float, slices: TileSlices):
