@@ -24,7 +24,7 @@ from ..common.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call
 from .caps import KernelCaps, caps_of
 from .choice import DeviceFacts, cudnn_unsupported
-from .run_calls import DenseOp, runs_backward, runs_forward
+from .run_calls import DenseOp, slices_backward, slices_forward
 from .torch_flash import sbhd, sum_kv_grad
 
 aten = torch.ops.aten
@@ -80,7 +80,7 @@ class CudnnKernel:
         if self._varlen(slices):
             return self.documents.forward(q, k, v, causal, softmax_scale, slices=slices)
         if slices is not None:
-            return runs_forward(q, k, v, softmax_scale, slices.runs, self.dense_op)
+            return slices_forward(q, k, v, softmax_scale, slices, self.dense_op)
         return self._dense_forward(q, k, v, causal, softmax_scale)
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
@@ -92,8 +92,8 @@ class CudnnKernel:
             return self.documents.backward(dout, q, k, v, out, lse, causal, softmax_scale,
                                            slices=slices)
         if slices is not None:
-            return runs_backward(dout, q, k, v, out, lse, softmax_scale, slices.runs,
-                                 self.dense_op)
+            return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
+                                   self.dense_op)
         return self._dense_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
     def _varlen(self, slices: TileSlices | None) -> bool:

@@ -5,7 +5,9 @@ at the bottom right and takes flash-attention's window; elsewhere a causal run o
 keys than queries is a full call on its first sk - sq keys and a causal square on the last
 sq (top-left and bottom-right alike), and a window run is cut into blocks of `BAND_ROWS`
 rows (or the window's width), each against the keys its rows reach with the additive bias
-of that block only ([rows, keys of the block], 0 / -inf). Key ranges that are not adjacent
+of that block only ([rows, keys of the block], 0 / -inf; a run of one block takes all its
+keys; a call with a window whose bias is at most `SMALL_BIAS_BYTES` is one call with
+it, `one_block`). Block biases are kept per shape (`BAND_MASK_BYTES` in all). Key ranges that are not adjacent
 are concatenated (a copy of those keys only). Rows of one call are written as they come;
 rows in several calls are merged by log-sum-exp (`common.merge`). The backward runs each
 call with the whole row's out and lse and adds its gradients into the rows it read.
@@ -14,16 +16,19 @@ Shapes: q [sq, b, hq, d], k [sk, b, hkv, d], v [sk, b, hkv, dv], lse [b, hq, sq]
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..common.caches import BytesLRU
 from ..common.merge import merge_into
-from ..common.tile_runs import CAUSAL_RUN, FULL, Range, Run
-from ..common.tile_slices import UNBOUNDED, Bounds, additive, keeps
+from ..common.tile_runs import CAUSAL_RUN, FULL, WINDOW, Range, Run
+from ..common.tile_slices import BAND_MASK_BYTES, UNBOUNDED, Bounds, TileSlices, additive, keeps
 
 BAND_ROWS = 128  # rows of one block of a window run (at least the window's width)
+SMALL_BIAS_BYTES = 1 << 20  # a call with a window and a bias this small is one call
 
 # forward(q, k, v, causal, scale, bias, window) -> out, lse; bias [sq, sk] fp32 or None
 DenseForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -88,6 +93,8 @@ def calls_of(run: Run, op: DenseOp) -> list[Call]:
     (c, _), (left, right) = run.keys[0], run.window
     d = sk - sq
     rows = max(BAND_ROWS, left + right + 1)
+    if sq <= rows:  # one block: all the run's keys (no copy of its outputs to trim)
+        return [Call(run.q0, run.q1, run.keys, band=(d, left, right))]
     out = []
     for t0 in range(0, sq, rows):
         t1 = min(sq, t0 + rows)
@@ -100,12 +107,20 @@ def calls_of(run: Run, op: DenseOp) -> list[Call]:
 
 def _band_bias(call: Call, device: torch.device) -> torch.Tensor:
     """fp32 [rows, keys] of a window block: 0 where -left <= x - t - d <= right."""
-    d, left, right = call.band
-    rows = torch.arange(call.q1 - call.q0, device=device)[:, None]
-    keys = torch.arange(sum(e - c for c, e in call.ranges), device=device)[None, :]
-    bounds = Bounds(0, rows.shape[0], 0, keys.shape[1], d - left if left >= 0 else -UNBOUNDED,
+    rows, keys = call.q1 - call.q0, sum(e - c for c, e in call.ranges)
+    return _block_bias(rows, keys, *call.band, torch.device(device))
+
+
+@functools.partial(BytesLRU, max_bytes=BAND_MASK_BYTES)
+def _block_bias(rows: int, keys: int, d: int, left: int, right: int, device: torch.device
+                ) -> torch.Tensor:
+    """A window block's bias, kept per shape and offset while the kept ones fit in
+    `BAND_MASK_BYTES` (a layer's blocks take a few: the inner ones share one)."""
+    i = torch.arange(rows, device=device)[:, None]
+    j = torch.arange(keys, device=device)[None, :]
+    bounds = Bounds(0, rows, 0, keys, d - left if left >= 0 else -UNBOUNDED,
                     d + right if right >= 0 else UNBOUNDED)
-    return additive(keeps(bounds, rows, keys))
+    return additive(keeps(bounds, i, j))
 
 
 def _take(t: torch.Tensor, ranges: tuple[Range, ...]) -> torch.Tensor:
@@ -124,6 +139,11 @@ def _add_into(acc: torch.Tensor, part: torch.Tensor, ranges: tuple[Range, ...]) 
         at += e - c
 
 
+def _whole(calls: list[Call], sq: int, sk: int) -> bool:
+    """Whether `calls` is one call over all sq rows and all sk keys in order."""
+    return len(calls) == 1 and (calls[0].q0, calls[0].q1, calls[0].ranges) == (0, sq, ((0, sk),))
+
+
 def _disjoint(calls: list[Call]) -> bool:
     """Whether no query row is in two calls (calls ordered by q0)."""
     ordered = sorted((c.q0, c.q1) for c in calls)
@@ -136,6 +156,10 @@ def runs_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     rows no run reaches: 0 and -inf."""
     sq, b, hq, _ = q.shape
     calls = [c for run in runs for c in calls_of(run, op)]
+    if _whole(calls, sq, k.shape[0]):  # one call over all rows and keys: its own outputs
+        call = calls[0]
+        bias = None if call.band is None else _band_bias(call, q.device)
+        return op.forward(q, k, v, call.causal, scale, bias, call.window)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
     direct = _disjoint(calls)
     out = torch.zeros(sq, b, hq, v.shape[-1], device=q.device,
@@ -157,6 +181,11 @@ def runs_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   op: DenseOp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the inputs' shapes and dtype) of `runs_forward`'s call; out and lse are
     the whole row's. Gradients add up in fp32 where the inputs are narrower."""
+    calls = [c for run in runs for c in calls_of(run, op)]
+    if _whole(calls, q.shape[0], k.shape[0]):
+        call = calls[0]
+        bias = None if call.band is None else _band_bias(call, q.device)
+        return op.backward(dout, q, k, v, out, lse, call.causal, scale, bias, call.window)
     acc = torch.float32 if q.element_size() < 4 else q.dtype
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     for run in runs:
@@ -170,3 +199,42 @@ def runs_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             _add_into(dk, gk, call.ranges)
             _add_into(dv, gv, call.ranges)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def one_block(slices: TileSlices, op: DenseOp) -> bool:
+    """Whether a call of `slices` is one window block on `op`: a window run on an op without
+    windows, and the call's bias ([rows, keys] fp32) at most `SMALL_BIAS_BYTES`; then it is
+    one call with that bias (kept with the call), as a block of a longer run would be: a
+    short call's outputs are not copied and its gradients not summed in fp32 buffers."""
+    sq, sk = slices.shape
+    return (not op.window and sq * sk * 4 <= SMALL_BIAS_BYTES
+            and any(run.rule == WINDOW for run in slices.runs) and _covers(slices.runs, sq))
+
+
+def _covers(runs: tuple[Run, ...], sq: int) -> bool:
+    """Whether every row of [0, sq) is in a run (a biased call's rows must each see a key:
+    the op gives a row that sees none lse 0, not -inf)."""
+    reached = 0
+    for run in sorted(runs, key=lambda r: r.q0):
+        if run.q0 > reached:
+            return False
+        reached = max(reached, run.q1)
+    return reached >= sq
+
+
+def slices_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   slices: TileSlices, op: DenseOp) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call of `slices` on `op`: one block (`one_block`), else its runs."""
+    if one_block(slices, op):
+        return op.forward(q, k, v, False, scale, slices.additive_mask(q.device), None)
+    return runs_forward(q, k, v, scale, slices.runs, op)
+
+
+def slices_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, scale: float, slices: TileSlices,
+                    op: DenseOp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `slices_forward`'s call; out and lse are the whole row's."""
+    if one_block(slices, op):
+        return op.backward(dout, q, k, v, out, lse, False, scale,
+                           slices.additive_mask(q.device), None)
+    return runs_backward(dout, q, k, v, out, lse, scale, slices.runs, op)

@@ -17,7 +17,7 @@ import torch
 from ..common.tile_slices import DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
-from .run_calls import DenseOp, runs_backward, runs_forward
+from .run_calls import DenseOp, slices_backward, slices_forward
 from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
 aten = torch.ops.aten
@@ -126,7 +126,7 @@ class TorchFlashKernel:
             packs = packs_of(slices.runs)
             return varlen_runs_forward(q, k, v, softmax_scale, packs,
                                        _pack_tensors(slices, packs, q.device), flash_varlen)
-        return runs_forward(q, k, v, softmax_scale, slices.runs, self.dense_op(q))
+        return slices_forward(q, k, v, softmax_scale, slices, self.dense_op(q))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
                  slices: TileSlices | None = None):
@@ -147,8 +147,8 @@ class TorchFlashKernel:
             return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale, packs,
                                         _pack_tensors(slices, packs, q.device),
                                         flash_varlen_backward)
-        return runs_backward(dout, q, k, v, out, lse, softmax_scale, slices.runs,
-                             self.dense_op(q))
+        return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
+                               self.dense_op(q))
 
     def _varlen(self, q: torch.Tensor, slices: TileSlices) -> bool:
         """Whether CUDA's flash op takes the call's documents as one variable-length call."""
