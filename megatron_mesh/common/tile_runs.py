@@ -13,10 +13,10 @@ boundary of the call (`masks.slices.pieces`: full, bottom-right causal or band p
 rows each see a key); on each stretch of rows the full pieces' keys and one causal piece's
 (last) make one run, other causal pieces and each band a run of their own. Consecutive
 stretches whose runs continue each other are joined again. A row in several runs is merged
-by log-sum-exp; its backward runs per run with the whole row's lse. Documents become one
-run each; a call of a bidirectional prefix two (the prefix, then the rest against all its keys,
-causal).
-Plain ints, no tensors: made once per call (`TileSlices.runs`).
+by log-sum-exp; its backward runs per run with the whole row's lse. Documents are one run
+each; a call under a bidirectional prefix two (the prefix against itself, then the other
+rows causal against all keys). Plain ints, no tensors: made once per call
+(`TileSlices.runs`).
 """
 from __future__ import annotations
 
