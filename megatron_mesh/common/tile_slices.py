@@ -14,7 +14,12 @@ and the form a kernel takes them in:
                 `cu_kv_tensor` made once; `bottom_right` where one is not square)
     band        one slice over the whole call: flash-attention's window `flash_window`
                 (left, right), aligned at the bottom right (-1: unbounded)
-    slices      anything else: the additive bias of its slices (`additive_mask`)
+    slices      anything else
+
+Every form is also the call's runs (`runs`, `tile_runs.py`): query rows against
+concatenated key ranges, full, causal or a window at the bottom right, which kernels take
+without a mask of the call's size. `seen` / `additive_mask` give the dense mask, for
+references and emulation, not for kernels.
 
 Every query row of a call is in some slice and sees a key there, so the merge and the
 backward never meet a row without one.
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches import BytesLRU
+from .tile_runs import Run, runs_of
 
 DOCUMENTS, BAND, SLICES = "documents", "band", "slices"
 UNBOUNDED = 1 << 62  # a bound that limits nothing (positions stay far below)
@@ -88,6 +94,7 @@ class TileSlices:
     cu_q_tensor: torch.Tensor | None = field(default=None, repr=False)
     cu_kv_tensor: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)  # slices: device -> bias
+    _on_device: dict = field(default_factory=dict, repr=False)  # (what, device) -> tensors
 
     @classmethod
     def documents(cls, cu_q: tuple[int, ...], cu_kv: tuple[int, ...], causal: bool,
@@ -147,6 +154,21 @@ class TileSlices:
     def max_kv(self) -> int:
         """Documents: the most key rows of one."""
         return max(b - a for a, b in zip(self.cu_kv, self.cu_kv[1:]))
+
+    @functools.cached_property
+    def runs(self) -> tuple[Run, ...]:
+        """The call as runs (`tile_runs`): query rows against concatenated key ranges, each
+        full, causal or a window at the bottom right; what kernels without a mask argument
+        take (made once per call)."""
+        return runs_of(self.slices, self.shape)
+
+    def made_on(self, what: str, device: torch.device, make):
+        """make(device), kept with the call per (what, device): a kernel's index tensors."""
+        key = (what, torch.device(device))
+        found = self._on_device.get(key)
+        if found is None:
+            found = self._on_device[key] = make(key[1])
+        return found
 
     @functools.cached_property
     def pairs(self) -> int:

@@ -138,11 +138,12 @@ def build(chosen: Choice) -> TileKernel:
     """The kernel running `chosen.ops` (TE falls back per tile to the op after it)."""
     op, rest = chosen.first, chosen.ops[1:]
     if op == "te":
-        # packed documents fall back past ops that do not take them (torch's cuDNN op)
-        documents = build(Choice(tuple(o for o in rest if OP_KERNELS[o].caps.documents)))
+        # packed documents fall back to a variable-length op (torch's flash op) where the
+        # choice has one: torch's cuDNN op would make one call per document
+        documents = build(Choice(tuple(o for o in rest if o != "cudnn") or rest))
         return TEFusedKernel(fallback=build(Choice(rest)), documents_fallback=documents)
     if op == "cudnn":
-        return CudnnKernel()
+        return CudnnKernel(documents=TorchFlashKernel(flash=True) if "flash" in rest else None)
     return TorchFlashKernel(flash=op in ("cpu", "flash"))
 
 

@@ -82,12 +82,20 @@ class TileKernel(Protocol):
 def call_needs(q: torch.Tensor, v: torch.Tensor, slices: TileSlices | None,
                causal: bool = False) -> KernelCaps:
     """What one call needs: q [sq, b, hq, d], v [sk, b, hkv, dv], its slices, and whether
-    it is causal (with sq != sk and no slices: bottom-right aligned)."""
+    it is causal (with sq != sk and no slices: bottom-right aligned). Documents of more keys
+    than queries need `bottom_right` only of a kernel that takes no tile masks: one that
+    does runs them as runs (`run_calls`), splitting them where its causal is top-left."""
     form = None if slices is None else slices.form
     return KernelCaps(documents=form == DOCUMENTS, tile_mask=form not in (None, DOCUMENTS, BAND),
                       window=form == BAND, v_head_dim=q.shape[-1] != v.shape[-1],
-                      bottom_right=(causal and slices is None and q.shape[0] != v.shape[0])
-                      or (form == DOCUMENTS and slices.bottom_right))
+                      bottom_right=(causal and slices is None and q.shape[0] != v.shape[0]))
+
+
+def documents_need_bottom_right(kernel: object, slices: TileSlices | None) -> bool:
+    """Whether a documents call of more keys than queries needs `kernel` to declare
+    `bottom_right`: where its caps take no tile masks (it has no runs to split them)."""
+    return (slices is not None and slices.form == DOCUMENTS and slices.bottom_right
+            and not caps_of(kernel).tile_mask)
 
 
 def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
@@ -97,7 +105,10 @@ def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
     if (slices is None and q.shape[-1] == v.shape[-1]
             and not (causal and q.shape[0] != v.shape[0])):
         return  # a plain tile: every kernel takes it
-    missing = caps_of(kernel).missing(call_needs(q, v, slices, causal))
+    needs = call_needs(q, v, slices, causal)
+    if documents_need_bottom_right(kernel, slices):
+        needs = needs | KernelCaps(bottom_right=True)
+    missing = caps_of(kernel).missing(needs)
     if missing:
         raise ValueError(f"tile kernel {kernel_name(kernel)!r} does not take {what(missing)} "
                          f"(its caps: {caps_of(kernel)}; it declares what it takes in "

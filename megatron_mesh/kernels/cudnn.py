@@ -16,12 +16,15 @@ out like q, a cached graph is never reused for other strides.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..common.tile_slices import TileSlices
+from ..common.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call
-from .caps import KernelCaps
+from .caps import KernelCaps, caps_of
 from .choice import DeviceFacts, cudnn_unsupported
+from .run_calls import DenseOp, slices_backward, slices_forward
 from .torch_flash import sbhd, sum_kv_grad
 
 aten = torch.ops.aten
@@ -56,30 +59,66 @@ def _philox_unused(device: torch.device) -> torch.Tensor:
 
 class CudnnKernel:
     """The TileKernel of `kernels/base.py` on torch's cuDNN attention op (CUDA, fp16 / bf16):
-    dense tiles, V of its own head dim; no packed documents, no tile masks. Its causal is
-    top-left aligned (torch's cuDNN graph sets cuDNN's causal mask, not the bottom-right
-    one): no `bottom_right`."""
+    dense tiles, V of its own head dim, and a call's slices (packed documents, windows, masks
+    given as slices) as runs (`run_calls`): dense calls, full or causal, and a window's row
+    blocks with their block's bias (the op's `attn_bias`). Its causal is top-left aligned
+    (torch's cuDNN graph sets cuDNN's causal mask, not the bottom-right one): no
+    `bottom_right` for plain tiles; runs of more keys than queries split themselves.
+    `documents`: a kernel with a variable-length op that takes packed documents instead (one
+    call, not one per document), e.g. torch's flash op where the choice has it."""
 
     name = "cudnn"
-    caps = KernelCaps(v_head_dim=True)
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
+
+    def __init__(self, documents: Any = None) -> None:
+        self.documents = documents
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 slices: TileSlices | None = None):
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32."""
         check_call(self, q, v, slices, causal)
-        groups = q.shape[2] // k.shape[2]
-        qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
-        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
-            qb, kb, vb, None, True, 0.0, causal, False, scale=softmax_scale
-        )
-        sq, b, hq, _ = q.shape
-        return sbhd(out), lse.reshape(b, hq, sq).float()
+        if self._varlen(slices):
+            return self.documents.forward(q, k, v, causal, softmax_scale, slices=slices)
+        if slices is not None:
+            return slices_forward(q, k, v, softmax_scale, slices, self.dense_op)
+        return self._dense_forward(q, k, v, causal, softmax_scale)
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
                  slices: TileSlices | None = None):
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
         check_call(self, q, v, slices, causal)
+        if self._varlen(slices):
+            return self.documents.backward(dout, q, k, v, out, lse, causal, softmax_scale,
+                                           slices=slices)
+        if slices is not None:
+            return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
+                                   self.dense_op)
+        return self._dense_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+    def _varlen(self, slices: TileSlices | None) -> bool:
+        return (slices is not None and slices.form == DOCUMENTS and self.documents is not None
+                and not (slices.bottom_right and not caps_of(self.documents).bottom_right))
+
+    @property
+    def dense_op(self) -> DenseOp:
+        """Its dense call for a call's runs: top-left causal, no window of its own."""
+        return DenseOp(self._dense_forward, self._dense_backward)
+
+    def _dense_forward(self, q, k, v, causal: bool, softmax_scale: float,
+                       bias: torch.Tensor | None = None, window=None):
+        """One dense call; `bias` [sq, sk] fp32 (a window block's) goes in as the op's
+        attn_bias, in q's dtype, broadcast over batch and heads."""
+        groups = q.shape[2] // k.shape[2]
+        qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
+        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+            qb, kb, vb, _bias(bias, q), True, 0.0, causal, False, scale=softmax_scale
+        )
+        sq, b, hq, _ = q.shape
+        return sbhd(out), lse.reshape(b, hq, sq).float()
+
+    def _dense_backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                        bias: torch.Tensor | None = None, window=None):
         groups = q.shape[2] // k.shape[2]
         qb, kb, vb = one_layout(q), one_layout(k, groups), one_layout(v, groups)
         ob, dob = one_layout(out.to(q.dtype)), one_layout(dout.to(q.dtype))
@@ -87,7 +126,16 @@ class CudnnKernel:
         stats = lse.float().reshape(b, hq, sq, 1).contiguous()  # as the forward returns it
         unused = _philox_unused(q.device)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            dob, qb, kb, vb, ob, stats, unused, unused, None, None, None, sq, k.shape[0],
-            0.0, causal, scale=softmax_scale,
+            dob, qb, kb, vb, ob, stats, unused, unused, _bias(bias, q), None, None, sq,
+            k.shape[0], 0.0, causal, scale=softmax_scale,
         )
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+
+
+def _bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A block's bias [sq, sk] fp32 as the op's attn_bias: q's dtype, [b, hq, sq, sk]
+    (expanded, no copy)."""
+    if bias is None:
+        return None
+    sq, sk = bias.shape
+    return bias.to(q.dtype).expand(q.shape[1], q.shape[2], sq, sk)

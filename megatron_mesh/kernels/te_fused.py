@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..common.tile_slices import TileSlices
+from ..common.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call, log_once
 from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
@@ -501,12 +501,13 @@ class TEFusedKernel:
     unless given.
 
     `caps`: packed documents where `documents_fallback` takes them, V's own head dim where
-    both fallbacks do (a tile TE turns down runs on them); no tile masks (windows). The
-    class's `caps` are those with torch's ops as the fallbacks.
+    both fallbacks do (a tile TE turns down runs on them), windows and masks given as slices
+    where `fallback` takes them (they run there, as runs: `run_calls`). The class's `caps`
+    are those with torch's ops as the fallbacks.
     """
 
     name = "te"
-    caps = KernelCaps(documents=True, v_head_dim=True)
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
 
     def __init__(self, deterministic: bool | None = None, fallback: Any = None,
                  documents_fallback: Any = None) -> None:
@@ -520,6 +521,8 @@ class TEFusedKernel:
         self._documents_fallback = documents_fallback
         fallbacks = caps_of(self._fallback), caps_of(documents_fallback)
         self.caps = KernelCaps(documents=fallbacks[1].documents,
+                               tile_mask=fallbacks[0].tile_mask,
+                               window=fallbacks[0].window or fallbacks[0].tile_mask,
                                v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim)
         self._takes: dict[tuple, bool] = {}
         self._told: set[tuple] = set()  # (heads, dims, dtype, mask, documents?) logged once
@@ -559,6 +562,18 @@ class TEFusedKernel:
             takes = self._takes[key] = why is None
         return takes
 
+    def _thd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             slices: TileSlices) -> bool:
+        """Whether TE's thd call runs this call: documents of one packed sequence (b = 1),
+        square where causal (TE's "padding_causal" is top-left), that TE's query accepts."""
+        return (slices.form == DOCUMENTS and q.shape[1] == 1 and not slices.bottom_right
+                and self._te_takes(q, k, v, causal, slices))
+
+    def _slices_fallback(self, slices: TileSlices) -> Any:
+        """The kernel a call's slices go to when TE's thd call does not take them: documents
+        to `documents_fallback`, other slices (windows, masks) to `fallback` (as runs)."""
+        return self._documents_fallback if slices.form == DOCUMENTS else self._fallback
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         softmax_scale: float, *, slices: TileSlices | None = None,
@@ -566,11 +581,10 @@ class TEFusedKernel:
         """out [sq, b, hq, dv] in q's dtype (dv: v's head dim), lse [b, hq, sq] fp32 (b = 1
         with `slices`, documents)."""
         check_call(self, q, v, slices, causal)
-        if slices is not None:  # the documents form (the only slices TE's caps take)
-            # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
-            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, slices):
-                return self._documents_fallback.forward(q, k, v, causal, softmax_scale,
-                                                        slices=slices)
+        if slices is not None:
+            if not self._thd(q, k, v, causal, slices):
+                return self._slices_fallback(slices).forward(q, k, v, causal, softmax_scale,
+                                                             slices=slices)
             return self._documents_forward(q, k, v, causal, softmax_scale, slices)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
@@ -610,11 +624,10 @@ class TEFusedKernel:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv]; out / lse are the whole
         row's."""
         check_call(self, q, v, slices, causal)
-        if slices is not None:  # the documents form (the only slices TE's caps take)
-            # TE's thd call takes one packed sequence (b = 1): else the fallback's bias
-            if q.shape[1] != 1 or not self._te_takes(q, k, v, causal, slices):
-                return self._documents_fallback.backward(dout, q, k, v, out, lse, causal,
-                                                         softmax_scale, slices=slices)
+        if slices is not None:
+            if not self._thd(q, k, v, causal, slices):
+                return self._slices_fallback(slices).backward(dout, q, k, v, out, lse, causal,
+                                                              softmax_scale, slices=slices)
             return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
                                             slices)
         if not self._te_takes(q, k, v, causal):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_slices import BAND, DOCUMENTS, TileSlices
+from ..common.tile_slices import DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
+from .run_calls import DenseOp, slices_backward, slices_forward
+from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
 aten = torch.ops.aten
 
@@ -70,10 +72,12 @@ class TorchFlashKernel:
     takes it), else the memory-efficient op. Takes everything `KernelCaps` names.
     Causal tiles of more keys than queries (`bottom_right`): CUDA's flash op aligns its
     causal mask at the bottom right itself; the CPU flash op and CUDA's memory-efficient op
-    align theirs at the top left, so there the tile takes the band's additive mask
-    (`TileSlices.band(sq, sk, -1, 0)`, one call, a mask of sq x sk). Grouped tiles fold a
-    causal diagonal into such a call only where it needs no mask (`bottom_right_mask_free`),
-    or everywhere with `band_bottom_right` (to check the folded calls on the CPU).
+    align theirs at the top left, so there the tile is the runs of `TileSlices.band(sq, sk,
+    -1, 0)`: a full call on the first sk - sq keys and a causal square, no mask (`run_calls`).
+    Grouped tiles fold a causal diagonal into such a call only where it is one call
+    (`bottom_right_mask_free`), or everywhere with `band_bottom_right` (to check the folded
+    calls on the CPU). Slices: documents as one variable-length call on CUDA's flash op,
+    everything else as runs (`common/tile_runs.py`) on the dense op.
     """
 
     name = "torch"
@@ -89,8 +93,8 @@ class TorchFlashKernel:
 
     def bottom_right_mask_free(self, q: torch.Tensor) -> bool:
         """Whether causal calls of more keys than queries on tensors like q [sq, b, hq, d]
-        run without a mask of sq x sk: on CUDA's flash op (its own causal), or anywhere
-        when built with `band_bottom_right` (the band's mask, made once per shape)."""
+        run as one op call: on CUDA's flash op (its own causal); elsewhere they are two (a
+        full call and a causal square), folded only when built with `band_bottom_right`."""
         return self.band_bottom_right or (q.device.type != "cpu" and self._uses_flash(q))
 
     def _bottom_right_band(self, q: torch.Tensor, k: torch.Tensor, causal: bool
@@ -114,27 +118,15 @@ class TorchFlashKernel:
                                     pad_head_dim(v, width), causal, softmax_scale,
                                     slices=slices)
             return out[..., :v.shape[-1]], lse
-        if slices is not None:
-            flash = q.device.type != "cpu" and self._uses_flash(q)
-            return sliced_forward(q, k, v, softmax_scale, slices, flash)
-        qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
-        if q.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-                qb, kb, vb, 0.0, causal, scale=softmax_scale
-            )
-            return sbhd(out), lse
-        sq = q.shape[0]
-        if self._uses_flash(q):
-            out, lse, *_ = aten._scaled_dot_product_flash_attention(
-                qb, kb, vb, 0.0, causal, False, scale=softmax_scale
-            )
-            return sbhd(out), lse  # [b, hq, sq] fp32, dense
-        groups = q.shape[2] // k.shape[2]
-        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
-        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-            qb, kb, vb, None, True, 0.0, causal, scale=softmax_scale
-        )
-        return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
+        if slices is None:
+            return self._dense_forward(q, k, v, causal, softmax_scale)
+        if self._varlen(q, slices):
+            return varlen_forward(q, k, v, softmax_scale, slices)
+        if self._packed(q, slices):
+            packs = packs_of(slices.runs)
+            return varlen_runs_forward(q, k, v, softmax_scale, packs,
+                                       _pack_tensors(slices, packs, q.device), flash_varlen)
+        return slices_forward(q, k, v, softmax_scale, slices, self.dense_op(q))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
                  slices: TileSlices | None = None):
@@ -146,18 +138,88 @@ class TorchFlashKernel:
                                        lse, causal, softmax_scale, slices=slices)
             d = q.shape[-1]
             return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
-        if slices is not None:
-            flash = q.device.type != "cpu" and self._uses_flash(q)
-            return sliced_backward(dout, q, k, v, out, lse, softmax_scale, slices, flash)
+        if slices is None:
+            return self._dense_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        if self._varlen(q, slices):
+            return varlen_backward(dout, q, k, v, out, lse, softmax_scale, slices)
+        if self._packed(q, slices):
+            packs = packs_of(slices.runs)
+            return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale, packs,
+                                        _pack_tensors(slices, packs, q.device),
+                                        flash_varlen_backward)
+        return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
+                               self.dense_op(q))
+
+    def _varlen(self, q: torch.Tensor, slices: TileSlices) -> bool:
+        """Whether CUDA's flash op takes the call's documents as one variable-length call."""
+        return (slices.form == DOCUMENTS and q.device.type != "cpu" and self._uses_flash(q))
+
+    def _packed(self, q: torch.Tensor, slices: TileSlices) -> bool:
+        """Whether a call of slices (not one band) goes to CUDA's flash op as variable-length
+        calls of its runs (`varlen_runs`)."""
+        return slices.form == SLICES and q.device.type != "cpu" and self._uses_flash(q)
+
+    def dense_op(self, q: torch.Tensor) -> DenseOp:
+        """The dense call the runs of a call on tensors like q go to (`run_calls`): CUDA's
+        flash op aligns causal at the bottom right and takes windows; the CPU flash op and
+        the memory-efficient op neither."""
+        flash = q.device.type != "cpu" and self._uses_flash(q)
+        return DenseOp(self._dense_forward, self._dense_backward, bottom_right=flash,
+                       window=flash)
+
+    def _dense_forward(self, q, k, v, causal: bool, softmax_scale: float,
+                       bias: torch.Tensor | None = None,
+                       window: tuple[int, int] | None = None):
+        """One dense call: out [sq, b, hq, dv], lse [b, hq, sq] fp32; `bias` [sq, sk] fp32
+        (the CPU op and the memory-efficient op), `window` (flash's, bottom-right)."""
+        qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                qb, kb, vb, 0.0, causal, attn_mask=_cpu_bias(bias), scale=softmax_scale
+            )
+            return sbhd(out), lse
+        sq = q.shape[0]
+        if self._uses_flash(q):
+            if window is not None:
+                left, right = window
+                out, lse, *_ = aten._flash_attention_forward(
+                    _bshd(q), _bshd(k), _bshd(v), None, None, sq, k.shape[0], 0.0, causal,
+                    False, scale=softmax_scale, window_size_left=left,
+                    window_size_right=right)
+                return out.transpose(0, 1), lse
+            out, lse, *_ = aten._scaled_dot_product_flash_attention(
+                qb, kb, vb, 0.0, causal, False, scale=softmax_scale
+            )
+            return sbhd(out), lse  # [b, hq, sq] fp32, dense
+        groups = q.shape[2] // k.shape[2]
+        kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+            qb, kb, vb, _cuda_bias(bias, q), True, 0.0, causal, scale=softmax_scale
+        )
+        return sbhd(out), lse[..., :sq].contiguous()  # kept padded to 32 rows by the op
+
+    def _dense_backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                        bias: torch.Tensor | None = None,
+                        window: tuple[int, int] | None = None):
+        """Gradients of `_dense_forward`'s call; out and lse are the whole row's."""
         qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
         lse = lse.contiguous()
         if q.device.type == "cpu":
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dob, qb, kb, vb, ob, lse, 0.0, causal, scale=softmax_scale
+                dob, qb, kb, vb, ob, lse, 0.0, causal, attn_mask=_cpu_bias(bias),
+                scale=softmax_scale
             )
             return sbhd(dq), sbhd(dk), sbhd(dv)
         sq, sk = q.shape[0], k.shape[0]
         if self._uses_flash(q):
+            if window is not None:
+                left, right = window
+                no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+                dq, dk, dv = aten._flash_attention_backward(
+                    _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse, None, None,
+                    sq, sk, 0.0, causal, no_dropout, no_dropout, scale=softmax_scale,
+                    window_size_left=left, window_size_right=right)
+                return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
             # Dense (not varlen) call without dropout: the cumulative lengths and the philox
             # seed / offset are undefined tensors (None), as the op's autograd passes them.
             # GQA: dk, dv come back with hkv heads (the kernel sums each group).
@@ -172,29 +234,33 @@ class TorchFlashKernel:
         lse = torch.nn.functional.pad(lse, (0, pad))
         unused = _empty_philox(q.device)  # no dropout: never read
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dob, qb, kb, vb, None, ob, lse, unused, unused, 0.0, [True, True, True, False],
-            causal, scale=softmax_scale,
+            dob, qb, kb, vb, _cuda_bias(bias, q), ob, lse, unused, unused, 0.0,
+            [True, True, True, False], causal, scale=softmax_scale,
         )
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
 
 
 # A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
-# allows flash) documents as a variable-length call over their rows (b = 1 only: the op
-# reads one packed sequence; no work across documents, GQA as it is) and a band as the op's
-# own window; everywhere else (the CPU flash op, CUDA's memory-efficient op) the slices'
-# additive bias.
+# allows flash) documents as one variable-length call over their rows (per batch entry: the
+# op reads one packed sequence; no work across documents, GQA as it is); everything else as
+# the runs of `common/tile_runs.py` on the dense op (`run_calls`): no bias but a window
+# block's where the op has no window of its own.
 
 
-def _bias(slices: TileSlices, q: torch.Tensor) -> torch.Tensor:
-    """The slices' additive mask for q [sq, b, hq, d]: [1, 1, sq, sk] fp32 on the CPU; on
-    CUDA in q's dtype, its rows padded to 16 elements (the memory-efficient op reads them
-    aligned) and expanded to [b, hq, sq, sk]."""
-    mask = slices.additive_mask(q.device)
-    if q.device.type == "cpu":
-        return mask[None, None]
-    sq, sk = mask.shape
-    mask = torch.nn.functional.pad(mask.to(q.dtype), (0, -sk % 16))[:, :sk]
-    return mask.expand(q.shape[1], q.shape[2], sq, sk)
+def _cpu_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A block's additive bias [sq, sk] fp32 as the CPU op takes it: [1, 1, sq, sk]."""
+    return None if bias is None else bias[None, None]
+
+
+def _cuda_bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A block's additive bias [sq, sk] fp32 as the memory-efficient op takes it: in q's
+    dtype, its rows padded to 16 elements (the op reads them aligned), expanded to
+    [b, hq, sq, sk]."""
+    if bias is None:
+        return None
+    sq, sk = bias.shape
+    bias = torch.nn.functional.pad(bias.to(q.dtype), (0, -sk % 16))[:, :sk]
+    return bias.expand(q.shape[1], q.shape[2], sq, sk)
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
@@ -202,69 +268,61 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return dense_last_dim(t).transpose(0, 1)
 
 
-def sliced_forward(q, k, v, softmax_scale: float, slices: TileSlices, flash: bool):
-    """The call under its slices: q [sq, b, hq, d], k / v [sk, b, hkv, d] ->
-    out [sq, b, hq, d], lse [b, hq, sq] fp32 (`flash`: CUDA's flash op may run)."""
-    if flash and slices.form == DOCUMENTS and q.shape[1] == 1:  # varlen reads batch 0 only
+def _pack_tensors(slices: TileSlices, packs, device: torch.device) -> list[dict]:
+    """Each pack's index and length tensors on `device`, made once per call."""
+    return slices.made_on("packs", device, lambda d: [p.tensors(d) for p in packs])
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                 window: tuple[int, int] | None, scale: float):
+    """CUDA's flash op on sequences: q [tq, hq, d], k / v [tk, hkv, d] -> out [tq, hq, d],
+    lse [hq, tq] fp32; `causal` bottom-right, or flash's `window` (left, right)."""
+    left, right = window if window is not None else (None, None)
+    out, lse, *_ = aten._flash_attention_forward(
+        dense_last_dim(q), dense_last_dim(k), dense_last_dim(v), cu_q, cu_k, max_q, max_k,
+        0.0, causal, False, scale=scale, window_size_left=left, window_size_right=right)
+    return out, lse
+
+
+def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int,
+                          causal: bool, window: tuple[int, int] | None, scale: float):
+    """Gradients of `flash_varlen`'s call; lse [hq, tq] is the rows' whole lse."""
+    left, right = window if window is not None else (None, None)
+    no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+    return aten._flash_attention_backward(
+        dense_last_dim(dout), dense_last_dim(q), dense_last_dim(k), dense_last_dim(v),
+        dense_last_dim(out), lse, cu_q, cu_k, max_q, max_k, 0.0, causal, no_dropout,
+        no_dropout, scale=scale, window_size_left=left, window_size_right=right)
+
+
+def varlen_forward(q, k, v, softmax_scale: float, slices: TileSlices):
+    """Documents on CUDA's flash op, one variable-length call per batch entry: q [sq, b, hq,
+    d], k / v [sk, b, hkv, d] -> out [sq, b, hq, d], lse [b, hq, sq] fp32."""
+    outs, lses = [], []
+    for n in range(q.shape[1]):
         out, lse, *_ = aten._flash_attention_forward(
-            dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]), dense_last_dim(v[:, 0]),
+            dense_last_dim(q[:, n]), dense_last_dim(k[:, n]), dense_last_dim(v[:, n]),
             slices.cu_q_tensor, slices.cu_kv_tensor, slices.max_q, slices.max_kv,
             0.0, slices.causal, False, scale=softmax_scale)
-        return out.unsqueeze(1), lse.unsqueeze(0)
-    if flash and slices.form == BAND:
-        left, right = slices.flash_window
-        out, lse, *_ = aten._flash_attention_forward(
-            _bshd(q), _bshd(k), _bshd(v), None, None, q.shape[0], k.shape[0], 0.0, False,
-            False, scale=softmax_scale, window_size_left=left, window_size_right=right)
-        return out.transpose(0, 1), lse
-    mask = _bias(slices, q)
-    qb, kb, vb = bhsd(q), bhsd(k), bhsd(v)
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            qb, kb, vb, 0.0, False, attn_mask=mask, scale=softmax_scale)
-        return sbhd(out), lse
-    groups = q.shape[2] // k.shape[2]
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-        qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, True, 0.0, False,
-        scale=softmax_scale)
-    return sbhd(out), lse[..., :q.shape[0]].contiguous()
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].unsqueeze(1), lses[0].unsqueeze(0)
+    return torch.stack(outs, 1), torch.stack(lses)
 
 
-def sliced_backward(dout, q, k, v, out, lse, softmax_scale: float, slices: TileSlices,
-                    flash: bool):
-    """Gradients of `sliced_forward`'s call: dq [sq, b, hq, d], dk, dv [sk, b, hkv, d];
+def varlen_backward(dout, q, k, v, out, lse, softmax_scale: float, slices: TileSlices):
+    """Gradients of `varlen_forward`'s call: dq [sq, b, hq, d], dk, dv [sk, b, hkv, d];
     lse [b, hq, sq] is the whole row's."""
-    varlen = flash and slices.form == DOCUMENTS and q.shape[1] == 1  # batch 0 only
-    if varlen or (flash and slices.form == BAND):
-        no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
-    if varlen:
-        dq, dk, dv = aten._flash_attention_backward(
-            dense_last_dim(dout[:, 0]), dense_last_dim(q[:, 0]), dense_last_dim(k[:, 0]),
-            dense_last_dim(v[:, 0]), dense_last_dim(out[:, 0]), lse[0].contiguous(),
+    no_dropout = torch.empty(0, dtype=torch.uint64, device=q.device)
+    grads = []
+    for n in range(q.shape[1]):
+        grads.append(aten._flash_attention_backward(
+            dense_last_dim(dout[:, n]), dense_last_dim(q[:, n]), dense_last_dim(k[:, n]),
+            dense_last_dim(v[:, n]), dense_last_dim(out[:, n]), lse[n].contiguous(),
             slices.cu_q_tensor, slices.cu_kv_tensor, slices.max_q, slices.max_kv,
-            0.0, slices.causal, no_dropout, no_dropout, scale=softmax_scale)
-        return dq.unsqueeze(1), dk.unsqueeze(1), dv.unsqueeze(1)
-    if flash and slices.form == BAND:
-        left, right = slices.flash_window
-        dq, dk, dv = aten._flash_attention_backward(
-            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), _bshd(out), lse.contiguous(),
-            None, None, q.shape[0], k.shape[0], 0.0, False, no_dropout, no_dropout,
-            scale=softmax_scale, window_size_left=left, window_size_right=right)
-        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
-    mask = _bias(slices, q)
-    qb, kb, vb, ob, dob = bhsd(q), bhsd(k), bhsd(v), bhsd(out), bhsd(dout)
-    lse = lse.contiguous()
-    if q.device.type == "cpu":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob, qb, kb, vb, ob, lse, 0.0, False, attn_mask=mask, scale=softmax_scale)
-        return sbhd(dq), sbhd(dk), sbhd(dv)
-    groups = q.shape[2] // k.shape[2]
-    lse = torch.nn.functional.pad(lse, (0, -q.shape[0] % 32))  # kept padded to 32 rows
-    unused = _empty_philox(q.device)  # no dropout: never read
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dob, qb, repeat_kv(kb, groups), repeat_kv(vb, groups), mask, ob, lse,
-        unused, unused, 0.0, [True, True, True, False], False, scale=softmax_scale)
-    return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
+            0.0, slices.causal, no_dropout, no_dropout, scale=softmax_scale))
+    return tuple(g[0].unsqueeze(1) if len(g) == 1 else torch.stack(g, 1) for g in zip(*grads))
 
 
 _PHILOX: dict[torch.device, torch.Tensor] = {}

@@ -120,7 +120,7 @@ def _slice_index(mask: SliceMask) -> _Index:
             _INDEXES.pop(next(iter(_INDEXES)))
         ordered = tuple(sorted(mask.slices, key=lambda s: (s.q_start, s.k_start)))
         index = _INDEXES[mask] = _Index(ordered, tuple(s.q_start for s in ordered),
-                                        max(s.q_end - s.q_start for s in ordered))
+                                        max((s.q_end - s.q_start for s in ordered), default=0))
     return index
 
 

@@ -19,8 +19,10 @@ band tiles only.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -318,20 +320,29 @@ def _check_bounds(slices: Iterable[Slice], seq_len: int) -> None:
 
 def _check_overlaps(slices: list[Slice]) -> None:
     """ValueError naming two slices whose rectangles of (query, key) positions meet: a sweep
-    over q_start keeping the slices whose query range is still open."""
+    over q_start. The slices whose query range is still open all hold the current query
+    position, so until an overlap is found their key ranges are disjoint: they are kept
+    sorted by k_start (bisect), and a new slice can only meet the open one starting last
+    before its k_end. O(n log n) comparisons (the open list's inserts move memory only)."""
     order = sorted(range(len(slices)), key=lambda i: slices[i].q_start)
-    open_: list[int] = []
+    starts: list[int] = []  # k_start of the open slices, ascending (disjoint key ranges)
+    open_: list[int] = []  # their indices, in the same order
+    closing: list[tuple[int, int]] = []  # heap of (q_end, index) of the open slices
     for i in order:
         s = slices[i]
-        open_ = [j for j in open_ if slices[j].q_end > s.q_start]
-        for j in open_:
-            t = slices[j]
-            if t.k_start < s.k_end and s.k_start < t.k_end:
-                first, second = sorted((i, j))
-                raise ValueError(f"slices {first} {slices[first]} and {second} "
-                                 f"{slices[second]} overlap; each (query, key) pair may "
-                                 "belong to one slice only")
-        open_.append(i)
+        while closing and closing[0][0] <= s.q_start:
+            _, j = heapq.heappop(closing)
+            at = bisect.bisect_left(starts, slices[j].k_start)
+            del starts[at], open_[at]
+        at = bisect.bisect_left(starts, s.k_end)  # open slices starting before s's keys end
+        if at and slices[open_[at - 1]].k_end > s.k_start:
+            first, second = sorted((i, open_[at - 1]))
+            raise ValueError(f"slices {first} {slices[first]} and {second} "
+                             f"{slices[second]} overlap; each (query, key) pair may "
+                             "belong to one slice only")
+        starts.insert(at, s.k_start)
+        open_.insert(at, i)
+        heapq.heappush(closing, (s.q_end, i))
 
 
 @functools.lru_cache(maxsize=16)  # a few masks' tables (layers of a model share one)

@@ -354,3 +354,28 @@ def _bad_masks(rank: int, world: int) -> list[str]:
 def test_slice_masks_exact_on_every_grid(cp_size: int) -> None:
     bad = [b for rank_bad in run_distributed(_run, cp_size) for b in rank_bad]
     assert not bad, f"{len(bad)} failures:\n" + "\n".join(bad[:30])
+
+
+def _empty_mask(rank: int, world: int) -> list[str]:
+    """An empty mask (`mask=[]`, `SliceMask([], S)`): no row sees a key, so every output is 0
+    and no gradient flows, on every grid and schedule."""
+    bad = []
+    for index, (a, r, c) in enumerate(grid_shapes(world)):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for n, mask in enumerate(([], mm.SliceMask([], LOCAL * world))):
+            x = {n: torch.randn(LOCAL, 1, h, 8, requires_grad=True)
+                 for n, h in (("q", Q_HEADS), ("k", 2), ("v", 2))}
+            out = mm.mesh_attention(x["q"], x["k"], x["v"], grid, mask=mask,
+                                    schedule=SCHEDULES[(index + n) % 3])
+            out.backward(torch.randn_like(out))
+            sums = [float(t.abs().sum()) for t in (out, *(x[n].grad for n in "qkv"))]
+            if any(sums):
+                bad.append(f"empty mask {mask!r} grid {grid.shape_text} rank {rank}: |out|, "
+                           f"|dq|, |dk|, |dv| = {sums} (want zeros)")
+    return bad
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_an_empty_mask_gives_zeros_and_no_gradient(cp_size: int) -> None:
+    bad = [b for rank_bad in run_distributed(_empty_mask, cp_size) for b in rank_bad]
+    assert not bad, "\n".join(bad[:20])

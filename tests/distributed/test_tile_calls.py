@@ -5,9 +5,11 @@ the real kernel (torch's, wrapped to count) in every schedule and grid, held to
 document), and never more than one call per block under a window; grouped, every schedule
 and grid equals whole-sequence SDPA, forward and backward (causal and full, fp32 and bf16),
 with the causal diagonal a call of its own (the CPU op's causal is top-left) and folded
-into one bottom-right call (the band's mask, as CUDA's flash op takes it natively), and
-with each call capped at fewer rows than a tile holds (MESH_GROUP_TOKENS), its calls as
-the model counts them."""
+into one bottom-right call (as CUDA's flash op takes it natively; on the CPU op a full call
+and a causal square), and with each call capped at fewer rows than a tile holds
+(MESH_GROUP_TOKENS), its calls as the model counts them. Masks reach the CPU op as runs: no
+additive mask for documents (THD or slices), a bidirectional prefix, chunked-causal
+documents or causal; a window's only of one block of rows."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +34,7 @@ MASKS = ("causal", "full", "documents", "placed", "window")
 
 class CountingKernel:
     """torch's tile kernel, counting its forward and backward calls; `fold`: causal
-    diagonals folded into bottom-right calls (by the band's mask on the CPU)."""
+    diagonals folded into bottom-right calls (on the CPU: a full call and a causal square)."""
 
     def __init__(self, fold: bool = False) -> None:
         self.inner = TorchFlashKernel(band_bottom_right=fold)
@@ -209,3 +211,45 @@ def test_tiles_of_several_blocks_make_fewer_calls(counted) -> None:
                                        f"calls {calls}: want at most {most} forward, 3 "
                                        "backward"))
     assert_no_failures([bad])
+
+
+LOCAL = 64  # tokens per rank of the mask cases
+
+
+def _mask_cases(seq: int) -> dict[str, dict]:
+    """mesh_attention's keyword arguments of each mask the driver can build."""
+    docs = [(a, min(seq, a + 11), a, min(seq, a + 11), "causal") for a in range(0, seq, 11)]
+    chunks = [(c, min(b, c + 8), c, min(b, c + 8), "causal")
+              for a, b in ((0, 40), (40, seq)) for c in range(a, b, 8)]
+    cu = torch.tensor([0, 4, 40, 44, 92, seq], dtype=torch.int32)  # multiples of 2P
+    return {"causal": dict(causal=True), "documents (cu_seqlens)": dict(cu_seqlens=cu),
+            "documents (slices)": dict(mask=docs), "chunked": dict(mask=chunks),
+            "prefix": dict(mask=mm.prefix_lm_mask(seq, seq // 3)),
+            "window": dict(window_size=(8, 0))}
+
+
+def masks_worker(rank: int, world: int) -> list[str]:
+    """Each mask's forward and backward under `AttentionOps` on every grid and schedule:
+    the additive masks the CPU op got (element counts)."""
+    from attention_ops import AttentionOps
+
+    bad = []
+    for a, r, c in grid_shapes(world):
+        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
+        for n, (name, kwargs) in enumerate(_mask_cases(LOCAL * world).items()):
+            shape = (LOCAL,) if "cu_seqlens" in kwargs else (LOCAL, 2)
+            q, k, v = (torch.randn(*shape, 4, 16, requires_grad=True) for _ in range(3))
+            with AttentionOps() as ops:
+                out = mm.mesh_attention(q, k, v, grid, schedule=SCHEDULES[n % 3], **kwargs)
+                out.backward(torch.ones_like(out))
+            biggest = max(ops.masks, default=0)
+            limit = 128 * 2 * LOCAL if name == "window" else 0  # a block of rows: keys
+            if biggest > limit:
+                bad.append(f"{name} grid {grid.shape_text} rank {rank}: an additive mask of "
+                           f"{biggest} elements reached the CPU op (at most {limit})")
+    return bad
+
+
+def test_masks_reach_the_cpu_op_without_a_mask() -> None:
+    bad = [b for per_rank in run_distributed(masks_worker, 2) for b in per_rank]
+    assert not bad, "\n".join(bad[:20])

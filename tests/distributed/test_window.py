@@ -262,8 +262,20 @@ def test_bad_windows_are_named_before_any_collective(window, causal, message) ->
     q = torch.randn(8, 1, 4, 8)
     with pytest.raises(ValueError, match=message):
         mm.mesh_attention(q, q, q, grid, causal=causal, window_size=window)
-    with pytest.raises(ValueError, match="sliding windows"):
-        mm.mesh_attention(q, q, q, grid, window_size=(2, 0), backend="cudnn")
+    with pytest.raises(ValueError, match="sliding windows"):  # a kernel declaring no caps
+        mm.mesh_attention(q, q, q, grid, window_size=(2, 0), backend=_PlainKernel())
+
+
+class _PlainKernel:
+    """A tile kernel that declares no caps (plain tiles only); cuDNN's and TE's kernels
+    take windows (as runs, `kernels/run_calls.py`)."""
+
+    name = "plain"
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("not reached: refused before any call")
+
+    backward = forward
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

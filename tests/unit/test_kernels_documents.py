@@ -228,11 +228,20 @@ def test_te_kernel_takes_documents_and_falls_back_past_cudnn() -> None:
 
 
 def test_get_kernel_for_documents_passes_over_cudnn() -> None:
+    """cuDNN's kernel takes packed documents, and hands them to the variable-length flash op
+    where the choice has it (one call, not one per document; `kernels.build`)."""
     meta = torch.device("meta")
     assert get_kernel("auto", meta, torch.bfloat16, 64, documents=True).name == "torch"
     assert get_kernel("cudnn", meta, torch.bfloat16, 64).name == "cudnn"
-    with pytest.raises(ValueError, match="backend='cudnn' does not take packed documents"):
-        get_kernel("cudnn", meta, torch.bfloat16, 64, documents=True)
+    assert get_kernel("cudnn", meta, torch.bfloat16, 64, documents=True).name == "cudnn"
+    kernel = build(Choice(("cudnn", "flash", "efficient")))
+    q = torch.empty(8, 1, 4, 64, device=meta, dtype=torch.bfloat16)
+    docs = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, q, q, True, 0.25, slices=docs)
+        kernel.backward(out, q, q, q, out, lse, True, 0.25, slices=docs)
+    assert ops.names == {"_flash_attention_forward", "_flash_attention_backward"}
+    assert build(Choice(("cudnn", "efficient"))).documents is None  # then one call each
 
 
 def _tiles(lengths: tuple[int, ...], padded: tuple[int, ...], cp_size: int, causal: bool,
@@ -383,14 +392,13 @@ def test_thd_partition_indices_equal_te(cp_size: int) -> None:
             assert got.tolist() == want.cpu().tolist(), (padded, cp_size, rank)
 
 
-def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
-    """CUDA's variable-length flash op reads one packed sequence (batch entry 0): a call over
-    documents of a batch of two (a mask given as slices) takes the memory-efficient op with
-    the slices' bias instead, and gives both entries (meta tensors: the CUDA branches)."""
+def test_documents_of_a_batch_take_varlen_on_cuda_branches() -> None:
+    """CUDA's variable-length flash op reads one packed sequence: a call over documents of a
+    batch of two (a mask given as slices) makes one varlen call per batch entry, no bias,
+    and gives both entries (meta tensors: the CUDA branches)."""
     meta = torch.device("meta")
     documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, meta)
-    for batch, want in ((1, "_flash_attention_forward"),
-                        (2, "_scaled_dot_product_efficient_attention")):
+    for batch, want in ((1, "_flash_attention_forward"), (2, "_flash_attention_forward")):
         q = torch.empty(8, batch, 4, 16, device=meta, dtype=torch.bfloat16)
         kv = torch.empty(8, batch, 2, 16, device=meta, dtype=torch.bfloat16)
         with AttentionOps() as ops:
@@ -398,4 +406,5 @@ def test_documents_of_a_batch_take_the_bias_on_cuda_branches() -> None:
             dq, dk, dv = TorchFlashKernel().backward(out, q, kv, kv, out, lse, True, 0.25,
                                                      slices=documents)
         assert want in ops.names and out.shape == q.shape and lse.shape == (batch, 4, 8)
+        assert ops.names == {"_flash_attention_forward", "_flash_attention_backward"}
         assert (dq.shape, dk.shape) == (q.shape, kv.shape)

@@ -103,7 +103,8 @@ def test_cuda_branch_on_meta(op: str, dtype: torch.dtype, heads: str, causal: bo
 def test_bottom_right_causal_on_meta(op: str, dtype: torch.dtype, heads: str) -> None:
     """A causal tile of 128 queries and 192 keys (a grouped call, aligned at the bottom
     right): the flash op takes it as its own causal (one op each way, is_causal set); the
-    memory-efficient op gets the band's additive mask [sq, sk] and is_causal unset; cuDNN's
+    memory-efficient op, whose causal is top-left, takes it as two calls without a mask: the
+    first 64 keys full, the last 128 a causal square (`kernels/run_calls.py`); cuDNN's
     causal is top-left, so its kernel refuses it, naming the capability."""
     hq, hkv = HEADS[heads]
     q, k, v = tile(dtype, hq, hkv, sq=128, sk=192)
@@ -122,9 +123,11 @@ def test_bottom_right_causal_on_meta(op: str, dtype: torch.dtype, heads: str) ->
         fwd_op = "_scaled_dot_product_flash_attention"
         assert fwd_log.launches() == [fwd_op] and bwd_log.launches() == [fwd_op + "_backward"]
         return
-    (fwd_args,) = fwd_log.named("_scaled_dot_product_efficient_attention")
-    (bwd_args,) = bwd_log.named("_scaled_dot_product_efficient_attention_backward")
-    assert fwd_args[3][0] == (2, hq, 128, 192) and bwd_args[4][0] == (2, hq, 128, 192)
+    full, square = fwd_log.named("_scaled_dot_product_efficient_attention")
+    assert [a[1][0][2] for a in (full, square)] == [64, 128]  # the keys of each call
+    assert full[3] is None and square[3] is None  # no mask
+    grads = bwd_log.named("_scaled_dot_product_efficient_attention_backward")
+    assert [a[2][0][2] for a in grads] == [64, 128] and all(a[4] is None for a in grads)
 
 
 @pytest.mark.parametrize("d,dv", [(128, 64), (64, 128)])

@@ -583,3 +583,46 @@ def test_chunked_bytes_per_rank_stay_o_of_the_chunk():
     assert 0 < long < 1.1 * short and dense_long > 3.5 * dense_short
     assert long < 0.02 * dense_long
     assert moved(65536, 4096)[0] == 0  # 4096 = S / 2P: each chunk is one sub-chunk
+
+
+def _overlapping_pairs(rects: list[tuple]) -> set[tuple[int, int]]:
+    """Every pair of slices whose rectangles meet, by comparing all pairs."""
+    return {(i, j) for i, a in enumerate(rects) for j, b in enumerate(rects) if i < j
+            and a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_overlap_sweep_agrees_with_all_pairs(seed):
+    """The sweep finds an overlap exactly where comparing every pair does, and names a
+    pair that does overlap: random rectangles sharing query ranges, nested, touching at an
+    edge (no overlap), equal starts, strips of one column."""
+    rng = random.Random(seed)
+    n, size = rng.randint(2, 30), rng.choice((4, 16, 64))
+    rects = []
+    for _ in range(n):
+        q0, k0 = rng.randrange(size), rng.randrange(size)
+        shape = rng.random()
+        q1 = size if shape < 0.3 else rng.randint(q0 + 1, size)  # long shared query ranges
+        k1 = k0 + 1 if shape > 0.7 else rng.randint(k0 + 1, size)  # one-column strips
+        rects.append((q0, q1, k0, k1, rng.choice(("full", "causal"))))
+    pairs = _overlapping_pairs(rects)
+    if not pairs:
+        assert len(SliceMask(rects)) == n
+        return
+    with pytest.raises(ValueError, match="overlap") as raised:
+        SliceMask(rects)
+    named = re.match(r"slices (\d+) .* and (\d+) ", str(raised.value))
+    assert (int(named[1]), int(named[2])) in pairs
+
+
+def test_overlap_sweep_on_strips_and_their_last_overlap():
+    """10,000 column strips over the whole query range (the case a quadratic check is slow
+    on) pass; one more strip meeting only the last one is named with it; strips that touch
+    without meeting, and slices that end where another starts in q, do not overlap."""
+    strips = [(0, 1 << 20, 10 * i, 10 * i + 10, "full") for i in range(10_000)]
+    assert len(SliceMask(strips)) == 10_000
+    with pytest.raises(ValueError, match=re.escape("slices 9999 (0, 1048576, 99990, 100000, "
+                                                   "'full') and 10000 (5, 6, 99999, 100001")):
+        SliceMask(strips + [(5, 6, 99_999, 100_001, "full")])
+    assert len(SliceMask([(0, 4, 0, 4, "full"), (4, 8, 0, 4, "full"), (0, 8, 4, 5, "causal"),
+                          (2, 3, 5, 6, "full")])) == 4

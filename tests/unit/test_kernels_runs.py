@@ -1,0 +1,266 @@
+"""A call's slices as runs (`common/tile_runs.py`, `kernels/run_calls.py`) on torch's CPU
+kernel, against an fp64 formula on the whole call with the mask built here from the slices'
+definition (query i sees key j iff q0 <= i < q1, k0 <= j < k1 and lo <= j - i <= hi for some
+slice), forward and backward: documents (full, causal, more keys than queries), windows,
+prefix-LM calls, random slices, several runs on one row; batch 2, GQA, V of its own head dim.
+No call makes a mask of the call's size: the only additive masks the CPU op gets are a
+window block's (or a short window call's own, at most `SMALL_BIAS_BYTES`)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from attention_ops import AttentionOps
+
+from megatron_mesh.common.tile_runs import runs_of
+from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.kernels.cudnn import CudnnKernel
+from megatron_mesh.kernels.run_calls import BAND_ROWS, SMALL_BIAS_BYTES
+from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+from megatron_mesh.kernels.varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
+
+SCALE = 0.3
+
+
+def seen_of(slices, shape) -> torch.Tensor:
+    """bool [sq, sk] from the definition."""
+    sq, sk = shape
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in slices:
+        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if lo is not None:
+            inside &= j - i >= lo
+        if hi is not None:
+            inside &= j - i <= hi
+        seen |= inside
+    return seen
+
+
+def reference(q, k, v, dout, seen):
+    """out, lse, dq, dk, dv in fp64 of softmax attention under `seen` (rows seeing nothing:
+    0, -inf, no gradient)."""
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(groups, 2) for t in x[1:])
+    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * SCALE
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhij,jbhd->ibhd", p, vv)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), *(t.grad for t in x)
+
+
+def random_slices(rng: random.Random, sq: int, sk: int, count: int) -> list[tuple]:
+    """Up to `count` rectangles that do not meet, each full, causal at its bottom right, or
+    a window."""
+    out: list[tuple] = []
+    for _ in range(count * 4):
+        q0, k0 = rng.randrange(sq), rng.randrange(sk)
+        q1, k1 = rng.randint(q0 + 1, sq), rng.randint(k0 + 1, sk)
+        if any(a < q1 and q0 < b and c < k1 and k0 < e for a, b, c, e, *_ in out):
+            continue
+        kind = rng.choice(("full", "causal", "window"))
+        lo = hi = None
+        if kind == "causal":
+            hi = k1 - q1
+        elif kind == "window":
+            hi = k1 - q1 + rng.randint(-2, 3)
+            lo = hi - rng.randint(0, 9)
+        out.append((q0, q1, k0, k1, lo, hi))
+        if len(out) == count:
+            break
+    return out
+
+
+def documents(lengths, causal: bool, extra_keys=(), device=torch.device("cpu")) -> TileSlices:
+    cu_q, cu_kv = [0], [0]
+    for n, length in enumerate(lengths):
+        cu_q.append(cu_q[-1] + length)
+        cu_kv.append(cu_kv[-1] + length + (extra_keys[n] if extra_keys else 0))
+    return TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal, device)
+
+
+def cases(device: torch.device = torch.device("cpu")) -> dict[str, TileSlices]:
+    rng = random.Random(0)
+    out = {
+        "documents causal": documents((3, 1, 7, 12, 5, 2), True, device=device),
+        "documents full": documents((3, 1, 7, 12, 5, 2), False, device=device),
+        "documents causal, more keys": documents((3, 1, 7, 12), True, (2, 0, 5, 1), device),
+        "window (4, 0)": TileSlices.band(30, 30, 4, 0),
+        "window (3, 2), more keys": TileSlices.band(20, 29, 3, 2),
+        "window (-1, 3)": TileSlices.band(20, 24, -1, 3),
+        "window (2, -1)": TileSlices.band(20, 24, 2, -1),
+        "causal, more keys": TileSlices.band(9, 30, -1, 0),
+        "long window rows": TileSlices.band(BAND_ROWS + 70, BAND_ROWS + 75, 5, 1),
+        "prefix-LM": TileSlices.of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)],
+                                   (30, 30), device),
+        "windows in documents": TileSlices.of(
+            [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), device),
+        "two causal on a row": TileSlices.of(
+            [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
+            (10, 22), device),
+    }
+    for n in range(6):
+        sq, sk = rng.randint(8, 40), rng.randint(8, 40)
+        found = random_slices(rng, sq, sk, rng.randint(1, 6))
+        out[f"random {n}"] = TileSlices.of(found, (sq, sk), device)
+    return out
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("batch, heads, dv", [(1, (4, 4), 8), (2, (4, 2), 8), (1, (2, 1), 12)])
+def test_runs_are_exact(name, batch, heads, dv):
+    slices = CASES[name]
+    sq, sk = slices.shape
+    torch.manual_seed(sq * sk + batch + dv)
+    q = torch.randn(sq, batch, heads[0], 8)
+    k = torch.randn(sk, batch, heads[1], 8)
+    v = torch.randn(sk, batch, heads[1], dv)
+    dout = torch.randn(sq, batch, heads[0], dv)
+    seen = seen_of(slices.slices, slices.shape)
+    want = reference(q, k, v, dout, seen)
+    kernel = TorchFlashKernel()
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
+        grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
+    for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+        assert got.shape == ref.shape, what
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (
+            what, (got.double() - ref).abs().nan_to_num(0).max())
+    band = any(r.rule == "window" for r in slices.runs)
+    small = SMALL_BIAS_BYTES // 4  # a short window call's own bias (`run_calls.one_block`)
+    assert all(band and numel <= max(BAND_ROWS * sk, small) for numel in ops.masks)
+    if not band:
+        assert ops.masks == [], f"{name}: an additive mask reached the CPU op"
+
+
+def test_documents_and_prefix_lm_are_runs_without_masks():
+    """One run per document (their own keys only); a prefix-LM call is two runs: the prefix
+    full against itself, the rest causal against all keys; a causal call of more keys than
+    queries is one run."""
+    docs = documents((3, 1, 7), True)
+    assert [(r.q0, r.q1, r.keys, r.rule) for r in docs.runs] == [
+        (0, 3, ((0, 3),), "causal"), (3, 4, ((3, 4),), "full"), (4, 11, ((4, 11),), "causal")]
+    prefix = runs_of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)], (30, 30))
+    assert [(r.q0, r.q1, r.keys, r.rule) for r in prefix] == [
+        (0, 11, ((0, 11),), "full"), (11, 30, ((0, 30),), "causal")]
+    assert [(r.keys, r.rule) for r in TileSlices.band(9, 30, -1, 0).runs] == [
+        (((0, 30),), "causal")]
+
+
+META_KERNELS = {  # CUDA branch: (kernel, dtype, the ops a call's runs may dispatch)
+    "flash": (TorchFlashKernel(flash=True), torch.bfloat16,
+              {"_scaled_dot_product_flash_attention", "_flash_attention_forward",
+               "_scaled_dot_product_flash_attention_backward", "_flash_attention_backward"}),
+    "efficient": (TorchFlashKernel(flash=False), torch.float32,
+                  {"_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_efficient_attention_backward"}),
+    "cudnn": (CudnnKernel(), torch.bfloat16,
+              {"_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_cudnn_attention_backward"}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("branch", list(META_KERNELS))
+def test_runs_on_cuda_branches_on_meta(branch, name):
+    """Every CUDA branch takes every case's runs on meta tensors (the ops' schemas check the
+    arguments): the shapes come back, only the branch's own ops run, and no additive mask
+    reaches an op but a window block's (the flash op takes windows itself: none)."""
+    kernel, dtype, allowed = META_KERNELS[branch]
+    sq, sk = CASES[name].shape
+    slices = cases(torch.device("meta"))[name]
+    q = torch.empty(sq, 2, 4, 64, device="meta", dtype=dtype)
+    k = torch.empty(sk, 2, 2, 64, device="meta", dtype=dtype)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, k, k, False, SCALE, slices=slices)
+        dq, dk, dv = kernel.backward(out, q, k, k, out, lse, False, SCALE, slices=slices)
+    assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == (
+        q.shape, (2, 4, sq), q.shape, k.shape, k.shape)
+    assert ops.names <= allowed, ops.names
+    band = any(r.rule == "window" for r in slices.runs)
+    if branch == "flash" or not band:
+        assert ops.masks == [], ops.masks
+    rows = max([BAND_ROWS, *(sum(r.window) + 1 for r in slices.runs if r.rule == "window")])
+    small = SMALL_BIAS_BYTES // 4  # a short window call's own bias (`run_calls.one_block`)
+    assert all(n <= 2 * 4 * max(rows * sk, small) for n in ops.masks)  # [b, h, rows, keys]
+
+
+def emulated_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    """A variable-length op from its definition, in fp64: sequence n is query rows
+    cu_q[n]:cu_q[n+1] against key rows cu_k[n]:cu_k[n+1], `causal` or `window` aligned at
+    the bottom right. out [tq, h, dv] in q's dtype, lse [h, tq] fp32."""
+    outs, lses = [], []
+    for n in range(len(cu_q) - 1):
+        s, p = _sequence_probs(q, k, cu_q, cu_k, n, causal, window, scale)
+        lse = torch.logsumexp(s, -1)
+        vv = v[cu_k[n]:cu_k[n + 1]].double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+        outs.append(torch.einsum("hij,jhd->ihd", torch.exp(s - lse[..., None]), vv))
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1).float()
+
+
+def emulated_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                             window, scale):
+    """Gradients of `emulated_varlen` with the rows' given (whole) out and lse."""
+    groups = q.shape[1] // k.shape[1]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+    for n in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+        s, _ = _sequence_probs(q, k, cu_q, cu_k, n, causal, window, scale)
+        p = torch.exp(s - lse[:, rows].double()[..., None])
+        kk, vv = (t[keys].double().repeat_interleave(groups, 1) for t in (k, v))
+        do, o = dout[rows].double(), out[rows].double()
+        dp = torch.einsum("ihd,jhd->hij", do, vv)
+        ds = p * (dp - (do * o).sum(-1).T[..., None])
+        dq[rows] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
+        dk_full = torch.einsum("hij,ihd->jhd", ds, q[rows].double()) * scale
+        dv_full = torch.einsum("hij,ihd->jhd", p, do)
+        dk[keys] = dk_full.unflatten(1, (k.shape[1], groups)).sum(2)
+        dv[keys] = dv_full.unflatten(1, (k.shape[1], groups)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _sequence_probs(q, k, cu_q, cu_k, n, causal, window, scale):
+    qs, ks = q[cu_q[n]:cu_q[n + 1]].double(), k[cu_k[n]:cu_k[n + 1]].double()
+    ks = ks.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+    i, j = torch.arange(qs.shape[0])[:, None], torch.arange(ks.shape[0])[None, :]
+    delta = j - i - (ks.shape[0] - qs.shape[0])
+    keep = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        keep &= delta <= 0
+    if window is not None:
+        keep &= (delta >= -window[0]) if window[0] >= 0 else keep
+        keep &= (delta <= window[1]) if window[1] >= 0 else keep
+    return s.masked_fill(~keep, float("-inf")), keep
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_runs_as_varlen_packs_are_exact(name):
+    """The runs packed into variable-length calls (`varlen_runs`, what CUDA's flash op
+    takes), on an op emulated from its definition: gathering each pack's rows, writing or
+    merging its outputs back and adding its gradients into the rows read equal the fp64
+    formula on the whole call, batch 2 and GQA, forward and backward."""
+    slices = CASES[name]
+    sq, sk = slices.shape
+    torch.manual_seed(sq + sk)
+    q, k, v = torch.randn(sq, 2, 4, 8), torch.randn(sk, 2, 2, 8), torch.randn(sk, 2, 2, 8)
+    dout = torch.randn(sq, 2, 4, 8)
+    want = reference(q, k, v, dout, seen_of(slices.slices, slices.shape))
+    packs = packs_of(slices.runs)
+    tensors = [p.tensors(torch.device("cpu")) for p in packs]
+    out, lse = varlen_runs_forward(q, k, v, SCALE, packs, tensors, emulated_varlen)
+    grads = varlen_runs_backward(dout, q, k, v, out, lse, SCALE, packs, tensors,
+                                 emulated_varlen_backward)
+    for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (
+            what, (got.double() - ref).abs().nan_to_num(0).max())
+    rules = {(p.causal, p.window) for p in packs}
+    assert len(packs) <= len(rules) + 2  # one call per rule, more only where runs share rows
