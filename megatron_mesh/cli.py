@@ -14,7 +14,6 @@ from megatron_mesh.layer_plan import (
     DTYPE_BYTES,
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
-    AttentionShape,
 )
 from megatron_mesh.masks.mask import Mask
 from megatron_mesh.masks.window import Window, window_of
@@ -190,8 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace, cp_size: int, window: Window | None = None) -> Plan:
     """The plan of one layer over `cp_size` CP ranks, each TP rank's heads (`args.tensor`)."""
     tp: TensorParallel = args.tensor
-    shape = AttentionShape(args.seq_length, args.batch, *tp.heads, args.head_dim,
-                           DTYPE_BYTES[args.dtype])
+    shape = tp.attention_shape(args.seq_length, args.batch, args.head_dim, args.dtype)
     workload = Workload.from_shape(shape, Mask(args.causal, window=window), args.documents,
                                    args.dtype, args.mesh_schedule, args.mesh_grad_reduce_dtype)
     gpu = None if args.gpu is None else load_profile(args.gpu)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GridShape
+from megatron_mesh.layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    AttentionShape,
+    GridShape,
+)
 
 PLACEMENT_FLAG = "--mesh-document-placement balanced"  # the layout the placement is priced in
 THD_FLAG = "--mesh-document-placement te"  # Transformer Engine's THD layout, priced unplaced
@@ -89,6 +95,11 @@ class TensorParallel:
     def heads(self) -> tuple[int, int]:
         """(query, K/V) heads of one TP rank."""
         return self.num_heads // self.size, self.num_kv_heads // self.size
+
+    def attention_shape(self, seq_length: int, batch: int, head_dim: int, dtype: str
+                        ) -> AttentionShape:
+        """The layer as one TP rank's attention sees it: its heads, the whole sequence."""
+        return AttentionShape(seq_length, batch, *self.heads, head_dim, DTYPE_BYTES[dtype])
 
     def describe(self) -> str:
         """One line for people."""

@@ -168,14 +168,8 @@ class Workload:
 
     def attention_shape(self) -> AttentionShape:
         """The shape `megatron_mesh.models.traffic` counts bytes for."""
-        return AttentionShape(
-            seq_len=self.seq_length,
-            batch=self.batch,
-            q_heads=self.num_heads,
-            kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype_bytes=self.dtype_bytes,
-        )
+        return AttentionShape(self.seq_length, self.batch, self.num_heads, self.num_kv_heads,
+                              self.head_dim, self.dtype_bytes)
 
     def kv_chunk_bytes(self, cp_size: int) -> int:
         """Bytes of one rank's K,V (its S / cp_size tokens) in the input dtype."""

@@ -134,3 +134,11 @@ def test_a_cluster_prices_the_same_from_plan_and_search():
     kw = dict(SHAPE, doc_lengths=DOCS, window=(24, 0))
     p = plan(4, **kw, gpus_per_node=4)
     assert search(p.workload, Cluster(4, 4)) == p
+
+
+def test_one_tensor_parallel_ranks_shape_builds_the_clis_workload():
+    """The CLI's workload is `from_shape` of one TP rank's heads over the whole sequence."""
+    from megatron_mesh.planner.flags import TensorParallel
+
+    tp = TensorParallel(2, 8, 8, 8, 4)
+    assert tp.attention_shape(1024, 3, 64, "fp32") == AttentionShape(1024, 3, 4, 2, 64, 4)
