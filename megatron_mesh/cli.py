@@ -142,9 +142,8 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
                    "(only the pairs it keeps; ring and a2a+p2p do not take windows in "
                    "Transformer Engine) and the whole model; with --doc-length(s) / "
-                   "--doc-length-dist the window runs inside each document, priced in "
-                   "Transformer Engine's THD layout (--mesh-document-placement te); write "
-                   "--window-size=-1,R when L is -1")
+                   "--doc-length-dist the window runs inside each document (in the THD layout "
+                   "and placed); write --window-size=-1,R when L is -1")
     p.add_argument("--window-attn-skip-freq", type=_positive_int, metavar="N",
                    help="Megatron-Core's window_attn_skip_freq: layer n (1-indexed) is global "
                    "(full attention) when n %% N == 0, windowed otherwise; prices both kinds "
@@ -350,9 +349,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if layers is not None:
             full = _plan(args, tp.cp_size) if layers.full else None
             mixed = model_plan(result, full, layers)
-        # a window inside documents is priced in the THD layout only
-        placed = (None if args.documents is None or window is not None
-                  else price_placement(result))
+        placed = None if args.documents is None else price_placement(result)
     except ValueError as exc:
         parser.error(str(exc))
     choice = mixed.best_grid if layers is not None else result.best_grid.grid_shape
@@ -361,7 +358,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     flags = driver_flags(tp.cp_size, choice, tp.size, args.mesh_schedule,
                          args.mesh_grad_reduce_dtype, placed_documents=placed is not None,
                          window=None if window is None else (window.left, window.right),
-                         thd_documents=args.documents is not None and placed is None,
                          window_attn_skip_freq=args.window_attn_skip_freq)
     if args.json:
         data = model_to_dict(mixed) if layers is not None else plan_to_dict(result)

@@ -14,21 +14,19 @@ from megatron_mesh.layer_plan import (
 )
 
 PLACEMENT_FLAG = "--mesh-document-placement balanced"  # the layout the placement is priced in
-THD_FLAG = "--mesh-document-placement te"  # Transformer Engine's THD layout, priced unplaced
 
 
 def driver_flags(cp_size: int, grid: tuple[int, int, int], tensor_parallel: int = 1,
                  schedule: str = DEFAULT_SCHEDULE,
                  grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE, placed_documents: bool = False,
-                 window: tuple[int, int] | None = None, thd_documents: bool = False,
+                 window: tuple[int, int] | None = None,
                  window_attn_skip_freq: int | None = None) -> list[str]:
     """The flags of a run on the heads x rows x cols `grid` over `cp_size` CP ranks:
     --mesh-schedule and --mesh-grad-reduce-dtype only where they are not the default, and
     --tensor-model-parallel-size only above 1; the mask the plan priced: packed documents
     placed whole (`placed_documents`: --reset-attention-mask, the driver's documents, with
-    --mesh-document-placement balanced), or in Transformer Engine's THD layout
-    (`thd_documents`: --mesh-document-placement te), a sliding `window` (left, right; inside
-    each document with documents) and the layers it skips (--window-size,
+    --mesh-document-placement balanced), a sliding `window` (left, right; inside each
+    document with documents) and the layers it skips (--window-size,
     --window-attn-skip-freq)."""
     shape = GridShape(*grid).check_cp_size(cp_size)
     flags = [] if tensor_parallel == 1 else ["--tensor-model-parallel-size", str(tensor_parallel)]
@@ -38,11 +36,8 @@ def driver_flags(cp_size: int, grid: tuple[int, int, int], tensor_parallel: int 
         flags += ["--mesh-schedule", schedule]
     if grad_reduce_dtype != DEFAULT_GRAD_DTYPE:
         flags += ["--mesh-grad-reduce-dtype", grad_reduce_dtype]
-    if placed_documents and thd_documents:
-        raise ValueError("documents are placed (balanced) or in the THD layout (te), not both")
-    if placed_documents or thd_documents:
-        flags += ["--reset-attention-mask",
-                  *(PLACEMENT_FLAG if placed_documents else THD_FLAG).split()]
+    if placed_documents:
+        flags += ["--reset-attention-mask", *PLACEMENT_FLAG.split()]
     if window is not None:
         flags += ["--window-size", *map(str, window)]
         if window_attn_skip_freq is not None:

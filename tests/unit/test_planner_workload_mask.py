@@ -13,7 +13,6 @@ from megatron_mesh.cli import main
 from megatron_mesh.layer_plan import AttentionShape
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.planner import plan
-from megatron_mesh.planner.flags import driver_flags
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.masked import block_pair_counts
 from megatron_mesh.planner.methods.sparse import mask_estimate
@@ -109,8 +108,9 @@ def test_from_shape_reads_one_mask():
 
 
 def test_cli_plans_a_window_over_documents_with_the_flags_it_assumes(capsys):
-    """--window-size with --doc-length: the THD layout priced, and the printed flags name
-    the documents, their layout and the window, as the driver's parser reads them."""
+    """--window-size with --doc-length: the THD layout and the placement priced, and the
+    printed flags name the documents, their placement and the window, as the driver's
+    parser reads them."""
     from megatron_mesh.training.arguments import build_parser
 
     assert main(["plan", "--gpus", "8", "--seq-length", "16384", "--num-heads", "8",
@@ -121,10 +121,8 @@ def test_cli_plans_a_window_over_documents_with_the_flags_it_assumes(capsys):
     at = next(i for i, line in enumerate(lines) if line.startswith("driver flags"))
     flags = shlex.split(lines[at + 1])
     args = build_parser().parse_args(flags)
-    assert args.reset_attention_mask and args.mesh_document_placement == "te", flags
+    assert args.reset_attention_mask and args.mesh_document_placement == "balanced", flags
     assert args.window_size == [256, 0], flags
-    with pytest.raises(ValueError, match="not both"):
-        driver_flags(8, (1, 2, 4), placed_documents=True, thd_documents=True)
 
 
 def test_a_cluster_prices_the_same_from_plan_and_search():
@@ -142,3 +140,27 @@ def test_one_tensor_parallel_ranks_shape_builds_the_clis_workload():
 
     tp = TensorParallel(2, 8, 8, 8, 4)
     assert tp.attention_shape(1024, 3, 64, "fp32") == AttentionShape(1024, 3, 4, 2, 64, 4)
+
+
+def test_a_window_inside_placed_documents_is_priced_from_its_slices():
+    """The placement under a window: every grid is `mask_estimate` of the placed mask, the
+    floor the busiest rank's pairs from its slices (`rank_pairs`), which equal the closed
+    form `works` for causal documents alone."""
+    from megatron_mesh.planner.placed import placed_mask, price_placement, rank_pairs
+
+    kw = dict(SHAPE, gpus_per_node=4, doc_lengths=DOCS)
+    windowed = plan(4, **kw, window=(24, 0))
+    placed = price_placement(windowed)
+    mask = placed_mask(windowed.workload, placed.placement)
+    assert mask.window == windowed.workload.window and mask.placement == placed.placement
+    for e in placed.estimates:
+        assert e == mask_estimate(windowed.workload, windowed.cluster, mask, *e.mesh_shape,
+                                  e.heads), e.label
+    pairs = rank_pairs(mask)
+    assert sum(pairs) == windowed.workload.pairs()
+    flops = max(pairs) * 4.0 * windowed.workload.num_heads * windowed.workload.head_dim
+    assert placed.floor_s["forward"] == windowed.cluster.attention_seconds("forward", flops)
+    plain = plan(4, **kw)
+    assert list(placed.placement.works()) == rank_pairs(placed_mask(plain.workload,
+                                                                    placed.placement))
+    assert price_placement(plain).floor_s["forward"] > placed.floor_s["forward"]
