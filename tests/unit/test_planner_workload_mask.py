@@ -164,3 +164,15 @@ def test_a_window_inside_placed_documents_is_priced_from_its_slices():
     assert list(placed.placement.works()) == rank_pairs(placed_mask(plain.workload,
                                                                     placed.placement))
     assert price_placement(plain).floor_s["forward"] > placed.floor_s["forward"]
+
+
+def test_mesh_transfers_of_any_mask_are_those_of_its_slices():
+    """`mesh_transfers` of a window inside documents or of slices: the sparse exchange of
+    the mask's rows, as `mask_estimate` prices them."""
+    from megatron_mesh.planner.methods import mesh_transfers
+
+    for name in ("THD documents & window", "prefix-LM"):
+        w = _workloads()[name]
+        cluster = Cluster(4, 4)
+        want = mask_estimate(w, cluster, w.mask_on(4), 2, 2).transfers
+        assert tuple(mesh_transfers(w, cluster, 2, 2)) == want, name

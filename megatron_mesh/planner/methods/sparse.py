@@ -50,13 +50,13 @@ def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.n
 
 def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                      heads: int = 1) -> list[PricedTransfer]:
-    """The windowed layer's transfers on a heads x rows x cols grid: for each exchange,
-    the bytes of the rank whose part takes longest (the first of them on a tie)."""
-    assert workload.window is not None
-    inner = inner_shape(workload.attention_shape(), heads)
-    mask = Mask(workload.causal, window=workload.window)
-    return exchange_transfers(workload, cluster, counts_of(mask, inner.seq_len, rows, cols, heads),
-                              heads)
+    """The masked layer's transfers on a heads x rows x cols grid (a window's in closed
+    form, any other mask's from its slices, `counts_of`): for each exchange, the bytes of
+    the rank whose part takes longest (the first of them on a tie)."""
+    assert workload.sparse
+    mask = workload.mask_on(cluster.gpus)
+    seq = workload.seq_length if mask.documents is None else mask.documents.total
+    return exchange_transfers(workload, cluster, counts_of(mask, seq, rows, cols, heads), heads)
 
 
 def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
