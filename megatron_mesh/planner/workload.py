@@ -62,8 +62,9 @@ class Workload:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if DTYPE_BYTES[dtype] != shape.dtype_bytes:
-            raise ValueError(f"dtype {dtype!r} is not {shape.dtype_bytes} bytes a value (the "
-                             f"shape's dtype_bytes); valid: {sorted(DTYPE_BYTES)}")
+            fits = sorted(n for n, b in DTYPE_BYTES.items() if b == shape.dtype_bytes)
+            raise ValueError(f"dtype {dtype!r} has {DTYPE_BYTES[dtype]} bytes a value, the "
+                             f"shape's dtype_bytes {shape.dtype_bytes}: name one of {fits}")
         mask = Mask() if mask is None else as_attention_mask(mask)
         if mask.placement is not None:
             raise ValueError("the planner prices a placement of its own (price_placement); "
@@ -116,13 +117,15 @@ class Workload:
     @property
     def mask(self) -> Mask:
         """The one mask of the layer: causal, the THD documents, the window, the slices."""
-        docs = None
-        if self.doc_lengths is not None:
-            cu = [0]
-            for n in self.doc_lengths:
-                cu.append(cu[-1] + n)
-            docs = Documents.from_cu_seqlens(cu)
+        docs = None if self.doc_lengths is None else Documents.from_cu_seqlens(self._cu())
         return Mask(self.causal, docs, window=self.window, slices=self.slices)
+
+    def _cu(self, unit: int = 1) -> list[int]:
+        """Cumulative document lengths, each rounded up to a multiple of `unit`."""
+        cu = [0]
+        for n in self.doc_lengths:
+            cu.append(cu[-1] + -(-n // unit) * unit)
+        return cu
 
     def mask_on(self, cp_size: int) -> Mask:
         """`mask` as it runs on `cp_size` ranks: THD documents padded to multiples of 2P
@@ -139,11 +142,8 @@ class Workload:
                                  f"{unit}: THD pads them, which moves the positions the "
                                  "slices name; give documents of multiples of 2P with slices")
             return mask
-        cu, padded = [0], [0]
-        for n in self.doc_lengths:
-            cu.append(cu[-1] + n)
-            padded.append(padded[-1] + -(-n // unit) * unit)
-        return Mask(self.causal, Documents.from_cu_seqlens(cu, padded), window=self.window)
+        return Mask(self.causal, Documents.from_cu_seqlens(self._cu(), self._cu(unit)),
+                    window=self.window)
 
     @property
     def sparse(self) -> bool:

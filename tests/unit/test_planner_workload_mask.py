@@ -95,7 +95,8 @@ def test_from_shape_reads_one_mask():
     assert Workload.from_shape(shape, doc_lengths=DOCS) == Workload(**SHAPE, doc_lengths=DOCS)
     with pytest.raises(ValueError, match="'fp8' is not one of"):
         Workload.from_shape(shape, dtype="fp8")
-    with pytest.raises(ValueError, match="'fp32' is not 2 bytes"):
+    with pytest.raises(ValueError, match=r"'fp32' has 4 bytes a value, the shape's "
+                       r"dtype_bytes 2: name one of \['bf16', 'fp16'\]"):
         Workload.from_shape(shape, dtype="fp32")
     placement = mm.place_documents(cu, 4)
     with pytest.raises(ValueError, match="prices a placement of its own"):
