@@ -21,9 +21,9 @@ import torch
 
 from ..attention import mesh_attention
 from ..masks.document_placement import DocumentPlacement
-from ..masks.mask import Mask, as_attention_mask, documents_mask
+from ..masks.mask import Mask, as_attention_mask, documents_mask, each_document
 from ..masks.seen import keeps, one_row
-from ..masks.slices import Slice, SliceMask
+from ..masks.slices import SliceMask
 from ..runtime.grid import MeshGrid
 from .cache import EMPTY
 
@@ -118,18 +118,10 @@ def placed_positions(placement: DocumentPlacement, rank: int
 def packed_mask(attention_mask: Mask | SliceMask | None, placement: DocumentPlacement
                 ) -> Mask:
     """The packed prompts' mask: each document under the model's `attention_mask` over its
-    own positions (None: causal), its slices laid at the document's offset in the packed
-    sequence, on the placement."""
+    own positions (`mask.each_document`; None: causal), on the placement."""
     if attention_mask is None:
         return documents_mask(placement)
-    model = as_attention_mask(attention_mask)
-    parts, start = [], 0
-    for n in placement.lengths:
-        for s in model.leading(n).sequence_slices(n).slices:
-            parts.append(Slice(s.q_start + start, s.q_end + start, s.k_start + start,
-                               s.k_end + start, s.kind, s.window))
-        start += n
-    return Mask(False, placement=placement, slices=SliceMask(parts, start))
+    return each_document(attention_mask, placement)
 
 
 def prefill_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,

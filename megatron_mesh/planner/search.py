@@ -145,8 +145,8 @@ def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     """Price ring, all_gather, a2a, a2a+p2p (best A), every mesh shape and every
     heads x rows x cols grid; the choice is the fastest mesh or grid. A method that cannot
-    run the workload (ring and a2a+p2p under a sliding window) is listed as unavailable,
-    with the reason."""
+    run the workload (ring and a2a+p2p under a sliding window or slices) is listed as
+    unavailable, with the reason."""
     p = cluster.gpus
     workload.check_cp_size(p)
     backend = None if cluster.gpu is None else cluster.gpu.backend
