@@ -15,10 +15,12 @@ from megatron_mesh.layer_plan import (
     GRAD_DTYPE_NAMES,
     SCHEDULE_NAMES,
 )
+from megatron_mesh.masks.mask import Mask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
 from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.gpu_profile import GPU_PROFILES, load_profile
+from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, inference_report
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.length_histogram import LengthHistogram
@@ -26,7 +28,8 @@ from megatron_mesh.planner.model_report import format_model, model_to_dict
 from megatron_mesh.planner.placed import lognormal_lengths, price_placement
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
-from megatron_mesh.planner.search import Plan, plan, resolve_head_dim
+from megatron_mesh.planner.search import Plan, resolve_head_dim, search
+from megatron_mesh.planner.workload import Workload
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).
@@ -138,8 +141,9 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="sliding window: query i sees keys i-L .. i+R (-1: unbounded; R "
                    "defaults to 0 and must be 0 or -1 when causal); prices the windowed layer "
                    "(only the pairs it keeps; ring and a2a+p2p do not take windows in "
-                   "Transformer Engine) and the whole model; write --window-size=-1,R when L "
-                   "is -1")
+                   "Transformer Engine) and the whole model; with --doc-length(s) / "
+                   "--doc-length-dist the window runs inside each document (in the THD layout "
+                   "and placed); write --window-size=-1,R when L is -1")
     p.add_argument("--window-attn-skip-freq", type=_positive_int, metavar="N",
                    help="Megatron-Core's window_attn_skip_freq: layer n (1-indexed) is global "
                    "(full attention) when n %% N == 0, windowed otherwise; prices both kinds "
@@ -184,27 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace, cp_size: int, window: Window | None = None) -> Plan:
     """The plan of one layer over `cp_size` CP ranks, each TP rank's heads (`args.tensor`)."""
     tp: TensorParallel = args.tensor
-    q_heads, kv_heads = tp.heads
-    return plan(
-        cp_size,
-        seq_length=args.seq_length,
-        num_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=args.head_dim,
-        batch=args.batch,
-        dtype=args.dtype,
-        causal=args.causal,
-        gpus_per_node=tp.cp_per_node,
-        intra_node_bw=args.intra_node_bw,
-        inter_node_bw=args.inter_node_bw,
-        attention_tflops=args.attention_tflops or hardware.DEFAULT_ATTENTION_TFLOPS,
-        gpu=None if args.gpu is None else load_profile(args.gpu),
-        overlap=args.overlap,
-        mesh_grad_reduce_dtype=args.mesh_grad_reduce_dtype,
-        mesh_schedule=args.mesh_schedule,
-        doc_lengths=args.documents,
-        window=window,
-    )
+    shape = tp.attention_shape(args.seq_length, args.batch, args.head_dim, args.dtype)
+    workload = Workload.from_shape(shape, Mask(args.causal, window=window), args.documents,
+                                   args.dtype, args.mesh_schedule, args.mesh_grad_reduce_dtype)
+    gpu = None if args.gpu is None else load_profile(args.gpu)
+    cluster = Cluster(cp_size, tp.cp_per_node, args.intra_node_bw, args.inter_node_bw,
+                      args.attention_tflops or hardware.DEFAULT_ATTENTION_TFLOPS, gpu)
+    return search(workload, cluster, args.overlap)
 
 
 def _documents(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -288,9 +278,6 @@ def _window(args: argparse.Namespace) -> tuple[Window | None, LayerMix | None]:
     if window is None:
         parser.error(f"--window-size {text} limits nothing (unbounded on both sides"
                      + (", causal" if args.causal else "") + "); leave it out for full attention")
-    if args.documents is not None:
-        parser.error("--window-size with --doc-length / --doc-lengths / --doc-length-dist is "
-                     "not priced; give one")
     layers = args.num_layers or args.window_attn_skip_freq or 1
     return window, LayerMix(layers, args.window_attn_skip_freq)
 

@@ -154,18 +154,14 @@ def decode_attention(q: torch.Tensor, shard: KVShard | PackedShard, q_pos: torch
     partials merge (`EXCHANGES`, module docstring); `mask`: a packed shard's
     `visible(q_pos, window_left)`, when the caller built it once for the step's layers;
     `attention_mask`: the model's `Mask` (or `SliceMask`) over the whole generated
-    sequence's positions, of which each new token reads its row (None: causal; a dense
-    shard's, e.g. one with a bidirectional prefix, whose prompt `prefill_attention` ran under the same
-    mask)."""
+    sequence's positions (a packed shard's: each document's own), of which each new token
+    reads its row (None: causal; e.g. a bidirectional prefix, under which prefill ran)."""
     check_offset(softmax_offset, q.shape[1])
-    if attention_mask is not None and isinstance(shard, PackedShard):
-        raise ValueError("attention_mask is read on a dense cache's positions; a packed "
-                         "cache's documents decode causally (pass attention_mask=None)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange {exchange!r}: valid values are {', '.join(EXCHANGES)}")
     if isinstance(shard, PackedShard):
         if mask is None:
-            mask = shard.visible(q_pos, window_left)
+            mask = shard.visible(q_pos, window_left, attention_mask)
         n = shard.used
         out, lse = shared_partial(q, shard.k[:n], shard.v[:n], mask, scale)
     else:

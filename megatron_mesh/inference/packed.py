@@ -7,6 +7,11 @@ slots, each with its document and its position in it. Decode step n (one new tok
 document) goes to rank n % P (`CacheLayout.owner`), slots T / P + (n // P) b .. + b - 1, as
 in the dense cache, so every rank holds T / P + ceil(N / P) b slots: 1 / P of one GPU's
 cache up to one step.
+
+A model's mask (`attention_mask`: a `Mask` or `SliceMask` over one document's positions,
+prompt and generated; None: causal) holds in every document: prefill runs `packed_mask`
+(the documents' mask & the model's, each document's slices at its offset), decode reads a
+new token's row of it over its document's slots (`PackedShard.visible`).
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import torch
 
 from ..attention import mesh_attention
 from ..masks.document_placement import DocumentPlacement
+from ..masks.mask import Mask, as_attention_mask, documents_mask, each_document
 from ..masks.seen import keeps, one_row
+from ..masks.slices import SliceMask
 from ..runtime.grid import MeshGrid
 from .cache import EMPTY
 
@@ -74,15 +81,20 @@ class PackedShard:
         self.pos[rows] = positions.to(self.pos.device)
         self.used = max(self.used, rows.stop)
 
-    def visible(self, q_pos: torch.Tensor, window_left: int | None = None) -> torch.Tensor:
-        """[b, n] bool (n = `used`): the slots document i's query at q_pos [b][i] sees (its
-        own document's, by its one-row causal slice `seen.one_row`, within `window_left`
-        keys when given; EMPTY never). The same for every layer of a step: every layer's
-        shard has the same documents and positions."""
+    def visible(self, q_pos: torch.Tensor, window_left: int | None = None,
+                attention_mask: Mask | SliceMask | None = None) -> torch.Tensor:
+        """[b, n] bool (n = `used`): the slots document i's query at q_pos [b][i] sees: its
+        own document's, by its row of `attention_mask` over the document's positions
+        (`Mask.row`; None: the causal row, `seen.one_row`), within `window_left` keys when
+        given; EMPTY never. The same for every layer of a step: every layer's shard has the
+        same documents and positions."""
         n, b = self.used, self.documents
         own = self.seq[:n][None, :] == torch.arange(b, device=self.seq.device)[:, None]
         k_pos = torch.where(own, self.pos[:n][None, :], EMPTY)  # [b, n]: other documents unseen
-        return keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos)
+        seen = keeps(one_row(q_pos, window_left), q_pos[:, None], k_pos)
+        if attention_mask is not None:
+            seen &= as_attention_mask(attention_mask).row(q_pos, k_pos)
+        return seen
 
     @property
     def nbytes(self) -> int:
@@ -103,20 +115,36 @@ def placed_positions(placement: DocumentPlacement, rank: int
     return torch.cat(seq), torch.cat(pos)
 
 
+def packed_mask(attention_mask: Mask | SliceMask | None, placement: DocumentPlacement
+                ) -> Mask:
+    """The packed prompts' mask: each document under the model's `attention_mask` over its
+    own positions (`mask.each_document`; None: causal), on the placement."""
+    if attention_mask is None:
+        return documents_mask(placement)
+    return each_document(attention_mask, placement)
+
+
 def prefill_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: MeshGrid,
                    shard: PackedShard, placement: DocumentPlacement,
                    softmax_scale: float | None = None,
                    window_size: tuple[int, int] | None = None,
                    softmax_offset: torch.Tensor | None = None,
                    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   attention_mask: Mask | SliceMask | None = None,
                    **options: object) -> torch.Tensor:
     """q [t, hq, d], k [t, hkv, d], v [t, hkv, dv]: this rank's rows of the packed prompts
     (`placement.token_indices(cp_rank)`) -> out [t, hq, dv] (`mesh_attention` with the
     placement, no autograd state); K / V into `shard`. `positions`: this rank's
-    `placed_positions`, when the caller built them once for every layer."""
+    `placed_positions`, when the caller built them once for every layer;
+    `attention_mask`: the model's mask over one document's positions (`packed_mask`)."""
     with torch.no_grad():
-        out = mesh_attention(q, k, v, grid, causal=True, softmax_scale=softmax_scale,
-                             window_size=window_size, placement=placement,
-                             softmax_offset=softmax_offset, **options)
+        if attention_mask is None:
+            out = mesh_attention(q, k, v, grid, causal=True, softmax_scale=softmax_scale,
+                                 window_size=window_size, placement=placement,
+                                 softmax_offset=softmax_offset, **options)
+        else:
+            out = mesh_attention(q, k, v, grid, mask=packed_mask(attention_mask, placement),
+                                 softmax_scale=softmax_scale, window_size=window_size,
+                                 softmax_offset=softmax_offset, **options)
     shard.write_prefill(k, v, placement, grid.cp_rank, positions)
     return out

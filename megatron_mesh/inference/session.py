@@ -34,9 +34,10 @@ class InferenceSession:
     `group`: the CP group the decode exchange runs over (None: the default group);
     `placement`: packed prompts placed by `place_documents` (its first b documents are the
     prompts, a last one may be padding), None for dense prompts (the zigzag share);
-    `attention_mask`: dense prompts' model mask over the whole generated sequence (a
-    `Mask` or `SliceMask`, e.g. a bidirectional prefix; None: causal), which prefill runs on the
-    prompts and decode reads a row of per new token."""
+    `attention_mask`: the model's mask over the whole generated sequence (a `Mask` or
+    `SliceMask`, e.g. a bidirectional prefix; None: causal; with packed prompts, over each
+    document's own positions), which prefill runs on the prompts and decode reads a row of
+    per new token."""
 
     layout: CacheLayout
     lengths: torch.Tensor
@@ -54,11 +55,6 @@ class InferenceSession:
         default=None, repr=False)
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     _agreement: DecodeAgreement = field(default_factory=DecodeAgreement, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.attention_mask is not None and self.placement is not None:
-            raise ValueError("attention_mask is a dense session's mask; packed prompts "
-                             "(placement) decode causally inside each document: pass one")
 
     @property
     def batch(self) -> int:
@@ -126,8 +122,9 @@ class InferenceSession:
         self.check_room()
         left = None if window is None else window[0]
         layout = self.layout
-        kind = "packed" if self.placement is not None else "dense" if \
-            self.attention_mask is None else f"dense (mask {self._mask_text()})"
+        kind = "packed" if self.placement is not None else "dense"
+        if self.attention_mask is not None:
+            kind += f" (mask {self._mask_text()})"
         options = DecodeOptions.of(layer, q, k, v, scale, left, softmax_offset, self.exchange,
                                    (layout.cp_size, layout.prompt_len, layout.max_new, kind))
         try:
@@ -150,10 +147,10 @@ class InferenceSession:
                 self._masks.clear()
             mask = self._masks.get((self.step, left))
             if mask is None:
-                mask = self._masks[(self.step, left)] = shard.visible(pos, left)
+                mask = self._masks[(self.step, left)] = shard.visible(pos, left,
+                                                                      self.attention_mask)
         out = decode_attention(q[0], shard, pos, scale, self.group, self.layout.cp_size, left,
-                               softmax_offset, exchange, mask,
-                               None if isinstance(shard, PackedShard) else self.attention_mask)
+                               softmax_offset, exchange, mask, self.attention_mask)
         return out[None]
 
     def _mask_text(self) -> str:
@@ -174,5 +171,6 @@ class InferenceSession:
             seq, pos = placed_positions(self.placement, grid.cp_rank)
             self._prompt_positions = (seq.to(k.device), pos.to(k.device))
         out = prefill_packed(q[:, 0], k[:, 0], v[:, 0], grid, shard, self.placement, scale,
-                             window, softmax_offset, self._prompt_positions, **self.options)
+                             window, softmax_offset, self._prompt_positions,
+                             self.attention_mask, **self.options)
         return out[:, None]

@@ -27,7 +27,7 @@ from .document_placement import DocumentPlacement
 from .documents import Documents
 from .placed import placed_slices
 from .seen import keeps, one_row, sees
-from .slices import CAUSAL, FULL, SliceMask, as_mask, intersect
+from .slices import CAUSAL, FULL, Slice, SliceMask, as_mask, intersect
 from .window import Window, window_of, windowed
 
 
@@ -164,6 +164,20 @@ def documents_mask(documents: torch.Tensor | list[int] | Documents | DocumentPla
                              "are not padded")
         return Mask(causal, placement=documents)
     return Mask(causal, documents=packed_documents(documents, cu_seqlens_padded))
+
+
+def each_document(mask: Mask | SliceMask | Iterable, placement: DocumentPlacement) -> Mask:
+    """`mask`, written over one document's own positions, kept by every document of
+    `placement`: its slices laid at each document's offset in the packed sequence (a
+    document of n tokens keeps `mask.leading(n)`), on the placement."""
+    model = as_attention_mask(mask)
+    parts, start = [], 0
+    for n in placement.lengths:
+        for s in model.leading(n).sequence_slices(n).slices:
+            parts.append(Slice(s.q_start + start, s.q_end + start, s.k_start + start,
+                               s.k_end + start, s.kind, s.window))
+        start += n
+    return Mask(False, placement=placement, slices=SliceMask(parts, start))
 
 
 def sliding_window_mask(left: int, right: int = 0, causal: bool = True) -> Mask:

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 from megatron_mesh.layer_plan import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    AttentionShape,
     check_positive_int,
     heads_sizes,
     mesh_shapes,
@@ -232,10 +234,10 @@ def mesh_workload(
     decide which traffic overlaps and how many gradient bytes travel).
     """
     heads = num_attention_heads or 1
-    return Workload(seq_length=seq_length or 4096 * cp_size, num_heads=heads,
-                    num_kv_heads=num_query_groups or heads, head_dim=head_dim or 128,
-                    batch=batch, dtype=dtype, mesh_schedule=schedule,
-                    mesh_grad_reduce_dtype=grad_reduce_dtype)
+    shape = AttentionShape(seq_length or 4096 * cp_size, batch, heads, num_query_groups or heads,
+                           head_dim or 128, DTYPE_BYTES.get(dtype, 0))
+    return Workload.from_shape(shape, dtype=dtype, mesh_schedule=schedule,
+                               mesh_grad_reduce_dtype=grad_reduce_dtype)
 
 
 def auto_mesh_shape(

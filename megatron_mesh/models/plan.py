@@ -41,16 +41,11 @@ def resolve_schedule_name(schedule: str | Schedule, shape: AttentionShape, rows:
     return Schedule(schedule)
 
 
-def resolve_plan(
-    shape: AttentionShape,
-    rows: int,
-    cols: int,
-    schedule: str | Schedule = DEFAULT_SCHEDULE,
-    grad_reduce_dtype: str | GradDtype = DEFAULT_GRAD_DTYPE,
-    heads: int = 1,
-    cp_size: int | None = None,
-    exchange: str | Exchange = Exchange.DENSE,
-) -> MeshPlan:
+def resolve_plan(shape: AttentionShape, rows: int, cols: int,
+                 schedule: str | Schedule = DEFAULT_SCHEDULE,
+                 grad_reduce_dtype: str | GradDtype = DEFAULT_GRAD_DTYPE, heads: int = 1,
+                 cp_size: int | None = None, exchange: str | Exchange = Exchange.DENSE
+                 ) -> MeshPlan:
     """The one place a layer's plan is decided, from user spellings: validates the names,
     resolves "streamed" for `shape` (the layer as one rank's attention sees it: its heads,
     the whole sequence S; with heads > 1, for the mesh's 1/A of them) and checks

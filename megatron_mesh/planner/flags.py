@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, GridShape
+from megatron_mesh.layer_plan import (
+    DEFAULT_GRAD_DTYPE,
+    DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    AttentionShape,
+    GridShape,
+)
 
 PLACEMENT_FLAG = "--mesh-document-placement balanced"  # the layout the placement is priced in
 
@@ -19,8 +25,9 @@ def driver_flags(cp_size: int, grid: tuple[int, int, int], tensor_parallel: int 
     --mesh-schedule and --mesh-grad-reduce-dtype only where they are not the default, and
     --tensor-model-parallel-size only above 1; the mask the plan priced: packed documents
     placed whole (`placed_documents`: --reset-attention-mask, the driver's documents, with
-    --mesh-document-placement balanced), a sliding `window` (left, right) and the layers it
-    skips (--window-size, --window-attn-skip-freq)."""
+    --mesh-document-placement balanced), a sliding `window` (left, right; inside each
+    document with documents) and the layers it skips (--window-size,
+    --window-attn-skip-freq)."""
     shape = GridShape(*grid).check_cp_size(cp_size)
     flags = [] if tensor_parallel == 1 else ["--tensor-model-parallel-size", str(tensor_parallel)]
     flags += ["--context-parallel-size", str(cp_size), "--cp-comm-type", "mesh",
@@ -83,6 +90,11 @@ class TensorParallel:
     def heads(self) -> tuple[int, int]:
         """(query, K/V) heads of one TP rank."""
         return self.num_heads // self.size, self.num_kv_heads // self.size
+
+    def attention_shape(self, seq_length: int, batch: int, head_dim: int, dtype: str
+                        ) -> AttentionShape:
+        """The layer as one TP rank's attention sees it: its heads, the whole sequence."""
+        return AttentionShape(seq_length, batch, *self.heads, head_dim, DTYPE_BYTES[dtype])
 
     def describe(self) -> str:
         """One line for people."""

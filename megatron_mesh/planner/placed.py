@@ -23,7 +23,8 @@ generic counts from the mask's slices (`masked.mask_counts`), which price it
 (`masked.mask_estimate`). Compute: the
 busiest mesh rank's (query, key) pairs over its blocks (x in its row, y in its column), in
 closed form per pair of runs. The floor: the busiest CP rank's in-document pairs
-(`DocumentPlacement.works`) at the GPU's rate (with a GPU profile: in one kernel call),
+(`DocumentPlacement.works` for causal documents alone; under a window or slices, or not
+causal, from the mask's slices, `rank_pairs`) at the GPU's rate (with a GPU profile: in one kernel call),
 what no schedule can beat.
 """
 from __future__ import annotations
@@ -34,13 +35,14 @@ from dataclasses import dataclass
 
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
 from megatron_mesh.masks.document_placement import DocumentPlacement
-from megatron_mesh.masks.mask import documents_mask
+from megatron_mesh.masks.mask import Mask, documents_mask
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, named here too
     _block_pairs,
     _doc_runs,
+    block_pair_counts,
     mesh_totals,
     pair_flops,
     placement_counts,
@@ -101,14 +103,29 @@ class PlacedPlan:
         return self.floor_s["forward"] + self.floor_s["backward"]
 
 
+def placed_mask(workload: Workload, placement: DocumentPlacement) -> Mask:
+    """The workload's mask with its documents placed: the placement's, and its window and
+    slices (over the same packed positions)."""
+    return Mask(workload.causal, placement=placement, window=workload.window,
+                slices=workload.slices)
+
+
+def rank_pairs(mask: Mask) -> list[int]:
+    """(query, key) pairs of each CP rank's queries under a placed `mask` (its blocks on
+    the P x 1 mesh, `masked.block_pair_counts`)."""
+    p = mask.placement.cp_size
+    block = block_pair_counts(mask, mask.placement.total, p, 1)
+    return [sum(n for (x, _), n in block.items() if x == rank) for rank in range(p)]
+
+
 def placed_estimate(workload: Workload, cluster: Cluster, placement: DocumentPlacement,
                     rows: int, cols: int, heads: int = 1) -> Estimate:
     """The placement on a heads x rows x cols grid: its mask priced like any mask's
     (`masked.mask_estimate`: the sparse exchange of its rows, the inbound ones under the
     least own block, plus the busiest mesh rank's compute; the closed forms here count
-    them)."""
-    return mask_estimate(workload, cluster, documents_mask(placement, causal=workload.causal),
-                         rows, cols, heads)
+    them where the documents alone limit it)."""
+    return mask_estimate(workload, cluster, placed_mask(workload, placement), rows, cols,
+                         heads)
 
 
 def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> PlacedPlan:
@@ -117,8 +134,6 @@ def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> P
     w, c = plan.workload, plan.cluster
     if w.doc_lengths is None:
         raise ValueError("the placement needs packed documents (doc_lengths)")
-    if w.window is not None:
-        raise ValueError("a sliding window inside placed documents is not priced")
     if placement is None:
         cu = [0]
         for n in w.doc_lengths:
@@ -128,7 +143,9 @@ def price_placement(plan: Plan, placement: DocumentPlacement | None = None) -> P
     grids = [(1, r, cc) for r, cc in ((e.mesh_shape) for e in plan.meshes)]
     grids += [(a, r, cc) for a, r, cc in grid_shapes(c.gpus) if a in sizes]
     estimates = tuple(placed_estimate(w, c, placement, r, cc, a) for a, r, cc in grids)
-    fwd = max(placement.works()) * pair_flops(w)
+    mask = placed_mask(w, placement)
+    causal_documents = mask == documents_mask(placement)  # `works` counts those alone
+    fwd = max(placement.works() if causal_documents else rank_pairs(mask)) * pair_flops(w)
     one = ring_calls(w, c.gpus).one_call()  # the floor: one call of the rank's rows
     floor = {"forward": c.attention_seconds("forward", fwd, one),
              "backward": c.attention_seconds("backward", BACKWARD_FLOPS_RATIO * fwd, one)}

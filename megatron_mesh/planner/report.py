@@ -1,12 +1,12 @@
 """Text table and JSON form of a `Plan`."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.flags import PLACEMENT_FLAG
 from megatron_mesh.planner.search import Plan
-from megatron_mesh.planner.windows import kept_pairs
 
 MIB = 2**20
 COLUMNS = (
@@ -119,9 +119,12 @@ def _window_text(w) -> str:
     if w.window is None:
         return ""
     full = w.seq_length * w.seq_length / (2 if w.causal else 1)
-    kept = kept_pairs(w.seq_length, w.window, w.causal)
+    if w.doc_lengths is not None:  # of the documents' pairs
+        full = replace(w, window=None).pairs()
+    kept = w.pairs()
+    within = " in-document" if w.doc_lengths is not None else ""
     return (f", sliding window ({w.window.left}, {w.window.right}): {kept / full:.2%} of the "
-            f"{'causal' if w.causal else 'full'} pairs")
+            f"{'causal' if w.causal else 'full'}{within} pairs")
 
 
 def _grid_lines(plan: Plan, ref: str) -> list[str]:
@@ -163,6 +166,7 @@ def _workload_dict(plan: Plan) -> dict[str, Any]:
     out = vars(plan.workload).copy()
     w = plan.workload.window
     out["window"] = None if w is None else [w.left, w.right]
+    out["slices"] = None if plan.workload.slices is None else plan.workload.slices.text()
     return out
 
 

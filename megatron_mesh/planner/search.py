@@ -7,11 +7,15 @@ from megatron_mesh import layer_plan
 from megatron_mesh.layer_plan import (
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
+    DTYPE_BYTES,
+    AttentionShape,
     MeshPlan,
     grid_shapes,
     mesh_shapes,
     shapes_text,
 )
+from megatron_mesh.masks.mask import Mask, as_attention_mask
+from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner.cost import Estimate, NotApplicable, Unavailable, price
 from megatron_mesh.planner.gpu_profile import GpuProfile, load_profile
@@ -31,6 +35,7 @@ from megatron_mesh.planner.methods import (
     ring_transfers,
 )
 from megatron_mesh.planner.methods.ring import check_takes_window
+from megatron_mesh.planner.methods.sparse import mask_estimate
 from megatron_mesh.planner.placement import Placement, mesh_placement
 from megatron_mesh.planner.tiles import (
     a2a_calls,
@@ -140,8 +145,8 @@ def heads_sizes(workload: Workload, cp_size: int) -> list[int]:
 def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     """Price ring, all_gather, a2a, a2a+p2p (best A), every mesh shape and every
     heads x rows x cols grid; the choice is the fastest mesh or grid. A method that cannot
-    run the workload (ring and a2a+p2p under a sliding window) is listed as unavailable,
-    with the reason."""
+    run the workload (ring and a2a+p2p under a sliding window or slices) is listed as
+    unavailable, with the reason."""
     p = cluster.gpus
     workload.check_cp_size(p)
     backend = None if cluster.gpu is None else cluster.gpu.backend
@@ -171,33 +176,36 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
         check_takes_window(workload, "a2a+p2p")
     except NotApplicable as exc:
         unavailable.append(Unavailable("a2a+p2p", str(exc)))
-    hierarchical = [] if workload.window is not None else [
+    hierarchical = [] if workload.sparse else [
         priced("a2a+p2p", f"a2a+p2p ({a}x{p // a})", a2a_p2p_transfers(workload, cluster, a),
                (a2a_p2p_calls, workload, p, a))
         for a in a2a_sizes(workload, p)
     ]
     if hierarchical:
         baselines.append(min(hierarchical, key=time_key))
-    elif workload.window is None:
+    elif not workload.sparse:
         unavailable.append(Unavailable(
             "a2a+p2p",
             f"needs an all-to-all size 1 < A < {p} dividing {p}, num_heads "
             f"({workload.num_heads}) and num_kv_heads ({workload.num_kv_heads})",
         ))
-    meshes = tuple(
-        priced("mesh", f"mesh {r}x{c}", mesh_transfers(workload, cluster, r, c),
-               (mesh_calls, workload, p, r, c, 1, None, backend), (r, c))
-        for r, c in mesh_shapes(p)
-    )
+    mask = workload.mask_on(p) if workload.generic else None
+
+    def mesh(a: int, r: int, c: int) -> Estimate:
+        """The heads x rows x cols grid: from the mask's slices where no closed form stands
+        in for them (`Workload.generic`)."""
+        if mask is not None:
+            return mask_estimate(workload, cluster, mask, r, c, a, overlap)
+        label = f"mesh {r}x{c}" if a == 1 else f"mesh {a}x{r}x{c}"
+        return priced("mesh", label, mesh_transfers(workload, cluster, r, c, a),
+                      (mesh_calls, workload, p, r, c, a, None, backend), (r, c), a)
+
+    meshes = tuple(mesh(1, r, c) for r, c in mesh_shapes(p))
     best_mesh = min(meshes, key=mesh_key)
     sizes = heads_sizes(workload, p)
-    grids = tuple(
-        priced("mesh", f"mesh {a}x{r}x{c}", mesh_transfers(workload, cluster, r, c, a),
-               (mesh_calls, workload, p, r, c, a, None, backend), (r, c), a)
-        for a, r, c in grid_shapes(p) if a in sizes
-    )
+    grids = tuple(mesh(a, r, c) for a, r, c in grid_shapes(p) if a in sizes)
     best_grid = min(meshes + grids, key=grid_key)
-    sparse = workload.window is not None
+    sparse = workload.sparse
     return Plan(
         workload=workload,
         cluster=cluster,
@@ -249,36 +257,26 @@ def plan(
     doc_lengths: tuple[int, ...] | None = None,
     window: Window | tuple[int, int] | None = None,
     gpu: GpuProfile | str | None = None,
+    mask: Mask | SliceMask | None = None,
 ) -> Plan:
     """Plan one attention layer's context parallelism over `gpus` GPUs (see `search`);
     `doc_lengths`: packed documents filling the sequence (`Workload`); `window`: a sliding
-    window (left, right), checked here once (`window.window_of`); `gpu`: a GPU profile (or
-    its name, `gpu_profile.GPU_PROFILES`) pricing attention by kernel calls instead of the
-    flat `attention_tflops`."""
+    window (left, right), checked here once (`window.window_of`), inside each document with
+    `doc_lengths`; `mask`: any other mask over the sequence (`Workload.from_shape`; it says
+    whether it is causal, `causal` is not read with it); `gpu`: a GPU profile (or its name,
+    `gpu_profile.GPU_PROFILES`) pricing attention by kernel calls instead of the flat
+    `attention_tflops`."""
     if isinstance(gpu, str):
         gpu = load_profile(gpu)
-    if window is not None and not isinstance(window, Window):
-        window = window_of(window, causal)
-    workload = Workload(
-        seq_length=seq_length,
-        num_heads=num_heads,
-        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
-        head_dim=resolve_head_dim(num_heads, head_dim, hidden_size),
-        batch=batch,
-        dtype=dtype,
-        causal=causal,
-        mesh_grad_reduce_dtype=mesh_grad_reduce_dtype,
-        mesh_schedule=mesh_schedule,
-        doc_lengths=doc_lengths,
-        window=window,
-    )
-    cluster = Cluster(
-        gpus=gpus,
-        gpus_per_node=gpus_per_node,
-        intra_node_bw=intra_node_bw,
-        inter_node_bw=inter_node_bw,
-        attention_tflops=attention_tflops,
-        gpu=gpu,
-    )
+    layer = Mask(causal) if mask is None else as_attention_mask(mask)
+    if window is not None:  # checked once, for the mask's causality
+        sides = (window.left, window.right) if isinstance(window, Window) else window
+        layer = layer & Mask(layer.causal, window=window_of(sides, layer.causal))
+    shape = AttentionShape(seq_length, batch, num_heads,
+                           num_heads if num_kv_heads is None else num_kv_heads,
+                           resolve_head_dim(num_heads, head_dim, hidden_size),
+                           DTYPE_BYTES.get(dtype, 0))
+    workload = Workload.from_shape(shape, layer, doc_lengths, dtype, mesh_schedule,
+                                   mesh_grad_reduce_dtype)
+    cluster = Cluster(gpus, gpus_per_node, intra_node_bw, inter_node_bw, attention_tflops, gpu)
     return search(workload, cluster, overlap)
-

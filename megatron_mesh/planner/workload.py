@@ -16,6 +16,9 @@ from megatron_mesh.layer_plan import (
     check_positive_int,
     one_of,
 )
+from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.mask import Mask, as_attention_mask
+from megatron_mesh.masks.slices import SliceMask, as_mask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
 from megatron_mesh.models.plan import resolve_plan
@@ -29,9 +32,11 @@ class Workload:
     grad_reduce_dtype and schedule). `doc_lengths`: packed documents (their lengths sum to
     S); attention stays inside each, so compute counts only in-document FLOPs, while the
     bytes are those of the whole sequence (every rank holds a share of every document).
-    `window`: a sliding window (`window.window_of`, decided once): compute counts only the
-    (query, key) pairs it keeps, and each method moves what it moves under a window
-    (`planner.methods`)."""
+    `window`: a sliding window (`window.window_of`, decided once), inside each document
+    with `doc_lengths`; `slices`: a user's mask over the sequence's positions (`SliceMask`).
+    They compose into one `mask`: compute counts only the (query, key) pairs it keeps, and
+    each method moves what it moves under it (`planner.methods`). `from_shape` builds one
+    from an `AttentionShape` and a `Mask`."""
 
     seq_length: int
     num_heads: int
@@ -44,6 +49,37 @@ class Workload:
     mesh_schedule: str = DEFAULT_SCHEDULE
     doc_lengths: tuple[int, ...] | None = None
     window: Window | None = None
+    slices: SliceMask | None = None
+
+    @classmethod
+    def from_shape(cls, shape: AttentionShape, mask: Mask | SliceMask | None = None,
+                   doc_lengths: tuple[int, ...] | None = None, dtype: str = "bf16",
+                   mesh_schedule: str = DEFAULT_SCHEDULE,
+                   mesh_grad_reduce_dtype: str = DEFAULT_GRAD_DTYPE) -> Workload:
+        """The workload of `shape` (its dtype named by `dtype`) under `mask` (None: causal;
+        a `Mask` of documents given as cu_seqlens, a window, slices, composed; its
+        documents, or `doc_lengths`, are packed THD over the whole sequence)."""
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if DTYPE_BYTES[dtype] != shape.dtype_bytes:
+            fits = sorted(n for n, b in DTYPE_BYTES.items() if b == shape.dtype_bytes)
+            raise ValueError(f"dtype {dtype!r} has {DTYPE_BYTES[dtype]} bytes a value, the "
+                             f"shape's dtype_bytes {shape.dtype_bytes}: name one of {fits}")
+        mask = Mask() if mask is None else as_attention_mask(mask)
+        if mask.placement is not None:
+            raise ValueError("the planner prices a placement of its own (price_placement); "
+                             "give the documents as cu_seqlens (documents_mask) or doc_lengths")
+        if mask.documents is not None:
+            docs = mask.documents
+            if docs.padded_lengths != docs.lengths or (doc_lengths is not None
+                                                       and tuple(doc_lengths) != docs.lengths):
+                raise ValueError(f"the mask's documents {docs.lengths} (padded "
+                                 f"{docs.padded_lengths}) and doc_lengths {doc_lengths}: give "
+                                 "unpadded documents once")
+            doc_lengths = docs.lengths
+        return cls(shape.seq_len, shape.q_heads, shape.kv_heads, shape.head_dim, shape.batch,
+                   dtype, mask.causal, mesh_grad_reduce_dtype, mesh_schedule, doc_lengths,
+                   mask.window, mask.slices)
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "num_heads", "num_kv_heads", "head_dim", "batch"):
@@ -66,16 +102,60 @@ class Workload:
                 raise ValueError(f"doc_lengths sum to {sum(self.doc_lengths)}, but seq_length "
                                  f"is {self.seq_length}; packed documents fill the sequence")
         if self.window is not None:
-            self._check_window()
+            w = self.window
+            if not isinstance(w, Window) or window_of((w.left, w.right), self.causal) != w:
+                raise ValueError(f"window {w!r} is not a checked window for causal="
+                                 f"{self.causal} (one that limits something): pass "
+                                 "window_of((left, right), causal)")
+        if self.slices is not None:
+            object.__setattr__(self, "slices", as_mask(self.slices))
+            if self.slices.seq_len != self.seq_length:
+                raise ValueError(f"the mask's slices cover {self.slices.seq_len} positions, "
+                                 f"but seq_length is {self.seq_length}; give slices over "
+                                 "the whole (packed) sequence")
 
-    def _check_window(self) -> None:
-        w = self.window
-        if not isinstance(w, Window) or window_of((w.left, w.right), self.causal) != w:
-            raise ValueError(f"window {w!r} is not a checked window for causal={self.causal} "
-                             "(one that limits something): pass window_of((left, right), causal)")
-        if self.doc_lengths is not None:
-            raise ValueError("a sliding window inside packed documents is not priced: give "
-                             "the window or the document lengths, not both")
+    @property
+    def mask(self) -> Mask:
+        """The one mask of the layer: causal, the THD documents, the window, the slices."""
+        docs = None if self.doc_lengths is None else Documents.from_cu_seqlens(self._cu())
+        return Mask(self.causal, docs, window=self.window, slices=self.slices)
+
+    def _cu(self, unit: int = 1) -> list[int]:
+        """Cumulative document lengths, each rounded up to a multiple of `unit`."""
+        cu = [0]
+        for n in self.doc_lengths:
+            cu.append(cu[-1] + -(-n // unit) * unit)
+        return cu
+
+    def mask_on(self, cp_size: int) -> Mask:
+        """`mask` as it runs on `cp_size` ranks: THD documents padded to multiples of 2P
+        (Transformer Engine's cu_seqlens_padded; with slices, which name positions of the
+        unpadded sequence, the documents must be multiples of 2P already)."""
+        mask = self.mask
+        if mask.documents is None or cp_size == 1:
+            return mask
+        unit = 2 * cp_size
+        if self.slices is not None:
+            odd = [n for n in self.doc_lengths if n % unit]
+            if odd:
+                raise ValueError(f"documents of lengths {odd[:4]} are not multiples of 2P = "
+                                 f"{unit}: THD pads them, which moves the positions the "
+                                 "slices name; give documents of multiples of 2P with slices")
+            return mask
+        return Mask(self.causal, Documents.from_cu_seqlens(self._cu(), self._cu(unit)),
+                    window=self.window)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the mesh runs the sparse exchange (a window or a user's slices)."""
+        return self.window is not None or self.slices is not None
+
+    @property
+    def generic(self) -> bool:
+        """Whether the mesh is priced from the mask's slices (`planner.masked`): no closed
+        form stands in for it (slices, or a window inside documents)."""
+        return self.slices is not None or (self.window is not None
+                                           and self.doc_lengths is not None)
 
     @property
     def dtype_bytes(self) -> int:
@@ -88,14 +168,8 @@ class Workload:
 
     def attention_shape(self) -> AttentionShape:
         """The shape `megatron_mesh.models.traffic` counts bytes for."""
-        return AttentionShape(
-            seq_len=self.seq_length,
-            batch=self.batch,
-            q_heads=self.num_heads,
-            kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype_bytes=self.dtype_bytes,
-        )
+        return AttentionShape(self.seq_length, self.batch, self.num_heads, self.num_kv_heads,
+                              self.head_dim, self.dtype_bytes)
 
     def kv_chunk_bytes(self, cp_size: int) -> int:
         """Bytes of one rank's K,V (its S / cp_size tokens) in the input dtype."""
@@ -109,18 +183,27 @@ class Workload:
         check_zigzag_divisible(self.seq_length, cp_size, "seq_length", "GPUs",
                                single_rank=True)
 
-    def forward_flops(self) -> float:
-        """4 * S^2 * heads * head_dim * batch (QK^T and PV); half of it when causal. With
-        packed documents, the sum of that over the documents (each its own S). Under a
-        sliding window: 4 * (pairs the window keeps) * heads * head_dim * batch."""
+    def pairs(self) -> int | None:
+        """(query, key) pairs the mask keeps (None: the dense mask, whose FLOPs keep the
+        kernels' convention): the slices' count where there are slices, else the closed
+        form per document (each its own sequence; tested equal to the slices' count)."""
+        if self.slices is not None:
+            return self.mask.sequence_slices(self.seq_length).pairs
+        if self.doc_lengths is not None:
+            return sum(kept_pairs(n, self.window or Window(-1, -1), self.causal)
+                       for n in self.doc_lengths)
         if self.window is not None:
-            pairs = kept_pairs(self.seq_length, self.window, self.causal)
-            return 4.0 * pairs * self.batch * self.num_heads * self.head_dim
-        if self.doc_lengths is None:
+            return kept_pairs(self.seq_length, self.window, self.causal)
+        return None
+
+    def forward_flops(self) -> float:
+        """4 * S^2 * heads * head_dim * batch (QK^T and PV), half of it when causal; under
+        any other mask (documents, a window, slices) 4 * `pairs` * heads * head_dim * batch."""
+        pairs = self.pairs()
+        if pairs is None:
             return attention_flops(self.seq_length, self.seq_length, self.batch,
                                    self.num_heads, self.head_dim, self.causal)
-        return sum(attention_flops(n, n, self.batch, self.num_heads, self.head_dim, self.causal)
-                   for n in self.doc_lengths)
+        return 4.0 * pairs * self.batch * self.num_heads * self.head_dim
 
     def backward_flops(self) -> float:
         """2.5 x forward: five S x S matmuls (QK^T recomputed, dV, dP, dQ, dK) against two."""

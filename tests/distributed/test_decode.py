@@ -357,9 +357,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor
     return torch.einsum("hn,nhd->hd", torch.softmax(s, dim=1), v)
 
 
+PACKED_CASES = (DecodeCase(), DecodeCase(kv_heads=1, window=4, sink=True, seed=7),
+                DecodeCase(prefix=3, kv_heads=1, seed=8),  # prefix <= every document
+                DecodeCase(prefix=2, window=2, sink=True, seed=9))
+
+
 def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[list[str], int]:
     """Packed prompts placed by place_documents: prefill with the placement, then decode
-    steps continuing every document; (failures, tokens this rank's cache holds)."""
+    steps continuing every document, causal or under a prefix-LM model's mask (over each
+    document's positions: its prefix bidirectional in prefill, each new token's row in
+    decode); (failures, tokens this rank's cache holds)."""
     heads, rows, cols = shape
     grid = mm.MeshGrid.build(rows=rows, cols=cols, heads=heads)
     cu = [0]
@@ -368,7 +375,8 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
     placement = mm.place_documents(cu, world)
     layout = CacheLayout(world, rank, sum(DOCS), STEPS)  # the session's: who owns each step
     failures, held = [], 0
-    for case in (DecodeCase(), DecodeCase(kv_heads=1, window=4, sink=True, seed=7)):
+    for case in PACKED_CASES:
+        mask = case.mask(max(DOCS) + STEPS)  # the model's, over one document's positions
         g = torch.Generator().manual_seed(case.seed)
         docs = [{n: torch.randn(length + STEPS, h, case.head_dim, generator=g,
                                 dtype=torch.float64)
@@ -383,19 +391,19 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
         window = None if case.window is None else (case.window, 0)
         with mm.TrafficCounter() as counter:
             out = prefill_packed(*share, grid, shard, placement, window_size=window,
-                                 softmax_offset=sink32)
+                                 softmax_offset=sink32, attention_mask=mask)
         bytes_shape = mm.AttentionShape(sum(DOCS), 1, case.q_heads, case.kv_heads,
                                         case.head_dim, 4)
         want = mm.placement_traffic(bytes_shape, placement, rows, cols, heads,
                                     window_size=window, cp_rank=rank).forward
-        if counter.total_bytes != want:
+        if counter.total_bytes != want and mask is None:
             failures.append(f"{shape} packed {case} prefill sent {counter.total_bytes}, "
                             f"formula {want}")
         seq, pos = placed_positions(placement, rank)
         for i, (doc, p) in enumerate(zip(seq.tolist(), pos.tolist())):
-            lo = 0 if case.window is None else max(0, p - case.window)
+            keys = seen(case, p, DOCS[doc], None)
             d = docs[doc]
-            ref = attend(d["q"][p], d["k"][lo:p + 1], d["v"][lo:p + 1], sink)
+            ref = attend(d["q"][p], d["k"][keys], d["v"][keys], sink)
             err = (out[i].double() - ref).abs().max().item()
             if err > 1e-5:
                 failures.append(f"{shape} packed {case} prefill doc {doc} pos {p}: {err:.2e}")
@@ -408,22 +416,56 @@ def check_packed(rank: int, world: int, shape: tuple[int, int, int]) -> tuple[li
                 shard.append(step, new["k"].float(), new["v"].float(), q_pos)
             for exchange in ("all_gather", "all_reduce"):
                 got = decode_attention(new["q"].float(), shard, q_pos, case.head_dim ** -0.5,
-                                       None, world, case.window, sink32, exchange)
+                                       None, world, case.window, sink32, exchange,
+                                       attention_mask=mask)
                 for doc, (d, length) in enumerate(zip(docs, DOCS)):
-                    p = length + step
-                    lo = 0 if case.window is None else max(0, p - case.window)
-                    ref = attend(d["q"][p], d["k"][lo:p + 1], d["v"][lo:p + 1], sink)
+                    keys = seen(case, length + step, length, step)
+                    ref = attend(d["q"][length + step], d["k"][keys], d["v"][keys], sink)
                     err = (got[doc].double() - ref).abs().max().item()
                     if err > 1e-5:
                         failures.append(f"{shape} packed {case} {exchange} step {step} doc "
                                         f"{doc}: {err:.2e}")
+        if mask is not None:
+            failures += _packed_session(grid, placement, layout, case, docs, share, sink)
         held = shard.tokens()
     return failures, held
 
 
+def _packed_session(grid: mm.MeshGrid, placement: mm.DocumentPlacement, layout: CacheLayout,
+                    case: DecodeCase, docs: list[dict[str, torch.Tensor]],
+                    share: list[torch.Tensor], sink: torch.Tensor | None) -> list[str]:
+    """Failures of an `InferenceSession` of the packed prompts under the case's model mask:
+    prefill and every decode step against the formula."""
+    scale, failures = case.head_dim ** -0.5, []
+    sink32 = None if sink is None else sink.float()
+    window = None if case.window is None else (case.window, 0)
+    s = InferenceSession(layout, torch.tensor(DOCS), placement=placement,
+                         attention_mask=case.mask(max(DOCS) + STEPS))
+    out = s.attend(0, *(t[:, None] for t in share), grid, scale, window, sink32)
+    seq, pos = placed_positions(placement, grid.cp_rank)
+    for i, (doc, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+        keys = seen(case, p, DOCS[doc], None)
+        ref = attend(docs[doc]["q"][p], docs[doc]["k"][keys], docs[doc]["v"][keys], sink)
+        if (out[i, 0].double() - ref).abs().max() > 1e-5:
+            failures.append(f"packed session {case} prefill doc {doc} pos {p}")
+    s.phase = DECODE
+    for step in range(STEPS):
+        s.step = step
+        new = [torch.stack([d[n][length + step] for d, length in zip(docs, DOCS)]).float()[None]
+               for n in "qkv"]
+        got = s.attend(0, *new, grid, scale, window, sink32)[0]
+        for doc, (d, length) in enumerate(zip(docs, DOCS)):
+            keys = seen(case, length + step, length, step)
+            ref = attend(d["q"][length + step], d["k"][keys], d["v"][keys], sink)
+            if (got[doc].double() - ref).abs().max() > 1e-5:
+                failures.append(f"packed session {case} step {step} doc {doc}")
+    return failures
+
+
 def test_packed_prompts_placed_documents() -> None:
-    """Packed prompts on 2x2, 1x4 and 2x1x2: exact prefill and decode, every token held
-    once over the ranks, T / P prompt rows and the round-robin steps on each."""
+    """Packed prompts on 2x2, 1x4 and 2x1x2: exact prefill and decode (causal, and under a
+    prefix-LM model's mask in every document), every token held once over the ranks, T / P
+    prompt rows and the round-robin steps on each."""
     for shape in ((1, 2, 2), (1, 1, 4), (2, 1, 2)):
         world = shape[0] * shape[1] * shape[2]
         results = run_distributed(check_packed, world, shape)

@@ -14,7 +14,8 @@ def test_documents_shrink_compute_by_the_sum_of_squares_and_keep_the_bytes() -> 
     whole = plan(16, **MODEL)
     lengths = (32768, 16384, 8192, 8192)
     packed = plan(16, **MODEL, doc_lengths=lengths)
-    share = sum(n * n for n in lengths) / MODEL["seq_length"] ** 2  # 0.3125
+    # in-document pairs, n (n + 1) / 2 each, over the dense count S^2 / 2: about 0.3125
+    share = sum(n * (n + 1) for n in lengths) / MODEL["seq_length"] ** 2
     for name in ("forward", "backward"):
         assert packed.ring.compute_s[name] == pytest.approx(share * whole.ring.compute_s[name])
     before = {e.label: e.total_bytes for e in whole.estimates}

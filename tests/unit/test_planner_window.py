@@ -198,8 +198,6 @@ def test_a_window_is_checked_once_in_the_workload() -> None:
         Workload(**MODEL, window=window_of((4, 2), False), causal=True)
     with pytest.raises(ValueError, match="not a checked window"):
         Workload(**MODEL, window=Window(-1, 0), causal=True)  # limits nothing
-    with pytest.raises(ValueError, match="packed documents"):
-        Workload(**MODEL, window=window_of((4, 0), True), doc_lengths=(32768, 32768))
     w = Workload(**MODEL, window=window_of((4, -1), True))
     assert (w.window.left, w.window.right) == (4, 0)
     assert search(w, Cluster(gpus=4)).ring is None
@@ -237,7 +235,6 @@ def test_cli_prints_both_layer_kinds_and_the_model(capsys) -> None:
     (["--window-size", "64", "--window-attn-skip-freq", "0"], ["'0' is not a positive integer"]),
     (["--window-attn-skip-freq", "4"], ["--window-attn-skip-freq needs --window-size"]),
     (["--num-layers", "4"], ["--num-layers needs --window-size"]),
-    (["--window-size", "64", "--doc-length", "4096"], ["--window-size with --doc-length"]),
 ])
 def test_bad_window_flags_exit_2_naming_them(flags, words, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

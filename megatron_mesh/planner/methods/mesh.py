@@ -14,7 +14,8 @@ With a heads dimension A (A x R x C = P), the all-to-all over A consecutive CP r
 first (exposed, like Ulysses'), and the R x C mesh runs over the P/A ranks that share a head
 slice (stride A in CP rank) on 1/A of the heads (`traffic.grid_traffic`).
 
-Under a sliding window every schedule runs the sparse exchange (`sparse.py`).
+Under a sliding window or a mask given as slices every schedule runs the sparse exchange
+(`sparse.py`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                    heads: int = 1) -> list[PricedTransfer]:
     p = cluster.gpus
     GridShape(heads, rows, cols).check_cp_size(p)
-    if workload.window is not None:
+    if workload.sparse:
         return sparse_transfers(workload, cluster, rows, cols, heads)
     plan = workload.mesh_plan(rows, cols, heads)
     traffic = mesh_traffic(workload.attention_shape(), plan)

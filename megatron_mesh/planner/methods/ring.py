@@ -18,11 +18,14 @@ from megatron_mesh.planner.workload import Workload
 
 
 def check_takes_window(workload: Workload, method: str) -> None:
-    """Transformer Engine's rings (p2p, a2a+p2p) refuse sliding windows."""
+    """Transformer Engine's rings (p2p, a2a+p2p) refuse sliding windows and masks given
+    as slices."""
     if workload.window is not None:
         raise NotApplicable(
             f"Transformer Engine's {method} refuses sliding windows (window_size); Megatron "
             "runs windowed layers with cp_comm_type all_gather or a2a")
+    if workload.slices is not None:
+        raise NotApplicable(f"Transformer Engine's {method} takes no mask given as slices")
 
 
 def ring_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:

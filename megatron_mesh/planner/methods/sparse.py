@@ -50,13 +50,13 @@ def _split(parts: np.ndarray, peers: np.ndarray, node: np.ndarray) -> tuple[np.n
 
 def sparse_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,
                      heads: int = 1) -> list[PricedTransfer]:
-    """The windowed layer's transfers on a heads x rows x cols grid: for each exchange,
-    the bytes of the rank whose part takes longest (the first of them on a tie)."""
-    assert workload.window is not None
-    inner = inner_shape(workload.attention_shape(), heads)
-    mask = Mask(workload.causal, window=workload.window)
-    return exchange_transfers(workload, cluster, counts_of(mask, inner.seq_len, rows, cols, heads),
-                              heads)
+    """The masked layer's transfers on a heads x rows x cols grid (a window's in closed
+    form, any other mask's from its slices, `counts_of`): for each exchange, the bytes of
+    the rank whose part takes longest (the first of them on a tie)."""
+    assert workload.sparse
+    mask = workload.mask_on(cluster.gpus)
+    seq = workload.seq_length if mask.documents is None else mask.documents.total
+    return exchange_transfers(workload, cluster, counts_of(mask, seq, rows, cols, heads), heads)
 
 
 def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
@@ -100,11 +100,11 @@ def exchange_transfers(workload: Workload, cluster: Cluster, counts: RowCounts,
 
 
 def mask_estimate(workload: Workload, cluster: Cluster, mask: Mask, rows: int, cols: int,
-                  heads: int = 1) -> Estimate:
+                  heads: int = 1, overlap: bool = True) -> Estimate:
     """`mask` on a heads x rows x cols grid: the sparse exchange of its rows (the inbound
     ones under the least own block) plus the busiest mesh rank's pairs (`workload` gives
-    the shape: its seq_length is the (packed) sequence the mask covers)."""
-    seq = workload.seq_length
+    the shape; the mask covers its seq_length, or its THD documents' padded total)."""
+    seq = workload.seq_length if mask.documents is None else mask.documents.total
     counts = counts_of(mask, seq, rows, cols, heads)
     transfers = exchange_transfers(workload, cluster, counts, heads)
     block = pairs_of(mask, seq, rows, cols, heads)  # walked once for both
@@ -116,7 +116,7 @@ def mask_estimate(workload: Workload, cluster: Cluster, mask: Mask, rows: int, c
         workload, cluster.gpus, rows, cols, heads, blocks=max(
             mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
         backend=cluster.gpu.backend)
-    return price("mesh", label, transfers, workload, cluster, True, (rows, cols), heads,
+    return price("mesh", label, transfers, workload, cluster, overlap, (rows, cols), heads,
                  flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
                  own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
                  calls=calls)

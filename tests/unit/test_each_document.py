@@ -1,0 +1,21 @@
+"""`mask.each_document`: a mask written over one document's positions, kept by every
+document of a placement at its offset (what packed prompts prefill under)."""
+from __future__ import annotations
+
+import megatron_mesh as mm
+from megatron_mesh.inference.packed import packed_mask
+from megatron_mesh.masks.mask import each_document
+
+
+def test_each_document_lays_the_mask_at_every_documents_offset():
+    placement = mm.place_documents([0, 3, 8], 2)
+    got = each_document(mm.prefix_lm_mask(10, 2), placement)
+    assert got.placement is placement and not got.causal
+    assert [s.as_tuple for s in got.slices.slices] == [
+        (0, 2, 0, 2, "full"), (2, 3, 0, 2, "full"), (2, 3, 2, 3, "full"),
+        (3, 5, 3, 5, "full"), (5, 8, 3, 5, "full"), (5, 8, 5, 8, "causal")]
+    windowed = each_document(mm.Mask() & mm.sliding_window_mask(1), placement)
+    assert windowed.slices.pairs == (3 + 2) + (5 + 4)  # each token and the one before it
+    causal = each_document(mm.Mask(), placement)
+    assert causal.slices.pairs == mm.documents_mask(placement).sequence_slices(8).pairs
+    assert packed_mask(None, placement) == mm.documents_mask(placement)
