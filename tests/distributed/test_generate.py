@@ -4,7 +4,9 @@ the driver on a 2-rank mesh (its checkpoint saved on that grid), then greedy gen
 on the meshes 2x2, 1x4 and 2x1x2: the same token ids, log-probabilities equal to rounding;
 sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; packed prompts placed by
 document give the dense continuations; model flags left out are the checkpoint's, and one
-that differs from it is refused; bad input exits 2 with one line before any collective."""
+that differs from it is refused; a chunked model's continuations are the same at CP = 1 and
+on 2x1x2 and their log-probabilities a no-cache forward's; bad input exits 2 with one line
+before any collective."""
 from __future__ import annotations
 
 import json
