@@ -6,7 +6,7 @@ run unchanged; megatron-mesh adds two things through the hooks `pretrain()` alre
 - `extra_args_provider`: --context-parallel-algo {p2p,all_gather,a2a,a2a+p2p,mesh},
   --mesh-shape RxC and the other mesh flags (`megatron_mesh.megatron.add_mesh_args`),
   --attention-chunk-size N (chunked attention in the layers Megatron's --no-rope-freq leaves
-  with RoPE) and --mesh-mask-builder MODULE:FUNCTION (a mask per micro-batch, core_v0.16.1);
+  with RoPE) and --mesh-mask-builder MODULE:FUNCTION (a mask per micro-batch);
   Megatron's own `--cp-comm-type mesh` selects the mesh as well;
 - the layer spec: with `mesh` the flags are checked, the R x C grid of every
   context-parallel group is built (once, after Megatron-LM has made its model-parallel
@@ -17,7 +17,9 @@ Two Megatron-LM generations, told apart by what they import:
 
 - core_v0.18 and later (pretrain_gpt.py builds from a config): the mesh layer spec goes
   into GPTModelConfig.transformer_layer_spec as a callable, wrapping --spec when given, or
-  else Megatron-LM's default spec (Transformer Engine or local);
+  else Megatron-LM's default spec (Transformer Engine or local); no provider sees the
+  built model, so a mask builder is attached by the forward step, the hook that gets the
+  model (`mesh_forward_step`);
 - core_v0.16.1: a model provider around Megatron-LM's model_provider builds the dense GPT.
 
 Run it from a Megatron-LM checkout with your usual arguments:
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from functools import partial
 
 sys.path.insert(0, os.path.abspath(os.environ.get("MEGATRON_LM_DIR", os.getcwd())))
@@ -44,6 +47,7 @@ import pretrain_gpt  # noqa: E402  Megatron-LM's: datasets, forward_step, embedd
 from gpt_builders import gpt_builder  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
 from model_provider import model_provider  # noqa: E402
@@ -173,6 +177,20 @@ def mesh_model_provider(pre_process=True, post_process=True, vp_stage=None, conf
                           pg_collection=pg_collection)
 
 
+_with_builder: weakref.WeakSet = weakref.WeakSet()  # the models the builder is attached to
+
+
+def mesh_forward_step(data_iterator, model, *args, **kwargs):
+    """Megatron-LM's forward_step, the mask builder (--mesh-mask-builder) attached to the
+    GPTModel first (once per model): on core_v0.18+ the model comes from a config, and the
+    forward step is the first hook that holds it."""
+    gpt = unwrap_model(model)
+    if gpt not in _with_builder:
+        attach_mask_builder(gpt, get_args().mesh_mask_builder)
+        _with_builder.add(gpt)
+    return pretrain_gpt.forward_step(data_iterator, model, *args, **kwargs)
+
+
 def main() -> None:
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     if gpt_config_from_args is None:  # core_v0.16.1: pretrain() parses the flags itself
@@ -189,14 +207,15 @@ def main() -> None:
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=ARGS_DEFAULTS)
     validate_mesh_args(args)  # before any collective: a bad flag stops every rank alike
-    if args.mesh_mask_builder:
-        raise ValueError("--mesh-mask-builder in this example needs Megatron-LM core_v0.16.1 "
-                         "(or the driver, python -m megatron_mesh.pretrain_gpt)")
+    if args.mesh_mask_builder and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--mesh-mask-builder with --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}: later stages never see the "
+                         "tokens; use the driver (python -m megatron_mesh.pretrain_gpt)")
     pretrain(
         pretrain_cfg_container_from_args(args, mesh_model_config(args)),
         pretrain_gpt.train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
-        pretrain_gpt.forward_step,
+        mesh_forward_step if args.mesh_mask_builder else pretrain_gpt.forward_step,
         get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
     )
 

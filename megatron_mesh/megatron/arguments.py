@@ -181,10 +181,12 @@ def add_mask_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def check_mask_args(args: Any) -> None:
+def check_mask_args(args: Any, packed_documents: bool = False) -> None:
     """ValueError naming the flag: --attention-chunk-size and --mesh-mask-builder need the
-    mesh, exclude each other, a sliding window and packed documents; the builder must load;
-    --no-rope-freq must fit --num-layers."""
+    mesh, exclude each other and a sliding window; `packed_documents`: the caller packs
+    --reset-attention-mask's documents (the driver; a builder then masks each sample, not
+    with --mesh-balance-data-parallel); the builder must load; --no-rope-freq must fit
+    --num-layers."""
     chunk = getattr(args, "attention_chunk_size", None)
     builder = getattr(args, "mesh_mask_builder", None)
     layers = getattr(args, "num_layers", None)
@@ -208,9 +210,14 @@ def check_mask_args(args: Any) -> None:
                          "--context-parallel-algo mesh (any --context-parallel-size)")
     if getattr(args, "window_size", None):
         raise ValueError(f"{flag} with --window-size: give one mask")
-    if getattr(args, "reset_attention_mask", False):
-        raise ValueError(f"{flag} with --reset-attention-mask: a mask over packed documents is "
-                         "not supported; drop --reset-attention-mask")
+    if getattr(args, "reset_attention_mask", False) and not packed_documents:
+        raise ValueError(f"{flag} with --reset-attention-mask: Megatron-LM's document mask "
+                         "is a dense [s, s] mask the mesh does not read; train packed "
+                         "documents with python -m megatron_mesh.pretrain_gpt")
+    if builder is not None and getattr(args, "mesh_balance_data_parallel", False):
+        raise ValueError(f"{flag} with --mesh-balance-data-parallel: the balance moves "
+                         "documents between samples, and a builder masks a sample's "
+                         "positions; drop --mesh-balance-data-parallel")
     if builder is not None:
         from megatron_mesh.megatron.mask_builder import load_mask_builder
 
@@ -373,7 +380,8 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     return chosen
 
 
-def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
+def validate_mesh_args(args: Any, packed_documents: bool = False
+                       ) -> tuple[int, int, int] | None:
     """Check the algorithm, CP size, sequence length, mesh shape and heads (and, for the
     mesh, attention dropout and head counts after TP); ValueError naming the bad value if
     bad.
@@ -381,13 +389,13 @@ def validate_mesh_args(args: Any) -> tuple[int, int, int] | None:
     Returns the (A, R, C) grid (what --mesh-shape / --mesh-heads leave open chosen by the
     planner; logged either way) for the mesh with CP > 1, else None; sets args.mesh_heads
     to its A and args.mesh_shape_chosen_by_planner to whether the planner chose it.
-    Resolves the algorithm first (`resolve_context_parallel_algo`). Touches no process
-    group.
+    Resolves the algorithm first (`resolve_context_parallel_algo`); `packed_documents`:
+    the caller packs documents (`check_mask_args`). Touches no process group.
     """
     named = ("--context-parallel-algo mesh" if getattr(args, "context_parallel_algo", None)
              else "--cp-comm-type mesh")  # the flag the user gave, for the errors below
     algo = resolve_context_parallel_algo(args)
-    check_mask_args(args)
+    check_mask_args(args, packed_documents)
     cp_size = getattr(args, "context_parallel_size", None)
     cp_size = 1 if cp_size is None else cp_size
     check_positive_int("context-parallel size", cp_size)

@@ -24,6 +24,7 @@ from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
 from megatron_mesh.checks import check_options
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, check_positive_int
 from megatron_mesh.masks.chunked import chunked_mask
+from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import window_of
@@ -34,7 +35,7 @@ from megatron_mesh.megatron.groups import (
     mesh_grid_is_initialized,
     single_rank_grid,
 )
-from megatron_mesh.megatron.mask_builder import MaskedSeqParams, layer_chunk
+from megatron_mesh.megatron.mask_builder import MaskedSeqParams, layer_chunk, packed_mask
 from megatron_mesh.megatron.placement import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.megatron.sink import (
@@ -284,7 +285,8 @@ class MeshDotProductAttention(MegatronModule):
         `attention_mask` is not read: the mask is the causal (or no) mask of
         `attn_mask_type`, applied to the whole sequence across the CP group, inside each
         document when packed, and this layer's sliding window (`layer_window`); or this
-        layer's chunks (`attention_chunk_size`); or the mask a `MaskedSeqParams` carries.
+        layer's chunks (`attention_chunk_size`, restarting at each packed document); or the
+        mask a `MaskedSeqParams` (or a packed batch, `mask_builder.with_packed_mask`) carries.
         """
         try:  # local checks; a rejection is told to every rank of the grid (`agreement.py`)
             if attention_bias is not None:
@@ -309,10 +311,8 @@ class MeshDotProductAttention(MegatronModule):
                     f"MeshDotProductAttention needs as many queries as keys per rank (got "
                     f"{query.shape[0]} and {key.shape[0]}); inference with a KV cache is not "
                     "supported")
-            if mask is not None and packed is not None:
-                raise ValueError(f"layer {self.layer_number}: chunked attention (attention_"
-                                 f"chunk_size={self.chunk}) over packed documents is not "
-                                 "supported; train without packed documents")
+            if packed is not None:
+                mask = self._packed_mask(packed, packed_seq_params)
             layer = self._layer(query, key, value, masks[mask_type], packed is not None,
                                 placement is not None, mask)
         except Exception as error:  # noqa: BLE001 - every rank must hear of it
@@ -332,9 +332,26 @@ class MeshDotProductAttention(MegatronModule):
                                  f"{self.chunk}) and the micro-batch brings a mask "
                                  f"({params.mask.text(2)}); give one of the two")
             return params.mask
-        if self.chunk is None:
+        if self.chunk is None or params is not None:  # packed: `_packed_mask`
             return None
         return chunked_mask(query.shape[0] * self.grid.cp_size, self.chunk)
+
+    def _packed_mask(self, packed: Documents | DocumentPlacement,
+                     params: PackedSeqParams) -> SliceMask | None:
+        """The mask of a call over packed documents, over the packed sequence's positions
+        (padded for THD): this layer's chunks restarting at each document's first token, or
+        the builder's mask laid on the documents (`mask_builder.with_packed_mask`); None:
+        the documents' own. Either is intersected with the documents' mask."""
+        given = packed_mask(params)
+        if given is not None and self.chunk is not None:
+            raise ValueError(f"layer {self.layer_number} is chunked (attention_chunk_size="
+                             f"{self.chunk}) and the micro-batch brings a mask "
+                             f"({given.text(2)}); give one of the two")
+        if self.chunk is None:
+            return given
+        if isinstance(packed, Documents):
+            return chunked_mask(packed.total, self.chunk, packed.cu_padded)
+        return chunked_mask(packed.total, self.chunk, packed.cu_seqlens)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -12,12 +12,14 @@ It returns one mask for all samples of the micro-batch: a `SliceMask` or its lis
 (q_start, q_end, k_start, k_end, 'full' | 'causal') over the sequence's positions
 (`examples/mask_builders.py`). The mask travels to every layer's core attention as
 `MaskedSeqParams`, the PackedSeqParams of an unpacked (sbhd) batch that carries it, on the
-route packed documents take.
+route packed documents take. With packed documents (--reset-attention-mask) the mask is laid
+on each document (`masks/packed.py`: the builder's mask intersected with the documents')
+and rides on the micro-batch's PackedSeqParams / PlacedSeqParams (`with_packed_mask`).
 
 Chunked layers (`--attention-chunk-size N`, Llama 4's local attention): every layer that
 applies RoPE (megatron-core's `no_rope_freq`: 0 for the layer) attends causally within
-chunks of N tokens (`masks/chunked.py`); the layers without RoPE attend causally over the
-whole sequence.
+chunks of N tokens (`masks/chunked.py`), restarting at each packed document's first token;
+the layers without RoPE attend causally over the whole sequence (or document).
 
 Megatron-LM's own pretrain_gpt.py splits the batch over the CP ranks before the model sees
 it; there `attach_mask_builder` puts a forward pre-hook on the GPTModel that gathers the
@@ -36,11 +38,12 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mesh.masks.layout import zigzag_merge
+from megatron_mesh.masks.packed import packed_slices
 from megatron_mesh.masks.slices import SliceMask, as_mask
 
 __all__ = ["MaskBuilderError", "MaskedSeqParams", "attach_mask_builder", "build_mask",
-           "layer_chunk",
-           "load_mask_builder", "masked_seq_params"]
+           "layer_chunk", "load_mask_builder", "masked_seq_params", "packed_mask",
+           "with_packed_mask"]
 
 FLAG = "--mesh-mask-builder"
 
@@ -73,6 +76,23 @@ def masked_seq_params(mask: SliceMask) -> MaskedSeqParams:
     """The MaskedSeqParams of `mask` (built for its sequence, `mask.seq_len`)."""
     return MaskedSeqParams(qkv_format="sbhd", max_seqlen_q=mask.seq_len,
                            max_seqlen_kv=mask.seq_len, mask=mask)
+
+
+_PACKED_MASK = "mesh_mask"  # the attribute a packed batch's PackedSeqParams carries it in
+
+
+def with_packed_mask(params: PackedSeqParams, mask: SliceMask, sample_len: int,
+                     lengths: list[int], starts: list[int], total: int) -> PackedSeqParams:
+    """`params` (packed documents, THD or placed) carrying `mask`, built over one sample's
+    `sample_len` positions, laid on its documents (`masks/packed.packed_slices`: document
+    d, lengths[d] tokens, at starts[d] of the packed sequence's `total` positions)."""
+    setattr(params, _PACKED_MASK, packed_slices(mask, sample_len, lengths, starts, total))
+    return params
+
+
+def packed_mask(params: PackedSeqParams | None) -> SliceMask | None:
+    """The mask a packed batch's params carry (`with_packed_mask`), or None."""
+    return getattr(params, _PACKED_MASK, None)
 
 
 def load_mask_builder(spec: str) -> Callable[..., Any]:

@@ -545,7 +545,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
 
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     try:  # the mesh shape is decided here, once; the grids are built from args.mesh_shape
-        shape = validate_mesh_args(args)
+        shape = validate_mesh_args(args, packed_documents=True)
     except ValueError as e:
         _fail(str(e))
     if shape is not None:

@@ -7,6 +7,7 @@ not depend on N.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -18,15 +19,22 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 from torch.utils.data import DataLoader, Sampler
 
+from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.megatron.compat import (
     get_batch_on_this_cp_rank,
     null_tokenizer_library,
     null_tokenizer_options,
 )
-from megatron_mesh.megatron.mask_builder import build_mask, load_mask_builder, masked_seq_params
+from megatron_mesh.megatron.mask_builder import (
+    build_mask,
+    load_mask_builder,
+    masked_seq_params,
+    with_packed_mask,
+)
+from megatron_mesh.megatron.placement import PlacedSeqParams
 from megatron_mesh.training.device import device, has_cuda
 from megatron_mesh.training.gpt2_bpe import gpt2_bpe_tokenizer
-from megatron_mesh.training.packing import document_lengths
+from megatron_mesh.training.packing import document_lengths, padded_lengths
 from megatron_mesh.training.pipeline import batch_keys
 from megatron_mesh.training.placement import document_packer
 from megatron_mesh.training.validation import split_weights
@@ -163,6 +171,19 @@ def sample_loader(dataset: GPTDataset, args: TrainingConfig, consumed_samples: i
                       pin_memory=has_cuda())
 
 
+def _with_documents_mask(packed: dict, mask: SliceMask, lengths: list[int],
+                         cp_size: int, sample_len: int) -> None:
+    """Give the packed micro-batch's params `mask` (over one sample's positions) laid on
+    its documents, where the packer put them (placed back to back, or padded THD)."""
+    params = packed["packed_seq_params"]
+    total = packed["tokens"].shape[-1] * cp_size
+    if isinstance(params, PlacedSeqParams):
+        starts = params.placement.cu_seqlens
+    else:
+        starts = [0, *itertools.accumulate(padded_lengths(lengths, cp_size))]
+    with_packed_mask(params, mask, sample_len, lengths, starts, total)
+
+
 def micro_batches(dataset: GPTDataset, args: TrainingConfig,
                   consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches from ``consumed_samples`` on, already split for CP.
@@ -173,7 +194,8 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     chunks (--reset-attention-mask: `placement.DocumentPacker` its share of the packed
     documents, placed as --mesh-document-placement says). With --mesh-mask-builder each
     micro-batch also brings the mask the builder makes of its whole sequence, on every rank
-    (`mask_builder.MaskedSeqParams`).
+    (`mask_builder.MaskedSeqParams`; with packed documents laid on each document,
+    `mask_builder.with_packed_mask`).
     Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
     stage reads no samples (with --reset-attention-mask their token ids, for the
     documents).
@@ -197,7 +219,13 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
         if args.data.reset_attention_mask:  # documents read on the host: no wait for the device
-            yield pack(batch, eod, document_lengths(cpu_batch["tokens"], eod))
+            lengths = document_lengths(cpu_batch["tokens"], eod)
+            packed = pack(batch, eod, lengths)
+            if builder is not None:  # laid on the documents, on the host
+                mask = build_mask(builder, spec, cpu_batch["tokens"], cpu_batch["position_ids"])
+                _with_documents_mask(packed, mask, lengths, args.context_parallel_size,
+                                     cpu_batch["tokens"].shape[-1])
+            yield packed
             continue
         mine = get_batch_on_this_cp_rank(batch)
         if builder is not None:  # from the whole sequence, on the host: the same on every rank

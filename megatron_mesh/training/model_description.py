@@ -166,6 +166,12 @@ def _invalid_one(value: Any, action: Any) -> str | None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
             and math.isfinite(value)
         return None if ok else "not a finite number"
+    if action.type not in (None, str):  # a flag's own parser (--no-rope-freq's pattern)
+        text = repr(list(value)) if isinstance(value, (list, tuple)) else str(value)
+        try:
+            return None if _same(action.type(text), value) else "not a value the flag takes"
+        except (argparse.ArgumentTypeError, ValueError, TypeError):
+            return "not a value the flag takes"
     return None if isinstance(value, str) else "not text"
 
 

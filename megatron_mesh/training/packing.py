@@ -28,6 +28,12 @@ def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
     return lengths
 
 
+def padded_lengths(lengths: list[int], cp_size: int) -> list[int]:
+    """Each document's length padded to a multiple of 2P (none at P = 1), as packed."""
+    unit = 2 * cp_size if cp_size > 1 else 1
+    return [-(-n // unit) * unit for n in lengths]
+
+
 def pack_documents(batch: dict[str, torch.Tensor], eod: int, cp_size: int, cp_rank: int,
                    multiple: int = 1, lengths: list[int] | None = None) -> dict:
     """This CP rank's share of a micro-batch of [b, s] tensors packed as THD documents:
@@ -37,8 +43,8 @@ def pack_documents(batch: dict[str, torch.Tensor], eod: int, cp_size: int, cp_ra
     those the EOD tokens of each sample delimit."""
     if lengths is None:
         lengths = document_lengths(batch["tokens"], eod)
+    padded = padded_lengths(lengths, cp_size)
     unit = 2 * cp_size if cp_size > 1 else 1
-    padded = [-(-n // unit) * unit for n in lengths]
     extra = -sum(padded) % (unit * multiple)
     if extra:
         lengths, padded = lengths + [0], padded + [extra]

@@ -4,7 +4,9 @@ the driver on a 2-rank mesh (its checkpoint saved on that grid), then greedy gen
 on the meshes 2x2, 1x4 and 2x1x2: the same token ids, log-probabilities equal to rounding;
 sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; packed prompts placed by
 document give the dense continuations; model flags left out are the checkpoint's, and one
-that differs from it is refused; bad input exits 2 with one line before any collective."""
+that differs from it is refused; a chunked model's continuations are the same at CP = 1 and
+on 2x1x2 and their log-probabilities a no-cache forward's; bad input exits 2 with one line
+before any collective."""
 from __future__ import annotations
 
 import json
@@ -549,3 +551,41 @@ def test_a_flag_error_under_torchrun_is_printed_by_a_slow_rank(tmp_path: Path) -
     errors = [line for line in output.splitlines() if line.startswith("generate: error:")]
     assert errors == ["generate: error: --max-new-tokens must be a positive integer, got 0"], \
         output[-3000:]
+
+
+def test_a_chunked_model_generates_what_its_full_forward_predicts(
+        checkpoint: Path, prompt_file: Path, work: Path) -> None:
+    """A model trained with --attention-chunk-size 8 --no-rope-freq 2 (layer 1 chunked with
+    RoPE, layer 2 causal over the whole sequence without): the same greedy ids and
+    log-probabilities at CP = 1 and on 2x1x2, each generated token's log-probability the one
+    a no-cache forward of its prompt and the tokens before it gives (the prefill of that
+    sequence, one new token); --pack-prompts refused with one line."""
+    ckpt = work / "ckpt-chunked"
+    trained = launch(1, ["--config", TINY, "--train-iters", "20", "--data-path",
+                         str(work / "arith"), "--data-cache-path", str(work / "index-cache"),
+                         "--save", str(ckpt), "--save-interval", "20", "--context-parallel-algo",
+                         "mesh", "--attention-chunk-size", "8", "--no-rope-freq", "2"])
+    assert trained.returncode == 0, trained.output[-3000:]
+    prompts = ["--load", str(ckpt), "--prompt-ids-file", str(prompt_file)]
+    run1, one = generate(1, [*prompts, "--max-new-tokens", str(NEW), "--cp-comm-type", "mesh"],
+                         work / "chunked-1.jsonl")
+    run4, mesh = generate(4, [*prompts, "--max-new-tokens", str(NEW), *GRIDS["2x1x2"]],
+                          work / "chunked-4.jsonl")
+    for run in (run1, run4):
+        assert run.returncode == 0, run.output[-3000:]
+    for got, want in zip(mesh, one, strict=True):
+        assert got["generated_ids"] == want["generated_ids"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    cases = [(r, k) for r in one for k in (0, 3, 11, 20, 30) if k < len(r["generated_ids"])]
+    path = work / "chunked-prefixes.json"
+    path.write_text(json.dumps([r["prompt_ids"] + r["generated_ids"][:k] for r, k in cases]))
+    run, full = generate(1, ["--load", str(ckpt), "--prompt-ids-file", str(path),
+                             "--max-new-tokens", "1", "--cp-comm-type", "mesh"],
+                         work / "chunked-full.jsonl")
+    assert run.returncode == 0, run.output[-3000:]
+    for (r, k), got in zip(cases, full, strict=True):
+        assert got["generated_ids"] == [r["generated_ids"][k]], (k, r)
+        assert got["logprobs"][0] == pytest.approx(r["logprobs"][k], abs=1e-4), (k, r)
+    line = refused(generate(1, [*prompts, "--pack-prompts", "--cp-comm-type", "mesh"],
+                            work / "chunked-packed.jsonl")[0])
+    assert "--pack-prompts with a model trained with --attention-chunk-size 8" in line, line

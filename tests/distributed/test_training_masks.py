@@ -2,8 +2,10 @@
 --attention-chunk-size 12 with --no-rope-freq 2 (Llama 4: layer 1 chunked with RoPE, layer 2
 global without) on a 2x2 mesh and a 2x1x2 grid, its attention bytes against the dense
 exchange's (layer 1 moves a few rows: a chunk spans at most two sub-chunks of 8 tokens);
-a prefix-LM mask from --mesh-mask-builder on 2x2; a builder that returns no mask stops
-every rank with one line, exit 2."""
+a prefix-LM mask from --mesh-mask-builder on 2x2; both over packed documents
+(--reset-attention-mask: chunks restart at each document, the builder's mask within each
+document), placed (balanced) and in Transformer Engine's THD layout, on 2x2 and 2x1x2; a
+builder that returns no mask stops every rank with one line, exit 2."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +18,8 @@ CHUNKED = ["--attention-chunk-size", "12", "--no-rope-freq", "2"]
 PREFIX = ["--mesh-mask-builder", "examples.mask_builders:prefix_lm"]
 MESH = ["--context-parallel-algo", "mesh"]
 CP4 = [*MESH, "--context-parallel-size", "4", "--mesh-shape"]
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
+TE = ["--mesh-document-placement", "te"]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +32,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         "2x2 nope": launch(4, [*data, "--no-rope-freq", "2", *CP4, "2x2"]),
         "cp1 prefix": launch(1, [*data, *MESH, *PREFIX]),
         "2x2 prefix": launch(4, [*data, *PREFIX, *CP4, "2x2"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def document_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    data = [*driver_data_args(tmp_path_factory.mktemp("docs"), ITERS, (5, 40), seed=1),
+            *DOCUMENTS]
+    return {
+        "cp1": launch(1, [*data, *MESH]),
+        "cp1 chunked": launch(1, [*data, *MESH, *CHUNKED]),
+        "2x2 chunked": launch(4, [*data, *CHUNKED, *CP4, "2x2"]),  # placed (balanced)
+        "2x1x2 chunked": launch(4, [*data, *CHUNKED, *CP4, "2x1x2", *TE]),
+        "cp1 prefix": launch(1, [*data, *MESH, *PREFIX]),
+        "2x2 prefix": launch(4, [*data, *PREFIX, *CP4, "2x2", *TE]),
+        "2x1x2 prefix": launch(4, [*data, *PREFIX, *CP4, "2x1x2"]),
     }
 
 
@@ -62,6 +81,18 @@ def test_chunks_change_the_model_and_move_few_bytes(runs: dict[str, Run]) -> Non
 def test_prefix_lm_builder_matches_cp1(runs: dict[str, Run]) -> None:
     _same(runs["2x2 prefix"], runs["cp1 prefix"])
     assert runs["2x2 prefix"].losses() != pytest.approx(runs["2x2 nope"].losses(), rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["2x2 chunked", "2x1x2 chunked", "2x2 prefix",
+                                  "2x1x2 prefix"])
+def test_masks_over_packed_documents_match_cp1(document_runs: dict[str, Run],
+                                               name: str) -> None:
+    """Chunks restarting at each document, and the builder's prefix-LM mask within each
+    document, over placed and THD documents, equal CP = 1; both change the model."""
+    ref = document_runs["cp1 " + name.split()[1]]
+    _same(document_runs[name], ref)
+    assert document_runs["cp1"].returncode == 0, document_runs["cp1"].output[-3000:]
+    assert ref.losses() != pytest.approx(document_runs["cp1"].losses(), rel=1e-4)
 
 
 def test_a_builder_returning_no_mask_stops_every_rank(tmp_path: Path) -> None:

@@ -345,6 +345,68 @@ def test_no_patch_example_trains_the_mesh_model_like_megatron_lm_s_own():
     assert "SAME True" in out
 
 
+def test_no_patch_example_attaches_a_builder_in_the_forward_step():
+    """On core_v0.18+ the model comes from a config and no provider sees it: the example's
+    forward step attaches --mesh-mask-builder's builder to the GPTModel (once). The loss
+    through it equals the same weights given the builder's prefix-LM mask as
+    packed_seq_params, and differs from causal attention."""
+    checkout = _checkout()
+    if _core_version(checkout) < (0, 18):
+        pytest.skip("core_v0.16.1's example attaches the builder in its model provider")
+    proc = _python(
+        f"""
+        import importlib.util, os, sys
+        import torch
+        import torch.distributed as dist
+        import megatron_mesh as mm
+        from megatron_mesh.megatron.cpu import megatron_on_cpu
+        from megatron_mesh.megatron.mask_builder import masked_seq_params
+        spec = importlib.util.spec_from_file_location("example", {str(EXAMPLE)!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+        from megatron.training.models.gpt import GPTModelBuilder
+
+        os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29523")
+        sys.argv = ["pretrain_gpt.py", *{TINY_IN_MEGATRON_LM!r}, "--cp-comm-type", "mesh",
+                    "--mesh-mask-builder", "examples.mask_builders:prefix_lm"]
+        args = example.parse_and_validate_args(extra_args_provider=example.extra_args_provider,
+                                               args_defaults=example.ARGS_DEFAULTS)
+        example.validate_mesh_args(args)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        tokens = torch.randint(0, 255, (2, 65), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(64).expand(2, 64)
+
+        def step(data_iterator, model):  # Megatron-LM's forward_step, without its data
+            batch = next(data_iterator)
+            return model(batch[:, :-1], positions, None, labels=batch[:, 1:]).mean().item()
+
+        example.pretrain_gpt.forward_step = step
+        example.get_args = lambda: args
+        with megatron_on_cpu():
+            torch.manual_seed(1234)
+            initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            model = GPTModelBuilder(example.mesh_model_config(args)).build_model(
+                ProcessGroupCollection.use_mpu_process_groups(), pre_process=True,
+                post_process=True)
+            plain = step(iter([tokens]), model)
+            given = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:],
+                          packed_seq_params=masked_seq_params(mm.prefix_lm_mask(64, 16))
+                          ).mean().item()
+            built = [example.mesh_forward_step(iter([tokens]), model) for _ in range(2)]
+            print("HOOKS", len(model._forward_pre_hooks))
+            print("SAME", all(abs(b - given) < 1e-6 for b in built), abs(given - plain) > 1e-4)
+        """,
+        checkout,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-4000:]
+    assert "HOOKS 1" in out and "SAME True True" in out, out
+
+
 # the tiny driver model in Megatron-LM's flags; the MLP width is left to both sides' SwiGLU
 # default (8h / 3 rounded down to a multiple of 64), which must agree
 TINY_IN_MEGATRON_LM = [

@@ -11,6 +11,7 @@ import torch
 
 import megatron_mesh as mm
 from examples import mask_builders
+from megatron_mesh.masks.packed import packed_slices
 from megatron_mesh.megatron.mask_builder import (
     MaskBuilderError,
     MaskedSeqParams,
@@ -102,18 +103,53 @@ def test_layers_with_rope_are_chunked(no_rope, chunks):
     assert [layer_chunk(config, n, None) for n in range(1, 5)] == [None] * 4
 
 
-@pytest.mark.parametrize("chunk,builder,named", [
-    (8, None, "--attention-chunk-size 8"),
-    (None, "examples.mask_builders:prefix_lm",
-     "--mesh-mask-builder examples.mask_builders:prefix_lm")])
-def test_generation_refuses_a_model_it_would_mask_causally(chunk, builder, named):
-    """A checkpoint's chunked layers or mask builder would decode causally: refused."""
+def test_generation_refuses_a_builder_masked_model_and_keeps_the_chunks():
+    """A builder's mask is a whole micro-batch's: generation refuses it, naming why; a
+    chunked model passes, and the generation spec keeps its chunks."""
     from megatron_mesh.inference.megatron.arguments import _check_layout
+    from megatron_mesh.inference.megatron.cached_attention import (
+        _mesh_params,
+        cached_attention_spec,
+    )
+    from megatron_mesh.megatron.spec import get_gpt_layer_spec
     from megatron_mesh.training.arguments import ConfigError
 
     args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                            data_parallel_size=1, world_size=1, context_parallel_size=1,
-                           context_parallel_algo="mesh", attention_chunk_size=chunk,
-                           mesh_mask_builder=builder)
-    with pytest.raises(ConfigError, match=re.escape(f"trained with {named} yet")):
+                           context_parallel_algo="mesh", attention_chunk_size=8,
+                           mesh_mask_builder=None)
+    _check_layout(args)
+    args.attention_chunk_size, args.mesh_mask_builder = None, "examples.mask_builders:prefix_lm"
+    with pytest.raises(ConfigError, match=re.escape(
+            "trained with --mesh-mask-builder examples.mask_builders:prefix_lm: the builder "
+            "masks a whole micro-batch")):
         _check_layout(args)
+    spec = get_gpt_layer_spec(context_parallel_algo="mesh", attention_chunk_size=8)
+    assert _mesh_params(cached_attention_spec(spec))["attention_chunk_size"] == 8
+
+
+def test_a_builder_mask_on_packed_documents_is_the_mask_within_each_document():
+    """Two samples of 8 tokens, documents [3, 5] and [8], packed THD-padded to multiples of
+    4: each document's rows see what the sample's mask gives them inside the document;
+    padding sees nothing."""
+    sample = mm.prefix_lm_mask(8, 2)
+    lengths, padded = [3, 5, 8], [4, 8, 8]
+    starts = [0, 4, 12]
+    packed = packed_slices(sample, 8, lengths, starts, sum(padded))
+    want = torch.zeros(20, 20, dtype=torch.bool)
+    dense, flat = _dense(sample, 8), 0
+    for n, start in zip(lengths, starts):
+        first = flat % 8
+        want[start:start + n, start:start + n] = dense[first:first + n, first:first + n]
+        flat += n
+    assert torch.equal(_dense(packed, 20), want)
+    with pytest.raises(ValueError, match="crosses the end of its sample"):
+        packed_slices(sample, 8, [6, 6], [0, 6], 12)
+
+
+def test_chunks_restart_at_each_document():
+    mask = mm.chunked_mask(12, 4, cu_seqlens=[0, 6, 12])
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    doc_i, doc_j = i // 6, j // 6
+    want = (j <= i) & (doc_i == doc_j) & ((i % 6) // 4 == (j % 6) // 4)
+    assert torch.equal(_dense(mask, 12), want)

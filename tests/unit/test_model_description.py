@@ -97,12 +97,18 @@ def test_a_description_no_command_line_could_give_is_refused_by_flag() -> None:
     saved = describe(parse_args(["--config", TINY]))
     assert checked_description({"model_shape": saved}, "ckpt", PARSER) == saved
     assert checked_description({}, "ckpt", PARSER) == {}
+    chunked = {**saved, "attention_chunk_size": 8, "no_rope_freq": 2}
+    assert checked_description({"model_shape": chunked}, "ckpt", PARSER) == chunked
+    listed = {**saved, "no_rope_freq": [0, 1]}  # the flags' own parsers read them back
+    assert checked_description({"model_shape": listed}, "ckpt", PARSER) == listed
     for key, value, why in (("hidden_size", 64.5, "not an integer"),
                             ("num_layers", True, "not an integer"),
                             ("norm_epsilon", "1e-5", "not a finite number"),
                             ("swiglu", 1, "not on / off"),
                             ("normalization", "BatchNorm", "not one of LayerNorm, RMSNorm"),
                             ("window_size", [8], "not 2 values"),
+                            ("attention_chunk_size", 0, "not a value the flag takes"),
+                            ("no_rope_freq", [0, 2], "not a value the flag takes"),
                             ("hidden_size", None, "unset, and the flag has no unset value")):
         with pytest.raises(CheckpointError) as e:
             checked_description({"model_shape": {**saved, key: value}}, "ckpt", PARSER)

@@ -250,8 +250,9 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
      "argument --attention-chunk-size: '0' is not a positive integer"),
     ([*G8, *MESH1, "--attention-chunk-size", "8", "--window-size", "4", "0"],
      "--attention-chunk-size 8 with --window-size: give one mask"),
-    ([*G8, *MESH1, "--attention-chunk-size", "8", "--reset-attention-mask"],
-     "--attention-chunk-size 8 with --reset-attention-mask"),
+    ([*G8, *MESH1, "--mesh-mask-builder", f"{BUILDERS}:prefix_lm", "--reset-attention-mask",
+      "--mesh-balance-data-parallel"],
+     f"--mesh-mask-builder {BUILDERS}:prefix_lm with --mesh-balance-data-parallel: the balance"),
     ([*G8, *MESH1, "--attention-chunk-size", "8", "--mesh-mask-builder", f"{BUILDERS}:prefix_lm"],
      "--attention-chunk-size 8 and --mesh-mask-builder examples.mask_builders:prefix_lm are "
      "exclusive"),

@@ -105,6 +105,10 @@ def parse_generate(argv: Sequence[str]) -> tuple[GenerateConfig, TrainingConfig]
     args = parse_args(rest, defaults=model_defaults(saved))
     unrecorded = check_model_flags(path, saved, args)
     _check_layout(args)
+    if gen.pack_prompts and args.attention_chunk_size is not None:
+        raise ConfigError(f"--pack-prompts with a model trained with --attention-chunk-size "
+                          f"{args.attention_chunk_size}: packed prompts decode causally inside "
+                          "each document only; drop --pack-prompts")
     return GenerateConfig(gen.prompt_ids_file, gen.prompts_file, gen.max_new_tokens,
                           temperature, gen.top_k, gen.top_p, gen.output,
                           gen.decode_exchange, gen.pack_prompts, path, tuple(unrecorded)), args
@@ -131,11 +135,13 @@ def _check_layout(args: TrainingConfig) -> None:
         raise ConfigError(f"world size {args.world_size} must equal --context-parallel-size "
                           f"{args.context_parallel_size}: launch with torchrun --nproc-per-node "
                           f"{args.context_parallel_size}")
-    for flag, value in (("--attention-chunk-size", args.attention_chunk_size),
-                        ("--mesh-mask-builder", args.mesh_mask_builder)):
-        if value is not None:
-            raise ConfigError(f"generate does not run a model trained with {flag} {value} "
-                              "yet (its decode steps would attend causally)")
+    if args.mesh_mask_builder is not None:
+        raise ConfigError(f"generate does not run a model trained with --mesh-mask-builder "
+                          f"{args.mesh_mask_builder}: the builder masks a whole micro-batch "
+                          "of equal samples, so the rows of tokens already in the KV cache "
+                          "could change as the sequence grows (and prompts of other lengths "
+                          "put tokens elsewhere); generate with InferenceSession("
+                          "attention_mask=...) and a mask fixed for the whole sequence")
     if args.context_parallel_size > 1 and args.context_parallel_algo != "mesh":
         raise ConfigError(f"generate runs context parallelism through the mesh: use "
                           f"--cp-comm-type mesh, got {args.context_parallel_algo}")

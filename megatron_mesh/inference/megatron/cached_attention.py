@@ -4,9 +4,11 @@
 keys, so a training checkpoint loads into it) whose forward, while a generation session is
 attached (`attach`), hands q / k / v to the session (`inference.InferenceSession`):
 prefill through the mesh writing the cache, or a decode step over the sharded cache.
-Without a session it is the training module. `CachedMeshAttentionInTEState` is the same
-over `MeshDotProductAttentionInTEState`, for models whose training spec kept a Transformer
-Engine attention's `_extra_state`: `cached_attention_spec` takes the one matching the spec.
+Without a session it is the training module. A chunked layer (`attention_chunk_size`) runs
+the session with its chunks as the mask: prefill on the prompts, decode a row per token.
+`CachedMeshAttentionInTEState` is the same over `MeshDotProductAttentionInTEState`, for
+models whose training spec kept a Transformer Engine attention's `_extra_state`:
+`cached_attention_spec` takes the one matching the spec.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_mesh.inference.session import InferenceSession
+from megatron_mesh.masks.chunked import chunked_mask
+from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.megatron.core_attention import (
     MeshDotProductAttention,
     MeshDotProductAttentionInTEState,
@@ -40,13 +44,28 @@ class _CachedForward:
                                    attention_bias, packed_seq_params)
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("generation runs dense prompts without attention_bias")
-        if self.chunk is not None:
-            raise ValueError(f"layer {self.layer_number} has chunked attention (attention_chunk_"
-                             f"size={self.chunk}), which generation does not run yet")
-        out = self.session.attend(self.layer_number, query, key, value, self.grid,
-                                  self.softmax_scale, self.window_size,
-                                  mesh_offset(self.softmax_offset))  # the sinks, if any
+        session, model_mask = self.session, self.session.attention_mask
+        if self.chunk is not None:  # this layer's chunks, over the whole generated sequence
+            session.attention_mask = self._chunks(session)
+        try:
+            out = session.attend(self.layer_number, query, key, value, self.grid,
+                                 self.softmax_scale, self.window_size,
+                                 mesh_offset(self.softmax_offset))  # the sinks, if any
+        finally:
+            session.attention_mask = model_mask
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _chunks(self, session: InferenceSession) -> SliceMask:
+        """This chunked layer's mask over the session's prompts and new tokens (positions
+        0 .. prompt length + room), which prefill runs on the prompts and decode reads a row
+        of; ValueError where the session brings a mask or packed prompts."""
+        if session.attention_mask is not None or session.placement is not None:
+            what = "packed prompts" if session.placement is not None else "a mask"
+            raise ValueError(f"layer {self.layer_number} is chunked (attention_chunk_size="
+                             f"{self.chunk}) and the session has {what}; generate dense "
+                             "prompts without attention_mask")
+        layout = session.layout
+        return chunked_mask(layout.prompt_len + layout.max_new, self.chunk)
 
 
 class CachedMeshAttention(_CachedForward, MeshDotProductAttention):
@@ -104,4 +123,5 @@ def _mesh_params(node: Any) -> dict | None:
     spec = _core_spec(node)
     if spec is None:
         return None
-    return {k: v for k, v in (spec.params or {}).items() if k in ("backend", "schedule")}
+    return {k: v for k, v in (spec.params or {}).items()
+            if k in ("backend", "schedule", "attention_chunk_size")}
