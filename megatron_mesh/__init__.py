@@ -8,11 +8,11 @@
     out = mm.mesh_attention(q, k, v, grid, mask=mask)  # q, k, v THD [t, h, d]
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
+from .calls.layout import zigzag_merge, zigzag_split
 from .layer_plan import AttentionShape, mesh_shapes
 from .masks.chunked import chunked_mask
 from .masks.document_placement import DocumentPlacement, zigzag_placement
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
-from .masks.layout import zigzag_merge, zigzag_split
 from .masks.mask import Mask, documents_mask, sliding_window_mask
 from .masks.prefix import prefix_lm_mask
 from .masks.slices import Slice, SliceMask

@@ -25,6 +25,7 @@ from typing import Iterable
 
 import torch
 
+from .calls.layout import AttentionMask
 from .checks import check_inputs
 from .dtypes import GradDtypes
 from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
@@ -41,7 +42,6 @@ from .layer_plan import (
 )
 from .masks.document_placement import DocumentPlacement
 from .masks.documents import Documents
-from .masks.layout import AttentionMask
 from .masks.mask import Mask, packed_documents, resolve_mask
 from .masks.placed import check_placement, check_placement_documents, mesh_placement
 from .masks.sink import add_sink, check_offset, sink_grad

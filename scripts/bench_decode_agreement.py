@@ -18,9 +18,9 @@ import time
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.inference import CacheLayout, decode_attention
 from megatron_mesh.inference.session import DECODE, InferenceSession
-from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.runtime import agreement
 from megatron_mesh.runtime.spawn import run_gloo
 

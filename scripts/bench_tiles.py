@@ -11,7 +11,7 @@ the tile's kernel calls in that pass ('calls', counted on the kernel), 'grouped'
 'folded' (the causal diagonal in one bottom-right call with the keys before it:
 `kernels.base.folds_diagonal`, torch's kernel on CUDA's flash op). --documents N: the
 sequence is N packed documents of P s / N tokens (THD), the tile's blocks variable-length
-calls joined document by document (`masks/document_groups.py`); its single call is one
+calls joined document by document (`calls/document_groups.py`); its single call is one
 variable-length call of the same documents' FLOPs (each document's s / N query rows against
 P s / 2N keys, P s / N without causal masking). --calls grouped,blocks gives both rows.
 
@@ -34,14 +34,14 @@ import time
 
 import torch
 
+from megatron_mesh.calls.layout import AttentionMask
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common import merge_triton
 from megatron_mesh.common.merge import empty_accumulators
-from megatron_mesh.common.tile_slices import TileSlices
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import get_kernel
 from megatron_mesh.kernels.base import folds_diagonal
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.masks.layout import AttentionMask
 from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.dtypes import DTYPE_NAMES
 from megatron_mesh.kernels.base import check_call
 from megatron_mesh.kernels.caps import KernelCaps

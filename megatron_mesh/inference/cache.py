@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks.layout import zigzag_split
+from ..calls.layout import zigzag_split
 
 EMPTY = -1  # the position of a slot no query sees
 

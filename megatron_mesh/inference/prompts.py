@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..calls.layout import zigzag_split
 from ..masks.document_placement import DocumentPlacement
-from ..masks.layout import zigzag_split
 from ..planner.document_placer import place_documents
 from .packed import placed_positions
 

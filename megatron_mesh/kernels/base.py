@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ..common.tile_slices import BAND, DOCUMENTS, TileSlices
+from ..calls.tile_slices import BAND, DOCUMENTS, TileSlices
 from .caps import KernelCaps, caps_of, kernel_name, what
 
 logger = logging.getLogger("megatron_mesh.kernels")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..common.tile_slices import DOCUMENTS, TileSlices
+from ..calls.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call
 from .caps import KernelCaps, caps_of
 from .choice import DeviceFacts, cudnn_unsupported

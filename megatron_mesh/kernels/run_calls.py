@@ -1,4 +1,4 @@
-"""A call's runs (`common/tile_runs.py`) on a kernel's dense op: no mask of the call's size.
+"""A call's runs (`calls/tile_runs.py`) on a kernel's dense op: no mask of the call's size.
 
 Each run becomes the dense calls its op takes: the run itself where the op aligns causal
 at the bottom right and takes flash-attention's window; elsewhere a causal run of more
@@ -22,10 +22,10 @@ from typing import Callable
 
 import torch
 
+from ..calls.tile_runs import CAUSAL_RUN, FULL, WINDOW, Range, Run
+from ..calls.tile_slices import BAND_MASK_BYTES, UNBOUNDED, Bounds, TileSlices, additive, keeps
 from ..common.caches import BytesLRU
 from ..common.merge import merge_into
-from ..common.tile_runs import CAUSAL_RUN, FULL, WINDOW, Range, Run
-from ..common.tile_slices import BAND_MASK_BYTES, UNBOUNDED, Bounds, TileSlices, additive, keeps
 
 BAND_ROWS = 128  # rows of one block of a window run (at least the window's width)
 SMALL_BIAS_BYTES = 1 << 20  # a call with a window and a bias this small is one call

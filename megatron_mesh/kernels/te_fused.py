@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..common.tile_slices import DOCUMENTS, TileSlices
+from ..calls.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call, log_once
 from .caps import KernelCaps, caps_of
 from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_slices import TileSlices
+from ..calls.tile_slices import TileSlices
 
 PACKED_STATS_CUDNN = (9, 6, 0)  # from this cuDNN on, TE's thd softmax stats are per token
 SM120 = (12, 0)  # where TE 2.14+ keeps per-document stats for thd (no ragged stats there)

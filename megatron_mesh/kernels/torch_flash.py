@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.tile_slices import DOCUMENTS, SLICES, TileSlices
+from ..calls.tile_slices import DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 from .run_calls import DenseOp, slices_backward, slices_forward
@@ -77,7 +77,7 @@ class TorchFlashKernel:
     Grouped tiles fold a causal diagonal into such a call only where it is one call
     (`bottom_right_mask_free`), or everywhere with `band_bottom_right` (to check the folded
     calls on the CPU). Slices: documents as one variable-length call on CUDA's flash op,
-    everything else as runs (`common/tile_runs.py`) on the dense op.
+    everything else as runs (`calls/tile_runs.py`) on the dense op.
     """
 
     name = "torch"
@@ -243,7 +243,7 @@ class TorchFlashKernel:
 # A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
 # allows flash) documents as one variable-length call over their rows (per batch entry: the
 # op reads one packed sequence; no work across documents, GQA as it is); everything else as
-# the runs of `common/tile_runs.py` on the dense op (`run_calls`): no bias but a window
+# the runs of `calls/tile_runs.py` on the dense op (`run_calls`): no bias but a window
 # block's where the op has no window of its own.
 
 

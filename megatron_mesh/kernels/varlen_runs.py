@@ -1,4 +1,4 @@
-"""A call's runs (`common/tile_runs.py`) as variable-length calls: each run one sequence.
+"""A call's runs (`calls/tile_runs.py`) as variable-length calls: each run one sequence.
 
 A variable-length op (CUDA's flash op with cumulative lengths) takes many sequences in one
 call, each query run against its concatenated key runs, under one rule for all of them:
@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
+from ..calls.tile_runs import CAUSAL_RUN, WINDOW, Run
 from ..common.merge import merge_into
-from ..common.tile_runs import CAUSAL_RUN, WINDOW, Run
 
 # forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale) -> out [t, h, dv],
 # lse [h, t]; backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window,

@@ -2,8 +2,8 @@
 
 A slice keeps query position i and key position j iff i is in [q_start, q_end), j in
 [k_start, k_end) and lo <= j - i <= hi (`Slice.bounds`: its causal diagonal and window).
-`keeps` is that rule on tensors (`common/tile_slices.py`, where kernel calls read their
-slices by it too); `sees` applies a `SliceMask` to any query and key
+`keeps` is that rule on tensors (kernel calls read their slices by it too,
+`tile_slices.py`); `sees` applies a `SliceMask` to any query and key
 positions (a rank's rows, a tile's, a cache's slots); `one_row` is decode's mask, one
 one-row causal slice per sequence, as tensors on the device of its positions (no copy to
 the host per step). A position < 0 (padding, an unwritten cache slot) is in no slice.
@@ -11,13 +11,36 @@ the host per step). A position < 0 (padding, an unwritten cache slot) is in no s
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
-from ..common.tile_slices import UNBOUNDED, Bounds, keeps
 from .slices import SliceMask
 
 __all__ = ["UNBOUNDED", "Bounds", "band", "keeps", "one_row", "sees"]
+
+UNBOUNDED = 1 << 62  # a bound that limits nothing (positions stay far below)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Slices as numbers (ints, or tensors that broadcast against the positions): query
+    positions [q_start, q_end) x key positions [k_start, k_end), lo <= j - i <= hi."""
+
+    q_start: torch.Tensor | int
+    q_end: torch.Tensor | int
+    k_start: torch.Tensor | int
+    k_end: torch.Tensor | int
+    lo: torch.Tensor | int = -UNBOUNDED
+    hi: torch.Tensor | int = UNBOUNDED
+
+
+def keeps(bounds: Bounds, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """bool, broadcast of i and j: the slice(s) `bounds` keep the pair (query i, key j)."""
+    delta = j - i
+    return ((i >= bounds.q_start) & (i < bounds.q_end) & (j >= bounds.k_start)
+            & (j < bounds.k_end) & (delta >= bounds.lo) & (delta <= bounds.hi))
+
 
 def band(left: int, right: int) -> Bounds:
     """A sliding window on positions, no range: i - left <= j <= i + right (-1 unbounded)."""

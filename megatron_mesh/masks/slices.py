@@ -98,7 +98,7 @@ class Slice:
         for part in self.cut(self.q_start, self.q_end, self.k_start, self.k_end):
             sq, sk = part.q_end - part.q_start, part.k_end - part.k_start
             if part.window is not None:
-                total += _band_pairs(part.q_start, part.q_end, part.k_start, part.k_end,
+                total += slice_pairs(part.q_start, part.q_end, part.k_start, part.k_end,
                                      *part.bounds)
             else:
                 total += sq * sk - (sq * (sq - 1) // 2 if part.kind == CAUSAL else 0)
@@ -134,25 +134,22 @@ def pieces(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None
     return tuple(parts)
 
 
-def _band_pairs(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None) -> int:
-    """How many pairs of [a, b) x [c, e) have lo <= j - i <= hi, in closed form: the count
-    of row i, min(e - 1, i + hi) - max(c, i + lo) + 1, is linear between two break rows."""
+def slice_pairs(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None) -> int:
+    """How many pairs of queries [a, b) x keys [c, e) have lo <= j - i <= hi (None:
+    unbounded), in closed form: row i's count, min(e - 1, i + hi) - max(c, i + lo) + 1, is
+    linear between its break rows."""
     def count(i: int) -> int:
         first = c if lo is None else max(c, i + lo)
         last = e - 1 if hi is None else min(e - 1, i + hi)
         return max(0, last - first + 1)
 
-    cuts = sorted({a, b, *(x for x in (None if hi is None else e - 1 - hi,
-                                       None if lo is None else c - lo)
-                           if x is not None and a < x < b)})
+    breaks = (None if hi is None else e - 1 - hi, None if lo is None else c - lo,
+              None if hi is None else c - hi, None if lo is None else e - lo)
+    cuts = sorted({a, b, *(x for x in breaks if x is not None and a < x < b)})
     total = 0
     for start, stop in zip(cuts, cuts[1:]):  # count is linear on [start, stop)
-        n = stop - start
         first, last = count(start), count(stop - 1)
-        if first > 0 and last > 0 or n == 1:
-            total += (first + last) * n // 2
-        else:  # it reaches 0 inside: add row by row where it is positive
-            total += sum(count(i) for i in range(start, stop))
+        total += (first + last) * (stop - start) // 2
     return total
 
 

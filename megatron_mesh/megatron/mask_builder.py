@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_mesh.masks.layout import zigzag_merge
+from megatron_mesh.calls.layout import zigzag_merge
 from megatron_mesh.masks.packed import packed_slices
 from megatron_mesh.masks.slices import SliceMask, as_mask
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from ..calls.layout import AttentionMask, block_for
+from ..calls.needed_rows import needed_rows
 from ..layer_plan import (
     DEFAULT_GRAD_DTYPE,
     FP32_BYTES,
@@ -16,8 +18,6 @@ from ..layer_plan import (
     heads_shape,
 )
 from ..masks.document_placement import DocumentPlacement
-from ..masks.layout import AttentionMask, block_for
-from ..masks.needed_rows import needed_rows
 from ..masks.placed import mesh_placement
 from ..masks.window import window_of
 from .memory import extra_memory

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_mesh.calls.layout import AttentionMask, mask_slices, rank_runs
+from megatron_mesh.calls.needed_rows import needed_rows
+from megatron_mesh.calls.slice_blocks import block_parts
 from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
-from megatron_mesh.masks.layout import AttentionMask, mask_slices, rank_runs
 from megatron_mesh.masks.mask import Mask
-from megatron_mesh.masks.needed_rows import needed_rows
 from megatron_mesh.masks.placed import mesh_placement
-from megatron_mesh.masks.slice_blocks import block_parts
 from megatron_mesh.planner.windows import RowCounts, row_counts
 from megatron_mesh.planner.workload import Workload
 

@@ -7,12 +7,12 @@ from typing import Collection, Sequence
 
 import torch
 
+from ..calls.groups import Call, Piece, group_calls
+from ..calls.layout import AttentionMask, blocks_for
 from ..common.caches import per_documents
 from ..common.merge import merge_into
 from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
-from ..masks.groups import Call, Piece, group_calls
-from ..masks.layout import AttentionMask, blocks_for
 from ..models.tile_calls import group_tokens, grouping
 from ..runtime.flat import flat_size, views
 from ..runtime.grid import MeshGrid

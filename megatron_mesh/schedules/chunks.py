@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
+from ..calls.layout import AttentionMask
 from ..kernels import TileKernel
-from ..masks.layout import AttentionMask
 from ..runtime.grid import MeshGrid
 from .blocks import GradKeyChunk, KeyChunk, backward_block, forward_block, kv_grads
 

@@ -18,12 +18,12 @@ import functools
 
 import torch
 
+from ..calls.layout import AttentionMask
+from ..calls.needed_rows import needed_rows
 from ..common.merge import empty_accumulators, merge_into
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
-from ..masks.layout import AttentionMask
-from ..masks.needed_rows import needed_rows
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from .blocks import backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads

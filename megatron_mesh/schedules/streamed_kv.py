@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from ..calls.layout import AttentionMask
 from ..common.merge import empty_accumulators
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
-from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.grid import MeshGrid
 from .blocks import backward_tile, forward_tile, kv_grad_buffer, kv_grads, split_kv_grads

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from ..calls.layout import AttentionMask
 from ..common.merge import empty_accumulators, merge_into
 from ..dtypes import FP32_GRADS, GradDtypes
 from ..kernels import TileKernel
 from ..layer_plan import COLUMN, ROW
-from ..masks.layout import AttentionMask
 from ..runtime import comm
 from ..runtime.flat import pack, views
 from ..runtime.grid import MeshGrid

@@ -7,6 +7,7 @@ not depend on N.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -51,17 +52,18 @@ _LIBRARIES = {
 }
 
 
-def build_tokenizer(args: TrainingConfig) -> MegatronTokenizerBase:
+def build_tokenizer(args: TrainingConfig | argparse.Namespace) -> MegatronTokenizerBase:
     """megatron-core's tokenizer for --tokenizer-type (NullTokenizer: ids are tokens, ids
     0 .. V - 1 of --vocab-size V and the end-of-document id V; GPT2BPETokenizer: from
-    --vocab-file and --merge-file alone, `gpt2_bpe`)."""
-    metadata = {"library": _LIBRARIES[args.data.tokenizer_type] or null_tokenizer_library()}
-    if args.data.tokenizer_type == "NullTokenizer":
+    --vocab-file and --merge-file alone, `gpt2_bpe`). Reads the flags by their flat names:
+    the checks of the parsed flags and the dataset tool call it on a namespace."""
+    metadata = {"library": _LIBRARIES[args.tokenizer_type] or null_tokenizer_library()}
+    if args.tokenizer_type == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path=metadata,
-                                                 **null_tokenizer_options(args.data.vocab_size))
-    if args.data.tokenizer_type == "GPT2BPETokenizer":  # from the local files, no hub
-        return gpt2_bpe_tokenizer(args.data.vocab_file, args.data.merge_file)
-    return MegatronTokenizer.from_pretrained(tokenizer_path=args.data.tokenizer_model,
+                                                 **null_tokenizer_options(args.vocab_size))
+    if args.tokenizer_type == "GPT2BPETokenizer":  # from the local files, no hub
+        return gpt2_bpe_tokenizer(args.vocab_file, args.merge_file)
+    return MegatronTokenizer.from_pretrained(tokenizer_path=args.tokenizer_model,
                                              metadata_path=metadata)
 
 
@@ -134,8 +136,8 @@ class SampleIndices(Sampler[int]):
 
     def __init__(self, first: int, total: int, dp_rank: int, args: TrainingConfig) -> None:
         self.first, self.total, self.dp_rank = first, total, dp_rank
-        self.mbs, self.dp = args.training.micro_batch_size, args.derived.data_parallel_size
-        self.num_microbatches, self.gbs = args.derived.num_microbatches, args.training.global_batch_size
+        self.mbs, self.dp = args.micro_batch_size, args.data_parallel_size  # flat names
+        self.num_microbatches, self.gbs = args.num_microbatches, args.global_batch_size
 
     def __iter__(self) -> Iterator[int]:
         start = self.first + self.dp_rank * self.mbs

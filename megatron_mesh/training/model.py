@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:
     """Round the vocabulary up so that every tensor-parallel shard is equally sized."""
-    multiple = args.model.make_vocab_size_divisible_by * args.parallel.tensor_model_parallel_size
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size  # flat: a namespace too
     return -(-vocab_size // multiple) * multiple
 
 

@@ -162,7 +162,7 @@ def test_bench_cluster_rejects_bad_sizes(capsys: pytest.CaptureFixture) -> None:
 def test_emulated_kernel_prices_varlen_tiles_by_in_document_pairs() -> None:
     """A call over packed documents (`TileSlices` of form documents) costs its in-document
     pairs only, not sq x sk."""
-    from megatron_mesh.common.tile_slices import TileSlices
+    from megatron_mesh.calls.tile_slices import TileSlices
     rate = 1e15  # fast: the price is read from kernel.seconds
     q = torch.zeros(100, 1, 4, 8)
     segs = TileSlices.documents((0, 30, 100), (0, 30, 100), True, torch.device("cpu"))

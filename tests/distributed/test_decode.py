@@ -16,6 +16,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.attention import layer_shape, plan_for
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.inference import (
     CacheLayout,
     KVShard,
@@ -26,7 +27,6 @@ from megatron_mesh.inference import (
 )
 from megatron_mesh.inference.packed import placed_positions
 from megatron_mesh.inference.session import DECODE, InferenceSession
-from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.decode_traffic import cache_slots, decode_step_bytes
 from megatron_mesh.runtime import agreement
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.plan import resolve_plan
 
 from dist_utils import run_distributed
@@ -102,7 +102,7 @@ def test_mla_head_dims_exact_on_every_grid(cp_size: int) -> None:
 def test_cuda_calls_take_v_head_dim_on_meta(dtype: torch.dtype, packed: bool) -> None:
     """The CUDA calls (flash, dense or variable-length, with V padded; memory-efficient with
     V's own head dim) run on meta tensors and give out and dv of V's head dim."""
-    from megatron_mesh.common.tile_slices import TileSlices
+    from megatron_mesh.calls.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel, padded_head_dim
 
     meta = torch.device("meta")

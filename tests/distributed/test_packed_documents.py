@@ -214,7 +214,7 @@ def test_packed_documents_exact_on_every_grid(cp_size: int) -> None:
 def test_cuda_branches_of_the_document_tiles_on_meta(dtype: torch.dtype) -> None:
     """The CUDA calls (varlen flash for fp16 / bf16, memory-efficient with a mask for fp32)
     run on meta tensors: aten checks their argument lists, shapes and dtypes."""
-    from megatron_mesh.common.tile_slices import TileSlices
+    from megatron_mesh.calls.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 
     documents = TileSlices.documents((0, 3, 8), (0, 3, 8), True, torch.device("meta"))

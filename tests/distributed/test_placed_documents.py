@@ -287,9 +287,9 @@ def test_cuda_branches_of_placed_blocks_on_meta(dtype: torch.dtype) -> None:
     and run through the CUDA branches of the torch kernel (varlen flash in bf16, the
     memory-efficient op with the segments' mask in fp32), forward and backward: aten checks
     each call's arguments, shapes and dtypes."""
+    from megatron_mesh.calls.layout import AttentionMask, block_for
     from megatron_mesh.common.merge import empty_accumulators
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
-    from megatron_mesh.masks.layout import AttentionMask, block_for
     from megatron_mesh.schedules.blocks import backward_block, forward_block, kv_grads
 
     placement = shuffled_placement((40, 9, 15), 2, seed=3)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.layer_plan import Schedule
 from megatron_mesh.masks.documents import Documents, thd_split
-from megatron_mesh.masks.layout import zigzag_split
 
 from dist_utils import run_distributed
 from reference import beyond_tolerance, partial_results

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.layer_plan import Schedule, grid_shapes
 from megatron_mesh.masks.documents import Documents, thd_split
-from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.models.traffic import mesh_traffic
@@ -284,7 +284,7 @@ def test_cuda_calls_of_window_tiles_on_meta(dtype: torch.dtype, band: bool) -> N
     """The CUDA calls of a windowed tile run on meta tensors: flash with the band's own
     window (fp16 / bf16), else the memory-efficient op with the additive bias (a band's
     made on the device; other slices' likewise); V of its own head dim too."""
-    from megatron_mesh.common.tile_slices import TileSlices
+    from megatron_mesh.calls.tile_slices import TileSlices
     from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 
     meta = torch.device("meta")
@@ -307,8 +307,8 @@ def _tall_windows_on_meta(rank: int, world: int) -> list[tuple]:
     short documents grouped); which attention ops ran, and the shapes."""
     from attention_ops import AttentionOps
 
+    from megatron_mesh.calls.layout import AttentionMask
     from megatron_mesh.kernels import TorchFlashKernel
-    from megatron_mesh.masks.layout import AttentionMask
     from megatron_mesh.masks.window import Window
     from megatron_mesh.schedules import sparse
     from megatron_mesh.schedules.delta import attention_delta
@@ -357,7 +357,7 @@ def test_tall_window_shares_on_meta() -> None:
 def test_band_mask_counts_and_draws_the_same_pairs() -> None:
     """A band's closed-form pair count equals its drawn mask's; its additive form is 0
     exactly where it sees."""
-    from megatron_mesh.common.tile_slices import TileSlices
+    from megatron_mesh.calls.tile_slices import TileSlices
 
     for sq, sk in ((5, 5), (3, 9), (9, 3), (1, 7)):
         for left in (-1, 0, 1, 4, 20):
@@ -389,7 +389,7 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
     local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
     sub-chunks cut into slabs; packed documents on tall shares take band tiles per
     document piece and groups of short documents."""
-    from megatron_mesh.masks.layout import AttentionMask, block_for, block_pairs
+    from megatron_mesh.calls.layout import AttentionMask, block_for, block_pairs
     from megatron_mesh.masks.window import Window
 
     docs = WindowCase((1, 0), **LONG_DOCUMENTS).documents if documents else None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mesh.common import caches, tile_slices
+from megatron_mesh.calls import tile_slices
+from megatron_mesh.common import caches
 
 
 def band_from_definition(sq: int, sk: int, left: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.masks.document_placement import DocumentPlacement, zigzag_placement
-from megatron_mesh.masks.layout import zigzag_split
 from megatron_mesh.planner.document_placer import enough_documents, place_documents
 
 S = 65536  # tokens of the packed sequence in the mixes

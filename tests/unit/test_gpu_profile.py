@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_mesh.calls.layout import AttentionMask, block_pairs
 from megatron_mesh.cli import main
 from megatron_mesh.emulation import EmulatedKernel, Emulation
 from megatron_mesh.emulation.compute import tile_flops
-from megatron_mesh.masks.layout import AttentionMask, block_pairs
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner import Cluster, plan

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_mesh.calls import document_groups, layout
+from megatron_mesh.calls import groups as groups_module
+from megatron_mesh.calls.block import Block
+from megatron_mesh.calls.groups import group_calls
+from megatron_mesh.calls.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
+from megatron_mesh.calls.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
+from megatron_mesh.calls.slice_blocks import block_calls, block_parts, bound_of, position_runs
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
-from megatron_mesh.common.tile_slices import TileSlices
-from megatron_mesh.masks import document_groups, layout
-from megatron_mesh.masks import groups as groups_module
-from megatron_mesh.masks.block import Block
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.masks.groups import group_calls
-from megatron_mesh.masks.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
-from megatron_mesh.masks.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
-from megatron_mesh.masks.slice_blocks import block_calls, block_parts, bound_of, position_runs
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import Window
 from megatron_mesh.runtime.grid import MeshGrid

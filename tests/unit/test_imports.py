@@ -132,8 +132,8 @@ def test_no_import_cycle_in_the_package():
     ("models.plan", {"layer_plan", "models.memory"}),  # a plan sits above the memory model
     ("models.traffic", {"layer_plan", "models.plan"}),  # its defaults: mesh_attention's plan
     # the sparse exchange's model: the rows a mask's blocks use (the masks are below it)
-    ("models.sparse", {"layer_plan", "models.memory", "models.traffic", "masks.layout",
-                       "masks.needed_rows", "masks.placed", "masks.window",
+    ("models.sparse", {"layer_plan", "models.memory", "models.traffic", "calls.layout",
+                       "calls.needed_rows", "masks.placed", "masks.window",
                        "masks.document_placement"}),
 ])
 def test_layers_import_only_what_is_below(module, allowed):
@@ -143,22 +143,25 @@ def test_layers_import_only_what_is_below(module, allowed):
 
 
 # folder -> folders (and top-level modules) of the package it must never import: the layers
-# in the order data flows (masks -> schedules -> attention -> inference), the models beside
-# them (only the sparse exchange's model, models/sparse.py, reads masks: the rows a mask's
-# blocks use; never the other way); masks, kernels and runtime side by side, sharing only
-# the leaf common/; megatron-core's side above them: its adapter (megatron/), training/,
-# then generation on megatron-core (inference/megatron/, a folder of its own inside
+# in the order data flows (masks -> calls -> schedules -> attention -> inference; calls/
+# lays a mask on the ranks as blocks and kernel calls, between the masks and the kernels,
+# which take its calls), the models beside them (only the sparse exchange's model,
+# models/sparse.py, reads masks and calls: the rows a mask's blocks use; never the other
+# way); masks, kernels and runtime side by side, sharing only the leaf common/;
+# megatron-core's side above them: its adapter (megatron/), training/, then generation on
+# megatron-core (inference/megatron/, a folder of its own inside
 # inference/: `_folder` tells it apart)
 SUBFOLDERS = {"inference.megatron"}
 ABOVE = {"schedules", "checks", "attention", "inference", "inference.megatron", "planner",
          "emulation", "megatron", "training"}
 NEVER = {
-    "common": ABOVE | {"masks", "kernels", "runtime", "models"},
-    "masks": ABOVE | {"kernels", "runtime", "models"},
+    "common": ABOVE | {"masks", "calls", "kernels", "runtime", "models"},
+    "masks": ABOVE | {"calls", "kernels", "runtime", "models"},
+    "calls": ABOVE | {"kernels", "runtime", "models"},
     "kernels": ABOVE | {"masks", "runtime"},
     "models": {"schedules", "runtime", "kernels", "attention", "inference",
                "inference.megatron", "megatron", "training"},
-    "runtime": ABOVE | {"masks", "kernels"},
+    "runtime": ABOVE | {"masks", "calls", "kernels"},
     "schedules": {"attention", "inference", "inference.megatron", "planner", "megatron",
                   "training"},
     "planner": {"inference", "inference.megatron", "megatron", "training"},
@@ -254,8 +257,8 @@ def test_torch_distributed_finder_follows_chains(tmp_path):
 
 
 TOP_LEVEL = {"attention", "checks", "layer_plan", "dtypes", "cli", "pretrain_gpt", "generate",
-             "preprocess", "masks", "schedules", "models", "runtime", "kernels", "inference",
-             "planner", "emulation", "megatron", "training", "common"}
+             "preprocess", "masks", "calls", "schedules", "models", "runtime", "kernels",
+             "inference", "planner", "emulation", "megatron", "training", "common"}
 
 
 def test_every_algorithm_module_sits_in_a_layer_folder():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.attention import window_backend
-from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.emulation import EmulatedKernel
 from megatron_mesh.kernels import (
     WINDOWS,

@@ -20,7 +20,8 @@ import torch
 from attention_ops import AttentionOps
 from te_releases import ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
-from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.calls.layout import AttentionMask, block_for
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.kernels import (
     Choice,
     TorchFlashKernel,
@@ -36,7 +37,6 @@ from megatron_mesh.kernels.te_fused import (
     thd_fwd_kwargs,
 )
 from megatron_mesh.masks.documents import Documents, thd_partition_indices
-from megatron_mesh.masks.layout import AttentionMask, block_for
 
 # ---------------------------------------------------------------- part 1: no TE, no GPU
 

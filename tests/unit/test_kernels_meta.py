@@ -340,7 +340,7 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     on a 1 x 1 grid (one rank: no collective carries data, every tile call is made)."""
     import megatron_mesh as mm
     from megatron_mesh.attention import finish_rows, grad_dtypes
-    from megatron_mesh.masks.layout import AttentionMask
+    from megatron_mesh.calls.layout import AttentionMask
     from megatron_mesh.models.plan import GradDtype
     from megatron_mesh.schedules import gathered, streamed_kv, streamed_q
     from megatron_mesh.schedules.delta import attention_delta

@@ -1,4 +1,4 @@
-"""A call's slices as runs (`common/tile_runs.py`, `kernels/run_calls.py`) on torch's CPU
+"""A call's slices as runs (`calls/tile_runs.py`, `kernels/run_calls.py`) on torch's CPU
 kernel, against an fp64 formula on the whole call with the mask built here from the slices'
 definition (query i sees key j iff q0 <= i < q1, k0 <= j < k1 and lo <= j - i <= hi for some
 slice), forward and backward: documents (full, causal, more keys than queries), windows,
@@ -13,8 +13,8 @@ import pytest
 import torch
 from attention_ops import AttentionOps
 
-from megatron_mesh.common.tile_runs import runs_of
-from megatron_mesh.common.tile_slices import TileSlices
+from megatron_mesh.calls.tile_runs import runs_of
+from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.kernels.cudnn import CudnnKernel
 from megatron_mesh.kernels.run_calls import BAND_ROWS, SMALL_BIAS_BYTES
 from megatron_mesh.kernels.torch_flash import TorchFlashKernel

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_mesh.calls.layout import AttentionMask, block_for, zigzag_chunks, zigzag_merge, zigzag_split
 from megatron_mesh.common.merge import empty_accumulators, merge_into
 from megatron_mesh.kernels import TorchFlashKernel
-from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_chunks, zigzag_merge, zigzag_split
 from megatron_mesh.masks.sink import add_sink
 from megatron_mesh.schedules.delta import attention_delta, out_with_delta
 

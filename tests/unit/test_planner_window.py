@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from megatron_mesh.calls.layout import AttentionMask
+from megatron_mesh.calls.needed_rows import needed_rows
 from megatron_mesh.cli import main
 from megatron_mesh.layer_plan import AttentionShape, grid_shapes, heads_shape
-from megatron_mesh.masks.layout import AttentionMask
-from megatron_mesh.masks.needed_rows import needed_rows
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.models.sparse import window_traffic

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.masks.layout import AttentionMask, block_for, zigzag_split
+from megatron_mesh.calls.layout import AttentionMask, block_for, zigzag_split
 from megatron_mesh.masks.seen import sees
 from megatron_mesh.masks.slices import Slice, SliceMask
 from megatron_mesh.masks.window import Window, windowed
@@ -257,11 +257,11 @@ def test_short_documents_are_one_variable_length_call():
 # ---- a new mask kind is one file ----
 
 # The modules that say which (query, key) pairs a mask keeps: `slices.py` defines what a
-# slice means, `common/tile_slices.py` holds the one rule (`keeps`, read by `seen.py` on
+# slice means, `calls/tile_slices.py` holds the one rule (`keeps`, read by `seen.py` on
 # positions and by kernel calls on their rows) and a band's closed form, and `seen.py`
 # applies the rule to any positions. Every mask kind, and every block's calls
 # (`slice_blocks.py`), is made of slices and codes no rule of its own.
-MASK_RULE_FILES = {"masks/slices.py", "masks/seen.py", "common/tile_slices.py"}
+MASK_RULE_FILES = {"masks/slices.py", "masks/seen.py", "calls/tile_slices.py"}
 # What coding a mask rule looks like: a causal or band shape cut from a matrix, a comparison
 # of key and query positions, or of their difference.
 RULE_PATTERN = re.compile(
@@ -270,7 +270,8 @@ RULE_PATTERN = re.compile(
     r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
-                  "masks/layout.py", "masks/placed.py", "masks/mask.py", "masks/chunked.py"}
+                  "calls/layout.py", "masks/placed.py", "masks/mask.py", "masks/chunked.py",
+                  "masks/packed.py"}
 
 
 def _sources() -> dict[str, str]:
@@ -303,7 +304,7 @@ def test_only_the_builders_make_slices():
                     and node.func.id in ("Slice", "SliceMask")):
                 makers.add(name)
     # slice_blocks moves cut slices to local rows, which is no new mask
-    assert makers - {"masks/slice_blocks.py"} == SLICE_BUILDERS
+    assert makers - {"calls/slice_blocks.py"} == SLICE_BUILDERS
 
 
 def test_the_prefix_lm_mask_is_one_file():
@@ -387,8 +388,8 @@ def test_every_mask_kind_is_its_slices(kind):
     """The dense zigzag, THD documents (padded) and placed documents, with and without a
     window: `layout.block_pairs` (their slices, `mask_slices`, read by `seen.sees` on the
     rows' positions) keeps the pairs of the definition on every block."""
+    from megatron_mesh.calls.layout import block_pairs, mask_slices
     from megatron_mesh.masks.documents import Documents
-    from megatron_mesh.masks.layout import block_pairs, mask_slices
     from megatron_mesh.planner.document_placer import place_documents
 
     ranks = 4
@@ -470,8 +471,8 @@ def test_a_users_slices_compose_with_every_mask_kind(kind):
     """A user's slices over the (packed) sequence's positions, with the documents (THD,
     placed) or the dense sequence and a window: every block keeps the pairs of the
     definition that the slices keep too."""
+    from megatron_mesh.calls.layout import block_pairs, global_positions
     from megatron_mesh.masks.documents import Documents
-    from megatron_mesh.masks.layout import block_pairs, global_positions
     from megatron_mesh.planner.document_placer import place_documents
 
     ranks, rng = 4, random.Random(5)
@@ -550,11 +551,12 @@ def test_chunked_mask_names_bad_values(args, words):
 
 
 def test_the_chunked_mask_is_one_file():
-    """Outside the Megatron integration only masks/chunked.py (and the package's __init__,
-    which exports it) knows chunked attention; it imports nothing of the package but slices."""
+    """Outside the Megatron integration (megatron/, training/, inference/megatron/) only
+    masks/chunked.py (and the package's __init__, which exports it) knows chunked attention;
+    it imports nothing of the package but slices."""
     mentions = {name for name, text in _sources().items()
                 if re.search(r"chunked_mask", text)
-                and not name.startswith(("megatron/", "training/"))}
+                and not name.startswith(("megatron/", "training/", "inference/megatron/"))}
     assert mentions == {"masks/chunked.py", "__init__.py"}, mentions
     tree = ast.parse((PACKAGE / "masks/chunked.py").read_text())
     project = {node.module for node in ast.walk(tree)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_mesh.calls.groups import group_calls
+from megatron_mesh.calls.layout import AttentionMask, block_for
 from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.masks.groups import group_calls
-from megatron_mesh.masks.layout import AttentionMask, block_for
 from megatron_mesh.models.tile_calls import (
     CallShape,
     backward_calls,

@@ -31,8 +31,8 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from ..common.tile_slices import TileSlices
 from .block import Block, Runs
+from .tile_slices import TileSlices
 
 
 @dataclass(frozen=True)

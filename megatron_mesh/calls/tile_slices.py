@@ -3,9 +3,8 @@ call's own rows.
 
 A slice of a call is query rows [q0, q1) x key rows [k0, k1) where query row i sees key
 row j iff lo <= j - i <= hi (None: unbounded), rows counted in the call (the pieces it
-gathers, concatenated). `keeps` is that rule on tensors, the one every mask is read by
-(`masks/seen.py` reads whole-sequence slices with it). A `TileSlices` holds a call's slices
-and the form a kernel takes them in:
+gathers, concatenated), read by the one rule of every mask (`masks/seen.keeps`). A
+`TileSlices` holds a call's slices and the form a kernel takes them in:
 
     documents   document-diagonal: document n is query rows cu_q[n] .. cu_q[n+1] against
                 key rows cu_kv[n] .. cu_kv[n+1], all full or all causal (aligned at the
@@ -31,52 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .caches import BytesLRU
+from ..common.caches import BytesLRU
+from ..masks.seen import UNBOUNDED, Bounds, keeps
+from ..masks.slices import slice_pairs
 from .tile_runs import Run, runs_of
 
 DOCUMENTS, BAND, SLICES = "documents", "band", "slices"
-UNBOUNDED = 1 << 62  # a bound that limits nothing (positions stay far below)
-
 Bound = tuple[int, int, int, int, "int | None", "int | None"]  # (q0, q1, k0, k1, lo, hi)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """Slices as numbers (ints, or tensors that broadcast against the positions): query
-    positions [q_start, q_end) x key positions [k_start, k_end), lo <= j - i <= hi."""
-
-    q_start: torch.Tensor | int
-    q_end: torch.Tensor | int
-    k_start: torch.Tensor | int
-    k_end: torch.Tensor | int
-    lo: torch.Tensor | int = -UNBOUNDED
-    hi: torch.Tensor | int = UNBOUNDED
-
-
-def keeps(bounds: Bounds, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """bool, broadcast of i and j: the slice(s) `bounds` keep the pair (query i, key j)."""
-    delta = j - i
-    return ((i >= bounds.q_start) & (i < bounds.q_end) & (j >= bounds.k_start)
-            & (j < bounds.k_end) & (delta >= bounds.lo) & (delta <= bounds.hi))
-
-
-def slice_pairs(a: int, b: int, c: int, e: int, lo: int | None, hi: int | None) -> int:
-    """How many pairs of queries [a, b) x keys [c, e) have lo <= j - i <= hi (None:
-    unbounded), in closed form: row i's count, min(e - 1, i + hi) - max(c, i + lo) + 1, is
-    linear between its break rows."""
-    def count(i: int) -> int:
-        first = c if lo is None else max(c, i + lo)
-        last = e - 1 if hi is None else min(e - 1, i + hi)
-        return max(0, last - first + 1)
-
-    breaks = (None if hi is None else e - 1 - hi, None if lo is None else c - lo,
-              None if hi is None else c - hi, None if lo is None else e - lo)
-    cuts = sorted({a, b, *(x for x in breaks if x is not None and a < x < b)})
-    total = 0
-    for start, stop in zip(cuts, cuts[1:]):  # count is linear on [start, stop)
-        first, last = count(start), count(stop - 1)
-        total += (first + last) * (stop - start) // 2
-    return total
 
 
 @dataclass(frozen=True, eq=False)

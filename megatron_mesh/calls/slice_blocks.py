@@ -37,10 +37,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..common.tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
+from ..masks.slices import Slice, SliceMask, pieces
 from .block import Block
 from .part_arrays import RunArrays
-from .slices import Slice, SliceMask, pieces
+from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
 

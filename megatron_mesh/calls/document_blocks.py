@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..common.tile_slices import TileSlices, slice_pairs
+from ..masks.slices import pieces
 from .block import Block
 from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays
 from .slice_blocks import _block, _Group, _one_slice, gathered_call
-from .slices import pieces
+from .tile_slices import TileSlices, slice_pairs
 
 
 def document_block(parts: PartArrays, local_len: int, q_runs: RunArrays, k_runs: RunArrays,

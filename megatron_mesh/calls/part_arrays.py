@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .slices import SliceMask
+from ..masks.slices import SliceMask
 
 NO_LO, NO_HI = -(1 << 62), 1 << 62
 

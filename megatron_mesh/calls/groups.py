@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.tile_slices import TileSlices
 from .block import Block
 from .document_groups import Member, groups_of, join
+from .tile_slices import TileSlices
 
 
 @dataclass(frozen=True)

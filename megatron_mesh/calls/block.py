@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.tile_slices import TileSlices
+from .tile_slices import TileSlices
 
 Runs = tuple[tuple[int, int], ...]  # [start, end) runs of local rows
 

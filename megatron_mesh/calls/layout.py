@@ -15,11 +15,16 @@ import numpy as np
 import torch
 
 from ..common.caches import per_documents
+from ..masks.document_placement import DocumentPlacement
+from ..masks.documents import Documents
+from ..masks.mask import Mask
+from ..masks.placed import positions
+from ..masks.seen import sees
+from ..masks.slices import CAUSAL, FULL, SliceMask
+from ..masks.window import Window, token_positions
+from ..masks.zigzag import check_zigzag_divisible, zigzag_chunks
 from .block import Block
 from .document_blocks import document_block, document_blocks
-from .document_placement import DocumentPlacement
-from .documents import Documents
-from .mask import Mask
 from .part_arrays import (
     PartArrays,
     RunArrays,
@@ -29,12 +34,7 @@ from .part_arrays import (
     slice_arrays,
     tile_parts,
 )
-from .placed import positions
-from .seen import sees
 from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
-from .slices import CAUSAL, FULL, SliceMask
-from .window import Window, token_positions
-from .zigzag import check_zigzag_divisible, zigzag_chunks
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
