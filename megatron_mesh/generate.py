@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_mesh.training.console import quiet_library_warnings
+from megatron_mesh.training.job.console import quiet_library_warnings
 
 quiet_library_warnings()  # the driver's set: megatron-core's notes to its own developers
 

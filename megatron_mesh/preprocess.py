@@ -11,7 +11,7 @@ histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads), all thre
 whole (private names, renamed at the end; the folder made when missing); shows progress on
 stderr and a summary on stdout. Bad input or an output it cannot write exits 2 with one
 line before tokenizing; SIGINT / SIGTERM exit 128 + the signal, leaving nothing. The work is in
-megatron_mesh/training/preprocess_data.py; docs/training.md, "Real data", walks through it.
+megatron_mesh/training/data/preprocess_data.py; docs/training.md, "Real data", walks through it.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from megatron_mesh.training.preprocess_data import InputError, Stopped, preprocess
+        from megatron_mesh.training.data.preprocess_data import InputError, Stopped, preprocess
     except ModuleNotFoundError as e:
         _fail(f"preprocess needs the 'megatron' extra (no module named {e.name!r}): "
               "pip install 'megatron-mesh[megatron]'")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from megatron_mesh.training.console import (
+from megatron_mesh.training.job.console import (
     error,
     flag_error,
     log_to_stdout,
@@ -26,7 +26,7 @@ PROG = "pretrain_gpt"
 def main(argv: Sequence[str] | None = None) -> int:
     log_to_stdout()
     try:
-        from megatron_mesh.training.arguments import ConfigError, parse_args
+        from megatron_mesh.training.config.arguments import ConfigError, parse_args
     except ModuleNotFoundError as e:  # --help too: the flags are megatron-core's
         if not missing_extra(PROG, e):
             raise
@@ -37,10 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flag_error(PROG, str(e))
         return 2
     from megatron_mesh.megatron.mask_builder import MaskBuilderError
-    from megatron_mesh.training.checksums import CheckpointError
+    from megatron_mesh.training.checkpoints.checksums import CheckpointError
+    from megatron_mesh.training.checkpoints.save_failure import SaveError
+    from megatron_mesh.training.loop.stopping import NonFiniteError
     from megatron_mesh.training.run import run
-    from megatron_mesh.training.save_failure import SaveError
-    from megatron_mesh.training.stopping import NonFiniteError
 
     try:
         return run(args)

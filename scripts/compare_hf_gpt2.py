@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# the driver's log line (training/metrics.py): "... tokens/s: T | ... | peak memory GPU (MiB): M |"
+# the driver's log line (training/logs/metrics.py): "... tokens/s: T | ... | peak memory GPU (MiB): M |"
 LINE = re.compile(r"iteration\s+(\d+)/.*?tokens/s: ([0-9.]+).*?peak memory (?:GPU|RSS) \(MiB\): "
                   r"([0-9.]+)")
 

@@ -32,7 +32,7 @@ TINY = str(ROOT / "configs" / "tiny-cpu.yaml")  # the tiny model the driver test
 # the driver first: it silences megatron-core's import warnings; a module that does not
 # import is skipped
 PRELOAD = [DRIVER, "torch", "torch.distributed", "megatron_mesh", "megatron.core",
-           "megatron.core.models.gpt", "megatron_mesh.megatron", "megatron_mesh.training.arguments",
+           "megatron.core.models.gpt", "megatron_mesh.megatron", "megatron_mesh.training.config.arguments",
            "megatron_mesh.training.run"]
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)\|$", re.MULTILINE)

@@ -14,16 +14,19 @@ from megatron_mesh.megatron.placement import placed_rope
 from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.runtime.host_staging import HostStaging
-from megatron_mesh.training import distributed
-from megatron_mesh.training.checkpoint import TrainState, load_checkpoint
-from megatron_mesh.training.data import build_datasets, build_tokenizer, micro_batches
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.evaluation import Evaluator
-from megatron_mesh.training.flops import attention_count_note, flops_per_iteration
-from megatron_mesh.training.host_staging import staged_collectives, staged_label
-from megatron_mesh.training.megatron_lm_flags import no_effect_report
-from megatron_mesh.training.metrics import Loggers
-from megatron_mesh.training.model import (
+from megatron_mesh.training.checkpoints.store import TrainState, load_checkpoint
+from megatron_mesh.training.config.megatron_lm_flags import no_effect_report
+from megatron_mesh.training.data.datasets import build_datasets, build_tokenizer, micro_batches
+from megatron_mesh.training.data.document_ranks import placement_label, uses_placement
+from megatron_mesh.training.job import distributed
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.job.host_staging import staged_collectives, staged_label
+from megatron_mesh.training.logs.metrics import Loggers
+from megatron_mesh.training.loop.evaluation import Evaluator
+from megatron_mesh.training.loop.optimizer import build_optimizer, build_scheduler
+from megatron_mesh.training.loop.trainer import train
+from megatron_mesh.training.model.flops import attention_count_note, flops_per_iteration
+from megatron_mesh.training.model.gpt import (
     attention_algo,
     build_model,
     padded_vocab_size,
@@ -31,13 +34,10 @@ from megatron_mesh.training.model import (
     use_transformer_engine,
     wrap_model,
 )
-from megatron_mesh.training.moe import moe_label
-from megatron_mesh.training.optimizer import build_optimizer, build_scheduler
-from megatron_mesh.training.placement import placement_label, uses_placement
-from megatron_mesh.training.trainer import train
+from megatron_mesh.training.model.moe import moe_label
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 def _mesh_label(args: TrainingConfig, grid: MeshGrid | None) -> str:

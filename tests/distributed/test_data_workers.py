@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from preloaded import Run, driver_data_args, launch, tensorboard_scalars
 
-from megatron_mesh.training.arguments import ConfigError, parse_args
-from megatron_mesh.training.data import SampleIndices
+from megatron_mesh.training.config.arguments import ConfigError, parse_args
+from megatron_mesh.training.data.datasets import SampleIndices
 
 ITERS = 4
 SAVE_AT = 2

@@ -30,9 +30,9 @@ from preloaded import (
     launch,
 )
 
-from megatron_mesh.training.checksums import MANIFEST, file_checksum, write_manifest
-from megatron_mesh.training.console import PRINT_DELAY_ENV
-from megatron_mesh.training.model_description import MODEL_FLAGS, SAVED_FLAGS
+from megatron_mesh.training.checkpoints.checksums import MANIFEST, file_checksum, write_manifest
+from megatron_mesh.training.checkpoints.model_description import MODEL_FLAGS, SAVED_FLAGS
+from megatron_mesh.training.job.console import PRINT_DELAY_ENV
 
 GENERATE = "megatron_mesh.generate"
 PROMPTS = [[3, 5, 7, 9, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],

@@ -232,7 +232,7 @@ def _run_packed(name, tp, cp, shape, out):
     from megatron.core import parallel_state as ps
 
     from megatron_mesh.megatron import get_gpt_layer_spec, initialize_mesh_grids
-    from megatron_mesh.training.packing import pack_documents
+    from megatron_mesh.training.data.packing import pack_documents
 
     rank = dist.get_rank()
     replica = rank // (tp * cp)

@@ -107,7 +107,7 @@ def _stage_masks(rank: int, world: int) -> tuple[bool, list[bool], list[bool]]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-    from megatron_mesh.training.moe import router_padding_mask
+    from megatron_mesh.training.model.moe import router_padding_mask
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 2, create_gloo_process_groups=False)

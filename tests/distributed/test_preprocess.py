@@ -187,7 +187,7 @@ def test_ids_through_the_null_tokenizer(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_tokenizer_types_are_the_drivers() -> None:
-    from megatron_mesh.training.arguments import TOKENIZER_TYPES as DRIVER
+    from megatron_mesh.training.config.arguments import TOKENIZER_TYPES as DRIVER
 
     assert TOKENIZER_TYPES == DRIVER
     assert os.path.isfile(ROOT / "megatron_mesh" / "preprocess.py")

@@ -120,9 +120,9 @@ def test_optimizer_state_of_another_kind_or_tp_is_refused_by_name(
     tensor is read, with an error that says which flags resume it or --no-load-optim."""
     from megatron.core import dist_checkpointing
 
-    from megatron_mesh.training.arguments import parse_args
-    from megatron_mesh.training.checksums import CheckpointError
-    from megatron_mesh.training.optimizer import check_saved_optimizer
+    from megatron_mesh.training.checkpoints.checksums import CheckpointError
+    from megatron_mesh.training.config.arguments import parse_args
+    from megatron_mesh.training.loop.optimizer import check_saved_optimizer
 
     assert cp1_run.returncode == 0 and distopt_run.returncode == 0
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -162,7 +162,7 @@ def test_checkpoint_of_the_old_torch_optimizer_is_refused_naming_it(
     import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_mesh.training.checksums import write_manifest
+    from megatron_mesh.training.checkpoints.checksums import write_manifest
 
     assert cp1_run.returncode == 0, cp1_run.output[-3000:]
     legacy = work / "legacy-torch-ckpt"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from preloaded import TINY
 
-from megatron_mesh.training.arguments import parse_args
-from megatron_mesh.training.flops import flops_per_iteration
+from megatron_mesh.training.config.arguments import parse_args
+from megatron_mesh.training.model.flops import flops_per_iteration
 from megatron_mesh.training.run import banner_lines
 
 # a GPT-3 shape (GELU MLP of 4h, one K / V head per head) where Megatron-LM's formula is

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import pytest
 
-from megatron_mesh.training.arguments import build_parser, parse_args
-from megatron_mesh.training.config import (
+from megatron_mesh.training.config.arguments import build_parser, parse_args
+from megatron_mesh.training.config.training_config import (
     GROUP_NAMES,
     Derived,
     TrainingConfig,

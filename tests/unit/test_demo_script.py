@@ -64,7 +64,7 @@ def test_demo_installs_what_the_walk_through_uses() -> None:
     """The logger flags of docs/training.md's real-data walk-through (the README points a
     new user there after the demo) need extras the demo's set-up installs, and the
     walk-through says so."""
-    from megatron_mesh.training.arguments import LOGGER_PACKAGES
+    from megatron_mesh.training.config.arguments import LOGGER_PACKAGES
 
     text = (ROOT / "docs" / "training.md").read_text()
     walk = text.split("## Real data, step by step", 1)[1].split("\n## ", 1)[0]

@@ -1,12 +1,12 @@
-"""The driver's packing of placed documents (training/placement.py) and the deal of a global
-batch's documents over DP x micro-batches (training/balance.py), on plain values."""
+"""The driver's packing of placed documents (training/data/document_ranks.py) and the deal of a global
+batch's documents over DP x micro-batches (training/data/balance.py), on plain values."""
 from __future__ import annotations
 
 import torch
 
 from megatron_mesh.masks.document_placement import document_work
-from megatron_mesh.training.balance import deal_documents
-from megatron_mesh.training.placement import BALANCED, DocumentPacker
+from megatron_mesh.training.data.balance import deal_documents
+from megatron_mesh.training.data.document_ranks import BALANCED, DocumentPacker
 
 
 def _works(deal) -> list[int]:
@@ -52,7 +52,7 @@ def test_packer_places_documents_and_pads_an_empty_micro_batch() -> None:
 def test_cp_ranks_per_node_from_torchrun(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from megatron_mesh.training.placement import BALANCED, document_packer
+    from megatron_mesh.training.data.document_ranks import BALANCED, document_packer
 
     def cp_ranks_per_node(tp: int, cp: int) -> int | None:  # what the packer is given
         args = SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp,

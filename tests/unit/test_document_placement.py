@@ -454,8 +454,8 @@ def test_packer_takes_host_lengths_and_reads_no_device_tokens(layout: str) -> No
     to the device: the packer given them never reads the device tokens (here on meta,
     where reading them fails, as on a GPU it would wait for the device), and packs as it
     does from the tokens."""
-    from megatron_mesh.training.packing import document_lengths
-    from megatron_mesh.training.placement import DocumentPacker
+    from megatron_mesh.training.data.document_ranks import DocumentPacker
+    from megatron_mesh.training.data.packing import document_lengths
 
     packer = DocumentPacker(layout, 2, 1, 1, None)
     tokens = torch.tensor([[1, 2, 0, 3, 4, 5, 0, 6], [7, 0, 8, 9, 9, 9, 9, 0]])

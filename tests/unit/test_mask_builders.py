@@ -112,7 +112,7 @@ def test_generation_refuses_a_builder_masked_model_and_keeps_the_chunks():
         cached_attention_spec,
     )
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
-    from megatron_mesh.training.arguments import ConfigError
+    from megatron_mesh.training.config.arguments import ConfigError
 
     args = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                            data_parallel_size=1, world_size=1, context_parallel_size=1,

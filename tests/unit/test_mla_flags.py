@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from megatron_mesh.megatron.compat import mla_unbuildable_reason
 from megatron_mesh.pretrain_gpt import main
-from megatron_mesh.training.arguments import ConfigError, parse_args
+from megatron_mesh.training.config.arguments import ConfigError, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

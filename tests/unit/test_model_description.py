@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mesh.training.arguments import build_parser, parse_args
-from megatron_mesh.training.checksums import CheckpointError
-from megatron_mesh.training.model_description import (
+from megatron_mesh.training.checkpoints.checksums import CheckpointError
+from megatron_mesh.training.checkpoints.model_description import (
     MODEL_FLAGS,
     OTHER_FLAGS,
     SAVED_FLAGS,
@@ -20,6 +19,7 @@ from megatron_mesh.training.model_description import (
     differences,
     unrecorded,
 )
+from megatron_mesh.training.config.arguments import build_parser, parse_args
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml")
 PARSER = build_parser()

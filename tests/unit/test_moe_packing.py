@@ -1,5 +1,5 @@
 """A mixture of experts with packed documents, on plain values: the packers' padding mask
-(training/placement.py) that megatron-core's routers take, the flags that refuse or turn
+(training/data/document_ranks.py) that megatron-core's routers take, the flags that refuse or turn
 off --mesh-balance-data-parallel with a load-balancing loss, and TP without sequence
 parallelism refused before any process group."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mesh.training.arguments import ConfigError, parse_args
-from megatron_mesh.training.placement import BALANCED, TE, DocumentPacker
+from megatron_mesh.training.config.arguments import ConfigError, parse_args
+from megatron_mesh.training.data.document_ranks import BALANCED, TE, DocumentPacker
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

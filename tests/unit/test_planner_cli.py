@@ -60,7 +60,7 @@ def test_plan_prints_the_driver_flags_of_its_choice(capsys) -> None:
 def test_plan_flags_name_the_mask_it_priced(capsys) -> None:
     """Packed documents and a sliding window are in the printed flags, as the driver's own
     parser reads them: documents masked and placed, the window and its global layers."""
-    from megatron_mesh.training.arguments import build_parser
+    from megatron_mesh.training.config.arguments import build_parser
 
     driver = build_parser()
     docs = printed_flags(run(capsys, "--gpus", "64", *MODEL, "--doc-length", "4096"))

@@ -112,7 +112,7 @@ def test_cli_plans_a_window_over_documents_with_the_flags_it_assumes(capsys):
     """--window-size with --doc-length: the THD layout and the placement priced, and the
     printed flags name the documents, their placement and the window, as the driver's
     parser reads them."""
-    from megatron_mesh.training.arguments import build_parser
+    from megatron_mesh.training.config.arguments import build_parser
 
     assert main(["plan", "--gpus", "8", "--seq-length", "16384", "--num-heads", "8",
                  "--head-dim", "64", "--doc-length", "2048", "--window-size", "256"]) == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mesh.preprocess import main
-from megatron_mesh.training.preprocess_data import Progress
+from megatron_mesh.training.data.preprocess_data import Progress
 
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
@@ -257,7 +257,7 @@ def test_gpt2_bpe_files_load_with_the_hub_offline(tmp_path: Path,
 
     from tokenizers import ByteLevelBPETokenizer
 
-    from megatron_mesh.training.tokenizer_check import model_token_ids
+    from megatron_mesh.training.data.tokenizer_check import model_token_ids
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub"))

@@ -10,8 +10,8 @@ import pytest
 from preloaded import Job, job_env
 
 from megatron_mesh.pretrain_gpt import main
-from megatron_mesh.training.arguments import parse_args
-from megatron_mesh.training.config import as_dict
+from megatron_mesh.training.config.arguments import parse_args
+from megatron_mesh.training.config.training_config import as_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -71,7 +71,7 @@ def test_mesh_heads_and_3d_shapes(flags: list[str], shape: tuple[int, int, int])
 def test_backend_is_decided_with_the_flags(monkeypatch) -> None:
     import torch
 
-    from megatron_mesh.training.arguments import ConfigError
+    from megatron_mesh.training.config.arguments import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "1")
 
@@ -91,7 +91,7 @@ def test_cp_comm_type_mesh_is_context_parallel_algo_mesh() -> None:
 
 
 def test_recompute_flags_reach_the_transformer_config() -> None:
-    from megatron_mesh.training.model import transformer_config
+    from megatron_mesh.training.model.gpt import transformer_config
 
     common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
     full = transformer_config(parse_args(common + ["--recompute-granularity", "full"]))
@@ -102,7 +102,7 @@ def test_recompute_flags_reach_the_transformer_config() -> None:
 
 
 def test_window_flags_reach_the_transformer_config() -> None:
-    from megatron_mesh.training.model import transformer_config
+    from megatron_mesh.training.model.gpt import transformer_config
 
     common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
     config = transformer_config(parse_args(common + ["--window-size", "16", "0",
@@ -114,7 +114,7 @@ def test_window_flags_reach_the_transformer_config() -> None:
 def test_mask_flags_reach_the_config_and_the_spec() -> None:
     """--no-rope-freq (an int or a pattern) reaches megatron-core's no_rope_freq,
     --attention-chunk-size the mesh core attention's spec params."""
-    from megatron_mesh.training.model import layer_spec, transformer_config
+    from megatron_mesh.training.model.gpt import layer_spec, transformer_config
 
     common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
     args = parse_args(common + ["--attention-chunk-size", "8", "--no-rope-freq", "([0]+[1])*1"])
@@ -131,7 +131,7 @@ def test_mask_flags_reach_the_config_and_the_spec() -> None:
 def test_pipeline_stages_share_the_world() -> None:
     """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches, and
     the default wandb run name says PP."""
-    from megatron_mesh.training.metrics import run_name
+    from megatron_mesh.training.logs.metrics import run_name
 
     args = parse_args(["--config", TINY, "--pipeline-model-parallel-size", "2",
                        "--context-parallel-size", "2", "--cp-comm-type", "mesh"])
@@ -396,7 +396,7 @@ def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPT example's flag list parses; honoured flags take their values, and each flag
     without effect here is named once, with its reason, in the start-up report."""
-    from megatron_mesh.training.megatron_lm_flags import NO_EFFECT, no_effect_report
+    from megatron_mesh.training.config.megatron_lm_flags import NO_EFFECT, no_effect_report
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
@@ -421,7 +421,7 @@ def test_megatron_lm_gpt_example_flags_are_accepted_and_reported_once(
 def test_reset_position_ids_without_effect_is_named(flags: list[str], named: str | None) -> None:
     """--reset-position-ids moves learned positions only: with RoPE (or none) and no
     --reset-attention-mask the start-up report says it does nothing."""
-    from megatron_mesh.training.megatron_lm_flags import no_effect_report
+    from megatron_mesh.training.config.megatron_lm_flags import no_effect_report
 
     report = no_effect_report(parse_args(["--vocab-size", "255", "--reset-position-ids", *flags]))
     if named is None:
@@ -434,7 +434,7 @@ def test_reset_position_ids_without_effect_is_named(flags: list[str], named: str
 def test_megatron_lm_command_line_sets_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPT example's command line (with --num-workers 2) gives 2 workers, and the flag is
     not among those reported as having no effect."""
-    from megatron_mesh.training.megatron_lm_flags import no_effect_report
+    from megatron_mesh.training.config.megatron_lm_flags import no_effect_report
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     args = parse_args(["--vocab-size", "255", *MEGATRON_LM_GPT_FLAGS])
@@ -462,7 +462,7 @@ def test_sample_based_training_is_megatron_lms_iterations_and_schedule() -> None
 def test_rampup_batch_size_is_sample_based(monkeypatch: pytest.MonkeyPatch) -> None:
     """--rampup-batch-size START INCREMENT SAMPLES with --train-samples: the iterations count
     the ramp's batches first (2, 2, then 4 from 4 consumed samples on), as Megatron-LM does."""
-    from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
+    from megatron_mesh.training.config.batch_ramp import batch_at, ramp_calculator
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = parse_args(["--config", TINY, "--train-samples", "20",
@@ -479,7 +479,7 @@ def test_rampup_batch_size_is_sample_based(monkeypatch: pytest.MonkeyPatch) -> N
 def test_rampup_that_starts_at_the_global_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """START = --global-batch-size leaves no step to ramp: every batch is the global one (it
     divided by zero steps before)."""
-    from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
+    from megatron_mesh.training.config.batch_ramp import batch_at, ramp_calculator
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = parse_args(["--config", TINY, "--train-samples", "16", "--global-batch-size", "4",

@@ -263,7 +263,7 @@ def test_tokenizer_smaller_than_the_data_exits_2(tmp_path: Path, capsys: pytest.
     naming the file, the id and the valid range; data inside the 64 ids passes."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron_mesh.training.arguments import parse_args
+    from megatron_mesh.training.config.arguments import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     model = _sentencepiece_model(tmp_path, 40)
@@ -391,7 +391,7 @@ def test_fault_wait_mode_runs_on_at_the_signal_and_at_no_other_iteration(monkeyp
     still runs); other ranks and iterations pass at once."""
     import threading
 
-    from megatron_mesh.training import faults
+    from megatron_mesh.training.loop import faults
 
     monkeypatch.setenv(faults.ENV, "*:3:wait")
     faults.configured.cache_clear()

@@ -25,7 +25,7 @@ from megatron_mesh.planner import Cluster, Workload, load_profile, plan, search
 from megatron_mesh.planner.gpu_profile import GPU_PROFILES, profile_for_device
 from megatron_mesh.pretrain_gpt import main
 from megatron_mesh.runtime.grid import MeshGrid
-from megatron_mesh.training.arguments import parse_args
+from megatron_mesh.training.config.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

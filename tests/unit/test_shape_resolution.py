@@ -14,7 +14,7 @@ import pytest
 
 from megatron_mesh.megatron import validate_mesh_args
 from megatron_mesh.megatron.shape import cp_ranks_per_node, resolve_mesh_shape
-from megatron_mesh.training.arguments import parse_args
+from megatron_mesh.training.config.arguments import parse_args
 
 # CP 16, 32 query / 8 KV heads, 1024 tokens per rank, TP 2 inside nodes of 8 GPUs. For the 2D
 # mesh (--mesh-heads 1) with the planner's default 8 CP ranks per node the choice is 2x8, but a

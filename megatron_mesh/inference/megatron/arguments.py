@@ -22,8 +22,8 @@ from megatron_mesh.inference.megatron.checkpoint import (
     model_defaults,
     saved_model,
 )
-from megatron_mesh.training.arguments import ConfigError, build_parser, load_config, parse_args
-from megatron_mesh.training.config import TrainingConfig
+from megatron_mesh.training.config.arguments import ConfigError, build_parser, load_config, parse_args
+from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 @dataclass(frozen=True)

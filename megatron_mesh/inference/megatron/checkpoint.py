@@ -21,14 +21,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mesh.training.arguments import build_parser
-from megatron_mesh.training.checkpoint import (
-    checkpoint_dir,
-    latest_iteration,
-    read_common_state,
-)
-from megatron_mesh.training.checksums import CheckpointError, verify_manifest
-from megatron_mesh.training.model_description import (
+from megatron_mesh.training.checkpoints.checksums import CheckpointError, verify_manifest
+from megatron_mesh.training.checkpoints.model_description import (
     MODEL_FLAGS,
     checked_description,
     completed,
@@ -37,6 +31,12 @@ from megatron_mesh.training.model_description import (
     unrecorded,
     value_text,
 )
+from megatron_mesh.training.checkpoints.store import (
+    checkpoint_dir,
+    latest_iteration,
+    read_common_state,
+)
+from megatron_mesh.training.config.arguments import build_parser
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OLDER = "give another --ckpt-step"  # what to load instead of a checkpoint that cannot be used

@@ -7,11 +7,11 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from megatron_mesh.training.console import error, flag_error, log_to_stdout, missing_extra
+from megatron_mesh.training.job.console import error, flag_error, log_to_stdout, missing_extra
 
 if TYPE_CHECKING:
     from megatron_mesh.inference.megatron.arguments import GenerateConfig
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 PROG = "generate"
 
@@ -20,8 +20,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from megatron_mesh.inference.megatron.arguments import generate_parser
-        from megatron_mesh.training.arguments import ConfigError
-        from megatron_mesh.training.checksums import CheckpointError
+        from megatron_mesh.training.checkpoints.checksums import CheckpointError
+        from megatron_mesh.training.config.arguments import ConfigError
     except ModuleNotFoundError as e:  # --help too: the model flags are megatron-core's
         if not missing_extra(PROG, e):
             raise
@@ -56,8 +56,8 @@ def _check(argv: list[str]) -> tuple[GenerateConfig, TrainingConfig, Any, list[l
         check_vocabulary,
         unrecorded_warning,
     )
-    from megatron_mesh.training.data import build_tokenizer
-    from megatron_mesh.training.model import padded_vocab_size
+    from megatron_mesh.training.data.datasets import build_tokenizer
+    from megatron_mesh.training.model.gpt import padded_vocab_size
 
     gen, args = parse_generate(argv)
     tokenizer = build_tokenizer(args)
@@ -83,8 +83,8 @@ def _run(gen: GenerateConfig, args: TrainingConfig, tokenizer: Any,
     )
     from megatron_mesh.layer_plan import shape_text
     from megatron_mesh.megatron.cpu import megatron_on_cpu
-    from megatron_mesh.training import distributed
-    from megatron_mesh.training.checksums import CheckpointError
+    from megatron_mesh.training.checkpoints.checksums import CheckpointError
+    from megatron_mesh.training.job import distributed
 
     path = gen.checkpoint
     with megatron_on_cpu():

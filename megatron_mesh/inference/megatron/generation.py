@@ -38,10 +38,10 @@ from megatron_mesh.inference.sampling import Sampling, next_tokens
 from megatron_mesh.inference.session import DECODE, InferenceSession
 from megatron_mesh.layer_plan import AttentionShape
 from megatron_mesh.models.decode_traffic import cache_bytes
-from megatron_mesh.training.config import TrainingConfig
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.model import gpt_model, layer_spec, transformer_config
+from megatron_mesh.training.config.training_config import TrainingConfig
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.model.gpt import gpt_model, layer_spec, transformer_config
 
 
 def build_generation_model(args: TrainingConfig, vocab_size: int) -> GPTModel:

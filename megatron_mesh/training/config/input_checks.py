@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_mesh.training.index_file import read_index
+from megatron_mesh.training.data.index_file import read_index
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 _SCAN_CHUNK_BYTES = 64 << 20  # the whole .bin is scanned for token ids, this much at a time

@@ -33,15 +33,15 @@ from megatron_mesh.megatron.mask_builder import (
     with_packed_mask,
 )
 from megatron_mesh.megatron.placement import PlacedSeqParams
-from megatron_mesh.training.device import device, has_cuda
-from megatron_mesh.training.gpt2_bpe import gpt2_bpe_tokenizer
-from megatron_mesh.training.packing import document_lengths, padded_lengths
-from megatron_mesh.training.pipeline import batch_keys
-from megatron_mesh.training.placement import document_packer
-from megatron_mesh.training.validation import split_weights
+from megatron_mesh.training.config.input_checks import split_weights
+from megatron_mesh.training.data.document_ranks import document_packer
+from megatron_mesh.training.data.gpt2_bpe import gpt2_bpe_tokenizer
+from megatron_mesh.training.data.packing import document_lengths, padded_lengths
+from megatron_mesh.training.job.device import device, has_cuda
+from megatron_mesh.training.model.pipeline import batch_keys
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 _LIBRARIES = {
     "NullTokenizer": None,  # megatron-core's name for it changed: compat
@@ -211,7 +211,7 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     eod = dataset.config.tokenizer.eod
     pack = document_packer(args, cp_rank)  # --mesh-document-placement's layout
     if args.packing.mesh_balance_data_parallel:  # documents regrouped over DP x micro-batches
-        from megatron_mesh.training.balance import balanced_micro_batches
+        from megatron_mesh.training.data.balance import balanced_micro_batches
 
         yield from balanced_micro_batches(dataset, args, consumed_samples, StackFields(keys),
                                           pack, eod, dev)

@@ -12,14 +12,14 @@ from megatron.core.transformer import TransformerConfig
 from megatron_mesh.dtypes import flag_dtype
 from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
 from megatron_mesh.megatron.compat import have_transformer_engine
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.moe import moe_config, moe_spec
-from megatron_mesh.training.pipeline import varies_in_length
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.model.moe import moe_config, moe_spec
+from megatron_mesh.training.model.pipeline import varies_in_length
 
 if TYPE_CHECKING:
     from megatron_mesh.runtime.grid import MeshGrid
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 def padded_vocab_size(vocab_size: int, args: TrainingConfig) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_mesh.training.batch_ramp import ramp_iterations
+from megatron_mesh.training.config.batch_ramp import ramp_iterations
 
 ITERATION_FLAGS = ("train_iters", "lr_decay_iters", "lr_warmup_iters")
 SAMPLE_FLAGS = ("train_samples", "lr_decay_samples", "lr_warmup_samples", "rampup_batch_size")

@@ -19,7 +19,7 @@ from megatron_mesh.runtime import comm
 from megatron_mesh.runtime.host_staging import HostStaging
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 FLAG = "--mesh-host-staged-collectives"
 

@@ -10,19 +10,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_mesh.megatron.arguments import mesh_active
-from megatron_mesh.training import faults
-from megatron_mesh.training.batch_ramp import batch_at, ramp_calculator
-from megatron_mesh.training.checkpoint import TrainState, save_checkpoint
-from megatron_mesh.training.device import peak_memory_bytes, synchronize
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.metrics import IntervalStats, Loggers, interval_metrics, log_line
-from megatron_mesh.training.moe import aux_losses
-from megatron_mesh.training.step import global_batch, global_loss
-from megatron_mesh.training.stopping import ExitConditions, check_finite
+from megatron_mesh.training.checkpoints.store import TrainState, save_checkpoint
+from megatron_mesh.training.config.batch_ramp import batch_at, ramp_calculator
+from megatron_mesh.training.job.device import peak_memory_bytes, synchronize
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.logs.metrics import IntervalStats, Loggers, interval_metrics, log_line
+from megatron_mesh.training.loop import faults
+from megatron_mesh.training.loop.step import global_batch, global_loss
+from megatron_mesh.training.loop.stopping import ExitConditions, check_finite
+from megatron_mesh.training.model.moe import aux_losses
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
-    from megatron_mesh.training.evaluation import Evaluator
+    from megatron_mesh.training.config.training_config import TrainingConfig
+    from megatron_mesh.training.loop.evaluation import Evaluator
 
 
 def train_step(model: torch.nn.Module, optimizer: Any, scheduler: Any,

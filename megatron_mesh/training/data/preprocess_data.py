@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from megatron_mesh.planner.length_histogram import LengthHistogram
-from megatron_mesh.training import tokenizer_check
+from megatron_mesh.training.data import tokenizer_check
 
 CHUNK = 64  # documents a worker tokenizes per task
 PERCENTILES = (0, 10, 50, 90, 99, 100)
@@ -150,7 +150,7 @@ def _tokenize(chunk: list[tuple[str, str]]) -> list[list[int] | str]:
 
 def load_tokenizer(args: argparse.Namespace):
     """The driver's tokenizer for these flags (`data.build_tokenizer`)."""
-    from megatron_mesh.training.data import build_tokenizer
+    from megatron_mesh.training.data.datasets import build_tokenizer
 
     return build_tokenizer(args)
 

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_mesh.training.data import micro_batches
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.metrics import perplexity
-from megatron_mesh.training.step import global_batch, global_loss
+from megatron_mesh.training.data.datasets import micro_batches
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.logs.metrics import perplexity
+from megatron_mesh.training.loop.step import global_batch, global_loss
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
-    from megatron_mesh.training.metrics import Loggers
+    from megatron_mesh.training.config.training_config import TrainingConfig
+    from megatron_mesh.training.logs.metrics import Loggers
 
 def evaluation_line(prefix: str, loss: float) -> str:
     """Megatron-LM's three lines: dashes, ' validation loss at PREFIX | lm loss value: X |

@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 
-from megatron_mesh.training.validation import TokenIds, null_tokenizer_ids
+from megatron_mesh.training.config.input_checks import TokenIds, null_tokenizer_ids
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2", "org/model"
 _TRUE = ("1", "ON", "YES", "TRUE")
@@ -73,8 +73,8 @@ def model_token_ids(args: argparse.Namespace) -> TokenIds:
     embedding's rows. Builds the tokenizer; a load error becomes one line."""
     if args.tokenizer_type == "NullTokenizer":
         return null_tokenizer_ids(args.vocab_size)
-    from megatron_mesh.training.data import build_tokenizer
-    from megatron_mesh.training.model import padded_vocab_size
+    from megatron_mesh.training.data.datasets import build_tokenizer
+    from megatron_mesh.training.model.gpt import padded_vocab_size
 
     source = (f"--vocab-file {args.vocab_file}" if args.tokenizer_type == "GPT2BPETokenizer"
               else f"--tokenizer-model {args.tokenizer_model}")

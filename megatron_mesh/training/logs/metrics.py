@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 from megatron_mesh.layer_plan import shape_text
 from megatron_mesh.megatron.arguments import mesh_active
-from megatron_mesh.training.config import as_dict
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.moe import AUX_LOSS_NAMES
+from megatron_mesh.training.config.training_config import as_dict
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.model.moe import AUX_LOSS_NAMES
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 def perplexity(loss: float) -> float:
@@ -146,7 +146,7 @@ class Loggers:
     """Where a run's figures go besides stdout: wandb on rank 0, TensorBoard on the last rank."""
 
     def __init__(self, args: TrainingConfig, rank: int, world_size: int) -> None:
-        from megatron_mesh.training.tensorboard_log import TensorBoardLogger
+        from megatron_mesh.training.logs.tensorboard_log import TensorBoardLogger
 
         self.wandb = WandbLogger(args, enabled=rank == 0)
         self.tensorboard = TensorBoardLogger(args, enabled=rank == world_size - 1)

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_mesh.training.checksums import CheckpointError
+from megatron_mesh.training.checkpoints.checksums import CheckpointError
 
 OVERRIDE = "--override-opt_param-scheduler"
 USE_CHECKPOINT = "--use-checkpoint-opt_param-scheduler"

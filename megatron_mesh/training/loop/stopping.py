@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_mesh.training.device import device
+from megatron_mesh.training.job.device import device
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 JOB_START = time.monotonic()  # import time of the driver: the clock --exit-duration-in-mins reads
 

@@ -10,12 +10,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_mesh.training.device import device
-from megatron_mesh.training.moe import router_padding_mask
-from megatron_mesh.training.pipeline import report_to_all_stages
+from megatron_mesh.training.job.device import device
+from megatron_mesh.training.model.moe import router_padding_mask
+from megatron_mesh.training.model.pipeline import report_to_all_stages
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token_loss: bool = False):

@@ -25,17 +25,19 @@ from megatron_mesh.megatron.arguments import (
 )
 from megatron_mesh.megatron.compat import have_transformer_engine, mla_unbuildable_reason
 from megatron_mesh.megatron.sink import SOFTMAX_TYPES  # megatron-core's config.softmax_type
-from megatron_mesh.training import schedule_length, tokenizer_check, validation
-from megatron_mesh.training.config import TrainingConfig, config_class, freeze
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.host_staging import (
+from megatron_mesh.training.config import input_checks as validation
+from megatron_mesh.training.config import schedule_length
+from megatron_mesh.training.config.megatron_lm_flags import add_no_effect_flags
+from megatron_mesh.training.config.training_config import TrainingConfig, config_class, freeze
+from megatron_mesh.training.data import tokenizer_check
+from megatron_mesh.training.data.document_ranks import add_placement_args, resolve_placement_args
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.host_staging import (
     add_host_staging_args,
     check_host_staging,
     default_backend,
 )
-from megatron_mesh.training.megatron_lm_flags import add_no_effect_flags
-from megatron_mesh.training.moe import add_moe_args, check_moe_args
-from megatron_mesh.training.placement import add_placement_args, resolve_placement_args
+from megatron_mesh.training.model.moe import add_moe_args, check_moe_args
 
 DEFAULT_TRAIN_ITERS = 10
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -374,7 +376,7 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def _use_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: the checkpoint's model shape replaces the flags'."""
-    from megatron_mesh.training.checkpoint_args import apply_checkpoint_args
+    from megatron_mesh.training.checkpoints.checkpoint_args import apply_checkpoint_args
 
     try:
         changed = apply_checkpoint_args(args, build_parser())
@@ -390,7 +392,7 @@ def _fail(msg: str) -> None:
 
 def _check_document_masking(args: argparse.Namespace, cp: int) -> None:
     """--reset-attention-mask packs each micro-batch's documents as THD sequences
-    (`training/packing.py`); fail for what cannot take them."""
+    (`training/data/packing.py`); fail for what cannot take them."""
     if args.attention_backend == "local":
         _fail("--reset-attention-mask with --attention-backend local: megatron-core's local "
               "attention takes no packed documents; use --attention-backend auto or flash")

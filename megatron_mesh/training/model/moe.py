@@ -15,10 +15,10 @@ import argparse
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from megatron_mesh.training.device import has_cuda
+from megatron_mesh.training.job.device import has_cuda
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -139,7 +139,7 @@ def check_saved_experts(common: dict[str, Any], path: str, args: TrainingConfig)
     """CheckpointError when the checkpoint's optimizer state cannot load for this run's
     --expert-model-parallel-size: megatron-core steps experts in a second (chained)
     optimizer with EP > 1 only, whose state is keyed apart from EP 1's."""
-    from megatron_mesh.training.checksums import CheckpointError
+    from megatron_mesh.training.checkpoints.checksums import CheckpointError
 
     saved, ep = common.get("expert_model_parallel_size", 1), args.moe.expert_model_parallel_size
     if (saved > 1) != (ep > 1):

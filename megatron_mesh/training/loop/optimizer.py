@@ -12,12 +12,12 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mesh.dtypes import flag_dtype
-from megatron_mesh.training.checksums import CheckpointError
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.distributed import print_rank0
+from megatron_mesh.training.checkpoints.checksums import CheckpointError
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.distributed import print_rank0
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 # The distributed optimizer saves its state as its DP x CP shards of the grad buffers
@@ -161,7 +161,7 @@ def _state_numel(optimizer: Any) -> int:
 def build_scheduler(optimizer: Any, args: TrainingConfig) -> OptimizerParamScheduler:
     """megatron-core's LR / weight-decay schedule, counted in samples as Megatron-LM does
     (`schedule_length`); on --load it checks the checkpoint's schedule (`lr_schedule`)."""
-    from megatron_mesh.training.lr_schedule import CheckedParamScheduler
+    from megatron_mesh.training.loop.lr_schedule import CheckedParamScheduler
 
     return CheckedParamScheduler(
         optimizer,

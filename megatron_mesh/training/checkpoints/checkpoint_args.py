@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_mesh.training.checksums import CheckpointError
+from megatron_mesh.training.checkpoints.checksums import CheckpointError
 
 
 def _checkpoint_path(args: argparse.Namespace) -> tuple[str, int]:
-    from megatron_mesh.training.checkpoint import checkpoint_dir, latest_iteration
+    from megatron_mesh.training.checkpoints.store import checkpoint_dir, latest_iteration
 
     if not args.load:
         raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose model "
@@ -40,8 +40,8 @@ def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentPar
     replaced a different one ('--hidden-size 64 (was 32)'), each checked against its flag in
     the driver's `parser`. Raises ValueError with the reason
     when the checkpoint cannot provide them (its files checked against its checksums first)."""
-    from megatron_mesh.training.checkpoint import _older, read_common_state
-    from megatron_mesh.training.model_description import checked_description, completed
+    from megatron_mesh.training.checkpoints.model_description import checked_description, completed
+    from megatron_mesh.training.checkpoints.store import _older, read_common_state
 
     path, iteration = _checkpoint_path(args)
     try:

@@ -14,7 +14,7 @@ import argparse
 import math
 from typing import Any
 
-from megatron_mesh.training.megatron_lm_flags import NO_EFFECT
+from megatron_mesh.training.config.megatron_lm_flags import NO_EFFECT
 
 MODEL_FLAGS: tuple[str, ...] = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -181,7 +181,7 @@ def checked_description(common: dict[str, Any], path: str,
     each value checked against its flag in the driver's `parser`: CheckpointError naming the
     first that no command line could give (a description that is not a mapping,
     --hidden-size 64.5)."""
-    from megatron_mesh.training.checksums import CheckpointError
+    from megatron_mesh.training.checkpoints.checksums import CheckpointError
 
     saved = common.get("model_shape") or {}
     if not isinstance(saved, dict):

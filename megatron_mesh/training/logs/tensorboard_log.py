@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 class TensorBoardLogger:

@@ -30,8 +30,8 @@ from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.megatron.placement import placed_seq_params
 from megatron_mesh.megatron.shape import cp_ranks_per_node
 from megatron_mesh.planner.document_placer import place_documents
-from megatron_mesh.training.moe import balancing_per_micro_batch
-from megatron_mesh.training.packing import document_lengths, pack_documents
+from megatron_mesh.training.data.packing import document_lengths, pack_documents
+from megatron_mesh.training.model.moe import balancing_per_micro_batch
 
 PLACEMENTS = ("balanced", "te")
 BALANCED, TE = PLACEMENTS

@@ -139,7 +139,7 @@ def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
             continue
         if group.title not in GROUP_NAMES:
             raise TypeError(f"argument group {group.title!r} has no config attribute: name it "
-                            "in training/config.py's GROUP_NAMES")
+                            "in training/config/training_config.py's GROUP_NAMES")
         name = GROUP_NAMES[group.title]
         fields = [(a.dest, flag_type(a)) for a in actions]
         groups[name] = dataclasses.make_dataclass(

@@ -13,11 +13,11 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.runtime.grid import MeshGrid
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.host_staging import local_device
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.host_staging import local_device
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 
 def init_distributed(args: TrainingConfig) -> None:

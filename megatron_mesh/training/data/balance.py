@@ -28,13 +28,13 @@ from megatron.core import parallel_state
 from torch.utils.data import DataLoader, Sampler
 
 from megatron_mesh.masks.document_placement import document_work
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.packing import document_lengths
+from megatron_mesh.training.data.packing import document_lengths
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.distributed import print_rank0
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
-    from megatron_mesh.training.placement import DocumentPacker
+    from megatron_mesh.training.config.training_config import TrainingConfig
+    from megatron_mesh.training.data.document_ranks import DocumentPacker
 
 ROOM = 1.25  # a bin takes documents up to this many times the mean tokens per bin
 

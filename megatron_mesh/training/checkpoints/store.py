@@ -30,26 +30,26 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mesh.megatron.patches import patched
-from megatron_mesh.training.checksums import (
+from megatron_mesh.training.checkpoints.checksums import (
     CheckpointError,
     verify_files,
     verify_manifest,
     write_manifest,
 )
-from megatron_mesh.training.device import has_cuda
-from megatron_mesh.training.distributed import print_rank0
-from megatron_mesh.training.model import unwrap
-from megatron_mesh.training.model_description import describe
-from megatron_mesh.training.moe import check_saved_experts
-from megatron_mesh.training.optimizer import (
+from megatron_mesh.training.checkpoints.model_description import describe
+from megatron_mesh.training.checkpoints.save_failure import agreed, folder_bytes, save_failed
+from megatron_mesh.training.job.device import has_cuda
+from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.loop.optimizer import (
     OPTIMIZER_CHECKPOINT_METADATA,
     check_saved_optimizer,
     optimizer_kind,
 )
-from megatron_mesh.training.save_failure import agreed, folder_bytes, save_failed
+from megatron_mesh.training.model.gpt import unwrap
+from megatron_mesh.training.model.moe import check_saved_experts
 
 if TYPE_CHECKING:
-    from megatron_mesh.training.config import TrainingConfig
+    from megatron_mesh.training.config.training_config import TrainingConfig
 
 LATEST = "latest_checkpointed_iteration.txt"
 # the files every rank reads before the collective load: dist_checkpointing's metadata, the

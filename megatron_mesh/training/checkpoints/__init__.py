@@ -1,0 +1,1 @@
+"""Checkpoints: save and load, checksums, the model description, resume."""

@@ -1,0 +1,1 @@
+"""The training loop: steps, evaluation, optimizer and LR schedule, stopping."""

@@ -1,0 +1,1 @@
+"""The GPT model on megatron-core: config, layer spec, MoE, pipeline stages, FLOPs."""
