@@ -9,16 +9,16 @@
 """
 from .attention import MeshAttention, MeshAttentionFunction, mesh_attention
 from .calls.layout import zigzag_merge, zigzag_split
+from .cost_models.sparse import placement_traffic, window_traffic
+from .cost_models.traffic import Traffic, best_mesh_shape, mesh_traffic
 from .layer_plan import AttentionShape, mesh_shapes
 from .masks.chunked import chunked_mask
 from .masks.document_placement import DocumentPlacement, zigzag_placement
+from .masks.document_placer import place_documents
 from .masks.documents import Documents, thd_merge, thd_partition_indices, thd_split
 from .masks.mask import Mask, documents_mask, sliding_window_mask
 from .masks.prefix import prefix_lm_mask
 from .masks.slices import Slice, SliceMask
-from .models.sparse import placement_traffic, window_traffic
-from .models.traffic import Traffic, best_mesh_shape, mesh_traffic
-from .planner.document_placer import place_documents
 from .runtime.comm import TrafficCounter
 from .runtime.grid import MeshGrid
 

@@ -27,6 +27,10 @@ import torch
 
 from .calls.layout import AttentionMask
 from .checks import check_inputs
+from .cost_models.plan import resolve_plan
+from .cost_models.sparse import sparse_traffic
+from .cost_models.tile_calls import env_group_tokens
+from .cost_models.traffic import mesh_traffic
 from .dtypes import GradDtypes
 from .kernels import WINDOWS, TileKernel, backend_for, caps_of, get_kernel
 from .layer_plan import (
@@ -43,14 +47,10 @@ from .layer_plan import (
 from .masks.document_placement import DocumentPlacement
 from .masks.documents import Documents
 from .masks.mask import Mask, packed_documents, resolve_mask
-from .masks.placed import check_placement, check_placement_documents, mesh_placement
+from .masks.placed_documents import check_placement, check_placement_documents, mesh_placement
 from .masks.sink import add_sink, check_offset, sink_grad
 from .masks.slices import SliceMask
 from .masks.window import Window
-from .models.plan import resolve_plan
-from .models.sparse import sparse_traffic
-from .models.tile_calls import env_group_tokens
-from .models.traffic import mesh_traffic
 from .runtime import agreement, heads
 from .runtime.agreement import CallSignature
 from .runtime.grid import MeshGrid

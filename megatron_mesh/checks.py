@@ -7,10 +7,10 @@ import math
 
 import torch
 
+from .cost_models.tile_calls import group_tokens
 from .kernels import check_backend
 from .layer_plan import DEFAULT_SCHEDULE, check_grad_reduce_dtype, check_heads, check_schedule_name
 from .masks.zigzag import check_zigzag_divisible
-from .models.tile_calls import group_tokens
 from .runtime.grid import MeshGrid
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

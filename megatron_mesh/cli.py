@@ -25,7 +25,7 @@ from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, in
 from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
 from megatron_mesh.planner.length_histogram import LengthHistogram
 from megatron_mesh.planner.model_report import format_model, model_to_dict
-from megatron_mesh.planner.placed import lognormal_lengths, price_placement
+from megatron_mesh.planner.placed_documents import lognormal_lengths, price_placement
 from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
 from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
 from megatron_mesh.planner.search import Plan, resolve_head_dim, search

@@ -11,7 +11,7 @@ Megatron's all_gather CP, A x P/A x 1, its a2a+p2p, and P x 1 x 1, its a2a, incl
 median forward and backward milliseconds over --iters, bytes sent per rank as counted on
 the real collectives, the traffic formula's bytes, traffic relative to P x 1, and peak
 extra memory per rank (measured: the CUDA allocator's peak, or on a CPU the tracked tensors
-of one more step; next to the model of `megatron_mesh.models.memory`), with Transformer Engine's
+of one more step; next to the model of `megatron_mesh.cost_models.memory`), with Transformer Engine's
 ring (two K/V buffers) as the memory reference.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES, STREAMED, grid_shapes
 from megatron_mesh.layer_plan import SCHEDULE_NAMES as SCHEDULES
-from megatron_mesh.models.memory import extra_memory
-from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload
 from megatron_mesh.planner.methods.ring import ring_transfers
 from megatron_mesh.runtime.peak_memory import pass_peaks
@@ -183,7 +183,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
               f"{row['memory'] / 2**20:10.2f} {row['model_memory'] / 2**20:10.2f} "
               f"{row['ring_memory'] / 2**20:9.2f}")
     print(f"extra MiB: peak extra memory per rank, measured ({mem_kind}); model MiB: "
-          "megatron_mesh.models.memory; ring MiB: Transformer Engine's p2p ring (two K/V buffers, model); "
+          "megatron_mesh.cost_models.memory; ring MiB: Transformer Engine's p2p ring (two K/V "
+          "buffers, model); "
           "* = the ring schedule 'streamed' runs for this shape")
 
 

@@ -7,7 +7,7 @@ the modelled cluster's numbers played --slowdown times slower. The real schedule
 collectives and real bytes run around them. For each method: forward + backward time per
 layer (median and spread of --repeats), the planner's prediction for the same emulated
 cluster, their ratio, speedup over ring measured and predicted, and peak extra memory per
-rank (measured on CPU tensors, and the model of `megatron_mesh.models.memory`).
+rank (measured on CPU tensors, and the model of `megatron_mesh.cost_models.memory`).
 
     python scripts/bench_cluster.py                       # P = 8 and 16, two nodes, 4 workloads
     python scripts/bench_cluster.py --cp-sizes 4 --seq-lengths 4096 --repeats 2 --json out.json
@@ -41,12 +41,12 @@ import torch.distributed as dist
 from cluster_documents import documents_report, parse_lengths, run_documents_rank
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory, streamed_schedule
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.masks.window import window_of
-from megatron_mesh.models.memory import extra_memory, streamed_schedule
-from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.planner.cost import Estimate, price
 from megatron_mesh.planner.methods import mesh_transfers
@@ -395,7 +395,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
               "cluster (shaped links, sleeping tile kernel); spread = (max - min) / median; MODEL "
               "ms = the planner's prediction for the same emulated cluster; ratio = EMULATED / "
               "MODEL; extra MiB = peak extra memory per rank (the rank holding most), measured on "
-              "CPU tensors; model MiB = megatron_mesh.models.memory (MODEL)"]
+              "CPU tensors; model MiB = megatron_mesh.cost_models.memory (MODEL)"]
     if args.floor:
         lines.append(f"floor = median time with links unshaped and compute off (this machine "
                      f"alone); a row whose floor is {FLOOR_BOUND} of its prediction or more is "

@@ -25,8 +25,8 @@ import torch
 
 from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.common.caches import _CACHES
+from megatron_mesh.cost_models.tile_calls import group_tokens
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.models.tile_calls import group_tokens
 from megatron_mesh.planner.gpu_profile import load_profile
 from megatron_mesh.schedules.blocks import _tile_calls
 

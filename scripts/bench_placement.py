@@ -15,7 +15,7 @@ import math
 import random
 import time
 
-from megatron_mesh.planner.document_placer import place_documents
+from megatron_mesh.masks.document_placer import place_documents
 
 S = 65536
 

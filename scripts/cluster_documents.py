@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.traffic import mesh_traffic
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE
-from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.planner.placed import lognormal_lengths, price_placement
+from megatron_mesh.planner.placed_documents import lognormal_lengths, price_placement
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""Measured peak extra memory per rank of every method against `megatron_mesh.models.memory`.
+"""Measured peak extra memory per rank of every method against `megatron_mesh.cost_models.memory`.
 
     python scripts/memory_check.py --cp-size 8 --seq-length 8192 --heads 8 --kv-heads 2 \
         --head-dim 64 --dtype fp32
@@ -18,11 +18,11 @@ import argparse
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation.compute import EmulatedKernel
 from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.models.memory import extra_memory
-from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.runtime.peak_memory import pass_peaks
 from megatron_mesh.runtime.spawn import run_gloo
 

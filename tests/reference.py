@@ -92,7 +92,7 @@ def as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 def expected_traffic(case: Case, grid: mm.MeshGrid) -> int:
     """Bytes per rank `traffic.mesh_traffic` gives for the case on the grid, with the
     gradient and partial-output dtypes of the schedule that runs."""
-    from megatron_mesh.models.plan import resolve_plan
+    from megatron_mesh.cost_models.plan import resolve_plan
 
     shape = mm.AttentionShape(case.seq, case.batch, case.q_heads, case.kv_heads,
                               case.head_dim, torch.finfo(case.dtype).bits // 8)

@@ -18,7 +18,7 @@ from ..common.caches import per_documents
 from ..masks.document_placement import DocumentPlacement
 from ..masks.documents import Documents
 from ..masks.mask import Mask
-from ..masks.placed import positions
+from ..masks.placed_documents import positions
 from ..masks.seen import sees
 from ..masks.slices import CAUSAL, FULL, SliceMask
 from ..masks.window import Window, token_positions

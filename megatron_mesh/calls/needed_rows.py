@@ -1,5 +1,5 @@
 """Which rows of a peer's chunk a mesh rank's blocks use: what the sparse exchange moves
-(`schedules/sparse.py`) and what its models count (`models/sparse.py`)."""
+(`schedules/sparse.py`) and what its models count (`cost_models/sparse.py`)."""
 from __future__ import annotations
 
 import torch

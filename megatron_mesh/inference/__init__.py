@@ -20,11 +20,11 @@ megatron/ holds the part that runs it on megatron-core (the generate command, it
 checkpoint, the GPTModel's layers with a cached core attention): it alone imports megatron.
 
 The bytes of the prefill and of a decode step per rank, and the cache's bytes, are in
-megatron_mesh/models/decode_traffic.py (`cache_bytes` and `decode_step_bytes` re-exported here).
+megatron_mesh/cost_models/decode_traffic.py (`cache_bytes` and `decode_step_bytes` re-exported here).
 
 docs/inference.md describes the design.
 """
-from ..models.decode_traffic import cache_bytes, decode_step_bytes
+from ..cost_models.decode_traffic import cache_bytes, decode_step_bytes
 from .cache import CacheLayout, KVShard
 from .decode import decode_attention, local_partial, merge_partials
 from .packed import PackedShard, prefill_packed

@@ -10,7 +10,7 @@ import torch
 
 from ..calls.layout import zigzag_split
 from ..masks.document_placement import DocumentPlacement
-from ..planner.document_placer import place_documents
+from ..masks.document_placer import place_documents
 from .packed import placed_positions
 
 

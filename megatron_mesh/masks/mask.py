@@ -25,7 +25,7 @@ import torch
 
 from .document_placement import DocumentPlacement
 from .documents import Documents
-from .placed import placed_slices
+from .placed_documents import placed_slices
 from .seen import keeps, one_row, sees
 from .slices import CAUSAL, FULL, Slice, SliceMask, as_mask, intersect
 from .window import Window, window_of, windowed

@@ -36,7 +36,7 @@ from megatron_mesh.megatron.groups import (
     single_rank_grid,
 )
 from megatron_mesh.megatron.mask_builder import MaskedSeqParams, layer_chunk, packed_mask
-from megatron_mesh.megatron.placement import placement_of
+from megatron_mesh.megatron.placed_documents import placement_of
 from megatron_mesh.megatron.shape import check_mesh_heads, local_head_counts
 from megatron_mesh.megatron.sink import (
     SOFTMAX_TYPES,

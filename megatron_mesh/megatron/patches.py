@@ -113,7 +113,7 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           "megatron-core", _MCORE, "activation recomputation restores that state"),
     *(Patch(module, "apply_rotary_pos_emb", _placed_rope, "megatron-core", _MCORE,
             "RoPE of documents placed over the CP ranks (PlacedSeqParams) at each row's "
-            "position in its document (megatron_mesh.megatron.placement, rope)")
+            "position in its document (megatron_mesh.megatron.placed_documents, rope)")
       for module in ("megatron.core.transformer.attention",
                      "megatron.core.transformer.multi_latent_attention")),
     Patch("megatron.core.dist_checkpointing.strategies.filesystem_async", "_results_queue",

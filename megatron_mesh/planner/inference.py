@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from megatron_mesh.cost_models.decode_traffic import decode_allreduce_bytes, decode_step_bytes
 from megatron_mesh.layer_plan import FP32_BYTES
-from megatron_mesh.models.decode_traffic import decode_allreduce_bytes, decode_step_bytes
 from megatron_mesh.planner.hardware import GB, Cluster
 from megatron_mesh.planner.search import Plan
 from megatron_mesh.planner.topology import crosses_nodes

@@ -36,7 +36,7 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.methods.sparse import mask_estimate
-from megatron_mesh.planner.placement import Placement, mesh_placement
+from megatron_mesh.planner.ranks_on_nodes import Placement, mesh_placement
 from megatron_mesh.planner.tiles import (
     a2a_calls,
     a2a_p2p_calls,

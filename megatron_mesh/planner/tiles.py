@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import backend_folds_diagonal
 from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.masks.window import Window
-from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner.workload import Workload
 
 

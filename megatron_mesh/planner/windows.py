@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_mesh.cost_models.traffic import Traffic
 from megatron_mesh.layer_plan import AttentionShape, heads_shape
 from megatron_mesh.masks.window import Window
-from megatron_mesh.models.traffic import Traffic
 
 PARTS = (  # (phase, group, tensors) of the sparse exchange, in the planner's table order
     ("forward", "row", "Q"),

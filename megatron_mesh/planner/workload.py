@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import (
     BACKWARD_FLOPS_RATIO,
     DEFAULT_GRAD_DTYPE,
@@ -21,7 +22,6 @@ from megatron_mesh.masks.mask import Mask, as_attention_mask
 from megatron_mesh.masks.slices import SliceMask, as_mask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
-from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner.windows import kept_pairs
 
 
@@ -167,7 +167,7 @@ class Workload:
                             self.mesh_grad_reduce_dtype, heads=heads)
 
     def attention_shape(self) -> AttentionShape:
-        """The shape `megatron_mesh.models.traffic` counts bytes for."""
+        """The shape `megatron_mesh.cost_models.traffic` counts bytes for."""
         return AttentionShape(self.seq_length, self.batch, self.num_heads, self.num_kv_heads,
                               self.head_dim, self.dtype_bytes)
 

@@ -11,9 +11,9 @@ from ..calls.groups import Call, Piece, group_calls
 from ..calls.layout import AttentionMask, blocks_for
 from ..common.caches import per_documents
 from ..common.merge import merge_into
+from ..cost_models.tile_calls import group_tokens, grouping
 from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
-from ..models.tile_calls import group_tokens, grouping
 from ..runtime.flat import flat_size, views
 from ..runtime.grid import MeshGrid
 

@@ -11,7 +11,7 @@ only. Ranks that share no row send nothing. So under a window the bytes per rank
 the window, not with S: with a window of at most a sub-chunk the ring corner (P x 1)
 exchanges `left` rows with each of its two zigzag neighbours. Received rows are laid into
 buffers of the whole chunk (zeros elsewhere), as in the gathered schedule. Its bytes and
-memory: `models/sparse.py`."""
+memory: `cost_models/sparse.py`."""
 from __future__ import annotations
 
 import functools

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.layer_plan import DTYPE_BYTES, STREAMED, AttentionShape
 from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
-from megatron_mesh.megatron.placement import placed_rope
-from megatron_mesh.models.plan import resolve_plan
+from megatron_mesh.megatron.placed_documents import placed_rope
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.runtime.host_staging import HostStaging
 from megatron_mesh.training.checkpoints.store import TrainState, load_checkpoint
@@ -20,7 +20,7 @@ from megatron_mesh.training.data.datasets import build_datasets, build_tokenizer
 from megatron_mesh.training.data.document_ranks import placement_label, uses_placement
 from megatron_mesh.training.job import distributed
 from megatron_mesh.training.job.distributed import print_rank0
-from megatron_mesh.training.job.host_staging import staged_collectives, staged_label
+from megatron_mesh.training.job.staged_cp_ranks import staged_collectives, staged_label
 from megatron_mesh.training.logs.metrics import Loggers
 from megatron_mesh.training.loop.evaluation import Evaluator
 from megatron_mesh.training.loop.optimizer import build_optimizer, build_scheduler

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.tile_calls import backward_calls
 from megatron_mesh.kernels import TileKernel, get_kernel
-from megatron_mesh.models.tile_calls import backward_calls
 from megatron_mesh.runtime import comm
 
 from dist_utils import run_distributed

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import megatron_mesh as mm
-from megatron_mesh.models.memory import streamed_schedule
+from megatron_mesh.cost_models.memory import streamed_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 

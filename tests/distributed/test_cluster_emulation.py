@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_mesh.cost_models.sparse import window_traffic
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.masks.window import window_of
-from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.planner import Cluster, Workload, search
 from megatron_mesh.runtime import comm
 

@@ -17,6 +17,7 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.attention import layer_shape, plan_for
 from megatron_mesh.calls.layout import zigzag_split
+from megatron_mesh.cost_models.decode_traffic import cache_slots, decode_step_bytes
 from megatron_mesh.inference import (
     CacheLayout,
     KVShard,
@@ -27,7 +28,6 @@ from megatron_mesh.inference import (
 )
 from megatron_mesh.inference.packed import placed_positions
 from megatron_mesh.inference.session import DECODE, InferenceSession
-from megatron_mesh.models.decode_traffic import cache_slots, decode_step_bytes
 from megatron_mesh.runtime import agreement
 
 from dist_utils import run_distributed

@@ -6,7 +6,7 @@ exact against whole-sequence SDPA, and the staged collectives really ran.
 GPU (`gpu` marker): the same on one CUDA device shared by 2 and 4 ranks, fp32 / bf16 /
 fp16, MHA / GQA / MQA, against SDPA in fp64 within `reference.merged_error_limit` of the
 error SDPA itself makes on that GPU in that dtype; and each schedule's peak CUDA memory
-against `megatron_mesh.models.memory`.
+against `megatron_mesh.cost_models.memory`.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.models.memory import extra_memory
-from megatron_mesh.models.plan import resolve_plan
 
 import host_staging
 from dist_utils import run_distributed

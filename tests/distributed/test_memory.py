@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory, streamed_schedule
 from megatron_mesh.kernels import TorchFlashKernel
 from megatron_mesh.layer_plan import MeshPlan, Schedule, grid_shapes
-from megatron_mesh.models.memory import extra_memory, streamed_schedule
 from megatron_mesh.runtime.peak_memory import CpuPeakMemory, pass_peaks
 
 from dist_utils import run_distributed

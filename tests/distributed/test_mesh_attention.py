@@ -2,7 +2,7 @@
 
 One spawned process group per CP size runs every R x C factorization and many cases;
 each case also checks the bytes sent (counted on the real collectives) against
-`megatron_mesh.models.traffic.mesh_traffic`. The README's API script runs under torchrun.
+`megatron_mesh.cost_models.traffic.mesh_traffic`. The README's API script runs under torchrun.
 """
 from __future__ import annotations
 

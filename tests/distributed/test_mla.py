@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.calls.layout import zigzag_split
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.models.plan import resolve_plan
 
 from dist_utils import run_distributed
 

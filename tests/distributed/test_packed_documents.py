@@ -145,7 +145,7 @@ def check_case(case: DocCase, grid: mm.MeshGrid, backend: object = "torch") -> l
     # the same bytes as the dense layout of the same padded length (one sequence of T tokens)
     shape = mm.AttentionShape(docs.total, 1, case.q_heads, case.kv_heads, case.head_dim,
                               torch.finfo(case.dtype).bits // 8)
-    from megatron_mesh.models.plan import resolve_plan
+    from megatron_mesh.cost_models.plan import resolve_plan
     plan = resolve_plan(shape, grid.rows, grid.cols, case.schedule, heads=grid.heads)
     if counter.total_bytes != mm.mesh_traffic(shape, plan).total:
         bad.append(f"{where}: sent {counter.total_bytes} B, dense layout "

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.sparse import placement_traffic
 from megatron_mesh.masks.document_placement import DocumentPlacement
-from megatron_mesh.models.sparse import placement_traffic
-from megatron_mesh.planner.document_placer import place_documents
+from megatron_mesh.masks.document_placer import place_documents
 
 from dist_utils import run_distributed
 from reference import beyond_tolerance, partial_results

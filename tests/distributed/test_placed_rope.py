@@ -1,4 +1,4 @@
-"""RoPE of placed documents (megatron_mesh/megatron/placement.py) against megatron-core's own.
+"""RoPE of placed documents (megatron_mesh/megatron/placed_documents.py) against megatron-core's own.
 
 Reference: megatron-core's `apply_rotary_pos_emb` on the WHOLE packed sequence with its
 cu_seqlens (its THD path at CP = 1: each document rotated from position 0). Inside
@@ -26,14 +26,14 @@ def _check(rank: int, world: int) -> str:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.megatron.cpu import megatron_on_cpu
-    from megatron_mesh.megatron.placement import (
+    from megatron_mesh.megatron.placed_documents import (
         PlacedSeqParams,
         placed_rope,
         placed_seq_params,
         placement_of,
     )
-    from megatron_mesh.planner.document_placer import place_documents
 
     group = dist.new_group([0])
     placement = place_documents(CU, 4)

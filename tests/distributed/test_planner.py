@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.traffic import mesh_traffic
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GradDtype, Schedule
-from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner import (
     Cluster,
     NotApplicable,

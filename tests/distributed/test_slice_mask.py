@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.calls.layout import AttentionMask, zigzag_split
+from megatron_mesh.cost_models.sparse import sparse_traffic
 from megatron_mesh.layer_plan import Exchange, Schedule, grid_shapes
-from megatron_mesh.models.sparse import sparse_traffic
 
 from dist_utils import run_distributed
 from reference import beyond_tolerance, count_sent_bytes, partial_results

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.kernels import TorchFlashKernel
 from megatron_mesh.layer_plan import grid_shapes
-from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 
 from dist_utils import run_distributed
 from reference import Case, Failure, assert_no_failures, check_cases, errors, full_inputs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.models.traffic import grid_traffic
+from megatron_mesh.cost_models.traffic import grid_traffic
 
 from dist_utils import run_distributed
 

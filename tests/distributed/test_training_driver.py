@@ -294,9 +294,9 @@ def test_host_staged_collectives_train_as_without(mesh_run: Run, data_args: list
 
 
 def test_mesh_traffic_and_wandb_series(mesh_run: Run, work: Path) -> None:
+    from megatron_mesh.cost_models.memory import streamed_schedule
+    from megatron_mesh.cost_models.traffic import mesh_traffic
     from megatron_mesh.layer_plan import AttentionShape
-    from megatron_mesh.models.memory import streamed_schedule
-    from megatron_mesh.models.traffic import mesh_traffic
 
     assert mesh_run.returncode == 0, mesh_run.output[-3000:]
     # tiny-cpu.yaml: 2 layers, 2 micro-batches of 2 x 64 tokens, 4 heads / 2 groups of 16, fp32

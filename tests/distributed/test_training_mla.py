@@ -59,9 +59,9 @@ def test_mla_mesh_matches_cp1(common: list[str]) -> None:
     if mla_unbuildable_reason() is not None:
         _assert_refused_on_every_rank([*common, *MLA, *MESH])
         return
+    from megatron_mesh.cost_models.memory import streamed_schedule
+    from megatron_mesh.cost_models.traffic import mesh_traffic
     from megatron_mesh.layer_plan import AttentionShape
-    from megatron_mesh.models.memory import streamed_schedule
-    from megatron_mesh.models.traffic import mesh_traffic
 
     ref = launch(1, [*common, *MLA])
     mesh = launch(4, [*common, *MLA, *MESH])

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 import megatron_mesh as mm
 from megatron_mesh.calls.layout import zigzag_split
+from megatron_mesh.cost_models.plan import resolve_plan
+from megatron_mesh.cost_models.sparse import window_traffic
+from megatron_mesh.cost_models.traffic import mesh_traffic
 from megatron_mesh.layer_plan import Schedule, grid_shapes
 from megatron_mesh.masks.documents import Documents, thd_split
-from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.models.sparse import window_traffic
-from megatron_mesh.models.traffic import mesh_traffic
 
 from dist_utils import run_distributed
 from reference import beyond_tolerance, partial_results
@@ -446,8 +446,8 @@ MEMORY_SIZES = {"fp32": dict(s=64, b=1, hq=8, hkv=2, d=32, dtype=torch.float32),
 
 
 def _memory(rank: int, world: int) -> dict:
-    from megatron_mesh.models.plan import MeshPlan
-    from megatron_mesh.models.sparse import window_extra_memory
+    from megatron_mesh.cost_models.plan import MeshPlan
+    from megatron_mesh.cost_models.sparse import window_extra_memory
     from megatron_mesh.runtime.peak_memory import pass_peaks
 
     results = {}

@@ -1,4 +1,4 @@
-"""Document-aware placement (masks/document_placement.py, the value; planner/document_placer.py,
+"""Document-aware placement (masks/document_placement.py, the value; masks/document_placer.py,
 the search): invariants, balance, zigzag for one document, the work model against a dense
 block-diagonal causal mask, bad inputs."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from megatron_mesh.calls.layout import zigzag_split
 from megatron_mesh.masks.document_placement import DocumentPlacement, zigzag_placement
-from megatron_mesh.planner.document_placer import enough_documents, place_documents
+from megatron_mesh.masks.document_placer import enough_documents, place_documents
 
 S = 65536  # tokens of the packed sequence in the mixes
 
@@ -407,8 +407,8 @@ def test_crossing_tokens_and_summary() -> None:
 
 def test_placed_seq_params_checks_cu_seqlens_on_the_host(monkeypatch) -> None:
     """Building PlacedSeqParams from placed_seq_params copies no tensor back to the host."""
-    from megatron_mesh.megatron.placement import placed_seq_params
-    from megatron_mesh.planner.document_placer import place_documents
+    from megatron_mesh.masks.document_placer import place_documents
+    from megatron_mesh.megatron.placed_documents import placed_seq_params
 
     placement = place_documents([0, 5, 8, 16], 2)
 

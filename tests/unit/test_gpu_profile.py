@@ -13,10 +13,10 @@ import torch
 
 from megatron_mesh.calls.layout import AttentionMask, block_pairs
 from megatron_mesh.cli import main
+from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.emulation import EmulatedKernel, Emulation
 from megatron_mesh.emulation.compute import tile_flops
 from megatron_mesh.masks.window import window_of
-from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner import Cluster, plan
 from megatron_mesh.planner.gpu_profile import (
     GPU_PROFILES,
@@ -26,7 +26,7 @@ from megatron_mesh.planner.gpu_profile import (
     load_profile,
 )
 from megatron_mesh.planner.hardware import TFLOP
-from megatron_mesh.planner.placed import price_placement
+from megatron_mesh.planner.placed_documents import price_placement
 from megatron_mesh.planner.profile_fit import bench_calls, fit_rows, residuals
 from megatron_mesh.planner.tiles import TileCalls, window_blocks
 

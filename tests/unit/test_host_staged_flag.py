@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mesh.pretrain_gpt import main
 from megatron_mesh.training.config.arguments import parse_args
-from megatron_mesh.training.job.host_staging import default_backend, local_device
+from megatron_mesh.training.job.staged_cp_ranks import default_backend, local_device
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

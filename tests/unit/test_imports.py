@@ -127,14 +127,14 @@ def test_no_import_cycle_in_the_package():
 @pytest.mark.parametrize("module, allowed", [
     ("layer_plan", set()),  # the leaf: nothing of the project
     ("masks.zigzag", set()),  # the zigzag rule: a leaf too
-    ("models.tile_calls", {"layer_plan"}),  # the grouped kernel calls of a tile
-    ("models.memory", {"layer_plan", "models.tile_calls"}),  # it counts the largest call
-    ("models.plan", {"layer_plan", "models.memory"}),  # a plan sits above the memory model
-    ("models.traffic", {"layer_plan", "models.plan"}),  # its defaults: mesh_attention's plan
+    ("cost_models.tile_calls", {"layer_plan"}),  # the grouped kernel calls of a tile
+    ("cost_models.memory", {"layer_plan", "cost_models.tile_calls"}),  # it counts the largest call
+    ("cost_models.plan", {"layer_plan", "cost_models.memory"}),  # a plan sits above the memory model
+    ("cost_models.traffic", {"layer_plan", "cost_models.plan"}),  # its defaults: mesh_attention's plan
     # the sparse exchange's model: the rows a mask's blocks use (the masks are below it)
-    ("models.sparse", {"layer_plan", "models.memory", "models.traffic", "calls.layout",
-                       "calls.needed_rows", "masks.placed", "masks.window",
-                       "masks.document_placement"}),
+    ("cost_models.sparse", {"layer_plan", "cost_models.memory", "cost_models.traffic",
+                            "calls.layout", "calls.needed_rows", "masks.placed_documents",
+                            "masks.window", "masks.document_placement"}),
 ])
 def test_layers_import_only_what_is_below(module, allowed):
     graph = import_graph(module_files())
@@ -146,7 +146,7 @@ def test_layers_import_only_what_is_below(module, allowed):
 # in the order data flows (masks -> calls -> schedules -> attention -> inference; calls/
 # lays a mask on the ranks as blocks and kernel calls, between the masks and the kernels,
 # which take its calls), the models beside them (only the sparse exchange's model,
-# models/sparse.py, reads masks and calls: the rows a mask's blocks use; never the other
+# cost_models/sparse.py, reads masks and calls: the rows a mask's blocks use; never the other
 # way); masks, kernels and runtime side by side, sharing only the leaf common/;
 # megatron-core's side above them: its adapter (megatron/), training/, then generation on
 # megatron-core (inference/megatron/, a folder of its own inside
@@ -155,11 +155,11 @@ SUBFOLDERS = {"inference.megatron"}
 ABOVE = {"schedules", "checks", "attention", "inference", "inference.megatron", "planner",
          "emulation", "megatron", "training"}
 NEVER = {
-    "common": ABOVE | {"masks", "calls", "kernels", "runtime", "models"},
-    "masks": ABOVE | {"calls", "kernels", "runtime", "models"},
-    "calls": ABOVE | {"kernels", "runtime", "models"},
+    "common": ABOVE | {"masks", "calls", "kernels", "runtime", "cost_models"},
+    "masks": ABOVE | {"calls", "kernels", "runtime", "cost_models"},
+    "calls": ABOVE | {"kernels", "runtime", "cost_models"},
     "kernels": ABOVE | {"masks", "runtime"},
-    "models": {"schedules", "runtime", "kernels", "attention", "inference",
+    "cost_models": {"schedules", "runtime", "kernels", "attention", "inference",
                "inference.megatron", "megatron", "training"},
     "runtime": ABOVE | {"masks", "calls", "kernels"},
     "schedules": {"attention", "inference", "inference.megatron", "planner", "megatron",
@@ -192,12 +192,12 @@ def test_folders_keep_their_layer(folder):
 
 
 def test_only_the_sparse_model_reads_masks():
-    """Of models/, only the sparse exchange's model imports masks/ (its bytes are the rows a
+    """Of cost_models/, only the sparse exchange's model imports masks/ (its bytes are the rows a
     mask's blocks use); the other models price a plan from its shape alone."""
     graph = import_graph(module_files())
-    readers = sorted(m for m, targets in graph.items() if _folder(m) == "models"
+    readers = sorted(m for m, targets in graph.items() if _folder(m) == "cost_models"
                      and any(_folder(t) == "masks" for t in targets))
-    assert readers == [f"{PACKAGE}.models.sparse"], readers
+    assert readers == [f"{PACKAGE}.cost_models.sparse"], readers
 
 
 def _imports_torch_distributed(path: Path) -> bool:
@@ -227,7 +227,7 @@ def _chain_to(graph: dict[str, set[str]], start: str, bad: set[str]) -> list[str
     return None
 
 
-@pytest.mark.parametrize("folder", ["planner", "models", "masks"])
+@pytest.mark.parametrize("folder", ["planner", "cost_models", "masks"])
 def test_models_planner_and_masks_import_no_torch_distributed(folder):
     """The planner and the models price plans, the masks describe blocks: none of them
     talks to other ranks, through any chain of project imports (a package's __init__ that
@@ -257,7 +257,7 @@ def test_torch_distributed_finder_follows_chains(tmp_path):
 
 
 TOP_LEVEL = {"attention", "checks", "layer_plan", "dtypes", "cli", "pretrain_gpt", "generate",
-             "preprocess", "masks", "calls", "schedules", "models", "runtime", "kernels",
+             "preprocess", "masks", "calls", "schedules", "cost_models", "runtime", "kernels",
              "inference", "planner", "emulation", "megatron", "training", "common"}
 
 
@@ -267,16 +267,18 @@ def test_every_algorithm_module_sits_in_a_layer_folder():
     assert top <= TOP_LEVEL, sorted(top - TOP_LEVEL)
 
 
-def test_masks_hold_the_document_placement_not_its_search():
-    """masks/ holds what a placement is (the value, its checks and work); the search that
-    makes a balanced one is the planner's (planner/document_placer.py)."""
+def test_the_document_placer_sits_beside_the_placement_it_makes():
+    """masks/document_placement.py holds what a placement is (the value, its checks and
+    work); the search that makes a balanced one, run per micro-batch, sits beside it
+    (masks/document_placer.py), not in the planner."""
     tree = ast.parse((ROOT / "masks" / "document_placement.py").read_text())
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert classes == {"DocumentPlacement"}, sorted(classes)
     assert "place_documents" not in functions
     graph = import_graph(module_files())
-    assert f"{PACKAGE}.masks.document_placement" in graph[f"{PACKAGE}.planner.document_placer"]
+    assert f"{PACKAGE}.masks.document_placement" in graph[f"{PACKAGE}.masks.document_placer"]
+    assert not (ROOT / "planner" / "document_placer.py").exists()
 
 
 def test_layer_plan_imports_no_third_party_module():

@@ -341,7 +341,7 @@ def _schedules_on_meta(rank: int, world: int) -> list[tuple]:
     import megatron_mesh as mm
     from megatron_mesh.attention import finish_rows, grad_dtypes
     from megatron_mesh.calls.layout import AttentionMask
-    from megatron_mesh.models.plan import GradDtype
+    from megatron_mesh.cost_models.plan import GradDtype
     from megatron_mesh.schedules import gathered, streamed_kv, streamed_q
     from megatron_mesh.schedules.delta import attention_delta
 
@@ -399,8 +399,8 @@ def test_heads_relayout_on_meta_and_its_inverse_on_cpu(layout: str) -> None:
     device index), and on the CPU `_to_sequence` undoes `_to_pieces` exactly."""
     from types import SimpleNamespace
 
+    from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.documents import Documents
-    from megatron_mesh.planner.document_placer import place_documents
     from megatron_mesh.runtime import heads
 
     a, cp_size, s = 2, 4, 16  # A = 2 ranks of a heads group, each holding s rows

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.memory import extra_memory, streamed_schedule
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import GradDtype, MeshPlan, Schedule
-from megatron_mesh.models.memory import extra_memory, streamed_schedule
-from megatron_mesh.models.plan import resolve_plan
 
 SHAPES = [mm.AttentionShape(4096, 1, 8, 8, 64), mm.AttentionShape(2048, 2, 32, 8, 128, 4),
           mm.AttentionShape(8192, 1, 16, 1, 64)]

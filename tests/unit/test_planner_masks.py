@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import megatron_mesh as mm
+from megatron_mesh.cost_models.sparse import sparse_traffic
 from megatron_mesh.layer_plan import FP32_BYTES
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.window import Window
-from megatron_mesh.models.sparse import sparse_traffic
-from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.masked import (
     _block_pairs,

@@ -11,9 +11,9 @@ import megatron_mesh as mm
 from megatron_mesh.cli import main
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, AttentionShape
 from megatron_mesh.masks.document_placement import DocumentPlacement
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.planner import Cluster, Workload, plan
-from megatron_mesh.planner.document_placer import place_documents
-from megatron_mesh.planner.placed import (
+from megatron_mesh.planner.placed_documents import (
     lognormal_lengths,
     mesh_pairs,
     own_block_pairs,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.kernels import TorchFlashKernel, backend_folds_diagonal
 from megatron_mesh.kernels.base import folds_diagonal
-from megatron_mesh.models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.planner import Workload
 from megatron_mesh.planner.tiles import mesh_calls
 

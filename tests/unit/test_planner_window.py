@@ -12,10 +12,10 @@ import torch
 from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.calls.needed_rows import needed_rows
 from megatron_mesh.cli import main
+from megatron_mesh.cost_models.plan import resolve_plan
+from megatron_mesh.cost_models.sparse import window_traffic
 from megatron_mesh.layer_plan import AttentionShape, grid_shapes, heads_shape
 from megatron_mesh.masks.window import Window, window_of
-from megatron_mesh.models.plan import resolve_plan
-from megatron_mesh.models.sparse import window_traffic
 from megatron_mesh.planner import Cluster, Workload, plan, search
 from megatron_mesh.planner.layers import LayerMix, model_plan
 from megatron_mesh.planner.model_report import format_model, verdict_line

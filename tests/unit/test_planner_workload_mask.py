@@ -147,7 +147,7 @@ def test_a_window_inside_placed_documents_is_priced_from_its_slices():
     """The placement under a window: every grid is `mask_estimate` of the placed mask, the
     floor the busiest rank's pairs from its slices (`rank_pairs`), which equal the closed
     form `works` for causal documents alone."""
-    from megatron_mesh.planner.placed import placed_mask, price_placement, rank_pairs
+    from megatron_mesh.planner.placed_documents import placed_mask, price_placement, rank_pairs
 
     kw = dict(SHAPE, gpus_per_node=4, doc_lengths=DOCS)
     windowed = plan(4, **kw, window=(24, 0))

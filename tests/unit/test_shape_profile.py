@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from megatron_mesh.attention import plan_for
+from megatron_mesh.cost_models.memory import extra_memory
+from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import AttentionShape, Schedule
 from megatron_mesh.megatron import add_mesh_args, validate_mesh_args
 from megatron_mesh.megatron.shape import (
@@ -19,8 +21,6 @@ from megatron_mesh.megatron.shape import (
     mesh_pricing,
     resolve_mesh_shape,
 )
-from megatron_mesh.models.memory import extra_memory
-from megatron_mesh.models.plan import resolve_plan
 from megatron_mesh.planner import Cluster, Workload, load_profile, plan, search
 from megatron_mesh.planner.gpu_profile import GPU_PROFILES, profile_for_device
 from megatron_mesh.pretrain_gpt import main

@@ -270,7 +270,7 @@ RULE_PATTERN = re.compile(
     r"|\bdelta\s*(<=|>=|<|>)")
 # The modules that build slices: every mask kind given as slices.
 SLICE_BUILDERS = {"masks/slices.py", "masks/prefix.py", "masks/window.py", "masks/documents.py",
-                  "calls/layout.py", "masks/placed.py", "masks/mask.py", "masks/chunked.py",
+                  "calls/layout.py", "masks/placed_documents.py", "masks/mask.py", "masks/chunked.py",
                   "masks/packed.py"}
 
 
@@ -362,7 +362,7 @@ def test_decode_masks_are_one_row_slices():
 def _pairs_by_definition(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
     """[local_len, local_len] bool from each row's (position in its document, document):
     the same document (not padding), causal on positions, the window on positions."""
-    from megatron_mesh.masks.placed import positions
+    from megatron_mesh.masks.placed_documents import positions
     from megatron_mesh.masks.window import token_positions
 
     def rows(rank):
@@ -389,8 +389,8 @@ def test_every_mask_kind_is_its_slices(kind):
     window: `layout.block_pairs` (their slices, `mask_slices`, read by `seen.sees` on the
     rows' positions) keeps the pairs of the definition on every block."""
     from megatron_mesh.calls.layout import block_pairs, mask_slices
+    from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.documents import Documents
-    from megatron_mesh.planner.document_placer import place_documents
 
     ranks = 4
     cu = [0, 40, 56, 120, 128, 200, 256]
@@ -438,8 +438,8 @@ def test_the_keywords_build_the_same_mask():
     """mesh_attention's keywords (`resolve_mask`) build the value the builders and `&` do:
     causal, documents (THD, placed), a window, slices; `&` is commutative, causal if either
     is, and refuses two different packed sequences or causal beside a mask."""
+    from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.mask import resolve_mask
-    from megatron_mesh.planner.document_placer import place_documents
 
     docs = mm.Documents.from_cu_seqlens([0, 5, 12], [0, 8, 16])
     placement = place_documents([0, 5, 16], 2)
@@ -472,8 +472,8 @@ def test_a_users_slices_compose_with_every_mask_kind(kind):
     placed) or the dense sequence and a window: every block keeps the pairs of the
     definition that the slices keep too."""
     from megatron_mesh.calls.layout import block_pairs, global_positions
+    from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.documents import Documents
-    from megatron_mesh.planner.document_placer import place_documents
 
     ranks, rng = 4, random.Random(5)
     for window in (None, Window(6, 0), Window(3, 4)):
@@ -568,10 +568,10 @@ def test_chunked_bytes_per_rank_stay_o_of_the_chunk():
     """The sparse exchange of a chunked mask on 2x2 moves about the same bytes (the rank
     sending most) whatever the sequence length, a chunk's rows per boundary, while the dense
     exchange's grow with it; chunks that are whole sub-chunks move nothing."""
+    from megatron_mesh.cost_models.plan import resolve_plan
+    from megatron_mesh.cost_models.sparse import sparse_traffic
+    from megatron_mesh.cost_models.traffic import mesh_traffic
     from megatron_mesh.layer_plan import AttentionShape, Exchange
-    from megatron_mesh.models.plan import resolve_plan
-    from megatron_mesh.models.sparse import sparse_traffic
-    from megatron_mesh.models.traffic import mesh_traffic
 
     def moved(seq: int, chunk: int) -> tuple[int, int]:
         shape = AttentionShape(seq, 1, 8, 8, 128, 2)

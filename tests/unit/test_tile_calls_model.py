@@ -11,8 +11,7 @@ import torch
 
 from megatron_mesh.calls.groups import group_calls
 from megatron_mesh.calls.layout import AttentionMask, block_for
-from megatron_mesh.layer_plan import Schedule
-from megatron_mesh.models.tile_calls import (
+from megatron_mesh.cost_models.tile_calls import (
     CallShape,
     backward_calls,
     call_shapes,
@@ -20,6 +19,7 @@ from megatron_mesh.models.tile_calls import (
     group_tokens,
     piece_limit,
 )
+from megatron_mesh.layer_plan import Schedule
 
 S = 8  # rows of a chunk (halves of 4)
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_mesh.cost_models.decode_traffic import cache_bytes
 from megatron_mesh.inference.cache import CacheLayout
 from megatron_mesh.inference.continuations import Continuations
 from megatron_mesh.inference.megatron.arguments import GenerateConfig
@@ -37,7 +38,6 @@ from megatron_mesh.inference.prompts import Packed, Padded
 from megatron_mesh.inference.sampling import Sampling, next_tokens
 from megatron_mesh.inference.session import DECODE, InferenceSession
 from megatron_mesh.layer_plan import AttentionShape
-from megatron_mesh.models.decode_traffic import cache_bytes
 from megatron_mesh.training.config.training_config import TrainingConfig
 from megatron_mesh.training.job.device import has_cuda
 from megatron_mesh.training.job.distributed import print_rank0

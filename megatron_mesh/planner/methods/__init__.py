@@ -1,6 +1,6 @@
 """Traffic of each context-parallel method, as `PricedTransfer` lists the cost model prices.
 
-Element counts per GPU follow `megatron_mesh.models.traffic`: q = (S/P) * b * Hq * d (one Q or O
+Element counts per GPU follow `megatron_mesh.cost_models.traffic`: q = (S/P) * b * Hq * d (one Q or O
 chunk), kv = 2 * (S/P) * b * Hkv * d (K and V chunks), e = bytes of the input dtype.
 Byte convention (also that of the byte counters): a GPU "sends" (n-1) * m bytes in an
 all-gather or reduce-scatter of m-byte pieces over n ranks, M * (n-1) / n bytes in an

@@ -1,4 +1,4 @@
-"""The R x C mesh: bytes straight from `megatron_mesh.models.traffic.mesh_traffic`, the contract.
+"""The R x C mesh: bytes straight from `megatron_mesh.cost_models.traffic.mesh_traffic`, the contract.
 
 Rows are C consecutive CP ranks (Q, dO, lse, D gathers, partial O / lse exchange, dQ
 reduce-scatter); columns are R ranks C apart (K,V gathers, dK,dV reduce-scatter), the
@@ -19,8 +19,8 @@ Under a sliding window or a mask given as slices every schedule runs the sparse 
 """
 from __future__ import annotations
 
+from megatron_mesh.cost_models.traffic import mesh_traffic
 from megatron_mesh.layer_plan import COLUMN, FP32_BYTES, ROW, GridShape, dim_groups
-from megatron_mesh.models.traffic import mesh_traffic
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import sparse_transfers

@@ -32,7 +32,7 @@ from megatron_mesh.training.config.training_config import TrainingConfig, config
 from megatron_mesh.training.data import tokenizer_check
 from megatron_mesh.training.data.document_ranks import add_placement_args, resolve_placement_args
 from megatron_mesh.training.job.device import has_cuda
-from megatron_mesh.training.job.host_staging import (
+from megatron_mesh.training.job.staged_cp_ranks import (
     add_host_staging_args,
     check_host_staging,
     default_backend,

@@ -32,7 +32,7 @@ from megatron_mesh.megatron.mask_builder import (
     masked_seq_params,
     with_packed_mask,
 )
-from megatron_mesh.megatron.placement import PlacedSeqParams
+from megatron_mesh.megatron.placed_documents import PlacedSeqParams
 from megatron_mesh.training.config.input_checks import split_weights
 from megatron_mesh.training.data.document_ranks import document_packer
 from megatron_mesh.training.data.gpt2_bpe import gpt2_bpe_tokenizer

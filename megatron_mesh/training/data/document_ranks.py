@@ -5,7 +5,7 @@ micro-batch's documents are placed by `place_documents` (whole documents on one 
 ones zigzag over consecutive ranks, T / P tokens per rank, no padding per document), and
 tokens, labels, loss mask and position ids are permuted by the same
 `placement.token_indices(cp_rank)`; every layer gets a `PlacedSeqParams` (loss and RoPE
-unchanged: RoPE rotates each row at its position in its document, `megatron/placement.py`).
+unchanged: RoPE rotates each row at its position in its document, `megatron/placed_documents.py`).
 Only the rows of documents that span ranks travel in attention.
 
 `--mesh-document-placement te`: Transformer Engine's THD layout (`packing.py`: every
@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.megatron.arguments import is_mesh
-from megatron_mesh.megatron.placement import placed_seq_params
+from megatron_mesh.megatron.placed_documents import placed_seq_params
 from megatron_mesh.megatron.shape import cp_ranks_per_node
-from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.training.data.packing import document_lengths, pack_documents
 from megatron_mesh.training.model.moe import balancing_per_micro_batch
 

@@ -14,7 +14,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_mesh.megatron.arguments import is_mesh
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.training.job.device import has_cuda
-from megatron_mesh.training.job.host_staging import local_device
+from megatron_mesh.training.job.staged_cp_ranks import local_device
 
 if TYPE_CHECKING:
     from megatron_mesh.training.config.training_config import TrainingConfig

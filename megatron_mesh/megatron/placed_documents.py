@@ -113,7 +113,7 @@ def placement_of(params: PackedSeqParams | None, config: object | None = None
                 "Engine's fused MLA RoPE assumes its own CP layout; set apply_rope_fusion=False")
         if not placed_rope_active():
             raise RuntimeError(
-                "PlacedSeqParams outside megatron_mesh.megatron.placement.placed_rope(): "
+                "PlacedSeqParams outside megatron_mesh.megatron.placed_documents.placed_rope(): "
                 "megatron-core's THD RoPE would rotate the placed rows at Transformer "
                 "Engine's CP positions; run the model inside `with placed_rope():`")
         return params.placement

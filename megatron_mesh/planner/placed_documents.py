@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, grid_shapes
 from megatron_mesh.masks.document_placement import DocumentPlacement
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.mask import Mask, documents_mask
 from megatron_mesh.planner.cost import Estimate
-from megatron_mesh.planner.document_placer import place_documents
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, named here too
     _block_pairs,

@@ -18,7 +18,7 @@ from ..layer_plan import (
     heads_shape,
 )
 from ..masks.document_placement import DocumentPlacement
-from ..masks.placed import mesh_placement
+from ..masks.placed_documents import mesh_placement
 from ..masks.window import window_of
 from .memory import extra_memory
 from .traffic import Traffic
