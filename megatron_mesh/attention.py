@@ -13,7 +13,7 @@ move the same bytes (streamed_q: partial outputs in fp32):
   "streamed_kv": K/V travel around the column ring, overlapped with compute (`streamed_kv.py`);
   "streamed_q": Q travel around the row ring, overlapped with compute (`streamed_q.py`);
   "streamed": whichever of the two rings holds less memory for the shape, resolved once
-  into a `layer_plan.MeshPlan` before anything runs (`models.plan.resolve_plan`).
+  into a `layer_plan.MeshPlan` before anything runs (`cost_models.plan.resolve_plan`).
 Masks that leave rows unused (windows, placed documents, slice masks) run the sparse
 exchange instead, whatever the schedule (`schedules/sparse.py`).
 """
@@ -97,7 +97,7 @@ SPARSE_PAYS = 0.5
 def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: Mask) -> bool:
     """Whether the sparse exchange of `mask` (only the rows its blocks use) sends at most
     `SPARSE_PAYS` of the bytes of the dense `plan`, on the rank sending most
-    (`models.sparse.sparse_traffic` against `traffic.mesh_traffic`)."""
+    (`cost_models.sparse.sparse_traffic` against `traffic.mesh_traffic`)."""
     e = shape.dtype_bytes
     slices = AttentionMask(mask.causal, mask.documents, plan.rows * plan.cols, mask.window,
                            None, mask.slices)

@@ -301,7 +301,7 @@ def window_size(workload: Workload) -> tuple[int, int] | None:
 
 def model_memory(method: Method, workload: Workload) -> int:
     """`memory.extra_memory` of the rank holding most: under a window the sparse exchange's
-    bound (every peer's whole chunk exchanged, `windowed=True`; `models.sparse.window_extra_memory`
+    bound (every peer's whole chunk exchanged, `windowed=True`; `cost_models.sparse.window_extra_memory`
     counts a given window's rows), all_gather's whole chunks the gathered schedule's."""
     attention = workload.attention_shape()
     plan = resolve_plan(attention, method.rows, method.cols, method.schedule,

@@ -4,7 +4,7 @@ A rank of a P-rank mesh computes P rank-blocks on chunks of s = S / P tokens (a 
 one query chunk against the column's P K/V chunks): with causal masking one diagonal block
 (s x s, causal) and P - 1 half blocks (s x s/2 or s/2 x s), merged by log-sum-exp (forward)
 or accumulated in fp32 (backward), exactly as `megatron_mesh.schedules.blocks.forward_tile` /
-`backward_tile` do inside mesh attention: grouped into few kernel calls (`masks.groups`;
+`backward_tile` do inside mesh attention: grouped into few kernel calls (`calls.groups`;
 --calls blocks: one call per block, the A/B baseline). The same FLOPs in one call: the s
 query rows against P * s / 2 keys (P * s without causal masking), no mask. Each row gives
 the tile's kernel calls in that pass ('calls', counted on the kernel), 'grouped' and

@@ -19,7 +19,6 @@ from ..masks.document_placement import DocumentPlacement
 from ..masks.documents import Documents
 from ..masks.mask import Mask
 from ..masks.placed_documents import positions
-from ..masks.seen import sees
 from ..masks.slices import CAUSAL, FULL, SliceMask
 from ..masks.window import Window, token_positions
 from ..masks.zigzag import check_zigzag_divisible, zigzag_chunks
@@ -182,13 +181,6 @@ def slab_rows(window: Window | None, causal: bool) -> int:
         return MIN_SLAB_ROWS
     right = 0 if causal else window.right
     return max(MIN_SLAB_ROWS, 2 * (window.left + right + 1))
-
-
-def block_pairs(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
-    """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
-    kv_rank under `mask`: its slices (`mask_slices`) read on the rows' positions."""
-    return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
-                global_positions(mask, kv_rank, local_len))
 
 
 def sequence_slices(seq_len: int, causal: bool) -> SliceMask:

@@ -2,7 +2,7 @@
 
 A rows x cols tile (R K/V chunks of the column x C query chunks of the row) holds R * C
 rank-blocks. The blocks a schedule has on hand together go to the kernel as few calls
-(`masks.groups`): calls over the same query rows take their keys concatenated (a causal
+(`calls.groups`): calls over the same query rows take their keys concatenated (a causal
 diagonal last, bottom-right aligned, where the kernel takes that: `bottom_right`), then
 full calls over the same keys take their queries concatenated. What is on hand together:
 
@@ -136,9 +136,9 @@ def _schedule(schedule: Schedule | str) -> Schedule:
 @functools.lru_cache(maxsize=1024)
 def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
                  limit: int | None = None) -> tuple[CallShape, ...]:
-    """The calls `masks.groups.group_calls` makes of `group`'s dense blocks, each
+    """The calls `calls.groups.group_calls` makes of `group`'s dense blocks, each
     concatenating at most `limit` half chunks (`piece_limit`; None: no cap). The zigzag
-    blocks of a dense causal sequence (`masks.layout.block_for`, cut from its one causal
+    blocks of a dense causal sequence (`calls.layout.block_for`, cut from its one causal
     slice): x > y sees y's first half with all its rows,
     x < y sees all of y with its second half, x == y is the causal diagonal; without a
     causal mask every block is whole against whole."""
@@ -163,12 +163,6 @@ def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
         out += [CallShape((2,) * n, (1,)) for n in _runs(higher, 2, limit)]
         out += [CallShape((1,) * n, (2,)) for n in _runs(lower, 1, limit)]
     return tuple(out)
-
-
-def group_count(group: Group, causal: bool, bottom_right: bool = True,
-                limit: int | None = None) -> int:
-    """Kernel calls for the blocks of `group` (`masks.groups.group_calls` on dense blocks)."""
-    return len(group_shapes(group, causal, bottom_right, limit))
 
 
 def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:

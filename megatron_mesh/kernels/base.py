@@ -118,7 +118,7 @@ def check_call(kernel: object, q: torch.Tensor, v: torch.Tensor,
 def folds_diagonal(kernel: object, q: torch.Tensor) -> bool:
     """Whether a grouped tile on tensors like q [sq, b, hq, d] gives `kernel` a causal
     diagonal with the keys of the full blocks before it, as one call aligned at the bottom
-    right (`masks.groups`): where its caps declare `bottom_right` and, if it says
+    right (`calls.groups`): where its caps declare `bottom_right` and, if it says
     (`bottom_right_mask_free(q)`), it takes that call without building a mask of sq x sk.
     Elsewhere the diagonal stays a call of its own."""
     if not caps_of(kernel).bottom_right:

@@ -25,7 +25,7 @@ class KernelCaps:
     v_head_dim: v [sk, b, hkv, dv] with dv != d (multi-latent attention);
     bottom_right: `causal` with sq < sk, aligned at the bottom right (query i sees key j
                 where j <= i + sk - sq): the blocks of a tile grouped into one call with
-                the diagonal's keys last (`masks.groups`). Without it a kernel's causal is
+                the diagonal's keys last (`calls.groups`). Without it a kernel's causal is
                 top-left aligned (cuDNN through torch, Transformer Engine's "causal") and
                 takes sq == sk only.
     """

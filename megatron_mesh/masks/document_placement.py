@@ -6,7 +6,7 @@ per token, so any permutation of the packed tokens over the ranks is valid if at
 where each token is. `DocumentPlacement` says it: per rank, its local rows as runs
 (document, first position, tokens) of contiguous positions inside one document.
 
-A placement is made by `planner.document_placer.place_documents` (balanced, from the lengths
+A placement is made by `masks.document_placer.place_documents` (balanced, from the lengths
 alone), `zigzag_placement` (one document, Megatron's zigzag) or `DocumentPlacement.from_runs`
 (any placement, checked).
 """

@@ -8,7 +8,7 @@ over a few consecutive ranks; `mesh_attention(placement=...)` runs it through th
 exchange, so each rank receives of each peer only the rows of documents both hold.
 
 Rows, in closed form from the placement's runs (`masked.placement_counts`, `_block_pairs`;
-equal to `models.sparse.placement_traffic`, which builds every block's rows,
+equal to `cost_models.sparse.placement_traffic`, which builds every block's rows,
 tests/unit/test_planner_placed.py). On the mesh
 placement (`placed.mesh_placement`: after a heads all-to-all mesh rank m holds CP ranks
 mA .. mA+A-1's runs), a query run (d, p, n) of rank o and the key runs (d, k, m) of the

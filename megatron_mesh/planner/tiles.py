@@ -6,7 +6,7 @@ With s = S / P tokens per rank (P CP ranks) and Hq query heads:
     all_gather (TE's)         2 calls a pass, one per zigzag half: s / 2 rows, Hq heads
     a2a (Ulysses)             1 call over the whole sequence: S rows, Hq / P heads
     a2a+p2p (A x P/A)         P / A ring steps: s A rows, Hq / A heads
-    mesh A x R x C            `models.tile_calls` (forward_calls / backward_calls of the
+    mesh A x R x C            `cost_models.tile_calls` (forward_calls / backward_calls of the
                               schedule the plan runs): s A query rows a call (C s A / calls
                               when fewer calls than the tile's C query chunks), Hq / A heads
 

@@ -1,7 +1,7 @@
 """Sliding windows in closed form: the (query, key) pairs a window keeps, and the bytes of
 the mesh's sparse exchange (`megatron_mesh.schedules.sparse`) per rank.
 
-`models.sparse.window_traffic` counts the rows each rank needs by building every block's mask
+`cost_models.sparse.window_traffic` counts the rows each rank needs by building every block's mask
 (exact, but O(S^2) work per shape); the planner prices dozens of shapes at S = 1M, so it
 counts them here from sub-chunk positions. In the zigzag layout of M ranks, sub-chunk u
 holds positions [u h, (u + 1) h), h = S / 2M, and rank r holds sub-chunks r and 2M-1-r.
@@ -80,7 +80,7 @@ def _needs(members: list[int], count: int, h: int, from_below: float,
 
 @dataclass(frozen=True)
 class RowCounts:
-    """Rows of one mesh rank's chunk that another uses (`masks.needed_rows`):
+    """Rows of one mesh rank's chunk that another uses (`calls.needed_rows`):
     q[j, o] query rows of rank o's chunk that the ranks of column j use (o in their row),
     kv[i, o] key rows of rank o's chunk that the ranks of row i use (o in their column)."""
 
@@ -177,7 +177,7 @@ def inner_shape(shape: AttentionShape, heads: int) -> AttentionShape:
 
 def sparse_traffic(shape: AttentionShape, heads: int, rows: int, cols: int, window: Window,
                    causal: bool, dq_bytes: int, dkv_bytes: int) -> Traffic:
-    """`models.sparse.window_traffic` of the rank that sends most, in closed form, with the
+    """`cost_models.sparse.window_traffic` of the rank that sends most, in closed form, with the
     partials (partial O and lse, dQ, dK and dV) split out as `mesh_traffic` does."""
     inner = inner_shape(shape, heads)
     counts = row_counts(inner.seq_len, rows, cols, window, causal)

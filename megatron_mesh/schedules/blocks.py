@@ -1,5 +1,5 @@
 """The kernel calls of the blocks a rank has on hand, shared by every schedule: grouped
-into few calls (`masks.groups`), their results merged (forward) or added (backward) into
+into few calls (`calls.groups`), their results merged (forward) or added (backward) into
 each chunk's fp32 accumulators."""
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torc
                grouped: bool | None = None) -> tuple[Call, ...]:
     """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
     `skip`, grouped (`groups.group_calls`; a causal diagonal folded in where
-    `folds_diagonal(kernel, q)`; at most `models.tile_calls.group_tokens()` keys or query
-    rows concatenated per call) unless `models.tile_calls.grouping(grouped)` says not,
+    `folds_diagonal(kernel, q)`; at most `cost_models.tile_calls.group_tokens()` keys or query
+    rows concatenated per call) unless `cost_models.tile_calls.grouping(grouped)` says not,
     else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk."""
     return _tile_calls(mask, tuple(xs), tuple(ys), q.shape[0], q.device, frozenset(skip),
                        folds_diagonal(kernel, q), grouping(grouped), group_tokens())

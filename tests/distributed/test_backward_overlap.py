@@ -2,7 +2,7 @@
 
 An observer of `comm` records every transfer as it starts and as the caller waits for it
 (`Observer.waited`), and the real tile kernel, wrapped, records each backward block it
-computes (its calls, grouped as `models.tile_calls` counts them). On 2 x 2, 4 x 2, 2 x 4 and
+computes (its calls, grouped as `cost_models.tile_calls` counts them). On 2 x 2, 4 x 2, 2 x 4 and
 2 x 2 x 2 grids, with every schedule, each chunk
 transfer of backward over the row or the column (the gathers of Q, dO, lse, D and K, V;
 the rings' hops) and each dQ transfer over the row (the dQ partials' hops) must have at

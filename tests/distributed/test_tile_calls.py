@@ -1,7 +1,7 @@
 """Kernel calls per tile: the blocks a rank has on hand together go to the kernel as few
-calls (`masks.groups`; the default, MESH_GROUP_CALLS=0 the blocks' own calls), counted on
+calls (`calls.groups`; the default, MESH_GROUP_CALLS=0 the blocks' own calls), counted on
 the real kernel (torch's, wrapped to count) in every schedule and grid, held to
-`models.tile_calls` on a dense sequence and on packed documents (joined document by
+`cost_models.tile_calls` on a dense sequence and on packed documents (joined document by
 document), and never more than one call per block under a window; grouped, every schedule
 and grid equals whole-sequence SDPA, forward and backward (causal and full, fp32 and bf16),
 with the causal diagonal a call of its own (the CPU op's causal is top-left) and folded

@@ -476,7 +476,7 @@ def _memory(rank: int, world: int) -> dict:
 
 def test_window_memory_model_against_measurement() -> None:
     """Extra memory of the sparse exchange on the rank holding most, P = 4, windows from 1
-    token to longer than S: within 0.97x - 1.03x of `models.sparse.window_extra_memory`, which
+    token to longer than S: within 0.97x - 1.03x of `cost_models.sparse.window_extra_memory`, which
     counts the rows each rank exchanges under the window
     (measured 1.00 on every case, to the byte)."""
     per_rank = run_distributed(_memory, 4)

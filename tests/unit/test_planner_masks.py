@@ -83,7 +83,7 @@ def test_placement_closed_forms_equal_the_generic_counts(heads, rows, cols):
 @pytest.mark.parametrize("rows, cols", [(2, 2), (4, 1), (1, 4)])
 def test_any_mask_prices_to_the_runtime_bytes(rows, cols):
     """Masks with no closed form (prefix-LM, THD documents with a window, documents with a
-    user's slices): the generic counts give the bytes `models.sparse.sparse_traffic` (the
+    user's slices): the generic counts give the bytes `cost_models.sparse.sparse_traffic` (the
     runtime's traffic model) counts for the rank sending most, and `mask_estimate` prices
     them with the busiest rank's pairs."""
     m = rows * cols

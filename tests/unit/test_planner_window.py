@@ -1,5 +1,5 @@
 """The planner under sliding windows: compute counts the pairs a window keeps, the mesh's
-bytes are those of the sparse exchange (closed form equal to `models.sparse.window_traffic`),
+bytes are those of the sparse exchange (closed form equal to `cost_models.sparse.window_traffic`),
 Transformer Engine's rings are not available, a model of mixed layers is the weighted sum
 of its layer kinds, and bad window flags exit 2 naming the value."""
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_closed_form_bytes_equal_window_traffic(p, seq, window, causal) -> None:
 def exchange_maxima(shape: AttentionShape, heads: int, rows: int, cols: int, window, dq: int,
                     dkv: int) -> list[int]:
     """Per exchange of `windows.PARTS`, the most bytes any mesh rank sends in it, counted
-    with the algorithm's own `masks.needed_rows` (the terms of `window_traffic`)."""
+    with the algorithm's own `calls.needed_rows` (the terms of `window_traffic`)."""
     inner = heads_shape(shape, heads) if heads > 1 else shape
     mesh = rows * cols
     local = inner.seq_len // mesh

@@ -21,6 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_mesh"
 
 
+def block_pairs(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
+    """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
+    kv_rank under `mask` (an `AttentionMask`): its slices (`mask_slices`) read on the rows'
+    positions by the one rule (`seen.sees`)."""
+    from megatron_mesh.calls.layout import global_positions, mask_slices
+    from megatron_mesh.masks.seen import sees
+
+    return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
+                global_positions(mask, kv_rank, local_len))
+
+
 def dense(slices, seq: int) -> torch.Tensor:
     """[seq, seq] bool from the definition: query i sees key j iff a slice holds (i, j) and,
     causal, j - k_start <= i - q_start + (k_end - k_start) - (q_end - q_start); with a
@@ -388,7 +399,7 @@ def test_every_mask_kind_is_its_slices(kind):
     """The dense zigzag, THD documents (padded) and placed documents, with and without a
     window: `layout.block_pairs` (their slices, `mask_slices`, read by `seen.sees` on the
     rows' positions) keeps the pairs of the definition on every block."""
-    from megatron_mesh.calls.layout import block_pairs, mask_slices
+    from megatron_mesh.calls.layout import mask_slices
     from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.documents import Documents
 
@@ -471,7 +482,7 @@ def test_a_users_slices_compose_with_every_mask_kind(kind):
     """A user's slices over the (packed) sequence's positions, with the documents (THD,
     placed) or the dense sequence and a window: every block keeps the pairs of the
     definition that the slices keep too."""
-    from megatron_mesh.calls.layout import block_pairs, global_positions
+    from megatron_mesh.calls.layout import global_positions
     from megatron_mesh.masks.document_placer import place_documents
     from megatron_mesh.masks.documents import Documents
 

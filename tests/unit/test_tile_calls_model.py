@@ -1,8 +1,8 @@
-"""`models.tile_calls` in closed form against the grouping itself: for every rank of every
+"""`cost_models.tile_calls` in closed form against the grouping itself: for every rank of every
 grid up to 12 ranks, each schedule and pass, causal or full, the diagonal folded or not,
 uncapped and with every cap on the rows a call concatenates that binds at these sizes, the
 blocks the schedule has on hand together (listed here pair by pair, as the schedules
-form them) go through `masks.groups.group_calls` on real dense blocks, and the calls made
+form them) go through `calls.groups.group_calls` on real dense blocks, and the calls made
 and their shapes equal the model's."""
 from __future__ import annotations
 

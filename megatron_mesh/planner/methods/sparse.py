@@ -3,7 +3,7 @@
 Whatever schedule was asked for, each rank receives only the rows its blocks use, point to
 point, while its own block computes, and sends partial outputs and gradients back for those
 rows after the blocks: those are exposed. Bytes per rank come from the closed form of
-`planner.windows` (equal to `models.sparse.window_traffic`). Each byte goes straight to its peer,
+`planner.windows` (equal to `cost_models.sparse.window_traffic`). Each byte goes straight to its peer,
 so, as for an all-to-all, a rank's bytes for other nodes leave through its NIC while those
 for its own node cross the intra-node links at the same time. Each exchange (Q rows, K,V
 rows, partial outputs back, ...) ends when its slowest sender is done, since its receivers
