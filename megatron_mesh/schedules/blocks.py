@@ -106,6 +106,17 @@ def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
         offset += n
 
 
+def _calls_of(kernel: TileKernel, queries: Sequence[tuple], keys: Sequence[tuple],
+              q_field: int, mask: AttentionMask, skip: Collection[tuple[int, int]],
+              grouped: bool | None) -> Sequence:
+    """The kernel calls of the blocks of `queries` x `keys` but `skip` (`tile_calls`; none
+    without a query or a key chunk); q_field: where a query chunk holds its q tensor."""
+    if not queries or not keys:
+        return ()
+    return tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys],
+                      queries[0][q_field], mask, skip, grouped)
+
+
 def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequence[KeyChunk],
                  mask: AttentionMask, scale: float,
                  skip: Collection[tuple[int, int]] = (), grouped: bool | None = None) -> None:
@@ -113,12 +124,7 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
     calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
     [s, b, hq, dv] and lse_acc [b, hq, s]."""
-    if not queries or not keys:
-        return
-    q0 = queries[0][1]
-    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
-                       grouped)
-    for call in calls:
+    for call in _calls_of(kernel, queries, keys, 1, mask, skip, grouped):
         q = _gather(queries, 1, call.q, call.q_place)
         k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
         out, lse = kernel.forward(q, k, v, call.causal, scale, slices=call.slices)
@@ -165,12 +171,7 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
     (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
     and lse."""
-    if not queries or not keys:
-        return
-    q0 = queries[0][2]
-    calls = tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys], q0, mask, skip,
-                       grouped)
-    for call in calls:
+    for call in _calls_of(kernel, queries, keys, 2, mask, skip, grouped):
         dout, q, out = (_gather(queries, i, call.q, call.q_place) for i in (1, 2, 3))
         lse = _gather(queries, 4, call.q, call.q_place, -1)
         k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
