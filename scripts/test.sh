@@ -18,8 +18,11 @@ if [[ -z $megatron_lm ]]; then
   echo "no Megatron-LM sources: tests/system/test_megatron_lm.py skips" >&2
   MESH_ALLOWED_SKIPS+=";no Megatron-LM checkout"
 fi
+# the example's forward-step builder is core_v0.18+'s route: the second leg runs it
 MEGATRON_LM_DIR=$megatron_lm "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile \
-  --no-loadscope-reorder "$@"
+  --no-loadscope-reorder \
+  --deselect tests/system/test_megatron_lm.py::test_no_patch_example_attaches_a_builder_in_the_forward_step \
+  "$@"
 if [[ $# -eq 0 && ${MCORE019:-1} != 0 ]]; then
   bash scripts/test_mcore019.sh
 fi

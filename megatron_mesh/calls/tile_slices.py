@@ -18,7 +18,8 @@ gathers, concatenated), read by the one rule of every mask (`masks/seen.keeps`).
 Every form is also the call's runs (`runs`, `tile_runs.py`): query rows against
 concatenated key ranges, full, causal or a window at the bottom right, which kernels take
 without a mask of the call's size. `seen` / `additive_mask` give the dense mask, for
-references and emulation, not for kernels.
+references and emulation; a kernel takes `additive_mask` only for one window block of rows
+on an op without a window of its own (`kernels/run_calls.py`).
 
 Every query row of a call is in some slice and sees a key there, so the merge and the
 backward never meet a row without one.

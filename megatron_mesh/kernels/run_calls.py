@@ -7,7 +7,8 @@ sq (top-left and bottom-right alike), and a window run is cut into blocks of `BA
 rows (or the window's width), each against the keys its rows reach with the additive bias
 of that block only ([rows, keys of the block], 0 / -inf; a run of one block takes all its
 keys; a call with a window whose bias is at most `SMALL_BIAS_BYTES` is one call with
-it, `one_block`). Block biases are kept per shape (`BAND_MASK_BYTES` in all). Key ranges that are not adjacent
+it, `one_block`). Block biases are kept per shape while they fit in `BAND_MASK_BYTES`
+(a larger one is made per call). Key ranges that are not adjacent
 are concatenated (a copy of those keys only). Rows of one call are written as they come;
 rows in several calls are merged by log-sum-exp (`common.merge`). The backward runs each
 call with the whole row's out and lse and adds its gradients into the rows it read.

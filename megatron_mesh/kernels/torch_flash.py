@@ -76,8 +76,9 @@ class TorchFlashKernel:
     -1, 0)`: a full call on the first sk - sq keys and a causal square, no mask (`run_calls`).
     Grouped tiles fold a causal diagonal into such a call only where it is one call
     (`bottom_right_mask_free`), or everywhere with `band_bottom_right` (to check the folded
-    calls on the CPU). Slices: documents as one variable-length call on CUDA's flash op,
-    everything else as runs (`calls/tile_runs.py`) on the dense op.
+    calls on the CPU). Slices: on CUDA's flash op documents as one variable-length call and
+    other slices as packed variable-length calls of their runs (`varlen_runs.py`);
+    elsewhere as runs (`calls/tile_runs.py`) on the dense op.
     """
 
     name = "torch"
@@ -242,9 +243,10 @@ class TorchFlashKernel:
 
 # A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
 # allows flash) documents as one variable-length call over their rows (per batch entry: the
-# op reads one packed sequence; no work across documents, GQA as it is); everything else as
-# the runs of `calls/tile_runs.py` on the dense op (`run_calls`): no bias but a window
-# block's where the op has no window of its own.
+# op reads one packed sequence; no work across documents, GQA as it is) and other slices as
+# packed variable-length calls of their runs (`varlen_runs`); elsewhere the runs of
+# `calls/tile_runs.py` on the dense op (`run_calls`): no bias but a window block's where the
+# op has no window of its own.
 
 
 def _cpu_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

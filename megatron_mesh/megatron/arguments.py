@@ -186,11 +186,15 @@ def check_mask_args(args: Any, packed_documents: bool = False) -> None:
     mesh, exclude each other and a sliding window; `packed_documents`: the caller packs
     --reset-attention-mask's documents (the driver; a builder then masks each sample, not
     with --mesh-balance-data-parallel); the builder must load; --no-rope-freq must fit
-    --num-layers."""
+    --num-layers and not come with --multi-latent-attention."""
     chunk = getattr(args, "attention_chunk_size", None)
     builder = getattr(args, "mesh_mask_builder", None)
     layers = getattr(args, "num_layers", None)
     no_rope = getattr(args, "no_rope_freq", None)
+    if no_rope and getattr(args, "multi_latent_attention", False):
+        raise ValueError(f"--no-rope-freq {no_rope} with --multi-latent-attention: "
+                         "megatron-core's MLA layers apply their RoPE in every layer (only "
+                         "its self-attention reads no_rope_freq); drop one of them")
     if layers and no_rope:
         if isinstance(no_rope, int) and layers % no_rope:
             raise ValueError(f"--no-rope-freq {no_rope} must divide --num-layers {layers}")

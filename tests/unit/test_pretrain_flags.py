@@ -498,3 +498,29 @@ def test_plan_cli_refuses_flag_prefixes(capsys: pytest.CaptureFixture) -> None:
                   "--hidden-size", "1024", "--num-lay", "2"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --num-lay 2" in capsys.readouterr().err
+
+
+def test_a_mask_builder_keeps_the_documents_in_their_samples(monkeypatch) -> None:
+    """--mesh-balance-data-parallel is on by default for placed documents with a per-token
+    loss at DP > 1, and off with a mask builder (the balance moves documents between
+    samples, a builder masks a sample's positions: nothing would call it)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    flags = [*G8, "--vocab-size", "255", "--mock-data", "--reset-attention-mask",
+             "--calculate-per-token-loss",
+             "--context-parallel-size", "2", "--context-parallel-algo", "mesh"]
+    assert parse_args(flags).mesh_balance_data_parallel is True
+    built = parse_args([*flags, "--mesh-mask-builder", f"{BUILDERS}:prefix_lm"])
+    assert built.mesh_balance_data_parallel is False
+
+
+def test_no_rope_freq_is_refused_with_mla() -> None:
+    """megatron-core's MLA reads no --no-rope-freq: the pair is refused by name."""
+    import argparse
+
+    from megatron_mesh.megatron.arguments import check_mask_args
+
+    args = argparse.Namespace(no_rope_freq=2, multi_latent_attention=True, num_layers=4)
+    with pytest.raises(ValueError, match="--no-rope-freq 2 with --multi-latent-attention"):
+        check_mask_args(args)
+    check_mask_args(argparse.Namespace(no_rope_freq=2, multi_latent_attention=False,
+                                       num_layers=4))

@@ -95,9 +95,11 @@ def resolve_placement_args(args: argparse.Namespace, fail: Callable[[str], None]
              "documents over the full global batch, while a ramp step runs fewer "
              "micro-batches (and a resume mid-ramp would regroup differently); use "
              "--no-mesh-balance-data-parallel")
-    if balance is None:  # off by default during a batch-size ramp and for MoE (see above)
+    builder = getattr(args, "mesh_mask_builder", None)  # it masks each sample's positions
+    if balance is None:  # off by default during a batch-size ramp, for MoE and a mask builder
         balance = bool(placed and args.calculate_per_token_loss
-                       and args.data_parallel_size > 1 and not ramp and not moe)
+                       and args.data_parallel_size > 1 and not ramp and not moe
+                       and builder is None)
     args.mesh_balance_data_parallel = balance
 
 
