@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calls.tile_slices import DOCUMENTS, SLICES, TileSlices
+from ..calls.tile_slices import BAND, DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 from .run_calls import DenseOp, slices_backward, slices_forward
@@ -95,7 +95,8 @@ class TorchFlashKernel:
     def bottom_right_mask_free(self, q: torch.Tensor) -> bool:
         """Whether causal calls of more keys than queries on tensors like q [sq, b, hq, d]
         run as one op call: on CUDA's flash op (its own causal); elsewhere they are two (a
-        full call and a causal square), folded only when built with `band_bottom_right`."""
+        full call and a causal square), folded only when built with `band_bottom_right`
+        (then one call with the band's mask, made once per shape: `_folded_band`)."""
         return self.band_bottom_right or (q.device.type != "cpu" and self._uses_flash(q))
 
     def _bottom_right_band(self, q: torch.Tensor, k: torch.Tensor, causal: bool
@@ -121,6 +122,9 @@ class TorchFlashKernel:
             return out[..., :v.shape[-1]], lse
         if slices is None:
             return self._dense_forward(q, k, v, causal, softmax_scale)
+        if self._folded_band(q, slices):
+            return self._dense_forward(q, k, v, False, softmax_scale,
+                                       slices.additive_mask(q.device))
         if self._varlen(q, slices):
             return varlen_forward(q, k, v, softmax_scale, slices)
         if self._packed(q, slices):
@@ -141,6 +145,9 @@ class TorchFlashKernel:
             return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
         if slices is None:
             return self._dense_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        if self._folded_band(q, slices):
+            return self._dense_backward(dout, q, k, v, out, lse, False, softmax_scale,
+                                        slices.additive_mask(q.device))
         if self._varlen(q, slices):
             return varlen_backward(dout, q, k, v, out, lse, softmax_scale, slices)
         if self._packed(q, slices):
@@ -150,6 +157,13 @@ class TorchFlashKernel:
                                         flash_varlen_backward)
         return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
                                self.dense_op(q))
+
+    def _folded_band(self, q: torch.Tensor, slices: TileSlices) -> bool:
+        """Whether a bottom-right causal call (the band (-1, 0)) is one call with the band's
+        mask, kept per shape: built with `band_bottom_right` on an op whose causal is
+        top-left, to check on the CPU what CUDA's flash op runs as one call."""
+        return (self.band_bottom_right and slices.form == BAND
+                and slices.flash_window == (-1, 0) and not self.dense_op(q).bottom_right)
 
     def _varlen(self, q: torch.Tensor, slices: TileSlices) -> bool:
         """Whether CUDA's flash op takes the call's documents as one variable-length call."""

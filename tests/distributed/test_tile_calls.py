@@ -5,8 +5,8 @@ the real kernel (torch's, wrapped to count) in every schedule and grid, held to
 document), and never more than one call per block under a window; grouped, every schedule
 and grid equals whole-sequence SDPA, forward and backward (causal and full, fp32 and bf16),
 with the causal diagonal a call of its own (the CPU op's causal is top-left) and folded
-into one bottom-right call (as CUDA's flash op takes it natively; on the CPU op a full call
-and a causal square), and with each call capped at fewer rows than a tile holds
+into one bottom-right call (as CUDA's flash op takes it natively; on the CPU op one call
+with the band's mask, made once per shape), and with each call capped at fewer rows than a tile holds
 (MESH_GROUP_TOKENS), its calls as the model counts them. Masks reach the CPU op as runs: no
 additive mask for documents (THD or slices), a bidirectional prefix, chunked-causal
 documents or causal; a window's only of one block of rows."""
@@ -34,7 +34,7 @@ MASKS = ("causal", "full", "documents", "placed", "window")
 
 class CountingKernel:
     """torch's tile kernel, counting its forward and backward calls; `fold`: causal
-    diagonals folded into bottom-right calls (on the CPU: a full call and a causal square)."""
+    diagonals folded into bottom-right calls (on the CPU: one call with the band's mask)."""
 
     def __init__(self, fold: bool = False) -> None:
         self.inner = TorchFlashKernel(band_bottom_right=fold)
