@@ -268,3 +268,15 @@ def check_cases(grid: mm.MeshGrid, cases: list[Case]) -> list[Failure]:
             bad.append(Failure(case_id(case, grid), f"sent {sent[0]} B, counter "
                                f"{counter.total_bytes} B, formula {expected} B"))
     return bad
+
+
+def block_pairs(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
+    """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
+    kv_rank under `mask` (an `AttentionMask`): its slices (`mask_slices`) read on the rows'
+    positions by the one rule (`seen.sees`)."""
+    from megatron_mesh.calls.layout import global_positions, mask_slices
+    from megatron_mesh.masks.seen import sees
+
+    return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
+                global_positions(mask, kv_rank, local_len))
+

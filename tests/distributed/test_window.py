@@ -389,8 +389,10 @@ def test_window_tiles_cover_each_block_once(ranks: int, local_len: int,
     local_len 2560 takes the closed-form band tiles (no mask of the block is made), its
     sub-chunks cut into slabs; packed documents on tall shares take band tiles per
     document piece and groups of short documents."""
-    from megatron_mesh.calls.layout import AttentionMask, block_for, block_pairs
+    from megatron_mesh.calls.layout import AttentionMask, block_for
     from megatron_mesh.masks.window import Window
+
+    from reference import block_pairs
 
     docs = WindowCase((1, 0), **LONG_DOCUMENTS).documents if documents else None
     sub = local_len // 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mesh.calls.layout import AttentionMask, block_pairs
+from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.cli import main
 from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.emulation import EmulatedKernel, Emulation
@@ -29,6 +29,8 @@ from megatron_mesh.planner.hardware import TFLOP
 from megatron_mesh.planner.placed_documents import price_placement
 from megatron_mesh.planner.profile_fit import bench_calls, fit_rows, residuals
 from megatron_mesh.planner.tiles import TileCalls, window_blocks
+
+from reference import block_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = PROFILE_DIR / "h200-tiles.jsonl"

@@ -17,19 +17,10 @@ from megatron_mesh.masks.seen import sees
 from megatron_mesh.masks.slices import Slice, SliceMask
 from megatron_mesh.masks.window import Window, windowed
 
+from reference import block_pairs
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_mesh"
-
-
-def block_pairs(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor:
-    """[local_len, local_len] bool: local query row i of q_rank sees local key row j of
-    kv_rank under `mask` (an `AttentionMask`): its slices (`mask_slices`) read on the rows'
-    positions by the one rule (`seen.sees`)."""
-    from megatron_mesh.calls.layout import global_positions, mask_slices
-    from megatron_mesh.masks.seen import sees
-
-    return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
-                global_positions(mask, kv_rank, local_len))
 
 
 def dense(slices, seq: int) -> torch.Tensor:
