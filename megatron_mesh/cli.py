@@ -18,18 +18,18 @@ from megatron_mesh.layer_plan import (
 from megatron_mesh.masks.mask import Mask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import hardware
-from megatron_mesh.planner.flags import TensorParallel, driver_flags
 from megatron_mesh.planner.gpu_profile import GPU_PROFILES, load_profile
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.inference import DEFAULT_HBM_BW, format_inference, inference_report
-from megatron_mesh.planner.layers import LayerMix, ModelPlan, model_plan
-from megatron_mesh.planner.length_histogram import LengthHistogram
-from megatron_mesh.planner.model_report import format_model, model_to_dict
-from megatron_mesh.planner.placed_documents import lognormal_lengths, price_placement
-from megatron_mesh.planner.plot import INSTALL_HINT, draw, gpu_counts
-from megatron_mesh.planner.report import format_placed, format_table, placed_to_dict, plan_to_dict
+from megatron_mesh.planner.pricing.layers import LayerMix, ModelPlan, model_plan
+from megatron_mesh.planner.pricing.length_histogram import LengthHistogram
+from megatron_mesh.planner.pricing.placed_documents import lognormal_lengths, price_placement
+from megatron_mesh.planner.pricing.workload import Workload
+from megatron_mesh.planner.reports.flags import TensorParallel, driver_flags
+from megatron_mesh.planner.reports.model_report import format_model, model_to_dict
+from megatron_mesh.planner.reports.plot import INSTALL_HINT, draw, gpu_counts
+from megatron_mesh.planner.reports.report import format_placed, format_table, placed_to_dict, plan_to_dict
 from megatron_mesh.planner.search import Plan, resolve_head_dim, search
-from megatron_mesh.planner.workload import Workload
 
 # Bounds past which a value is a typo, not a machine: 2**31 tokens per sequence, 100 PFLOP/s or
 # 100 TB/s per GPU (two orders of magnitude past any GPU made).

@@ -29,7 +29,7 @@ from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.emulation import EmulatedKernel, Emulation, ShapedLinks
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE
 from megatron_mesh.planner import Cluster, Workload, search
-from megatron_mesh.planner.placed_documents import lognormal_lengths, price_placement
+from megatron_mesh.planner.pricing.placed_documents import lognormal_lengths, price_placement
 
 MIB = 2**20
 

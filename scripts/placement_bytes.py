@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import megatron_mesh as mm
-from megatron_mesh.planner.placed_documents import lognormal_lengths
+from megatron_mesh.planner.pricing.placed_documents import lognormal_lengths
 
 MIB = 2**20
 

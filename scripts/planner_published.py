@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megatron_mesh.planner import plan
 from megatron_mesh.planner.gpu_profile import load_profile
-from megatron_mesh.planner.placed_documents import price_placement
+from megatron_mesh.planner.pricing.placed_documents import price_placement
 from megatron_mesh.planner.search import grid_key
 
 K = 1024

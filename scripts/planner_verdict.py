@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, GRAD_DTYPE_NAMES
-from megatron_mesh.planner.verdict import LLAMA_GQA, MQA, gpt3_models, summary_table, verdicts
+from megatron_mesh.planner.reports.verdict import LLAMA_GQA, MQA, gpt3_models, summary_table, verdicts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.tiles import TileCalls
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.tiles import TileCalls
+from megatron_mesh.planner.pricing.workload import Workload
 
 PHASES = ("forward", "backward")
 

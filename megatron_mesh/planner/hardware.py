@@ -18,7 +18,7 @@ from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.planner.gpu_profile import GpuProfile
 
 if TYPE_CHECKING:
-    from megatron_mesh.planner.tiles import TileCalls
+    from megatron_mesh.planner.pricing.tiles import TileCalls
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTRA_NODE_BW = 360.0

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from megatron_mesh.cost_models.decode_traffic import decode_allreduce_bytes, decode_step_bytes
 from megatron_mesh.layer_plan import FP32_BYTES
 from megatron_mesh.planner.hardware import GB, Cluster
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.search import Plan
 from megatron_mesh.planner.topology import crosses_nodes
-from megatron_mesh.planner.workload import Workload
 
 DEFAULT_HBM_BW = 3000.0  # achieved GB/s of an H100 SXM reading its memory
 HOP_LATENCY_S = {False: 5e-6, True: 12e-6}  # one collective hop inside a node / across nodes

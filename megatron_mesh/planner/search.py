@@ -36,15 +36,15 @@ from megatron_mesh.planner.methods import (
 )
 from megatron_mesh.planner.methods.ring import check_takes_window
 from megatron_mesh.planner.methods.sparse import mask_estimate
-from megatron_mesh.planner.ranks_on_nodes import Placement, mesh_placement
-from megatron_mesh.planner.tiles import (
+from megatron_mesh.planner.pricing.tiles import (
     a2a_calls,
     a2a_p2p_calls,
     all_gather_calls,
     mesh_calls,
     ring_calls,
 )
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.workload import Workload
+from megatron_mesh.planner.ranks_on_nodes import Placement, mesh_placement
 
 
 @dataclass(frozen=True)

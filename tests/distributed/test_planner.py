@@ -494,7 +494,7 @@ def test_cli_plot_of_a_windowed_layer(tmp_path: Path):
 
 
 def test_plot_series_of_a_windowed_layer_are_over_all_gather():
-    from megatron_mesh.planner.plot import speedup_series
+    from megatron_mesh.planner.reports.plot import speedup_series
 
     plans = [plan(n, seq_length=131072, num_heads=32, num_kv_heads=8, head_dim=128,
                   window=(1024, 0)) for n in (8, 64)]
@@ -509,7 +509,7 @@ def test_plot_series_of_a_windowed_layer_are_over_all_gather():
 
 
 def test_plot_series_points():
-    from megatron_mesh.planner.plot import gpu_counts, speedup_series
+    from megatron_mesh.planner.reports.plot import gpu_counts, speedup_series
 
     assert gpu_counts(64, 131072) == [2, 4, 8, 16, 32, 64]
     assert gpu_counts(24, 48) == [2, 4, 8, 24]

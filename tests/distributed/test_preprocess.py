@@ -17,7 +17,7 @@ import pytest
 from preloaded import ROOT, TINY, driver, job_env
 
 from megatron_mesh.cli import main as plan_main
-from megatron_mesh.planner.length_histogram import LengthHistogram
+from megatron_mesh.planner.pricing.length_histogram import LengthHistogram
 from megatron_mesh.preprocess import TOKENIZER_TYPES, main
 
 pytestmark = pytest.mark.distributed

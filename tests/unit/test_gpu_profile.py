@@ -26,9 +26,9 @@ from megatron_mesh.planner.gpu_profile import (
     load_profile,
 )
 from megatron_mesh.planner.hardware import TFLOP
-from megatron_mesh.planner.placed_documents import price_placement
+from megatron_mesh.planner.pricing.placed_documents import price_placement
+from megatron_mesh.planner.pricing.tiles import TileCalls, window_blocks
 from megatron_mesh.planner.profile_fit import bench_calls, fit_rows, residuals
-from megatron_mesh.planner.tiles import TileCalls, window_blocks
 
 from reference import block_pairs
 

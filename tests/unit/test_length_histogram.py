@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mesh.planner.length_histogram import LengthHistogram, bin_firsts
+from megatron_mesh.planner.pricing.length_histogram import LengthHistogram, bin_firsts
 
 
 def test_bins_hold_each_length_once() -> None:

@@ -14,7 +14,7 @@ from megatron_mesh.cli import main
 from megatron_mesh.megatron.arguments import add_mesh_args
 from megatron_mesh.megatron.shape import auto_mesh_shape, resolve_mesh_shape
 from megatron_mesh.planner import plan
-from megatron_mesh.planner.plot import gpu_counts
+from megatron_mesh.planner.reports.plot import gpu_counts
 
 MODEL = ["--seq-length", "131072", "--hidden-size", "4096", "--num-heads", "32",
          "--num-kv-heads", "8"]
@@ -131,7 +131,7 @@ def test_plot_draws_the_choice_and_says_why_a2a_stops() -> None:
     pytest.importorskip("matplotlib", reason="--plot needs the 'plot' extra (matplotlib)")
     from matplotlib import pyplot
 
-    from megatron_mesh.planner.plot import figure
+    from megatron_mesh.planner.reports.plot import figure
 
     plans = [plan(n, seq_length=131072, num_heads=32, num_kv_heads=32, head_dim=128)
              for n in gpu_counts(64, 131072)]

@@ -15,7 +15,7 @@ from megatron_mesh.planner.methods import (
     mesh_transfers,
     ring_transfers,
 )
-from megatron_mesh.planner.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
+from megatron_mesh.planner.reports.verdict import LLAMA_GQA, METHODS, MQA, gpt3_models, verdicts
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,4 +1,4 @@
-"""The planner prices any mask from its slices (`planner/masked.py`): the generic counts
+"""The planner prices any mask from its slices (`planner/pricing/masked.py`): the generic counts
 (rows each mesh rank needs, pairs per block) equal the closed forms that stand in for them
 (a window, placed documents), and a mask with no closed form (prefix-LM, documents with a
 window or slices) prices to the bytes the runtime's traffic model counts."""
@@ -13,7 +13,8 @@ from megatron_mesh.layer_plan import FP32_BYTES
 from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.window import Window
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.masked import (
+from megatron_mesh.planner.methods.sparse import mask_estimate
+from megatron_mesh.planner.pricing.masked import (
     _block_pairs,
     block_pair_counts,
     mask_counts,
@@ -21,16 +22,15 @@ from megatron_mesh.planner.masked import (
     mesh_totals,
     placement_counts,
 )
-from megatron_mesh.planner.methods.sparse import mask_estimate
-from megatron_mesh.planner.tiles import window_blocks
-from megatron_mesh.planner.windows import (
+from megatron_mesh.planner.pricing.tiles import window_blocks
+from megatron_mesh.planner.pricing.windows import (
     RowSizes,
     kept_pairs,
     part_totals,
     peer_bytes,
     row_counts,
 )
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.workload import Workload
 
 MESHES = [(1, 4), (4, 1), (2, 2), (2, 4)]
 

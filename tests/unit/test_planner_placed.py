@@ -13,7 +13,7 @@ from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, AttentionShape
 from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.planner import Cluster, Workload, plan
-from megatron_mesh.planner.placed_documents import (
+from megatron_mesh.planner.pricing.placed_documents import (
     lognormal_lengths,
     mesh_pairs,
     own_block_pairs,
@@ -22,7 +22,7 @@ from megatron_mesh.planner.placed_documents import (
     placement_counts,
     price_placement,
 )
-from megatron_mesh.planner.windows import RowSizes, heads_bytes, inner_shape, part_totals, peer_bytes
+from megatron_mesh.planner.pricing.windows import RowSizes, heads_bytes, inner_shape, part_totals, peer_bytes
 
 GRIDS = {4: [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2), (4, 1, 1)],
          8: [(1, 8, 1), (1, 2, 4), (1, 4, 2), (2, 2, 2), (2, 4, 1), (4, 1, 2)]}

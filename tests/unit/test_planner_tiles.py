@@ -10,7 +10,7 @@ from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.kernels import TorchFlashKernel, backend_folds_diagonal
 from megatron_mesh.kernels.base import folds_diagonal
 from megatron_mesh.planner import Workload
-from megatron_mesh.planner.tiles import mesh_calls
+from megatron_mesh.planner.pricing.tiles import mesh_calls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -17,9 +17,9 @@ from megatron_mesh.cost_models.sparse import window_traffic
 from megatron_mesh.layer_plan import AttentionShape, grid_shapes, heads_shape
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.planner import Cluster, Workload, plan, search
-from megatron_mesh.planner.layers import LayerMix, model_plan
-from megatron_mesh.planner.model_report import format_model, verdict_line
-from megatron_mesh.planner.windows import kept_pairs, sparse_traffic
+from megatron_mesh.planner.pricing.layers import LayerMix, model_plan
+from megatron_mesh.planner.pricing.windows import kept_pairs, sparse_traffic
+from megatron_mesh.planner.reports.model_report import format_model, verdict_line
 
 MODEL = dict(seq_length=65536, num_heads=32, num_kv_heads=8, head_dim=128)
 CLI = ["plan", "--gpus", "16", "--seq-length", "65536", "--num-heads", "32",

@@ -14,9 +14,9 @@ from megatron_mesh.layer_plan import AttentionShape
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.planner import plan
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.masked import block_pair_counts
 from megatron_mesh.planner.methods.sparse import mask_estimate
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.masked import block_pair_counts
+from megatron_mesh.planner.pricing.workload import Workload
 
 SHAPE = dict(seq_length=512, num_heads=4, num_kv_heads=2, head_dim=16)
 DOCS = (37, 200, 16, 259)
@@ -137,7 +137,7 @@ def test_a_cluster_prices_the_same_from_plan_and_search():
 
 def test_one_tensor_parallel_ranks_shape_builds_the_clis_workload():
     """The CLI's workload is `from_shape` of one TP rank's heads over the whole sequence."""
-    from megatron_mesh.planner.flags import TensorParallel
+    from megatron_mesh.planner.reports.flags import TensorParallel
 
     tp = TensorParallel(2, 8, 8, 8, 4)
     assert tp.attention_shape(1024, 3, 64, "fp32") == AttentionShape(1024, 3, 4, 2, 64, 4)
@@ -147,7 +147,7 @@ def test_a_window_inside_placed_documents_is_priced_from_its_slices():
     """The placement under a window: every grid is `mask_estimate` of the placed mask, the
     floor the busiest rank's pairs from its slices (`rank_pairs`), which equal the closed
     form `works` for causal documents alone."""
-    from megatron_mesh.planner.placed_documents import placed_mask, price_placement, rank_pairs
+    from megatron_mesh.planner.pricing.placed_documents import placed_mask, price_placement, rank_pairs
 
     kw = dict(SHAPE, gpus_per_node=4, doc_lengths=DOCS)
     windowed = plan(4, **kw, window=(24, 0))

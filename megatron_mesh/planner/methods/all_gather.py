@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.topology import crosses_nodes
-from megatron_mesh.planner.workload import Workload
 
 
 def all_gather_transfers(workload: Workload, cluster: Cluster) -> list[PricedTransfer]:

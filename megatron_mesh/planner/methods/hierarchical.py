@@ -13,8 +13,8 @@ from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.ring import check_takes_window, ring_kv_transfers
 from megatron_mesh.planner.methods.ulysses import a2a_pair, check_heads
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.topology import consecutive_groups, crosses_nodes, strided_groups
-from megatron_mesh.planner.workload import Workload
 
 
 def a2a_sizes(workload: Workload, cp_size: int) -> list[int]:

@@ -25,8 +25,8 @@ from megatron_mesh.planner.cost import PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
 from megatron_mesh.planner.methods.sparse import sparse_transfers
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.topology import crosses_nodes
-from megatron_mesh.planner.workload import Workload
 
 
 def mesh_transfers(workload: Workload, cluster: Cluster, rows: int, cols: int,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.topology import crosses_nodes
-from megatron_mesh.planner.workload import Workload
 
 
 def check_takes_window(workload: Workload, method: str) -> None:

@@ -22,10 +22,10 @@ from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, dim_groups
 from megatron_mesh.masks.mask import Mask
 from megatron_mesh.planner.cost import Estimate, PricedTransfer, price
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.masked import counts_of, mesh_totals, pair_flops, pairs_of
 from megatron_mesh.planner.methods.ulysses import all_to_all_pair
-from megatron_mesh.planner.tiles import mesh_calls
-from megatron_mesh.planner.windows import (
+from megatron_mesh.planner.pricing.masked import counts_of, mesh_totals, pair_flops, pairs_of
+from megatron_mesh.planner.pricing.tiles import mesh_calls
+from megatron_mesh.planner.pricing.windows import (
     COL_PARTS,
     PARTS,
     ROW_PARTS,
@@ -35,7 +35,7 @@ from megatron_mesh.planner.windows import (
     inner_shape,
     peer_bytes,
 )
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.workload import Workload
 
 INBOUND = ("Q", "K,V", "Q,dO, lse,D")  # `PARTS` received while the own block computes
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from megatron_mesh.planner.cost import NotApplicable, PricedTransfer
 from megatron_mesh.planner.hardware import Cluster
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.topology import Groups, off_node_share
-from megatron_mesh.planner.workload import Workload
 
 
 def check_heads(workload: Workload, size: int) -> None:

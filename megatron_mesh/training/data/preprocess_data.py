@@ -8,7 +8,7 @@ processes (documents keep their input order), an end-of-document id appended wit
 .bin / .idx (Megatron-LM's names), in the smallest dtype that holds the vocabulary. A
 progress line on stderr shows documents, tokens, tokens/s and the ETA from input bytes
 read; the summary gives the length percentiles and writes the length histogram
-(`planner/length_histogram.py`) the planner's `--doc-length-dist histogram:FILE` reads.
+(`planner/pricing/length_histogram.py`) the planner's `--doc-length-dist histogram:FILE` reads.
 The input is read whole once before tokenizing (a bad line stops the run at once), and the
 three files appear only whole (`DatasetFiles`).
 """
@@ -31,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron_mesh.planner.length_histogram import LengthHistogram
+from megatron_mesh.planner.pricing.length_histogram import LengthHistogram
 from megatron_mesh.training.data import tokenizer_check
 
 CHUNK = 64  # documents a worker tokenizes per task

@@ -28,7 +28,7 @@ from megatron_mesh.dtypes import TORCH_DTYPES
 from megatron_mesh.kernels import backend_folds_diagonal
 from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.masks.window import Window
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_mesh.planner.cost import Estimate
-from megatron_mesh.planner.flags import PLACEMENT_FLAG
+from megatron_mesh.planner.reports.flags import PLACEMENT_FLAG
 from megatron_mesh.planner.search import Plan
 
 MIB = 2**20

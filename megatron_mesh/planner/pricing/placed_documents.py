@@ -39,7 +39,8 @@ from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.mask import Mask, documents_mask
 from megatron_mesh.planner.cost import Estimate
 from megatron_mesh.planner.hardware import Cluster
-from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, named here too
+from megatron_mesh.planner.methods.sparse import mask_estimate
+from megatron_mesh.planner.pricing.masked import (  # noqa: F401 - the closed forms, named here too
     _block_pairs,
     _doc_runs,
     block_pair_counts,
@@ -47,10 +48,9 @@ from megatron_mesh.planner.masked import (  # noqa: F401 - the closed forms, nam
     pair_flops,
     placement_counts,
 )
-from megatron_mesh.planner.methods.sparse import mask_estimate
+from megatron_mesh.planner.pricing.tiles import ring_calls
+from megatron_mesh.planner.pricing.workload import Workload
 from megatron_mesh.planner.search import Plan, grid_key, heads_sizes
-from megatron_mesh.planner.tiles import ring_calls
-from megatron_mesh.planner.workload import Workload
 
 
 def lognormal_lengths(seq_length: int, median: int, longest: int, seed: int = 0,

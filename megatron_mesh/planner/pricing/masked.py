@@ -12,7 +12,7 @@ busiest mesh rank's pairs, whatever the kind. Closed forms stand in for the gene
 only where a test shows them equal (tests/unit/test_planner_masks.py) and they are what
 scales to a planner's sequence lengths: a window over one dense sequence
 (`windows.row_counts`) and placed documents alone (`placement_counts`, `_block_pairs`, the
-formulas of `planner/placed_documents.py`'s docstring).
+formulas of `planner/pricing/placed_documents.py`'s docstring).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from megatron_mesh.calls.slice_blocks import block_parts
 from megatron_mesh.masks.document_placement import DocumentPlacement, run_pairs
 from megatron_mesh.masks.mask import Mask
 from megatron_mesh.masks.placed_documents import mesh_placement
-from megatron_mesh.planner.windows import RowCounts, row_counts
-from megatron_mesh.planner.workload import Workload
+from megatron_mesh.planner.pricing.windows import RowCounts, row_counts
+from megatron_mesh.planner.pricing.workload import Workload
 
 
 def mesh_mask(mask: Mask, rows: int, cols: int, heads: int = 1) -> AttentionMask:

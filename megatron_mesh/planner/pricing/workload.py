@@ -22,7 +22,7 @@ from megatron_mesh.masks.mask import Mask, as_attention_mask
 from megatron_mesh.masks.slices import SliceMask, as_mask
 from megatron_mesh.masks.window import Window, window_of
 from megatron_mesh.masks.zigzag import check_zigzag_divisible
-from megatron_mesh.planner.windows import kept_pairs
+from megatron_mesh.planner.pricing.windows import kept_pairs
 
 
 @dataclass(frozen=True)

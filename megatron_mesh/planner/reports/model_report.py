@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_mesh.planner.layers import TE_METHODS, ModelPlan, grid_estimate
-from megatron_mesh.planner.report import plan_to_dict
+from megatron_mesh.planner.pricing.layers import TE_METHODS, ModelPlan, grid_estimate
+from megatron_mesh.planner.reports.report import plan_to_dict
 
 
 def _ms(seconds: float | None) -> str:
