@@ -1,4 +1,4 @@
-"""Megatron-LM flags the driver honours as Megatron-LM does (issue 32), in real driver runs
+"""Megatron-LM flags the driver honours as Megatron-LM does, in real driver runs
 on gloo with mock data and the tiny config: the LR schedule on resume, sample-based training
 with a batch-size ramp, --rotary-percent, --use-checkpoint-args and megatron-core DDP's
 communication overlap."""

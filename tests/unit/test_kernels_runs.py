@@ -264,3 +264,38 @@ def test_runs_as_varlen_packs_are_exact(name):
             what, (got.double() - ref).abs().nan_to_num(0).max())
     rules = {(p.causal, p.window) for p in packs}
     assert len(packs) <= len(rules) + 2  # one call per rule, more only where runs share rows
+
+
+GPU_KERNELS = {  # the CUDA kernels that take a call's slices: (kernel, dtypes)
+    "torch flash": (lambda: TorchFlashKernel(flash=True), (torch.bfloat16, torch.float32)),
+    "cudnn": (lambda: CudnnKernel(), (torch.bfloat16,)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("kernel_name", list(GPU_KERNELS))
+def test_runs_on_the_gpu_match_the_fp64_formula(kernel_name, name):
+    """Every case's call on the GPU kernels that take slices (CUDA's flash op: documents
+    varlen, other slices as packed varlen runs; fp32 on the memory-efficient op; cuDNN: runs
+    on its op): out, lse, dq, dk, dv against the fp64 formula of the inputs as rounded, within
+    the dtype's rounding (a wrong mask is off by O(1))."""
+    make, dtypes = GPU_KERNELS[kernel_name]
+    device = torch.device("cuda")
+    slices = cases(device)[name]
+    sq, sk = slices.shape
+    seen = seen_of(slices.slices, slices.shape).to(device)
+    for dtype in dtypes:
+        torch.manual_seed(sq * sk)
+        q, k, v, dout = (torch.randn(s, 2, h, 64).to(dtype).to(device)
+                         for s, h in ((sq, 4), (sk, 2), (sk, 2), (sq, 4)))
+        want = reference(q, k, v, dout, seen)
+        kernel = make()
+        out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
+        grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
+        for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+            assert got.shape == ref.shape, (kernel_name, name, dtype, what)
+            tol = 1e-4 if dtype == torch.float32 else 0.05
+            err = (got.double() - ref).abs().nan_to_num(0).max().item()
+            assert err <= tol * max(1.0, ref.abs().nan_to_num(0).max().item()), (
+                kernel_name, name, dtype, what, err)

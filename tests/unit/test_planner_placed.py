@@ -115,7 +115,7 @@ MODEL = ["plan", "--gpus", "64", "--seq-length", "131072", "--num-heads", "32",
 
 
 def test_issue_example_prices_thd_and_the_placement(capsys) -> None:
-    """32 documents of 4K on 64 GPUs (issue 34): THD's best is the planner's 4.38 ms while
+    """32 documents of 4K on 64 GPUs: THD's best is the planner's 4.38 ms while
     compute is 0.60 ms; the placement comes within 1.3x of its floor."""
     assert main([*MODEL, "--doc-length", "4096"]) == 0
     out = capsys.readouterr().out

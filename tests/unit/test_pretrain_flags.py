@@ -209,7 +209,7 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
     (["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"],
      "--swiglu with --hidden-size 16: Megatron-LM's width (8h/3 rounded down to a multiple "
      "of 64) is 0"),
-    # flags Megatron-LM checks the same way (issue 32)
+    # flags Megatron-LM checks the same way
     ([*G8, "--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-shap", "2x2x"],
      "unrecognized arguments: --mesh-shap 2x2x"),
     ([*G8, "--train-samples", "40", "--train-iters", "10"],
