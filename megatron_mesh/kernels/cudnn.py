@@ -132,10 +132,16 @@ class CudnnKernel:
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
 
 
+# cuDNN reads a bias row at an aligned stride: its rows start this many elements apart
+BIAS_ALIGN = 16
+
+
 def _bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """A block's bias [sq, sk] fp32 as the op's attn_bias: q's dtype, [b, hq, sq, sk]
-    (expanded, no copy)."""
+    """A block's bias [sq, sk] fp32 as the op's attn_bias: q's dtype, its rows
+    `BIAS_ALIGN` elements apart (zero columns past sk, which the op never reads: sk keys),
+    [b, hq, sq, sk] (expanded, no copy)."""
     if bias is None:
         return None
     sq, sk = bias.shape
-    return bias.to(q.dtype).expand(q.shape[1], q.shape[2], sq, sk)
+    padded = torch.nn.functional.pad(bias.to(q.dtype), (0, -sk % BIAS_ALIGN))
+    return padded[:, :sk].expand(q.shape[1], q.shape[2], sq, sk)

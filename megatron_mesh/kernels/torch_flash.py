@@ -12,13 +12,15 @@ Inputs of any strides: a copy is made only where the head dim is not dense.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..calls.tile_slices import BAND, DOCUMENTS, SLICES, TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
 from .run_calls import DenseOp, slices_backward, slices_forward
-from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
+from .varlen_runs import Pack, packs_of, varlen_runs_backward, varlen_runs_forward
 
 aten = torch.ops.aten
 
@@ -108,7 +110,7 @@ class TorchFlashKernel:
             return None
         if q.device.type != "cpu" and self._uses_flash(q):
             return None  # the flash op's causal is bottom-right aligned
-        return TileSlices.band(sq, sk, -1, 0)
+        return bottom_right_band(sq, sk)
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float, *,
                 slices: TileSlices | None = None):
@@ -128,9 +130,8 @@ class TorchFlashKernel:
         if self._varlen(q, slices):
             return varlen_forward(q, k, v, softmax_scale, slices)
         if self._packed(q, slices):
-            packs = packs_of(slices.runs)
-            return varlen_runs_forward(q, k, v, softmax_scale, packs,
-                                       _pack_tensors(slices, packs, q.device), flash_varlen)
+            return varlen_runs_forward(q, k, v, softmax_scale, *packs_on(slices, q.device),
+                                       flash_varlen)
         return slices_forward(q, k, v, softmax_scale, slices, self.dense_op(q))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *,
@@ -151,10 +152,8 @@ class TorchFlashKernel:
         if self._varlen(q, slices):
             return varlen_backward(dout, q, k, v, out, lse, softmax_scale, slices)
         if self._packed(q, slices):
-            packs = packs_of(slices.runs)
-            return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale, packs,
-                                        _pack_tensors(slices, packs, q.device),
-                                        flash_varlen_backward)
+            return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale,
+                                        *packs_on(slices, q.device), flash_varlen_backward)
         return slices_backward(dout, q, k, v, out, lse, softmax_scale, slices,
                                self.dense_op(q))
 
@@ -255,6 +254,13 @@ class TorchFlashKernel:
         return sbhd(dq), sbhd(sum_kv_grad(dk, groups)), sbhd(sum_kv_grad(dv, groups))
 
 
+@functools.lru_cache(maxsize=64)  # a layer's grouped tiles take a few shapes
+def bottom_right_band(sq: int, sk: int) -> TileSlices:
+    """The band of a causal call of sq < sk keys aligned at the bottom right, one object per
+    shape: its dense calls are made once (`run_calls.call_plan`), not per call."""
+    return TileSlices.band(sq, sk, -1, 0)
+
+
 # A call's slices (`TileSlices`): on CUDA's flash op (fp16 / bf16, where the kernel's choice
 # allows flash) documents as one variable-length call over their rows (per batch entry: the
 # op reads one packed sequence; no work across documents, GQA as it is) and other slices as
@@ -284,9 +290,15 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return dense_last_dim(t).transpose(0, 1)
 
 
-def _pack_tensors(slices: TileSlices, packs, device: torch.device) -> list[dict]:
-    """Each pack's index and length tensors on `device`, made once per call."""
-    return slices.made_on("packs", device, lambda d: [p.tensors(d) for p in packs])
+def packs_on(slices: TileSlices, device: torch.device) -> tuple[tuple[Pack, ...], list[dict]]:
+    """The call's packs (`packs_of` of its runs) and each pack's index and length tensors
+    on `device`, made once per call and device and kept with the call
+    (`TileSlices.made_on`): every layer of a micro-batch and the backward read the ones
+    its first forward made."""
+    def make(on: torch.device) -> tuple[tuple[Pack, ...], list[dict]]:
+        packs = packs_of(slices.runs)
+        return packs, [p.tensors(on) for p in packs]
+    return slices.made_on("packs", device, make)
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool,

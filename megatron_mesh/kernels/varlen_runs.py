@@ -3,7 +3,8 @@
 A variable-length op (CUDA's flash op with cumulative lengths) takes many sequences in one
 call, each query run against its concatenated key runs, under one rule for all of them:
 so the runs are packed by rule (full, causal, each window) and, where runs of one rule
-share query rows, into layers whose rows do not meet (`packs_of`). A pack gathers its query
+share query rows, into layers whose rows do not meet (`packs_of`; made once per call with
+their index tensors and kept with it, `torch_flash.packs_on`). A pack gathers its query
 rows and key rows (a copy; none where a pack is the call's rows in order), and its outputs
 go back to their rows: written where one pack covers the call, else merged by log-sum-exp.
 The backward gathers dout, out and the whole row's lse the same way and adds dq, dk, dv

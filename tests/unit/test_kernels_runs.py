@@ -94,11 +94,19 @@ def cases(device: torch.device = torch.device("cpu")) -> dict[str, TileSlices]:
         "window (-1, 3)": TileSlices.band(20, 24, -1, 3),
         "window (2, -1)": TileSlices.band(20, 24, 2, -1),
         "causal, more keys": TileSlices.band(9, 30, -1, 0),
-        "long window rows": TileSlices.band(BAND_ROWS + 70, BAND_ROWS + 75, 5, 1),
+        "long window rows": TileSlices.band(4 * BAND_ROWS + 70, 4 * BAND_ROWS + 75, 5, 1),
         "prefix-LM": TileSlices.of([(0, 30, 0, 11, None, None), (11, 30, 11, 30, None, 0)],
                                    (30, 30), device),
         "windows in documents": TileSlices.of(
             [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), device),
+        "wide window (150, 20), more keys": TileSlices.band(560, 570, 150, 20),
+        "wide window (-1, 140)": TileSlices.band(520, 520, -1, 140),
+        "wide window (140, -1)": TileSlices.band(520, 530, 140, -1),
+        "wide windows in documents": TileSlices.of(
+            [(0, 300, 0, 300, -140, 0), (300, 560, 300, 560, -130, 3)], (560, 560), device),
+        "equal documents": documents((16,) * 8, True, device=device),
+        "equal documents apart": documents((5, 9, 5, 9, 5, 3), False, device=device),
+        "equal documents, more keys": documents((4, 4, 4), True, (2, 2, 2), device),
         "two causal on a row": TileSlices.of(
             [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
             (10, 22), device),
@@ -299,3 +307,86 @@ def test_runs_on_the_gpu_match_the_fp64_formula(kernel_name, name):
             err = (got.double() - ref).abs().nan_to_num(0).max().item()
             assert err <= tol * max(1.0, ref.abs().nan_to_num(0).max().item()), (
                 kernel_name, name, dtype, what, err)
+
+
+@pytest.mark.parametrize("branch", ["cpu", "efficient", "cudnn"])
+def test_wide_window_biases_are_block_sized(branch):
+    """A window of 513 keys on an op without windows: each block of `BAND_ROWS` rows is the
+    keys all its rows see (one full call) and two edge triangles; no bias is larger than
+    [BAND_ROWS, 2 BAND_ROWS] (not [W, 2W]), forward and backward, and the edges of the inner
+    blocks share one call each (their rows as batch entries)."""
+    sq = 1024
+    slices = TileSlices.band(sq, sq, 512, 0)
+    kernel, dtype = (TorchFlashKernel(), torch.float32) if branch == "cpu" else \
+        META_KERNELS[branch][:2]
+    device = torch.device("cpu" if branch == "cpu" else "meta")
+    q = torch.zeros(sq, 1, 2, 8 if branch == "cpu" else 64, dtype=dtype, device=device)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, q, q, False, SCALE, slices=slices)
+        kernel.backward(out, q, q, q, out, lse, False, SCALE, slices=slices)
+    assert ops.mask_layouts
+    assert all(shape[-2] <= BAND_ROWS and shape[-1] <= 2 * BAND_ROWS
+               for shape, _ in ops.mask_layouts), ops.mask_layouts
+    blocks = sq // BAND_ROWS
+    assert ops.calls < 2 * 2 * blocks  # each way: a full call per block, the edges batched
+
+
+@pytest.mark.parametrize("name", [n for n, s in CASES.items()
+                                  if any(r.rule == "window" for r in s.runs)])
+@pytest.mark.parametrize("branch", ["efficient", "cudnn"])
+def test_biases_reach_cuda_ops_with_aligned_rows_on_meta(branch, name):
+    """Every bias a CUDA op takes (a window block's, a short call's own) is [b, hq, sq, sk]
+    of the call, broadcast over batch and heads (strides 0), its rows 16 elements apart
+    (cuDNN and the memory-efficient op read them aligned) and its keys dense."""
+    kernel, dtype, _ = META_KERNELS[branch]
+    slices = cases(torch.device("meta"))[name]
+    sq, sk = slices.shape
+    q = torch.empty(sq, 2, 4, 64, device="meta", dtype=dtype)
+    k = torch.empty(sk, 2, 2, 64, device="meta", dtype=dtype)
+    with AttentionOps() as ops:
+        out, lse = kernel.forward(q, k, k, False, SCALE, slices=slices)
+        kernel.backward(out, q, k, k, out, lse, False, SCALE, slices=slices)
+    assert ops.mask_layouts
+    for shape, stride in ops.mask_layouts:
+        assert shape[:2] == (2, 4) and stride[:2] == (0, 0), (shape, stride)
+        assert stride[3] == 1 and stride[2] % 16 == 0 and stride[2] >= shape[3], (shape, stride)
+
+
+def test_equal_documents_are_one_call_and_their_calls_are_made_once(monkeypatch):
+    """Eight causal documents of one length on the CPU op: one op call each way (the
+    documents as batch entries), exact; the dense calls are made by the first forward and
+    read by the next layer's forward and by the backward."""
+    from megatron_mesh.kernels import run_calls
+    made = []
+    real = run_calls.plan_of
+    monkeypatch.setattr(run_calls, "plan_of", lambda *a: made.append(1) or real(*a))
+    slices = documents((16,) * 8, True)
+    torch.manual_seed(1)
+    q, k, v, dout = (torch.randn(128, 1, 2, 8) for _ in range(4))
+    want = reference(q, k, v, dout, seen_of(slices.slices, slices.shape))
+    kernel = TorchFlashKernel()
+    for _ in range(2):  # two layers
+        with AttentionOps() as fwd:
+            out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
+        with AttentionOps() as bwd:
+            grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
+        assert fwd.calls == bwd.calls == 1
+    assert made == [1]
+    for got, ref in zip((out, lse, *grads), want):
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_varlen_packs_are_made_once_per_call(monkeypatch):
+    """On CUDA's flash op (meta) a call's packs (`packs_of`) and their index tensors are made
+    by the first forward; the next layer's forward and the backward find them."""
+    from megatron_mesh.kernels import torch_flash
+    made = []
+    real = torch_flash.packs_of
+    monkeypatch.setattr(torch_flash, "packs_of", lambda runs: made.append(1) or real(runs))
+    slices = cases(torch.device("meta"))["prefix-LM"]
+    q = torch.empty(30, 1, 4, 64, device="meta", dtype=torch.bfloat16)
+    kernel = TorchFlashKernel(flash=True)
+    for _ in range(2):
+        out, lse = kernel.forward(q, q, q, False, SCALE, slices=slices)
+        kernel.backward(out, q, q, q, out, lse, False, SCALE, slices=slices)
+    assert made == [1]
