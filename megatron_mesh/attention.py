@@ -19,7 +19,7 @@ exchange instead, whatever the schedule (`schedules/sparse.py`).
 """
 from __future__ import annotations
 
-import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -93,17 +93,42 @@ WINDOW_EXCHANGES = ("sparse", "gathered")
 SPARSE_PAYS = 0.5
 
 
-@functools.lru_cache(maxsize=64)  # a few layers' masks and shapes
+# the decisions kept: a few layers' shapes and masks (a run's masks change per micro-batch)
+SPARSE_PAYS_KEPT = 64
+_PAYS: OrderedDict[tuple, bool] = OrderedDict()
+
+
+def pays_key(mask: Mask) -> tuple:
+    """What of `mask` decides `sparse_pays`, as a few ints whatever its size: causal, the
+    window's sides, and the digests its documents, placement and slices carry (made once
+    with each value, the ones the ranks agree on)."""
+    window = None if mask.window is None else (mask.window.left, mask.window.right)
+    return (mask.causal, window,
+            None if mask.documents is None else mask.documents.agreement_key(),
+            None if mask.placement is None else mask.placement.agreement_key(),
+            None if mask.slices is None else mask.slices.key)
+
+
 def sparse_pays(shape: AttentionShape, plan: MeshPlan, mask: Mask) -> bool:
     """Whether the sparse exchange of `mask` (only the rows its blocks use) sends at most
     `SPARSE_PAYS` of the bytes of the dense `plan`, on the rank sending most
-    (`cost_models.sparse.sparse_traffic` against `traffic.mesh_traffic`)."""
+    (`cost_models.sparse.sparse_traffic` against `traffic.mesh_traffic`). Kept per shape,
+    plan and `pays_key` (the last `SPARSE_PAYS_KEPT`): a layer of a shape and mask seen
+    before reads it."""
+    key = (shape, plan, pays_key(mask))
+    found = _PAYS.get(key)
+    if found is not None:
+        _PAYS.move_to_end(key)
+        return found
     e = shape.dtype_bytes
     slices = AttentionMask(mask.causal, mask.documents, plan.rows * plan.cols, mask.window,
                            None, mask.slices)
     moved = sparse_traffic(shape, plan.heads, plan.rows, plan.cols, slices, None,
                            plan.dq_bytes(e), plan.dkv_bytes(e))
-    return moved.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
+    found = _PAYS[key] = moved.total <= SPARSE_PAYS * mesh_traffic(shape, plan).total
+    while len(_PAYS) > SPARSE_PAYS_KEPT:
+        _PAYS.popitem(last=False)
+    return found
 
 
 def sparse_plan(schedule: str | Schedule, window_exchange: str, sparse_mask: bool

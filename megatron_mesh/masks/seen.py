@@ -56,9 +56,8 @@ def sees(mask: SliceMask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Ten
     q_pos = q_pos.long()
     k = k_pos.long() if k_pos.dim() == 2 else k_pos.long()[None, :]
     seen = torch.zeros(q_pos.shape[0], k.shape[-1], dtype=torch.bool, device=q_pos.device)
-    for table in _layers(mask):
-        table = table.to(q_pos.device)
-        index = torch.searchsorted(table[:, 0].contiguous(), q_pos, right=True) - 1
+    for table, starts in layers_on(mask, q_pos.device):
+        index = torch.searchsorted(starts, q_pos, right=True) - 1
         row = table[index.clamp(min=0)]  # [nq, 6]: each row's candidate slice
         bounds = Bounds(*(row[:, n, None] for n in range(6)))
         seen |= keeps(bounds, q_pos[:, None], k) & (index >= 0)[:, None]
@@ -76,6 +75,15 @@ def one_row(q_pos: torch.Tensor, window_left: int | None = None, window_right: i
     if window_right == 0:
         return Bounds(p, p + 1, 0, p + 1, lo, 0)
     return Bounds(p, p + 1, 0, UNBOUNDED, lo, window_right if window_right > 0 else UNBOUNDED)
+
+
+@functools.lru_cache(maxsize=16)  # a few masks on a device or two (a model's layers share one)
+def layers_on(mask: SliceMask, device: torch.device
+              ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """The mask's tables (`_layers`) on `device`, each with its q_start column [n]
+    (contiguous, for the binary search): copied to the device once per mask and device, not
+    per call."""
+    return tuple((t.to(device), t[:, 0].contiguous().to(device)) for t in _layers(mask))
 
 
 @functools.lru_cache(maxsize=16)  # a few masks' tables (layers of a model share one)
