@@ -12,7 +12,10 @@ Packed documents (a tile's `TileSlices`) run as TE's "thd_thd_thd" layout: q [t,
 k [t, hkv, d], v [t, hkv, dv] with cu_seqlens = the documents' bounds, masks "padding" /
 "padding_causal"; TE's softmax stats come back per token ([t', hq, 1], cuDNN >= 9.6) or per
 document ([docs, hq, max_q, 1], older cuDNN and sm120 from TE 2.14) and are converted to
-and from our [1, hq, t] (`lse_from_te`, `lse_to_te`).
+and from our [1, hq, t] (`lse_from_te`, `lse_to_te`). Causal documents of more keys than
+queries take "padding_causal_bottom_right". Windows and masks given as slices run as thd
+calls too, one per pack of their runs (`te_runs`: the masks, the release bounds, what stays
+on the fallback; `runs_forward` / `runs_backward`, `pack_fwd_kwargs` / `pack_bwd_kwargs`).
 TE is imported lazily, and only when it can be chosen: this module imports without it.
 """
 from __future__ import annotations
@@ -708,7 +711,7 @@ class TEFusedKernel:
         documents)."""
         if not _uses_te(q):
             return False
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = _capturing(q)
         if docs is None:
             key: tuple = (q.shape, k.shape, v.shape[-1], q.dtype, causal, capturing)
         else:  # what TileSpec.of_documents reads: the documents change every batch
@@ -823,7 +826,7 @@ class TEFusedKernel:
             _parameters(fn)[0], q, k, v,
             cu_seqlens(b, sq, q.device), cu_seqlens(b, k.shape[0], q.device),
             causal, softmax_scale, te.backend,
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
         )
         out, aux = _call(fn, kw, te.version)[:2]
         stats = aux[0]
@@ -874,7 +877,7 @@ class TEFusedKernel:
             _parameters(fn)[0], dout, q, k, v, out, [stats, rng_state(q.device)],
             cu_seqlens(b, sq, q.device), cu_seqlens(b, k.shape[0], q.device),
             causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
             deterministic=self.deterministic,
         )
         dq, dk, dv = _call(fn, kw, te.version)[:3]
@@ -890,7 +893,7 @@ class TEFusedKernel:
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         fn = te.fused_attn.fused_attn_fwd
         kw = thd_fwd_kwargs(_parameters(fn)[0], q3, k3, v3, docs, causal, softmax_scale,
-                            te.backend, cuda_graph=torch.cuda.is_current_stream_capturing())
+                            te.backend, cuda_graph=_capturing(q))
         out, aux = _call(fn, kw, te.version)[:2]
         stats = aux[0]
         _check_thd_stats(te, stats, _stats_per_token(q.device), q.shape[2], docs.cu_q[-1],
@@ -911,7 +914,7 @@ class TEFusedKernel:
         kw = thd_bwd_kwargs(
             _parameters(fn)[0], dout3, q3, k3, v3, out3, [stats, rng_state(q.device)],
             docs, causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
             deterministic=self.deterministic,
         )
         dq, dk, dv = _call(fn, kw, te.version)[:3]

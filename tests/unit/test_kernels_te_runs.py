@@ -405,6 +405,34 @@ def test_kernel_runs_windows_on_te_and_falls_back_once(monkeypatch, caplog):
     assert any("padding with window (3, 2)" in r.message for r in caplog.records)
 
 
+def test_documents_of_more_keys_run_bottom_right_on_te(monkeypatch):
+    """Causal documents of more keys than queries go to TE's thd call as
+    "padding_causal_bottom_right" (square ones keep "padding_causal"): exact on the
+    stand-ins, forward and backward, and asked of TE's query with that mask."""
+    asked = _stand_in_kernel(monkeypatch, "2.20.2")
+    docs = TileSlices.documents((0, 3, 4, 11), (0, 5, 6, 16), True, CPU)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(11, 1, 4, 8), torch.randn(16, 1, 2, 8), torch.randn(16, 1, 2, 8)
+    dout = torch.randn(11, 1, 4, 8)
+    kernel = TEFusedKernel(deterministic=False)
+    out, lse = kernel.forward(q, k, v, True, SCALE, slices=docs)
+    grads = kernel.backward(dout, q, k, v, out, lse, True, SCALE, slices=docs)
+    assert [p.attn_mask_type for p in asked] == ["padding_causal_bottom_right"]
+    want = _formula(q, k, v, dout, _seen(docs))
+    for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (what, (got - ref).abs().max())
+    for release in ("2.10.0", "2.20.2"):
+        fwd_params = SIGNATURES[RELEASES[release]][0]
+        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], k[:, 0], v[:, 0], docs, True, 0.3,
+                                     BACKEND)
+        assert kw["attn_mask_type"] == "padding_causal_bottom_right"
+        assert kw.get("bottom_right_diagonal", True) is True
+        square = TileSlices.documents((0, 3, 11), (0, 3, 11), True, CPU)
+        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], q[:, 0], q[:, 0], square, True,
+                                     0.3, BACKEND)
+        assert kw["attn_mask_type"] == "padding_causal"
+
+
 # ---------------------------------------------------------------- part 2: CUDA + TE
 
 needs_te = pytest.mark.skipif(
