@@ -149,6 +149,7 @@ has transformer_engine \
 if has pytest; then
     MESH_GPU_MEMORY_REPORT="$OUT/memory.jsonl" step gpu_tests "$PY" -m pytest -q -p no:cacheprovider \
         --durations=15 -m gpu tests/unit/test_kernels.py tests/unit/test_kernels_te.py \
+        tests/unit/test_kernels_te_runs.py \
         tests/unit/test_kernels_documents.py tests/unit/test_merge_triton.py \
         tests/distributed/test_host_staging.py tests/distributed/test_placed_documents.py \
         tests/distributed/test_sinks.py tests/distributed/test_decode.py

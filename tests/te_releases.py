@@ -153,9 +153,20 @@ _AP_220 = _AP_214 + [
     "nominal_dtype", "num_tokens_q", "num_tokens_kv", "softcap", "cp_size", "cp_size_a2a",
     "softmax_scale", "fp8_output", "checkpoint_core_attention", "has_score_mod",
     "has_score_mod_bprop"]
-ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.2.0": _AP_25, "2.5.0": _AP_25, "2.10.0": _AP_210, "2.14.1": _AP_214,
-                    "2.20.2": _AP_220}
+ATTENTION_PARAMS = {"2.1.0": _AP_21, "2.2.0": _AP_25, "2.5.0": _AP_25, "2.10.0": _AP_210,
+                    "2.12.0": _AP_214, "2.14.1": _AP_214, "2.20.2": _AP_220}
 # Every field we must set for the query to describe our tile (the rest keep TE's defaults).
 AP_NEEDED = {"qkv_dtype", "qkv_layout", "batch_size", "num_heads", "num_gqa_groups",
               "max_seqlen_q", "max_seqlen_kv", "head_dim_qk", "head_dim_v", "attn_mask_type",
               "window_size", "attention_dropout", "deterministic", "is_training"}
+
+# The attn_mask_type values fused_attn_fwd / _bwd take (the keys of `AttnMaskType` in
+# cpp_extensions/fused_attn.py): the same six in every release read, 2.1 to 2.20.
+MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+              "padding_causal_bottom_right")
+# From 2.12 (the first release with `bottom_right_diagonal`) the functions default it to
+# None and then align the band at the bottom right for these masks, else at the top left.
+# Before 2.12 the cuDNN graph (fused_attn_f16_arbitrary_seqlen.cu) set only the band's left
+# bound (window_size[0]); window_size[1] was read by the backend check alone.
+BOTTOM_RIGHT_BY_DEFAULT = ("causal_bottom_right", "padding_causal_bottom_right")
+WINDOW_ALIGNMENT_FROM = "2.12"

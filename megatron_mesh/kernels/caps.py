@@ -1,7 +1,9 @@
 """What a tile kernel takes besides plain tiles, declared as a value (`KernelCaps`).
 
 Every kernel declares `caps` (a class attribute, or set per object where it depends on the
-kernel's parts, as TE's on its fallbacks); `get_kernel` chooses from the declarations and a
+kernel's parts: TE's runs documents, windows and masks on its own thd calls where its
+release and backend query take them and the rest on its fallbacks, so it declares what its
+fallbacks take); `get_kernel` chooses from the declarations and a
 kernel refuses a call carrying an input its caps do not declare (`base.check_call`). A new
 capability is a new field (default False: kernels that do not declare it do not take it)
 with its words in `WHAT`.

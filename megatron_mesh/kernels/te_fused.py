@@ -12,7 +12,10 @@ Packed documents (a tile's `TileSlices`) run as TE's "thd_thd_thd" layout: q [t,
 k [t, hkv, d], v [t, hkv, dv] with cu_seqlens = the documents' bounds, masks "padding" /
 "padding_causal"; TE's softmax stats come back per token ([t', hq, 1], cuDNN >= 9.6) or per
 document ([docs, hq, max_q, 1], older cuDNN and sm120 from TE 2.14) and are converted to
-and from our [1, hq, t] (`lse_from_te`, `lse_to_te`).
+and from our [1, hq, t] (`lse_from_te`, `lse_to_te`). Causal documents of more keys than
+queries take "padding_causal_bottom_right". Windows and masks given as slices run as thd
+calls too, one per pack of their runs (`te_runs`: the masks, the release bounds, what stays
+on the fallback; `runs_forward` / `runs_backward`, `pack_fwd_kwargs` / `pack_bwd_kwargs`).
 TE is imported lazily, and only when it can be chosen: this module imports without it.
 """
 from __future__ import annotations
@@ -33,8 +36,10 @@ from packaging.version import InvalidVersion, Version
 from ..calls.tile_slices import DOCUMENTS, TileSlices
 from .base import check_call, log_once
 from .caps import KernelCaps, caps_of
-from .te_stats import lse_from_te, lse_to_te, packed_stats, stats_rows
+from .te_runs import RunMask, RunsPlan, documents_mask, run_mask
+from .te_stats import lse_from_te, lse_to_te, packed_stats, rows_from_te, rows_to_te, stats_rows
 from .torch_flash import TorchFlashKernel
+from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
 MIN_VERSION = (2, 1)
 QKV_LAYOUT = "sbhd_sbhd_sbhd"
@@ -189,17 +194,20 @@ def bwd_kwargs(
     return kw
 
 
-def _thd(kw: dict[str, Any], docs: TileSlices, causal: bool) -> dict[str, Any]:
-    """kw (built for sbhd) turned into the call on packed documents: "thd_thd_thd", padding
-    masks, cu_seqlens and their padded offsets (the same: the rows of each document are
-    contiguous, nothing between them) from `docs`, max_seqlen its longest document."""
-    mask, window = _mask(causal, documents=True)
+def _thd(kw: dict[str, Any], cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: int,
+         max_kv: int, mask: RunMask) -> dict[str, Any]:
+    """kw (built for sbhd) turned into a call on packed sequences: "thd_thd_thd", `mask`,
+    cu_seqlens and their padded offsets (the same: the rows of each sequence are
+    contiguous, nothing between them), max_seqlen the longest sequence's."""
     kw.update(
-        max_seqlen_q=docs.max_q, max_seqlen_kv=docs.max_kv,
-        cu_seqlens_q=docs.cu_q_tensor, cu_seqlens_kv=docs.cu_kv_tensor,
-        cu_seqlens_q_padded=docs.cu_q_tensor, cu_seqlens_kv_padded=docs.cu_kv_tensor,
-        qkv_layout=THD_LAYOUT, attn_mask_type=mask, window_size=window,
+        max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+        cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_kv,
+        qkv_layout=THD_LAYOUT, attn_mask_type=mask.attn_mask_type,
+        window_size=mask.window_size,
     )
+    if "bottom_right_diagonal" in kw:
+        kw["bottom_right_diagonal"] = mask.bottom_right_diagonal
     for name in ("o_format", "do_format"):
         if name in kw:
             kw[name] = THD_FORMAT
@@ -224,7 +232,8 @@ def thd_fwd_kwargs(
     rows)."""
     kw = fwd_kwargs(params, q, k, v, docs.cu_q_tensor, docs.cu_kv_tensor, causal,
                     softmax_scale, backend, cuda_graph)
-    return _thd(kw, docs, causal)
+    return _thd(kw, docs.cu_q_tensor, docs.cu_kv_tensor, docs.max_q, docs.max_kv,
+                documents_mask(causal, docs.bottom_right))
 
 
 def thd_bwd_kwargs(
@@ -249,7 +258,57 @@ def thd_bwd_kwargs(
     kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, docs.cu_q_tensor,
                     docs.cu_kv_tensor, causal, softmax_scale, backend, dqkv_te_dtype,
                     cuda_graph, deterministic)
-    return _thd(kw, docs, causal)
+    return _thd(kw, docs.cu_q_tensor, docs.cu_kv_tensor, docs.max_q, docs.max_kv,
+                documents_mask(causal, docs.bottom_right))
+
+
+def pack_fwd_kwargs(
+    params: Collection[str],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    max_q: int,
+    max_kv: int,
+    mask: RunMask,
+    softmax_scale: float,
+    backend: Any,
+    cuda_graph: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `fused_attn_fwd` (parameter names `params`) for one pack of a
+    call's runs (`te_runs`): q [t_q, hq, d], k [t_kv, hkv, d], v [t_kv, hkv, dv] gathered,
+    sequence n query rows cu_q[n]:cu_q[n+1] against key rows cu_kv[n]:cu_kv[n+1] under
+    `mask` (each aligned at its own bottom right)."""
+    kw = fwd_kwargs(params, q, k, v, cu_q, cu_kv, False, softmax_scale, backend, cuda_graph)
+    return _thd(kw, cu_q, cu_kv, max_q, max_kv, mask)
+
+
+def pack_bwd_kwargs(
+    params: Collection[str],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    aux_ctx_tensors: Sequence[torch.Tensor],
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    max_q: int,
+    max_kv: int,
+    mask: RunMask,
+    softmax_scale: float,
+    backend: Any,
+    dqkv_te_dtype: Any,
+    cuda_graph: bool = False,
+    deterministic: bool = False,
+) -> dict[str, Any]:
+    """Keyword arguments of `fused_attn_bwd` (parameter names `params`) for one pack of a
+    call's runs: out, dout [t_q, hq, dv] gathered; aux_ctx_tensors = [softmax stats in
+    TE's layout (`rows_to_te`), rng_state]."""
+    kw = bwd_kwargs(params, dout, q, k, v, out, aux_ctx_tensors, cu_q, cu_kv, False,
+                    softmax_scale, backend, dqkv_te_dtype, cuda_graph, deterministic)
+    return _thd(kw, cu_q, cu_kv, max_q, max_kv, mask)
 
 
 @dataclass(frozen=True)
@@ -349,6 +408,7 @@ class TileSpec:
     tokens_q: int = 0  # thd: the tile's query rows (sq, sk are the longest document's)
     tokens_kv: int = 0
     head_dim_v: int = 0  # V's head dim (multi-latent attention); 0: head_dim
+    mask: RunMask | None = None  # thd: TE's mask (None: the dense tile's, from `causal`)
 
     @property
     def v_dim(self) -> int:
@@ -363,7 +423,20 @@ class TileSpec:
         return cls(dtype, len(docs.cu_q) - 1, heads, kv_heads, docs.max_q,
                    docs.max_kv, head_dim, causal, deterministic, cuda_graph,
                    documents=len(docs.cu_q) - 1, tokens_q=docs.cu_q[-1],
-                   tokens_kv=docs.cu_kv[-1], head_dim_v=head_dim_v)
+                   tokens_kv=docs.cu_kv[-1], head_dim_v=head_dim_v,
+                   mask=documents_mask(causal, docs.bottom_right))
+
+    @classmethod
+    def of_pack(cls, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                shape: tuple, deterministic: bool, cuda_graph: bool, head_dim_v: int = 0
+                ) -> TileSpec:
+        """The spec of one pack of a call's runs, `shape` as `RunsPlan.shapes` gives it:
+        (mask, sequences, longest query and key sequence, query and key tokens)."""
+        mask, count, max_q, max_kv, tokens_q, tokens_kv = shape
+        return cls(dtype, count, heads, kv_heads, max_q, max_kv, head_dim,
+                   mask.attn_mask_type != "padding" and not mask.windowed, deterministic,
+                   cuda_graph, documents=count, tokens_q=tokens_q, tokens_kv=tokens_kv,
+                   head_dim_v=head_dim_v, mask=mask)
 
 
 def tile_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -379,18 +452,26 @@ def tile_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                                  cuda_graph, head_dim_v=v.shape[-1])
 
 
+def _spec_mask(spec: TileSpec) -> tuple[str, tuple[int, int], bool]:
+    """attn_mask_type, window_size and bottom_right_diagonal TE is asked about for `spec`."""
+    if spec.documents > 0 and spec.mask is not None:
+        m = spec.mask
+        return m.attn_mask_type, m.window_size, m.bottom_right_diagonal
+    return (*_mask(spec.causal, documents=spec.documents > 0), False)
+
+
 def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
     """Keyword arguments of TE's `AttentionParams` (whose field names are `fields`) for one
     tile in our layout, mask and window; fields this TE lacks are left out."""
     thd = spec.documents > 0
-    mask, window = _mask(spec.causal, documents=thd)
+    mask, window, bottom_right = _spec_mask(spec)
     values: dict[str, Any] = dict(
         qkv_type=torch.Tensor, qkv_dtype=spec.dtype,
         qkv_layout=THD_LAYOUT if thd else QKV_LAYOUT,
         batch_size=spec.batch, num_heads=spec.heads, num_gqa_groups=spec.kv_heads,
         max_seqlen_q=spec.sq, max_seqlen_kv=spec.sk, head_dim_qk=spec.head_dim,
         head_dim_v=spec.v_dim, attn_mask_type=mask, window_size=window,
-        bottom_right_diagonal=False, core_attention_bias_type="no_bias",
+        bottom_right_diagonal=bottom_right, core_attention_bias_type="no_bias",
         attention_dropout=0.0, deterministic=spec.deterministic, is_training=True, fp8=False,
         softmax_type="vanilla", return_max_logit=False, cuda_graph=spec.cuda_graph,
     )
@@ -426,13 +507,18 @@ def te_rejects(spec: TileSpec) -> str | None:
         return (f"Transformer Engine {te.version} has no fused attention for {spec.dtype}, "
                 f"{spec.heads}/{spec.kv_heads} heads of {spec.head_dim}"
                 f"{f' (V {spec.v_dim})' if spec.v_dim != spec.head_dim else ''}, sq {spec.sq}, "
-                f"sk {spec.sk}, {_mask(spec.causal, spec.documents > 0)[0]}"
+                f"sk {spec.sk}, {_mask_words(spec)}"
                 f"{f', {spec.documents} documents (thd)' if spec.documents else ''} "
                 "on this GPU / cuDNN")
     if int(backend) != int(te.backend):
         return (f"Transformer Engine {te.version} picks fused sub-backend {int(backend)}, not "
                 f"{BACKEND} ({int(te.backend)}) whose softmax stats this kernel reads")
     return None
+
+
+def _mask_words(spec: TileSpec) -> str:
+    mask, window, _ = _spec_mask(spec)
+    return mask if window in ((-1, -1), (-1, 0)) else f"{mask} with window {window}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -489,6 +575,91 @@ def _uses_te(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in TE_DTYPES
 
 
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether q's CUDA stream is being captured into a graph (never off CUDA)."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_thd_stats(te: _TE, stats: torch.Tensor, packed: bool, heads: int, tokens: int,
+                     sequences: int, longest: int) -> None:
+    """RuntimeError, naming the shapes, where TE's thd softmax stats are not in the layout
+    `packed` says: per token [>= tokens, heads, 1], else per sequence [sequences, heads,
+    >= longest, 1], fp32."""
+    ok = stats.dtype == torch.float32 and (
+        (stats.dim() == 3 and stats.shape[0] >= tokens and tuple(stats.shape[1:]) == (heads, 1))
+        if packed else
+        (stats.dim() == 4 and tuple(stats.shape[:2]) == (sequences, heads)
+         and stats.shape[2] >= longest and stats.shape[3] == 1))
+    if not ok:
+        expected = (f"(>= {tokens}, {heads}, 1)" if packed else
+                    f"({sequences}, {heads}, >= {longest}, 1)")
+        raise RuntimeError(
+            f"Transformer Engine {te.version} returned thd softmax stats "
+            f"{tuple(stats.shape)} {stats.dtype}, expected {expected} float32 (cuDNN "
+            f"{te.cudnn()}): not the {BACKEND} backend, or a stats layout not known here")
+
+
+# A call's runs (windows, masks given as slices) on TE's thd calls: `varlen_runs` gathers
+# each pack's rows, writes or merges the outputs back and adds the gradients into the rows
+# read; the op it calls per pack and batch entry is one TE call on [t, h, d] with the
+# pack's cu_seqlens and mask (`te_runs`), lse [h, t] converted from and to TE's stats.
+
+
+def runs_forward(te: _TE, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 softmax_scale: float, plan: RunsPlan, packed: bool, cuda_graph: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq] fp32 of a call's runs (`plan`, one
+    TE thd call per pack and batch entry); `packed`: TE's stats are per token."""
+    op = functools.partial(_pack_forward, te, packed, cuda_graph)
+    return varlen_runs_forward(q, k, v, softmax_scale, plan.packs, list(plan.tensors), op)
+
+
+def runs_backward(te: _TE, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
+                  plan: RunsPlan, packed: bool, cuda_graph: bool = False,
+                  deterministic: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (the inputs' shapes and dtype) of `runs_forward`'s call; out and lse are
+    the whole row's."""
+    op = functools.partial(_pack_backward, te, packed, cuda_graph, deterministic)
+    return varlen_runs_backward(dout, q, k, v, out, lse, softmax_scale, plan.packs,
+                                list(plan.tensors), op)
+
+
+def _pack_forward(te: _TE, packed: bool, cuda_graph: bool, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                  max_k: int, causal: bool, window: tuple[int, int] | None, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pack on TE: q [t_q, hq, d], k [t_k, hkv, d], v [t_k, hkv, dv] -> out [t_q, hq, dv],
+    lse [hq, t_q] fp32 (`varlen_runs`'s op)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    fn = te.fused_attn.fused_attn_fwd
+    kw = pack_fwd_kwargs(_parameters(fn)[0], q, k, v, cu_q, cu_k, max_q, max_k,
+                         run_mask(causal, window), scale, te.backend, cuda_graph)
+    out, aux = _call(fn, kw, te.version)[:2]
+    _check_thd_stats(te, aux[0], packed, q.shape[1], q.shape[0], cu_q.numel() - 1, max_q)
+    return out, rows_from_te(aux[0], cu_q, q.shape[0])
+
+
+def _pack_backward(te: _TE, packed: bool, cuda_graph: bool, deterministic: bool,
+                   dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+                   window: tuple[int, int] | None, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `_pack_forward`'s call; out [t_q, hq, dv] and lse [hq, t_q] are the
+    rows' whole ones."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, dout = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+    stats = rows_to_te(lse, cu_q, max_q, packed, stats_rows(te.minor, q.shape[0]))
+    fn = te.fused_attn.fused_attn_bwd
+    kw = pack_bwd_kwargs(_parameters(fn)[0], dout, q, k, v, out, [stats, rng_state(q.device)],
+                         cu_q, cu_k, max_q, max_k, run_mask(causal, window), scale,
+                         te.backend, te.te_dtype[q.dtype], cuda_graph, deterministic)
+    dq, dk, dv = _call(fn, kw, te.version)[:3]
+    return dq, dk, dv
+
+
 class TEFusedKernel:
     """The TileKernel of `kernels/base.py` on TE's cuDNN fused attention.
 
@@ -500,9 +671,15 @@ class TEFusedKernel:
     reason logged once. `deterministic` follows TE's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
     unless given.
 
+    Windows and masks given as slices run on TE's thd calls as their runs' packs
+    (`te_runs`: bottom-right causal, full, and from TE 2.12 windows), where the release and
+    the rules take every pack and TE's query accepts each pack's shape (asked once per pack
+    shape); other such calls go to `fallback` (as runs: `run_calls`), the reason logged
+    once per kind.
+
     `caps`: packed documents where `documents_fallback` takes them, V's own head dim where
     both fallbacks do (a tile TE turns down runs on them), windows and masks given as slices
-    where `fallback` takes them (they run there, as runs: `run_calls`). The class's `caps`
+    where `fallback` takes them (the calls TE cannot take run there). The class's `caps`
     are those with torch's ops as the fallbacks.
     """
 
@@ -525,6 +702,7 @@ class TEFusedKernel:
                                window=fallbacks[0].window or fallbacks[0].tile_mask,
                                v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim)
         self._takes: dict[tuple, bool] = {}
+        self._asked: dict[tuple, str | None] = {}  # a pack shape -> why TE's query refuses it
         self._told: set[tuple] = set()  # (heads, dims, dtype, mask, documents?) logged once
 
     def _te_takes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -533,12 +711,12 @@ class TEFusedKernel:
         documents)."""
         if not _uses_te(q):
             return False
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = _capturing(q)
         if docs is None:
             key: tuple = (q.shape, k.shape, v.shape[-1], q.dtype, causal, capturing)
         else:  # what TileSpec.of_documents reads: the documents change every batch
             key = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, causal, capturing,
-                   len(docs.cu_q),
+                   len(docs.cu_q), docs.bottom_right,
                    docs.max_q, docs.max_kv, docs.cu_q[-1], docs.cu_kv[-1])
         takes = self._takes.get(key)
         if takes is None:
@@ -564,10 +742,58 @@ class TEFusedKernel:
 
     def _thd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              slices: TileSlices) -> bool:
-        """Whether TE's thd call runs this call: documents of one packed sequence (b = 1),
-        square where causal (TE's "padding_causal" is top-left), that TE's query accepts."""
-        return (slices.form == DOCUMENTS and q.shape[1] == 1 and not slices.bottom_right
+        """Whether TE's thd call runs this call: documents of one packed sequence (b = 1)
+        that TE's query accepts (causal: "padding_causal", or "padding_causal_bottom_right"
+        where a document has more keys than queries)."""
+        return (slices.form == DOCUMENTS and q.shape[1] == 1
                 and self._te_takes(q, k, v, causal, slices))
+
+    def _runs_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slices: TileSlices) -> RunsPlan | None:
+        """The plan on which TE's thd calls run a call of a window or other slices
+        (`te_runs`; made once per call), or None where TE cannot take every pack: the
+        release or a rule (`pack_refusal`), or TE's query on a pack's shape (asked once per
+        shape, heads, dtype and mask). The reason is logged once per kind."""
+        if slices.form == DOCUMENTS or not _uses_te(q):
+            return None
+        te = _load()
+        params = _parameters(te.fused_attn.fused_attn_fwd)[0]
+        plan = slices.made_on("te runs", q.device,
+                              lambda d: RunsPlan.of(packs_of(slices.runs), params, d))
+        why = plan.refusal
+        if why is None:
+            capturing = _capturing(q)
+            for shape in plan.shapes():
+                refused = self._ask_pack(q, k, v, shape, capturing)
+                if refused is not None:
+                    why = ("query", refused)
+                    break
+        if why is None:
+            return plan
+        told = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, "runs", why[0])
+        if told not in self._told:
+            self._told.add(told)
+            log_once(f"te tile kernel: {why[1]}; these calls of windows or masks, and any "
+                     f"other of these heads and dtype that TE turns down for this reason "
+                     f"(not logged), run on {self._fallback.name}")
+        return None
+
+    def _ask_pack(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple,
+                  capturing: bool) -> str | None:
+        """Why TE's query turns a pack of `shape` (`RunsPlan.shapes`) down, asked once."""
+        key = (q.shape[2:], k.shape[2], v.shape[-1], q.dtype, capturing, shape)
+        if key in self._asked:
+            return self._asked[key]
+        if len(self._asked) >= MAX_ASKED:
+            self._asked.clear()  # runs of ever new lengths: ask again, bounded
+        spec = TileSpec.of_pack(q.dtype, q.shape[2], k.shape[2], q.shape[3], shape,
+                                self.deterministic, capturing, head_dim_v=v.shape[-1])
+        try:
+            why = te_rejects(spec)
+        except Exception as e:  # a query that fails says no more than a refusal
+            why = f"Transformer Engine's backend query failed ({type(e).__name__}: {e})"
+        self._asked[key] = why
+        return why
 
     def _slices_fallback(self, slices: TileSlices) -> Any:
         """The kernel a call's slices go to when TE's thd call does not take them: documents
@@ -582,10 +808,14 @@ class TEFusedKernel:
         with `slices`, documents)."""
         check_call(self, q, v, slices, causal)
         if slices is not None:
-            if not self._thd(q, k, v, causal, slices):
-                return self._slices_fallback(slices).forward(q, k, v, causal, softmax_scale,
-                                                             slices=slices)
-            return self._documents_forward(q, k, v, causal, softmax_scale, slices)
+            if self._thd(q, k, v, causal, slices):
+                return self._documents_forward(q, k, v, causal, softmax_scale, slices)
+            plan = self._runs_plan(q, k, v, slices)
+            if plan is not None:
+                return runs_forward(_load(), q, k, v, softmax_scale, plan,
+                                    _stats_per_token(q.device), _capturing(q))
+            return self._slices_fallback(slices).forward(q, k, v, causal, softmax_scale,
+                                                         slices=slices)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.forward(q, k, v, causal, softmax_scale)
         te = _load()
@@ -596,7 +826,7 @@ class TEFusedKernel:
             _parameters(fn)[0], q, k, v,
             cu_seqlens(b, sq, q.device), cu_seqlens(b, k.shape[0], q.device),
             causal, softmax_scale, te.backend,
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
         )
         out, aux = _call(fn, kw, te.version)[:2]
         stats = aux[0]
@@ -625,11 +855,16 @@ class TEFusedKernel:
         row's."""
         check_call(self, q, v, slices, causal)
         if slices is not None:
-            if not self._thd(q, k, v, causal, slices):
-                return self._slices_fallback(slices).backward(dout, q, k, v, out, lse, causal,
-                                                              softmax_scale, slices=slices)
-            return self._documents_backward(dout, q, k, v, out, lse, causal, softmax_scale,
-                                            slices)
+            if self._thd(q, k, v, causal, slices):
+                return self._documents_backward(dout, q, k, v, out, lse, causal,
+                                                softmax_scale, slices)
+            plan = self._runs_plan(q, k, v, slices)
+            if plan is not None:
+                return runs_backward(_load(), dout, q, k, v, out, lse, softmax_scale, plan,
+                                     _stats_per_token(q.device), _capturing(q),
+                                     self.deterministic)
+            return self._slices_fallback(slices).backward(dout, q, k, v, out, lse, causal,
+                                                          softmax_scale, slices=slices)
         if not self._te_takes(q, k, v, causal):
             return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
         te = _load()
@@ -642,7 +877,7 @@ class TEFusedKernel:
             _parameters(fn)[0], dout, q, k, v, out, [stats, rng_state(q.device)],
             cu_seqlens(b, sq, q.device), cu_seqlens(b, k.shape[0], q.device),
             causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
             deterministic=self.deterministic,
         )
         dq, dk, dv = _call(fn, kw, te.version)[:3]
@@ -658,23 +893,11 @@ class TEFusedKernel:
         q3, k3, v3 = (t[:, 0].contiguous() for t in (q, k, v))
         fn = te.fused_attn.fused_attn_fwd
         kw = thd_fwd_kwargs(_parameters(fn)[0], q3, k3, v3, docs, causal, softmax_scale,
-                            te.backend, cuda_graph=torch.cuda.is_current_stream_capturing())
+                            te.backend, cuda_graph=_capturing(q))
         out, aux = _call(fn, kw, te.version)[:2]
         stats = aux[0]
-        packed = _stats_per_token(q.device)
-        heads, tokens = q.shape[2], docs.cu_q[-1]
-        ok = stats.dtype == torch.float32 and (
-            (stats.dim() == 3 and stats.shape[0] >= tokens and stats.shape[1:] == (heads, 1))
-            if packed else
-            (stats.dim() == 4 and tuple(stats.shape[:2]) == (len(docs.cu_q) - 1, heads)
-             and stats.shape[2] >= docs.max_q and stats.shape[3] == 1))
-        if not ok:
-            expected = (f"(>= {tokens}, {heads}, 1)" if packed else
-                        f"({len(docs.cu_q) - 1}, {heads}, >= {docs.max_q}, 1)")
-            raise RuntimeError(
-                f"Transformer Engine {te.version} returned thd softmax stats "
-                f"{tuple(stats.shape)} {stats.dtype}, expected {expected} float32 (cuDNN "
-                f"{te.cudnn()}): not the {BACKEND} backend, or a stats layout not known here")
+        _check_thd_stats(te, stats, _stats_per_token(q.device), q.shape[2], docs.cu_q[-1],
+                         len(docs.cu_q) - 1, docs.max_q)
         return out.unsqueeze(1), lse_from_te(stats, docs)
 
     def _documents_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -691,7 +914,7 @@ class TEFusedKernel:
         kw = thd_bwd_kwargs(
             _parameters(fn)[0], dout3, q3, k3, v3, out3, [stats, rng_state(q.device)],
             docs, causal, softmax_scale, te.backend, te.te_dtype[q.dtype],
-            cuda_graph=torch.cuda.is_current_stream_capturing(),
+            cuda_graph=_capturing(q),
             deterministic=self.deterministic,
         )
         dq, dk, dv = _call(fn, kw, te.version)[:3]
@@ -699,6 +922,6 @@ class TEFusedKernel:
 
 
 __all__ = ["TEFusedKernel", "TileSpec", "attention_params", "bwd_kwargs", "fwd_kwargs",
-           "is_available", "lse_from_te", "lse_to_te", "packed_stats", "stats_rows",
-           "te_rejects", "te_version", "thd_bwd_kwargs", "thd_fwd_kwargs", "tile_spec",
-           "unavailable"]
+           "is_available", "lse_from_te", "lse_to_te", "pack_bwd_kwargs", "pack_fwd_kwargs",
+           "packed_stats", "runs_backward", "runs_forward", "stats_rows", "te_rejects",
+           "te_version", "thd_bwd_kwargs", "thd_fwd_kwargs", "tile_spec", "unavailable"]

@@ -7,6 +7,8 @@ fused_attn_f16_arbitrary_seqlen.cu and its context-parallel code, which calls th
   per token     [rows, hq, 1], row i = query row i: with cuDNN >= 9.6, except on sm120 from
                 TE 2.14; rows = t_q from TE 2.11, before it t_q rounded up (`te_max_tokens`);
   per document  [documents, hq, max_seqlen_q, 1], [j, h, p] = query row cu_q[j] + p.
+The same holds for any packed sequences (a call's runs packed by `te_runs`): `rows_from_te`
+and `rows_to_te` take the sequences' bounds as a tensor and the lse as [hq, t_q].
 """
 from __future__ import annotations
 
@@ -45,42 +47,58 @@ def stats_rows(te_minor: tuple[int, int], tokens: int) -> int:
     return tokens if tuple(te_minor) >= TE_STATS_EXACT_TOKENS else te_max_tokens(tokens)
 
 
-def _token_positions(docs: TileSlices, device: torch.device
+def _token_positions(cu_q: torch.Tensor, tokens: int, device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(document, position in it) of each query row, int64 [t_q] each, on `device`."""
-    cu = docs.cu_q_tensor.to(device=device, dtype=torch.int64)
-    tokens = docs.cu_q[-1]
-    doc = torch.repeat_interleave(torch.arange(len(docs.cu_q) - 1, device=device),
-                                  cu.diff(), output_size=tokens)
+    """(sequence, position in it) of each of `tokens` query rows, int64 [tokens] each, on
+    `device`, from the sequences' bounds cu_q [n + 1] (a tensor: no copy to the host)."""
+    cu = cu_q.to(device=device, dtype=torch.int64)
+    doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu.diff(),
+                                  output_size=tokens)
     return doc, torch.arange(tokens, device=device) - cu[doc]
 
 
-def lse_from_te(stats: torch.Tensor, docs: TileSlices) -> torch.Tensor:
-    """TE's thd softmax stats -> our lse [1, hq, t_q] fp32.
+def rows_from_te(stats: torch.Tensor, cu_q: torch.Tensor, tokens: int) -> torch.Tensor:
+    """TE's thd softmax stats of sequences bounded by cu_q [n + 1] (int tensor) over `tokens`
+    query rows -> lse [hq, tokens] fp32.
 
-    Per token: [rows >= t_q, hq, 1], row i = query row i (offsets = cu_seqlens, rows past
-    t_q unused). Per document: [docs, hq, >= max_q, 1], [j, h, p] = row cu_q[j] + p."""
-    tokens = docs.cu_q[-1]
+    Per token: [rows >= tokens, hq, 1], row i = query row i (offsets = cu_seqlens, rows past
+    `tokens` unused). Per sequence: [n, hq, >= longest, 1], [j, h, p] = row cu_q[j] + p."""
     if stats.dim() == 3:
-        return stats[:tokens, :, 0].t().unsqueeze(0).float().contiguous()
-    doc, pos = _token_positions(docs, stats.device)
-    return stats[doc, :, pos, 0].t().unsqueeze(0).float().contiguous()
+        return stats[:tokens, :, 0].t().float().contiguous()
+    doc, pos = _token_positions(cu_q, tokens, stats.device)
+    return stats[doc, :, pos, 0].t().float().contiguous()
 
 
-def lse_to_te(lse: torch.Tensor, docs: TileSlices, packed: bool, rows: int = 0
-              ) -> torch.Tensor:
-    """Our lse [1, hq, t_q] -> TE's thd softmax stats, fp32: per token [max(rows, t_q), hq, 1]
-    (`packed`), else per document [docs, hq, max_q, 1]; places no row stands for are 0."""
-    heads, tokens = lse.shape[1], docs.cu_q[-1]
-    rows_of = lse[0].t().to(torch.float32)  # [t_q, hq]
+def rows_to_te(lse: torch.Tensor, cu_q: torch.Tensor, longest: int, packed: bool,
+               rows: int = 0) -> torch.Tensor:
+    """lse [hq, tokens] of sequences bounded by cu_q [n + 1] -> TE's thd softmax stats, fp32:
+    per token [max(rows, tokens), hq, 1] (`packed`), else per sequence [n, hq, longest, 1];
+    places no row stands for are 0."""
+    heads, tokens = lse.shape
+    rows_of = lse.t().to(torch.float32)  # [tokens, hq]
     if packed:
         stats = rows_of.new_zeros(max(rows, tokens), heads, 1)
         stats[:tokens, :, 0] = rows_of
         return stats
-    doc, pos = _token_positions(docs, lse.device)
-    stats = rows_of.new_zeros(len(docs.cu_q) - 1, heads, docs.max_q, 1)
+    doc, pos = _token_positions(cu_q, tokens, lse.device)
+    stats = rows_of.new_zeros(cu_q.numel() - 1, heads, longest, 1)
     stats[doc, :, pos, 0] = rows_of
     return stats
 
 
-__all__ = ["lse_from_te", "lse_to_te", "packed_stats", "stats_rows", "te_max_tokens"]
+def lse_from_te(stats: torch.Tensor, docs: TileSlices) -> torch.Tensor:
+    """TE's thd softmax stats of packed documents -> our lse [1, hq, t_q] fp32
+    (`rows_from_te` with the documents' bounds)."""
+    return rows_from_te(stats, docs.cu_q_tensor, docs.cu_q[-1]).unsqueeze(0)
+
+
+def lse_to_te(lse: torch.Tensor, docs: TileSlices, packed: bool, rows: int = 0
+              ) -> torch.Tensor:
+    """Our lse [1, hq, t_q] of packed documents -> TE's thd softmax stats, fp32: per token
+    [max(rows, t_q), hq, 1] (`packed`), else per document [docs, hq, max_q, 1]; places no
+    row stands for are 0."""
+    return rows_to_te(lse[0], docs.cu_q_tensor, docs.max_q, packed, rows)
+
+
+__all__ = ["lse_from_te", "lse_to_te", "packed_stats", "rows_from_te", "rows_to_te", "stats_rows",
+           "te_max_tokens"]

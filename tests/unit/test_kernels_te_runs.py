@@ -1,0 +1,472 @@
+"""Windows and masks given as slices on Transformer Engine's own "thd" calls (`te_runs`).
+
+Part 1 runs anywhere: the keyword arguments of a pack of runs (full, bottom-right causal,
+a window) are exactly ones each release's `fused_attn_fwd` / `fused_attn_bwd` accept
+(parameter lists in tests/te_releases.py), windows are refused by releases without
+`bottom_right_diagonal`, and the packing of runs into thd sequences (indices, cu_seqlens,
+masks, TE's softmax stats both ways) is exact: the kernel's own runs path drives stand-ins
+of TE's two functions that take the release's parameters and compute each packed sequence
+in fp64 by TE's documented definition of its masks (SDPA per sequence), and the scattered
+result equals the fp64 formula of the whole call, mask built here from the slices'
+definition, forward and backward.
+
+Part 2 needs CUDA and TE (`gpu`): TEFusedKernel on a window and on a SliceMask tile against
+fp64 SDPA.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+
+import pytest
+import torch
+from te_releases import (
+    ATTENTION_PARAMS,
+    BACKEND,
+    BOTTOM_RIGHT_BY_DEFAULT,
+    FWD_REQUIRED,
+    MASK_TYPES,
+    RELEASES,
+    SIGNATURES,
+    TE_BF16,
+    WINDOW_ALIGNMENT_FROM,
+)
+
+from megatron_mesh.calls.tile_slices import TileSlices
+from megatron_mesh.kernels import te_fused
+from megatron_mesh.kernels.te_fused import TEFusedKernel, pack_bwd_kwargs, pack_fwd_kwargs
+from megatron_mesh.kernels.te_runs import (
+    BOTTOM_RIGHT_MASK,
+    FULL_MASK,
+    RELEASE,
+    SHAPE,
+    RunsPlan,
+    pack_refusal,
+    run_mask,
+)
+from megatron_mesh.kernels.varlen_runs import Pack, packs_of
+from megatron_mesh.masks.slices import SliceMask
+
+SCALE = 0.3
+CPU = torch.device("cpu")
+WINDOWS_FROM = tuple(int(x) for x in WINDOW_ALIGNMENT_FROM.split("."))
+
+
+def _minor(release: str) -> tuple[int, int]:
+    return tuple(int(x) for x in release.split(".")[:2])
+
+
+# ---------------------------------------------------------------- part 1: no TE needed
+
+# three sequences: 3 query rows x 5 keys, 1 x 1, 4 x 6
+CU_Q, CU_K = (0, 3, 4, 8), (0, 5, 6, 12)
+MASKS = {"full": (False, None), "causal": (True, None), "window": (False, (2, 1)),
+         "window (3, -1)": (False, (3, -1))}
+
+
+def _pack_kwargs(release: str, mask):
+    fwd_params, bwd_params = SIGNATURES[RELEASES[release]][:2]
+    q = torch.randn(CU_Q[-1], 4, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(2, CU_K[-1], 2, 16, dtype=torch.bfloat16)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (CU_Q, CU_K))
+    fwd = pack_fwd_kwargs(fwd_params, q, k, v, cu_q, cu_k, 4, 6, mask, 0.25, BACKEND)
+    aux = [torch.zeros(CU_Q[-1], 4, 1), torch.zeros(2, dtype=torch.int64)]
+    bwd = pack_bwd_kwargs(bwd_params, q, q, k, v, q, aux, cu_q, cu_k, 4, 6, mask, 0.25,
+                          BACKEND, TE_BF16, deterministic=True)
+    return fwd, bwd, (cu_q, cu_k)
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_pack_kwargs_match_real_signature(release: str):
+    """Each mask of a pack: every argument is one the release's functions take, every
+    required one is there, the thd layout and the pack's cu_seqlens and mask are passed;
+    windows only where the release aligns them (bottom_right_diagonal, 2.12 on)."""
+    fwd_params, bwd_params, bwd_required = SIGNATURES[RELEASES[release]]
+    for name, (causal, window) in MASKS.items():
+        pack = Pack(((0, 3), (3, 4), (4, 8)), (((0, 5),), ((5, 6),), ((6, 12),)), causal,
+                    window)
+        refusal = pack_refusal(pack, fwd_params)
+        windowed = window is not None
+        assert (refusal is not None) == (windowed and _minor(release) < WINDOWS_FROM), name
+        if refusal is not None:
+            assert refusal[0] == RELEASE and "bottom_right_diagonal" in refusal[1]
+            continue
+        mask = run_mask(causal, window)
+        fwd, bwd, (cu_q, cu_k) = _pack_kwargs(release, mask)
+        assert set(fwd) <= set(fwd_params), set(fwd) - set(fwd_params)
+        assert set(FWD_REQUIRED) <= set(fwd), set(FWD_REQUIRED) - set(fwd)
+        assert set(bwd) <= set(bwd_params), set(bwd) - set(bwd_params)
+        assert set(bwd_required) <= set(bwd), set(bwd_required) - set(bwd)
+        for kw in (fwd, bwd):
+            assert kw["qkv_layout"] == "thd_thd_thd"
+            assert kw["cu_seqlens_q"] is kw["cu_seqlens_q_padded"] is cu_q
+            assert kw["cu_seqlens_kv"] is kw["cu_seqlens_kv_padded"] is cu_k
+            assert (kw["max_seqlen_q"], kw["max_seqlen_kv"]) == (4, 6)
+            want = {"full": ("padding", (-1, -1)),
+                    "causal": ("padding_causal_bottom_right", (-1, 0)),
+                    "window": ("padding", (2, 1)),
+                    "window (3, -1)": ("padding", (3, -1))}[name]
+            assert (kw["attn_mask_type"], kw["window_size"]) == want
+            assert kw["attn_mask_type"] in MASK_TYPES
+            if "bottom_right_diagonal" in kw:  # TE's band aligned at each sequence's end
+                assert kw["bottom_right_diagonal"] is (name != "full")
+            if "o_format" in kw:
+                assert kw["o_format"] == "thd"
+        if "dqkv_layout" in bwd:
+            assert bwd["dqkv_layout"] == "thd_thd_thd" and bwd["do_format"] == "thd"
+
+
+def test_pack_refusals_and_masks():
+    """More queries than keys in a sequence under causal or a window: refused (SHAPE); a
+    full pack takes it; flash's (-1, 0) window is bottom-right causal."""
+    params = SIGNATURES["2.15"][0]
+    rows, keys = ((0, 5), (5, 7)), (((0, 2),), ((2, 9),))  # 5 queries against 2 keys first
+    assert pack_refusal(Pack(rows, keys, False, None), params) is None
+    for causal, window in ((True, None), (False, (3, 3))):
+        kind, words = pack_refusal(Pack(rows, keys, causal, window), params)
+        assert kind == SHAPE and "5 queries against 2 keys" in words
+    assert run_mask(False, (-1, 0)) == run_mask(True, None) == BOTTOM_RIGHT_MASK
+    assert run_mask(False, (-1, -1)) == run_mask(False, None) == FULL_MASK
+    with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
+        run_mask(False, (-2, 0))
+
+
+@pytest.mark.parametrize("release", sorted(ATTENTION_PARAMS))
+def test_backend_query_for_packs(release: str):
+    """TE's query is asked about a pack as it runs: thd, one batch entry per sequence, the
+    longest sequences, the pack's mask, window and alignment."""
+    fields = ATTENTION_PARAMS[release]
+    for mask in (FULL_MASK, BOTTOM_RIGHT_MASK, run_mask(False, (64, 0))):
+        shape = (mask, 3, 300, 512, 700, 1100)
+        spec = te_fused.TileSpec.of_pack(torch.bfloat16, 16, 4, 128, shape, False, False)
+        kw = te_fused.attention_params(fields, spec)
+        assert set(kw) <= set(fields), set(kw) - set(fields)
+        assert kw["qkv_layout"] == "thd_thd_thd" and kw["batch_size"] == 3
+        assert (kw["max_seqlen_q"], kw["max_seqlen_kv"]) == (300, 512)
+        assert (kw["attn_mask_type"], kw["window_size"]) == (mask.attn_mask_type,
+                                                             mask.window_size)
+        if "bottom_right_diagonal" in fields:
+            assert kw["bottom_right_diagonal"] is mask.bottom_right_diagonal
+        if "num_tokens_q" in fields:
+            assert (kw["num_tokens_q"], kw["num_tokens_kv"]) == (700, 1100)
+
+
+# TE's two functions, stood in for by their documented definition (fp64, per sequence)
+
+
+def _signature(names: list[str], required: list[str]) -> inspect.Signature:
+    return inspect.Signature([
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY,
+                          default=inspect.Parameter.empty if n in required else None)
+        for n in names])
+
+
+def _keep(kw: dict, sq: int, sk: int) -> torch.Tensor:
+    """bool [sq, sk] of one sequence by TE's definition: "padding_causal" j <= i,
+    "padding_causal_bottom_right" j <= i + sk - sq; window (left, right) keeps keys in
+    [i + shift - left, i + shift + right] (-1: unbounded), shift = sk - sq where
+    bottom_right_diagonal (default: for the bottom-right masks), else 0."""
+    mask, (left, right) = kw["attn_mask_type"], kw["window_size"]
+    aligned = kw.get("bottom_right_diagonal")
+    if aligned is None:
+        assert (left, right) in ((-1, -1), (-1, 0)), "a band TE could not align"
+        aligned = mask in BOTTOM_RIGHT_BY_DEFAULT
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if mask == "padding_causal":
+        keep &= j <= i
+    elif mask == "padding_causal_bottom_right":
+        keep &= j <= i + sk - sq
+    else:
+        assert mask == "padding", mask
+    shift = sk - sq if aligned else 0
+    if left >= 0:
+        keep &= j >= i + shift - left
+    if right >= 0:
+        keep &= j <= i + shift + right
+    return keep
+
+
+def _sequences(kw: dict):
+    """Each sequence's (query rows, key rows), checking the thd arguments on the way."""
+    assert kw["qkv_layout"] == "thd_thd_thd" and kw["attn_bias_type"] == "no_bias"
+    assert kw["dropout"] == 0.0
+    cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_kv"].tolist()
+    assert kw["cu_seqlens_q_padded"].tolist() == cu_q
+    assert kw["cu_seqlens_kv_padded"].tolist() == cu_k
+    assert cu_q[-1] == kw["q"].shape[0] and cu_k[-1] == kw["k"].shape[0]
+    for n in range(len(cu_q) - 1):
+        sq, sk = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        assert 0 < sq <= kw["max_seqlen_q"] and 0 < sk <= kw["max_seqlen_kv"]
+        yield n, slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.double().repeat_interleave(heads // t.shape[1], 1)
+
+
+def _stand_in_te(release: str, per_token: bool) -> te_fused._TE:
+    """TE's pieces with fused_attn_fwd / _bwd of `release`'s parameters computing each
+    sequence by the definition; softmax stats per token ([t, h, 1], rows rounded as the
+    release rounds them) or per sequence ([n, h, max_seqlen_q, 1])."""
+    fwd_names, bwd_names, bwd_required = SIGNATURES[RELEASES[release]]
+
+    def fused_attn_fwd(**kw):
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        heads, sequences = q.shape[1], len(kw["cu_seqlens_q"]) - 1
+        out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
+        stats = (torch.zeros(te_fused.stats_rows(_minor(release), q.shape[0]), heads, 1)
+                 if per_token else torch.zeros(sequences, heads, kw["max_seqlen_q"], 1))
+        for n, rows, keys in _sequences(kw):
+            qs, ks, vs = q[rows].double(), _expand(k[keys], heads), _expand(v[keys], heads)
+            keep = _keep(kw, qs.shape[0], ks.shape[0])
+            out[rows] = torch.nn.functional.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=keep,
+                scale=kw["attn_scale"]).transpose(0, 1)
+            scores = torch.einsum("ihd,jhd->hij", qs, ks) * kw["attn_scale"]
+            lse = torch.logsumexp(scores.masked_fill(~keep, float("-inf")), -1)  # [h, sq]
+            if per_token:
+                stats[rows, :, 0] = lse.t().float()
+            else:
+                stats[n, :, :lse.shape[1], 0] = lse.float()
+        return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
+
+    def fused_attn_bwd(**kw):
+        q, k, v, o, do = kw["q"], kw["k"], kw["v"], kw["o"], kw["d_o"]
+        stats, heads, scale = kw["aux_ctx_tensors"][0], q.shape[1], kw["attn_scale"]
+        assert stats.dim() == (3 if per_token else 4)
+        grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+        for n, rows, keys in _sequences(kw):
+            qs, ks, vs = q[rows].double(), _expand(k[keys], heads), _expand(v[keys], heads)
+            keep = _keep(kw, qs.shape[0], ks.shape[0])
+            lse = stats[rows, :, 0].t() if per_token else stats[n, :, :qs.shape[0], 0]
+            scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+            p = torch.exp(scores - lse.double()[..., None]).masked_fill(~keep, 0.0)
+            dos = do[rows].double()
+            dp = torch.einsum("ihd,jhd->hij", dos, vs)
+            ds = p * (dp - (dos * o[rows].double()).sum(-1).t()[..., None])
+            grads[0][rows] = torch.einsum("hij,jhd->ihd", ds, ks) * scale
+            for g, full in ((grads[1], torch.einsum("hij,ihd->jhd", ds, qs) * scale),
+                            (grads[2], torch.einsum("hij,ihd->jhd", p, dos))):
+                g[keys] = full.unflatten(1, (k.shape[1], -1)).sum(2)
+        return tuple(g.to(q.dtype) for g in grads) + (None, None)
+
+    fused_attn_fwd.__signature__ = _signature(fwd_names, FWD_REQUIRED)
+    fused_attn_bwd.__signature__ = _signature(bwd_names, bwd_required)
+    module = types.SimpleNamespace(fused_attn_fwd=fused_attn_fwd, fused_attn_bwd=fused_attn_bwd)
+    return te_fused._TE(release, module, BACKEND, {torch.float32: TE_BF16}, None,
+                        lambda: (9, 10, 0))
+
+
+def _seen(slices: TileSlices) -> torch.Tensor:
+    """bool [sq, sk] from the definition: some slice has q0 <= i < q1, k0 <= j < k1 and
+    lo <= j - i <= hi."""
+    sq, sk = slices.shape
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in slices.slices:
+        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if lo is not None:
+            inside &= j - i >= lo
+        if hi is not None:
+            inside &= j - i <= hi
+        seen |= inside
+    return seen
+
+
+def _formula(q, k, v, dout, seen):
+    """out, lse, dq, dk, dv in fp64 of softmax attention of the whole call under `seen`."""
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in x[1:])
+    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * SCALE
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("bhij,jbhd->ibhd", torch.exp(scores - lse[..., None]), vv)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), *(t.grad for t in x)
+
+
+def _prefix(sq: int, prefix: int) -> SliceMask:
+    return SliceMask([(0, prefix, 0, prefix, "full"), (prefix, sq, 0, sq, "causal")], sq)
+
+
+def _of_mask(mask: SliceMask, shape: tuple[int, int], device=CPU) -> TileSlices:
+    """A call over the whole sequence of `mask`'s slices."""
+    return TileSlices.of([(s.q_start, s.q_end, s.k_start, s.k_end, *s.bounds)
+                          for s in mask.slices], shape, device)
+
+
+CASES = {
+    "window (4, 0)": TileSlices.band(30, 30, 4, 0),
+    "window (3, 2), more keys": TileSlices.band(20, 29, 3, 2),
+    "window (-1, 3)": TileSlices.band(20, 24, -1, 3),
+    "window (2, -1)": TileSlices.band(20, 24, 2, -1),
+    "causal, more keys": TileSlices.band(9, 30, -1, 0),
+    "prefix-LM": _of_mask(_prefix(30, 11), (30, 30)),
+    "windows in documents": TileSlices.of(
+        [(0, 10, 0, 10, -3, 0), (10, 25, 10, 25, -4, 0)], (25, 25), CPU),
+    "two causal on a row": TileSlices.of(
+        [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
+        (10, 22), CPU),
+    "window taller than its keys": TileSlices.of([(0, 7, 0, 4, -3, 0)], (7, 4), CPU),
+}
+
+
+@pytest.mark.parametrize("release, per_token", [("2.20.2", True), ("2.14.1", False),
+                                                ("2.10.0", True)])
+def test_runs_on_te_thd_calls_are_exact(release: str, per_token: bool):
+    """Every case through the TE runs path (packing, kwargs, stats both ways, scatter and
+    merge) on the stand-ins equals the fp64 formula of the whole call, batch 2 and GQA,
+    forward and backward; where the release or a rule cannot take a pack, the plan says
+    which (a window before 2.12, a window sequence of more queries than keys)."""
+    te = _stand_in_te(release, per_token)
+    params = te_fused._parameters(te.fused_attn.fused_attn_fwd)[0]
+    ran = set()
+    for name, slices in CASES.items():
+        plan = RunsPlan.of(packs_of(slices.runs), params, CPU)
+        windows = any(p.window not in (None, (-1, 0)) for p in plan.packs)
+        if windows and _minor(release) < WINDOWS_FROM:
+            assert plan.refusal[0] == RELEASE, name
+            continue
+        if name == "window taller than its keys":
+            assert plan.refusal[0] == SHAPE, name
+            continue
+        assert plan.refusal is None, (name, plan.refusal)
+        sq, sk = slices.shape
+        torch.manual_seed(sq * sk)
+        q, k, v = torch.randn(sq, 2, 4, 8), torch.randn(sk, 2, 2, 8), torch.randn(sk, 2, 2, 8)
+        dout = torch.randn(sq, 2, 4, 8)
+        want = _formula(q, k, v, dout, _seen(slices))
+        out, lse = te_fused.runs_forward(te, q, k, v, SCALE, plan, per_token)
+        grads = te_fused.runs_backward(te, dout, q, k, v, out, lse, SCALE, plan, per_token)
+        for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+            assert got.shape == ref.shape and got.dtype == torch.float32, (name, what)
+            assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (
+                name, what, (got.double() - ref).abs().max())
+        ran.add(name)
+    assert {"prefix-LM", "two causal on a row", "causal, more keys"} <= ran
+    assert ("window (3, 2), more keys" in ran) == (_minor(release) >= WINDOWS_FROM)
+
+
+def _stand_in_kernel(monkeypatch, release: str, refuse=lambda params: False):
+    """A TEFusedKernel on the stand-ins, its tensors taken as TE's (CPU here), TE's query
+    answering `not refuse(params)` and counting what it is asked."""
+    import dataclasses
+
+    te = _stand_in_te(release, per_token=True)
+    asked = []
+    params_cls = dataclasses.make_dataclass(
+        "AttentionParams", [(n, object, dataclasses.field(default=None))
+                            for n in ATTENTION_PARAMS["2.20.2"]])
+
+    def get_attention_backend(params):
+        asked.append(params)
+        fused = not refuse(params)
+        return (False, None, fused, 1 if fused else None, False, [False, fused, False])
+
+    te = dataclasses.replace(te, backend=1, selection=types.SimpleNamespace(
+        AttentionParams=params_cls, get_attention_backend=get_attention_backend))
+    monkeypatch.setattr(te_fused, "_load", lambda: te)
+    monkeypatch.setattr(te_fused, "_uses_te", lambda q: True)
+    monkeypatch.setattr(te_fused, "_stats_per_token", lambda device: True)
+    return asked
+
+
+def test_kernel_runs_windows_on_te_and_falls_back_once(monkeypatch, caplog):
+    """TEFusedKernel routes a window call to TE's thd calls (asked once per pack shape,
+    exact), a window on a release before 2.12 and a pack TE's query refuses to its
+    fallback, each logged once."""
+    slices = TileSlices.band(20, 29, 3, 2)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(20, 1, 4, 8), torch.randn(29, 1, 2, 8), torch.randn(29, 1, 2, 8)
+    want = _formula(q, k, v, torch.ones_like(q), _seen(slices))
+    asked = _stand_in_kernel(monkeypatch, "2.20.2")
+    te = TEFusedKernel(deterministic=False)
+    for _ in range(2):  # the second call asks nothing
+        out, lse = te.forward(q, k, v, False, SCALE, slices=slices)
+    assert len(asked) == 1 and asked[0].window_size == (3, 2)
+    assert asked[0].attn_mask_type == "padding" and asked[0].bottom_right_diagonal is True
+    assert torch.allclose(out.double(), want[0], atol=2e-5)
+
+    caplog.set_level(logging.INFO, logger="megatron_mesh.kernels")
+    asked = _stand_in_kernel(monkeypatch, "2.10.0")
+    old = TEFusedKernel(deterministic=False)
+    for _ in range(2):  # a new call (its slices) each time, as every micro-batch brings
+        out, _ = old.forward(q, k, v, False, SCALE, slices=TileSlices.band(20, 29, 3, 2))
+    assert not asked and torch.allclose(out.double(), want[0], atol=2e-5)  # on torch's
+    said = [r.message for r in caplog.records if "bottom_right_diagonal" in r.message]
+    assert len(said) == 1 and "run on torch" in said[0]
+
+    asked = _stand_in_kernel(monkeypatch, "2.20.2", refuse=lambda p: p.window_size == (3, 2))
+    refused = TEFusedKernel(deterministic=False)
+    out, lse = refused.forward(q, k, v, False, SCALE, slices=slices)
+    assert len(asked) == 1 and torch.allclose(out.double(), want[0], atol=2e-5)
+    assert any("padding with window (3, 2)" in r.message for r in caplog.records)
+
+
+def test_documents_of_more_keys_run_bottom_right_on_te(monkeypatch):
+    """Causal documents of more keys than queries go to TE's thd call as
+    "padding_causal_bottom_right" (square ones keep "padding_causal"): exact on the
+    stand-ins, forward and backward, and asked of TE's query with that mask."""
+    asked = _stand_in_kernel(monkeypatch, "2.20.2")
+    docs = TileSlices.documents((0, 3, 4, 11), (0, 5, 6, 16), True, CPU)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(11, 1, 4, 8), torch.randn(16, 1, 2, 8), torch.randn(16, 1, 2, 8)
+    dout = torch.randn(11, 1, 4, 8)
+    kernel = TEFusedKernel(deterministic=False)
+    out, lse = kernel.forward(q, k, v, True, SCALE, slices=docs)
+    grads = kernel.backward(dout, q, k, v, out, lse, True, SCALE, slices=docs)
+    assert [p.attn_mask_type for p in asked] == ["padding_causal_bottom_right"]
+    want = _formula(q, k, v, dout, _seen(docs))
+    for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+        assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (what, (got - ref).abs().max())
+    for release in ("2.10.0", "2.20.2"):
+        fwd_params = SIGNATURES[RELEASES[release]][0]
+        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], k[:, 0], v[:, 0], docs, True, 0.3,
+                                     BACKEND)
+        assert kw["attn_mask_type"] == "padding_causal_bottom_right"
+        assert kw.get("bottom_right_diagonal", True) is True
+        square = TileSlices.documents((0, 3, 11), (0, 3, 11), True, CPU)
+        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], q[:, 0], q[:, 0], square, True,
+                                     0.3, BACKEND)
+        assert kw["attn_mask_type"] == "padding_causal"
+
+
+# ---------------------------------------------------------------- part 2: CUDA + TE
+
+needs_te = pytest.mark.skipif(
+    te_fused.te_version() is None or not torch.cuda.is_available() or not te_fused.is_available(),
+    reason="needs a GPU and Transformer Engine "
+    f"(CUDA {'yes' if torch.cuda.is_available() else 'no'}, TE {te_fused.te_version()})",
+)
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+def test_te_window_and_slice_mask_tiles_match_fp64(heads):
+    """A window (more keys than queries) and a SliceMask tile (a bidirectional prefix, the
+    rest causal) on TEFusedKernel, bf16: out, lse, dq, dk, dv against the fp64 formula of
+    the inputs as rounded, within bf16's rounding (a wrong mask is off by O(1)). Where TE
+    (its release or query on this GPU / cuDNN) does not take the call, the test says so."""
+    device = torch.device("cuda")
+    cases = {"window (64, 16)": TileSlices.band(256, 384, 64, 16),
+             "prefix-LM SliceMask": _of_mask(_prefix(512, 128), (512, 512), device)}
+    for name, slices in cases.items():
+        kernel = TEFusedKernel(deterministic=False)
+        sq, sk = slices.shape
+        torch.manual_seed(sq + sk)
+        q, k, v, dout = (torch.randn(s, 1, h, 64).to(torch.bfloat16).to(device)
+                         for s, h in ((sq, heads[0]), (sk, heads[1]), (sk, heads[1]),
+                                      (sq, heads[0])))
+        plan = kernel._runs_plan(q, k, v, slices)
+        if plan is None:
+            pytest.skip(f"{name}: TE {te_fused.te_version()} does not take it here (logged)")
+        want = _formula(q, k, v, dout, _seen(slices).to(device))
+        out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
+        grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
+        for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
+            assert got.shape == ref.shape, (name, what)
+            err = (got.double() - ref).abs().max().item()
+            assert err <= 0.05 * max(1.0, ref.abs().max().item()), (name, what, err)
