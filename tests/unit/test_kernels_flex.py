@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import flex_attention as flex_api
 
 from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.merge import empty_accumulators, merge_into
@@ -20,6 +21,7 @@ from megatron_mesh.kernels import (
     FlexTileKernel,
     backend_for,
     choose,
+    flex,
     get_kernel,
 )
 from megatron_mesh.kernels.flex import BLOCK, TileMask
@@ -158,6 +160,25 @@ def test_flex_is_chosen_by_name_only() -> None:
         for backend in ("auto", "torch"):
             assert "flex" not in choose(backend, facts, torch.bfloat16, 128).ops
         assert choose("flex", facts, torch.bfloat16, 128).ops == ("flex",)
+
+
+def test_the_cuda_backward_call_fits_the_op_on_meta() -> None:
+    """What CUDA compiles for the backward (`flex._backward_op`: the backward op on the
+    whole row's out and lse, the tile's block mask) run as it is on meta tensors: the op
+    takes its arguments and gives dq, dk, dv the inputs' shapes (GQA, V's own head dim) in
+    the inputs' dtype (the public `flex_attention` refuses meta tensors: its forward is
+    checked on a GPU only)."""
+    meta = torch.device("meta")
+    mask = TileMask.of(torch.ones(200, 300, dtype=torch.bool).tril(100))
+    q, k, v, out = (torch.empty(s, 2, h, e, device=meta, dtype=torch.bfloat16)
+                    for s, h, e in ((200, 4, 64), (300, 2, 64), (300, 2, 32), (200, 4, 32)))
+    lse = torch.empty(2, 4, 200, device=meta)
+    qb, kb, vb, ob = (t.permute(1, 2, 0, 3) for t in (q, k, v, out))
+    options = flex_api._apply_kernel_options(qb, kb, vb, True, None)
+    grads = flex._backward_op(qb, kb, vb, ob, lse, ob, None, mask.block_mask(meta).as_tuple(),
+                              0.1, options)
+    assert [tuple(g.shape) for g in grads] == [(2, 4, 200, 64), (2, 2, 300, 64), (2, 2, 300, 32)]
+    assert all(g.dtype == torch.bfloat16 and g.device == meta for g in grads)
 
 
 @pytest.mark.parametrize("schedule,rows,cols,forward,backward", [
