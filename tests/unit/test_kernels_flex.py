@@ -25,6 +25,8 @@ from megatron_mesh.kernels import (
     get_kernel,
 )
 from megatron_mesh.kernels.flex import BLOCK, TileMask
+from megatron_mesh.planner import Workload
+from megatron_mesh.planner.pricing.tiles import mesh_calls
 
 SQ, SK, B, HQ, HKV, D = 40, 56, 2, 4, 2, 16
 
@@ -202,6 +204,11 @@ def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backwa
             rows, cols, causal, schedule)
     shapes = call_shapes(rows, cols, True, schedule, "forward", whole_tile=True)
     assert all(set(s.q) == {2} and set(s.kv) == {2} for s in shapes)
+    # the planner prices backend='flex' by the same count
+    workload = Workload(seq_length=8192, num_heads=8, num_kv_heads=8, head_dim=64,
+                        dtype="bf16", mesh_schedule=schedule)
+    got = mesh_calls(workload, rows * cols, rows, cols, backend="flex")
+    assert (got.forward, got.backward) == (forward, backward)
 
 
 @pytest.mark.gpu
