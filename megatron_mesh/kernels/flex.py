@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch._higher_order_ops.flex_attention import create_fw_bw_graph
@@ -49,8 +50,9 @@ def _identity_score(score, b, h, q_idx, kv_idx):
 class TileMask:
     """The pairs one call keeps, at FlexAttention's block granularity: `kinds` int32
     [q blocks, kv blocks] (EMPTY, FULL, or 2 + the index of a partial block) and `partial`
-    bool [2 + partial blocks, BLOCK, BLOCK] (entry 0 all False, entry 1 all True, then the
-    partial blocks' pairs); `shape` (sq, sk). Build with `of`."""
+    bool [a power of two >= 2 + partial blocks, BLOCK, BLOCK] (entry 0 all False, entry 1
+    all True, then the partial blocks' pairs); `shape` (sq, sk). Build with `of` or
+    `of_regions`."""
 
     shape: tuple[int, int]
     kinds: torch.Tensor
@@ -60,18 +62,29 @@ class TileMask:
     @classmethod
     def of(cls, seen: torch.Tensor) -> TileMask:
         """The mask of bool `seen` [sq, sk] (True: query i sees key j)."""
-        sq, sk = seen.shape
-        nq, nk = -(-sq // BLOCK), -(-sk // BLOCK)
-        padded = torch.zeros(nq * BLOCK, nk * BLOCK, dtype=torch.bool, device=seen.device)
-        padded[:sq, :sk] = seen
-        blocks = padded.view(nq, BLOCK, nk, BLOCK).transpose(1, 2)  # [nq, nk, B, B]
-        anything, everything = blocks.any((2, 3)), blocks.all((2, 3))
-        some = anything & ~everything
-        kinds = everything.to(torch.int32)  # EMPTY 0, FULL 1
-        kinds[some] = 2 + torch.arange(int(some.sum()), dtype=torch.int32, device=seen.device)
-        ends = torch.stack([torch.zeros(BLOCK, BLOCK, dtype=torch.bool, device=seen.device),
-                            torch.ones(BLOCK, BLOCK, dtype=torch.bool, device=seen.device)])
-        return cls((sq, sk), kinds, torch.cat([ends, blocks[some]]))
+        kinds, some = _blocks_of(seen)
+        return cls(tuple(seen.shape), kinds, _partial(some, seen.device))
+
+    @classmethod
+    def of_regions(cls, shape: tuple[int, int], step: int,
+                   regions: Iterable[tuple[tuple[int, int], torch.Tensor]],
+                   device: torch.device) -> TileMask:
+        """The mask of `shape` (sq, sk) whose pairs lie in squares of `step` rows and keys
+        (a multiple of `BLOCK`): each ((a, c), bool [step, step]) of `regions` (each (a, c)
+        once) holds query rows a * step on against keys c * step on; the other squares keep
+        none. No mask of sq x sk is made: each square is cut into blocks as it comes."""
+        if step % BLOCK:
+            raise ValueError(f"step {step} is not a multiple of the block size {BLOCK}")
+        nq, nk = -(-shape[0] // BLOCK), -(-shape[1] // BLOCK)
+        kinds = torch.zeros(nq, nk, dtype=torch.int32, device=device)
+        parts, r = [], step // BLOCK
+        for (a, c), seen in regions:
+            sub, some = _blocks_of(seen.to(device))
+            kinds[a * r:(a + 1) * r, c * r:(c + 1) * r] = sub.where(sub < 2, sub + sum(
+                len(p) for p in parts))
+            parts.append(some)
+        some = torch.cat(parts) if parts else kinds.new_zeros(0, BLOCK, BLOCK, dtype=torch.bool)
+        return cls(tuple(shape), kinds, _partial(some, device))
 
     @property
     def empty(self) -> bool:
@@ -104,6 +117,37 @@ class TileMask:
         return flex_api.BlockMask.from_kv_blocks(
             *_indices(some), *_indices(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
             seq_lengths=self.shape)
+
+
+def _blocks_of(seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool `seen` [sq, sk] cut into blocks: its kinds int32 [q blocks, kv blocks] (EMPTY,
+    FULL, 2 + n: the n-th partial block) and its partial blocks bool [n, BLOCK, BLOCK]."""
+    sq, sk = seen.shape
+    nq, nk = -(-sq // BLOCK), -(-sk // BLOCK)
+    padded = torch.zeros(nq * BLOCK, nk * BLOCK, dtype=torch.bool, device=seen.device)
+    padded[:sq, :sk] = seen
+    blocks = padded.view(nq, BLOCK, nk, BLOCK).transpose(1, 2)  # [nq, nk, B, B]
+    everything = blocks.all((2, 3))
+    some = blocks.any((2, 3)) & ~everything
+    kinds = everything.to(torch.int32)  # EMPTY 0, FULL 1
+    kinds[some] = 2 + torch.arange(int(some.sum()), dtype=torch.int32, device=seen.device)
+    return kinds, blocks[some]
+
+
+def _partial(some: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`TileMask.partial` of the partial blocks `some` [n, BLOCK, BLOCK]: entries 0 (none)
+    and 1 (all), the n blocks, unused ones up to a power of two (the compiled kernel sees
+    few shapes of it, each a compile, whatever the mask)."""
+    n = len(some)
+    partial = torch.zeros(_bucket(2 + n), BLOCK, BLOCK, dtype=torch.bool, device=device)
+    partial[1] = True
+    partial[2:2 + n] = some
+    return partial
+
+
+def _bucket(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << (n - 1).bit_length()
 
 
 def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

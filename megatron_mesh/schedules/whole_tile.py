@@ -2,8 +2,10 @@
 `whole_tile` (`kernels/flex.py`): the query chunks concatenated against the K/V chunks
 concatenated (a view where the chunks lie one after another in one buffer, as a gathered
 column does; else one copy of each), with the tile's mask (`flex.TileMask`) made from the
-blocks' own calls (`calls.layout.blocks_for`: every mask kind) and kept per micro-batch
-like the grouped calls (`blocks._tile_calls`). Blocks in `skip` are left out of the mask.
+blocks' own calls (`calls.layout.blocks_for`: every mask kind), block by block where a
+chunk is a whole number of FlexAttention's blocks (else through a mask of the tile's size),
+and kept per micro-batch like the grouped calls (`blocks._tile_calls`). Blocks in `skip`
+are left out of the mask.
 
 Forward: the call's out and lse split per query chunk and merged into its accumulators;
 backward: its dq, dk, dv split per chunk and added into theirs.
@@ -18,7 +20,7 @@ from ..calls.layout import AttentionMask, blocks_for
 from ..common.caches import per_documents
 from ..common.merge import merge_into
 from ..kernels.caps import caps_of
-from ..kernels.flex import TileMask
+from ..kernels.flex import BLOCK, TileMask
 
 
 def takes_whole_tiles(kernel: object) -> bool:
@@ -40,14 +42,23 @@ def _tile_mask(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], lo
     pairs = [(qi, ki) for qi, x in enumerate(xs) for ki, y in enumerate(ys)
              if (x, y) not in skip]
     made = blocks_for([(xs[qi], ys[ki]) for qi, ki in pairs], local_len, mask, device)
-    seen = torch.zeros(len(xs) * local_len, len(ys) * local_len, dtype=torch.bool,
-                       device=device)
-    for (qi, ki), block in zip(pairs, made):
-        for call in block.calls:
-            q_rows = _index(call.q_rows, device) + qi * local_len
-            kv_rows = _index(call.kv_rows, device) + ki * local_len
-            seen[q_rows[:, None], kv_rows[None, :]] |= call.seen().to(device)
+    shape = (len(xs) * local_len, len(ys) * local_len)
+    regions = ((pair, _square(block, local_len, device)) for pair, block in zip(pairs, made))
+    if local_len % BLOCK == 0:  # each block's square on its own: no mask of the tile's size
+        return TileMask.of_regions(shape, local_len, regions, device)
+    seen = torch.zeros(shape, dtype=torch.bool, device=device)
+    for (qi, ki), square in regions:
+        seen[qi * local_len:(qi + 1) * local_len, ki * local_len:(ki + 1) * local_len] = square
     return TileMask.of(seen)
+
+
+def _square(block, local_len: int, device: torch.device) -> torch.Tensor:
+    """bool [local_len, local_len]: the pairs of a block's calls, in its chunks' rows."""
+    seen = torch.zeros(local_len, local_len, dtype=torch.bool, device=device)
+    for call in block.calls:
+        rows, keys = _index(call.q_rows, device), _index(call.kv_rows, device)
+        seen[rows[:, None], keys[None, :]] |= call.seen().to(device)
+    return seen
 
 
 def _index(rows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,8 @@ blocks a schedule has on hand is ONE kernel call (its query chunks against its K
 with the tile's block mask), run eagerly on the CPU, forward and backward exact against an
 fp64 formula over the whole sequence with the mask built here from its definition: causal,
 full, packed documents (cu_seqlens), a sliding window and a SliceMask, on 2x2, 1x4, 4x1 and
-2x1x2 grids over the three schedules. The calls are counted on the kernel: one per group
+2x1x2 grids over the three schedules (and a causal 2x2 of 128 tokens a rank: the mask
+made block by block, FlexAttention's blocks). The calls are counted on the kernel: one per group
 and pass, as `cost_models.tile_calls` counts them for a kernel taking whole tiles (dense
 sequences and documents in every block: exactly; slices, whole chunks gathered: at most;
 a window's sparse exchange: at most the diagonal and one per query chunk of the row), and
@@ -16,6 +17,7 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.kernels import FlexTileKernel
+from megatron_mesh.kernels.flex import BLOCK
 from megatron_mesh.masks.documents import Documents, thd_split
 
 from dist_utils import run_distributed
@@ -31,11 +33,11 @@ MASKS = ("causal", "full", "documents", "window", "slices")
 SCHEDULES = ("gathered", "streamed_kv", "streamed_q")
 
 
-def seen(mask: str) -> torch.Tensor:
-    """[SEQ, SEQ] bool from the definition: query i sees key j."""
-    i, j = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
+def seen(mask: str, seq: int = SEQ) -> torch.Tensor:
+    """[seq, seq] bool from the definition: query i sees key j."""
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     if mask == "full":
-        return torch.ones(SEQ, SEQ, dtype=torch.bool)
+        return torch.ones(seq, seq, dtype=torch.bool)
     if mask == "causal":
         return j <= i
     if mask == "window":
@@ -52,14 +54,14 @@ def seen(mask: str) -> torch.Tensor:
     return out
 
 
-def reference(x: dict, mask: str) -> dict:
+def reference(x: dict, mask: str, seq: int = SEQ) -> dict:
     """out, dq, dk, dv [S, b, h, d] in fp64: softmax(q k^T * scale, masked) v, rows that
     see nothing 0; GQA by repeating K/V."""
     q, k, v = (x[n].double().requires_grad_() for n in "qkv")
     groups = q.shape[2] // k.shape[2]
     kk, vv = (t.repeat_interleave(groups, 2) for t in (k, v))
     scores = torch.einsum("ibhd,jbhd->bhij", q, kk) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~seen(mask), float("-inf"))
+    scores = scores.masked_fill(~seen(mask, seq), float("-inf"))
     p = torch.softmax(scores, -1).nan_to_num()
     out = torch.einsum("bhij,jbhd->ibhd", p, vv)
     out.backward(x["dout"].double())
@@ -89,10 +91,11 @@ class CountingFlex(FlexTileKernel):
         return super().backward(*args, **kwargs)
 
 
-def run_case(grid: mm.MeshGrid, mask: str, schedule: str, seed: int) -> tuple[list[str], dict]:
+def run_case(grid: mm.MeshGrid, mask: str, schedule: str, seed: int, seq: int = SEQ
+             ) -> tuple[list[str], dict]:
     g = torch.Generator().manual_seed(seed)
     b = 1 if mask == "documents" else 2
-    x = {n: torch.randn(SEQ, b, h, 8, generator=g)
+    x = {n: torch.randn(seq, b, h, 8, generator=g)
          for n, h in (("q", 4), ("k", 2), ("v", 2), ("dout", 4))}
     kw = {"causal": mask != "full"}
     if mask == "documents":
@@ -114,7 +117,7 @@ def run_case(grid: mm.MeshGrid, mask: str, schedule: str, seed: int) -> tuple[li
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     where = f"{mask} {schedule} grid {grid.shape_text} rank {grid.cp_rank}"
     bad = []
-    for n, want in reference(x, mask).items():
+    for n, want in reference(x, mask, seq).items():
         err = (got[n].double() - split(want)).abs().max().item()
         if not err <= 2e-5 * max(1.0, want.abs().max().item()):
             bad.append(f"{where} {n}: max error {err:.3g}")
@@ -133,6 +136,9 @@ def worker(rank: int, world: int) -> dict:
             bad, calls = run_case(grid, mask, schedule, seed=10 * n + m)
             got["bad"] += bad
             got[(a, r, c, mask, schedule)] = calls
+    # chunks of whole FlexAttention blocks (128 rows a rank): the mask made block by block
+    grid = mm.MeshGrid.build(rows=2, cols=2)
+    got["bad"] += run_case(grid, "causal", "streamed_kv", seed=99, seq=BLOCK * WORLD)[0]
     return got
 
 

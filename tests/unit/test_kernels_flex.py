@@ -140,14 +140,34 @@ def test_tile_mask_keeps_edges_not_area() -> None:
     block row's full blocks become partial ones)."""
     seen = torch.ones(1024, 2048, dtype=torch.bool).tril(1024)
     mask = TileMask.of(seen)
-    assert mask.kinds.shape == (8, 16) and mask.partial.shape == (2 + 8, BLOCK, BLOCK)
+    assert mask.kinds.shape == (8, 16) and int((mask.kinds >= 2).sum()) == 8
+    assert mask.partial.shape == (16, BLOCK, BLOCK)  # 2 + 8 kept, in a power of two
     assert torch.equal(mask.seen(), seen) and not mask.empty
     seen[100:120] = False
     mask = TileMask.of(seen)
-    assert mask.partial.shape == (2 + 8 + 8, BLOCK, BLOCK) and torch.equal(mask.seen(), seen)
+    assert int((mask.kinds >= 2).sum()) == 16 and mask.partial.shape == (32, BLOCK, BLOCK)
+    assert torch.equal(mask.seen(), seen)
     odd = torch.rand(130, 70, generator=torch.Generator().manual_seed(1)) < 0.5
     assert torch.equal(TileMask.of(odd).seen(), odd)
     assert TileMask.of(torch.zeros(5, 300, dtype=torch.bool)).empty
+
+
+def test_a_tile_mask_made_square_by_square_is_the_same() -> None:
+    """A 2 x 3 tile of 256-row squares (some absent, one causal, one random, one full) cut
+    into blocks square by square (`of_regions`) keeps the pairs of the whole mask (`of`),
+    each block empty, full or partial alike; a square not of whole blocks is refused."""
+    g = torch.Generator().manual_seed(2)
+    squares = {(0, 0): torch.ones(256, 256, dtype=torch.bool).tril(),
+               (0, 2): torch.rand(256, 256, generator=g) < 0.5,
+               (1, 1): torch.ones(256, 256, dtype=torch.bool)}
+    whole = torch.zeros(512, 768, dtype=torch.bool)
+    for (a, c), square in squares.items():
+        whole[a * 256:(a + 1) * 256, c * 256:(c + 1) * 256] = square
+    made = TileMask.of_regions((512, 768), 256, squares.items(), torch.device("cpu"))
+    assert torch.equal(made.seen(), whole)  # partial blocks numbered in another order:
+    assert torch.equal(made.kinds.clamp(max=2), TileMask.of(whole).kinds.clamp(max=2))
+    with pytest.raises(ValueError, match="step 100 is not a multiple of the block size 128"):
+        TileMask.of_regions((200, 200), 100, [], torch.device("cpu"))
 
 
 def test_flex_is_chosen_by_name_only() -> None:
