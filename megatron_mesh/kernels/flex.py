@@ -187,7 +187,7 @@ def _forward(q, k, v, block_mask, scale: float):
     if q.device.type == "cpu":
         options = flex_api._apply_kernel_options(q, k, v, True, None)
         out, lse, _ = forward_op(q, k, v, _identity_score, block_mask.as_tuple(), scale,
-                                      options)
+                                 options)
         return out, lse * LN2  # the op's lse is in base 2
     out, aux = _compiled_forward()(q, k, v, block_mask=block_mask, scale=scale,
                                    enable_gqa=q.shape[1] != k.shape[1],
@@ -203,14 +203,16 @@ def _backward(dout, q, k, v, out, lse, block_mask, scale: float):
     if q.device.type == "cpu":
         joint = _joint_graph(q.dtype)
         dq, dk, dv, _ = backward_op(*args, _identity_score, joint, block_mask.as_tuple(),
-                                         scale, options, (), ())
+                                    scale, options, (), ())
         return dq, dk, dv
     return _compiled_backward()(*args, block_mask.as_tuple(), scale, options)
 
 
 def _backward_op(q, k, v, out, lse2, dout, dlse, block_mask: tuple, scale: float, options):
+    """The backward op as CUDA compiles it: the score function's gradient graph left to
+    Dynamo to derive (joint graph None), lse2 in base 2, dlse None."""
     dq, dk, dv, _ = backward_op(q, k, v, out, lse2, dout, dlse, _identity_score, None,
-                                     block_mask, scale, options, (), ())
+                                block_mask, scale, options, (), ())
     return dq, dk, dv
 
 
