@@ -21,9 +21,16 @@ P s / 2N keys, P s / N without causal masking). --calls grouped,blocks gives bot
 
 Prints milliseconds, TFLOP/s, efficiency (single-call time / tile time) and, on CUDA, the
 peak memory of each pass, per chunk size and backend (torch, cudnn, te; one that cannot
-run here says why). --json appends the rows to a file, one JSON object a line, each with
-the merge used: 'triton' (one fused kernel, CUDA with Triton) or 'torch' (MESH_TRITON_MERGE=0
-forces it, for an A/B).
+run here says why). --backends flex adds FlexAttention (`kernels/flex.py`): the tile in one
+call with a block mask (its single call: one flex call of the same FLOPs); on CUDA its first
+call of a shape compiles (the warm-up call of `timed` takes it):
+
+    python scripts/bench_tiles.py --chunk 2048,4096 --cp-size 8 --backends torch,flex
+
+--clock cpu times this process's CPU seconds (`time.process_time`, all its threads) in place
+of wall time: what a CPU shared with other jobs leaves measurable (not for CUDA). --json
+appends the rows to a file, one JSON object a line, each with the merge used: 'triton' (one fused kernel, CUDA
+with Triton) or 'torch' (MESH_TRITON_MERGE=0 forces it, for an A/B).
 """
 from __future__ import annotations
 
@@ -56,9 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None,
                    help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--backends", default="torch,cudnn,te", help="comma-separated: torch, cudnn, te")
+    p.add_argument("--backends", default="torch,cudnn,te",
+                   help="comma-separated: torch, cudnn, te, flex (FlexAttention: the tile in one "
+                        "call; compiled on CUDA, eager on the CPU; asked for by name only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or this process's CPU time (a shared CPU machine)")
     p.add_argument("--documents", type=int, default=0,
                    help="N packed documents of equal length (0: one dense sequence)")
     p.add_argument("--calls", default="grouped",
@@ -67,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="append one JSON object per row to this file")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    if args.clock == "cpu" and args.device.startswith("cuda"):
+        p.error("--clock cpu times the CPU's work: use it with --device cpu")
     try:
         args.chunks = [int(c) for c in args.chunk.split(",")]
     except ValueError:
@@ -92,18 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def timed(fn, device: torch.device, iters: int) -> float:
-    """Median seconds of fn() over iters runs after one warm-up."""
+def timed(fn, device: torch.device, iters: int, clock: str = "wall") -> float:
+    """Median seconds of fn() over iters runs after one warm-up: wall time, or this
+    process's CPU time (clock 'cpu')."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     fn()
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times)
 
 
@@ -135,6 +150,14 @@ class Counting:
     def backward(self, *args, **kwargs):
         self.calls += 1
         return self.kernel.backward(*args, **kwargs)
+
+    def tile_forward(self, *args):  # kernels taking whole tiles (`caps.whole_tile`): flex
+        self.calls += 1
+        return self.kernel.tile_forward(*args)
+
+    def tile_backward(self, *args):
+        self.calls += 1
+        return self.kernel.tile_backward(*args)
 
 
 def bench(args: argparse.Namespace, backend: str, s: int, calls_mode: str = "grouped"
@@ -206,7 +229,8 @@ def bench(args: argparse.Namespace, backend: str, s: int, calls_mode: str = "gro
     for name, tile, single, flops in (("forward", tile_forward, single_forward, flops_fwd),
                                       ("backward", tile_backward, single_backward, 2.5 * flops_fwd),
                                       ("fwd+bwd", tile_both, single_both, 3.5 * flops_fwd)):
-        t_tile, t_one = timed(tile, device, args.iters), timed(single, device, args.iters)
+        t_tile = timed(tile, device, args.iters, args.clock)
+        t_one = timed(single, device, args.iters, args.clock)
         rows.append({"backend": kernel.name, "chunk": s, "pass": name, "tile_ms": 1e3 * t_tile,
                      "single_ms": 1e3 * t_one, "tile_tflops": flops / t_tile / 1e12,
                      "single_tflops": flops / t_one / 1e12, "efficiency": t_one / t_tile,

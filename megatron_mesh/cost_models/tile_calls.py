@@ -29,6 +29,10 @@ whole column's K/V). The value is where the H200 profile (`planner/profiles`) pu
 8K keys would cost 3 to 4 points there. The counts take a rank's chunk tokens for it
 (`chunk_tokens`; None: no cap).
 
+A kernel that takes whole tiles (`kernels.caps.KernelCaps.whole_tile`, FlexAttention's)
+makes one call of each group, whatever the mask (`whole_tile=True`): the group's chunks
+concatenated, whole, against a block mask, uncapped.
+
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls
 sets the pace), or one rank's (`rank`). Torch-free: the planner prices kernel time by
@@ -165,6 +169,13 @@ def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
     return tuple(out)
 
 
+def whole_tile_shape(group: Group) -> CallShape:
+    """The one call of `group` on a kernel taking whole tiles: its chunks whole,
+    concatenated on the grouped side."""
+    n = group.lower + group.higher + group.diagonal
+    return CallShape((2,), (2,) * n) if group.by_rows else CallShape((2,) * n, (2,))
+
+
 def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
     check_positive_int("rows", rows)
     check_positive_int("cols", cols)
@@ -209,33 +220,37 @@ def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
 
 
 def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: str,
-                bottom_right: bool, rank: int, limit: int | None) -> dict[CallShape, int]:
-    """The calls of one rank's pass, grouped: how many of each shape (empty groups make
-    none)."""
+                bottom_right: bool, rank: int, limit: int | None,
+                whole_tile: bool = False) -> dict[CallShape, int]:
+    """The calls of one rank's pass, grouped (one a group where `whole_tile`): how many of
+    each shape (empty groups make none)."""
     calls: dict[CallShape, int] = {}
     for g, n in _groups(rows, cols, schedule, rank, phase):
         if n and (g.lower or g.higher or g.diagonal):
-            for c in group_shapes(g, causal, bottom_right, limit):
+            shapes = ((whole_tile_shape(g),) if whole_tile
+                      else group_shapes(g, causal, bottom_right, limit))
+            for c in shapes:
                 calls[c] = calls.get(c, 0) + n
     return calls
 
 
 @functools.lru_cache(maxsize=1024)
 def _calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-           bottom_right: bool, rank: int | None, grouped: bool, limit: int | None) -> int:
+           bottom_right: bool, rank: int | None, grouped: bool, limit: int | None,
+           whole_tile: bool = False) -> int:
     schedule = _grid(rows, cols, schedule)
-    if not grouped:
+    if not grouped and not whole_tile:
         return rows * cols  # one call per block
     ranks = range(rows * cols) if rank is None else [rank]
     return max(sum(_rank_calls(rows, cols, causal, schedule, phase, bottom_right, r,
-                               limit).values())
+                               limit, whole_tile).values())
                for r in ranks)
 
 
 def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
                   bottom_right: bool = True, rank: int | None = None,
                   grouped: bool | None = None, chunk_tokens: int | None = None,
-                  cap_tokens: int | None = None) -> int:
+                  cap_tokens: int | None = None, whole_tile: bool = False) -> int:
     """Kernel calls of one rank's forward tile (R = rows K/V chunks x C = cols query
     chunks, a dense sequence, `causal` or full): the most over the mesh's ranks, or rank
     `rank`'s (its mesh rank); `bottom_right`: the kernel folds a causal diagonal into a
@@ -243,27 +258,29 @@ def forward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, 
     flash op; not cuDNN's nor TE's); `grouped`: as `grouping` (None: as the runtime runs
     now, grouped unless MESH_GROUP_CALLS=0; ungrouped, R * C); `chunk_tokens`: the tokens
     of a rank's chunk, each call concatenating at most `cap_tokens` of them (None: the
-    runtime's, `group_tokens()`; chunk_tokens None: no cap)."""
+    runtime's, `group_tokens()`; chunk_tokens None: no cap); `whole_tile`: the kernel takes
+    whole tiles (FlexAttention's), one call a group, grouped or not, uncapped."""
     return _calls(rows, cols, causal, schedule, "forward", bottom_right, rank,
-                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens))
+                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens), whole_tile)
 
 
 def backward_calls(rows: int, cols: int, causal: bool, schedule: Schedule | str, *,
                    bottom_right: bool = True, rank: int | None = None,
                    grouped: bool | None = None, chunk_tokens: int | None = None,
-                   cap_tokens: int | None = None) -> int:
+                   cap_tokens: int | None = None, whole_tile: bool = False) -> int:
     """Kernel calls of one rank's backward tile (as `forward_calls`)."""
     return _calls(rows, cols, causal, schedule, "backward", bottom_right, rank,
-                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens))
+                  grouping(grouped), piece_limit(chunk_tokens, cap_tokens), whole_tile)
 
 
 @functools.lru_cache(maxsize=1024)
 def call_shapes(rows: int, cols: int, causal: bool, schedule: Schedule | str, phase: str,
-                bottom_right: bool = False, limit: int | None = None) -> frozenset[CallShape]:
+                bottom_right: bool = False, limit: int | None = None,
+                whole_tile: bool = False) -> frozenset[CallShape]:
     """Every shape of call (`CallShape`) some rank makes in `phase` ('forward' or
     'backward'), grouped, the schedule as it runs on this grid, each call at most `limit`
-    half chunks (`piece_limit`; None: no cap)."""
+    half chunks (`piece_limit`; None: no cap); `whole_tile`: one call a group."""
     schedule = _grid(rows, cols, schedule)
     return frozenset(c for r in range(rows * cols)
                      for c in _rank_calls(rows, cols, causal, schedule, phase, bottom_right, r,
-                                          limit))
+                                          limit, whole_tile))

@@ -11,12 +11,15 @@ from .base import TileKernel, folds_diagonal
 from .caps import WINDOWS, KernelCaps, caps_of, kernel_name, what
 from .choice import Choice, DeviceFacts, choose, log_skips
 from .cudnn import CudnnKernel
+from .flex import FlexTileKernel
 from .te_fused import TEFusedKernel
 from .torch_flash import TorchFlashKernel
 
-BACKENDS = ("auto", "torch", "cudnn", "te")
-# The kernel each named backend builds; its class's `caps` are what the name takes.
-BACKEND_KERNELS = {"torch": TorchFlashKernel, "cudnn": CudnnKernel, "te": TEFusedKernel}
+BACKENDS = ("auto", "torch", "cudnn", "te", "flex")
+# The kernel each named backend builds; its class's `caps` are what the name takes. 'flex'
+# (FlexAttention, a whole tile in one call) is taken by name only: 'auto' never builds it.
+BACKEND_KERNELS = {"torch": TorchFlashKernel, "cudnn": CudnnKernel, "te": TEFusedKernel,
+                   "flex": FlexTileKernel}
 
 # The kernel that runs each op of a `choice.Choice`.
 OP_KERNELS = {"te": TEFusedKernel, "cudnn": CudnnKernel, "flash": TorchFlashKernel,
@@ -142,11 +145,14 @@ def build(chosen: Choice) -> TileKernel:
         # choice has one: torch's cuDNN op would make one call per document
         documents = build(Choice(tuple(o for o in rest if o != "cudnn") or rest))
         return TEFusedKernel(fallback=build(Choice(rest)), documents_fallback=documents)
+    if op == "flex":
+        return FlexTileKernel()
     if op == "cudnn":
         return CudnnKernel(documents=TorchFlashKernel(flash=True) if "flash" in rest else None)
     return TorchFlashKernel(flash=op in ("cpu", "flash"))
 
 
 __all__ = ["BACKENDS", "BACKEND_KERNELS", "WINDOWS", "Choice", "CudnnKernel", "DeviceFacts",
-           "KernelCaps", "TEFusedKernel", "TileKernel", "TorchFlashKernel", "backend_folds_diagonal",
-           "backend_for", "build", "caps_of", "check_backend", "choose", "get_kernel", "is_kernel", "refuse"]
+           "FlexTileKernel", "KernelCaps", "TEFusedKernel", "TileKernel", "TorchFlashKernel",
+           "backend_folds_diagonal", "backend_for", "build", "caps_of", "check_backend", "choose",
+           "get_kernel", "is_kernel", "refuse"]

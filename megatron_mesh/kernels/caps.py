@@ -30,6 +30,9 @@ class KernelCaps:
                 the diagonal's keys last (`calls.groups`). Without it a kernel's causal is
                 top-left aligned (cuDNN through torch, Transformer Engine's "causal") and
                 takes sq == sk only.
+    whole_tile: the blocks a rank has on hand together as ONE call with the tile's mask
+                (`tile_forward` / `tile_backward` taking a `flex.TileMask`;
+                `schedules/whole_tile.py`) in place of grouped calls.
     """
 
     documents: bool = False
@@ -37,6 +40,7 @@ class KernelCaps:
     window: bool = False
     v_head_dim: bool = False
     bottom_right: bool = False
+    whole_tile: bool = False
 
     @classmethod
     def of(cls, needs: KernelCaps | Iterable[str] | str | None) -> KernelCaps:
@@ -83,6 +87,7 @@ WHAT = {
     "window": "sliding-window bands (flash-attention windows)",
     "v_head_dim": "a V head dim of its own (multi-latent attention)",
     "bottom_right": "causal tiles of more keys than queries (bottom-right aligned)",
+    "whole_tile": "a rank's whole tile as one call with a block mask",
 }
 
 NONE = KernelCaps()

@@ -59,8 +59,8 @@ class DeviceFacts:
 
 @dataclass(frozen=True)
 class Choice:
-    """The ops to use, best first (each 'te', 'cudnn', 'flash', 'efficient' or 'cpu'),
-    and (op, reason) for every op passed over."""
+    """The ops to use, best first (each 'te', 'cudnn', 'flash', 'efficient', 'cpu' or
+    'flex'), and (op, reason) for every op passed over."""
 
     ops: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...] = ()
@@ -110,12 +110,15 @@ def flash_unsupported(facts: DeviceFacts, dtype: torch.dtype | None,
 
 def choose(backend: str, facts: DeviceFacts, dtype: torch.dtype | None,
            head_dim: int | None, v_head_dim: int | None = None) -> Choice:
-    """The ops for `backend` ('auto' | 'torch' | 'cudnn' | 'te') given the device facts,
-    for tiles of Q/K head dim `head_dim` and V head dim `v_head_dim` (None: the same).
+    """The ops for `backend` ('auto' | 'torch' | 'cudnn' | 'te' | 'flex') given the device
+    facts, for tiles of Q/K head dim `head_dim` and V head dim `v_head_dim` (None: the same);
+    'flex' is FlexAttention's one op wherever it is asked for.
 
     ValueError (saying why) when 'te' or 'cudnn' cannot run at all. Off CUDA (and on
     'meta' for 'auto' / 'torch'): 'cpu' on CPU, else the CUDA torch ops.
     """
+    if backend == "flex":  # FlexAttention, by name only ('auto' never chooses it)
+        return Choice(("flex",))
     if facts.type == "cpu" and backend in ("auto", "torch"):
         return Choice(("cpu",))
     skipped: list[tuple[str, str]] = []

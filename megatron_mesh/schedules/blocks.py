@@ -16,6 +16,7 @@ from ..kernels import TileKernel
 from ..kernels.base import folds_diagonal
 from ..runtime.flat import flat_size, views
 from ..runtime.grid import MeshGrid
+from . import whole_tile
 
 
 def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -123,7 +124,10 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     """Blocks (x, y) of the query chunks q_x [s, b, hq, d] against the key chunks
     k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
     calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
-    [s, b, hq, dv] and lse_acc [b, hq, s]."""
+    [s, b, hq, dv] and lse_acc [b, hq, s]; in one call where the kernel takes whole tiles
+    (`whole_tile`)."""
+    if whole_tile.takes_whole_tiles(kernel):
+        return whole_tile.forward(kernel, queries, keys, mask, scale, skip)
     for call in _calls_of(kernel, queries, keys, 1, mask, skip, grouped):
         q = _gather(queries, 1, call.q, call.q_place)
         k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
@@ -170,7 +174,9 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     """Gradients of blocks (x, y) (as `forward_tile`) added (fp32) into each x's dq_acc
     [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
     (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
-    and lse."""
+    and lse. In one call where the kernel takes whole tiles (`whole_tile`)."""
+    if whole_tile.takes_whole_tiles(kernel):
+        return whole_tile.backward(kernel, queries, keys, mask, scale, skip)
     for call in _calls_of(kernel, queries, keys, 2, mask, skip, grouped):
         dout, q, out = (_gather(queries, i, call.q, call.q_place) for i in (1, 2, 3))
         lse = _gather(queries, 4, call.q, call.q_place, -1)

@@ -7,8 +7,9 @@ With s = S / P tokens per rank (P CP ranks) and Hq query heads:
     a2a (Ulysses)             1 call over the whole sequence: S rows, Hq / P heads
     a2a+p2p (A x P/A)         P / A ring steps: s A rows, Hq / A heads
     mesh A x R x C            `cost_models.tile_calls` (forward_calls / backward_calls of the
-                              schedule the plan runs): s A query rows a call (C s A / calls
-                              when fewer calls than the tile's C query chunks), Hq / A heads
+                              schedule the plan runs; 'flex': one call a group on hand): s A
+                              query rows a call (C s A / calls when fewer calls than the
+                              tile's C query chunks), Hq / A heads
 
 A pass's FLOPs (the busiest rank's) are shared evenly by its calls (`GpuProfile.tile_seconds`).
 Under a sliding window or placed documents a rank computes only the blocks that hold a pair
@@ -25,7 +26,7 @@ import numpy as np
 
 from megatron_mesh.cost_models.tile_calls import backward_calls, forward_calls
 from megatron_mesh.dtypes import TORCH_DTYPES
-from megatron_mesh.kernels import backend_folds_diagonal
+from megatron_mesh.kernels import BACKEND_KERNELS, backend_folds_diagonal
 from megatron_mesh.layer_plan import check_positive_int
 from megatron_mesh.masks.window import Window
 from megatron_mesh.planner.pricing.workload import Workload
@@ -82,16 +83,19 @@ def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: in
                blocks: int | None = None, backend: str | None = None) -> TileCalls:
     """The calls of a heads x rows x cols grid's tile (module docstring); `blocks`: the
     most blocks holding a pair on any rank (placed documents; a window's are counted here);
-    `backend`: the kernels' ('torch', 'cudnn', 'te'; None: 'torch'): the causal diagonal is
-    folded into a call of more keys than queries only where that kernel does so for the
-    workload's dtype on a GPU (`kernels.backend_folds_diagonal`: torch's in fp16 / bf16)."""
+    `backend`: the kernels' ('torch', 'cudnn', 'te', 'flex'; None: 'torch'): the causal
+    diagonal is folded into a call of more keys than queries only where that kernel does so
+    for the workload's dtype on a GPU (`kernels.backend_folds_diagonal`: torch's in fp16 /
+    bf16); 'flex' takes each group of blocks on hand as one call (`KernelCaps.whole_tile`)."""
     schedule = workload.mesh_plan(rows, cols, heads).schedule
-    right = backend_folds_diagonal(backend or "torch", TORCH_DTYPES[workload.dtype])
+    backend = backend or "torch"
+    right = backend_folds_diagonal(backend, TORCH_DTYPES[workload.dtype])
+    whole = BACKEND_KERNELS[backend].caps.whole_tile
     chunk = workload.seq_length * heads // cp_size
     fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
-                        chunk_tokens=chunk)
+                        chunk_tokens=chunk, whole_tile=whole)
     bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
-                         chunk_tokens=chunk)
+                         chunk_tokens=chunk, whole_tile=whole)
     if blocks is None and workload.window is not None:
         blocks = window_blocks(workload.seq_length, rows, cols, workload.window, workload.causal)
     if blocks is not None:

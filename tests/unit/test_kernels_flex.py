@@ -1,0 +1,244 @@
+"""FlexAttention's tile kernel (`kernels/flex.py`), on the CPU eagerly (and compiled on a
+GPU, `gpu` tests): a call's slices (documents, a band, any slices), plain and bottom-right
+causal calls and a whole tile's mask, forward (out and lse) and backward given the WHOLE
+row's out and lse (the keys cut in two calls whose results merge and whose gradients add
+up), against an fp64 formula with the mask built here from its definition; GQA and V of
+its own head dim. Its mask is kept by its edges, not its area; 'flex' is chosen by name
+only, and the call model counts one call a group for it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as flex_api
+
+from megatron_mesh.calls.tile_slices import TileSlices
+from megatron_mesh.common.merge import empty_accumulators, merge_into
+from megatron_mesh.cost_models.tile_calls import backward_calls, call_shapes, forward_calls
+from megatron_mesh.kernels import (
+    BACKENDS,
+    WINDOWS,
+    DeviceFacts,
+    FlexTileKernel,
+    backend_for,
+    choose,
+    flex,
+    get_kernel,
+)
+from megatron_mesh.kernels.flex import BLOCK, TileMask
+from megatron_mesh.planner import Workload
+from megatron_mesh.planner.pricing.tiles import mesh_calls
+
+SQ, SK, B, HQ, HKV, D = 40, 56, 2, 4, 2, 16
+
+
+def definition(kind: str) -> torch.Tensor:
+    """[SQ, SK] bool: query i sees key j, from each kind's definition."""
+    i, j = torch.arange(SQ)[:, None], torch.arange(SK)[None, :]
+    if kind == "full":
+        return torch.ones(SQ, SK, dtype=torch.bool)
+    if kind == "causal":  # bottom-right aligned: j <= i + SK - SQ
+        return j <= i + SK - SQ
+    if kind == "band":  # a window of 5 back, 2 ahead, bottom-right aligned
+        return (j - i - (SK - SQ) >= -5) & (j - i - (SK - SQ) <= 2)
+    if kind == "documents":  # query rows 0-15 / 15-40 against key rows 0-20 / 20-56, causal
+        first = (i < 15) & (j < 20) & (j - i <= 20 - 15)
+        return first | ((i >= 15) & (j >= 20) & (j - i <= SK - SQ))
+    # slices: rows 0-10 see keys 30-40; rows 10-40 see keys 0-25 with j - i in [-12, 3]
+    return ((i < 10) & (j >= 30) & (j < 40)) | ((i >= 10) & (j < 25) & (j - i >= -12)
+                                                & (j - i <= 3))
+
+
+def slices_of(kind: str) -> TileSlices | None:
+    if kind == "band":
+        return TileSlices.band(SQ, SK, 5, 2)
+    if kind == "documents":
+        return TileSlices.documents((0, 15, SQ), (0, 20, SK), True, torch.device("cpu"))
+    if kind == "slices":
+        return TileSlices.of([(0, 10, 30, 40, None, None), (10, SQ, 0, 25, -12, 3)], (SQ, SK),
+                             torch.device("cpu"))
+    return None
+
+
+def formula(x: dict, seen: torch.Tensor, scale: float) -> dict:
+    """out [SQ, B, HQ, dv], lse [B, HQ, SQ], dq, dk, dv in fp64; rows that see nothing:
+    out 0, lse -inf."""
+    q, k, v = (x[n].double().requires_grad_() for n in "qkv")
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(groups, 2) for t in (k, v))
+    scores = torch.einsum("ibhd,jbhd->bhij", q, kk) * scale
+    scores = scores.masked_fill(~seen.to(q.device), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("bhij,jbhd->ibhd", torch.softmax(scores, -1).nan_to_num(), vv)
+    out.backward(x["dout"].double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def inputs(dv: int = D, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    g = torch.Generator().manual_seed(5)
+    shapes = {"q": (SQ, HQ, D), "k": (SK, HKV, D), "v": (SK, HKV, dv), "dout": (SQ, HQ, dv)}
+    return {n: torch.randn(s, B, h, e, generator=g).to(device, dtype)
+            for n, (s, h, e) in shapes.items()}
+
+
+def in_two_calls(kernel, x: dict, causal: bool, scale: float, slices: TileSlices | None,
+                 seen: torch.Tensor) -> dict:
+    """The call as the schedules run a row: the whole call once (its out and lse are the
+    row's), then its keys cut in two calls (first half, then the rest; `seen` [SQ, SK] its
+    pairs) on the whole row's out and lse: merged outputs, summed gradients."""
+    out, lse = kernel.forward(x["q"], x["k"], x["v"], causal, scale, slices=slices)
+    got = {"out": out, "lse": lse}
+    acc_out, acc_lse = empty_accumulators(SQ, B, HQ, x["v"].shape[-1], x["q"].device)
+    grads = {n: torch.zeros(x[n].shape, dtype=torch.float32, device=x[n].device)
+             for n in "qkv"}
+    half = SK // 2
+    for keys in (slice(0, half), slice(half, SK)):
+        mask = TileMask.of(seen[:, keys].to(x["q"].device))  # from the definition
+        k, v = x["k"][keys], x["v"][keys]
+        o, o_lse = kernel.tile_forward(x["q"], k, v, mask, scale)
+        merge_into(acc_out, acc_lse, o, o_lse)
+        dq, dk, dv = kernel.tile_backward(x["dout"], x["q"], k, v, out, lse, mask, scale)
+        grads["q"] += dq
+        grads["k"][keys] += dk
+        grads["v"][keys] += dv
+    got.update(merged=acc_out, merged_lse=acc_lse, dq=grads["q"], dk=grads["k"],
+               dv=grads["v"])
+    # the whole call's own backward too
+    got["whole"] = kernel.backward(x["dout"], x["q"], x["k"], x["v"], out, lse, causal, scale,
+                                   slices=slices)
+    return got
+
+
+def check(got: dict, want: dict, tol: float) -> None:
+    finite = torch.isfinite(want["lse"])
+    assert torch.equal(torch.isfinite(got["lse"]), finite)
+    assert (got["lse"].double() - want["lse"])[finite].abs().max() <= tol
+    assert (got["merged_lse"].double() - want["lse"])[finite].abs().max() <= tol
+    for name, value in (("out", got["out"]), ("merged", got["merged"])):
+        err = (value.double() - want["out"]).abs().max().item()
+        assert err <= tol, f"{name}: {err:.3g}"
+    for n in ("dq", "dk", "dv"):
+        err = (got[n].double() - want[n]).abs().max().item()
+        assert err <= tol * max(1.0, want[n].abs().max().item()), f"{n}: {err:.3g}"
+    for n, g in zip(("dq", "dk", "dv"), got["whole"]):
+        err = (g.double() - want[n]).abs().max().item()
+        assert err <= tol * max(1.0, want[n].abs().max().item()), f"whole {n}: {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["full", "causal", "band", "documents", "slices"])
+def test_flex_calls_match_the_formula(kind: str) -> None:
+    """Each kind of call on the CPU (eager), GQA, dv != d for the slices: forward, and the
+    backward of the call and of its keys in two calls on the whole row's out and lse."""
+    x = inputs(dv=8 if kind == "slices" else D)
+    seen = definition(kind)
+    got = in_two_calls(FlexTileKernel(), x, kind == "causal", 0.3, slices_of(kind), seen)
+    check(got, formula(x, seen, 0.3), 1e-5)
+
+
+def test_tile_mask_keeps_edges_not_area() -> None:
+    """A causal tile of 1024 x 2048 keeps 8 partial blocks (its diagonal's) of 128 x 128,
+    whatever its area; its pairs read back as given, with rows that see nothing (their
+    block row's full blocks become partial ones)."""
+    seen = torch.ones(1024, 2048, dtype=torch.bool).tril(1024)
+    mask = TileMask.of(seen)
+    assert mask.kinds.shape == (8, 16) and int((mask.kinds >= 2).sum()) == 8
+    assert mask.partial.shape == (16, BLOCK, BLOCK)  # 2 + 8 kept, in a power of two
+    assert torch.equal(mask.seen(), seen) and not mask.empty
+    seen[100:120] = False
+    mask = TileMask.of(seen)
+    assert int((mask.kinds >= 2).sum()) == 16 and mask.partial.shape == (32, BLOCK, BLOCK)
+    assert torch.equal(mask.seen(), seen)
+    odd = torch.rand(130, 70, generator=torch.Generator().manual_seed(1)) < 0.5
+    assert torch.equal(TileMask.of(odd).seen(), odd)
+    assert TileMask.of(torch.zeros(5, 300, dtype=torch.bool)).empty
+
+
+def test_a_tile_mask_made_square_by_square_is_the_same() -> None:
+    """A 2 x 3 tile of 256-row squares (some absent, one causal, one random, one full) cut
+    into blocks square by square (`of_regions`) keeps the pairs of the whole mask (`of`),
+    each block empty, full or partial alike; a square not of whole blocks is refused."""
+    g = torch.Generator().manual_seed(2)
+    squares = {(0, 0): torch.ones(256, 256, dtype=torch.bool).tril(),
+               (0, 2): torch.rand(256, 256, generator=g) < 0.5,
+               (1, 1): torch.ones(256, 256, dtype=torch.bool)}
+    whole = torch.zeros(512, 768, dtype=torch.bool)
+    for (a, c), square in squares.items():
+        whole[a * 256:(a + 1) * 256, c * 256:(c + 1) * 256] = square
+    made = TileMask.of_regions((512, 768), 256, squares.items(), torch.device("cpu"))
+    assert torch.equal(made.seen(), whole)  # partial blocks numbered in another order:
+    assert torch.equal(made.kinds.clamp(max=2), TileMask.of(whole).kinds.clamp(max=2))
+    with pytest.raises(ValueError, match="step 100 is not a multiple of the block size 128"):
+        TileMask.of_regions((200, 200), 100, [], torch.device("cpu"))
+
+
+def test_flex_is_chosen_by_name_only() -> None:
+    """backend='flex' builds the FlexAttention kernel (it takes windows, documents, V's own
+    head dim); 'auto' and 'torch' never choose it, on the CPU or for CUDA's calls."""
+    assert "flex" in BACKENDS
+    kernel = get_kernel("flex", "cpu", torch.float32, 64, documents=True, v_head_dim=32)
+    assert isinstance(kernel, FlexTileKernel) and kernel.caps.whole_tile
+    assert backend_for("flex", WINDOWS) == "flex"
+    for facts in (DeviceFacts("cpu"), DeviceFacts("meta"),
+                  DeviceFacts("cuda", (9, 0), 90100, True, None)):
+        for backend in ("auto", "torch"):
+            assert "flex" not in choose(backend, facts, torch.bfloat16, 128).ops
+        assert choose("flex", facts, torch.bfloat16, 128).ops == ("flex",)
+
+
+def test_the_cuda_backward_call_fits_the_op_on_meta() -> None:
+    """What CUDA compiles for the backward (`flex._backward_op`: the backward op on the
+    whole row's out and lse, the tile's block mask) run as it is on meta tensors: the op
+    takes its arguments and gives dq, dk, dv the inputs' shapes (GQA, V's own head dim) in
+    the inputs' dtype (the public `flex_attention` refuses meta tensors: its forward is
+    checked on a GPU only)."""
+    meta = torch.device("meta")
+    mask = TileMask.of(torch.ones(200, 300, dtype=torch.bool).tril(100))
+    q, k, v, out = (torch.empty(s, 2, h, e, device=meta, dtype=torch.bfloat16)
+                    for s, h, e in ((200, 4, 64), (300, 2, 64), (300, 2, 32), (200, 4, 32)))
+    lse = torch.empty(2, 4, 200, device=meta)
+    qb, kb, vb, ob = (t.permute(1, 2, 0, 3) for t in (q, k, v, out))
+    options = flex_api._apply_kernel_options(qb, kb, vb, True, None)
+    grads = flex._backward_op(qb, kb, vb, ob, lse, ob, None, mask.block_mask(meta).as_tuple(),
+                              0.1, options)
+    assert [tuple(g.shape) for g in grads] == [(2, 4, 200, 64), (2, 2, 300, 64), (2, 2, 300, 32)]
+    assert all(g.dtype == torch.bfloat16 and g.device == meta for g in grads)
+
+
+@pytest.mark.parametrize("schedule,rows,cols,forward,backward", [
+    # P x 1 (a row of one rank runs the gathered code): forward the query chunk against the
+    # whole column, diagonal included (1 call); backward the diagonal alone while the
+    # column's K/V arrive, then the other blocks (2)
+    ("streamed_q", 4, 1, 1, 2),
+    # 2 x 2 gathered: each query chunk of the row against the column (2); backward the
+    # diagonal, the other chunk, the own chunk's other block (3)
+    ("gathered", 2, 2, 2, 3),
+])
+def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backward) -> None:
+    """A kernel taking whole tiles: one call a group on hand, causal or not, grouped or not,
+    never more than the grouped calls; each call's chunks whole."""
+    for causal in (True, False):
+        for grouped in (True, False):
+            kw = dict(whole_tile=True, grouped=grouped, chunk_tokens=2048, cap_tokens=1024)
+            assert forward_calls(rows, cols, causal, schedule, **kw) == forward
+            assert backward_calls(rows, cols, causal, schedule, **kw) == backward
+        assert forward_calls(rows, cols, causal, schedule, whole_tile=True) <= forward_calls(
+            rows, cols, causal, schedule)
+    shapes = call_shapes(rows, cols, True, schedule, "forward", whole_tile=True)
+    assert all(set(s.q) == {2} and set(s.kv) == {2} for s in shapes)
+    # the planner prices backend='flex' by the same count
+    workload = Workload(seq_length=8192, num_heads=8, num_kv_heads=8, head_dim=64,
+                        dtype="bf16", mesh_schedule=schedule)
+    got = mesh_calls(workload, rows * cols, rows, cols, backend="flex")
+    assert (got.forward, got.backward) == (forward, backward)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["causal", "documents", "slices"])
+def test_gpu_flex_compiled_matches_the_formula(kind: str, dtype: torch.dtype) -> None:
+    """On CUDA (compiled FlexAttention, forward and the backward op on the whole row's out
+    and lse): the same calls against the fp64 formula; bf16 within a few of its ulps."""
+    x = inputs(dv=8 if kind == "slices" else D, device="cuda", dtype=dtype)
+    seen = definition(kind)
+    got = in_two_calls(FlexTileKernel(), x, kind == "causal", 0.3, slices_of(kind), seen)
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    check(got, formula(x, seen, 0.3), tol)
