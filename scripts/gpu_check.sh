@@ -12,6 +12,7 @@
 # Engine's kernel tests among them when TE imports, with the memory table), the tile
 # efficiency bench for MHA 16 x 128 and GQA 32 / 8 (2K / 4K / 8K tokens per chunk, bf16,
 # every backend; at 2K also with the torch merge, an A/B against the Triton one), the
+# FlexAttention tile (its gpu tests, then its tile at 2K beside torch's), the
 # driver against Hugging Face GPT-2 at 4K and 16K tokens, CP = 4 trained on the one GPU
 # against CP = 1 (scripts/cp_on_one_gpu.py), and the GPU profile fitted to the tile rows
 # (scripts/fit_gpu_profile.py, when there). Writes OUT_DIR/steps.jsonl (one line a step:
@@ -40,9 +41,9 @@ rm -f "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.log "$OUT/summary.txt"
 # to at most BUDGET_S, so that a rerun fits a 15-minute device lease beside the first run.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 RESERVE_S=30
-declare -A LIMITS=([gpu_tests]=95 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
-                   [tiles_documents]=10 [driver_vs_hf_4k]=40 [driver_vs_hf_16k]=40
-                   [cp_on_one_gpu]=55 [profile_fit]=10)
+declare -A LIMITS=([gpu_tests]=90 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
+                   [tiles_documents]=10 [tiles_flex]=20 [driver_vs_hf_4k]=35
+                   [driver_vs_hf_16k]=35 [cp_on_one_gpu]=50 [profile_fit]=10)
 total=$RESERVE_S
 for name in "${!LIMITS[@]}"; do total=$((total + LIMITS[$name])); done
 if [ "$total" -gt "$BUDGET_S" ]; then
@@ -165,6 +166,11 @@ step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 -
 step tiles_documents "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 --heads 16 \
     --head-dim 128 --dtype bf16 --backends torch --documents 16 --calls grouped,blocks \
     --json "$OUT/tiles_documents.jsonl"
+# FlexAttention's tile (compiled; its first calls compile): its gpu tests, then its tile at 2K
+# beside torch's, rows apart from the profile's
+step tiles_flex bash -c '"$0" -m pytest -q -x -p no:cacheprovider -m gpu tests/unit/test_kernels_flex.py \
+    && "$0" scripts/bench_tiles.py --chunk 2048 --cp-size 8 --heads 16 --head-dim 128 --dtype bf16 \
+    --backends torch,flex --iters 3 --json "$1"' "$PY" "$OUT/tiles_flex.jsonl"
 if ! has megatron.core; then
     why="megatron-core does not import (carry its wheel in $WHEELS/: scripts/gpu_wheels.sh)"
     skip driver_vs_hf_4k "$why"; skip driver_vs_hf_16k "$why"; skip cp_on_one_gpu "$why"

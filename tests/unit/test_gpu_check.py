@@ -110,8 +110,8 @@ def test_dry_run_goes_through_every_step(tmp_path) -> None:
     steps = {s["step"]: s for s in
              (json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines())}
     assert list(steps) == ["wheels", "gpu_tests", "tiles_mha", "tiles_torch_merge", "tiles_gqa",
-                           "tiles_documents", "driver_vs_hf_4k", "driver_vs_hf_16k",
-                           "cp_on_one_gpu", "profile_fit"], log
+                           "tiles_documents", "tiles_flex", "driver_vs_hf_4k",
+                           "driver_vs_hf_16k", "cp_on_one_gpu", "profile_fit"], log
     assert steps["wheels"]["rc"] == 1 and "1 of 2 wheels" in steps["wheels"]["note"], log
     assert "failed: broken-0.1-py3-none-any.whl" in steps["wheels"]["note"]
     assert (out / ".site" / "mm_probe.py").exists()
@@ -121,6 +121,8 @@ def test_dry_run_goes_through_every_step(tmp_path) -> None:
         assert note.startswith("dry run: ") and "bench_tiles.py --chunk 2048,4096,8192" in note
     assert "--kv-heads 8" in steps["tiles_gqa"]["note"]
     assert "--documents 16 --calls grouped,blocks" in steps["tiles_documents"]["note"], log
+    assert "test_kernels_flex.py" in steps["tiles_flex"]["note"], log
+    assert "--backends torch,flex" in steps["tiles_flex"]["note"], log
     for name in ("driver_vs_hf_4k", "driver_vs_hf_16k"):
         assert steps[name]["note"] == "skipped: transformers does not import", log
     assert "cp_on_one_gpu.py" in steps["cp_on_one_gpu"]["note"], log
