@@ -1,9 +1,9 @@
 """python -m megatron_mesh.preprocess, in this process: the dataset's files appear only whole
 (written under private names, renamed at the end), so a stopped, failed or concurrent run
 never leaves a partial or mixed dataset; outputs it cannot write and bad input stop it in
-one line before tokenizing; empty documents and blank lines are counted; the ETA waits for
-a rate; GPT-2 BPE files load with the hub offline. Every dataset is read back and compared
-token by token."""
+one line before tokenizing; empty documents and blank lines are counted, in the progress
+line as in the summary; the ETA waits for a rate; GPT-2 BPE files load with the hub
+offline. Every dataset is read back and compared token by token."""
 from __future__ import annotations
 
 import io
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mesh.preprocess import main
-from megatron_mesh.training.data.preprocess_data import Progress
+from megatron_mesh.training.data.preprocess_data import Progress, documents
 
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
@@ -113,6 +113,22 @@ def test_empty_documents_blank_lines_and_a_new_folder(tmp_path: Path,
     assert sorted(os.listdir("data/new")) == sorted(
         f"{name}_text_document{s}" for name in ("corpus", "bare")
         for s in (".bin", ".idx", "_lengths.json"))
+
+
+def test_the_progress_counts_documents_as_the_summary_does(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """An empty document left out and a blank line are no documents of the progress line
+    either; it counts the input documents read of those the input holds, and every input
+    byte (blank lines too) as read, the ETA's measure."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "5 6"}\n\n{"text": ""}\n   \n{"text": "7"}\n\n{"text": "8 9"}\n')
+    assert main(["--input", str(path), *NULL, "--output-prefix", str(tmp_path / "c")]) == 0
+    captured = capsys.readouterr()
+    assert "3 documents, 5 tokens in " in captured.out, captured.out
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("3 documents | 5 tokens | "), captured.err
+    assert last.endswith("| 4 of 4 read, 100.0% of the input | ETA 0:00:00"), captured.err
+    assert sum(doc.nbytes for doc in documents(str(path), "text")) == path.stat().st_size
 
 
 def test_a_failed_rerun_leaves_the_earlier_dataset_whole(tmp_path: Path,
