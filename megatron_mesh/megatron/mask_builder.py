@@ -146,12 +146,10 @@ def build_mask(builder: Callable[..., Any], spec: str, tokens: torch.Tensor,
                                "slices (q_start, q_end, k_start, k_end, 'full' | 'causal') "
                                f"over the sequence's {seq_len} positions")
     try:
-        mask = as_mask(made)
-        mask.check_length(seq_len)
+        return as_mask(made).with_length(seq_len)
     except (ValueError, TypeError) as error:
         raise MaskBuilderError(f"{what} no mask of the micro-batch's {seq_len} positions: "
                                f"{error}") from None
-    return mask if mask.seq_len is not None else SliceMask(mask.slices, seq_len)
 
 
 def agreed_mask(builder: Callable[..., Any], spec: str, tokens: torch.Tensor,
