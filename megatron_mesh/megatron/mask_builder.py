@@ -189,7 +189,7 @@ def agreement_group() -> Any:
 
     try:
         return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
-    except (AssertionError, AttributeError):
+    except (AssertionError, AttributeError, TypeError):  # none made, or another signature
         return None
 
 
