@@ -9,9 +9,11 @@
 PREFIX_KEY_document to --data-path) and PREFIX_KEY_document_lengths.json (the length
 histogram `megatron-mesh plan --doc-length-dist histogram:FILE` reads), all three only
 whole (private names, renamed at the end; the folder made when missing); shows progress on
-stderr and a summary on stdout. Bad input or an output it cannot write exits 2 with one
-line before tokenizing; SIGINT / SIGTERM exit 128 + the signal, leaving nothing. The work is in
-megatron_mesh/training/data/preprocess_data.py; docs/training.md, "Real data", walks through it.
+stderr (documents counted as the summary counts them) and a summary on stdout. Bad input
+or an output it cannot write exits 2 with one line before tokenizing; SIGINT / SIGTERM
+exit 128 + the signal, leaving nothing. The work is in
+megatron_mesh/training/data/preprocess_data.py; docs/training.md, "Real data", walks
+through it.
 """
 from __future__ import annotations
 

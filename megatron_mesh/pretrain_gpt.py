@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:  # a checkpoint that cannot be used: nothing trained yet
         error(PROG, str(e))
         return 2
-    except MaskBuilderError as e:  # every rank builds the same mask: said once
+    except MaskBuilderError as e:  # every rank raises the same (agreed_mask): said once
         flag_error(PROG, str(e))
         return 2
     except (NonFiniteError, SaveError) as e:  # stopped; what was saved before is intact

@@ -6,7 +6,10 @@ Spawns P gloo ranks on this machine per CP size and prints, per call: the signat
 digest alone (local), `agreement.agree` (the digest and one all_reduce of three int64 over
 the CP group's gloo group), a bare all_reduce of the same three int64 on that group (what
 the agreement adds beyond it is Python), and a whole mesh_attention forward + backward on a
-small shape for scale. Microseconds: median and 90th percentile over --calls calls.
+small shape for scale. Microseconds: median and 90th percentile over --calls calls. With
+megatron-core installed, also a mask builder's micro-batch: `build_mask` of a one-slice
+builder on [2, 4096] tokens alone (build) and agreed over all P ranks' gloo group
+(`mask_builder.agreed_mask`, what the driver does per micro-batch with --mesh-mask-builder).
 """
 from __future__ import annotations
 
@@ -34,6 +37,25 @@ def _timed(fn, calls: int) -> tuple[float, float]:
     return statistics.median(times), times[int(0.9 * (len(times) - 1))]
 
 
+def _causal_builder(tokens: torch.Tensor, position_ids: torch.Tensor) -> list[tuple]:
+    n = tokens.shape[-1]
+    return [(0, n, 0, n, "causal")]
+
+
+def _mask_rows(calls: int) -> dict[str, tuple[float, float]]:
+    """build and agreed (module docstring); none without megatron-core."""
+    try:
+        from megatron_mesh.megatron.mask_builder import agreed_mask, build_mask
+    except ModuleNotFoundError:
+        return {}
+    tokens = torch.zeros(2, 4096, dtype=torch.int64)
+    group = dist.new_group(backend="gloo")
+    return {"build": _timed(lambda: build_mask(_causal_builder, "bench", tokens, tokens),
+                            calls),
+            "agreed": _timed(lambda: agreed_mask(_causal_builder, "bench", tokens, tokens,
+                                                 group), calls)}
+
+
 def _rank(rank: int, world: int, calls: int) -> dict[str, tuple[float, float]]:
     grid = mm.MeshGrid.build(rows=world // 2 if world > 2 else world, cols=2 if world > 2 else 1)
     q = torch.randn(8, 1, 4, 16, requires_grad=True)
@@ -59,7 +81,7 @@ def _rank(rank: int, world: int, calls: int) -> dict[str, tuple[float, float]]:
         layer(q, q, q).sum().backward()
 
     out["attention"] = _timed(attention, max(20, calls // 20))
-    return out
+    return {**out, **_mask_rows(calls)}
 
 
 def main() -> None:
@@ -71,7 +93,9 @@ def main() -> None:
     print("per call, microseconds (median / p90), gloo on this machine's CPUs")
     for world in map(int, args.cp_sizes.split(",")):
         results = run_gloo(_rank, world, args.calls)
-        for name in ("digest", "all_reduce", "agree", "attention"):
+        for name in ("digest", "all_reduce", "agree", "attention", "build", "agreed"):
+            if name not in results[0]:
+                continue
             per_rank = ", ".join(f"{r[name][0]:.1f} / {r[name][1]:.1f}" for r in results)
             print(f"P={world} {name:9s} {per_rank}")
 

@@ -11,7 +11,8 @@ forward + backward (the slowest rank, median of --iters) and the peak extra byte
 pass (`runtime.peak_memory`: tracked CPU tensors), and both as a ratio to causal. With
 --documents it times equal causal documents, given as slices (`mask=`) and as THD
 `cu_seqlens`, at each count. It also times building a `SliceMask` of 10,000 column strips
-(the overlap check). Numbers from a shared machine vary from run to run: compare within one.
+(the overlap check) and intersecting 1,000 documents with a prefix-LM mask and with 256
+causal chunks (`slices.intersect`). Numbers from a shared machine vary from run to run: compare within one.
 """
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ def main() -> None:
     strips = mm.SliceMask([(0, 1 << 20, 10 * i, 10 * i + 10, "full") for i in range(10_000)])
     print(f"SliceMask of {len(strips)} column strips over one query range: "
           f"{time.perf_counter() - start:.2f} s")
+    seq = 1 << 17
+    documents = mm.SliceMask(causal_documents(seq, 1000), seq)
+    for name, other in (("a prefix-LM mask", mm.prefix_lm_mask(seq, 4096)),
+                        ("256 causal chunks", mm.SliceMask(causal_documents(seq, 256), seq))):
+        start = time.perf_counter()
+        both = documents & other
+        print(f"1000 documents & {name}: {time.perf_counter() - start:.4f} s "
+              f"({len(both)} slices)")
     per_rank = run_gloo(worker, args.cp_size, args)
     print(f"P={args.cp_size}, {args.local} tokens a rank, {args.heads} heads x {args.head_dim}, "
           "fp32, torch's CPU kernel; the slowest rank")

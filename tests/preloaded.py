@@ -20,9 +20,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
+import pytest
 
 from megatron_mesh.runtime.spawn import free_port
 
@@ -70,6 +71,23 @@ class Run:
 
     def traffic(self) -> list[str]:
         return [f["attention traffic per rank (MiB)"] for f in self.lines().values()]
+
+    def assert_trains_like(self, ref: Run, iterations: Iterable[int],
+                           ref_iterations: Iterable[int] | None = None) -> None:
+        """Both runs ended well, this one logged `iterations` and `ref` `ref_iterations`
+        (default: the same), and each of this run's lines has ref's loss (to 2e-5
+        relative) and gradient norm (to 2e-3)."""
+        for r in (self, ref):
+            assert r.returncode == 0, r.output[-3000:]
+        got, want = self.lines(), ref.lines()
+        iterations = list(iterations)
+        assert sorted(got) == iterations, self.output[-3000:]
+        assert sorted(want) == list(iterations if ref_iterations is None else ref_iterations)
+        for it, fields in got.items():
+            assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]),
+                                                             rel=2e-5)
+            assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
+                                                               abs=2e-3)
 
 
 def build_indexed_dataset(prefix: str) -> None:

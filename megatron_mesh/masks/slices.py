@@ -250,6 +250,12 @@ class SliceMask:
                              f"but the call's sequence has {seq_len} (local tokens x CP size)")
         _check_bounds(self.slices, seq_len)
 
+    def with_length(self, seq_len: int) -> SliceMask:
+        """This mask as one of a sequence of `seq_len` tokens (`check_length`'s ValueError
+        where it does not fit): the same slices, its length known (RoPE reads it)."""
+        self.check_length(seq_len)
+        return self if self.seq_len == seq_len else SliceMask(self.slices, seq_len)
+
     def __and__(self, other: object) -> SliceMask:
         """The pairs both masks keep (`intersect`); another kind of mask composes through
         its own `&` (`mask.Mask`)."""
@@ -281,26 +287,71 @@ class SliceMask:
 def intersect(a: SliceMask, b: SliceMask) -> SliceMask:
     """The pairs that both `a` and `b` keep, as slices (each pair of slices that meets gives
     at most two: their common rectangle under both rules, `pieces`); seq_len: theirs
-    (ValueError where both name one and they differ)."""
+    (ValueError where both name one and they differ). Array work: the pairs that meet are
+    found by blocks of `a` against all of `b`, and cut as `pieces` cuts them, all at once."""
     if a.seq_len is not None and b.seq_len is not None and a.seq_len != b.seq_len:
         raise ValueError(f"masks of {a.seq_len} and {b.seq_len} tokens cannot be composed: "
                          "build both for the same sequence")
     parts: list[tuple] = []
     if a.slices and b.slices:
-        rect = np.array([(t.q_start, t.q_end, t.k_start, t.k_end) for t in b.slices])
-        for s in a.slices:
-            meets = ((rect[:, 0] < s.q_end) & (s.q_start < rect[:, 1])
-                     & (rect[:, 2] < s.k_end) & (s.k_start < rect[:, 3])).nonzero()[0]
-            lo_s, hi_s = s.bounds
-            for n in meets.tolist():
-                t = b.slices[n]
-                lo_t, hi_t = t.bounds
-                lo = lo_s if lo_t is None else lo_t if lo_s is None else max(lo_s, lo_t)
-                hi = hi_s if hi_t is None else hi_t if hi_s is None else min(hi_s, hi_t)
-                parts += [p.as_tuple for p in pieces(
-                    max(s.q_start, t.q_start), min(s.q_end, t.q_end),
-                    max(s.k_start, t.k_start), min(s.k_end, t.k_end), lo, hi)]
+        rules_a, rules_b = _rules(a.slices), _rules(b.slices)
+        rows = max(1, _PAIRS_AT_ONCE // len(b.slices))
+        for first in range(0, len(a.slices), rows):
+            block = rules_a[first:first + rows]
+            i, j = ((block[:, None, 0] < rules_b[None, :, 1])
+                    & (rules_b[None, :, 0] < block[:, None, 1])
+                    & (block[:, None, 2] < rules_b[None, :, 3])
+                    & (rules_b[None, :, 2] < block[:, None, 3])).nonzero()
+            s, t = block[i], rules_b[j]
+            parts += _pieces_of(np.maximum(s[:, 0], t[:, 0]), np.minimum(s[:, 1], t[:, 1]),
+                                np.maximum(s[:, 2], t[:, 2]), np.minimum(s[:, 3], t[:, 3]),
+                                np.maximum(s[:, 4], t[:, 4]), np.minimum(s[:, 5], t[:, 5]))
     return SliceMask(parts, a.seq_len if a.seq_len is not None else b.seq_len)
+
+
+_UNBOUNDED = 1 << 62  # a bound of j - i that is None in `Slice.bounds` (positions < 2^40)
+_PAIRS_AT_ONCE = 1 << 20  # slice pairs `intersect` compares in one array
+
+
+def _rules(slices: tuple[Slice, ...]) -> np.ndarray:
+    """int64 [n, 6]: each slice's (q_start, q_end, k_start, k_end, lo, hi), its `bounds`
+    with None as -/+ _UNBOUNDED."""
+    table = np.array([(s.q_start, s.q_end, s.k_start, s.k_end) for s in slices],
+                     dtype=np.int64)
+    causal = np.array([s.kind == CAUSAL for s in slices])
+    window = np.array([s.window or (-1, -1) for s in slices], dtype=np.int64)
+    d = table[:, 3] - table[:, 1]
+    hi = np.where(causal, d, _UNBOUNDED)
+    hi = np.where(window[:, 1] >= 0, np.minimum(hi, d + window[:, 1]), hi)
+    lo = np.where(window[:, 0] >= 0, d - window[:, 0], -_UNBOUNDED)
+    return np.column_stack([table, lo, hi])
+
+
+def _pieces_of(a: np.ndarray, b: np.ndarray, c: np.ndarray, e: np.ndarray, lo: np.ndarray,
+               hi: np.ndarray) -> list[tuple]:
+    """`pieces` of every (a, b, c, e, lo, hi) of the arrays (bounds -/+ _UNBOUNDED for
+    None), as slice tuples."""
+    free_lo, free_hi = lo <= -_UNBOUNDED, hi >= _UNBOUNDED
+    a = np.maximum(a, c - hi)  # row i sees key c iff c - i <= hi
+    e = np.minimum(e, b + hi)  # key j is seen by row b - 1 iff j - (b - 1) <= hi
+    b = np.minimum(b, e - lo)  # row i sees key e - 1 iff e - 1 - i >= lo
+    c = np.maximum(c, a + lo)  # key j is seen by row a iff j - a >= lo
+    kept = (lo <= hi) & (a < b) & (c < e)
+    band = kept & ~free_lo & (c - (b - 1) < lo)  # the lower bound binds: one band
+    whole = kept & ~band & (free_hi | (e - 1 - a <= hi))  # every row sees every key
+    split_rows = kept & ~band & ~whole
+    split = np.minimum(np.maximum(e - hi, a), b)  # rows from here on see every key
+    d = e - b
+    right = np.where(free_hi | (e - 1 - a <= hi), -1, hi - d)
+    parts: list[tuple] = []
+    for q0, q1, k0, k1, left, r in zip(*(x[band].tolist() for x in (a, b, c, e, d - lo,
+                                                                     right))):
+        parts.append((q0, q1, k0, k1, FULL, (left, r)))
+    for rows, q0, q1, kind in ((whole, a, b, FULL), (split_rows & (split > a), a, split, CAUSAL),
+                               (split_rows & (split < b), split, b, FULL)):
+        parts += [(*bounds, kind) for bounds in zip(*(x[rows].tolist()
+                                                      for x in (q0, q1, c, e)))]
+    return parts
 
 
 def as_mask(mask: SliceMask | Iterable) -> SliceMask:

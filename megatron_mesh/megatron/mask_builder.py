@@ -3,7 +3,9 @@
 A mask builder (`--mesh-mask-builder MODULE:FUNCTION`) is called once per micro-batch with
 the WHOLE micro-batch, before it is split over the CP ranks (every rank of a replica reads
 the same samples, so every rank builds the same mask; the mesh's agreement check compares
-them before the first collective):
+them before the first collective; the ranks of other data-parallel replicas read other
+samples, so all of them agree on whether every build succeeded before going on,
+`agreed_mask`):
 
     def builder(tokens: torch.Tensor, position_ids: torch.Tensor) -> SliceMask | list:
         # tokens, position_ids: int64 [micro-batch size, sequence length], on the CPU
@@ -35,15 +37,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mesh.calls.layout import zigzag_merge
 from megatron_mesh.masks.packed import packed_slices
 from megatron_mesh.masks.slices import SliceMask, as_mask
 
-__all__ = ["MaskBuilderError", "MaskedSeqParams", "attach_mask_builder", "build_mask",
-           "layer_chunk", "load_mask_builder", "masked_seq_params", "packed_mask",
-           "with_packed_mask"]
+__all__ = ["MaskBuilderError", "MaskedSeqParams", "agreed_mask", "agreement_group",
+           "attach_mask_builder", "build_mask", "layer_chunk", "load_mask_builder",
+           "masked_seq_params", "packed_mask", "with_packed_mask"]
 
 FLAG = "--mesh-mask-builder"
 
@@ -127,7 +130,8 @@ def load_mask_builder(spec: str) -> Callable[..., Any]:
 def build_mask(builder: Callable[..., Any], spec: str, tokens: torch.Tensor,
                position_ids: torch.Tensor) -> SliceMask:
     """The checked mask `builder` returns for a micro-batch of tokens / position_ids
-    [b, s] (the whole sequence); MaskBuilderError naming the builder and what it returned."""
+    [b, s] (the whole sequence), a mask of s tokens (a list of slices too: RoPE reads the
+    length); MaskBuilderError naming the builder and what it returned."""
     seq_len = tokens.shape[-1]
     what = f"{FLAG} {spec} returned"
     try:
@@ -142,12 +146,51 @@ def build_mask(builder: Callable[..., Any], spec: str, tokens: torch.Tensor,
                                "slices (q_start, q_end, k_start, k_end, 'full' | 'causal') "
                                f"over the sequence's {seq_len} positions")
     try:
-        mask = as_mask(made)
-        mask.check_length(seq_len)
+        return as_mask(made).with_length(seq_len)
     except (ValueError, TypeError) as error:
         raise MaskBuilderError(f"{what} no mask of the micro-batch's {seq_len} positions: "
                                f"{error}") from None
-    return mask
+
+
+def agreed_mask(builder: Callable[..., Any], spec: str, tokens: torch.Tensor,
+                position_ids: torch.Tensor, group: Any = None) -> SliceMask:
+    """`build_mask` on every rank of `group` (a gloo group: the data- and context-parallel
+    ranks of one pipeline stage and tensor rank, `agreement_group`; None: this rank alone),
+    agreed before any rank goes on. A builder that fails on some ranks only (on the samples
+    one data-parallel replica reads) would otherwise leave the others waiting in the
+    model's collectives. One all_reduce (MIN) of the first failing rank, on the CPU; where
+    a rank failed, its message travels to every rank, which raises it (MaskBuilderError
+    naming the builder, the error and the global rank it happened on)."""
+    try:
+        mask, message = build_mask(builder, spec, tokens, position_ids), ""
+    except MaskBuilderError as error:
+        mask, message = None, str(error)
+    if group is None or dist.get_world_size(group) == 1:
+        if mask is None:
+            raise MaskBuilderError(message)
+        return mask
+    size = dist.get_world_size(group)
+    first = torch.tensor([dist.get_rank(group) if message else size], dtype=torch.int64)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    failed = int(first)
+    if failed == size:
+        return mask
+    said = [message]
+    dist.broadcast_object_list(said, src=dist.get_global_rank(group, failed), group=group)
+    raise MaskBuilderError(f"{said[0]} (on rank {dist.get_global_rank(group, failed)})")
+
+
+def agreement_group() -> Any:
+    """The gloo group `agreed_mask` agrees over: megatron-core's data- and context-parallel
+    ranks of this rank's pipeline stage and tensor rank (every rank of a replica reads the
+    same samples, so a deterministic builder fails on all of its ranks alike); None where
+    megatron-core made no gloo groups."""
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+    except (AssertionError, AttributeError, TypeError):  # none made, or another signature
+        return None
 
 
 def layer_chunk(config: Any, layer_number: int, chunk: int | None) -> int | None:
@@ -166,8 +209,6 @@ def layer_chunk(config: Any, layer_number: int, chunk: int | None) -> int | None
 
 def _whole(share: torch.Tensor, group: Any) -> torch.Tensor:
     """[b, s] on the CPU from this rank's zigzag share [b, s / P] over `group` (P ranks)."""
-    import torch.distributed as dist
-
     size = dist.get_world_size(group)
     if size == 1:
         return share.cpu()
@@ -181,7 +222,8 @@ def attach_mask_builder(model: torch.nn.Module, spec: str, cp_group: Any = None)
     rank's zigzag share of input_ids and position_ids) call the builder `spec` names on
     every forward with the whole micro-batch, and pass its mask to every layer as
     `MaskedSeqParams`. Collective over `cp_group` (default: megatron's CP group) per
-    forward. Returns the hook's handle."""
+    forward, then agreed over the data-parallel replicas (`agreed_mask`). Returns the
+    hook's handle."""
     builder = load_mask_builder(spec)
     if not getattr(model, "pre_process", True) or not getattr(model, "post_process", True):
         raise MaskBuilderError(f"{FLAG} {spec}: with pipeline parallelism use the driver "
@@ -191,6 +233,7 @@ def attach_mask_builder(model: torch.nn.Module, spec: str, cp_group: Any = None)
         from megatron.core import parallel_state
 
         cp_group = parallel_state.get_context_parallel_group()
+    agreeing = agreement_group()
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         names = ("input_ids", "position_ids")
@@ -200,7 +243,7 @@ def attach_mask_builder(model: torch.nn.Module, spec: str, cp_group: Any = None)
             raise MaskBuilderError(f"{FLAG} {spec}: the batch is packed (packed_seq_params); "
                                    "a mask is given over one unpacked sequence")
         tokens, positions = (_whole(given[n], cp_group) for n in names)
-        mask = build_mask(builder, spec, tokens, positions)
+        mask = agreed_mask(builder, spec, tokens, positions, agreeing)
         return args, {**kwargs, "packed_seq_params": masked_seq_params(mask)}
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)

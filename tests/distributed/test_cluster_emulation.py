@@ -78,18 +78,27 @@ def test_emulated_kernel_sleeps_the_planner_compute_time() -> None:
         EmulatedKernel(0)
 
 
-def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
-    out_json = tmp_path / "rows.json"
+def _bench_cluster(folder: Path, kv_heads: int, *flags: str, timeout: int = 300
+                   ) -> tuple[subprocess.CompletedProcess, dict]:
+    """scripts/bench_cluster.py at P = 4, 1024 tokens, 8 heads (`kv_heads` K/V heads) of 4,
+    one repeat, no warm-up, links slowed 2000x, with `flags`: the finished process (exit 0)
+    and the JSON it wrote in `folder`."""
+    out_json = folder / "rows.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's package, not an installed one
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
-         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
-         "--repeats", "1",
-         "--warmup", "0", "--slowdown", "2000", "--floor", "--json", str(out_json)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", str(kv_heads), "--head-dim",
+         "4", "--repeats", "1", "--warmup", "0", "--slowdown", "2000", *flags,
+         "--json", str(out_json)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = json.loads(out_json.read_text())["rows"]
+    return proc, json.loads(out_json.read_text())
+
+
+def test_bench_cluster_produces_its_rows(tmp_path: Path) -> None:
+    proc, data = _bench_cluster(tmp_path, 2, "--floor")
+    rows = data["rows"]
     methods = [r["method"] for r in rows]
     assert methods[:2] == ["ring", "all_gather"] and any(m.startswith("mesh 2x2") for m in methods)
     assert "a2a+p2p 2x2" in methods  # heads x rows x cols corners run too (a2a: 2 K/V heads < 4)
@@ -111,17 +120,8 @@ def test_bench_cluster_windowed_mode_runs_all_gather_a2a_and_the_mesh(tmp_path: 
     on P = 4 as two nodes, each beside the planner's prediction; ring and a2a+p2p, which
     Transformer Engine refuses under a window, are not run. The bytes each method sent
     (rank 0, counted at the shaped links) are the planner's / the window formula's."""
-    out_json = tmp_path / "rows.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
-         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "4", "--head-dim", "4",
-         "--repeats", "1", "--warmup", "0", "--slowdown", "2000", "--window-size", "64",
-         "--json", str(out_json)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = {r["method"]: r for r in json.loads(out_json.read_text())["rows"]}
+    proc, data = _bench_cluster(tmp_path, 4, "--window-size", "64", timeout=600)
+    rows = {r["method"]: r for r in data["rows"]}
     assert list(rows)[:2] == ["all_gather", "a2a"]
     assert {"mesh 4x1 sparse", "mesh 2x2 sparse", "mesh 1x4 sparse"} <= rows.keys()
     assert not any(m.startswith(("ring", "a2a+p2p")) for m in rows)
@@ -179,17 +179,7 @@ def test_emulated_kernel_prices_varlen_tiles_by_in_document_pairs() -> None:
 def test_bench_cluster_documents_mode_thd_and_placement(tmp_path: Path) -> None:
     """--doc-length-dist: THD and the placement on their planner grids, P = 4 as two nodes;
     the bytes the busiest rank sent are mesh_traffic's (THD) and placement_traffic's."""
-    out_json = tmp_path / "rows.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_cluster.py"), "--cp-sizes", "4",
-         "--seq-lengths", "1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "4",
-         "--repeats", "1", "--warmup", "0", "--slowdown", "2000",
-         "--doc-length-dist", "lognormal:64:256:1:8", "--json", str(out_json)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    data = json.loads(out_json.read_text())
+    proc, data = _bench_cluster(tmp_path, 2, "--doc-length-dist", "lognormal:64:256:1:8")
     thd, placed = data["rows"]
     assert (thd["layout"], placed["layout"]) == ("THD", "placed")
     assert sum(data["lengths"]["4"]) == 1024 and all(n % 8 == 0 for n in data["lengths"]["4"])

@@ -3,10 +3,11 @@ the driver on a 2-rank mesh (its checkpoint saved on that grid), then greedy gen
 32 tokens for a batch of prompts of different lengths (not multiples of 2P) at CP = 1 and
 on the meshes 2x2, 1x4 and 2x1x2: the same token ids, log-probabilities equal to rounding;
 sampling with a fixed --seed: the same tokens at CP = 1 and on 2x2; packed prompts placed by
-document give the dense continuations; model flags left out are the checkpoint's, and one
-that differs from it is refused; a chunked model's continuations are the same at CP = 1 and
-on 2x1x2 and their log-probabilities a no-cache forward's; bad input exits 2 with one line
-before any collective."""
+document give the dense continuations; without --output the continuations are printed;
+model flags left out are the checkpoint's, and one that differs from it is refused; a
+chunked model's continuations are the same at CP = 1 and on 2x1x2 and their
+log-probabilities a no-cache forward's; bad input exits 2 with one line before any
+collective."""
 from __future__ import annotations
 
 import json
@@ -90,6 +91,21 @@ def test_greedy_cp1_generates_full_continuations(greedy_cp1: list[dict]) -> None
         assert len(r["logprobs"]) == len(r["generated_ids"])
         # not a degenerate continuation: the model trained on arithmetic sequences
         assert len(set(r["generated_ids"])) > 1, r
+
+
+def test_without_output_the_continuations_are_printed(greedy_cp1: list[dict], checkpoint: Path,
+                                                      prompt_file: Path) -> None:
+    """No --output: each prompt and its continuation on stdout, one line each, as the
+    tokenizer writes them (the NullTokenizer: ids separated by spaces)."""
+    run = launch(1, ["--config", TINY, "--load", str(checkpoint), "--prompt-ids-file",
+                     str(prompt_file), "--max-new-tokens", str(NEW)], module=GENERATE)
+    assert run.returncode == 0, run.output[-3000:]
+    want = [f"{' '.join(map(str, r['prompt_ids']))} -> {' '.join(map(str, r['generated_ids']))}"
+            for r in greedy_cp1]
+    lines = run.output.splitlines()
+    assert want[0] in lines, run.output[-3000:]
+    at = lines.index(want[0])
+    assert lines[at:at + len(want)] == want
 
 
 @pytest.mark.parametrize("grid, exchange", [(g, "all_gather") for g in GRIDS]

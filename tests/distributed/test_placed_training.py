@@ -96,12 +96,7 @@ def test_balanced_placement_matches_cp1(runs: dict[str, Run], name: str) -> None
         assert r.returncode == 0, r.output[-3000:]
     assert BALANCED in run.output
     first = SAVE_AT + 1 if name.startswith("pp2") else 1
-    got, want = run.lines(), ref.lines()
-    assert sorted(got) == list(range(first, ITERS + 1))
-    for it, fields in got.items():
-        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
-        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
-                                                           abs=2e-3)
+    run.assert_trains_like(ref, range(first, ITERS + 1), ref_iterations=range(1, ITERS + 1))
 
 
 def test_planner_flags_train_documents_as_priced(runs: dict[str, Run],
@@ -169,12 +164,7 @@ def test_dp_balance_keeps_per_token_loss_and_grads(dp_runs: dict[str, Run]) -> N
         assert "x DP 2 |" in r.output and "2 micro-batches" in r.output, r.output[-3000:]
     assert "DP x CP balance of the global batch on" in balanced.output
     assert "DP x CP balance of the global batch off" in as_read.output
-    got, want = balanced.lines(), as_read.lines()
-    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
-    for it, fields in got.items():
-        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
-        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
-                                                           abs=2e-3)
+    balanced.assert_trains_like(as_read, range(1, ITERS + 1))
     ratios = re.search(r"busiest DP replica / mean ([0-9.]+) as read, ([0-9.]+) with "
                        r"documents regrouped", balanced.output)
     assert ratios, balanced.output[-3000:]
@@ -199,9 +189,4 @@ def test_balanced_placement_with_mla_matches_cp1(data_args: list[str]) -> None:
     for r in (ref, run):
         assert r.returncode == 0, r.output[-3000:]
     assert BALANCED in run.output
-    got, want = run.lines(), ref.lines()
-    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
-    for it, fields in got.items():
-        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
-        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
-                                                           abs=2e-3)
+    run.assert_trains_like(ref, range(1, ITERS + 1))

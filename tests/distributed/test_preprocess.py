@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from preloaded import ROOT, TINY, driver, job_env
+from preprocess_cli import refused
 
 from megatron_mesh.cli import main as plan_main
 from megatron_mesh.planner.pricing.length_histogram import LengthHistogram
@@ -129,15 +130,6 @@ def test_the_driver_trains_on_it_and_the_planner_reads_its_lengths(
     assert "best placed" in capsys.readouterr().out
 
 
-def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
-
-
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     lines = tmp_path / "docs.jsonl"
@@ -167,7 +159,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
           "--tokenizer-model", str(tmp_path / "no-tok")], "no such file or folder"),
     ]
     for argv, message in cases:
-        err = _refused([*argv, "--output-prefix", prefix], capsys)
+        err = refused([*argv, "--output-prefix", prefix], capsys)
         assert message in err, (argv, err)
     assert not list(tmp_path.glob("out*")), "a refused input left output behind"
 

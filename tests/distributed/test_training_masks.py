@@ -5,7 +5,8 @@ exchange's (layer 1 moves a few rows: a chunk spans at most two sub-chunks of 8 
 a prefix-LM mask from --mesh-mask-builder on 2x2; both over packed documents
 (--reset-attention-mask: chunks restart at each document, the builder's mask within each
 document), placed (balanced) and in Transformer Engine's THD layout, on 2x2 and 2x1x2; a
-builder that returns no mask stops every rank with one line, exit 2."""
+builder that returns no mask stops every rank with one line, exit 2, and so does one that
+raises on one data-parallel replica's ranks only (the others would wait for it)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,14 +52,7 @@ def document_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
 
 def _same(run: Run, ref: Run) -> None:
-    for r in (run, ref):
-        assert r.returncode == 0, r.output[-3000:]
-    got, want = run.lines(), ref.lines()
-    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
-    for it, fields in got.items():
-        assert float(fields["lm loss"]) == pytest.approx(float(want[it]["lm loss"]), rel=2e-5)
-        assert float(fields["grad norm"]) == pytest.approx(float(want[it]["grad norm"]),
-                                                           abs=2e-3)
+    run.assert_trains_like(ref, range(1, ITERS + 1))
 
 
 @pytest.mark.parametrize("grid", ["2x2", "2x1x2"])
@@ -105,3 +99,25 @@ def test_a_builder_returning_no_mask_stops_every_rank(tmp_path: Path) -> None:
     assert job.exitcodes == [2, 2], run.output[-2000:]
     line = f"pretrain_gpt: error: --mesh-mask-builder {path}:build returned 64; it must return"
     assert run.output.count(line) == 1, run.output[-2000:]
+
+
+def test_a_builder_failing_on_one_replica_stops_every_rank(tmp_path: Path) -> None:
+    """CP 2 x DP 2: the builder raises on the two ranks of data-parallel replica 1 only;
+    every rank exits 2 (none waits for the failed replica), the error printed once with
+    the rank it happened on."""
+    path = tmp_path / "replica_builder.py"
+    path.write_text("from megatron.core import parallel_state\n\n\n"
+                    "def build(tokens, position_ids):\n"
+                    "    if parallel_state.get_data_parallel_rank() == 1:\n"
+                    "        raise RuntimeError('no image in this sample')\n"
+                    "    n = tokens.shape[-1]\n"
+                    "    return [(0, n, 0, n, 'causal')]\n")
+    data = driver_data_args(tmp_path, ITERS)
+    job = Job([*data, "--mesh-mask-builder", f"{path}:build", *MESH,
+               "--context-parallel-size", "2"], job_env(), nproc=4, stop_others=False)
+    run = job.wait(timeout=200)
+    assert job.exitcodes == [2, 2, 2, 2], run.output[-2000:]
+    line = (f"pretrain_gpt: error: --mesh-mask-builder {path}:build raised RuntimeError: no "
+            "image in this sample (for a micro-batch of (2, 64) tokens) (on rank 2)")
+    errors = [x for x in run.output.splitlines() if "error:" in x]
+    assert errors == [line], run.output[-2000:]

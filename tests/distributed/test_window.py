@@ -162,13 +162,16 @@ def grids(cp_size: int) -> list[tuple[int, int, int]]:
             for r in range(1, cp_size // a + 1) if (cp_size // a) % r == 0]
 
 
-def _run(rank: int, world: int) -> list[str]:
+def _check_on_grids(rank: int, shapes: list[tuple[int, int, int]], cases: list[WindowCase],
+                    every_other: bool = False) -> list[str]:
+    """`check` of every case on each grid (A, R, C) of `shapes`, the schedules taken in
+    turn; an exception is reported with its case. `every_other`: the A = 4 grids take every
+    other case."""
     bad = []
-    cases = window_cases(world)
-    for g, (a, r, c) in enumerate(grids(world)):
+    for g, (a, r, c) in enumerate(shapes):
         grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
         for i, case in enumerate(cases):
-            if world == 8 and a == 4 and i % 2:  # P = 8: the A = 4 grids take every other case
+            if every_other and a == 4 and i % 2:
                 continue
             schedule = SCHEDULES[(g + i) % 3]
             try:
@@ -176,7 +179,13 @@ def _run(rank: int, world: int) -> list[str]:
             except Exception as e:  # noqa: BLE001 (reported with the case)
                 bad.append(f"{case} grid {grid.shape_text} {schedule} rank {rank}: "
                            f"{type(e).__name__}: {e}")
-    return bad + _disagreeing_windows(rank, world)
+    return bad
+
+
+def _run(rank: int, world: int) -> list[str]:
+    # P = 8: the A = 4 grids take every other case
+    return (_check_on_grids(rank, grids(world), window_cases(world), every_other=world == 8)
+            + _disagreeing_windows(rank, world))
 
 
 def _disagreeing_windows(rank: int, world: int) -> list[str]:
@@ -204,17 +213,7 @@ def _run_long(rank: int, world: int) -> list[str]:
              WindowCase((64, 0), q_heads=2, kv_heads=1, seed=3, **LONG_DOCUMENTS),
              WindowCase((300, 20), causal=False, q_heads=2, kv_heads=2, seed=4,
                         **LONG_DOCUMENTS)]
-    bad = []
-    for g, (a, r, c) in enumerate(((1, world, 1), (1, 1, world), (world, 1, 1))):
-        grid = mm.MeshGrid.build(rows=r, cols=c, heads=a)
-        for i, case in enumerate(cases):
-            schedule = SCHEDULES[(g + i) % 3]
-            try:
-                bad += check(case, grid, schedule)
-            except Exception as e:  # noqa: BLE001 (reported with the case)
-                bad.append(f"{case} grid {grid.shape_text} {schedule} rank {rank}: "
-                           f"{type(e).__name__}: {e}")
-    return bad
+    return _check_on_grids(rank, [(1, world, 1), (1, 1, world), (world, 1, 1)], cases)
 
 
 def test_band_tiles_exact_on_long_shares() -> None:

@@ -1,8 +1,10 @@
 """The driver's config: one frozen dataclass per argument group, every field typed from its
-flag, the parsed values instances of those types, flat names read through, as_dict flat."""
+flag, the parsed values instances of those types, flat names read through, as_dict flat;
+a whole config pickles and back."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import types
 import typing
 from pathlib import Path
@@ -118,6 +120,18 @@ def test_parsed_values_are_instances_of_their_declared_types(name: str) -> None:
         for field, kind in _field_types(cls).items():
             value = getattr(values, field)
             assert _conforms(value, kind), f"{group}.{field} = {value!r} is no {kind}"
+
+
+@pytest.mark.parametrize("name", sorted(PARSED))
+def test_a_config_pickles_and_back(name: str) -> None:
+    """A whole config survives pickle (a spawned worker's arguments): its class and its
+    groups' classes are found again by name where the parser's module binds them."""
+    config = parse_args(PARSED[name])
+    back = pickle.loads(pickle.dumps(config))
+    assert back == config and type(back) is type(config)
+    for group in type(config).GROUPS:
+        assert type(getattr(back, group)) is type(getattr(config, group))
+    assert as_dict(back) == as_dict(config) and back.hidden_size == config.hidden_size
 
 
 def test_flat_names_read_the_groups_and_nothing_is_set() -> None:

@@ -44,6 +44,7 @@ def test_image_tokens_see_their_whole_image_and_text_is_causal():
     i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
     want = (j <= i) | (image[:, None] & (run[:, None] == run[None, :]))
     assert torch.equal(_dense(mask, 10), want)
+    assert mask.seq_len == 10  # a list of slices is a mask of the micro-batch's length
 
 
 def test_prefix_lm_builder_is_the_prefix_lm_mask():
@@ -82,7 +83,7 @@ def test_builders_load_from_a_module_or_a_file(tmp_path):
     path = tmp_path / "mine.py"
     path.write_text("def build(tokens, positions):\n    return [(0, 4, 0, 4, 'full')]\n")
     built = build_mask(load_mask_builder(f"{path}:build"), "x", torch.zeros(1, 4), None)
-    assert built == mm.SliceMask([(0, 4, 0, 4, "full")])
+    assert built == mm.SliceMask([(0, 4, 0, 4, "full")], 4)  # the micro-batch's length
     with pytest.raises(MaskBuilderError, match="cannot import .*FileNotFoundError"):
         load_mask_builder(f"{tmp_path / 'absent.py'}:build")
 

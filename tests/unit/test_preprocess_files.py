@@ -1,9 +1,9 @@
 """python -m megatron_mesh.preprocess, in this process: the dataset's files appear only whole
 (written under private names, renamed at the end), so a stopped, failed or concurrent run
 never leaves a partial or mixed dataset; outputs it cannot write and bad input stop it in
-one line before tokenizing; empty documents and blank lines are counted; the ETA waits for
-a rate; GPT-2 BPE files load with the hub offline. Every dataset is read back and compared
-token by token."""
+one line before tokenizing; empty documents and blank lines are counted, in the progress
+line as in the summary; the ETA waits for a rate; GPT-2 BPE files load with the hub
+offline. Every dataset is read back and compared token by token."""
 from __future__ import annotations
 
 import io
@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from preprocess_cli import refused
 
 from megatron_mesh.preprocess import main
-from megatron_mesh.training.data.preprocess_data import Progress
+from megatron_mesh.training.data.preprocess_data import Progress, documents
 
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
@@ -32,15 +33,6 @@ def _tokens(prefix: str | Path) -> list[list[int]]:
 def _jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
     path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts))
     return path
-
-
-def _refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 def _files(folder: Path) -> set[str]:
@@ -71,7 +63,7 @@ def test_outputs_it_cannot_write_stop_before_tokenizing(tmp_path: Path,
     before = _files(tmp_path)
     for source, prefix, message in cases:
         key = ["--json-key", "a/b"] if source == words else []
-        err = _refused(["--input", str(source), *key, *NULL, "--output-prefix", prefix], capsys)
+        err = refused(["--input", str(source), *key, *NULL, "--output-prefix", prefix], capsys)
         assert message in err, (prefix, err)
     assert _files(tmp_path) == before
 
@@ -83,7 +75,7 @@ def test_a_bad_line_near_the_end_stops_the_run_before_tokenizing(
     lines = _jsonl(tmp_path / "docs.jsonl", ["1 2", "3 hello", *["4 5 6"] * 397])
     with open(lines, "a") as f:
         f.write('{"text": "7 8"\n')
-    err = _refused(["--input", str(lines), *NULL, "--output-prefix", str(tmp_path / "out")],
+    err = refused(["--input", str(lines), *NULL, "--output-prefix", str(tmp_path / "out")],
                    capsys)
     assert f"{lines} line 400: not JSON" in err, err
     assert _files(tmp_path) == {"docs.jsonl"}
@@ -115,6 +107,22 @@ def test_empty_documents_blank_lines_and_a_new_folder(tmp_path: Path,
         for s in (".bin", ".idx", "_lengths.json"))
 
 
+def test_the_progress_counts_documents_as_the_summary_does(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """An empty document left out and a blank line are no documents of the progress line
+    either; it counts the input documents read of those the input holds, and every input
+    byte (blank lines too) as read, the ETA's measure."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "5 6"}\n\n{"text": ""}\n   \n{"text": "7"}\n\n{"text": "8 9"}\n')
+    assert main(["--input", str(path), *NULL, "--output-prefix", str(tmp_path / "c")]) == 0
+    captured = capsys.readouterr()
+    assert "3 documents, 5 tokens in " in captured.out, captured.out
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("3 documents | 5 tokens | "), captured.err
+    assert last.endswith("| 4 of 4 read, 100.0% of the input | ETA 0:00:00"), captured.err
+    assert sum(doc.nbytes for doc in documents(str(path), "text")) == path.stat().st_size
+
+
 def test_a_failed_rerun_leaves_the_earlier_dataset_whole(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
     """A rerun that fails at document 300 (the tokenizer rejects it), after the first 299
@@ -127,7 +135,7 @@ def test_a_failed_rerun_leaves_the_earlier_dataset_whole(tmp_path: Path,
     assert len(before) == 3
     capsys.readouterr()
     bad = _jsonl(tmp_path / "bad.jsonl", [*["9 9 9"] * 299, "9 x"])
-    err = _refused(["--input", str(bad), *NULL, "--output-prefix", str(prefix)], capsys)
+    err = refused(["--input", str(bad), *NULL, "--output-prefix", str(prefix)], capsys)
     assert f"{bad} line 300: the tokenizer rejects it" in err
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     assert _tokens(str(prefix) + "_text_document") == [[1, 2, 3], [4]]
@@ -282,7 +290,7 @@ def test_gpt2_bpe_files_load_with_the_hub_offline(tmp_path: Path,
     no_eod = tmp_path / "no-eod.json"
     no_eod.write_text(json.dumps({k: v for k, v in json.loads(Path(vocab).read_text()).items()
                                   if k != "<|endoftext|>"}))
-    err = _refused(["--input", str(lines), "--tokenizer-type", "GPT2BPETokenizer",
+    err = refused(["--input", str(lines), "--tokenizer-type", "GPT2BPETokenizer",
                     "--vocab-file", str(no_eod), "--merge-file", merges, "--output-prefix",
                     str(tmp_path / "x")], capsys)
     assert f"--vocab-file {no_eod}: holds no '<|endoftext|>' token" in err, err

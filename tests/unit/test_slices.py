@@ -1,6 +1,6 @@
-"""Masks given as slices (`masks/slices.py`), on one process: the checks, the cut against
-the definition, every rank-block's kernel calls against the dense mask, the prefix-LM
-builder, and that a prefix-LM mask is one file."""
+"""Masks given as slices (`masks/slices.py`), on one process: the checks, the cut and the
+intersection against the definition, every rank-block's kernel calls against the dense
+mask, the prefix-LM builder, and that a prefix-LM mask is one file."""
 from __future__ import annotations
 
 import ast
@@ -13,6 +13,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.calls.layout import AttentionMask, block_for, zigzag_split
+from megatron_mesh.masks import slices as slices_module
 from megatron_mesh.masks.seen import sees
 from megatron_mesh.masks.slices import Slice, SliceMask
 from megatron_mesh.masks.window import Window, windowed
@@ -434,6 +435,43 @@ def test_intersection_keeps_the_pairs_both_masks_keep():
         head = SliceMask(a).leading(n)
         assert head.seq_len == n
         assert torch.equal(dense([s.as_tuple for s in head.slices], n), dense(a, seq)[:n, :n])
+
+
+def _pairs(slices) -> set[tuple[int, int]]:
+    """The (query, key) pairs of slices, one by one from the definition (`dense`'s rule)."""
+    kept = set()
+    for q0, q1, k0, k1, kind, *window in slices:
+        for i in range(q0, q1):
+            for j in range(k0, k1):
+                if kind == "causal" and (j - k0) > (i - q0) + (k1 - k0) - (q1 - q0):
+                    continue
+                shift = (j - i) - (k1 - q1)
+                if window and ((window[0][0] >= 0 and shift < -window[0][0])
+                               or (window[0][1] >= 0 and shift > window[0][1])):
+                    continue
+                kept.add((i, j))
+    return kept
+
+
+@pytest.mark.parametrize("at_once", [1 << 20, 5])
+def test_intersecting_documents_with_slices_keeps_the_pairs_both_keep(monkeypatch, at_once):
+    """Documents (causal or full) & random slices (windows too), and random & random, on
+    small sequences: the pairs of the definition both keep, each slice's rows seeing a key
+    and its keys seen; with 5 slice pairs compared at once too (blocks of `a`)."""
+    monkeypatch.setattr(slices_module, "_PAIRS_AT_ONCE", at_once)
+    rng = random.Random(17)
+    for trial in range(120):
+        seq = rng.randint(2, 28)
+        cuts = sorted({0, seq, *rng.sample(range(1, seq), min(seq - 1, rng.randint(0, 6)))})
+        documents = [(x, y, x, y, rng.choice(("causal", "full"))) for x, y in zip(cuts, cuts[1:])]
+        a = documents if trial % 3 else random_slices(seq, rng.randint(1, 8), rng, windows=True)
+        b = random_slices(seq, rng.randint(1, 8), rng, windows=True)
+        got = [s.as_tuple for s in (SliceMask(a) & SliceMask(b)).slices]
+        assert _pairs(got) == _pairs(a) & _pairs(b), (a, b)
+        for s in got:
+            kept = _pairs([s])
+            assert {i for i, _ in kept} == set(range(s[0], s[1])), s
+            assert {j for _, j in kept} == set(range(s[2], s[3])), s
 
 
 def test_the_keywords_build_the_same_mask():

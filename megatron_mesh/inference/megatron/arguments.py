@@ -58,7 +58,8 @@ def generate_parser() -> argparse.ArgumentParser:
                         "--temperature / --top-k / --top-p)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
-    p.add_argument("--output", help="JSON lines: prompt ids, generated ids, text")
+    p.add_argument("--output", help="JSON lines: prompt ids, generated ids, text (without "
+                                    "it: each prompt and its continuation on stdout)")
     p.add_argument("--decode-exchange", default="all_gather",
                    help="how a decode step merges the CP ranks' partial attention: all_gather "
                         "(one ring collective of (out, lse)) or all_reduce (a max and a sum, "

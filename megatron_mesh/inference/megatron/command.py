@@ -78,6 +78,7 @@ def _run(gen: GenerateConfig, args: TrainingConfig, tokenizer: Any,
     from megatron_mesh.inference.megatron.checkpoint import check_weights, load_weights
     from megatron_mesh.inference.megatron.generation import (
         build_generation_model,
+        continuation_lines,
         generate,
         write_output,
     )
@@ -103,8 +104,11 @@ def _run(gen: GenerateConfig, args: TrainingConfig, tokenizer: Any,
                                     f"{len(prompts)} prompts on CP {args.context_parallel_size}"
                                     + (f" (mesh {shape_text(*args.mesh_shape)})"
                                        if args.context_parallel_size > 1 else ""))
+            detokenize = _detokenizer(tokenizer)
             records = generate(args, gen, model, prompts, tokenizer.eod, tokenizer.vocab_size,
-                               _detokenizer(tokenizer))
+                               detokenize)
+            if gen.output is None:  # the continuations on stdout, once
+                distributed.print_rank0("\n".join(continuation_lines(records, detokenize)))
             write_output(gen.output, records)
             dist.barrier()
         finally:

@@ -201,6 +201,17 @@ def _report(model: GPTModel, session: InferenceSession, lengths: torch.Tensor,
                 f"CP = 1 would hold {one} bytes)")
 
 
+def continuation_lines(records: list[dict], detokenize: Callable[[list[int]], str | None] | None
+                       ) -> list[str]:
+    """'PROMPT -> CONTINUATION', one a prompt: their text where the tokenizer has one, else
+    their ids separated by spaces (what the command prints without --output)."""
+    def shown(ids: list[int]) -> str:
+        text = None if detokenize is None else detokenize(ids)
+        return " ".join(map(str, ids)) if text is None else text
+
+    return [f"{shown(r['prompt_ids'])} -> {shown(r['generated_ids'])}" for r in records]
+
+
 def write_output(path: str | None, records: list[dict]) -> None:
     """JSON lines, one record per prompt (rank 0 writes; nothing without a path)."""
     if path is None or dist.get_rank() != 0:

@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_CONFIG = config_class(build_parser())  # the class of the frozen, typed flags (config.py)
+# the class of the frozen, typed flags (training_config.py), bound here: it pickles by name
+_CONFIG = config_class(build_parser(), home=(__name__, "_CONFIG"))
 
 
 def _dest(key: str) -> str:

@@ -7,8 +7,10 @@ action: bool for a switch, a `Literal` of the choices, the action's type (a conv
 function's return annotation), a tuple for `nargs`, and `| None` where the default is None.
 The classes are generated rather than written out so that a new flag needs no second
 declaration: it is a field of its group's class as soon as the parser has it, and a new
-group fails at import until it is named here. `Derived` holds what `validate_args` derives
-from the flags. `freeze` fills them from the validated namespace; nothing changes them after.
+group fails at import until it is named here. The parser's module binds the class it
+builds at module level and names it so (`config_class`'s `home`): a config pickles by
+reference, to a spawned process too. `Derived` holds what `validate_args` derives from the
+flags. `freeze` fills them from the validated namespace; nothing changes them after.
 
 `TrainingConfig` composes the groups: ``cfg.model.hidden_size``, ``cfg.training.train_iters``,
 ``cfg.derived.world_size``. Code shared with Megatron-LM's flat argument namespace reads the
@@ -127,10 +129,14 @@ def _class_name(attribute: str) -> str:
     return "".join(word.capitalize() for word in attribute.split("_")) + "Flags"
 
 
-def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
+def config_class(parser: argparse.ArgumentParser, home: tuple[str, str] | None = None
+                 ) -> type[TrainingConfig]:
     """The frozen `TrainingConfig` class of `parser`'s flags: a frozen dataclass per argument
-    group and `Derived`. TypeError for a group missing from `GROUP_NAMES`, a flag whose type
-    cannot be resolved, or a flag named like a group."""
+    group and `Derived`. `home`: (module, name) where the caller binds the class at module
+    level, so that it and its group classes (its attributes, e.g. ``NAME.ModelFlags``)
+    pickle by reference (a spawned process rebuilds them when it imports the module).
+    TypeError for a group missing from `GROUP_NAMES`, a flag whose type cannot be resolved,
+    or a flag named like a group."""
     groups: dict[str, type] = {}
     flat: dict[str, str] = {}
     for group in parser._action_groups:
@@ -140,12 +146,13 @@ def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
         if group.title not in GROUP_NAMES:
             raise TypeError(f"argument group {group.title!r} has no config attribute: name it "
                             "in training/config/training_config.py's GROUP_NAMES")
-        name = GROUP_NAMES[group.title]
+        attribute = GROUP_NAMES[group.title]
         fields = [(a.dest, flag_type(a)) for a in actions]
-        groups[name] = dataclasses.make_dataclass(
-            _class_name(name), fields, frozen=True,
-            namespace={"__doc__": f"The flags of the parser's {group.title!r} group."})
-        flat.update((dest, name) for dest, _ in fields)
+        groups[attribute] = _homed(dataclasses.make_dataclass(
+            _class_name(attribute), fields, frozen=True,
+            namespace={"__doc__": f"The flags of the parser's {group.title!r} group."}),
+            home, _class_name(attribute))
+        flat.update((dest, attribute) for dest, _ in fields)
     groups[DERIVED_GROUP] = Derived
     flat.update((f.name, DERIVED_GROUP) for f in dataclasses.fields(Derived))
     order = {a.dest: i for i, a in enumerate(parser._actions)}
@@ -153,9 +160,21 @@ def config_class(parser: argparse.ArgumentParser) -> type[TrainingConfig]:
     clashes = sorted(set(flat) & set(groups))
     if clashes:
         raise TypeError(f"flags {clashes} are named like a config group; rename the group")
-    return dataclasses.make_dataclass(
+    classes = {cls.__name__: cls for key, cls in groups.items() if key != DERIVED_GROUP}
+    return _homed(dataclasses.make_dataclass(
         "TrainingConfig", list(groups.items()), bases=(TrainingConfig,), frozen=True,
-        namespace={"__doc__": __doc__.splitlines()[0], "GROUPS": groups, "FLAT": flat})
+        namespace={"__doc__": __doc__.splitlines()[0], "GROUPS": groups, "FLAT": flat,
+                   **classes}), home)
+
+
+def _homed(cls: type, home: tuple[str, str] | None, attribute: str | None = None) -> type:
+    """`cls` named where pickle finds it again: module home[0], attribute home[1] (and
+    its `attribute` there, for a group's class); as made where `home` is None."""
+    if home is not None:
+        module, name = home
+        cls.__module__ = module
+        cls.__qualname__ = name if attribute is None else f"{name}.{attribute}"
+    return cls
 
 
 def _as_declared(value: Any, kind: Any) -> Any:

@@ -27,7 +27,8 @@ from megatron_mesh.megatron.compat import (
     null_tokenizer_options,
 )
 from megatron_mesh.megatron.mask_builder import (
-    build_mask,
+    agreed_mask,
+    agreement_group,
     load_mask_builder,
     masked_seq_params,
     with_packed_mask,
@@ -197,7 +198,9 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
     documents, placed as --mesh-document-placement says). With --mesh-mask-builder each
     micro-batch also brings the mask the builder makes of its whole sequence, on every rank
     (`mask_builder.MaskedSeqParams`; with packed documents laid on each document,
-    `mask_builder.with_packed_mask`).
+    `mask_builder.with_packed_mask`); the data- and context-parallel ranks agree on every
+    build before going on, so a builder that fails on one replica's samples stops every
+    rank with its message (`mask_builder.agreed_mask`).
     Each pipeline stage gets only the fields it reads (`pipeline.batch_keys`); a middle
     stage reads no samples (with --reset-attention-mask their token ids, for the
     documents).
@@ -218,19 +221,21 @@ def micro_batches(dataset: GPTDataset, args: TrainingConfig,
         return
     spec = args.mesh_mask_builder
     builder = None if spec is None else load_mask_builder(spec)
+    agreeing = None if spec is None else agreement_group()
     for cpu_batch in sample_loader(dataset, args, consumed_samples, keys):
         batch = {k: v.to(dev) for k, v in cpu_batch.items()}
         if args.data.reset_attention_mask:  # documents read on the host: no wait for the device
             lengths = document_lengths(cpu_batch["tokens"], eod)
             packed = pack(batch, eod, lengths)
             if builder is not None:  # laid on the documents, on the host
-                mask = build_mask(builder, spec, cpu_batch["tokens"], cpu_batch["position_ids"])
+                mask = agreed_mask(builder, spec, cpu_batch["tokens"],
+                                   cpu_batch["position_ids"], agreeing)
                 _with_documents_mask(packed, mask, lengths, args.context_parallel_size,
                                      cpu_batch["tokens"].shape[-1])
             yield packed
             continue
         mine = get_batch_on_this_cp_rank(batch)
         if builder is not None:  # from the whole sequence, on the host: the same on every rank
-            mine["packed_seq_params"] = masked_seq_params(build_mask(
-                builder, spec, cpu_batch["tokens"], cpu_batch["position_ids"]))
+            mine["packed_seq_params"] = masked_seq_params(agreed_mask(
+                builder, spec, cpu_batch["tokens"], cpu_batch["position_ids"], agreeing))
         yield mine

@@ -6,8 +6,9 @@ tokenizer the driver builds for the same flags (`data.build_tokenizer`), in --wo
 processes (documents keep their input order), an end-of-document id appended with
 --append-eod, and written by megatron-core's `IndexedDatasetBuilder` as PREFIX_KEY_document
 .bin / .idx (Megatron-LM's names), in the smallest dtype that holds the vocabulary. A
-progress line on stderr shows documents, tokens, tokens/s and the ETA from input bytes
-read; the summary gives the length percentiles and writes the length histogram
+progress line on stderr shows the documents written (as the summary counts them), tokens,
+tokens/s, the input documents read of those the input holds and the ETA from input bytes
+read (blank lines' included); the summary gives the length percentiles and writes the length histogram
 (`planner/pricing/length_histogram.py`) the planner's `--doc-length-dist histogram:FILE` reads.
 The input is read whole once before tokenizing (a bad line stops the run at once), and the
 three files appear only whole (`DatasetFiles`).
@@ -48,7 +49,7 @@ class Document:
 
     text: str
     where: str  # "FILE line N" or the file's path
-    nbytes: int
+    nbytes: int  # its line's, and the blank lines' just before it
 
 
 def input_files(path: str) -> list[str]:
@@ -67,17 +68,19 @@ def input_files(path: str) -> list[str]:
 
 def _records(path: str, key: str) -> Iterator[Document | None]:
     """The documents of --input `path` in order (a folder: one a file; a file: one a JSON
-    line, its `key`), None for each blank line; InputError naming the file and line of what
-    cannot be read."""
+    line, its `key`, its bytes counting the blank lines before it), None for each blank
+    line; InputError naming the file and line of what cannot be read."""
     if os.path.isdir(path):
         for name in input_files(path):
             with open(name, "rb") as f:
                 raw = f.read()
             yield Document(_text(raw, name), name, len(raw))
         return
+    blank = 0  # bytes of the blank lines since the last document
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
+                blank += len(raw)
                 yield None
                 continue
             where = f"{path} line {number}"
@@ -92,7 +95,8 @@ def _records(path: str, key: str) -> Iterator[Document | None]:
             if not isinstance(record[key], str):
                 raise InputError(f"{where}: {key!r} holds {type(record[key]).__name__}, not "
                                  "text")
-            yield Document(record[key], where, len(raw))
+            yield Document(record[key], where, blank + len(raw))
+            blank = 0
 
 
 def documents(path: str, key: str) -> Iterator[Document]:
@@ -100,11 +104,15 @@ def documents(path: str, key: str) -> Iterator[Document]:
     return (doc for doc in _records(path, key) if doc is not None)
 
 
-def check_documents(path: str, key: str) -> int:
+def check_documents(path: str, key: str) -> tuple[int, int]:
     """Read all of --input once without tokenizing: InputError at the first line or file
     that cannot be read (so a bad line near the end stops the run before the long part);
-    returns the number of blank lines (skipped)."""
-    return sum(doc is None for doc in _records(path, key))
+    returns (documents, blank lines skipped)."""
+    found = blank = 0
+    for doc in _records(path, key):
+        found += doc is not None
+        blank += doc is None
+    return found, blank
 
 
 def _text(raw: bytes, where: str) -> str:
@@ -178,14 +186,16 @@ def check_tokenizer(args: argparse.Namespace):
 
 
 class Progress:
-    """One line on stderr: documents, tokens, tokens/s and the ETA from the input bytes;
-    rewritten in place on a terminal, a new line every `every` seconds elsewhere. The ETA
-    comes from the rate since the first document (start-up is not work) and reads `--`
-    until `eta_after` seconds of that rate exist."""
+    """One line on stderr: the documents written (as the summary counts them: not an empty
+    one left out), tokens, tokens/s, the input documents read (of `total_documents`, when
+    known) and the ETA from the input bytes; rewritten in place on a terminal, a new line
+    every `every` seconds elsewhere. The ETA comes from the rate since the first document
+    (start-up is not work) and reads `--` until `eta_after` seconds of that rate exist."""
 
     def __init__(self, total_bytes: int, stream=None, every: float | None = None,
-                 eta_after: float = 2.0):
+                 eta_after: float = 2.0, total_documents: int | None = None):
         self.total, self.stream = max(total_bytes, 1), stream or sys.stderr
+        self.total_documents, self.read = total_documents, 0
         self.tty = self.stream.isatty()
         self.every = every if every is not None else (0.2 if self.tty else 10.0)
         self.eta_after = eta_after
@@ -193,8 +203,11 @@ class Progress:
         self.documents = self.tokens = self.done_bytes = 0
         self.first: tuple[float, int] | None = None  # (time, bytes) at the first document
 
-    def add(self, tokens: int, nbytes: int) -> None:
-        self.documents += 1
+    def add(self, tokens: int, nbytes: int, written: bool = True) -> None:
+        """One input document read: `tokens` written of it (`written`: as a document of
+        the dataset), `nbytes` of the input."""
+        self.read += 1
+        self.documents += written
         self.tokens += tokens
         self.done_bytes += nbytes
         now = time.monotonic()
@@ -219,9 +232,10 @@ class Progress:
     def line(self) -> str:
         seconds = max(time.monotonic() - self.start, 1e-9)
         share = min(self.done_bytes / self.total, 1.0)
+        of = "" if self.total_documents is None else f" of {self.total_documents}"
         return (f"{self.documents} documents | {self.tokens} tokens | "
-                f"{self.tokens / seconds:,.0f} tokens/s | {100 * share:5.1f}% of the input | "
-                f"ETA {self.eta()}")
+                f"{self.tokens / seconds:,.0f} tokens/s | {self.read}{of} read, "
+                f"{100 * share:5.1f}% of the input | ETA {self.eta()}")
 
     def show(self, final: bool = False) -> None:
         """Write the line; `final`: all of the input is read (blank lines included)."""
@@ -429,8 +443,8 @@ def preprocess(args: argparse.Namespace) -> Summary:
         try:
             outputs.open()  # before the tokenizer's load: a bad output fails at once
             tokenizer = check_tokenizer(args)
-            blank_lines = check_documents(args.input, args.json_key)
-            counts = _write(args, tokenizer, files, outputs)
+            found, blank_lines = check_documents(args.input, args.json_key)
+            counts = _write(args, tokenizer, files, outputs, found)
             with signals.held():
                 outputs.publish()
         except BaseException:
@@ -440,14 +454,15 @@ def preprocess(args: argparse.Namespace) -> Summary:
     return replace(counts, blank_lines=blank_lines)
 
 
-def _write(args: argparse.Namespace, tokenizer, files: list[str], outputs: DatasetFiles
-           ) -> Summary:
-    """Tokenize the documents into `outputs`' private files; the Summary of what they hold."""
+def _write(args: argparse.Namespace, tokenizer, files: list[str], outputs: DatasetFiles,
+           found: int | None = None) -> Summary:
+    """Tokenize the documents (`found` in the input) into `outputs`' private files; the
+    Summary of what they hold."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     eod = int(tokenizer.eod) if args.append_eod else None
     vocab = int(tokenizer.vocab_size)
-    progress = Progress(sum(os.path.getsize(f) for f in files))
+    progress = Progress(sum(os.path.getsize(f) for f in files), total_documents=found)
     lengths, skipped, eod_only = array("q"), 0, 0
     ids_of = _Ids(tokenizer, args.tokenizer_type == "NullTokenizer")
     try:
@@ -467,7 +482,7 @@ def _write(args: argparse.Namespace, tokenizer, files: list[str], outputs: Datas
                 if eod is not None:
                     ids.append(eod)
                 if not ids:
-                    progress.add(0, doc.nbytes)
+                    progress.add(0, doc.nbytes, written=False)
                     continue
                 builder.add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
                 lengths.append(len(ids))
