@@ -26,14 +26,28 @@ class KeptRows:
         if isinstance(index, slice):
             span = range(self.local_len)[index]
             if span.step != 1:
-                raise ValueError(f"rows {index} have step {span.step}; only step 1 is kept")
+                raise ValueError(f"rows {index} have step {span.step}; a block's rows have "
+                                 "step 1")
             start = bisect_left(self.kept, span.start)
             if len(span) and (start + len(span) > len(self.kept)
-                              or self.kept[start + len(span) - 1] != span[-1]
-                              or self.kept[start] != span.start):
-                raise ValueError(f"rows {span.start}..{span.stop - 1} are not all kept")
+                              or self.kept[start] != span.start
+                              or self.kept[start + len(span) - 1] != span[-1]):
+                raise ValueError(f"rows {span.start}..{span.stop - 1} are not all kept; "
+                                 f"kept: {self._runs()}")
             return slice(start, start + len(span))
         return self._table(index.device).index_select(0, index)
+
+    def _runs(self, most: int = 4) -> str:
+        """The kept rows as runs 'a..b', the first `most` of them."""
+        runs: list[list[int]] = []
+        for row in self.kept:
+            if runs and runs[-1][1] == row - 1:
+                runs[-1][1] = row
+            else:
+                runs.append([row, row])
+        text = ", ".join(f"{a}..{b}" for a, b in runs[:most])
+        return (text or "none") + (f" and {len(runs) - most} more runs" if len(runs) > most
+                                   else "")
 
     def _table(self, device: torch.device) -> torch.Tensor:
         """[local_len] int64: each kept row's packed place (-1 elsewhere)."""
