@@ -59,46 +59,39 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
     ring (p2p)       : 2 kv e forward; 2 kv e + 2 * 4 kv backward (Transformer Engine's
                        ring, K/V and dK, dV in flight; a model for comparison)
 
-    windowed (sliding windows, `schedules/sparse.py`; every schedule runs it): with qi, qo the
-                       Q rows a rank receives from and sends to its row, ki, ko the K/V
-                       rows from and to its column (in chunks, `masks.needed_rows`;
-                       C - 1 and R - 1 each when no window is given), the most of
-                       forward : both exchanges start together and this rank's own
-                                 block (Q, K/V of its own chunk: the diagonal) runs while
-                                 they are in flight: flight = C Q + R KV + (qi + qo) Q
-                                 + (ki + ko) KV (the row's Q and the column's K/V laid
-                                 into whole chunks, the rows sent and arriving);
-                                 flight + acc + block; then, on the landed rows, C Q
-                                 + R KV + C acc + the largest other block (its query rows'
-                                 share of O + 3 L: its own queries over another column
-                                 member's K/V, or another row's queries); C acc (+ C O if
-                                 e < 4: the outputs in the input dtype); held + (qi + qo)
-                                 O (the rows sent back: held = C acc, or acc + (C-1) L
-                                 + C O if e < 4, the other rows' fp32 accumulators freed);
-                                 held + qo O + (qi + qo) L (their lse); acc + qo (O + L)
-                                 + FO + 3 L (the received rows merged one by one)
-                       backward: rows = C (Q + O + 2 L) + 3 L (the row's Q, dO, (lse, D),
-                                 the stacked (lse, D), and D as the attention's backward
-                                 formed it): rows + 2 L + (qi + qo) (Q + O + 2 L) ((lse, D)
-                                 copied to be sent); both exchanges in flight with this
-                                 rank's own block on its own inputs meanwhile: rows
-                                 + (qi + qo) (Q + O + 2 L) + R KV + (ki + ko) KV + C FQ
-                                 + R FKV + the diagonal block (Q + KV: its lse is this
-                                 rank's own, not a copy of the gathered rows'); then rows
-                                 + R KV + C FQ + R FKV + the largest of another row's
-                                 block (its rows' share of Q + L and KV) with its stand-in
-                                 output O, the stand-in being made (FO (+ O if e < 4)
-                                 + 3 L), or a block of its own queries over another column
-                                 member's K/V (its shares of Q + L and KV, no stand-in);
-                                 grads = 3 L + C FQ
-                                 + R FKV, then + (qi + qo) q g_q (+ one peer's rows of FQ
-                                 each way: converted to g_q, or received as g_q and
-                                 converted back) for the dQ rows sent back, then dK and
-                                 dV one at a time likewise (K's share of (ki + ko) kv g_kv)
-                       minus the result, the most over the ranks. In fp32 the returned dq,
-                       dk, dv are views of the partials' buffers and keep them (result C FQ
-                       + R FKV). The tile masks a layer makes once per shape and keeps
-                       (cached) are not counted.
+    windowed (the sparse exchange, `schedules/sparse.py`: sliding windows, placed documents,
+                       slice masks): with qi, qo the Q rows a rank receives from and
+                       sends to its row, ki, ko the K/V rows from and to its column (in
+                       chunks, `calls.needed_rows`; C - 1 and R - 1 each when every row
+                       is used). A peer's rows are held packed (qi Q, not C Q), their
+                       partials too; this rank's own chunk is used in place. A call
+                       (`calls.groups`, its Q and K/V rows): forward, its output and lse
+                       with its concatenated pieces (one piece is a view) or a merge's new
+                       lse and weight; backward, its dq, dk, dv, its rows' lse and its
+                       concatenated pieces. The most of
+                       forward : both exchanges in flight (the rows sent and arriving) with
+                                 this rank's own block: (qi + qo) Q + (ki + ko) KV + acc
+                                 + block; then on the rows received qi (Q + acc) + ki KV
+                                 + acc + the largest other call; the peers' outputs in the
+                                 input dtype (e < 4: acc + qi acc + one peer's O); sent
+                                 back with their lse while this rank's arrive: acc + (qi
+                                 + qo) (O + L); merged one peer at a time: acc + qo (O + L)
+                                 + one peer's rows of FO + 3 L
+                       backward: D (L, the attention's) held throughout; both exchanges in
+                                 flight with the own block: L + (qi + qo) (Q + O + 2 L)
+                                 + (ki + ko) KV + FQ + FKV + block; then grads = L + FQ
+                                 + FKV, + ki (KV + FKV), + the row in order: at each row
+                                 member, the rows of those not yet done, the dQ partials
+                                 of those done and its own, and its rows (Q + O + 2 L) with
+                                 its stand-in output (made: its rows of FO (+ O if e < 4)
+                                 + 3 L; held: O) and a call, or this rank's own queries'
+                                 calls; the dQ rows back (fp32: (qi + qo) FQ; else the
+                                 copies in g_q next to the partials, in flight, and one
+                                 peer's rows back in fp32) with ki FKV still held; then
+                                 the dK, dV rows alike (dK or dV of one peer in fp32)
+                       minus the result (the fp32 dq, dk, dv are this rank's own
+                       buffers), the most over the ranks. The tile masks a layer makes
+                       once per shape and keeps (cached) are not counted.
 
 A heads x R x C grid (`heads_extra_memory`): forward, the R x C mesh's peak on its 1/A of
 the heads (`layer_plan.heads_shape`) plus the relaid Q, K, V that autograd keeps (Q + KV', KV'
@@ -265,59 +258,90 @@ def _streamed_kv_backward(m: _Chunk, r: int, c: int) -> int:
 
 
 def _bound(r: int, c: int) -> tuple:
-    """Rows exchanged when every peer's whole chunk is used (no window given): (Q rows
-    received, sent, K/V rows received, sent, in chunks; the (Q, K/V) rows, in chunks, of
-    the blocks of the other rows' queries; the same of this rank's own queries' blocks
-    over the other column members' K/V)."""
-    return (c - 1, c - 1, r - 1, r - 1, [(1, 1)] * (c > 1), [(1, 1)] * (r > 1))
+    """Rows exchanged when every peer's whole chunk is used (no window given), as
+    `sparse.exchanged_rows` gives them: (Q rows received, sent, K/V rows received, sent, in
+    chunks; per other row member, its Q rows and its calls (Q, K/V rows) against the
+    column; the calls of this rank's own queries over the other column members' K/V; how
+    many row members come before this rank)."""
+    return (c - 1, c - 1, r - 1, r - 1, [(1, [(1, 1)])] * (c - 1), [(1, 1)] * (r > 1), 0)
 
 
 def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
                     exchanged: list[tuple]) -> dict[str, int]:
     """The sparse exchange's peaks (module docstring), the most over the ranks whose rows
-    are `exchanged` (`_bound`); k_share: K's part of a K/V row."""
+    are `exchanged` (`_bound`); k_share: K's part of a K/V row. A peer's rows are held
+    packed; this rank's own chunk is used in place."""
     worst = {"forward": 0, "backward": 0}
     fp32 = m.e >= FP32
-    for q_in, q_out, kv_in, kv_out, others, own_row in exchanged:
-        f = lambda rows, size: int(rows * size)  # noqa: E731
-        row_q, col_kv = c * m.q, r * m.kv
-        held = c * m.acc if fp32 else m.acc + (c - 1) * m.lse + c * m.o
-        # both exchanges in flight: the buffers, the rows sent and the rows arriving
-        in_flight = row_q + col_kv + f(q_in + q_out, m.q) + f(kv_in + kv_out, m.kv)
-        # the other blocks (own queries over the column's K/V, other rows' queries)
-        block = max((f(qr, m.o + 3 * m.lse) for qr, _ in [*own_row, *others]), default=0)
+    f = lambda rows, size: int(rows * size)  # noqa: E731
+
+    def forward_call(q: Fraction, kv: Fraction, q_pieces: int = 1, kv_pieces: int = 1) -> int:
+        """A call's output and lse, with its concatenated Q and K/V while it runs (one piece
+        is a view) or a piece's merge (new lse, one weight) after it."""
+        copies = (f(q, m.q) if q_pieces > 1 else 0) + (f(kv, m.kv) if kv_pieces > 1 else 0)
+        return f(q, m.o + m.lse) + max(copies, f(q, 2 * m.lse))
+
+    def backward_call(q: Fraction, kv: Fraction, q_pieces: int = 1, kv_pieces: int = 1) -> int:
+        """A call's dq, dk, dv with its rows' lse and the concatenated inputs it reads."""
+        copies = ((f(q, 2 * m.o + m.q + m.lse) if q_pieces > 1 else 0)
+                  + (f(kv, m.kv) if kv_pieces > 1 else 0))
+        return f(q, m.q + m.lse) + f(kv, m.kv) + copies
+
+    for q_in, q_out, kv_in, kv_out, others, own_row, own_at in exchanged:
+        one_in, one_out = min(q_in, 1), min(q_out, 1)  # at most one peer's rows
+        # the other calls (own queries over the column's K/V, other rows' queries)
+        block = max((forward_call(*call) for call in
+                     [*own_row, *(call for _, calls in others for call in calls)]), default=0)
         forward = max(
-            in_flight + m.acc + m.block_forward,  # this rank's own block meanwhile
-            row_q + col_kv + c * m.acc + block,  # then the others, on the landed rows
-            c * m.acc + (0 if fp32 else c * m.o),  # the outputs in the input dtype
-            held + f(q_in + q_out, m.o),  # outputs sent and received
-            held + f(q_out, m.o) + f(q_in + q_out, m.lse),  # then the lse rows
-            m.acc + f(q_out, m.o + m.lse) + m.merge_rows)  # merged at their owner
-        chunk = m.q + m.o + 2 * m.lse  # Q, dO, (lse, D)
-        # the row gathered, the stacked (lse, D) kept, and D itself (formed once by the
-        # attention's backward, held through the runner's)
-        rows = c * chunk + 3 * m.lse
-        # another row's block with its stand-in output, or the stand-in being made; or a
-        # block of this rank's queries over another column member's K/V (no stand-in)
-        stand_in = max((m.o + f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in others),
-                       default=0)
-        if others:
-            stand_in = max(stand_in, m.fo + (0 if fp32 else m.o) + 3 * m.lse)
-        stand_in = max([stand_in] + [f(qr, m.q + m.lse) + f(kvr, m.kv) for qr, kvr in own_row])
-        grads = 3 * m.lse + c * m.fq + r * m.fkv
-        dkv_out = f(kv_in, m.dkv_exchange) + (0 if m.dkv_exchange >= m.fkv
-                                              else f(min(kv_in, 1), m.fkv))
+            # both exchanges in flight (rows sent and arriving), this rank's own block
+            f(q_in + q_out, m.q) + f(kv_in + kv_out, m.kv) + m.acc + m.block_forward,
+            # then the others on the rows received, the peers' rows accumulated packed
+            f(q_in, m.q + m.acc) + f(kv_in, m.kv) + m.acc + block,
+            # the peers' outputs in the input dtype, one at a time
+            m.acc + f(q_in, m.acc) + (0 if fp32 else f(one_in, m.o)),
+            # sent back with their lse, this rank's rows received
+            m.acc + f(q_in + q_out, m.o + m.lse),
+            # merged one peer at a time (its rows of the accumulators, new lse, weight)
+            m.acc + f(q_out, m.o + m.lse) + f(one_out, m.merge_rows))
+        chunk = m.q + m.o + 2 * m.lse  # Q, dO, lse, D
+        grads = m.lse + m.fq + m.fkv  # D (the attention's), this rank's dQ and dK, dV
+        # the row in order, this rank's own queries at own_at: the peers' rows not yet done
+        # held, the dQ partials of those done (and the current one's) held; a peer's rows
+        # with their stand-in output (or while it is made), or this rank's own queries over
+        # the other column members' K/V (no stand-in)
+        steps = [(share, calls) for share, calls in others]
+        steps.insert(own_at, (None, own_row))
+        loop, done = 0, Fraction(0)
+        for n, (share, calls) in enumerate(steps):
+            waiting = sum((s for s, _ in steps[n + 1:] if s is not None), Fraction(0))
+            if share is None:
+                work = max((backward_call(*call) for call in calls), default=0)
+            else:
+                done += share
+                work = f(share, chunk) + max(
+                    [f(share, m.fo + (0 if fp32 else m.o) + 3 * m.lse)]
+                    + [f(share, m.o) + backward_call(*call) for call in calls])
+            loop = max(loop, f(waiting, chunk) + f(done, m.fq) + work)
+        grads = m.lse + m.fq + m.fkv  # D (the attention's), this rank's dQ and dK, dV
+        # the partials sent back in the exchange dtype: while copied, while in flight with
+        # this rank's rows arriving, then one peer's rows back in fp32 to be added
+        dq_back = f(q_in + q_out, m.fq) if m.dq_exchange >= m.fq else max(
+            f(q_in, m.fq + m.dq_exchange), f(q_in + q_out, m.dq_exchange),
+            f(q_out, m.dq_exchange) + f(one_out, m.fq))
+        kv_one = f(min(kv_out, 1) * max(k_share, 1 - k_share), m.fkv)  # dK or dV rows
+        dkv_back = f(kv_in + kv_out, m.fkv) if m.dkv_exchange >= m.fkv else max(
+            f(kv_in, m.fkv + m.dkv_exchange), f(kv_in + kv_out, m.dkv_exchange),
+            f(kv_out, m.dkv_exchange) + kv_one)
         backward = max(
-            rows + 2 * m.lse + f(q_in + q_out, chunk),  # (lse, D) copied to be sent
-            # both exchanges in flight, the partials, this rank's own block meanwhile (on
-            # its own lse: no copy of the stacked rows' lse, as the other blocks take)
-            rows + f(q_in + q_out, chunk) + col_kv + f(kv_in + kv_out, m.kv)
-            + c * m.fq + r * m.fkv + m.block_backward,
-            rows + col_kv + c * m.fq + r * m.fkv + stand_in,  # then the others
-            grads + f(q_in, m.dq_exchange) + f(q_out, m.dq_exchange)  # dQ rows sent back
-            + (0 if m.dq_exchange >= m.fq else f(min(q_in, 1), m.fq)) + f(min(q_out, 1), m.fq),
-            grads + f(k_share, dkv_out + f(kv_out, m.dkv_exchange)  # dK, then dV rows
-                      + f(min(kv_out, 1), m.fkv)))
+            # both exchanges in flight, this rank's own block on its own inputs meanwhile
+            m.lse + f(q_in + q_out, chunk) + f(kv_in + kv_out, m.kv) + m.fq + m.fkv
+            + m.block_backward,
+            # then the others on the rows received, their partials packed
+            grads + f(kv_in, m.kv + m.fkv) + loop,
+            grads + f(kv_in, m.fkv) + dq_back,  # the dQ rows sent back and added
+            grads + dkv_back,  # then the dK, dV rows
+            # the results in the input dtype next to the fp32 partials
+            grads + (0 if fp32 else m.q + m.kv))
         worst = {"forward": max(worst["forward"], forward),
                  "backward": max(worst["backward"], backward)}
     return worst
@@ -413,10 +437,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
                        piece_limit(shape.seq_len // (rows * cols)))
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
     peaks = _windowed_memory(shape, m, rows, cols, windowed or True)
-    result = dict(m.result)
-    if m.e >= FP32:  # fp32 dq, dk, dv are views of the partials' buffers, which they keep
-        result["backward"] = cols * m.fq + rows * m.fkv
-    return {phase: peaks[phase] - result[phase] for phase in peaks}
+    return {phase: peaks[phase] - m.result[phase] for phase in peaks}
 
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from ..calls.groups import group_calls
 from ..calls.layout import AttentionMask, block_for
 from ..calls.needed_rows import needed_rows
 from ..layer_plan import (
@@ -21,6 +22,7 @@ from ..masks.document_placement import DocumentPlacement
 from ..masks.placed_documents import mesh_placement
 from ..masks.window import window_of
 from .memory import extra_memory
+from .tile_calls import group_tokens, grouping
 from .traffic import Traffic
 
 
@@ -85,9 +87,11 @@ def exchanged_rows(seq_len: int, rows: int, cols: int, window: tuple[int, int],
                    causal: bool) -> list[tuple]:
     """Per rank of a rows x cols mesh over `seq_len` tokens under `window`, the rows it
     exchanges, in chunks (Fractions): (Q rows received, sent, K/V rows received, sent;
-    [(Q rows, K/V rows) of each non-empty block of the other rows' queries]; the same of
-    its own queries' blocks over the other column members' K/V), the input of
-    `memory.extra_memory(..., windowed=...)`."""
+    per other row member in row order, the Q rows received from it and the kernel calls of
+    its queries against the column; the calls of this rank's own queries against the other
+    column members' K/V; how many row members come before this rank), each call (Q rows,
+    K/V rows, Q pieces, K/V pieces) as the tiles group them on the CPU
+    (`calls.groups.group_calls`): the input of `memory.extra_memory(..., windowed=...)`."""
     mesh = rows * cols
     local = seq_len // mesh
     mask = AttentionMask(causal, None, mesh, window_of(window, causal))
@@ -95,29 +99,28 @@ def exchanged_rows(seq_len: int, rows: int, cols: int, window: tuple[int, int],
     def share(me: int, owner: int, side: str) -> Fraction:
         return Fraction(len(needed_rows(mask, rows, cols, local, me, owner, side)), local)
 
+    def calls(x: int, column: list[int], skip: int | None) -> list[tuple]:
+        blocks = [(0, n, block_for(x, y, local, mask)) for n, y in enumerate(column)
+                  if y != skip]
+        made = group_calls([b for b in blocks if not b[2].empty], False, grouping(),
+                           group_tokens())
+        return [(Fraction(sum(p.size for p in c.q), local),
+                 Fraction(sum(p.size for p in c.kv), local), len(c.q), len(c.kv))
+                for c in made]
+
     out = []
     for me in range(mesh):
         i, j = divmod(me, cols)
         row = [i * cols + x for x in range(cols) if i * cols + x != me]
-        col = [y * cols + j for y in range(rows) if y * cols + j != me]
-        blocks = [block_for(x, y * cols + j, local, mask) for x in row for y in range(rows)]
-        mine = [block_for(me, y, local, mask) for y in col]
+        column = [y * cols + j for y in range(rows)]
+        col = [y for y in column if y != me]
         out.append((sum((share(me, x, "q") for x in row), Fraction(0)),
                     sum((share(x, me, "q") for x in row), Fraction(0)),
                     sum((share(me, y, "kv") for y in col), Fraction(0)),
                     sum((share(y, me, "kv") for y in col), Fraction(0)),
-                    [(Fraction(_row_count(b.q_rows, local), local),
-                      Fraction(_row_count(b.kv_rows, local), local))
-                     for b in blocks if not b.empty],
-                    [(Fraction(_row_count(b.q_rows, local), local),
-                      Fraction(_row_count(b.kv_rows, local), local))
-                     for b in mine if not b.empty]))
+                    [(share(me, x, "q"), calls(x, column, None)) for x in row],
+                    calls(me, column, me), j))
     return out
-
-
-def _row_count(rows, local: int) -> int:
-    """How many rows a block's slice or index tensor takes."""
-    return len(range(local)[rows]) if isinstance(rows, slice) else rows.numel()
 
 
 def window_extra_memory(shape: AttentionShape, plan: MeshPlan, window: tuple[int, int],

@@ -17,6 +17,7 @@ from ..kernels.base import folds_diagonal
 from ..runtime.flat import flat_size, views
 from ..runtime.grid import MeshGrid
 from . import whole_tile
+from .kept_rows import KeptRows
 
 
 def rows(t: torch.Tensor, index: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -32,17 +33,32 @@ KeyChunk = tuple[int, torch.Tensor, torch.Tensor]  # (y, k_y, v_y)
 # (x, dout_x, q_x, out_x, lse_x, dq_acc) and (y, k_y, v_y, (dk_acc, dv_acc))
 GradQueryChunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
+# per chunk, the rows it holds when it holds only some of them, packed (None: all)
+Kept = Sequence[KeptRows | None] | None
+
+
+def _packed(*kepts: Kept) -> bool:
+    """Whether some chunk holds only some of its rows, packed (`KeptRows`)."""
+    return any(held is not None for kept in kepts for held in kept or ())
+
+
+def _at(kept: Kept, piece: Piece) -> slice | torch.Tensor:
+    """The piece's rows in its chunk's tensors (packed where the chunk keeps some rows)."""
+    held = None if kept is None else kept[piece.chunk]
+    return piece.rows if held is None else held(piece.rows)
 
 
 def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torch.Tensor,
                mask: AttentionMask, skip: Collection[tuple[int, int]] = (),
-               grouped: bool | None = None) -> tuple[Call, ...]:
+               grouped: bool | None = None, local_len: int | None = None) -> tuple[Call, ...]:
     """The kernel calls computing blocks (x, y) for x in `xs`, y in `ys`, but those in
     `skip`, grouped (`groups.group_calls`; a causal diagonal folded in where
     `folds_diagonal(kernel, q)`; at most `cost_models.tile_calls.group_tokens()` keys or query
     rows concatenated per call) unless `cost_models.tile_calls.grouping(grouped)` says not,
-    else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk."""
-    return _tile_calls(mask, tuple(xs), tuple(ys), q.shape[0], q.device, frozenset(skip),
+    else each block's own; pieces index xs and ys. q [s, b, hq, d]: one query chunk
+    (local_len: the chunk's rows where q holds only some of them)."""
+    s = q.shape[0] if local_len is None else local_len
+    return _tile_calls(mask, tuple(xs), tuple(ys), s, q.device, frozenset(skip),
                        folds_diagonal(kernel, q), grouping(grouped), group_tokens())
 
 
@@ -74,11 +90,11 @@ def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def _gather(chunks: Sequence, i: int, pieces: Sequence[Piece], place: torch.Tensor | None,
-            dim: int = 0) -> torch.Tensor:
+            dim: int = 0, kept: Kept = None) -> torch.Tensor:
     """A call's rows along `dim` of tensor `i` of the chunks its pieces index: the pieces
     concatenated, or each copied to its place in the call (documents joined:
     `groups.Call.q_place` / `kv_place`), one copy either way."""
-    parts = [rows(chunks[p.chunk][i], p.rows, dim) for p in pieces]
+    parts = [rows(chunks[p.chunk][i], _at(kept, p), dim) for p in pieces]
     if place is None:
         return _cat(parts, dim)
     dim %= parts[0].dim()
@@ -109,33 +125,37 @@ def _pieces(t: torch.Tensor, pieces: Sequence[Piece], dim: int = 0):
 
 def _calls_of(kernel: TileKernel, queries: Sequence[tuple], keys: Sequence[tuple],
               q_field: int, mask: AttentionMask, skip: Collection[tuple[int, int]],
-              grouped: bool | None) -> Sequence:
+              grouped: bool | None, q_kept: Kept = None) -> Sequence:
     """The kernel calls of the blocks of `queries` x `keys` but `skip` (`tile_calls`; none
     without a query or a key chunk); q_field: where a query chunk holds its q tensor."""
     if not queries or not keys:
         return ()
+    held = next((kept for kept in q_kept or () if kept is not None), None)
     return tile_calls(kernel, [c[0] for c in queries], [c[0] for c in keys],
-                      queries[0][q_field], mask, skip, grouped)
+                      queries[0][q_field], mask, skip, grouped,
+                      None if held is None else held.local_len)
 
 
 def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequence[KeyChunk],
                  mask: AttentionMask, scale: float,
-                 skip: Collection[tuple[int, int]] = (), grouped: bool | None = None) -> None:
+                 skip: Collection[tuple[int, int]] = (), grouped: bool | None = None,
+                 q_kept: Kept = None, kv_kept: Kept = None) -> None:
     """Blocks (x, y) of the query chunks q_x [s, b, hq, d] against the key chunks
     k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
     calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
     [s, b, hq, dv] and lse_acc [b, hq, s]; in one call where the kernel takes whole tiles
-    (`whole_tile`)."""
-    if whole_tile.takes_whole_tiles(kernel):
+    (`whole_tile`) and the chunks are whole. q_kept / kv_kept: per chunk, its `KeptRows`
+    where it holds only those rows, packed (its s is then len(kept))."""
+    if whole_tile.takes_whole_tiles(kernel) and not _packed(q_kept, kv_kept):
         return whole_tile.forward(kernel, queries, keys, mask, scale, skip)
-    for call in _calls_of(kernel, queries, keys, 1, mask, skip, grouped):
-        q = _gather(queries, 1, call.q, call.q_place)
-        k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
+    for call in _calls_of(kernel, queries, keys, 1, mask, skip, grouped, q_kept):
+        q = _gather(queries, 1, call.q, call.q_place, kept=q_kept)
+        k, v = (_gather(keys, i, call.kv, call.kv_place, kept=kv_kept) for i in (1, 2))
         out, lse = kernel.forward(q, k, v, call.causal, scale, slices=call.slices)
         del q, k, v
         out, lse = _back(out, call.q_place), _back(lse, call.q_place, -1)
         for (p, out_part), (_, lse_part) in zip(_pieces(out, call.q), _pieces(lse, call.q, -1)):
-            _merge_rows(*queries[p.chunk][2:], out_part, lse_part, p.rows)
+            _merge_rows(*queries[p.chunk][2:], out_part, lse_part, _at(q_kept, p))
         del out, lse, out_part, lse_part  # not held while the next call runs
 
 
@@ -170,28 +190,31 @@ def forward_block(
 
 def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
                   keys: Sequence[GradKeyChunk], mask: AttentionMask, scale: float,
-                  skip: Collection[tuple[int, int]] = (), grouped: bool | None = None) -> None:
+                  skip: Collection[tuple[int, int]] = (), grouped: bool | None = None,
+                  q_kept: Kept = None, kv_kept: Kept = None) -> None:
     """Gradients of blocks (x, y) (as `forward_tile`) added (fp32) into each x's dq_acc
     [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
     (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
-    and lse. In one call where the kernel takes whole tiles (`whole_tile`)."""
-    if whole_tile.takes_whole_tiles(kernel):
+    and lse; q_kept / kv_kept as in `forward_tile`. In one call where the kernel takes
+    whole tiles (`whole_tile`) and the chunks are whole."""
+    if whole_tile.takes_whole_tiles(kernel) and not _packed(q_kept, kv_kept):
         return whole_tile.backward(kernel, queries, keys, mask, scale, skip)
-    for call in _calls_of(kernel, queries, keys, 2, mask, skip, grouped):
-        dout, q, out = (_gather(queries, i, call.q, call.q_place) for i in (1, 2, 3))
-        lse = _gather(queries, 4, call.q, call.q_place, -1)
-        k, v = (_gather(keys, i, call.kv, call.kv_place) for i in (1, 2))
+    for call in _calls_of(kernel, queries, keys, 2, mask, skip, grouped, q_kept):
+        dout, q, out = (_gather(queries, i, call.q, call.q_place, kept=q_kept)
+                        for i in (1, 2, 3))
+        lse = _gather(queries, 4, call.q, call.q_place, -1, q_kept)
+        k, v = (_gather(keys, i, call.kv, call.kv_place, kept=kv_kept) for i in (1, 2))
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.causal, scale,
                                      slices=call.slices)
         del dout, q, out, lse, k, v
         dq = _back(dq, call.q_place)
         dk, dv = _back(dk, call.kv_place), _back(dv, call.kv_place)
         for p, part in _pieces(dq, call.q):
-            _add_rows(queries[p.chunk][5], p.rows, part)
+            _add_rows(queries[p.chunk][5], _at(q_kept, p), part)
         del dq, part
         for grad, i in ((dk, 0), (dv, 1)):
             for p, part in _pieces(grad, call.kv):
-                _add_rows(keys[p.chunk][3][i], p.rows, part)
+                _add_rows(keys[p.chunk][3][i], _at(kv_kept, p), part)
         del dk, dv, grad, part  # not held while the next call runs
 
 

@@ -131,8 +131,10 @@ def test_no_import_cycle_in_the_package():
     ("cost_models.memory", {"layer_plan", "cost_models.tile_calls"}),  # it counts the largest call
     ("cost_models.plan", {"layer_plan", "cost_models.memory"}),  # a plan sits above the memory model
     ("cost_models.traffic", {"layer_plan", "cost_models.plan"}),  # its defaults: mesh_attention's plan
-    # the sparse exchange's model: the rows a mask's blocks use (the masks are below it)
+    # the sparse exchange's model: the rows a mask's blocks use and the calls the tiles
+    # group them into (the masks and calls are below it)
     ("cost_models.sparse", {"layer_plan", "cost_models.memory", "cost_models.traffic",
+                            "cost_models.tile_calls", "calls.groups",
                             "calls.layout", "calls.needed_rows", "masks.placed_documents",
                             "masks.window", "masks.document_placement"}),
 ])
