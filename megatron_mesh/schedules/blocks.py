@@ -37,11 +37,6 @@ GradKeyChunk = tuple[int, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]]
 Kept = Sequence[KeptRows | None] | None
 
 
-def _packed(*kepts: Kept) -> bool:
-    """Whether some chunk holds only some of its rows, packed (`KeptRows`)."""
-    return any(held is not None for kept in kepts for held in kept or ())
-
-
 def _at(kept: Kept, piece: Piece) -> slice | torch.Tensor:
     """The piece's rows in its chunk's tensors (packed where the chunk keeps some rows)."""
     held = None if kept is None else kept[piece.chunk]
@@ -144,10 +139,10 @@ def forward_tile(kernel: TileKernel, queries: Sequence[QueryChunk], keys: Sequen
     k_y [s, b, hkv, d], v_y [s, b, hkv, dv] on hand, but those in `skip`, in few kernel
     calls (`groups.group_calls`), merged into each x's fp32 accumulators out_acc
     [s, b, hq, dv] and lse_acc [b, hq, s]; in one call where the kernel takes whole tiles
-    (`whole_tile`) and the chunks are whole. q_kept / kv_kept: per chunk, its `KeptRows`
-    where it holds only those rows, packed (its s is then len(kept))."""
-    if whole_tile.takes_whole_tiles(kernel) and not _packed(q_kept, kv_kept):
-        return whole_tile.forward(kernel, queries, keys, mask, scale, skip)
+    (`whole_tile`). q_kept / kv_kept: per chunk, its `KeptRows` where it holds only those
+    rows, packed (its s is then len(kept))."""
+    if whole_tile.takes_whole_tiles(kernel):
+        return whole_tile.forward(kernel, queries, keys, mask, scale, skip, q_kept, kv_kept)
     for call in _calls_of(kernel, queries, keys, 1, mask, skip, grouped, q_kept):
         q = _gather(queries, 1, call.q, call.q_place, kept=q_kept)
         k, v = (_gather(keys, i, call.kv, call.kv_place, kept=kv_kept) for i in (1, 2))
@@ -196,9 +191,9 @@ def backward_tile(kernel: TileKernel, queries: Sequence[GradQueryChunk],
     [s, b, hq, d] and each y's (dk_acc [s, b, hkv, d], dv_acc [s, b, hkv, dv])
     (`kv_grads`). out_x / lse_x are x's whole-row output (or a stand-in with the same D)
     and lse; q_kept / kv_kept as in `forward_tile`. In one call where the kernel takes
-    whole tiles (`whole_tile`) and the chunks are whole."""
-    if whole_tile.takes_whole_tiles(kernel) and not _packed(q_kept, kv_kept):
-        return whole_tile.backward(kernel, queries, keys, mask, scale, skip)
+    whole tiles (`whole_tile`)."""
+    if whole_tile.takes_whole_tiles(kernel):
+        return whole_tile.backward(kernel, queries, keys, mask, scale, skip, q_kept, kv_kept)
     for call in _calls_of(kernel, queries, keys, 2, mask, skip, grouped, q_kept):
         dout, q, out = (_gather(queries, i, call.q, call.q_place, kept=q_kept)
                         for i in (1, 2, 3))
