@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..masks.slices import pieces
-from .block import Block
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays
+from .block import Block, DocRuns, SideRuns
+from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, spans
 from .slice_blocks import _block, _Group, _one_slice, gathered_call
 from .tile_slices import TileSlices, slice_pairs
 
@@ -90,28 +90,33 @@ def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, de
     good = np.ones(len(out), dtype=bool)
     np.logical_and.at(good, comp_block, ok)
     one_pair = (q.count == 1) & (k.count == 1)
-    starts = np.searchsorted(comp_block, rest, side="left")
-    ends = np.searchsorted(comp_block, rest, side="right")
-    for b, c0, c1 in zip(rest, starts.tolist(), ends.tolist()):
-        if not good[b]:
-            continue
-        causal = kind[c0:c1] == 1
-        pair = one_pair[c0:c1]
-        if causal.any():  # a document of one query and one key is causal as well as full
-            causal = causal | pair
-        calls = []
-        for want in (True, False):
-            members = np.flatnonzero(causal == want) + c0
-            if len(members) == 0:
-                continue
-            members = members[np.argsort(q.first_row[members], kind="stable")]
-            row = b * local_len
-            if len(members) == 1:
-                calls.append(gathered_call([_group(members[0], q, k, kind, row)], device))
-            else:
-                real = bool((causal & ~pair)[members - c0].any()) and want
-                calls.append(_documents_call(members, q, k, real, device, row))
-        out[b] = _block(calls, local_len, device)
+    has_causal = np.zeros(len(out), dtype=bool)
+    np.logical_or.at(has_causal, comp_block, kind == 1)
+    # a document of one query and one key is causal as well as full
+    causal = (kind == 1) | (one_pair & has_causal[comp_block])
+    taken = np.flatnonzero(good[comp_block])
+    if len(taken) == 0:
+        return
+    # the calls: per block its causal documents, then its full ones, each by first row
+    order = taken[np.lexsort((q.first_row[taken], ~causal[taken], comp_block[taken]))]
+    call_block, call_causal = comp_block[order], causal[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (call_block[1:] != call_block[:-1]) | (call_causal[1:] != call_causal[:-1])
+    first = np.flatnonzero(new)
+    size = np.diff(np.append(first, len(order)))
+    real = np.logical_or.reduceat((kind[order] == 1) & ~one_pair[order], first) & call_causal[first]
+    row = call_block * local_len
+    qs, ks = _CallSide(q, order, row), _CallSide(k, order, row)
+    calls: dict[int, list[Block]] = {}
+    for n, (c0, c1) in enumerate(zip(first.tolist(), (first + size).tolist())):
+        b = int(call_block[c0])
+        if c1 - c0 == 1:
+            call = gathered_call([_group(order[c0], q, k, kind, b * local_len)], device)
+        else:
+            call = _documents_call(qs, ks, c0, c1, bool(real[n]), device)
+        calls.setdefault(b, []).append(call)
+    for b, made in calls.items():
+        out[b] = _block(made, local_len, device)
 
 
 def _laid_apart(runs: list[RunArrays], blocks: list[int], local_len: int) -> RunArrays:
@@ -273,49 +278,51 @@ def _runs(side: _Side, n: int, row: int) -> list[tuple[int, int]]:
     return list(zip((side.start[a:b] - row).tolist(), (side.end[a:b] - row).tolist()))
 
 
-def _documents_call(members: np.ndarray, q: _Side, k: _Side, causal: bool,
-                    device: torch.device, row: int) -> Block:
-    """`slice_blocks.gathered_call` of several documents (groups `members`, in order; their
-    rows from `row` on)."""
-    q_start, q_end, q_cut = _pieces_of(q, members)
-    k_start, k_end, k_cut = _pieces_of(k, members)
-    q_start, q_end, k_start, k_end = q_start - row, q_end - row, k_start - row, k_end - row
-    cu_q = (0, *np.cumsum(q.count[members]).tolist())
-    cu_kv = (0, *np.cumsum(k.count[members]).tolist())
-    tile = TileSlices.documents(cu_q, cu_kv, causal, device)
-    q_pairs = list(zip(q_start.tolist(), q_end.tolist()))
-    k_pairs = list(zip(k_start.tolist(), k_end.tolist()))
-    doc_runs = tuple(zip(_split(q_pairs, q_cut), _split(k_pairs, k_cut)))
-    return Block(_rows(q_start, q_end), _rows(k_start, k_end), causal=tile.causal,
-                 slices=tile, doc_runs=doc_runs)
+class _CallSide:
+    """One side of the documents calls, their groups in call order: each group's pieces
+    [start, end) of local rows (`at`: its first piece; `at[-1]` all pieces), its rows
+    (`count`) and rows before it (`before`); `rows`: an index of every piece's rows in
+    order, `gap`: pieces not starting where the one before ends (int64 / bool arrays)."""
+
+    def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
+        ends = np.append(side.group_start[1:], len(side.start))
+        count = ends[order] - side.group_start[order]
+        index = spans(side.group_start[order], count)
+        shift = np.repeat(row, count)
+        self.start, self.end = side.start[index] - shift, side.end[index] - shift
+        self.at = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(count, out=self.at[1:])
+        self.count = side.count[order]
+        self.before = np.cumsum(self.count) - self.count
+        self.gap = np.ones(len(self.start), dtype=bool)
+        self.gap[1:] = self.start[1:] != self.end[:-1]
+        self.gaps = np.cumsum(self.gap)
+        self.rows = spans(self.start, self.end - self.start)
+        self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
+        np.cumsum(self.end - self.start, out=self.rows_at[1:])
+
+    def runs(self, c0: int, c1: int) -> SideRuns:
+        """Groups c0 .. c1 - 1 as one call's documents' runs."""
+        p0, p1 = int(self.at[c0]), int(self.at[c1])
+        return SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0)
+
+    def cu(self, c0: int, c1: int) -> np.ndarray:
+        """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
+        return np.append(self.before[c0:c1], self.before[c1 - 1] + self.count[c1 - 1]
+                         ) - self.before[c0]
+
+    def rows_of(self, c0: int, c1: int) -> slice | torch.Tensor:
+        """The call's rows: a slice where its pieces follow one another, else an index."""
+        p0, p1 = int(self.at[c0]), int(self.at[c1])
+        if self.gaps[p1 - 1] - self.gaps[p0] == 0:
+            return slice(int(self.start[p0]), int(self.end[p1 - 1]))
+        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
 
 
-def _pieces_of(side: _Side, members: np.ndarray):
-    """The pieces of groups `members`, concatenated in their order, and each group's count."""
-    ends = np.append(side.group_start[1:], len(side.start))
-    count = ends[members] - side.group_start[members]
-    index = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - side.group_start[
-        members], count)
-    return side.start[index], side.end[index], count
-
-
-def _split(pairs: list, count: np.ndarray) -> list[tuple]:
-    """`pairs` cut into consecutive tuples of `count` items."""
-    if (count == 1).all():
-        return list(zip(pairs))
-    if (count == 2).all():
-        return list(zip(pairs[::2], pairs[1::2]))
-    out, at = [], 0
-    for n in count.tolist():
-        out.append(tuple(pairs[at:at + n]))
-        at += n
-    return out
-
-
-def _rows(start: np.ndarray, end: np.ndarray) -> slice | torch.Tensor:
-    """`slice_blocks._rows_of` of ranges [start, end) in order."""
-    if (start[1:] == end[:-1]).all():
-        return slice(int(start[0]), int(end[-1]))
-    size = end - start
-    index = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size - start, size)
-    return torch.from_numpy(index)
+def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, causal: bool,
+                    device: torch.device) -> Block:
+    """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
+    order)."""
+    tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
+    return Block(q.rows_of(c0, c1), k.rows_of(c0, c1), causal=tile.causal, slices=tile,
+                 doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))

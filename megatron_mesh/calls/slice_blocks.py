@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..masks.slices import Slice, SliceMask, pieces
-from .block import Block
+from .block import Block, DocRuns, SideRuns
 from .part_arrays import RunArrays
 from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 
@@ -309,7 +309,8 @@ def gathered_call(groups: list[_Group], device: torch.device) -> Block:
         return Block(rows_q, rows_k, causal=tile.flash_window == (-1, 0))  # plain
     doc_runs = None
     if tile.form == DOCUMENTS and all(g.one is not None for g in groups):
-        doc_runs = tuple((tuple(g.q_runs), tuple(g.k_runs)) for g in groups)
+        doc_runs = DocRuns(SideRuns.of([g.q_runs for g in groups]),
+                           SideRuns.of([g.k_runs for g in groups]))
     return Block(rows_q, rows_k, causal=tile.causal, slices=tile, doc_runs=doc_runs)
 
 

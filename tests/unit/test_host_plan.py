@@ -3,21 +3,20 @@ the per-part one (`slice_blocks.block_parts`, `block_calls`) on random packed do
 masks given as slices."""
 from __future__ import annotations
 
-import bisect
 import random
 
+import document_join_reference
 import numpy as np
 import pytest
 import torch
 
-from megatron_mesh.calls import document_groups, layout
 from megatron_mesh.calls import groups as groups_module
+from megatron_mesh.calls import layout
 from megatron_mesh.calls.block import Block
 from megatron_mesh.calls.groups import group_calls
 from megatron_mesh.calls.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
 from megatron_mesh.calls.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
 from megatron_mesh.calls.slice_blocks import block_calls, block_parts, bound_of, position_runs
-from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.masks.slices import SliceMask
@@ -162,69 +161,6 @@ def test_position_runs_equal_a_row_by_row_scan():
         assert position_runs(torch.tensor(pos, dtype=torch.int64)) == want, pos
 
 
-def reference_join(group, side: str, causal_last: bool, device: torch.device):
-    """`document_groups.join` document by document (the per-document reference)."""
-    shared = 0 if side == "q" else 1
-    joined = 1 - shared
-    count = lambda runs: sum(b - a for a, b in runs)  # noqa: E731
-    docs = sorted(group.docs, key=lambda runs: runs[0][0])
-    offsets, starts = [], 0
-    for m in group.members:
-        offsets.append(starts)
-        starts += count(tuple(r for doc in m.call.doc_runs for r in doc[joined]))
-    where = []
-    for m, offset in zip(group.members, offsets):
-        inside, at = {}, offset
-        for doc in m.call.doc_runs:
-            n = count(doc[joined])
-            inside[doc[shared]] = (at, at + n)
-            at += n
-        where.append(inside)
-    order, cu_joined, cu_shared = [], [0], [0]
-    for doc in docs:
-        for inside in where:
-            if doc in inside:
-                order.append(torch.arange(*inside[doc]))
-        cu_joined.append(cu_joined[-1] + sum(inside[doc][1] - inside[doc][0]
-                                             for inside in where if doc in inside))
-        cu_shared.append(cu_shared[-1] + count(doc))
-    cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
-    runs = [r for doc in docs for r in doc]
-    shared_rows = (slice(runs[0][0], runs[-1][1])
-                   if all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-                   else torch.cat([torch.arange(a, b) for a, b in runs]))
-    pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
-                   for m in group.members)
-    order_of_call = torch.cat(order)
-    place = torch.empty_like(order_of_call)
-    place[order_of_call] = torch.arange(order_of_call.numel())
-    return document_groups.Joined(
-        shared_rows, pieces, place.to(device),
-        TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal_last, device), causal_last)
-
-
-def reference_takes(self, runs) -> bool:
-    for doc in runs:
-        if doc in self.docs:
-            continue
-        first, last = min(a for a, _ in doc), max(b for _, b in doc)
-        n = bisect.bisect_right(self.starts, last - 1) - 1
-        if n >= 0 and self.ends[n] > first:
-            return False
-    return True
-
-
-def reference_add(self, member, runs) -> None:
-    self.members.append(member)
-    for doc in runs:
-        if doc not in self.docs:
-            self.docs[doc] = len(self.docs)
-            first, last = min(a for a, _ in doc), max(b for _, b in doc)
-            n = bisect.bisect_left(self.starts, first)
-            self.starts.insert(n, first)
-            self.ends.insert(n, last)
-
-
 def same_call(a, b) -> bool:
     pieces = lambda c, d: len(c) == len(d) and all(  # noqa: E731
         p.chunk == q.chunk and same_rows(p.rows, q.rows) for p, q in zip(c, d))
@@ -256,10 +192,8 @@ def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
                                   for qi, x in enumerate(txs) for ki, y in enumerate(tys)]
                         got = group_calls(blocks, fold, True, limit)
                         with monkeypatch.context() as m:
-                            m.setattr(document_groups, "join", reference_join)
-                            m.setattr(document_groups._Group, "takes", reference_takes)
-                            m.setattr(document_groups._Group, "add", reference_add)
-                            m.setattr(groups_module, "join", reference_join)
+                            m.setattr(groups_module, "document_calls",
+                                      document_join_reference.document_calls)
                             want = group_calls(blocks, fold, True, limit)
                         assert len(got) == len(want)
                         assert all(same_call(a, b) for a, b in zip(got, want)), (mask, me)
