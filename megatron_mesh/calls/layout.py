@@ -101,39 +101,36 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
 
 def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask,
                device: torch.device | str = "cpu") -> list[Block]:
-    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet, of one query
-    rank, in one pass over their parts (`part_arrays.tile_parts`,
-    `document_blocks.document_blocks`)."""
+    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet in one pass over
+    their parts (`part_arrays.tile_parts`, `document_blocks.document_blocks`)."""
     device = torch.device(device)
-    missing: dict[int, list[int]] = {}
-    for x, y in pairs:
-        if not _block.holds(mask, x, y, local_len, device):
-            missing.setdefault(x, []).append(y)
-    for x, ys in missing.items():
-        ys = list(dict.fromkeys(ys))
-        if len(ys) > 1 and mask.window is None:
-            for y, block in zip(ys, _row_blocks(mask, x, ys, local_len, device)):
-                _block.put(block, mask, x, y, local_len, device)
+    missing = list(dict.fromkeys((x, y) for x, y in pairs
+                                 if not _block.holds(mask, x, y, local_len, device)))
+    if len(missing) > 1 and mask.window is None:
+        for (x, y), block in zip(missing, _pair_blocks(mask, missing, local_len, device)):
+            _block.put(block, mask, x, y, local_len, device)
     return [_block(mask, x, y, local_len, device) for x, y in pairs]
 
 
-def _row_blocks(mask: AttentionMask, x: int, ys: list[int], local_len: int,
-                device: torch.device) -> list[Block]:
-    """Blocks (x, y) for y in `ys`, their parts cut and their documents found in one pass."""
-    q_runs = run_arrays(mask, x, local_len)
-    k_runs = [run_arrays(mask, y, local_len) for y in ys]
+def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
+                 device: torch.device) -> list[Block]:
+    """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
+    q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
+    k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
     parts, block = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
-    first = np.searchsorted(block, np.arange(len(ys)), side="left")
-    end = np.searchsorted(block, np.arange(len(ys)), side="right")
-    full = [b for b in range(len(ys)) if end[b] > first[b]]
-    renumber = np.zeros(len(ys), dtype=np.int64)
+    count = len(pairs)
+    first = np.searchsorted(block, np.arange(count), side="left")
+    end = np.searchsorted(block, np.arange(count), side="right")
+    full = np.flatnonzero(end > first).tolist()
+    renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
-    fast = document_blocks(parts, renumber[block], local_len, [q_runs] * len(full),
+    fast = document_blocks(parts, renumber[block], local_len, [q_runs[b] for b in full],
                            [k_runs[b] for b in full], device) if full else []
-    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * len(ys)
+    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
     for n, b in enumerate(full):
+        x, y = pairs[b]
         out[b] = fast[n] if fast[n] is not None else _general(
-            mask, x, ys[b], local_len, device, parts.take(slice(first[b], end[b])))
+            mask, x, y, local_len, device, parts.take(slice(first[b], end[b])))
     return out
 
 
