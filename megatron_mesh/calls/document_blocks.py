@@ -16,26 +16,24 @@ import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, spans
+from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
 from .slice_blocks import _block, _Group, _one_slice, gathered_call
-from .tile_slices import TileSlices, slice_pairs
+from .tile_slices import TileSlices
 
 
-def document_block(parts: PartArrays, local_len: int, q_runs: RunArrays, k_runs: RunArrays,
-                   device: torch.device) -> Block | None:
-    """The block of `parts` (non-empty, no window) as `slice_blocks.block_calls` makes it,
-    or None where the fast path does not apply (module docstring)."""
-    block = np.zeros(len(parts), dtype=np.int64)
-    return document_blocks(parts, block, local_len, [q_runs], [k_runs], device)[0]
+def document_block(tile: TileParts, local_len: int, device: torch.device) -> Block | None:
+    """The block of `tile`'s parts (one block, non-empty, no window) as
+    `slice_blocks.block_calls` makes it, or None where the fast path does not apply (module
+    docstring)."""
+    return document_blocks(tile, 1, local_len, device)[0]
 
 
-def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
-                    q_runs: list[RunArrays], k_runs: list[RunArrays], device: torch.device
+def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device
                     ) -> list[Block | None]:
-    """`document_block` of several blocks in one pass: block b's parts are those where
-    block == b (consecutive, non-empty), its runs q_runs[b] and k_runs[b]; None for a block
-    the fast path does not take."""
-    count = len(q_runs)
+    """`document_block` of `count` blocks in one pass: block b's parts are those where
+    tile.block == b (consecutive, non-empty); None for a block the fast path does not
+    take."""
+    parts, block = tile.parts, tile.block
     out: list[Block | None] = [None] * count
     first = np.searchsorted(block, np.arange(count), side="left")
     size = np.searchsorted(block, np.arange(count), side="right") - first
@@ -46,35 +44,38 @@ def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
     k0, k1 = np.minimum.reduceat(parts.k0, first), np.maximum.reduceat(parts.k1, first)
     lo = np.minimum.reduceat(parts.k0 - parts.q1 + 1, first)
     hi = np.maximum.reduceat(np.minimum(parts.k1 - 1 - parts.q0, parts.hi), first)
-    pairs = np.add.reduceat(_pairs(parts.q0, parts.q1, parts.k0, parts.k1, parts.hi), first)
+    # `slice_blocks.merged` of each block's parts (unbounded below): the one slice they
+    # are where it keeps their pairs and they fill its rows
+    lo = np.where(lo <= k0 - (q1 - 1), NO_LO, lo)
+    hi = np.where(hi >= k1 - 1 - q0, NO_HI, hi)
+    pairs = np.add.reduceat(pair_counts(*parts), first)
+    same = ~bounded & (pair_counts(q0, q1, k0, k1, lo, hi) == pairs)
     rest = []
-    for b in range(count):
-        if bounded[b] or len(q_runs[b].row) == 0 or len(k_runs[b].row) == 0:
-            continue
+    for b in np.flatnonzero(~bounded).tolist():
+        whole = False
         if size[b] == 1:
             whole = parts.take(slice(first[b], first[b] + 1)).bounds()[0]
-        else:
-            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi, pairs)))
+        elif same[b]:
+            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi)))
         if whole is not False:
             out[b] = _block([_one_slice(whole)], local_len, device)
         else:
             rest.append(b)
     if rest:
-        _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out)
+        _documents_of(tile, first, size, rest, local_len, device, out)
     return out
 
 
-def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out
-                  ) -> None:
+def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
     at rows b x local_len on, so one pass finds every block's groups."""
-    take = np.concatenate([np.arange(first[b], first[b] + size[b]) for b in rest])
-    parts, block = parts.take(take), block[take]
+    take = spans(first[rest], size[rest])
+    parts, block = tile.parts.take(take), tile.block[take]
     shift = block * local_len
     parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
                        parts.lo, parts.hi)
-    q_all = _laid_apart([q_runs[b] for b in rest], rest, local_len)
-    k_all = _laid_apart([k_runs[b] for b in rest], rest, local_len)
+    q_all = _laid_apart(tile.q_run, take, shift)
+    k_all = _laid_apart(tile.k_run, take, shift)
     comp = _components(parts)
     q = _gathered(parts.q0, parts.q1, comp, q_all)
     k = _gathered(parts.k0, parts.k1, comp, k_all)
@@ -119,37 +120,23 @@ def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, de
         out[b] = _block(made, local_len, device)
 
 
-def _laid_apart(runs: list[RunArrays], blocks: list[int], local_len: int) -> RunArrays:
-    """Runs of several blocks in one, block b's rows moved to b x local_len on."""
-    return RunArrays(np.concatenate([r.row + b * local_len for r, b in zip(runs, blocks)]),
-                     np.concatenate([r.pos for r in runs]),
-                     np.concatenate([r.count for r in runs]))
+def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray) -> RunArrays:
+    """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
+    blocks laid apart), sorted by row."""
+    row, first = np.unique(runs.row[take] + shift, return_index=True)
+    return RunArrays(row, runs.pos[take][first], runs.count[take][first])
 
 
-def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int, pairs: int):
-    """`slice_blocks.merged` of a block's parts (unbounded below; their least and most
-    rows, least k0 - q1 + 1, most min(k1 - 1 - q0, hi), and pairs): the one slice they
-    are, or False where they are none."""
-    lo = None if lo <= k0 - (q1 - 1) else lo
-    hi = None if hi >= k1 - 1 - q0 else hi
-    if slice_pairs(q0, q1, k0, k1, lo, hi) != pairs:
-        return False
+def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int):
+    """The one slice (q0, q1, k0, k1, lo, hi) of a block's parts that keeps their pairs
+    (`NO_LO` / `NO_HI`: unbounded) where its pieces fill its rows, else False."""
+    lo, hi = (None if lo == NO_LO else lo), (None if hi == NO_HI else hi)
     trimmed = pieces(q0, q1, k0, k1, lo, hi)
     if not trimmed or (min(p.q_start for p in trimmed), max(p.q_end for p in trimmed),
                        min(p.k_start for p in trimmed), max(p.k_end for p in trimmed)
                        ) != (q0, q1, k0, k1):
         return False
     return q0, q1, k0, k1, lo, hi
-
-
-def _pairs(a, b, c, e, hi) -> np.ndarray:
-    """Pairs of queries [a, b) x keys [c, e) with j - i <= hi (NO_HI: unbounded), each."""
-    full = (b - a) * (e - c)
-    start = np.clip(c - hi, a, b)  # the first row that sees a key
-    whole = np.clip(e - 1 - hi, a, b)  # the first row that sees every key
-    n = whole - start
-    partial = n * (hi - c + 1) + (start + whole - 1) * n // 2 + (b - whole) * (e - c)
-    return np.where(hi == NO_HI, full, partial)
 
 
 def _components(parts: PartArrays) -> np.ndarray:
@@ -256,10 +243,11 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
     np.minimum.at(first_k, comp, k0)
     full = top >= k_count - 1
     causal = ~full & (top == 0) & (q_count == k_count)
-    want = np.where(full, q_count * k_count, _pairs(0, q_count, 0, k_count, np.where(
-        full, NO_HI, top)))
+    zero = np.zeros_like(q_count)
+    want = np.where(full, q_count * k_count, pair_counts(
+        zero, q_count, zero, k_count, np.full_like(top, NO_LO), np.where(full, NO_HI, top)))
     got = np.zeros(groups, dtype=np.int64)
-    np.add.at(got, comp, _pairs(q0, q1, k0, k1, hi))
+    np.add.at(got, comp, pair_counts(q0, q1, k0, k1, np.full_like(hi, NO_LO), hi))
     ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
           & (want == got))
     return causal.astype(np.int8), ok

@@ -29,7 +29,6 @@ from .part_arrays import (
     RunArrays,
     SliceArrays,
     document_arrays,
-    part_arrays,
     slice_arrays,
     tile_parts,
 )
@@ -117,20 +116,20 @@ def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: i
     """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
     q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
     k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
-    parts, block = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
+    tile = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
     count = len(pairs)
-    first = np.searchsorted(block, np.arange(count), side="left")
-    end = np.searchsorted(block, np.arange(count), side="right")
-    full = np.flatnonzero(end > first).tolist()
+    first = np.searchsorted(tile.block, np.arange(count), side="left")
+    end = np.searchsorted(tile.block, np.arange(count), side="right")
+    full = np.flatnonzero(end > first)
     renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
-    fast = document_blocks(parts, renumber[block], local_len, [q_runs[b] for b in full],
-                           [k_runs[b] for b in full], device) if full else []
+    fast = document_blocks(tile._replace(block=renumber[tile.block]), len(full), local_len,
+                           device) if len(full) else []
     out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
-    for n, b in enumerate(full):
+    for n, b in enumerate(full.tolist()):
         x, y = pairs[b]
         out[b] = fast[n] if fast[n] is not None else _general(
-            mask, x, y, local_len, device, parts.take(slice(first[b], end[b])))
+            mask, x, y, local_len, device, tile.parts.take(slice(first[b], end[b])))
     return out
 
 
@@ -138,15 +137,15 @@ def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: i
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
-    q_runs, k_runs = run_arrays(mask, q_rank, local_len), run_arrays(mask, kv_rank, local_len)
-    parts = part_arrays(mask_arrays(mask, local_len), q_runs, k_runs)
-    if len(parts) == 0:
+    tile = tile_parts(mask_arrays(mask, local_len), [run_arrays(mask, q_rank, local_len)],
+                      [run_arrays(mask, kv_rank, local_len)])
+    if len(tile.parts) == 0:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     if mask.window is None:
-        block = document_block(parts, local_len, q_runs, k_runs, device)
+        block = document_block(tile, local_len, device)
         if block is not None:
             return block
-    return _general(mask, q_rank, kv_rank, local_len, device, parts)
+    return _general(mask, q_rank, kv_rank, local_len, device, tile.parts)
 
 
 def _general(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,

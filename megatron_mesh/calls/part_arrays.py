@@ -112,15 +112,25 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
     """The parts `slice_blocks.block_parts` finds, in its order: query runs in order, the
     slices meeting each (mask order), the key runs meeting each slice, a slice's causal
     piece before its full one. `mask`: its slices, or their arrays (`slice_arrays`)."""
-    return tile_parts(mask, [q_runs], [k_runs])[0]
+    return tile_parts(mask, [q_runs], [k_runs]).parts
+
+
+class TileParts(NamedTuple):
+    """The parts of several blocks (block after block), int64 [parts] the block of each,
+    and the query run and key run each part lies in (`RunArrays` of [parts])."""
+
+    parts: PartArrays
+    block: np.ndarray
+    q_run: RunArrays
+    k_run: RunArrays
 
 
 def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: list[RunArrays]
-               ) -> tuple[PartArrays, np.ndarray]:
+               ) -> TileParts:
     """`part_arrays` of blocks (x_b, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts
-    of every block (block after block, each in `part_arrays`' order) and int64 [parts] the
-    block b of each. `q_runs[b]`: x_b's runs, `k_runs[b]`: y_b's (blocks of one rank share
-    its runs: each distinct one is swept once)."""
+    of every block (block after block, each in `part_arrays`' order). `q_runs[b]`: x_b's
+    runs, `k_runs[b]`: y_b's (blocks of one rank share its runs: each distinct one is swept
+    once)."""
     t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
     q, q_of = _stacked(q_runs)
     k, k_of = _stacked(k_runs)
@@ -159,10 +169,37 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     dk = (k.row - k.pos)[ki][index]
     valid = parts.valid
     lo, hi = parts.lo[valid], parts.hi[valid]
-    return PartArrays(parts.q0[valid] + dq, parts.q1[valid] + dq,
-                      parts.k0[valid] + dk, parts.k1[valid] + dk,
-                      np.where(lo == NO_LO, NO_LO, lo + dk - dq),
-                      np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[index]
+    qi, ki = qi[index], ki[index]
+    return TileParts(PartArrays(parts.q0[valid] + dq, parts.q1[valid] + dq,
+                                parts.k0[valid] + dk, parts.k1[valid] + dk,
+                                np.where(lo == NO_LO, NO_LO, lo + dk - dq),
+                                np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[index],
+                     RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
+                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]))
+
+
+def pair_counts(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
+                lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """int64 [n]: how many pairs of queries [q0, q1) x keys [k0, k1) have lo <= j - i <= hi
+    (`NO_LO` / `NO_HI`: unbounded), each in closed form (`masks.slices.slice_pairs`' rule:
+    a row's count is linear between the rows where a bound starts or stops binding)."""
+    if (lo == NO_LO).all():  # one break: the rows before e - 1 - hi see fewer keys
+        start = np.clip(k0 - hi, q0, q1)  # the first row that sees a key
+        whole = np.clip(k1 - 1 - hi, q0, q1)  # the first row that sees every key
+        n = whole - start
+        return n * (hi - k0 + 1) + (start + whole - 1) * n // 2 + (q1 - whole) * (k1 - k0)
+    cuts = np.sort(np.stack([q0, q1] + [np.clip(x, q0, q1) for x in (
+        k1 - 1 - hi, k0 - lo, k0 - hi, k1 - lo)], axis=1), axis=1)
+
+    def count(i):
+        return np.maximum(np.minimum(k1 - 1, i + hi) - np.maximum(k0, i + lo) + 1, 0)
+
+    total = np.zeros(len(q0), dtype=np.int64)
+    for n in range(5):  # count is linear on [cuts[n], cuts[n + 1])
+        start, stop = cuts[:, n], cuts[:, n + 1]
+        total += np.where(stop > start, (count(start) + count(stop - 1)) * (stop - start) // 2,
+                          0)
+    return total
 
 
 class _Stacked(NamedTuple):

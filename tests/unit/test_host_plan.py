@@ -214,9 +214,8 @@ def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
     """Every layer of a micro-batch builds its own mask value of the same documents: its
     blocks are cut once, and the caches keep the last few micro-batches only."""
     made = []
-    for name in ("part_arrays", "tile_parts"):
-        cut = getattr(layout, name)
-        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    cut = layout.tile_parts
+    monkeypatch.setattr(layout, "tile_parts", lambda *args: made.append(1) or cut(*args))
     rng = random.Random(3)
     for batch in range(KEEP_DOCUMENTS + 3):
         docs = random_documents(rng, 2, 10)
@@ -240,9 +239,8 @@ def test_blocks_planned_ahead_serve_every_tile(monkeypatch):
         cache.cache_clear()
     plan_blocks(mask, grid, local)
     made = []
-    for name in ("part_arrays", "tile_parts"):
-        cut = getattr(layout, name)
-        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    cut = layout.tile_parts
+    monkeypatch.setattr(layout, "tile_parts", lambda *args: made.append(1) or cut(*args))
     for x in grid.row_mesh_ranks:
         _tile_calls(mask, (x,), tuple(grid.col_mesh_ranks), local, torch.device("cpu"),
                     frozenset(), True, True, None)
