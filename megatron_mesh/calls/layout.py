@@ -32,7 +32,14 @@ from .part_arrays import (
     slice_arrays,
     tile_parts,
 )
-from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
+from .slice_blocks import (
+    MIN_SLAB_ROWS,
+    Run,
+    bounds_calls,
+    document_run_arrays,
+    position_run_arrays,
+    position_runs,
+)
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -165,7 +172,10 @@ def rank_runs(mask: AttentionMask, rank: int, local_len: int) -> tuple[Run, ...]
 
 @per_documents(lambda mask, *_: mask.packing)
 def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
-    """`rank_runs` as arrays (`part_arrays.RunArrays`)."""
+    """`rank_runs` as arrays (`part_arrays.RunArrays`); packed documents from their pieces."""
+    if mask.documents is not None and mask.placement is None:
+        docs = mask.documents
+        return document_run_arrays(docs.cu_padded, docs.lengths, mask.ranks, rank)
     return position_run_arrays(global_positions(mask, rank, local_len))
 
 

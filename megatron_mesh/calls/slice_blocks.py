@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..masks.slices import Slice, SliceMask, pieces
+from ..masks.zigzag import held_pieces
 from .block import Block, DocRuns, SideRuns
 from .part_arrays import RunArrays
 from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
@@ -72,6 +73,34 @@ def position_run_arrays(positions: torch.Tensor) -> RunArrays:
     order = np.argsort(at[starts], kind="stable")
     return RunArrays(rows[starts][order].astype(np.int64), at[starts][order].astype(np.int64),
                      count[order].astype(np.int64))
+
+
+def document_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], ranks: int,
+                        rank: int) -> RunArrays:
+    """`position_run_arrays` of `rank`'s rows of packed documents (THD: each document's
+    zigzag pieces, padded lengths `cu_padded`, actual `lengths`), from the pieces it holds
+    (no pass over its rows)."""
+    cu = np.array(cu_padded, dtype=np.int64)
+    padded = np.diff(cu)
+    piece = padded // (2 * ranks) if ranks > 1 else padded
+    held = np.array(held_pieces(ranks, rank), dtype=np.int64)
+    # each held piece of each document, in row order: its first row, position, valid rows
+    row = np.repeat(np.cumsum(padded // ranks) - padded // ranks, len(held))
+    row += np.tile(np.arange(len(held)), len(padded)) * np.repeat(piece, len(held))
+    index = np.tile(held, len(padded))
+    size = np.repeat(piece, len(held))
+    pos = np.repeat(cu[:-1], len(held)) + index * size
+    count = np.clip(np.repeat(np.array(lengths, dtype=np.int64), len(held)) - index * size,
+                    0, size)
+    some = count > 0
+    row, pos, count = row[some], pos[some], count[some]
+    # a piece goes on the run before it where it follows it in rows and positions
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = (row[1:] != row[:-1] + count[:-1]) | (pos[1:] != pos[:-1] + count[:-1])
+    starts = np.flatnonzero(new)
+    total = np.add.reduceat(count, starts) if len(starts) else count[:0]
+    order = np.argsort(pos[starts], kind="stable")
+    return RunArrays(row[starts][order], pos[starts][order], total[order])
 
 
 def block_parts(mask: SliceMask, q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]
