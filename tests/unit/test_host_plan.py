@@ -14,12 +14,37 @@ from megatron_mesh.calls import groups as groups_module
 from megatron_mesh.calls import layout
 from megatron_mesh.calls.block import Block
 from megatron_mesh.calls.groups import group_calls
-from megatron_mesh.calls.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
-from megatron_mesh.calls.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
-from megatron_mesh.calls.slice_blocks import block_calls, block_parts, bound_of, position_runs
+from megatron_mesh.calls.layout import (
+    AttentionMask,
+    block_for,
+    blocks_for,
+    global_positions,
+    mask_slices,
+    rank_runs,
+    slab_rows,
+)
+from megatron_mesh.calls.part_arrays import (
+    NO_HI,
+    NO_LO,
+    RunArrays,
+    document_arrays,
+    pair_counts,
+    part_arrays,
+    slice_arrays,
+)
+from megatron_mesh.calls.slice_blocks import (
+    block_calls,
+    block_parts,
+    bound_of,
+    document_run_arrays,
+    position_run_arrays,
+    position_runs,
+)
 from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
+from megatron_mesh.masks.document_placement import DocumentPlacement
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.masks.slices import SliceMask
+from megatron_mesh.masks.slices import SliceMask, slice_pairs
 from megatron_mesh.masks.window import Window
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.schedules.blocks import _tile_calls, plan_blocks
@@ -101,7 +126,26 @@ def masks(rng: random.Random, ranks: int) -> list[AttentionMask]:
     out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(
         random_slices(seq, 8, rng, windows=True), seq)))
     out.append(AttentionMask(rng.random() < 0.5, ranks=ranks))
+    # documents with a mask given as slices (alone, or with windows)
+    out.append(AttentionMask(True, docs, ranks, slices=SliceMask(random_slices(seq, 8, rng),
+                                                                 seq)))
+    out.append(AttentionMask(False, docs, ranks, slices=SliceMask(
+        random_slices(seq, 8, rng, windows=True), seq)))
+    # placed documents (`document_placer`), alone and with slices
+    placement = random_placement(rng, ranks, units)
+    out.append(AttentionMask(rng.random() < 0.5, ranks=ranks, placement=placement))
+    out.append(AttentionMask(False, ranks=ranks, placement=placement, slices=SliceMask(
+        random_slices(placement.total, 8, rng), placement.total)))
     return out
+
+
+def random_placement(rng: random.Random, ranks: int, units: int) -> DocumentPlacement:
+    """Documents of random lengths (at least one token) filling `units` x 2P tokens, placed
+    over `ranks` ranks."""
+    total = 2 * ranks * units
+    count = rng.randint(1, min(total, 12))
+    cuts = sorted(rng.sample(range(1, total), count - 1))
+    return place_documents([0, *cuts, total], ranks)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -111,6 +155,7 @@ def test_array_parts_equal_the_sweep(ranks):
     for _ in range(15):
         for mask in masks(rng, ranks):
             local = (mask.documents.total if mask.documents else
+                     mask.placement.total if mask.placement else
                      mask.slices.seq_len if mask.slices and mask.slices.seq_len else
                      8 * ranks) // ranks
             for x in range(ranks):
@@ -123,12 +168,13 @@ def test_array_parts_equal_the_sweep(ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_array_blocks_equal_the_per_part_blocks(ranks):
-    """Every block of random documents and slice masks is the reference's: the same
-    calls, rows, slices and documents."""
+    """Every block of random documents (THD and placed, alone and with slices or a window)
+    and slice masks is the reference's: the same calls, rows, slices and documents."""
     rng = random.Random(10 + ranks)
     for _ in range(12):
         for mask in masks(rng, ranks):
             seq = (mask.documents.total if mask.documents else
+                   mask.placement.total if mask.placement else
                    mask.slices.seq_len if mask.slices is not None else 16 * ranks)
             local = seq // ranks
             pairs = [(x, y) for x in range(ranks) for y in range(ranks)]
@@ -174,13 +220,18 @@ def same_call(a, b) -> bool:
 @pytest.mark.parametrize("rows,cols", [(1, 2), (2, 2), (2, 1), (4, 2)])
 def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
     """The grouped calls of every rank's tile (query chunk by query chunk, and the row's
-    chunks against one K/V chunk) equal those the per-document join makes."""
+    chunks against one K/V chunk) equal those the per-document join makes, over THD and
+    placed documents and documents with slices."""
     rng = random.Random(rows * 10 + cols)
     ranks = rows * cols
     for _ in range(6):
         docs = random_documents(rng, ranks, rng.choice([3, 8, 20]))
+        placement = random_placement(rng, ranks, docs.total // (2 * ranks))
         for mask in (AttentionMask(True, docs, ranks), AttentionMask(False, docs, ranks),
-                     AttentionMask(False, ranks=ranks, slices=docs.slices(True))):
+                     AttentionMask(False, ranks=ranks, slices=docs.slices(True)),
+                     AttentionMask(True, ranks=ranks, placement=placement),
+                     AttentionMask(True, docs, ranks, slices=SliceMask(
+                         random_slices(docs.total, 6, rng), docs.total))):
             local = docs.total // ranks
             for me in range(ranks):
                 xs = [me // cols * cols + j for j in range(cols)]
@@ -197,6 +248,38 @@ def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
                             want = group_calls(blocks, fold, True, limit)
                         assert len(got) == len(want)
                         assert all(same_call(a, b) for a, b in zip(got, want)), (mask, me)
+
+
+def test_document_runs_equal_the_runs_of_their_positions():
+    """A rank's runs of THD documents, made from the pieces it holds, are the runs a pass
+    over its rows' positions finds."""
+    rng = random.Random(8)
+    for _ in range(60):
+        ranks = rng.randint(1, 6)
+        docs = random_documents(rng, ranks, rng.randint(1, 16))
+        mask = AttentionMask(True, docs, ranks)
+        for rank in range(ranks):
+            want = position_run_arrays(global_positions(mask, rank, docs.total // ranks))
+            got = document_run_arrays(docs.cu_padded, docs.lengths, ranks, rank)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)), (docs, rank)
+
+
+def test_pair_counts_equal_the_slices_closed_form():
+    """The array planner's pair counts are `slice_pairs`' on random slices and bounds."""
+    rng = random.Random(9)
+    rows = []
+    for _ in range(400):
+        q0, k0 = rng.randrange(20), rng.randrange(20)
+        q1, k1 = q0 + rng.randint(1, 12), k0 + rng.randint(1, 12)
+        lo = rng.choice([None, rng.randint(-15, 15)])
+        hi = rng.choice([None, rng.randint(-15, 15)])
+        rows.append((q0, q1, k0, k1, lo, hi))
+    for bounded_below in (False, True):  # the one-bound form and the general one
+        chosen = [r for r in rows if bounded_below or r[4] is None]
+        table = np.array([(*r[:4], NO_LO if r[4] is None else r[4],
+                           NO_HI if r[5] is None else r[5]) for r in chosen], dtype=np.int64)
+        got = pair_counts(*table.T)
+        assert got.tolist() == [slice_pairs(*r) for r in chosen]
 
 
 def test_document_arrays_equal_the_documents_slices():
