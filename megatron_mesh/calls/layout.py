@@ -37,6 +37,7 @@ from .slice_blocks import (
     Run,
     bounds_calls,
     document_run_arrays,
+    documents_run_arrays,
     position_run_arrays,
     position_runs,
 )
@@ -121,6 +122,7 @@ def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask
 def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
                  device: torch.device) -> list[Block]:
     """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
+    _plan_runs(mask, [r for pair in pairs for r in pair], local_len)
     q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
     k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
     tile = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
@@ -177,6 +179,18 @@ def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
         docs = mask.documents
         return document_run_arrays(docs.cu_padded, docs.lengths, mask.ranks, rank)
     return position_run_arrays(global_positions(mask, rank, local_len))
+
+
+def _plan_runs(mask: AttentionMask, ranks: list[int], local_len: int) -> None:
+    """Make the `run_arrays` of THD documents of `ranks` not kept yet in one pass."""
+    if mask.documents is None or mask.placement is not None:
+        return
+    missing = [r for r in dict.fromkeys(ranks) if not run_arrays.holds(mask, r, local_len)]
+    if len(missing) > 1:
+        docs = mask.documents
+        for r, runs in zip(missing, documents_run_arrays(docs.cu_padded, docs.lengths,
+                                                         mask.ranks, missing)):
+            run_arrays.put(runs, mask, r, local_len)
 
 
 def slab_rows(window: Window | None, causal: bool) -> int:

@@ -37,6 +37,7 @@ from megatron_mesh.calls.slice_blocks import (
     block_parts,
     bound_of,
     document_run_arrays,
+    documents_run_arrays,
     position_run_arrays,
     position_runs,
 )
@@ -251,17 +252,20 @@ def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
 
 
 def test_document_runs_equal_the_runs_of_their_positions():
-    """A rank's runs of THD documents, made from the pieces it holds, are the runs a pass
-    over its rows' positions finds."""
+    """A rank's runs of THD documents, made from the pieces it holds (one rank's, or
+    several ranks' in one pass), are the runs a pass over its rows' positions finds."""
     rng = random.Random(8)
     for _ in range(60):
         ranks = rng.randint(1, 6)
         docs = random_documents(rng, ranks, rng.randint(1, 16))
         mask = AttentionMask(True, docs, ranks)
-        for rank in range(ranks):
+        of = rng.sample(range(ranks), rng.randint(1, ranks))
+        every = documents_run_arrays(docs.cu_padded, docs.lengths, ranks, of)
+        for rank, got in zip(of, every):
             want = position_run_arrays(global_positions(mask, rank, docs.total // ranks))
-            got = document_run_arrays(docs.cu_padded, docs.lengths, ranks, rank)
-            assert all(np.array_equal(a, b) for a, b in zip(got, want)), (docs, rank)
+            one = document_run_arrays(docs.cu_padded, docs.lengths, ranks, rank)
+            assert all(np.array_equal(a, b) for a, b in zip(one, want)), (docs, rank)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)), (docs, of, rank)
 
 
 def test_pair_counts_equal_the_slices_closed_form():
