@@ -153,8 +153,20 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     span = int(max(t.k1.max(initial=0), (k.pos + k.count).max(initial=0))) + 1
     k_end = k.pos + k.count
     base = k.rank * span
-    k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
     k1 = np.minimum(t.k1[si], q_hi[qi] + t.hi[si])
+    # first, per (key rank, slice), the rank's first key at or after the slice's first: a
+    # block without one before k1 has no part there (a table of ranks x slices, so the
+    # searches below run only for the pairs that may meet)
+    slices = len(t.k0)
+    ranks = np.arange(len(k.first))
+    at = np.searchsorted(base + k_end, (ranks[:, None] * span + t.k0[None, :]).ravel(),
+                         side="right")
+    inside = np.append(k.rank, -1)[at] == np.repeat(ranks, slices)
+    first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], np.tile(t.k0, len(ranks))),
+                         NO_HI)
+    near = first_key[kr * slices + si] < k1
+    qi, si, block, kr, k1 = qi[near], si[near], block[near], kr[near], k1[near]
+    k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
     k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
     count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
     ki = spans(k_first, count)
