@@ -11,13 +11,15 @@ takes the general path.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
 from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
-from .slice_blocks import _block, _Group, _one_slice, gathered_call
+from .slice_blocks import _block, _one_slice
 from .tile_slices import TileSlices
 
 
@@ -110,14 +112,28 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     qs, ks = _CallSide(q, order, row), _CallSide(k, order, row)
     calls: dict[int, list[Block]] = {}
     for n, (c0, c1) in enumerate(zip(first.tolist(), (first + size).tolist())):
-        b = int(call_block[c0])
-        if c1 - c0 == 1:
-            call = gathered_call([_group(order[c0], q, k, kind, b * local_len)], device)
+        if c1 - c0 == 1:  # one document: a plain call, full or a causal square
+            call = Block(qs.rows_of(c0, c1), ks.rows_of(c0, c1), causal=bool(kind[order[c0]]))
         else:
             call = _documents_call(qs, ks, c0, c1, bool(real[n]), device)
-        calls.setdefault(b, []).append(call)
+        calls.setdefault(int(call_block[c0]), []).append(call)
+    several = [b for b, made in calls.items() if len(made) > 1]
+    q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
+                                                                       local_len)
     for b, made in calls.items():
-        out[b] = _block(made, local_len, device)
+        out[b] = _on_device(made[0], device) if len(made) == 1 else Block(
+            _on_device(q_used[b], device), _on_device(k_used[b], device),
+            tiles=tuple(_on_device(c, device) for c in made))
+
+
+def _on_device(item, device: torch.device):
+    """A call with its index tensors on `device`, or rows (a slice or an index) there."""
+    if isinstance(item, Block):
+        if device.type == "cpu":
+            return item
+        return replace(item, q_rows=_on_device(item.q_rows, device),
+                       kv_rows=_on_device(item.kv_rows, device))
+    return item if isinstance(item, slice) else item.to(device)
 
 
 def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray) -> RunArrays:
@@ -253,23 +269,10 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
     return causal.astype(np.int8), ok
 
 
-def _group(n: int, q: _Side, k: _Side, kind: np.ndarray, row: int):
-    """Group n as `slice_blocks._Group` (its one slice only), rows from `row` on."""
-    nq, nk = int(q.count[n]), int(k.count[n])
-    one = (0, nq, 0, nk, None, 0 if kind[n] else None)
-    return _Group(_runs(q, n, row), _runs(k, n, row), [one], one, nq)
-
-
-def _runs(side: _Side, n: int, row: int) -> list[tuple[int, int]]:
-    a = side.group_start[n]
-    b = side.group_start[n + 1] if n + 1 < len(side.group_start) else len(side.start)
-    return list(zip((side.start[a:b] - row).tolist(), (side.end[a:b] - row).tolist()))
-
-
 class _CallSide:
     """One side of the documents calls, their groups in call order: each group's pieces
     [start, end) of local rows (`at`: its first piece; `at[-1]` all pieces), its rows
-    (`count`) and rows before it (`before`); `rows`: an index of every piece's rows in
+    (`count`) and rows before it (`cum`, and all); `rows`: an index of every piece's rows in
     order, `gap`: pieces not starting where the one before ends (int64 / bool arrays)."""
 
     def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
@@ -281,7 +284,8 @@ class _CallSide:
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(count, out=self.at[1:])
         self.count = side.count[order]
-        self.before = np.cumsum(self.count) - self.count
+        self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
+        np.cumsum(self.count, out=self.cum[1:])
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
         self.gaps = np.cumsum(self.gap)
@@ -296,8 +300,7 @@ class _CallSide:
 
     def cu(self, c0: int, c1: int) -> np.ndarray:
         """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
-        return np.append(self.before[c0:c1], self.before[c1 - 1] + self.count[c1 - 1]
-                         ) - self.before[c0]
+        return self.cum[c0:c1 + 1] - self.cum[c0]
 
     def rows_of(self, c0: int, c1: int) -> slice | torch.Tensor:
         """The call's rows: a slice where its pieces follow one another, else an index."""
@@ -305,6 +308,22 @@ class _CallSide:
         if self.gaps[p1 - 1] - self.gaps[p0] == 0:
             return slice(int(self.start[p0]), int(self.end[p1 - 1]))
         return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
+
+
+    def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
+             ) -> dict[int, slice | torch.Tensor]:
+        """The rows each block of `blocks` uses on this side (all its calls' rows, in order):
+        a slice where they follow one another, else an index (on the CPU)."""
+        if not blocks:
+            return {}
+        mark = np.zeros((int(group_block.max()) + 1) * local_len, dtype=bool)
+        mark[np.repeat(group_block, self.count) * local_len + self.rows] = True
+        out = {}
+        for b in blocks:
+            rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            out[b] = slice(first, last) if last - first == len(rows) else torch.from_numpy(rows)
+        return out
 
 
 def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, causal: bool,
