@@ -202,29 +202,27 @@ class _Side:
 def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
               ) -> _Side | None:
     """`slice_blocks._gather_group`'s rows of one side ([r0, r1) per part) for every group:
-    each group's union of ranges, cut at the runs' bounds, sorted by position."""
+    each group's union of ranges, cut at the runs' bounds (`runs` sorted by row), sorted by
+    position."""
     groups = int(comp.max()) + 1
-    order = np.lexsort((r0, comp))
-    g, a, b = comp[order], r0[order], r1[order]
     span = int(r1.max()) + 1
+    order = np.argsort(comp * span + r0, kind="stable")
+    g, a, b = comp[order], r0[order], r1[order]
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
-    seg = np.cumsum(new) - 1
     seg_start = a[new]
-    seg_end = np.zeros(int(seg[-1]) + 1, dtype=np.int64)
-    np.maximum.at(seg_end, seg, b)
+    seg_end = np.maximum.reduceat(b, np.flatnonzero(new))
     seg_group = g[new]
-    by_row = np.argsort(runs.row, kind="stable")
-    run_row, run_pos = runs.row[by_row], runs.pos[by_row]
-    run_end = run_row + runs.count[by_row]
+    run_row, run_pos = runs.row, runs.pos
+    run_end = run_row + runs.count
     first = np.searchsorted(run_row, seg_start, side="right") - 1
     last = np.searchsorted(run_row, seg_end, side="left") - 1
     if (first < 0).any():
         return None  # rows outside the runs: the general path decides
     count = last - first + 1
     ri = np.repeat(np.arange(len(seg_start)), count)
-    n = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + first[ri]
+    n = spans(first, count)
     start = np.maximum(seg_start[ri], run_row[n])
     end = np.minimum(seg_end[ri], run_end[n])
     if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0), np.cumsum(count) - count),
@@ -232,7 +230,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
         return None  # rows outside the runs: the general path decides
     pos = run_pos[n] + start - run_row[n]
     group = seg_group[ri]
-    by_pos = np.lexsort((pos, group))
+    by_pos = np.argsort(group * (int(pos.max()) + 1) + pos, kind="stable")
     start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
     before = np.cumsum(size) - size
