@@ -270,8 +270,8 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
 class _CallSide:
     """One side of the documents calls, their groups in call order: each group's pieces
     [start, end) of local rows (`at`: its first piece; `at[-1]` all pieces), its rows
-    (`count`) and rows before it (`cum`, and all); `rows`: an index of every piece's rows in
-    order, `gap`: pieces not starting where the one before ends (int64 / bool arrays)."""
+    (`count`) and rows before it (`cum`, and all); `gap`: pieces not starting where the one
+    before ends (int64 / bool arrays)."""
 
     def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
         ends = np.append(side.group_start[1:], len(side.start))
@@ -287,9 +287,6 @@ class _CallSide:
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
         self.gaps = np.cumsum(self.gap)
-        self.rows = spans(self.start, self.end - self.start)
-        self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
-        np.cumsum(self.end - self.start, out=self.rows_at[1:])
 
     def runs(self, c0: int, c1: int) -> SideRuns:
         """Groups c0 .. c1 - 1 as one call's documents' runs."""
@@ -305,7 +302,8 @@ class _CallSide:
         p0, p1 = int(self.at[c0]), int(self.at[c1])
         if self.gaps[p1 - 1] - self.gaps[p0] == 0:
             return slice(int(self.start[p0]), int(self.end[p1 - 1]))
-        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
+        start, end = self.start[p0:p1], self.end[p0:p1]
+        return torch.from_numpy(spans(start, end - start))
 
 
     def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
@@ -314,8 +312,11 @@ class _CallSide:
         a slice where they follow one another, else an index (on the CPU)."""
         if not blocks:
             return {}
-        mark = np.zeros((int(group_block.max()) + 1) * local_len, dtype=bool)
-        mark[np.repeat(group_block, self.count) * local_len + self.rows] = True
+        pieces = np.repeat(group_block, np.diff(self.at)) * local_len
+        edges = np.zeros((int(group_block.max()) + 1) * local_len + 1, dtype=np.int64)
+        np.add.at(edges, pieces + self.start, 1)
+        np.add.at(edges, pieces + self.end, -1)
+        mark = np.cumsum(edges[:-1]) > 0  # rows inside some piece
         out = {}
         for b in blocks:
             rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])
