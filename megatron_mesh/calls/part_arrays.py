@@ -130,7 +130,7 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     """`part_arrays` of blocks (x_b, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts
     of every block (block after block, each in `part_arrays`' order). `q_runs[b]`: x_b's
     runs, `k_runs[b]`: y_b's (blocks of one rank share its runs: each distinct one is swept
-    once)."""
+    once); each block once."""
     t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
     q, q_of = _stacked(q_runs)
     k, k_of = _stacked(k_runs)
@@ -142,30 +142,31 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     si = spans(first, count)
     keep = t.q1[si] > q_lo[qi]
     qi, si = qi[keep], si[keep]
-    # those of block b's query rank, block after block
-    at = np.searchsorted(q.rank[qi], np.arange(len(q.first)))
-    size = np.diff(np.append(at, len(qi)))[q_of]
-    entry = spans(at[q_of], size)
-    block = np.repeat(np.arange(len(q_of)), size)
-    qi, si, kr = qi[entry], si[entry], k_of[block]
     # the key runs of block b's key rank meeting each slice where the query run sees them
-    # (keys from q_lo + lo to q_hi - 1 + hi: runs outside give no part)
+    # (keys from q_lo + lo to q_hi - 1 + hi: runs outside give no part): first, per (key
+    # rank, slice), the rank's first key at or after the slice's first; a block without one
+    # before k1 has no part there (a table of ranks x slices against the distinct query
+    # ranks' pairs, so the searches below run only for the blocks' pairs that may meet)
     span = int(max(t.k1.max(initial=0), (k.pos + k.count).max(initial=0))) + 1
     k_end = k.pos + k.count
     base = k.rank * span
     k1 = np.minimum(t.k1[si], q_hi[qi] + t.hi[si])
-    # first, per (key rank, slice), the rank's first key at or after the slice's first: a
-    # block without one before k1 has no part there (a table of ranks x slices, so the
-    # searches below run only for the pairs that may meet)
-    slices = len(t.k0)
     ranks = np.arange(len(k.first))
     at = np.searchsorted(base + k_end, (ranks[:, None] * span + t.k0[None, :]).ravel(),
-                         side="right")
-    inside = np.append(k.rank, -1)[at] == np.repeat(ranks, slices)
-    first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], np.tile(t.k0, len(ranks))),
-                         NO_HI)
-    near = first_key[kr * slices + si] < k1
-    qi, si, block, kr, k1 = qi[near], si[near], block[near], kr[near], k1[near]
+                         side="right").reshape(len(ranks), -1)
+    inside = np.append(k.rank, -1)[at] == ranks[:, None]
+    first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], t.k0[None, :]), NO_HI)
+    kr, entry = np.nonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs]
+    blocks = np.full((len(q.first), len(ranks)), -1, dtype=np.int64)
+    blocks[q_of, k_of] = np.arange(len(q_of))
+    if (blocks >= 0).sum() < len(q_of):
+        raise ValueError(f"tile_parts takes each block once, got {len(q_of)} blocks of "
+                         f"{int((blocks >= 0).sum())} distinct (query, key) runs")
+    block = blocks[q.rank[qi[entry]], kr]
+    entry, block = entry[block >= 0], block[block >= 0]
+    by_block = np.argsort(block * len(qi) + entry, kind="stable")
+    block, entry = block[by_block], entry[by_block]
+    qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
     k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
     k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
     count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
