@@ -270,8 +270,8 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
 class _CallSide:
     """One side of the documents calls, their groups in call order: each group's pieces
     [start, end) of local rows (`at`: its first piece; `at[-1]` all pieces), its rows
-    (`count`) and rows before it (`cum`, and all); `gap`: pieces not starting where the one
-    before ends (int64 / bool arrays)."""
+    (`count`) and rows before it (`cum`, and all); `rows`: every piece's rows in order (from
+    `rows_at`), `gap`: pieces not starting where the one before ends (int64 / bool arrays)."""
 
     def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
         ends = np.append(side.group_start[1:], len(side.start))
@@ -287,6 +287,9 @@ class _CallSide:
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
         self.gaps = np.cumsum(self.gap)
+        self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
+        self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
+        np.cumsum(self.end - self.start, out=self.rows_at[1:])
 
     def runs(self, c0: int, c1: int) -> SideRuns:
         """Groups c0 .. c1 - 1 as one call's documents' runs."""
@@ -302,8 +305,7 @@ class _CallSide:
         p0, p1 = int(self.at[c0]), int(self.at[c1])
         if self.gaps[p1 - 1] - self.gaps[p0] == 0:
             return slice(int(self.start[p0]), int(self.end[p1 - 1]))
-        start, end = self.start[p0:p1], self.end[p0:p1]
-        return torch.from_numpy(spans(start, end - start))
+        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
 
 
     def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
