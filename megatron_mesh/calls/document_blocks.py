@@ -76,11 +76,11 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     shift = block * local_len
     parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
                        parts.lo, parts.hi)
-    q_all = _laid_apart(tile.q_run, take, shift)
-    k_all = _laid_apart(tile.k_run, take, shift)
+    q_all, q_in = _laid_apart(tile.q_run, take, shift)
+    k_all, k_in = _laid_apart(tile.k_run, take, shift)
     comp = _components(parts)
-    q = _gathered(parts.q0, parts.q1, comp, q_all)
-    k = _gathered(parts.k0, parts.k1, comp, k_all)
+    q = _gathered(parts.q0, parts.q1, comp, q_all, q_in)
+    k = _gathered(parts.k0, parts.k1, comp, k_all, k_in)
     if q is None or k is None:
         return
     dq, dk = q.moved - parts.q0, k.moved - parts.k0
@@ -136,11 +136,13 @@ def _on_device(item, device: torch.device):
     return item if isinstance(item, slice) else item.to(device)
 
 
-def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray) -> RunArrays:
+def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
+                ) -> tuple[RunArrays, np.ndarray]:
     """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
-    blocks laid apart), sorted by row."""
-    row, first = np.unique(runs.row[take] + shift, return_index=True)
-    return RunArrays(row, runs.pos[take][first], runs.count[take][first])
+    blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
+    row, first, inside = np.unique(runs.row[take] + shift, return_index=True,
+                                   return_inverse=True)
+    return RunArrays(row, runs.pos[take][first], runs.count[take][first]), inside
 
 
 def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int):
@@ -199,12 +201,11 @@ class _Side:
         self.count, self.first_row, self.moved = count, first_row, moved
 
 
-def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
-              ) -> _Side | None:
+def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
+              inside: np.ndarray) -> _Side | None:
     """`slice_blocks._gather_group`'s rows of one side ([r0, r1) per part) for every group:
-    each group's union of ranges, cut at the runs' bounds (`runs` sorted by row), sorted by
-    position."""
-    groups = int(comp.max()) + 1
+    each group's union of ranges, cut at the runs' bounds (`runs` sorted by row; `inside`:
+    the run each part lies in), sorted by position."""
     span = int(r1.max()) + 1
     order = np.argsort(comp * span + r0, kind="stable")
     g, a, b = comp[order], r0[order], r1[order]
@@ -212,14 +213,14 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
     seg_start = a[new]
-    seg_end = np.maximum.reduceat(b, np.flatnonzero(new))
+    seg_first = np.flatnonzero(new)
+    seg_end = np.maximum.reduceat(b, seg_first)
+    run_of = inside[order]  # runs are sorted by row: a segment's first and last run
     seg_group = g[new]
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
-    first = np.searchsorted(run_row, seg_start, side="right") - 1
-    last = np.searchsorted(run_row, seg_end, side="left") - 1
-    if (first < 0).any():
-        return None  # rows outside the runs: the general path decides
+    first = run_of[seg_first]
+    last = np.maximum.reduceat(run_of, seg_first)
     count = last - first + 1
     ri = np.repeat(np.arange(len(seg_start)), count)
     n = spans(first, count)
@@ -234,11 +235,18 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
     start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
     before = np.cumsum(size) - size
-    group_start = np.searchsorted(group, np.arange(groups), side="left")
+    new_group = np.ones(len(group), dtype=bool)
+    new_group[1:] = group[1:] != group[:-1]
+    group_start = np.flatnonzero(new_group)  # every group has a piece
     group_rows = np.add.reduceat(size, group_start)
     offset = before - before[group_start][group]  # rows before the piece in its group
-    rows = np.argsort(start, kind="stable")
-    at = rows[np.searchsorted(start[rows], r0, side="right") - 1]
+    # each part's piece: its segment's first piece and as many on as runs (then by position)
+    placed = np.empty(len(by_pos), dtype=np.int64)
+    placed[by_pos] = np.arange(len(by_pos))
+    seg = np.cumsum(new) - 1
+    part = np.empty(len(order), dtype=np.int64)
+    part[order] = (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    at = placed[part]
     return _Side(start, end, group_start, group_rows, start[group_start],
                  offset[at] + r0 - start[at])
 
