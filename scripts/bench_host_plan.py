@@ -2,6 +2,7 @@
 
 A rank's plan of a micro-batch is what it builds for its own tile: the blocks of its row's
 query chunks against its column's K/V chunks (their parts, kernel calls and `TileSlices`),
+made ahead of the first layer (`schedules.blocks.plan_blocks`, as the driver calls it), then
 grouped into the tile's calls (`schedules.blocks.tile_calls`: one query chunk against the
 column, as the gathered schedule asks for it). Each measurement starts from empty caches
 (a new micro-batch). The micro-batch: `--tokens` tokens in N documents of random lengths,
@@ -28,7 +29,8 @@ from megatron_mesh.common.caches import _CACHES
 from megatron_mesh.cost_models.tile_calls import group_tokens
 from megatron_mesh.masks.documents import Documents
 from megatron_mesh.planner.gpu_profile import load_profile
-from megatron_mesh.schedules.blocks import _tile_calls
+from megatron_mesh.runtime.grid import MeshGrid
+from megatron_mesh.schedules.blocks import _tile_calls, plan_blocks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,14 +89,15 @@ def clear_caches() -> None:
         cache.cache_clear()
 
 
-def plan(mask: AttentionMask, rows: int, cols: int, rank: int, local_len: int, fold: bool):
-    """The calls of mesh rank `rank`'s tile: each of its row's query chunks against its
-    column's K/V chunks."""
-    row, col = rank // cols, rank % cols
-    xs = [row * cols + j for j in range(cols)]
-    ys = tuple(i * cols + col for i in range(rows))
-    return [c for x in xs for c in _tile_calls(mask, (x,), ys, local_len, torch.device("cpu"),
-                                                 frozenset(), fold, True, group_tokens())]
+def plan(mask: AttentionMask, grid: MeshGrid, local_len: int, fold: bool):
+    """The calls of the grid's rank's tile as the driver makes them: its blocks ahead of
+    the first layer (`plan_blocks`), then each of its row's query chunks against its
+    column's K/V chunks (what the layer asks for)."""
+    plan_blocks(mask, grid, local_len)
+    ys = tuple(grid.col_mesh_ranks)
+    return [c for x in grid.row_mesh_ranks
+            for c in _tile_calls(mask, (x,), ys, local_len, torch.device("cpu"), frozenset(),
+                                 fold, True, group_tokens())]
 
 
 def _size(rows) -> int:
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         a, rows, cols = grid_of(grid_text)
         p = a * rows * cols
         local_len = a * args.tokens // p
+        grid = MeshGrid(rows, cols, args.rank * a, tuple(range(p)), None, None, heads=a)
         for count in (int(n) for n in args.documents.split(",")):
             docs = documents(args.tokens, count, p, args.seed)
             for kind, mask in masks(docs, rows * cols, kinds).items():
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(args.repeat):
                     clear_caches()
                     start = time.perf_counter()
-                    calls = plan(mask, rows, cols, args.rank, local_len, args.fold)
+                    calls = plan(mask, grid, local_len, args.fold)
                     times.append(time.perf_counter() - start)
                 fwd, bwd = model_ms(calls, args.heads // a, args.head_dim)
                 print(f"{grid_text:>8} {p:>3} {count:>5} {kind:>6} {len(calls):>6} "
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.profile:
                     clear_caches()
                     profiler = cProfile.Profile()
-                    profiler.runcall(plan, mask, rows, cols, args.rank, local_len, args.fold)
+                    profiler.runcall(plan, mask, grid, local_len, args.fold)
                     pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 

@@ -11,31 +11,31 @@ takes the general path.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from ..masks.slices import pieces
-from .block import Block
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays
-from .slice_blocks import _block, _Group, _one_slice, gathered_call
-from .tile_slices import TileSlices, slice_pairs
+from .block import Block, DocRuns, SideRuns
+from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
+from .slice_blocks import _block, _one_slice
+from .tile_slices import TileSlices
 
 
-def document_block(parts: PartArrays, local_len: int, q_runs: RunArrays, k_runs: RunArrays,
-                   device: torch.device) -> Block | None:
-    """The block of `parts` (non-empty, no window) as `slice_blocks.block_calls` makes it,
-    or None where the fast path does not apply (module docstring)."""
-    block = np.zeros(len(parts), dtype=np.int64)
-    return document_blocks(parts, block, local_len, [q_runs], [k_runs], device)[0]
+def document_block(tile: TileParts, local_len: int, device: torch.device) -> Block | None:
+    """The block of `tile`'s parts (one block, non-empty, no window) as
+    `slice_blocks.block_calls` makes it, or None where the fast path does not apply (module
+    docstring)."""
+    return document_blocks(tile, 1, local_len, device)[0]
 
 
-def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
-                    q_runs: list[RunArrays], k_runs: list[RunArrays], device: torch.device
+def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device
                     ) -> list[Block | None]:
-    """`document_block` of several blocks in one pass: block b's parts are those where
-    block == b (consecutive, non-empty), its runs q_runs[b] and k_runs[b]; None for a block
-    the fast path does not take."""
-    count = len(q_runs)
+    """`document_block` of `count` blocks in one pass: block b's parts are those where
+    tile.block == b (consecutive, non-empty); None for a block the fast path does not
+    take."""
+    parts, block = tile.parts, tile.block
     out: list[Block | None] = [None] * count
     first = np.searchsorted(block, np.arange(count), side="left")
     size = np.searchsorted(block, np.arange(count), side="right") - first
@@ -46,38 +46,41 @@ def document_blocks(parts: PartArrays, block: np.ndarray, local_len: int,
     k0, k1 = np.minimum.reduceat(parts.k0, first), np.maximum.reduceat(parts.k1, first)
     lo = np.minimum.reduceat(parts.k0 - parts.q1 + 1, first)
     hi = np.maximum.reduceat(np.minimum(parts.k1 - 1 - parts.q0, parts.hi), first)
-    pairs = np.add.reduceat(_pairs(parts.q0, parts.q1, parts.k0, parts.k1, parts.hi), first)
+    # `slice_blocks.merged` of each block's parts (unbounded below): the one slice they
+    # are where it keeps their pairs and they fill its rows
+    lo = np.where(lo <= k0 - (q1 - 1), NO_LO, lo)
+    hi = np.where(hi >= k1 - 1 - q0, NO_HI, hi)
+    pairs = np.add.reduceat(pair_counts(*parts), first)
+    same = ~bounded & (pair_counts(q0, q1, k0, k1, lo, hi) == pairs)
     rest = []
-    for b in range(count):
-        if bounded[b] or len(q_runs[b].row) == 0 or len(k_runs[b].row) == 0:
-            continue
+    for b in np.flatnonzero(~bounded).tolist():
+        whole = False
         if size[b] == 1:
             whole = parts.take(slice(first[b], first[b] + 1)).bounds()[0]
-        else:
-            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi, pairs)))
+        elif same[b]:
+            whole = _whole(*(int(v[b]) for v in (q0, q1, k0, k1, lo, hi)))
         if whole is not False:
             out[b] = _block([_one_slice(whole)], local_len, device)
         else:
             rest.append(b)
     if rest:
-        _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out)
+        _documents_of(tile, first, size, rest, local_len, device, out)
     return out
 
 
-def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, device, out
-                  ) -> None:
+def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
     at rows b x local_len on, so one pass finds every block's groups."""
-    take = np.concatenate([np.arange(first[b], first[b] + size[b]) for b in rest])
-    parts, block = parts.take(take), block[take]
+    take = spans(first[rest], size[rest])
+    parts, block = tile.parts.take(take), tile.block[take]
     shift = block * local_len
     parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
                        parts.lo, parts.hi)
-    q_all = _laid_apart([q_runs[b] for b in rest], rest, local_len)
-    k_all = _laid_apart([k_runs[b] for b in rest], rest, local_len)
+    q_all, q_in = _laid_apart(tile.q_run, take, shift)
+    k_all, k_in = _laid_apart(tile.k_run, take, shift)
     comp = _components(parts)
-    q = _gathered(parts.q0, parts.q1, comp, q_all)
-    k = _gathered(parts.k0, parts.k1, comp, k_all)
+    q = _gathered(parts.q0, parts.q1, comp, q_all, q_in)
+    k = _gathered(parts.k0, parts.k1, comp, k_all, k_in)
     if q is None or k is None:
         return
     dq, dk = q.moved - parts.q0, k.moved - parts.k0
@@ -90,61 +93,68 @@ def _documents_of(parts, block, first, size, rest, local_len, q_runs, k_runs, de
     good = np.ones(len(out), dtype=bool)
     np.logical_and.at(good, comp_block, ok)
     one_pair = (q.count == 1) & (k.count == 1)
-    starts = np.searchsorted(comp_block, rest, side="left")
-    ends = np.searchsorted(comp_block, rest, side="right")
-    for b, c0, c1 in zip(rest, starts.tolist(), ends.tolist()):
-        if not good[b]:
-            continue
-        causal = kind[c0:c1] == 1
-        pair = one_pair[c0:c1]
-        if causal.any():  # a document of one query and one key is causal as well as full
-            causal = causal | pair
-        calls = []
-        for want in (True, False):
-            members = np.flatnonzero(causal == want) + c0
-            if len(members) == 0:
-                continue
-            members = members[np.argsort(q.first_row[members], kind="stable")]
-            row = b * local_len
-            if len(members) == 1:
-                calls.append(gathered_call([_group(members[0], q, k, kind, row)], device))
-            else:
-                real = bool((causal & ~pair)[members - c0].any()) and want
-                calls.append(_documents_call(members, q, k, real, device, row))
-        out[b] = _block(calls, local_len, device)
+    has_causal = np.zeros(len(out), dtype=bool)
+    np.logical_or.at(has_causal, comp_block, kind == 1)
+    # a document of one query and one key is causal as well as full
+    causal = (kind == 1) | (one_pair & has_causal[comp_block])
+    taken = np.flatnonzero(good[comp_block])
+    if len(taken) == 0:
+        return
+    # the calls: per block its causal documents, then its full ones, each by first row
+    order = taken[np.lexsort((q.first_row[taken], ~causal[taken], comp_block[taken]))]
+    call_block, call_causal = comp_block[order], causal[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (call_block[1:] != call_block[:-1]) | (call_causal[1:] != call_causal[:-1])
+    first = np.flatnonzero(new)
+    size = np.diff(np.append(first, len(order)))
+    real = np.logical_or.reduceat((kind[order] == 1) & ~one_pair[order], first) & call_causal[first]
+    row = call_block * local_len
+    qs, ks = _CallSide(q, order, row), _CallSide(k, order, row)
+    calls: dict[int, list[Block]] = {}
+    for n, (c0, c1) in enumerate(zip(first.tolist(), (first + size).tolist())):
+        if c1 - c0 == 1:  # one document: a plain call, full or a causal square
+            call = Block(qs.rows_of(c0, c1), ks.rows_of(c0, c1), causal=bool(kind[order[c0]]))
+        else:
+            call = _documents_call(qs, ks, c0, c1, bool(real[n]), device)
+        calls.setdefault(int(call_block[c0]), []).append(call)
+    several = [b for b, made in calls.items() if len(made) > 1]
+    q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
+                                                                       local_len)
+    for b, made in calls.items():
+        out[b] = _on_device(made[0], device) if len(made) == 1 else Block(
+            _on_device(q_used[b], device), _on_device(k_used[b], device),
+            tiles=tuple(_on_device(c, device) for c in made))
 
 
-def _laid_apart(runs: list[RunArrays], blocks: list[int], local_len: int) -> RunArrays:
-    """Runs of several blocks in one, block b's rows moved to b x local_len on."""
-    return RunArrays(np.concatenate([r.row + b * local_len for r, b in zip(runs, blocks)]),
-                     np.concatenate([r.pos for r in runs]),
-                     np.concatenate([r.count for r in runs]))
+def _on_device(item, device: torch.device):
+    """A call with its index tensors on `device`, or rows (a slice or an index) there."""
+    if isinstance(item, Block):
+        if device.type == "cpu":
+            return item
+        return replace(item, q_rows=_on_device(item.q_rows, device),
+                       kv_rows=_on_device(item.kv_rows, device))
+    return item if isinstance(item, slice) else item.to(device)
 
 
-def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int, pairs: int):
-    """`slice_blocks.merged` of a block's parts (unbounded below; their least and most
-    rows, least k0 - q1 + 1, most min(k1 - 1 - q0, hi), and pairs): the one slice they
-    are, or False where they are none."""
-    lo = None if lo <= k0 - (q1 - 1) else lo
-    hi = None if hi >= k1 - 1 - q0 else hi
-    if slice_pairs(q0, q1, k0, k1, lo, hi) != pairs:
-        return False
+def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
+                ) -> tuple[RunArrays, np.ndarray]:
+    """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
+    blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
+    row, first, inside = np.unique(runs.row[take] + shift, return_index=True,
+                                   return_inverse=True)
+    return RunArrays(row, runs.pos[take][first], runs.count[take][first]), inside
+
+
+def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int):
+    """The one slice (q0, q1, k0, k1, lo, hi) of a block's parts that keeps their pairs
+    (`NO_LO` / `NO_HI`: unbounded) where its pieces fill its rows, else False."""
+    lo, hi = (None if lo == NO_LO else lo), (None if hi == NO_HI else hi)
     trimmed = pieces(q0, q1, k0, k1, lo, hi)
     if not trimmed or (min(p.q_start for p in trimmed), max(p.q_end for p in trimmed),
                        min(p.k_start for p in trimmed), max(p.k_end for p in trimmed)
                        ) != (q0, q1, k0, k1):
         return False
     return q0, q1, k0, k1, lo, hi
-
-
-def _pairs(a, b, c, e, hi) -> np.ndarray:
-    """Pairs of queries [a, b) x keys [c, e) with j - i <= hi (NO_HI: unbounded), each."""
-    full = (b - a) * (e - c)
-    start = np.clip(c - hi, a, b)  # the first row that sees a key
-    whole = np.clip(e - 1 - hi, a, b)  # the first row that sees every key
-    n = whole - start
-    partial = n * (hi - c + 1) + (start + whole - 1) * n // 2 + (b - whole) * (e - c)
-    return np.where(hi == NO_HI, full, partial)
 
 
 def _components(parts: PartArrays) -> np.ndarray:
@@ -191,32 +201,29 @@ class _Side:
         self.count, self.first_row, self.moved = count, first_row, moved
 
 
-def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
-              ) -> _Side | None:
+def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
+              inside: np.ndarray) -> _Side | None:
     """`slice_blocks._gather_group`'s rows of one side ([r0, r1) per part) for every group:
-    each group's union of ranges, cut at the runs' bounds, sorted by position."""
-    groups = int(comp.max()) + 1
-    order = np.lexsort((r0, comp))
-    g, a, b = comp[order], r0[order], r1[order]
+    each group's union of ranges, cut at the runs' bounds (`runs` sorted by row; `inside`:
+    the run each part lies in), sorted by position."""
     span = int(r1.max()) + 1
+    order = np.argsort(comp * span + r0, kind="stable")
+    g, a, b = comp[order], r0[order], r1[order]
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
-    seg = np.cumsum(new) - 1
     seg_start = a[new]
-    seg_end = np.zeros(int(seg[-1]) + 1, dtype=np.int64)
-    np.maximum.at(seg_end, seg, b)
+    seg_first = np.flatnonzero(new)
+    seg_end = np.maximum.reduceat(b, seg_first)
+    run_of = inside[order]  # runs are sorted by row: a segment's first and last run
     seg_group = g[new]
-    by_row = np.argsort(runs.row, kind="stable")
-    run_row, run_pos = runs.row[by_row], runs.pos[by_row]
-    run_end = run_row + runs.count[by_row]
-    first = np.searchsorted(run_row, seg_start, side="right") - 1
-    last = np.searchsorted(run_row, seg_end, side="left") - 1
-    if (first < 0).any():
-        return None  # rows outside the runs: the general path decides
+    run_row, run_pos = runs.row, runs.pos
+    run_end = run_row + runs.count
+    first = run_of[seg_first]
+    last = np.maximum.reduceat(run_of, seg_first)
     count = last - first + 1
     ri = np.repeat(np.arange(len(seg_start)), count)
-    n = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + first[ri]
+    n = spans(first, count)
     start = np.maximum(seg_start[ri], run_row[n])
     end = np.minimum(seg_end[ri], run_end[n])
     if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0), np.cumsum(count) - count),
@@ -224,15 +231,22 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays
         return None  # rows outside the runs: the general path decides
     pos = run_pos[n] + start - run_row[n]
     group = seg_group[ri]
-    by_pos = np.lexsort((pos, group))
+    by_pos = np.argsort(group * (int(pos.max()) + 1) + pos, kind="stable")
     start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
     before = np.cumsum(size) - size
-    group_start = np.searchsorted(group, np.arange(groups), side="left")
+    new_group = np.ones(len(group), dtype=bool)
+    new_group[1:] = group[1:] != group[:-1]
+    group_start = np.flatnonzero(new_group)  # every group has a piece
     group_rows = np.add.reduceat(size, group_start)
     offset = before - before[group_start][group]  # rows before the piece in its group
-    rows = np.argsort(start, kind="stable")
-    at = rows[np.searchsorted(start[rows], r0, side="right") - 1]
+    # each part's piece: its segment's first piece and as many on as runs (then by position)
+    placed = np.empty(len(by_pos), dtype=np.int64)
+    placed[by_pos] = np.arange(len(by_pos))
+    seg = np.cumsum(new) - 1
+    part = np.empty(len(order), dtype=np.int64)
+    part[order] = (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    at = placed[part]
     return _Side(start, end, group_start, group_rows, start[group_start],
                  offset[at] + r0 - start[at])
 
@@ -251,71 +265,80 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
     np.minimum.at(first_k, comp, k0)
     full = top >= k_count - 1
     causal = ~full & (top == 0) & (q_count == k_count)
-    want = np.where(full, q_count * k_count, _pairs(0, q_count, 0, k_count, np.where(
-        full, NO_HI, top)))
+    zero = np.zeros_like(q_count)
+    want = np.where(full, q_count * k_count, pair_counts(
+        zero, q_count, zero, k_count, np.full_like(top, NO_LO), np.where(full, NO_HI, top)))
     got = np.zeros(groups, dtype=np.int64)
-    np.add.at(got, comp, _pairs(q0, q1, k0, k1, hi))
+    np.add.at(got, comp, pair_counts(q0, q1, k0, k1, np.full_like(hi, NO_LO), hi))
     ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
           & (want == got))
     return causal.astype(np.int8), ok
 
 
-def _group(n: int, q: _Side, k: _Side, kind: np.ndarray, row: int):
-    """Group n as `slice_blocks._Group` (its one slice only), rows from `row` on."""
-    nq, nk = int(q.count[n]), int(k.count[n])
-    one = (0, nq, 0, nk, None, 0 if kind[n] else None)
-    return _Group(_runs(q, n, row), _runs(k, n, row), [one], one, nq)
+class _CallSide:
+    """One side of the documents calls, their groups in call order: each group's pieces
+    [start, end) of local rows (`at`: its first piece; `at[-1]` all pieces), its rows
+    (`count`) and rows before it (`cum`, and all); `rows`: every piece's rows in order (from
+    `rows_at`), `gap`: pieces not starting where the one before ends (int64 / bool arrays)."""
+
+    def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
+        ends = np.append(side.group_start[1:], len(side.start))
+        count = ends[order] - side.group_start[order]
+        index = spans(side.group_start[order], count)
+        shift = np.repeat(row, count)
+        self.start, self.end = side.start[index] - shift, side.end[index] - shift
+        self.at = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(count, out=self.at[1:])
+        self.count = side.count[order]
+        self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
+        np.cumsum(self.count, out=self.cum[1:])
+        self.gap = np.ones(len(self.start), dtype=bool)
+        self.gap[1:] = self.start[1:] != self.end[:-1]
+        self.gaps = np.cumsum(self.gap)
+        self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
+        self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
+        np.cumsum(self.end - self.start, out=self.rows_at[1:])
+
+    def runs(self, c0: int, c1: int) -> SideRuns:
+        """Groups c0 .. c1 - 1 as one call's documents' runs."""
+        p0, p1 = int(self.at[c0]), int(self.at[c1])
+        return SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0)
+
+    def cu(self, c0: int, c1: int) -> np.ndarray:
+        """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
+        return self.cum[c0:c1 + 1] - self.cum[c0]
+
+    def rows_of(self, c0: int, c1: int) -> slice | torch.Tensor:
+        """The call's rows: a slice where its pieces follow one another, else an index."""
+        p0, p1 = int(self.at[c0]), int(self.at[c1])
+        if self.gaps[p1 - 1] - self.gaps[p0] == 0:
+            return slice(int(self.start[p0]), int(self.end[p1 - 1]))
+        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
 
 
-def _runs(side: _Side, n: int, row: int) -> list[tuple[int, int]]:
-    a = side.group_start[n]
-    b = side.group_start[n + 1] if n + 1 < len(side.group_start) else len(side.start)
-    return list(zip((side.start[a:b] - row).tolist(), (side.end[a:b] - row).tolist()))
+    def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
+             ) -> dict[int, slice | torch.Tensor]:
+        """The rows each block of `blocks` uses on this side (all its calls' rows, in order):
+        a slice where they follow one another, else an index (on the CPU)."""
+        if not blocks:
+            return {}
+        pieces = np.repeat(group_block, np.diff(self.at)) * local_len
+        edges = np.zeros((int(group_block.max()) + 1) * local_len + 1, dtype=np.int64)
+        np.add.at(edges, pieces + self.start, 1)
+        np.add.at(edges, pieces + self.end, -1)
+        mark = np.cumsum(edges[:-1]) > 0  # rows inside some piece
+        out = {}
+        for b in blocks:
+            rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            out[b] = slice(first, last) if last - first == len(rows) else torch.from_numpy(rows)
+        return out
 
 
-def _documents_call(members: np.ndarray, q: _Side, k: _Side, causal: bool,
-                    device: torch.device, row: int) -> Block:
-    """`slice_blocks.gathered_call` of several documents (groups `members`, in order; their
-    rows from `row` on)."""
-    q_start, q_end, q_cut = _pieces_of(q, members)
-    k_start, k_end, k_cut = _pieces_of(k, members)
-    q_start, q_end, k_start, k_end = q_start - row, q_end - row, k_start - row, k_end - row
-    cu_q = (0, *np.cumsum(q.count[members]).tolist())
-    cu_kv = (0, *np.cumsum(k.count[members]).tolist())
-    tile = TileSlices.documents(cu_q, cu_kv, causal, device)
-    q_pairs = list(zip(q_start.tolist(), q_end.tolist()))
-    k_pairs = list(zip(k_start.tolist(), k_end.tolist()))
-    doc_runs = tuple(zip(_split(q_pairs, q_cut), _split(k_pairs, k_cut)))
-    return Block(_rows(q_start, q_end), _rows(k_start, k_end), causal=tile.causal,
-                 slices=tile, doc_runs=doc_runs)
-
-
-def _pieces_of(side: _Side, members: np.ndarray):
-    """The pieces of groups `members`, concatenated in their order, and each group's count."""
-    ends = np.append(side.group_start[1:], len(side.start))
-    count = ends[members] - side.group_start[members]
-    index = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - side.group_start[
-        members], count)
-    return side.start[index], side.end[index], count
-
-
-def _split(pairs: list, count: np.ndarray) -> list[tuple]:
-    """`pairs` cut into consecutive tuples of `count` items."""
-    if (count == 1).all():
-        return list(zip(pairs))
-    if (count == 2).all():
-        return list(zip(pairs[::2], pairs[1::2]))
-    out, at = [], 0
-    for n in count.tolist():
-        out.append(tuple(pairs[at:at + n]))
-        at += n
-    return out
-
-
-def _rows(start: np.ndarray, end: np.ndarray) -> slice | torch.Tensor:
-    """`slice_blocks._rows_of` of ranges [start, end) in order."""
-    if (start[1:] == end[:-1]).all():
-        return slice(int(start[0]), int(end[-1]))
-    size = end - start
-    index = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size - start, size)
-    return torch.from_numpy(index)
+def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, causal: bool,
+                    device: torch.device) -> Block:
+    """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
+    order)."""
+    tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
+    return Block(q.rows_of(c0, c1), k.rows_of(c0, c1), causal=tile.causal, slices=tile,
+                 doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))

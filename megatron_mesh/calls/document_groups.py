@@ -24,14 +24,13 @@ the joined side per call (the last calls first, as `groups.py` cuts them).
 """
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
-from operator import itemgetter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .block import Block, Runs
+from .block import Block, SideRuns
+from .part_arrays import spans
 from .tile_slices import TileSlices
 
 
@@ -45,68 +44,119 @@ class Member:
     call: Block
 
 
-def _side_runs(call: Block, side: str) -> tuple[Runs, ...]:
-    """Each document's runs of local rows on `side` ('q' or 'kv')."""
-    return tuple(map(itemgetter(0 if side == "q" else 1), call.doc_runs))
+class _Docs:
+    """A group's documents on its shared side, numbered in the order they joined: their
+    runs (`SideRuns` in that order), least rows `low` and last rows + 1 `high`, and
+    `by_low`: their numbers in order of `low` (no two documents of a group start at one
+    row: a call meeting a document's first row is refused or is that document)."""
+
+    def __init__(self, runs: SideRuns) -> None:
+        self.runs = runs
+        self.by_low = np.argsort(runs.low, kind="stable")
+        self.low_sorted = runs.low[self.by_low]
+        self.high_sorted = runs.high[self.by_low]
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def match(self, other: SideRuns) -> np.ndarray:
+        """int64 [documents of other]: the number of the group's document with the same
+        runs as each of `other`'s, -1 where none."""
+        if len(self) == 0:
+            return np.full(len(other), -1, dtype=np.int64)
+        j = np.minimum(np.searchsorted(self.low_sorted, other.low), len(self) - 1)
+        found = self.by_low[j]
+        mine = self.runs
+        same = self.low_sorted[j] == other.low
+        if mine.one_run and other.one_run:
+            same &= (mine.start[found] == other.start) & (mine.end[found] == other.end)
+        else:
+            count = np.diff(other.at)
+            same &= (np.diff(mine.at)[found] == count) & (mine.high[found] == other.high)
+            check = np.flatnonzero(same)
+            if len(check):
+                mine_at = spans(mine.at[found[check]], count[check])
+                other_at = spans(other.at[check], count[check])
+                equal = (mine.start[mine_at] == other.start[other_at]) & (
+                    mine.end[mine_at] == other.end[other_at])
+                firsts = np.cumsum(count[check]) - count[check]
+                same[check] = np.logical_and.reduceat(equal, firsts)
+        return np.where(same, found, -1)
+
+    def meets(self, other: SideRuns, ids: np.ndarray) -> bool:
+        """Whether some document of `other` not in the group (ids -1) meets the group's
+        document of the greatest least row before its last row (the group's rule)."""
+        new = ids < 0
+        if len(self) == 0 or not new.any():
+            return False
+        low, high = other.low[new], other.high[new]
+        n = np.searchsorted(self.low_sorted, high - 1, side="right") - 1
+        return bool(((n >= 0) & (self.high_sorted[np.maximum(n, 0)] > low)).any())
+
+    def joined(self, other: SideRuns, ids: np.ndarray) -> tuple[_Docs, np.ndarray]:
+        """The group's documents with `other`'s new ones (ids -1) after them, and the
+        numbers of `other`'s documents there."""
+        new = np.flatnonzero(ids < 0)
+        if len(new) == 0:
+            return self, ids
+        ids = ids.copy()
+        ids[new] = len(self) + np.arange(len(new))
+        if len(self) == 0 and len(new) == len(other):
+            return _Docs(other), ids
+        count = np.diff(other.at)[new]
+        pieces = spans(other.at[new], count)
+        mine = self.runs
+        at = np.concatenate([mine.at, mine.at[-1] + np.cumsum(count)])
+        runs = SideRuns(np.concatenate([mine.start, other.start[pieces]]),
+                        np.concatenate([mine.end, other.end[pieces]]), at)
+        return _Docs(runs), ids
 
 
-def _count(runs: Runs) -> int:
-    return sum(b - a for a, b in runs)
-
-
-def _span(runs: Runs) -> tuple[int, int]:
-    """The first row and the last row + 1 of a document's runs (in any order)."""
-    if len(runs) == 1:
-        return runs[0]
-    return min(runs)[0], max(map(itemgetter(1), runs))
-
-
-@dataclass
 class _Group:
     """Calls sharing one chunk on the shared side whose documents there agree: the
-    documents by their shared runs (in order of rows), and the row ranges they hold."""
+    documents (`_Docs`) and, per member, the numbers of its documents among them."""
 
-    shared: int
-    members: list[Member]
-    docs: dict[Runs, int]  # shared runs -> document index in the group
-    starts: list[int]  # sorted first rows of the documents' runs
-    ends: list[int]  # the last row + 1 of the document starting at starts[n]
-    # the shared runs of members' calls as a whole: a call with the same has every
-    # document in the group (found by one hash, not document by document)
-    calls: set[tuple[Runs, ...]] = field(default_factory=set)
+    def __init__(self, shared: int, side: str) -> None:
+        self.shared, self.side = shared, side
+        self.members: list[Member] = []
+        self.ids: list[np.ndarray] = []
+        self.docs = _Docs(SideRuns(*(np.zeros(0, dtype=np.int64),) * 2,
+                                   np.zeros(1, dtype=np.int64)))
+        self._last: tuple[SideRuns, np.ndarray] | None = None
+        # runs matched against the documents as they are, by (documents, runs): a call with
+        # the same runs as one of them has its match (found by comparing arrays, not
+        # document by document); forgotten when documents join
+        self._known: dict[tuple[int, int], list[tuple[SideRuns, np.ndarray]]] = {}
+        self._verdicts: dict[int, bool] = {}  # `takes` of the known matches, by their ids
 
-    def takes(self, runs: tuple[Runs, ...]) -> bool:
-        """Whether a call whose documents have these shared runs fits the group."""
-        if runs in self.calls:
-            return True
-        docs = self.docs
-        for doc in [doc for doc in runs if doc not in docs]:
-            first, last = _span(doc)
-            n = bisect.bisect_right(self.starts, last - 1) - 1
-            if n >= 0 and self.ends[n] > first:
-                return False
-        return True
+    def _match(self, runs: SideRuns) -> np.ndarray:
+        if self._last is None or self._last[0] is not runs:
+            key = (len(runs.at), len(runs.start))
+            known = self._known.setdefault(key, [])
+            found = next((ids for seen, ids in known if seen == runs), None)
+            if found is None:
+                found = self.docs.match(runs)
+                known.append((runs, found))
+            self._last = runs, found
+        return self._last[1]
 
-    def add(self, member: Member, runs: tuple[Runs, ...]) -> None:
+    def takes(self, runs: SideRuns) -> bool:
+        """Whether a call whose documents have these shared runs fits the group: each of
+        its documents is one of the group's or meets none of the group's rows."""
+        ids = self._match(runs)
+        verdict = self._verdicts.get(id(ids))
+        if verdict is None:
+            verdict = self._verdicts[id(ids)] = not self.docs.meets(runs, ids)
+        return verdict
+
+    def add(self, member: Member, runs: SideRuns) -> None:
+        docs, ids = self.docs.joined(runs, self._match(runs))
+        if docs is not self.docs:  # new documents: a match made before may differ now
+            self.docs, self._known, self._verdicts = docs, {}, {}
+            self._known[(len(runs.at), len(runs.start))] = [(runs, ids)]
+        self._last = None
         self.members.append(member)
-        if runs in self.calls:
-            return
-        self.calls.add(runs)
-        docs = self.docs
-        if not docs:  # the group's first call: its documents at once
-            new = list(dict.fromkeys(runs))
-            docs.update(zip(new, range(len(new))))
-            spans = sorted(((*_span(doc), -n) for n, doc in enumerate(new)),
-                           key=lambda s: (s[0], s[2]))  # equal starts: the last first
-            self.starts, self.ends = [s[0] for s in spans], [s[1] for s in spans]
-            return
-        for doc in [doc for doc in runs if doc not in docs]:
-            if doc not in docs:  # twice in one call: once
-                docs[doc] = len(docs)
-                first, last = _span(doc)
-                n = bisect.bisect_left(self.starts, first)
-                self.starts.insert(n, first)
-                self.ends.insert(n, last)
+        self.ids.append(ids)
 
 
 def groups_of(members: list[Member], side: str) -> list[_Group]:
@@ -114,15 +164,32 @@ def groups_of(members: list[Member], side: str) -> list[_Group]:
     agree there, first fit in the order given."""
     out: list[_Group] = []
     for m in members:
-        runs = _side_runs(m.call, side)
+        runs = m.call.doc_runs.side(side)
         for g in out:
             if g.shared == m.shared and g.takes(runs):
                 g.add(m, runs)
                 break
         else:
-            g = _Group(m.shared, [], {}, [], [])
+            g = _Group(m.shared, side)
             g.add(m, runs)
             out.append(g)
+    return out
+
+
+def covers(group: _Group, diagonal: Member) -> bool:
+    """Whether the causal diagonal's documents hold every document of `group` (the same
+    query rows) and meet none of its other rows: then each document ends with its keys."""
+    runs = diagonal.call.doc_runs.q
+    own = _Docs(runs).match(group.docs.runs)
+    return bool((own >= 0).all()) and group.takes(runs)
+
+
+def with_member(group: _Group, member: Member) -> _Group:
+    """`group` with `member` added last (its documents matched, new ones numbered after)."""
+    out = _Group(group.shared, group.side)
+    out.members, out.ids, out.docs = list(group.members), list(group.ids), group.docs
+    out._known = {key: list(known) for key, known in group._known.items()}
+    out.add(member, member.call.doc_runs.side(group.side))
     return out
 
 
@@ -139,48 +206,47 @@ class Joined:
     causal: bool
 
 
-def join(group: _Group, side: str, causal_last: bool, device: torch.device) -> Joined:
-    """The members of `group` as one call, documents concatenated on the side other than
-    `side` (the shared one); `causal_last`: the last member is the causal diagonal, its
-    documents' keys last and every document causal at the bottom right."""
-    shared = 0 if side == "q" else 1
-    joined = 1 - shared
-    docs = sorted(group.docs, key=lambda runs: runs[0][0])
-    index = {doc: n for n, doc in enumerate(docs)}
+def join(group: _Group, members: list[int], causal_last: bool, device: torch.device
+         ) -> Joined:
+    """Members `members` (indices, in order) of `group` as one call, documents concatenated
+    on the side other than the shared one; `causal_last`: the last member is the causal
+    diagonal, its documents' keys last and every document causal at the bottom right. The
+    documents in order of their first rows (of those first, the one met first)."""
+    side = group.side
+    joined_side = "kv" if side == "q" else "q"
+    ids = np.concatenate([group.ids[n] for n in members])
+    used, seen_at = np.unique(ids, return_index=True)
+    docs = group.docs.runs
+    order = used[np.lexsort((seen_at, docs.first[used]))]  # the documents in call order
+    rank = np.empty(len(docs), dtype=np.int64)
+    rank[order] = np.arange(len(order))
     # per (member, document): the document, the member, its rows on the joined side (in
     # the member's order: its rows start where the member's earlier documents end)
-    doc_of, member_of, size = [], [], []
-    for n, m in enumerate(group.members):
-        doc_of += map(index.__getitem__, map(itemgetter(shared), m.call.doc_runs))
-        size += [_count(doc[joined]) for doc in m.call.doc_runs]
-        member_of.append(np.full(len(m.call.doc_runs), n))
-    doc_of, size = np.array(doc_of, dtype=np.int64), np.array(size, dtype=np.int64)
+    doc_of = rank[ids]
+    size = np.concatenate([group.members[n].call.doc_runs.side(joined_side).counts
+                           for n in members])
+    member_of = np.repeat(np.arange(len(members)), [len(group.ids[n]) for n in members])
     start = np.cumsum(size) - size  # where each pair's rows sit in the concatenation
-    order = np.lexsort((np.concatenate(member_of), doc_of))  # by document, then member
-    cu_joined = np.concatenate([[0], np.cumsum(np.bincount(doc_of, size, len(docs)))])
-    cu_shared = np.concatenate([[0], np.cumsum([_count(doc) for doc in docs])])
-    cu_joined, cu_shared = tuple(cu_joined.astype(np.int64).tolist()), tuple(cu_shared.tolist())
+    by_doc = np.lexsort((member_of, doc_of))  # by document, then member
+    cu_joined = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(doc_of, size, len(order)).astype(np.int64), out=cu_joined[1:])
+    cu_shared = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(docs.counts[order], out=cu_shared[1:])
     cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
     slices = TileSlices.documents(cu_q, cu_kv, causal_last, device)
-    shared_rows = _rows([r for doc in docs for r in doc])
-    pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
-                   for m in group.members)
-    rows = _aranges(start[order], size[order])  # the concatenation's row at each place
+    pieces = spans(docs.at[order], np.diff(docs.at)[order])
+    shared_rows = rows_of(docs.start[pieces], docs.end[pieces])
+    chunks = tuple((group.members[n].other, group.members[n].call.kv_rows if side == "q"
+                    else group.members[n].call.q_rows) for n in members)
+    rows = spans(start[by_doc], size[by_doc])  # the concatenation's row at each place
     place = np.empty_like(rows)
     place[rows] = np.arange(len(rows))
-    return Joined(shared_rows, pieces, torch.from_numpy(place).to(device), slices, causal_last)
+    return Joined(shared_rows, chunks, torch.from_numpy(place).to(device), slices, causal_last)
 
 
-def _aranges(start: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """start[n] .. start[n] + size[n] - 1 for every n, concatenated (int64)."""
-    return np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size - start,
-                                                                  size)
-
-
-def _rows(runs: list[tuple[int, int]]) -> slice | torch.Tensor:
-    """Runs of local rows in order: a slice where they follow one another, else an index
-    (on the CPU; the caller moves it)."""
-    table = np.array(runs, dtype=np.int64).reshape(-1, 2)
-    if (table[1:, 0] == table[:-1, 1]).all():
-        return slice(runs[0][0], runs[-1][1])
-    return torch.from_numpy(_aranges(table[:, 0], table[:, 1] - table[:, 0]))
+def rows_of(start: np.ndarray, end: np.ndarray) -> slice | torch.Tensor:
+    """Runs [start, end) of local rows in order: a slice where they follow one another,
+    else an int64 index (on the CPU; the caller moves it)."""
+    if (start[1:] == end[:-1]).all():
+        return slice(int(start[0]), int(end[-1]))
+    return torch.from_numpy(spans(start, end - start))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block import Block
-from .document_groups import Member, groups_of, join
+from .document_groups import Member, covers, groups_of, join, with_member
 from .tile_slices import TileSlices
 
 
@@ -143,7 +143,7 @@ def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
     chunk, queries concatenated. At most `limit` rows concatenated per call."""
     if not calls:
         return []
-    device = calls[0][2].slices.cu_q_tensor.device
+    device = calls[0][2].slices.device
     full = [Member(qi, ki, c) for qi, ki, c in calls if not c.causal]
     diagonals: dict[int, list[Member]] = {}
     for qi, ki, c in calls:
@@ -152,19 +152,21 @@ def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
     out: list[Call] = []
     alone: list[Member] = []
     for group in groups_of(full, "q"):  # 1. the same query chunk
-        members = sorted(group.members, key=lambda m: m.other)
+        order = sorted(range(len(group.members)), key=lambda n: group.members[n].other)
         diagonal = diagonals.get(group.shared, [])
-        fold = bottom_right and len(diagonal) == 1 and _covers(group, diagonal[0])
+        fold = bottom_right and len(diagonal) == 1 and covers(group, diagonal[0])
         if fold:
-            members.append(diagonal.pop())
-        runs = _member_runs(members, "kv", limit)
+            group = with_member(group, diagonal.pop())
+            order.append(len(group.members) - 1)
+        runs = _member_runs([group.members[n] for n in order], "kv", limit)
+        at = 0
         for n, run in enumerate(runs):
+            picked, at = order[at:at + len(run)], at + len(run)
             last = fold and n == len(runs) - 1
             if len(run) == 1 and not last:
                 alone.append(run[0])
                 continue
-            (sub,) = groups_of(run, "q")
-            joined = join(sub, "q", last, device)
+            joined = join(group, picked, last, device)
             out.append(Call((Piece(group.shared, _on(joined.shared_rows, device)),),
                             tuple(Piece(c, r) for c, r in joined.pieces), joined.causal,
                             joined.slices, kv_place=joined.place))
@@ -172,14 +174,15 @@ def document_calls(calls: list[tuple[int, int, Block]], bottom_right: bool,
         out += [_own(m.shared, m.other, m.call) for m in rest]
     swapped = [Member(m.other, m.shared, m.call) for m in alone]
     for group in groups_of(swapped, "kv"):  # 2. the same key chunk
-        members = sorted(group.members, key=lambda m: m.other)
-        for run in _member_runs(members, "q", limit):
+        order = sorted(range(len(group.members)), key=lambda n: group.members[n].other)
+        at = 0
+        for run in _member_runs([group.members[n] for n in order], "q", limit):
+            picked, at = order[at:at + len(run)], at + len(run)
             if len(run) == 1:
                 m = run[0]
                 out.append(_own(m.other, m.shared, m.call))
                 continue
-            (sub,) = groups_of(run, "kv")
-            joined = join(sub, "kv", False, device)
+            joined = join(group, picked, False, device)
             out.append(Call(tuple(Piece(c, r) for c, r in joined.pieces),
                             (Piece(group.shared, _on(joined.shared_rows, device)),), False,
                             joined.slices, q_place=joined.place))
@@ -192,13 +195,6 @@ def _own(qi: int, ki: int, c: Block) -> Call:
 
 def _on(rows: slice | torch.Tensor, device: torch.device) -> slice | torch.Tensor:
     return rows if isinstance(rows, slice) else rows.to(device)
-
-
-def _covers(group, diagonal: Member) -> bool:
-    """Whether the causal diagonal's documents hold every document of `group` (the same
-    query rows) and meet none of its other rows: then each document ends with its keys."""
-    own = {doc[0] for doc in diagonal.call.doc_runs}
-    return all(doc in own for doc in group.docs) and group.takes(tuple(own))
 
 
 def _member_runs(members: list[Member], side: str, limit: int | None) -> list[list[Member]]:

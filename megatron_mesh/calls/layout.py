@@ -29,11 +29,18 @@ from .part_arrays import (
     RunArrays,
     SliceArrays,
     document_arrays,
-    part_arrays,
     slice_arrays,
     tile_parts,
 )
-from .slice_blocks import MIN_SLAB_ROWS, Run, bounds_calls, position_run_arrays, position_runs
+from .slice_blocks import (
+    MIN_SLAB_ROWS,
+    Run,
+    bounds_calls,
+    document_run_arrays,
+    documents_run_arrays,
+    position_run_arrays,
+    position_runs,
+)
 
 
 def zigzag_split(full: torch.Tensor, cp_size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -101,39 +108,37 @@ def block_for(q_rank: int, kv_rank: int, local_len: int, mask: AttentionMask,
 
 def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask,
                device: torch.device | str = "cpu") -> list[Block]:
-    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet, of one query
-    rank, in one pass over their parts (`part_arrays.tile_parts`,
-    `document_blocks.document_blocks`)."""
+    """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet in one pass over
+    their parts (`part_arrays.tile_parts`, `document_blocks.document_blocks`)."""
     device = torch.device(device)
-    missing: dict[int, list[int]] = {}
-    for x, y in pairs:
-        if not _block.holds(mask, x, y, local_len, device):
-            missing.setdefault(x, []).append(y)
-    for x, ys in missing.items():
-        ys = list(dict.fromkeys(ys))
-        if len(ys) > 1 and mask.window is None:
-            for y, block in zip(ys, _row_blocks(mask, x, ys, local_len, device)):
-                _block.put(block, mask, x, y, local_len, device)
+    missing = list(dict.fromkeys((x, y) for x, y in pairs
+                                 if not _block.holds(mask, x, y, local_len, device)))
+    if len(missing) > 1 and mask.window is None:
+        for (x, y), block in zip(missing, _pair_blocks(mask, missing, local_len, device)):
+            _block.put(block, mask, x, y, local_len, device)
     return [_block(mask, x, y, local_len, device) for x, y in pairs]
 
 
-def _row_blocks(mask: AttentionMask, x: int, ys: list[int], local_len: int,
-                device: torch.device) -> list[Block]:
-    """Blocks (x, y) for y in `ys`, their parts cut and their documents found in one pass."""
-    q_runs = run_arrays(mask, x, local_len)
-    k_runs = [run_arrays(mask, y, local_len) for y in ys]
-    parts, block = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
-    first = np.searchsorted(block, np.arange(len(ys)), side="left")
-    end = np.searchsorted(block, np.arange(len(ys)), side="right")
-    full = [b for b in range(len(ys)) if end[b] > first[b]]
-    renumber = np.zeros(len(ys), dtype=np.int64)
+def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
+                 device: torch.device) -> list[Block]:
+    """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
+    _plan_runs(mask, [r for pair in pairs for r in pair], local_len)
+    q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
+    k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
+    tile = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
+    count = len(pairs)
+    first = np.searchsorted(tile.block, np.arange(count), side="left")
+    end = np.searchsorted(tile.block, np.arange(count), side="right")
+    full = np.flatnonzero(end > first)
+    renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
-    fast = document_blocks(parts, renumber[block], local_len, [q_runs] * len(full),
-                           [k_runs[b] for b in full], device) if full else []
-    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * len(ys)
-    for n, b in enumerate(full):
+    fast = document_blocks(tile._replace(block=renumber[tile.block]), len(full), local_len,
+                           device) if len(full) else []
+    out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
+    for n, b in enumerate(full.tolist()):
+        x, y = pairs[b]
         out[b] = fast[n] if fast[n] is not None else _general(
-            mask, x, ys[b], local_len, device, parts.take(slice(first[b], end[b])))
+            mask, x, y, local_len, device, tile.parts.take(slice(first[b], end[b])))
     return out
 
 
@@ -141,15 +146,15 @@ def _row_blocks(mask: AttentionMask, x: int, ys: list[int], local_len: int,
 @per_documents(lambda mask, *_: mask.packing)
 def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
            device: torch.device) -> Block:
-    q_runs, k_runs = run_arrays(mask, q_rank, local_len), run_arrays(mask, kv_rank, local_len)
-    parts = part_arrays(mask_arrays(mask, local_len), q_runs, k_runs)
-    if len(parts) == 0:
+    tile = tile_parts(mask_arrays(mask, local_len), [run_arrays(mask, q_rank, local_len)],
+                      [run_arrays(mask, kv_rank, local_len)])
+    if len(tile.parts) == 0:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     if mask.window is None:
-        block = document_block(parts, local_len, q_runs, k_runs, device)
+        block = document_block(tile, local_len, device)
         if block is not None:
             return block
-    return _general(mask, q_rank, kv_rank, local_len, device, parts)
+    return _general(mask, q_rank, kv_rank, local_len, device, tile.parts)
 
 
 def _general(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
@@ -169,8 +174,23 @@ def rank_runs(mask: AttentionMask, rank: int, local_len: int) -> tuple[Run, ...]
 
 @per_documents(lambda mask, *_: mask.packing)
 def run_arrays(mask: AttentionMask, rank: int, local_len: int) -> RunArrays:
-    """`rank_runs` as arrays (`part_arrays.RunArrays`)."""
+    """`rank_runs` as arrays (`part_arrays.RunArrays`); packed documents from their pieces."""
+    if mask.documents is not None and mask.placement is None:
+        docs = mask.documents
+        return document_run_arrays(docs.cu_padded, docs.lengths, mask.ranks, rank)
     return position_run_arrays(global_positions(mask, rank, local_len))
+
+
+def _plan_runs(mask: AttentionMask, ranks: list[int], local_len: int) -> None:
+    """Make the `run_arrays` of THD documents of `ranks` not kept yet in one pass."""
+    if mask.documents is None or mask.placement is not None:
+        return
+    missing = [r for r in dict.fromkeys(ranks) if not run_arrays.holds(mask, r, local_len)]
+    if len(missing) > 1:
+        docs = mask.documents
+        for r, runs in zip(missing, documents_run_arrays(docs.cu_padded, docs.lengths,
+                                                         mask.ranks, missing)):
+            run_arrays.put(runs, mask, r, local_len)
 
 
 def slab_rows(window: Window | None, causal: bool) -> int:

@@ -112,49 +112,132 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
     """The parts `slice_blocks.block_parts` finds, in its order: query runs in order, the
     slices meeting each (mask order), the key runs meeting each slice, a slice's causal
     piece before its full one. `mask`: its slices, or their arrays (`slice_arrays`)."""
-    return tile_parts(mask, q_runs, [k_runs])[0]
+    return tile_parts(mask, [q_runs], [k_runs]).parts
 
 
-def tile_parts(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: list[RunArrays]
-               ) -> tuple[PartArrays, np.ndarray]:
-    """`part_arrays` of blocks (x, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts of
-    every block (block after block, each in `part_arrays`' order) and int64 [parts] the
-    block b of each. `q_runs`: x's runs; `k_runs`: each y_b's."""
+class TileParts(NamedTuple):
+    """The parts of several blocks (block after block), int64 [parts] the block of each,
+    and the query run and key run each part lies in (`RunArrays` of [parts])."""
+
+    parts: PartArrays
+    block: np.ndarray
+    q_run: RunArrays
+    k_run: RunArrays
+
+
+def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: list[RunArrays]
+               ) -> TileParts:
+    """`part_arrays` of blocks (x_b, y_b), b = 0 .. len(k_runs) - 1, in one pass: the parts
+    of every block (block after block, each in `part_arrays`' order). `q_runs[b]`: x_b's
+    runs, `k_runs[b]`: y_b's (blocks of one rank share its runs: each distinct one is swept
+    once); each block once."""
     t = mask if isinstance(mask, SliceArrays) else slice_arrays(mask)
-    q_lo, q_hi = q_runs.pos, q_runs.pos + q_runs.count
+    q, q_of = _stacked(q_runs)
+    k, k_of = _stacked(k_runs)
+    # each query run of each distinct rank against the slices meeting it
+    q_lo, q_hi = q.pos, q.pos + q.count
     first = np.searchsorted(t.reach, q_lo, side="right")
-    last = np.searchsorted(t.q0, q_hi, side="left")
-    count = np.maximum(last - first, 0)
+    count = np.maximum(np.searchsorted(t.q0, q_hi, side="left") - first, 0)
     qi = np.repeat(np.arange(len(q_lo)), count)
     si = spans(first, count)
     keep = t.q1[si] > q_lo[qi]
     qi, si = qi[keep], si[keep]
-    k_pos = np.concatenate([k.pos for k in k_runs])
-    k_end = k_pos + np.concatenate([k.count for k in k_runs])
-    k_shift = np.concatenate([k.row - k.pos for k in k_runs])
-    q_at, s_at, k_at, block_at, offset = [], [], [], [], 0
-    for b, k in enumerate(k_runs):
-        k_first = np.maximum(np.searchsorted(k.pos, t.k0[si], side="right") - 1, 0)
-        count = np.maximum(np.searchsorted(k.pos, t.k1[si], side="left") - k_first, 0)
-        k_at.append(spans(k_first + offset, count))
-        q_at.append(np.repeat(qi, count))
-        s_at.append(np.repeat(si, count))
-        block_at.append(np.full(len(k_at[-1]), b, dtype=np.int64))
-        offset += len(k.pos)
-    qi, si, ki = np.concatenate(q_at), np.concatenate(s_at), np.concatenate(k_at)
+    # the key runs of block b's key rank meeting each slice where the query run sees them
+    # (keys from q_lo + lo to q_hi - 1 + hi: runs outside give no part): first, per (key
+    # rank, slice), the rank's first key at or after the slice's first; a block without one
+    # before k1 has no part there (a table of ranks x slices against the distinct query
+    # ranks' pairs, so the searches below run only for the blocks' pairs that may meet)
+    span = int(max(t.k1.max(initial=0), (k.pos + k.count).max(initial=0))) + 1
+    k_end = k.pos + k.count
+    base = k.rank * span
+    k1 = np.minimum(t.k1[si], q_hi[qi] + t.hi[si])
+    ranks = np.arange(len(k.first))
+    at = np.searchsorted(base + k_end, (ranks[:, None] * span + t.k0[None, :]).ravel(),
+                         side="right").reshape(len(ranks), -1)
+    inside = np.append(k.rank, -1)[at] == ranks[:, None]
+    first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], t.k0[None, :]), NO_HI)
+    kr, entry = np.nonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs]
+    blocks = np.full((len(q.first), len(ranks)), -1, dtype=np.int64)
+    blocks[q_of, k_of] = np.arange(len(q_of))
+    if (blocks >= 0).sum() < len(q_of):
+        raise ValueError(f"tile_parts takes each block once, got {len(q_of)} blocks of "
+                         f"{int((blocks >= 0).sum())} distinct (query, key) runs")
+    block = blocks[q.rank[qi[entry]], kr]
+    entry, block = entry[block >= 0], block[block >= 0]
+    by_block = np.argsort(block * len(qi) + entry, kind="stable")
+    block, entry = block[by_block], entry[by_block]
+    qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
+    k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
+    k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
+    count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
+    ki = spans(k_first, count)
+    qi, si, block = np.repeat(qi, count), np.repeat(si, count), np.repeat(block, count)
     a = np.maximum(t.q0[si], q_lo[qi])
     b = np.minimum(t.q1[si], q_hi[qi])
-    c = np.maximum(t.k0[si], k_pos[ki])
+    c = np.maximum(t.k0[si], k.pos[ki])
     e = np.minimum(t.k1[si], k_end[ki])
     parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
-    index = np.repeat(np.arange(len(a)), 2).reshape(-1, 2)[parts.valid]
-    dq = (q_runs.row - q_runs.pos)[qi][index]
-    dk = k_shift[ki][index]
-    lo, hi = parts.lo[parts.valid], parts.hi[parts.valid]
-    return PartArrays(parts.q0[parts.valid] + dq, parts.q1[parts.valid] + dq,
-                      parts.k0[parts.valid] + dk, parts.k1[parts.valid] + dk,
-                      np.where(lo == NO_LO, NO_LO, lo + dk - dq),
-                      np.where(hi == NO_HI, NO_HI, hi + dk - dq)), np.concatenate(block_at)[index]
+    index = np.flatnonzero(parts.valid) // 2
+    dq = (q.row - q.pos)[qi][index]
+    dk = (k.row - k.pos)[ki][index]
+    valid = parts.valid
+    lo, hi = parts.lo[valid], parts.hi[valid]
+    qi, ki = qi[index], ki[index]
+    return TileParts(PartArrays(parts.q0[valid] + dq, parts.q1[valid] + dq,
+                                parts.k0[valid] + dk, parts.k1[valid] + dk,
+                                np.where(lo == NO_LO, NO_LO, lo + dk - dq),
+                                np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[index],
+                     RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
+                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]))
+
+
+def pair_counts(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
+                lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """int64 [n]: how many pairs of queries [q0, q1) x keys [k0, k1) have lo <= j - i <= hi
+    (`NO_LO` / `NO_HI`: unbounded), each in closed form (`masks.slices.slice_pairs`' rule:
+    a row's count is linear between the rows where a bound starts or stops binding)."""
+    if (lo == NO_LO).all():  # one break: the rows before e - 1 - hi see fewer keys
+        start = np.clip(k0 - hi, q0, q1)  # the first row that sees a key
+        whole = np.clip(k1 - 1 - hi, q0, q1)  # the first row that sees every key
+        n = whole - start
+        return n * (hi - k0 + 1) + (start + whole - 1) * n // 2 + (q1 - whole) * (k1 - k0)
+    cuts = np.sort(np.stack([q0, q1] + [np.clip(x, q0, q1) for x in (
+        k1 - 1 - hi, k0 - lo, k0 - hi, k1 - lo)], axis=1), axis=1)
+
+    def count(i):
+        return np.maximum(np.minimum(k1 - 1, i + hi) - np.maximum(k0, i + lo) + 1, 0)
+
+    total = np.zeros(len(q0), dtype=np.int64)
+    for n in range(5):  # count is linear on [cuts[n], cuts[n + 1])
+        start, stop = cuts[:, n], cuts[:, n + 1]
+        total += np.where(stop > start, (count(start) + count(stop - 1)) * (stop - start) // 2,
+                          0)
+    return total
+
+
+class _Stacked(NamedTuple):
+    """Distinct ranks' runs concatenated: `rank` [runs] the rank of each, `first` [ranks]
+    the first run of each."""
+
+    row: np.ndarray
+    pos: np.ndarray
+    count: np.ndarray
+    rank: np.ndarray
+    first: np.ndarray
+
+
+def _stacked(runs: list[RunArrays]) -> tuple[_Stacked, np.ndarray]:
+    """The distinct runs of `runs` (by identity) stacked, and int64 [len(runs)] the rank
+    of each."""
+    index: dict[int, int] = {}
+    of = np.array([index.setdefault(id(r), len(index)) for r in runs], dtype=np.int64)
+    distinct = list({id(r): r for r in runs}.values())
+    sizes = np.array([len(r.row) for r in distinct], dtype=np.int64)
+    return _Stacked(np.concatenate([r.row for r in distinct]),
+                    np.concatenate([r.pos for r in distinct]),
+                    np.concatenate([r.count for r in distinct]),
+                    np.repeat(np.arange(len(distinct)), sizes),
+                    np.cumsum(sizes) - sizes), of
 
 
 class _Pieces(NamedTuple):
@@ -167,6 +250,13 @@ class _Pieces(NamedTuple):
     lo: np.ndarray
     hi: np.ndarray
     valid: np.ndarray
+
+
+def _pair(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[n, 2]: x[i], y[i] side by side."""
+    out = np.empty((len(x), 2), dtype=x.dtype)
+    out[:, 0], out[:, 1] = x, y
+    return out
 
 
 def _pieces(a, b, c, e, lo, hi) -> _Pieces:
@@ -190,8 +280,6 @@ def _pieces(a, b, c, e, lo, hi) -> _Pieces:
     first_lo = np.where(band, lo, NO_LO)
     first = some & (~cut | (split > a))
     second = some & cut & (split < b)
-    valid = np.stack([first, second], axis=1)
-    return _Pieces(np.stack([a, split], 1), np.stack([first_q1, b], 1),
-                   np.stack([c, c], 1), np.stack([e, e], 1),
-                   np.stack([first_lo, np.full_like(lo, NO_LO)], 1),
-                   np.stack([first_hi, np.full_like(hi, NO_HI)], 1), valid)
+    return _Pieces(_pair(a, split), _pair(first_q1, b), _pair(c, c), _pair(e, e),
+                   _pair(first_lo, np.full_like(lo, NO_LO)),
+                   _pair(first_hi, np.full_like(hi, NO_HI)), _pair(first, second))

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ..masks.slices import Slice, SliceMask, pieces
-from .block import Block
+from ..masks.zigzag import held_pieces
+from .block import Block, DocRuns, SideRuns
 from .part_arrays import RunArrays
 from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 
@@ -72,6 +73,46 @@ def position_run_arrays(positions: torch.Tensor) -> RunArrays:
     order = np.argsort(at[starts], kind="stable")
     return RunArrays(rows[starts][order].astype(np.int64), at[starts][order].astype(np.int64),
                      count[order].astype(np.int64))
+
+
+def document_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], ranks: int,
+                        rank: int) -> RunArrays:
+    """`position_run_arrays` of `rank`'s rows of packed documents (THD: each document's
+    zigzag pieces, padded lengths `cu_padded`, actual `lengths`), from the pieces it holds
+    (no pass over its rows)."""
+    return documents_run_arrays(cu_padded, lengths, ranks, [rank])[0]
+
+
+def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], ranks: int,
+                         of: list[int]) -> list[RunArrays]:
+    """`document_run_arrays` of each rank in `of`, in one pass."""
+    cu = np.array(cu_padded, dtype=np.int64)
+    padded = np.diff(cu)
+    piece = padded // (2 * ranks) if ranks > 1 else padded
+    held = np.array([held_pieces(ranks, r) for r in of], dtype=np.int64)  # [ranks, h]
+    n, h, docs = len(of), held.shape[1], len(padded)
+    # each held piece of each document of each rank, in row order: its first row, position,
+    # valid rows (int64 [n, docs, h])
+    size = np.broadcast_to(piece[None, :, None], (n, docs, h))
+    index = np.broadcast_to(held[:, None, :], (n, docs, h))
+    row = (np.cumsum(padded // ranks) - padded // ranks)[None, :, None] + (
+        np.arange(h)[None, None, :] * size)
+    pos = cu[:-1][None, :, None] + index * size
+    count = np.clip(np.array(lengths, dtype=np.int64)[None, :, None] - index * size, 0, size)
+    rank = np.broadcast_to(np.arange(n)[:, None, None], (n, docs, h))
+    some = count > 0
+    row, pos, count, rank = row[some], pos[some], count[some], rank[some]
+    # a piece goes on the run before it where it follows it in rows and positions
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = ((row[1:] != row[:-1] + count[:-1]) | (pos[1:] != pos[:-1] + count[:-1])
+               | (rank[1:] != rank[:-1]))
+    starts = np.flatnonzero(new)
+    total = np.add.reduceat(count, starts) if len(starts) else count[:0]
+    row, pos, rank = row[starts], pos[starts], rank[starts]
+    order = np.lexsort((pos, rank))
+    row, pos, total, rank = row[order], pos[order], total[order], rank[order]
+    bounds = np.searchsorted(rank, np.arange(n + 1)).tolist()
+    return [RunArrays(row[a:b], pos[a:b], total[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def block_parts(mask: SliceMask, q_runs: tuple[Run, ...], k_runs: tuple[Run, ...]
@@ -309,7 +350,8 @@ def gathered_call(groups: list[_Group], device: torch.device) -> Block:
         return Block(rows_q, rows_k, causal=tile.flash_window == (-1, 0))  # plain
     doc_runs = None
     if tile.form == DOCUMENTS and all(g.one is not None for g in groups):
-        doc_runs = tuple((tuple(g.q_runs), tuple(g.k_runs)) for g in groups)
+        doc_runs = DocRuns(SideRuns.of([g.q_runs for g in groups]),
+                           SideRuns.of([g.k_runs for g in groups]))
     return Block(rows_q, rows_k, causal=tile.causal, slices=tile, doc_runs=doc_runs)
 
 

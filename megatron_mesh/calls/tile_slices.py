@@ -9,8 +9,9 @@ gathers, concatenated), read by the one rule of every mask (`masks/seen.keeps`).
     documents   document-diagonal: document n is query rows cu_q[n] .. cu_q[n+1] against
                 key rows cu_kv[n] .. cu_kv[n+1], all full or all causal (aligned at the
                 bottom right, as flash-attention's variable-length causal; square ones
-                are the plain causal mask): the variable-length form (`cu_q_tensor`,
-                `cu_kv_tensor` made once; `bottom_right` where one is not square)
+                are the plain causal mask): the variable-length form (held as arrays;
+                `cu_q` / `cu_kv`, `cu_q_tensor` / `cu_kv_tensor` and the slices made
+                once, when first asked for; `bottom_right` where one is not square)
     band        one slice over the whole call: flash-attention's window `flash_window`
                 (left, right), aligned at the bottom right (-1: unbounded)
     slices      anything else
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..common.caches import BytesLRU
@@ -46,29 +48,57 @@ class TileSlices:
     docstring). Build with `documents`, `band` or `of`."""
 
     shape: tuple[int, int]
-    slices: tuple[Bound, ...]
+    held_slices: tuple[Bound, ...] | None  # None for documents: made from the arrays
     form: str
     causal: bool = False  # documents: each causal (bottom-right aligned)
-    cu_q: tuple[int, ...] = ()
-    cu_kv: tuple[int, ...] = ()
+    # documents: the offsets of each one's query rows and key rows, int64 [docs + 1] each
+    cu_q_array: np.ndarray | None = field(default=None, repr=False)
+    cu_kv_array: np.ndarray | None = field(default=None, repr=False)
     flash_window: tuple[int, int] | None = None  # band: (left, right)
-    cu_q_tensor: torch.Tensor | None = field(default=None, repr=False)
-    cu_kv_tensor: torch.Tensor | None = field(default=None, repr=False)
+    device: torch.device | None = field(default=None, repr=False)  # documents' cu tensors
     _bias: dict = field(default_factory=dict, repr=False)  # slices: device -> bias
     _on_device: dict = field(default_factory=dict, repr=False)  # (what, device) -> tensors
 
     @classmethod
-    def documents(cls, cu_q: tuple[int, ...], cu_kv: tuple[int, ...], causal: bool,
-                  device: torch.device) -> TileSlices:
+    def documents(cls, cu_q, cu_kv, causal: bool, device: torch.device) -> TileSlices:
         """Documents n = 0 .. len(cu_q) - 2: query rows cu_q[n] .. cu_q[n+1] against key rows
         cu_kv[n] .. cu_kv[n+1], causal (aligned at the bottom right: query i sees key j iff
-        j - i <= k_end - q_end; no more queries than keys) or full; none empty."""
-        cu_q, cu_kv = tuple(cu_q), tuple(cu_kv)
-        slices = tuple((q0, q1, k0, k1, None, k1 - q1 if causal else None)
-                       for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]))
-        as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)  # noqa: E731
-        return cls((cu_q[-1], cu_kv[-1]), slices, DOCUMENTS, causal, cu_q, cu_kv,
-                   cu_q_tensor=as_tensor(cu_q), cu_kv_tensor=as_tensor(cu_kv))
+        j - i <= k_end - q_end; no more queries than keys) or full; none empty. cu_q, cu_kv:
+        tuples of ints or int64 arrays [docs + 1]."""
+        cu_q = np.asarray(cu_q, dtype=np.int64)
+        cu_kv = np.asarray(cu_kv, dtype=np.int64)
+        return cls((int(cu_q[-1]), int(cu_kv[-1])), None, DOCUMENTS, causal, cu_q, cu_kv,
+                   device=torch.device(device))
+
+    @functools.cached_property
+    def slices(self) -> tuple[Bound, ...]:
+        """The call's slices (q0, q1, k0, k1, lo, hi) in its own rows."""
+        if self.held_slices is not None:
+            return self.held_slices
+        cu_q, cu_kv = self.cu_q, self.cu_kv
+        causal = self.causal
+        return tuple((q0, q1, k0, k1, None, k1 - q1 if causal else None)
+                     for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]))
+
+    @functools.cached_property
+    def cu_q(self) -> tuple[int, ...]:
+        """Documents: the offsets of each one's query rows (() for other forms)."""
+        return () if self.cu_q_array is None else tuple(self.cu_q_array.tolist())
+
+    @functools.cached_property
+    def cu_kv(self) -> tuple[int, ...]:
+        """Documents: the offsets of each one's key rows (() for other forms)."""
+        return () if self.cu_kv_array is None else tuple(self.cu_kv_array.tolist())
+
+    @functools.cached_property
+    def cu_q_tensor(self) -> torch.Tensor | None:
+        """Documents: `cu_q` as int32 on the call's device (None for other forms)."""
+        return _int32(self.cu_q_array, self.device)
+
+    @functools.cached_property
+    def cu_kv_tensor(self) -> torch.Tensor | None:
+        """Documents: `cu_kv` as int32 on the call's device (None for other forms)."""
+        return _int32(self.cu_kv_array, self.device)
 
     @classmethod
     def band(cls, sq: int, sk: int, left: int, right: int) -> TileSlices:
@@ -99,22 +129,22 @@ class TileSlices:
             return cls.documents(*cu, device)
         return cls(shape, tuple(slices), SLICES)
 
-    @property
+    @functools.cached_property
     def bottom_right(self) -> bool:
         """Documents: some causal one has more keys than queries (its causal is aligned at
         the bottom right, which not every kernel takes)."""
-        return self.causal and any(b - a != e - c for a, b, c, e in
-                                   zip(self.cu_q, self.cu_q[1:], self.cu_kv, self.cu_kv[1:]))
+        return self.causal and self.cu_q_array is not None and bool(
+            (np.diff(self.cu_q_array) != np.diff(self.cu_kv_array)).any())
 
-    @property
+    @functools.cached_property
     def max_q(self) -> int:
         """Documents: the most query rows of one."""
-        return max(b - a for a, b in zip(self.cu_q, self.cu_q[1:]))
+        return int(np.diff(self.cu_q_array).max())
 
-    @property
+    @functools.cached_property
     def max_kv(self) -> int:
         """Documents: the most key rows of one."""
-        return max(b - a for a, b in zip(self.cu_kv, self.cu_kv[1:]))
+        return int(np.diff(self.cu_kv_array).max())
 
     @functools.cached_property
     def runs(self) -> tuple[Run, ...]:
@@ -184,6 +214,12 @@ def _diagonal(slices: list[Bound], shape: tuple[int, int]
     if len(kinds) > 1 or (cu_q[-1], cu_kv[-1]) != tuple(shape):
         return None
     return tuple(cu_q), tuple(cu_kv), bool(kinds) and kinds.pop()
+
+
+def _int32(cu: np.ndarray | None, device: torch.device | None) -> torch.Tensor | None:
+    if cu is None:
+        return None
+    return torch.from_numpy(cu.astype(np.int32)).to(device)
 
 
 # at most this many bytes of band masks are kept (a larger one is made per call)

@@ -10,8 +10,9 @@ blocks depend on, its documents, their placement or its mask); a backward that f
 micro-batch dropped makes its blocks again (the same values). Entries without documents
 depend on shapes only and sit in an LRU of `dense_size`. `held_bytes` counts what the
 caches hold (tensors by storage, numpy arrays by size, tuples of ints at 8 bytes an
-element). `BytesLRU` bounds a per-shape cache of tensors by bytes (a band's additive mask:
-shapes vary with the documents, and one can be hundreds of MiB).
+element; a dataclass by its fields and the values it made once). `BytesLRU` bounds a
+per-shape cache of tensors by bytes (a band's additive mask: shapes vary with the
+documents, and one can be hundreds of MiB).
 """
 from __future__ import annotations
 
@@ -144,5 +145,9 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
     if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)
         return sum(_bytes(v, seen) for v in value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
+        # its fields and what it made once when asked (cached properties: a documents
+        # call's offsets as tensors, a call's runs)
+        held = vars(value) if hasattr(value, "__dict__") else {
+            f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return sum(_bytes(v, seen) for v in held.values())
     return 0

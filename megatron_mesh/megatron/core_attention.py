@@ -21,11 +21,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mesh.attention import MeshAttention, as_sbhd, packed_documents
+from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.checks import check_options
 from megatron_mesh.layer_plan import DEFAULT_GRAD_DTYPE, DEFAULT_SCHEDULE, check_positive_int
 from megatron_mesh.masks.chunked import chunked_mask
 from megatron_mesh.masks.document_placement import DocumentPlacement
 from megatron_mesh.masks.documents import Documents
+from megatron_mesh.masks.mask import resolve_mask
+from megatron_mesh.masks.placed_documents import mesh_placement
 from megatron_mesh.masks.slices import SliceMask
 from megatron_mesh.masks.window import window_of
 from megatron_mesh.megatron.arguments import check_algorithm, is_mesh
@@ -46,6 +49,7 @@ from megatron_mesh.megatron.sink import (
 )
 from megatron_mesh.runtime import agreement
 from megatron_mesh.runtime.grid import MeshGrid
+from megatron_mesh.schedules.blocks import plan_blocks
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 # with packed documents Megatron may name the same masks "padding_*" (padding is in cu_seqlens)
@@ -133,6 +137,18 @@ def resolve_algorithm(
             continue
         return check_algorithm(algo)
     return "mesh"
+
+
+def plan_micro_batch(model: torch.nn.Module, params: PackedSeqParams | None,
+                     device: torch.device | str) -> bool:
+    """Make this rank's blocks of a micro-batch of packed documents (`params`) ahead of its
+    first attention layer (`MeshDotProductAttention.plan_blocks`), once per micro-batch:
+    every layer of the same mask then finds them in the caches. False where nothing was
+    planned (no mesh attention layer, no packed documents)."""
+    for module in model.modules():
+        if isinstance(module, MeshDotProductAttention):
+            return module.plan_blocks(params, device)
+    return False
 
 
 def transformer_engine_attention() -> type | None:
@@ -322,6 +338,31 @@ class MeshDotProductAttention(MegatronModule):
         if packed is not None:
             return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def plan_blocks(self, params: PackedSeqParams, device: torch.device | str) -> bool:
+        """Make this rank's blocks of the micro-batch of packed documents `params` brings
+        under this layer's mask, ahead of its forward (`schedules.blocks.plan_blocks`): the
+        layer then finds them in the caches. False where there is nothing to plan ahead
+        (no packed documents) or `params` is refused (the forward says why, to every
+        rank)."""
+        if params is None or isinstance(params, MaskedSeqParams):
+            return False
+        try:
+            placement = placement_of(params, self.config)
+            documents = None if placement is not None else documents_of(params)
+            packed = documents if placement is None else placement
+            value = resolve_mask(self._packed_mask(packed, params),
+                                 _PACKED_MASKS.get(self.attn_mask_type, True), None, None,
+                                 self.window_size)
+        except ValueError:
+            return False
+        grid = self.grid
+        mask = AttentionMask(value.causal, documents, grid.rows * grid.cols, value.window,
+                             None if placement is None else mesh_placement(placement, grid.heads),
+                             value.slices)
+        local = packed.total // grid.cp_size if placement is None else placement.local_tokens
+        plan_blocks(mask, grid, grid.heads * local, device)
+        return True
 
     def _mask(self, query: torch.Tensor, params: PackedSeqParams | None) -> SliceMask | None:
         """The mask of this call given as slices: the micro-batch's (`MaskedSeqParams`), or

@@ -60,9 +60,10 @@ def tile_calls(kernel: TileKernel, xs: Sequence[int], ys: Sequence[int], q: torc
 def plan_blocks(mask: AttentionMask, grid: MeshGrid, local_len: int,
                 device: torch.device | str = "cpu") -> None:
     """Make this rank's blocks of a micro-batch ahead of its first layer (its row's query
-    chunks against its column's K/V chunks, one pass per query chunk): the layers' tiles
-    then find them in the caches (`layout.blocks_for`). `local_len`: rows of one chunk
-    after the heads all-to-all (A x tokens per rank); `mask.ranks`: R x C."""
+    chunks against its column's K/V chunks, all in one array pass): the layers' tiles then
+    find them in the caches (`layout.blocks_for`). The driver calls it once per micro-batch
+    (`megatron.core_attention.plan_micro_batch`). `local_len`: rows of one chunk after the
+    heads all-to-all (A x tokens per rank); `mask.ranks`: R x C."""
     blocks_for([(x, y) for x in grid.row_mesh_ranks for y in grid.col_mesh_ranks], local_len,
                mask, device)
 

@@ -63,9 +63,42 @@ def _job(rank: int, world: int) -> list[float]:
         ref = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=seen)
         errors.append((out - ref.transpose(0, 1).reshape(total, -1)).abs().max().item())
-    return errors
+    return errors, _planned_ahead(config, q, k, v)
+
+
+def _planned_ahead(config, q, k, v) -> list[tuple[bool, int, int]]:
+    """(planned, blocks cut by the driver's plan, blocks cut by the first layer) of a new
+    micro-batch of documents, planned ahead by the driver (`plan_micro_batch`) and not."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh.calls import layout
+    from megatron_mesh.megatron.core_attention import MeshDotProductAttention, plan_micro_batch
+
+    cuts = []
+    cut = layout.tile_parts
+    layout.tile_parts = lambda *args: cuts.append(1) or cut(*args)
+    out = []
+    for ahead, lengths in ((True, [9, 3, 8]), (False, [4, 12, 4])):  # new documents each
+        model = torch.nn.Sequential(MeshDotProductAttention(config, 2, AttnMaskType.causal,
+                                                            "self"))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                                 max_seqlen_q=12, max_seqlen_kv=12)
+        before = len(cuts)
+        planned = plan_micro_batch(model, params, "cpu") if ahead else False
+        planning = len(cuts) - before
+        model[0](q, k, v, None, packed_seq_params=params)
+        out.append((planned, planning, len(cuts) - before - planning))
+    layout.tile_parts = cut
+    return out
 
 
 def test_chunks_and_a_builder_mask_over_packed_documents_are_the_definition() -> None:
-    (errors,) = run_distributed(_job, 1)
+    ((errors, planned),) = run_distributed(_job, 1)
     assert max(errors) < 1e-5, errors
+    # the driver's plan of a micro-batch is what its first layer uses: the layer cuts no
+    # block; without it the layer cuts them itself
+    assert planned[0][:2] == (True, 1) and planned[0][2] == 0, planned
+    assert planned[1] == (False, 0, 1), planned

@@ -3,24 +3,49 @@ the per-part one (`slice_blocks.block_parts`, `block_calls`) on random packed do
 masks given as slices."""
 from __future__ import annotations
 
-import bisect
 import random
 
+import document_join_reference
 import numpy as np
 import pytest
 import torch
 
-from megatron_mesh.calls import document_groups, layout
 from megatron_mesh.calls import groups as groups_module
+from megatron_mesh.calls import layout
 from megatron_mesh.calls.block import Block
 from megatron_mesh.calls.groups import group_calls
-from megatron_mesh.calls.layout import AttentionMask, block_for, blocks_for, mask_slices, rank_runs, slab_rows
-from megatron_mesh.calls.part_arrays import RunArrays, document_arrays, part_arrays, slice_arrays
-from megatron_mesh.calls.slice_blocks import block_calls, block_parts, bound_of, position_runs
-from megatron_mesh.calls.tile_slices import TileSlices
+from megatron_mesh.calls.layout import (
+    AttentionMask,
+    block_for,
+    blocks_for,
+    global_positions,
+    mask_slices,
+    rank_runs,
+    slab_rows,
+)
+from megatron_mesh.calls.part_arrays import (
+    NO_HI,
+    NO_LO,
+    RunArrays,
+    document_arrays,
+    pair_counts,
+    part_arrays,
+    slice_arrays,
+)
+from megatron_mesh.calls.slice_blocks import (
+    block_calls,
+    block_parts,
+    bound_of,
+    document_run_arrays,
+    documents_run_arrays,
+    position_run_arrays,
+    position_runs,
+)
 from megatron_mesh.common.caches import _CACHES, KEEP_DOCUMENTS
+from megatron_mesh.masks.document_placement import DocumentPlacement
+from megatron_mesh.masks.document_placer import place_documents
 from megatron_mesh.masks.documents import Documents
-from megatron_mesh.masks.slices import SliceMask
+from megatron_mesh.masks.slices import SliceMask, slice_pairs
 from megatron_mesh.masks.window import Window
 from megatron_mesh.runtime.grid import MeshGrid
 from megatron_mesh.schedules.blocks import _tile_calls, plan_blocks
@@ -102,7 +127,26 @@ def masks(rng: random.Random, ranks: int) -> list[AttentionMask]:
     out.append(AttentionMask(False, ranks=ranks, slices=SliceMask(
         random_slices(seq, 8, rng, windows=True), seq)))
     out.append(AttentionMask(rng.random() < 0.5, ranks=ranks))
+    # documents with a mask given as slices (alone, or with windows)
+    out.append(AttentionMask(True, docs, ranks, slices=SliceMask(random_slices(seq, 8, rng),
+                                                                 seq)))
+    out.append(AttentionMask(False, docs, ranks, slices=SliceMask(
+        random_slices(seq, 8, rng, windows=True), seq)))
+    # placed documents (`document_placer`), alone and with slices
+    placement = random_placement(rng, ranks, units)
+    out.append(AttentionMask(rng.random() < 0.5, ranks=ranks, placement=placement))
+    out.append(AttentionMask(False, ranks=ranks, placement=placement, slices=SliceMask(
+        random_slices(placement.total, 8, rng), placement.total)))
     return out
+
+
+def random_placement(rng: random.Random, ranks: int, units: int) -> DocumentPlacement:
+    """Documents of random lengths (at least one token) filling `units` x 2P tokens, placed
+    over `ranks` ranks."""
+    total = 2 * ranks * units
+    count = rng.randint(1, min(total, 12))
+    cuts = sorted(rng.sample(range(1, total), count - 1))
+    return place_documents([0, *cuts, total], ranks)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -112,6 +156,7 @@ def test_array_parts_equal_the_sweep(ranks):
     for _ in range(15):
         for mask in masks(rng, ranks):
             local = (mask.documents.total if mask.documents else
+                     mask.placement.total if mask.placement else
                      mask.slices.seq_len if mask.slices and mask.slices.seq_len else
                      8 * ranks) // ranks
             for x in range(ranks):
@@ -124,12 +169,13 @@ def test_array_parts_equal_the_sweep(ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_array_blocks_equal_the_per_part_blocks(ranks):
-    """Every block of random documents and slice masks is the reference's: the same
-    calls, rows, slices and documents."""
+    """Every block of random documents (THD and placed, alone and with slices or a window)
+    and slice masks is the reference's: the same calls, rows, slices and documents."""
     rng = random.Random(10 + ranks)
     for _ in range(12):
         for mask in masks(rng, ranks):
             seq = (mask.documents.total if mask.documents else
+                   mask.placement.total if mask.placement else
                    mask.slices.seq_len if mask.slices is not None else 16 * ranks)
             local = seq // ranks
             pairs = [(x, y) for x in range(ranks) for y in range(ranks)]
@@ -162,69 +208,6 @@ def test_position_runs_equal_a_row_by_row_scan():
         assert position_runs(torch.tensor(pos, dtype=torch.int64)) == want, pos
 
 
-def reference_join(group, side: str, causal_last: bool, device: torch.device):
-    """`document_groups.join` document by document (the per-document reference)."""
-    shared = 0 if side == "q" else 1
-    joined = 1 - shared
-    count = lambda runs: sum(b - a for a, b in runs)  # noqa: E731
-    docs = sorted(group.docs, key=lambda runs: runs[0][0])
-    offsets, starts = [], 0
-    for m in group.members:
-        offsets.append(starts)
-        starts += count(tuple(r for doc in m.call.doc_runs for r in doc[joined]))
-    where = []
-    for m, offset in zip(group.members, offsets):
-        inside, at = {}, offset
-        for doc in m.call.doc_runs:
-            n = count(doc[joined])
-            inside[doc[shared]] = (at, at + n)
-            at += n
-        where.append(inside)
-    order, cu_joined, cu_shared = [], [0], [0]
-    for doc in docs:
-        for inside in where:
-            if doc in inside:
-                order.append(torch.arange(*inside[doc]))
-        cu_joined.append(cu_joined[-1] + sum(inside[doc][1] - inside[doc][0]
-                                             for inside in where if doc in inside))
-        cu_shared.append(cu_shared[-1] + count(doc))
-    cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
-    runs = [r for doc in docs for r in doc]
-    shared_rows = (slice(runs[0][0], runs[-1][1])
-                   if all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-                   else torch.cat([torch.arange(a, b) for a, b in runs]))
-    pieces = tuple((m.other, m.call.kv_rows if joined == 1 else m.call.q_rows)
-                   for m in group.members)
-    order_of_call = torch.cat(order)
-    place = torch.empty_like(order_of_call)
-    place[order_of_call] = torch.arange(order_of_call.numel())
-    return document_groups.Joined(
-        shared_rows, pieces, place.to(device),
-        TileSlices.documents(tuple(cu_q), tuple(cu_kv), causal_last, device), causal_last)
-
-
-def reference_takes(self, runs) -> bool:
-    for doc in runs:
-        if doc in self.docs:
-            continue
-        first, last = min(a for a, _ in doc), max(b for _, b in doc)
-        n = bisect.bisect_right(self.starts, last - 1) - 1
-        if n >= 0 and self.ends[n] > first:
-            return False
-    return True
-
-
-def reference_add(self, member, runs) -> None:
-    self.members.append(member)
-    for doc in runs:
-        if doc not in self.docs:
-            self.docs[doc] = len(self.docs)
-            first, last = min(a for a, _ in doc), max(b for _, b in doc)
-            n = bisect.bisect_left(self.starts, first)
-            self.starts.insert(n, first)
-            self.ends.insert(n, last)
-
-
 def same_call(a, b) -> bool:
     pieces = lambda c, d: len(c) == len(d) and all(  # noqa: E731
         p.chunk == q.chunk and same_rows(p.rows, q.rows) for p, q in zip(c, d))
@@ -238,13 +221,18 @@ def same_call(a, b) -> bool:
 @pytest.mark.parametrize("rows,cols", [(1, 2), (2, 2), (2, 1), (4, 2)])
 def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
     """The grouped calls of every rank's tile (query chunk by query chunk, and the row's
-    chunks against one K/V chunk) equal those the per-document join makes."""
+    chunks against one K/V chunk) equal those the per-document join makes, over THD and
+    placed documents and documents with slices."""
     rng = random.Random(rows * 10 + cols)
     ranks = rows * cols
     for _ in range(6):
         docs = random_documents(rng, ranks, rng.choice([3, 8, 20]))
+        placement = random_placement(rng, ranks, docs.total // (2 * ranks))
         for mask in (AttentionMask(True, docs, ranks), AttentionMask(False, docs, ranks),
-                     AttentionMask(False, ranks=ranks, slices=docs.slices(True))):
+                     AttentionMask(False, ranks=ranks, slices=docs.slices(True)),
+                     AttentionMask(True, ranks=ranks, placement=placement),
+                     AttentionMask(True, docs, ranks, slices=SliceMask(
+                         random_slices(docs.total, 6, rng), docs.total))):
             local = docs.total // ranks
             for me in range(ranks):
                 xs = [me // cols * cols + j for j in range(cols)]
@@ -256,13 +244,46 @@ def test_tile_calls_equal_the_per_document_join(rows, cols, monkeypatch):
                                   for qi, x in enumerate(txs) for ki, y in enumerate(tys)]
                         got = group_calls(blocks, fold, True, limit)
                         with monkeypatch.context() as m:
-                            m.setattr(document_groups, "join", reference_join)
-                            m.setattr(document_groups._Group, "takes", reference_takes)
-                            m.setattr(document_groups._Group, "add", reference_add)
-                            m.setattr(groups_module, "join", reference_join)
+                            m.setattr(groups_module, "document_calls",
+                                      document_join_reference.document_calls)
                             want = group_calls(blocks, fold, True, limit)
                         assert len(got) == len(want)
                         assert all(same_call(a, b) for a, b in zip(got, want)), (mask, me)
+
+
+def test_document_runs_equal_the_runs_of_their_positions():
+    """A rank's runs of THD documents, made from the pieces it holds (one rank's, or
+    several ranks' in one pass), are the runs a pass over its rows' positions finds."""
+    rng = random.Random(8)
+    for _ in range(60):
+        ranks = rng.randint(1, 6)
+        docs = random_documents(rng, ranks, rng.randint(1, 16))
+        mask = AttentionMask(True, docs, ranks)
+        of = rng.sample(range(ranks), rng.randint(1, ranks))
+        every = documents_run_arrays(docs.cu_padded, docs.lengths, ranks, of)
+        for rank, got in zip(of, every):
+            want = position_run_arrays(global_positions(mask, rank, docs.total // ranks))
+            one = document_run_arrays(docs.cu_padded, docs.lengths, ranks, rank)
+            assert all(np.array_equal(a, b) for a, b in zip(one, want)), (docs, rank)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)), (docs, of, rank)
+
+
+def test_pair_counts_equal_the_slices_closed_form():
+    """The array planner's pair counts are `slice_pairs`' on random slices and bounds."""
+    rng = random.Random(9)
+    rows = []
+    for _ in range(400):
+        q0, k0 = rng.randrange(20), rng.randrange(20)
+        q1, k1 = q0 + rng.randint(1, 12), k0 + rng.randint(1, 12)
+        lo = rng.choice([None, rng.randint(-15, 15)])
+        hi = rng.choice([None, rng.randint(-15, 15)])
+        rows.append((q0, q1, k0, k1, lo, hi))
+    for bounded_below in (False, True):  # the one-bound form and the general one
+        chosen = [r for r in rows if bounded_below or r[4] is None]
+        table = np.array([(*r[:4], NO_LO if r[4] is None else r[4],
+                           NO_HI if r[5] is None else r[5]) for r in chosen], dtype=np.int64)
+        got = pair_counts(*table.T)
+        assert got.tolist() == [slice_pairs(*r) for r in chosen]
 
 
 def test_document_arrays_equal_the_documents_slices():
@@ -280,9 +301,8 @@ def test_a_micro_batch_is_planned_once_for_all_its_layers(monkeypatch):
     """Every layer of a micro-batch builds its own mask value of the same documents: its
     blocks are cut once, and the caches keep the last few micro-batches only."""
     made = []
-    for name in ("part_arrays", "tile_parts"):
-        cut = getattr(layout, name)
-        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    cut = layout.tile_parts
+    monkeypatch.setattr(layout, "tile_parts", lambda *args: made.append(1) or cut(*args))
     rng = random.Random(3)
     for batch in range(KEEP_DOCUMENTS + 3):
         docs = random_documents(rng, 2, 10)
@@ -306,9 +326,8 @@ def test_blocks_planned_ahead_serve_every_tile(monkeypatch):
         cache.cache_clear()
     plan_blocks(mask, grid, local)
     made = []
-    for name in ("part_arrays", "tile_parts"):
-        cut = getattr(layout, name)
-        monkeypatch.setattr(layout, name, lambda *args, cut=cut: made.append(1) or cut(*args))
+    cut = layout.tile_parts
+    monkeypatch.setattr(layout, "tile_parts", lambda *args: made.append(1) or cut(*args))
     for x in grid.row_mesh_ranks:
         _tile_calls(mask, (x,), tuple(grid.col_mesh_ranks), local, torch.device("cpu"),
                     frozenset(), True, True, None)

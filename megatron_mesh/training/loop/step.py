@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_mesh.megatron.core_attention import plan_micro_batch
 from megatron_mesh.training.job.device import device
 from megatron_mesh.training.model.moe import router_padding_mask
 from megatron_mesh.training.model.pipeline import report_to_all_stages
@@ -50,8 +51,11 @@ def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module,
                  per_token_loss: bool = False):
     """megatron-core's forward_step_func: GPT forward on the next micro-batch (the fields
     this pipeline stage reads; a later stage's input comes from the previous stage; the
-    packed documents' padding mask for a mixture of experts' routers)."""
+    packed documents' padding mask for a mixture of experts' routers), its attention blocks
+    planned first (`core_attention.plan_micro_batch`)."""
     batch = next(data_iterator)
+    # this rank's blocks of the micro-batch's documents, made once before the first layer
+    plan_micro_batch(model, batch.get("packed_seq_params"), device())
     output = model(batch.get("tokens"), batch.get("position_ids"), None,
                    labels=batch.get("labels"), packed_seq_params=batch.get("packed_seq_params"),
                    **router_padding_mask(batch, model))
