@@ -188,33 +188,36 @@ def block_mask_tensors(mask, device) -> list[torch.Tensor]:
     return [t for t in mask.block_mask(device).as_tuple() if isinstance(t, torch.Tensor)]
 
 
-def masks_per_call(make=whole_tile.tile_mask):
+def masks_per_call(make):
     """`whole_tile.tile_mask` for the measurement: each call's mask made for it (none kept
-    for later calls) and counted from when it is made; its making (the blocks' [s, s]
-    squares, once per shape and micro-batch where masks are kept) unseen."""
+    for later calls) and counted from when it is made; its making (the
+    blocks' [s, s] squares, once per shape and micro-batch where masks are kept) unseen."""
     def tile_mask(*args, **kwargs):
         return untracked(lambda: make(*args, **kwargs), lambda m: (m.kinds, m.partial))
-    whole_tile._tile_mask.dense_size = 0
     return tile_mask
 
 
 def flex_worker(rank: int, world: int) -> dict:
     s, b, hq, hkv, d = FLEX_SIZE.values()
     shape = mm.AttentionShape(s * world, b, hq, hkv, d, 4)
-    whole_tile.tile_mask = masks_per_call()
+    make, kept = whole_tile.tile_mask, whole_tile._tile_mask.dense_size
+    whole_tile.tile_mask, whole_tile._tile_mask.dense_size = masks_per_call(make), 0
     results = {}
-    for rows, cols in FLEX_GRIDS:
-        grid = mm.MeshGrid.build(rows=rows, cols=cols)
-        for schedule in SCHEDULES:
-            g = torch.Generator().manual_seed(rank)
-            q, k, v = (torch.randn(s, b, h, d, generator=g).requires_grad_()
-                       for h in (hq, hkv, hkv))
-            dout = torch.randn(s, b, hq, d, generator=g)
-            measured = pass_peaks(lambda: mm.mesh_attention(  # noqa: B023
-                q, k, v, grid, schedule=schedule, backend=FusedFlex()), dout)
-            model = extra_memory(shape, rows, cols, schedule, whole_tile=True)
-            results[rows, cols, schedule] = {phase: (measured[phase], model[phase])
-                                             for phase in measured}
+    try:
+        for rows, cols in FLEX_GRIDS:
+            grid = mm.MeshGrid.build(rows=rows, cols=cols)
+            for schedule in SCHEDULES:
+                g = torch.Generator().manual_seed(rank)
+                q, k, v = (torch.randn(s, b, h, d, generator=g).requires_grad_()
+                           for h in (hq, hkv, hkv))
+                dout = torch.randn(s, b, hq, d, generator=g)
+                measured = pass_peaks(lambda: mm.mesh_attention(  # noqa: B023
+                    q, k, v, grid, schedule=schedule, backend=FusedFlex()), dout)
+                model = extra_memory(shape, rows, cols, schedule, whole_tile=True)
+                results[rows, cols, schedule] = {phase: (measured[phase], model[phase])
+                                                 for phase in measured}
+    finally:
+        whole_tile.tile_mask, whole_tile._tile_mask.dense_size = make, kept
     return results
 
 
