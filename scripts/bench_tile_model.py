@@ -5,7 +5,8 @@ block, S A / P), the rank's tile is the calls its schedule makes (`planner.prici
 .mesh_calls`: grouped as the tiles run them, the diagonal folded where the backend folds
 it); the same pass FLOPs in one call of the tile's query rows is the floor. The ratio
 one call / tile (forward + backward) is the tile's efficiency; beside it the memory model's
-extra bytes per rank of that plan (`cost_models.memory.extra_memory`). Every number is
+extra bytes per rank of that plan (`cost_models.memory.extra_memory`, for the backend's
+calls: the diagonal folded where it folds it, one call a group for 'flex'). Every number is
 MODEL (the profile's fit, not a measurement); the goal column is 90 / 85 / 75% at
 8K / 4K / 2K tokens a chunk.
 
@@ -19,7 +20,7 @@ import argparse
 from megatron_mesh.cost_models.memory import extra_memory
 from megatron_mesh.layer_plan import grid_shapes, heads_sizes
 from megatron_mesh.planner.gpu_profile import load_profile
-from megatron_mesh.planner.pricing.tiles import mesh_calls
+from megatron_mesh.planner.pricing.tiles import KernelCalls, mesh_calls
 from megatron_mesh.planner.pricing.workload import Workload
 
 GOALS = {8192: 0.90, 4096: 0.85, 2048: 0.75}
@@ -56,7 +57,9 @@ def tile_row(profile, backend: str, workload: Workload, cp_size: int, grid: tupl
                                      calls.heads, calls.batch, calls.dtype, backend)
         one += profile.tile_seconds(phase, flops[phase], 1, c * chunk, calls.heads,
                                     calls.batch, calls.dtype, backend)
-    extra = extra_memory(workload.attention_shape(), workload.mesh_plan(r, c, a))
+    kernel = KernelCalls.of(backend, workload.dtype)
+    extra = extra_memory(workload.attention_shape(), workload.mesh_plan(r, c, a),
+                         bottom_right=kernel.bottom_right, whole_tile=kernel.whole_tile)
     return {"schedule": workload.mesh_plan(r, c, a).schedule.value,
             "calls": (calls.forward, calls.backward), "tile_ms": 1e3 * tile,
             "one_ms": 1e3 * one, "ratio": one / tile,

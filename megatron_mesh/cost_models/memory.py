@@ -25,6 +25,22 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         folded into the call with the keys before it (one K/V chunk more there). A call
         concatenates at most `tile_calls.group_tokens()` keys or query rows (16K), so its
         copies are a few chunks' worth on any grid
+    whole tiles (`whole_tile=True`: a kernel taking the blocks on hand as one call,
+        FlexAttention's, `schedules/whole_tile.py`): a "block" above is the largest such
+        call (`tile_calls.call_shapes(..., whole_tile=True)`: whole chunks, uncapped):
+        forward, FlexAttention's out and lse of its rows, its mask, and its concatenated
+        K/V (one copy; its query chunks are a view in streamed_kv's forward, where they lie
+        in the gathered row's buffer, else one copy too) or a chunk's merge (new lse, one
+        weight); backward, its dq, dk, dv, its mask, and its concatenated pieces as a
+        grouped call's. The mask (`kernels.flex.TileMask` and the BlockMask made of it,
+        at 128 x 128 blocks, nq x nk of the call): kinds int32 [nq, nk], the partial
+        blocks bool [a power of two >= 2 + n, 128, 128] (n: the causal diagonal's
+        s / 128 where a half chunk is whole blocks; else every block counted partial, a
+        bound), and the BlockMask's indices (16 nq nk + 8 (nq + nk)). It is counted with
+        its call: a layer keeps a micro-batch's masks for its later layers and the
+        backward, which then hold them all (made once, counted nowhere here). What runs
+        inside the kernel is not counted (the compiled kernel's work buffers; on the CPU,
+        the eager op's dense [sq, sk] scores, which the CUDA kernel never makes)
     merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
 
     gathered forward : C Q (row's Q; none when C = 1) + R KV (column's K/V; none when R = 1)
@@ -132,6 +148,7 @@ class _Chunk:
     e: int
     dq_exchange: int  # q g_q
     dkv_exchange: int  # kv g_kv
+    tokens: int = 0  # a rank's chunk (s): a whole-tile call's mask has its blocks
     # the largest grouped call of a schedule (`grouped_calls`); None: one call per block
     call_forward: int | None = None
     call_backward: int | None = None
@@ -143,7 +160,8 @@ class _Chunk:
         o = shape.out_elements(cp_size)
         e = shape.dtype_bytes
         return cls(q * e, kv * e, o * e, FP32 * o, FP32 * lse, FP32 * q, FP32 * kv, e,
-                   q * grads.dq_bytes(e), kv * grads.dkv_bytes(e))
+                   q * grads.dq_bytes(e), kv * grads.dkv_bytes(e),
+                   shape.seq_len // cp_size)
 
     @property
     def acc(self) -> int:
@@ -185,6 +203,32 @@ class _Chunk:
                   + (keys * self.kv if len(call.kv) > 1 else 0))
         return (copies + rows * self.q + keys * self.kv) // 2
 
+    def tile_mask(self, call: CallShape) -> int:
+        """The mask of a whole-tile call: `TileMask`'s kinds and partial blocks and its
+        BlockMask's indices (module docstring)."""
+        half = self.tokens // 2
+        nq, nk = (-(-sum(pieces) * half // FLEX_BLOCK) for pieces in (call.q, call.kv))
+        if half % FLEX_BLOCK == 0:
+            partial = self.tokens // FLEX_BLOCK if call.diagonal else 0
+        else:  # a block may hold parts of several chunks: every block counted
+            partial = nq * nk
+        kept = 1 << (1 + partial).bit_length()  # the least power of two >= 2 + partial
+        return 4 * nq * nk + kept * FLEX_BLOCK ** 2 + 16 * nq * nk + 8 * (nq + nk)
+
+    def whole_forward_call(self, call: CallShape, q_view: bool) -> int:
+        """One whole-tile forward call: its out and lse with its mask, and its
+        concatenated K/V and Q (`q_view`: the query chunks lie in one buffer) while the
+        kernel runs, or a chunk's merge after it."""
+        rows = sum(call.q)
+        copies = ((rows * self.q if len(call.q) > 1 and not q_view else 0)
+                  + (sum(call.kv) * self.kv if len(call.kv) > 1 else 0)) // 2
+        return (rows * (self.o + self.lse) // 2 + self.tile_mask(call)
+                + max(copies, max(call.q) * self.lse))
+
+    def whole_backward_call(self, call: CallShape) -> int:
+        """One whole-tile backward call: a grouped call's buffers and its mask."""
+        return self.backward_call(call) + self.tile_mask(call)
+
     @property
     def stand_in(self) -> int:
         """A stand-in output with its block off the diagonal, or while it is made (u, its
@@ -210,6 +254,7 @@ class _Chunk:
 
 
 DIAGONAL = CallShape((2,), (2,))  # a causal diagonal block on its own
+FLEX_BLOCK = 128  # FlexAttention's block of rows and keys (`kernels.flex.BLOCK`)
 
 
 def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool,
@@ -224,6 +269,21 @@ def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool,
     return replace(m, call_forward=max(map(m.forward_call, shapes["forward"])),
                    call_backward=max(map(m.backward_call, shapes["backward"])),
                    call_backward_off_diagonal=max(off, default=m.backward_call(DIAGONAL)))
+
+
+def whole_tile_calls(m: _Chunk, r: int, c: int, schedule: str) -> _Chunk:
+    """m with the largest whole-tile call of `schedule` on an R x C mesh (any rank,
+    causal zigzag; `tile_calls.call_shapes(..., whole_tile=True)`) in place of one
+    block's: forward, backward, and backward but the diagonal on its own."""
+    shapes = {phase: call_shapes(r, c, True, schedule, phase, whole_tile=True)
+              for phase in ("forward", "backward")}
+    q_view = schedule == "streamed_kv" and not Schedule(schedule).runs_gathered(r, c)
+    diagonal = replace(DIAGONAL, diagonal=True)
+    off = [m.whole_backward_call(call) for call in shapes["backward"] if call != diagonal]
+    return replace(m, call_forward=max(m.whole_forward_call(call, q_view)
+                                       for call in shapes["forward"]),
+                   call_backward=max(map(m.whole_backward_call, shapes["backward"])),
+                   call_backward_off_diagonal=max(off, default=m.whole_backward_call(diagonal)))
 
 
 def _gathered_backward(m: _Chunk, r: int, c: int) -> int:
@@ -348,16 +408,20 @@ def _windowed_peaks(m: _Chunk, r: int, c: int, k_share: Fraction,
 
 
 def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
-           grouped: bool | None = None, limit: int | None = None) -> dict[str, int]:
+           grouped: bool | None = None, limit: int | None = None,
+           whole_tile: bool = False) -> dict[str, int]:
     """The most bytes held at once in each pass, the result included; the blocks' calls
     grouped where `tile_calls.grouping(grouped)` (`grouped_calls`), each at most `limit`
-    half chunks (`tile_calls.piece_limit`)."""
+    half chunks (`tile_calls.piece_limit`), or one call a group (`whole_tile`,
+    `whole_tile_calls`)."""
     row_q = c * m.q if c > 1 else 0
     col_kv = r * m.kv if r > 1 else 0
     if schedule not in tuple(Schedule):  # ('ring' and 'windowed' go elsewhere: extra_memory)
         raise ValueError(f"schedule={schedule!r} is not one of gathered, streamed_kv, "
                          "streamed_q, ring or windowed")
-    if grouping(grouped):
+    if whole_tile:
+        m = whole_tile_calls(m, r, c, schedule)
+    elif grouping(grouped):
         m = grouped_calls(m, r, c, schedule, bottom_right, limit)
     # the schedule has no ring to run here: the gathered code runs
     if Schedule(schedule).runs_gathered(r, c):
@@ -407,7 +471,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
                  schedule: str | None = None,
                  grad_reduce_dtype: GradDtype | str = GradDtype.MIXED,
                  windowed: bool | Exchanged = False, *, bottom_right: bool = False,
-                 grouped: bool | None = None) -> dict[str, int]:
+                 grouped: bool | None = None, whole_tile: bool = False) -> dict[str, int]:
     """{'forward': bytes, 'backward': bytes} of extra buffers for one rank.
 
     extra_memory(shape, plan): the plan's grid, schedule and gradient dtype;
@@ -415,12 +479,14 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     Transformer Engine's p2p ring for comparison, rows * cols = P).
     The blocks' kernel calls are grouped as the tiles run them (`tile_calls.grouping(grouped)`),
     the causal diagonal folded in where `bottom_right` (the kernel's `folds_diagonal`: torch's
-    on CUDA's flash op; False: cuDNN, Transformer Engine, the memory-efficient op, the CPU).
+    on CUDA's flash op; False: cuDNN, Transformer Engine, the memory-efficient op, the CPU);
+    `whole_tile`: the kernel takes each group on hand as one call (`KernelCaps.whole_tile`,
+    backend 'flex'; `whole_tile_calls`; the sparse exchange's calls stay modelled grouped).
     """
     if isinstance(rows, MeshPlan):
         if rows.heads > 1:
             return heads_extra_memory(shape, rows, windowed, bottom_right=bottom_right,
-                                      grouped=grouped)
+                                      grouped=grouped, whole_tile=whole_tile)
         rows, cols, schedule, grad_reduce_dtype = (rows.rows, rows.cols, rows.schedule.value,
                                             rows.grad_reduce_dtype)
     if windowed:  # under a sliding window every schedule runs the sparse exchange
@@ -434,7 +500,7 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
     m = _Chunk.of(shape, rows * cols, GradDtype(grad_reduce_dtype))
     if schedule != "windowed":
         peaks = _peaks(m, rows, cols, schedule, bottom_right, grouped,
-                       piece_limit(shape.seq_len // (rows * cols)))
+                       piece_limit(shape.seq_len // (rows * cols)), whole_tile)
         return {phase: peaks[phase] - m.result[phase] for phase in peaks}
     peaks = _windowed_memory(shape, m, rows, cols, windowed or True)
     return {phase: peaks[phase] - m.result[phase] for phase in peaks}
@@ -442,7 +508,8 @@ def extra_memory(shape: AttentionShape, rows: int | MeshPlan, cols: int | None =
 
 def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
                        windowed: bool | Exchanged = False, *, bottom_right: bool = False,
-                       grouped: bool | None = None) -> dict[str, int]:
+                       grouped: bool | None = None, whole_tile: bool = False
+                       ) -> dict[str, int]:
     """Extra memory of a heads x rows x cols plan: the R x C mesh's on its 1/A of the heads
     (`layer_plan.heads_shape`), held while the relaid Q, K, V (Q + KV') are kept for backward,
     or the relayouts (module docstring); backward: the mesh's, held while dO is relaid
@@ -451,7 +518,7 @@ def heads_extra_memory(shape: AttentionShape, plan: MeshPlan,
     m = _Chunk.of(inner, plan.rows * plan.cols, plan.grad_reduce_dtype)
     mesh = (_windowed_memory(inner, m, plan.rows, plan.cols, windowed) if windowed
             else _peaks(m, plan.rows, plan.cols, plan.schedule.value, bottom_right, grouped,
-                        piece_limit(inner.seq_len // (plan.rows * plan.cols))))
+                        piece_limit(inner.seq_len // (plan.rows * plan.cols)), whole_tile))
     relaid = m.q + m.kv
     outer = _Chunk.of(shape, plan.cp_size, plan.grad_reduce_dtype)
     repeated = m.kv if kv_repeats(plan.heads, shape.kv_heads) > 1 else 0

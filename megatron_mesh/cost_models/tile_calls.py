@@ -111,22 +111,27 @@ Pair = tuple[int, int]  # (query owner x, key owner y): mesh ranks (zigzag posit
 @dataclass(frozen=True)
 class CallShape:
     """One kernel call: the rows of each query piece and each key piece it concatenates,
-    in half chunks (2: a whole chunk, 1: one zigzag half)."""
+    in half chunks (2: a whole chunk, 1: one zigzag half); `diagonal`: a whole-tile call
+    holding a causal diagonal block (its mask has partial blocks, `memory.py`)."""
 
     q: tuple[int, ...]
     kv: tuple[int, ...]
+    diagonal: bool = False
 
 
 class Group(NamedTuple):
     """Blocks on hand together, as the schedules make them: one query chunk x against key
     chunks Y (`by_rows`), or query chunks X against one key chunk y; `lower` / `higher`:
     how many of the others lie before / after the one (zigzag positions), `diagonal`:
-    whether the one's own block is among them."""
+    whether the one's own block is among them; `skipped`: chunks in the same buffers whose
+    blocks are computed apart (the diagonal, streamed_q's later ones), which a whole-tile
+    call takes too (masked out)."""
 
     by_rows: bool
     lower: int
     higher: int
     diagonal: bool
+    skipped: int = 0
 
 
 def _schedule(schedule: Schedule | str) -> Schedule:
@@ -169,11 +174,14 @@ def group_shapes(group: Group, causal: bool, bottom_right: bool = True,
     return tuple(out)
 
 
-def whole_tile_shape(group: Group) -> CallShape:
+def whole_tile_shape(group: Group, causal: bool = True) -> CallShape:
     """The one call of `group` on a kernel taking whole tiles: its chunks whole,
-    concatenated on the grouped side."""
-    n = group.lower + group.higher + group.diagonal
-    return CallShape((2,), (2,) * n) if group.by_rows else CallShape((2,) * n, (2,))
+    concatenated on the grouped side (its skipped ones too), `diagonal` where it holds a
+    causal diagonal."""
+    n = group.lower + group.higher + group.diagonal + group.skipped
+    diagonal = causal and group.diagonal
+    return (CallShape((2,), (2,) * n, diagonal) if group.by_rows
+            else CallShape((2,) * n, (2,), diagonal))
 
 
 def _grid(rows: int, cols: int, schedule: Schedule | str) -> Schedule:
@@ -196,7 +204,7 @@ def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
     if schedule is Schedule.GATHERED:
         if phase == "forward":  # and x_j = this rank's own chunk, with the diagonal
             return [row_before, row_after, (Group(True, i, rows - 1 - i, True), 1)]
-        own = (Group(True, i, rows - 1 - i, False), 1)  # the own chunk's other blocks
+        own = (Group(True, i, rows - 1 - i, False, 1), 1)  # the own chunk's other blocks
         return [diagonal, row_before, row_after, own]
     if schedule is Schedule.STREAMED_KV:  # the row's chunks against y_r: the diagonal first
         if phase == "backward":  # one query chunk at a time
@@ -206,14 +214,14 @@ def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
                     (Group(False, 0, 1, False), after)]
         return [diagonal, (Group(False, 0, cols, False), i),  # r < i: every x_c after y_r
                 (Group(False, cols, 0, False), rows - 1 - i),  # r > i: every x_c before
-                (Group(False, j, cols - 1 - j, False), 1)]  # r = i: the others
+                (Group(False, j, cols - 1 - j, False, 1), 1)]  # r = i: the others
     # streamed_q: the query chunk x_c (c = j - t) against the column; at step 0 this rank's
     # own chunk against the column but the diagonal, in backward only the first (R - 1) // 2
     # of them (`streamed_q.own_blocks_later`), the others after the last step
     kept = (rows - 1) // 2 if phase == "backward" else rows - 1
     later_before = max(0, i - kept)
     groups = [diagonal, row_before, row_after,
-              (Group(True, min(kept, i), kept - min(kept, i), False), 1)]
+              (Group(True, min(kept, i), kept - min(kept, i), False, rows - kept), 1)]
     if phase == "backward":
         groups.append((Group(True, later_before, rows - 1 - kept - later_before, False), 1))
     return groups
@@ -227,7 +235,7 @@ def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: s
     calls: dict[CallShape, int] = {}
     for g, n in _groups(rows, cols, schedule, rank, phase):
         if n and (g.lower or g.higher or g.diagonal):
-            shapes = ((whole_tile_shape(g),) if whole_tile
+            shapes = ((whole_tile_shape(g, causal),) if whole_tile
                       else group_shapes(g, causal, bottom_right, limit))
             for c in shapes:
                 calls[c] = calls.get(c, 0) + n

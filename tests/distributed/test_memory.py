@@ -4,7 +4,11 @@ the tiles' kernel calls grouped, as they run by default, and in fp32 also with t
 diagonal folded into bottom-right calls, `bottom_right=True`, and with each call capped at
 one chunk's keys or query rows, MESH_GROUP_TOKENS): streamed_kv holds two K/V
 chunks instead of R, streamed_q two Q chunks instead of C, "streamed" picks the one that
-holds less, and the model stays close to measurement."""
+holds less, and the model stays close to measurement. FlexAttention's whole tiles
+(backend='flex', one call a group on hand) against `extra_memory(..., whole_tile=True)`:
+the schedule's buffers, the calls' joined copies, masks and results, the kernel's own work
+unseen (`peak_memory.untracked`: on the CPU the eager op scores every pair, which the
+compiled CUDA kernel never holds)."""
 from __future__ import annotations
 
 import os
@@ -14,9 +18,10 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.cost_models.memory import extra_memory, streamed_schedule
-from megatron_mesh.kernels import TorchFlashKernel
+from megatron_mesh.kernels import FlexTileKernel, TorchFlashKernel
 from megatron_mesh.layer_plan import MeshPlan, Schedule, grid_shapes
-from megatron_mesh.runtime.peak_memory import CpuPeakMemory, pass_peaks
+from megatron_mesh.runtime.peak_memory import CpuPeakMemory, pass_peaks, untracked
+from megatron_mesh.schedules import whole_tile
 
 from dist_utils import run_distributed
 from reference import Failure, assert_no_failures
@@ -157,4 +162,76 @@ def test_streaming_bounds_memory_and_the_model_matches() -> None:
                                         f"rank {rank}: picks {chosen} "
                                         f"({peak(results[(rows, cols, chosen)])} B) over {other} "
                                         f"({peak(results[(rows, cols, other)])} B)"))
+    assert_no_failures([problems])
+
+
+# FlexAttention's whole tiles: chunks of 256 tokens (each zigzag half whole 128 x 128 blocks)
+FLEX_SIZE = dict(s=256, b=1, hq=8, hkv=2, d=32)
+FLEX_GRIDS = ((2, 2), (1, 4), (4, 1))
+
+
+class FusedFlex(FlexTileKernel):
+    """FlexAttention's kernel with its own work unseen: counted are its results and the
+    BlockMask it makes of the tile's mask, as the compiled CUDA kernel holds them."""
+
+    def tile_forward(self, q, k, v, mask, scale):
+        return untracked(lambda: FlexTileKernel.tile_forward(self, q, k, v, mask, scale),
+                         lambda _: block_mask_tensors(mask, q.device))
+
+    def tile_backward(self, dout, q, k, v, out, lse, mask, scale):
+        return untracked(lambda: FlexTileKernel.tile_backward(self, dout, q, k, v, out, lse,
+                                                              mask, scale),
+                         lambda _: block_mask_tensors(mask, q.device))
+
+
+def block_mask_tensors(mask, device) -> list[torch.Tensor]:
+    return [t for t in mask.block_mask(device).as_tuple() if isinstance(t, torch.Tensor)]
+
+
+def masks_per_call(make):
+    """`whole_tile.tile_mask` for the measurement: each call's mask made for it (none kept
+    for later calls) and counted from when it is made; its making (the
+    blocks' [s, s] squares, once per shape and micro-batch where masks are kept) unseen."""
+    def tile_mask(*args, **kwargs):
+        return untracked(lambda: make(*args, **kwargs), lambda m: (m.kinds, m.partial))
+    return tile_mask
+
+
+def flex_worker(rank: int, world: int) -> dict:
+    s, b, hq, hkv, d = FLEX_SIZE.values()
+    shape = mm.AttentionShape(s * world, b, hq, hkv, d, 4)
+    make, kept = whole_tile.tile_mask, whole_tile._tile_mask.dense_size
+    whole_tile.tile_mask, whole_tile._tile_mask.dense_size = masks_per_call(make), 0
+    results = {}
+    try:
+        for rows, cols in FLEX_GRIDS:
+            grid = mm.MeshGrid.build(rows=rows, cols=cols)
+            for schedule in SCHEDULES:
+                g = torch.Generator().manual_seed(rank)
+                q, k, v = (torch.randn(s, b, h, d, generator=g).requires_grad_()
+                           for h in (hq, hkv, hkv))
+                dout = torch.randn(s, b, hq, d, generator=g)
+                measured = pass_peaks(lambda: mm.mesh_attention(  # noqa: B023
+                    q, k, v, grid, schedule=schedule, backend=FusedFlex()), dout)
+                model = extra_memory(shape, rows, cols, schedule, whole_tile=True)
+                results[rows, cols, schedule] = {phase: (measured[phase], model[phase])
+                                                 for phase in measured}
+    finally:
+        whole_tile.tile_mask, whole_tile._tile_mask.dense_size = make, kept
+    return results
+
+
+def test_whole_tiles_memory_matches_the_model() -> None:
+    """backend='flex' on 2x2, 1x4, 4x1 with each schedule, causal fp32: the rank holding
+    most within 0.9x - 1.1x of `extra_memory(..., whole_tile=True)`."""
+    per_rank = run_distributed(flex_worker, 4)
+    problems = []
+    for key, phases in per_rank[0].items():
+        for phase, (_, model) in phases.items():
+            worst = max(results[key][phase][0] for results in per_rank)
+            if not 0.9 * model <= worst <= 1.1 * model:
+                r, c, schedule = key
+                problems.append(Failure(f"flex {r}x{c} {schedule} {phase}",
+                                        f"measured {worst} B on the rank holding most, model "
+                                        f"{model} B ({worst / model:.2f})"))
     assert_no_failures([problems])

@@ -11,9 +11,17 @@ import pytest
 import torch
 from torch.nn.attention import flex_attention as flex_api
 
+import megatron_mesh as mm
+from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.merge import empty_accumulators, merge_into
-from megatron_mesh.cost_models.tile_calls import backward_calls, call_shapes, forward_calls
+from megatron_mesh.cost_models.memory import FLEX_BLOCK, _Chunk
+from megatron_mesh.cost_models.tile_calls import (
+    CallShape,
+    backward_calls,
+    call_shapes,
+    forward_calls,
+)
 from megatron_mesh.kernels import (
     BACKENDS,
     WINDOWS,
@@ -25,8 +33,10 @@ from megatron_mesh.kernels import (
     get_kernel,
 )
 from megatron_mesh.kernels.flex import BLOCK, TileMask
+from megatron_mesh.layer_plan import GradDtype
 from megatron_mesh.planner import Workload
 from megatron_mesh.planner.pricing.tiles import mesh_calls
+from megatron_mesh.schedules.whole_tile import tile_mask
 
 SQ, SK, B, HQ, HKV, D = 40, 56, 2, 4, 2, 16
 
@@ -229,6 +239,22 @@ def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backwa
                         dtype="bf16", mesh_schedule=schedule)
     got = mesh_calls(workload, rows * cols, rows, cols, backend="flex")
     assert (got.forward, got.backward) == (forward, backward)
+
+
+@pytest.mark.parametrize("xs,ys", [((1,), (0, 1, 3)), ((2,), (0, 3)), ((0, 2), (1,)),
+                                   ((3,), (0, 1, 2, 3))])
+def test_the_memory_model_counts_a_whole_tile_masks_bytes(xs, ys) -> None:
+    """A whole-tile call's mask on 4 ranks of 256-token chunks, causal (`TileMask` and the
+    BlockMask made of it): its storages hold the bytes `memory.py` counts for the call."""
+    s, cpu = 256, torch.device("cpu")
+    made = tile_mask(AttentionMask(True, ranks=4), xs, ys, s, cpu)
+    tensors = [made.kinds, made.partial,
+               *(t for t in made.block_mask(cpu).as_tuple() if isinstance(t, torch.Tensor))]
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+    chunk = _Chunk.of(mm.AttentionShape(4 * s, 1, 8, 2, 32, 4), 4, GradDtype.MIXED)
+    call = CallShape((2,) * len(xs), (2,) * len(ys), diagonal=bool(set(xs) & set(ys)))
+    assert FLEX_BLOCK == BLOCK and chunk.tile_mask(call) == held
 
 
 @pytest.mark.gpu

@@ -79,6 +79,25 @@ def a2a_p2p_calls(workload: Workload, cp_size: int, a2a_size: int) -> TileCalls:
     return _calls(workload, ring, ring, workload.seq_length // ring, workload.num_heads // a2a_size)
 
 
+@dataclass(frozen=True)
+class KernelCalls:
+    """How a backend's kernel takes a rank's blocks, for the call counts and the memory
+    model (`memory.extra_memory`): `bottom_right`, the causal diagonal folded into a call of
+    more keys than queries (`kernels.backend_folds_diagonal`); `whole_tile`, each group on
+    hand as one call (`KernelCaps.whole_tile`: 'flex')."""
+
+    bottom_right: bool
+    whole_tile: bool
+
+    @classmethod
+    def of(cls, backend: str | None, dtype: str) -> KernelCalls:
+        """The kernels of `backend` ('torch', 'cudnn', 'te', 'flex'; None: 'torch') in
+        `dtype` on a GPU."""
+        backend = backend or "torch"
+        return cls(backend_folds_diagonal(backend, TORCH_DTYPES[dtype]),
+                   BACKEND_KERNELS[backend].caps.whole_tile)
+
+
 def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: int = 1,
                blocks: int | None = None, backend: str | None = None) -> TileCalls:
     """The calls of a heads x rows x cols grid's tile (module docstring); `blocks`: the
@@ -88,14 +107,13 @@ def mesh_calls(workload: Workload, cp_size: int, rows: int, cols: int, heads: in
     for the workload's dtype on a GPU (`kernels.backend_folds_diagonal`: torch's in fp16 /
     bf16); 'flex' takes each group of blocks on hand as one call (`KernelCaps.whole_tile`)."""
     schedule = workload.mesh_plan(rows, cols, heads).schedule
-    backend = backend or "torch"
-    right = backend_folds_diagonal(backend, TORCH_DTYPES[workload.dtype])
-    whole = BACKEND_KERNELS[backend].caps.whole_tile
+    kernel = KernelCalls.of(backend, workload.dtype)
     chunk = workload.seq_length * heads // cp_size
-    fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
-                        chunk_tokens=chunk, whole_tile=whole)
-    bwd = backward_calls(rows, cols, workload.causal, schedule, bottom_right=right,
-                         chunk_tokens=chunk, whole_tile=whole)
+    fwd = forward_calls(rows, cols, workload.causal, schedule, bottom_right=kernel.bottom_right,
+                        chunk_tokens=chunk, whole_tile=kernel.whole_tile)
+    bwd = backward_calls(rows, cols, workload.causal, schedule,
+                         bottom_right=kernel.bottom_right, chunk_tokens=chunk,
+                         whole_tile=kernel.whole_tile)
     if blocks is None and workload.window is not None:
         blocks = window_blocks(workload.seq_length, rows, cols, workload.window, workload.causal)
     if blocks is not None:
