@@ -29,13 +29,9 @@ from megatron_mesh.kernels import (
     get_kernel,
     te_fused,
 )
-from megatron_mesh.kernels.te_fused import (
-    TEFusedKernel,
-    lse_from_te,
-    lse_to_te,
-    thd_bwd_kwargs,
-    thd_fwd_kwargs,
-)
+from megatron_mesh.kernels.te_fused import TEFusedKernel
+from megatron_mesh.kernels.te_kwargs import thd_bwd_kwargs, thd_fwd_kwargs
+from megatron_mesh.kernels.te_stats import lse_from_te, lse_to_te
 from megatron_mesh.masks.documents import Documents, thd_partition_indices
 
 # ---------------------------------------------------------------- part 1: no TE, no GPU

@@ -18,7 +18,8 @@ import torch
 from te_releases import AP_NEEDED, ATTENTION_PARAMS, BACKEND, FWD_REQUIRED, RELEASES, SIGNATURES, TE_BF16
 
 from megatron_mesh.kernels import te_fused
-from megatron_mesh.kernels.te_fused import TEFusedKernel, bwd_kwargs, fwd_kwargs
+from megatron_mesh.kernels.te_fused import TEFusedKernel
+from megatron_mesh.kernels.te_kwargs import bwd_kwargs, fwd_kwargs
 
 
 def _tile(sq=8, sk=4, b=2, hq=4, hkv=2, d=16, dtype=torch.bfloat16):

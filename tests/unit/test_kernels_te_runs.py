@@ -34,8 +34,9 @@ from te_releases import (
 )
 
 from megatron_mesh.calls.tile_slices import TileSlices
-from megatron_mesh.kernels import te_fused
-from megatron_mesh.kernels.te_fused import TEFusedKernel, pack_bwd_kwargs, pack_fwd_kwargs
+from megatron_mesh.kernels import te_fused, te_kwargs
+from megatron_mesh.kernels.te_fused import TEFusedKernel
+from megatron_mesh.kernels.te_kwargs import pack_bwd_kwargs, pack_fwd_kwargs
 from megatron_mesh.kernels.te_runs import (
     BOTTOM_RIGHT_MASK,
     FULL_MASK,
@@ -423,12 +424,12 @@ def test_documents_of_more_keys_run_bottom_right_on_te(monkeypatch):
         assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (what, (got - ref).abs().max())
     for release in ("2.10.0", "2.20.2"):
         fwd_params = SIGNATURES[RELEASES[release]][0]
-        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], k[:, 0], v[:, 0], docs, True, 0.3,
+        kw = te_kwargs.thd_fwd_kwargs(fwd_params, q[:, 0], k[:, 0], v[:, 0], docs, True, 0.3,
                                      BACKEND)
         assert kw["attn_mask_type"] == "padding_causal_bottom_right"
         assert kw.get("bottom_right_diagonal", True) is True
         square = TileSlices.documents((0, 3, 11), (0, 3, 11), True, CPU)
-        kw = te_fused.thd_fwd_kwargs(fwd_params, q[:, 0], q[:, 0], q[:, 0], square, True,
+        kw = te_kwargs.thd_fwd_kwargs(fwd_params, q[:, 0], q[:, 0], q[:, 0], square, True,
                                      0.3, BACKEND)
         assert kw["attn_mask_type"] == "padding_causal"
 
