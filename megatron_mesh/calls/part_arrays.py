@@ -262,17 +262,15 @@ def _pair(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def _pieces(a, b, c, e, lo, hi) -> _Pieces:
     """`slices.pieces` of every cut at once, as bounds (lo, hi) of the pieces' rules: slot 0
     the band, the full slice or the causal piece; slot 1 the full piece after a causal one."""
-    has_lo, has_hi = lo != NO_LO, hi != NO_HI
-    none = has_lo & has_hi & (lo > hi)
-    a = np.where(has_hi, np.maximum(a, c - hi), a)
-    e = np.where(has_hi, np.minimum(e, b + hi), e)
-    b = np.where(has_lo, np.minimum(b, e - lo), b)
-    c = np.where(has_lo, np.maximum(c, a + lo), c)
-    some = ~none & (a < b) & (c < e)
-    band = has_lo & (c - (b - 1) < lo)
-    fits = ~has_hi | (e - 1 - a <= hi)  # every row sees every key under the upper bound
-    right = np.where(fits, -1, hi - (e - b))
-    band_hi = np.where(right >= 0, hi, NO_HI)
+    # an unbounded side's NO_LO / NO_HI bind nothing below (no bound checks needed)
+    a = np.maximum(a, c - hi)
+    e = np.minimum(e, b + hi)
+    b = np.minimum(b, e - lo)
+    c = np.maximum(c, a + lo)
+    some = (lo <= hi) & (a < b) & (c < e)
+    band = c - (b - 1) < lo
+    fits = e - 1 - a <= hi  # every row sees every key under the upper bound
+    band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
     split = np.minimum(np.maximum(e - hi, a), b)
     cut = ~band & ~fits  # a causal piece and a full one
     first_q1 = np.where(cut, split, b)
