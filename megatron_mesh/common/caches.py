@@ -140,6 +140,8 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
         return storage.nbytes()
     if isinstance(value, np.ndarray):  # a block's runs and slices as arrays
         return value.nbytes
+    if isinstance(value, bytes):  # a call's runs as bytes (`SideRuns.key`)
+        return len(value)
     if isinstance(value, (tuple, list)):
         return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
     if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)
