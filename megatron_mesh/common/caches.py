@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
+_MISSING = object()
 _CACHES: list[PerDocuments | BytesLRU] = []
 
 
@@ -56,11 +57,12 @@ class PerDocuments:
     def __call__(self, *args: Hashable) -> Any:
         documents = self.documents_of(*args)
         table = self._table(documents)
-        if args in table:
-            if documents is None:
-                self.dense.move_to_end(args)
-            return table[args]
-        return self.put(self.fn(*args), *args)
+        value = table.get(args, _MISSING)
+        if value is _MISSING:
+            return self.put(self.fn(*args), *args)
+        if documents is None:
+            self.dense.move_to_end(args)
+        return value
 
     def holds(self, *args: Hashable) -> bool:
         """Whether fn(*args) is kept."""
