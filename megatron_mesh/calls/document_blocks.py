@@ -220,17 +220,21 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
     first = run_of[seg_first]
-    last = np.maximum.reduceat(run_of, seg_first)
-    count = last - first + 1
-    ri = np.repeat(np.arange(len(seg_start)), count)
-    n = spans(first, count)
-    start = np.maximum(seg_start[ri], run_row[n])
-    end = np.minimum(seg_end[ri], run_end[n])
-    if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0), np.cumsum(count) - count),
-                          seg_end - seg_start):
-        return None  # rows outside the runs: the general path decides
+    count = None
+    if (seg_end <= run_end[first]).all():  # each segment within its first part's run
+        start, end, group, n = seg_start, seg_end, seg_group, first
+    else:
+        last = np.maximum.reduceat(run_of, seg_first)
+        count = last - first + 1
+        ri = np.repeat(np.arange(len(seg_start)), count)
+        n = spans(first, count)
+        start = np.maximum(seg_start[ri], run_row[n])
+        end = np.minimum(seg_end[ri], run_end[n])
+        if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0),
+                                              np.cumsum(count) - count), seg_end - seg_start):
+            return None  # rows outside the runs: the general path decides
+        group = seg_group[ri]
     pos = run_pos[n] + start - run_row[n]
-    group = seg_group[ri]
     by_pos = np.argsort(group * (int(pos.max()) + 1) + pos, kind="stable")
     start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
@@ -245,7 +249,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     placed[by_pos] = np.arange(len(by_pos))
     seg = np.cumsum(new) - 1
     part = np.empty(len(order), dtype=np.int64)
-    part[order] = (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    part[order] = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
     at = placed[part]
     return _Side(start, end, group_start, group_rows, start[group_start],
                  offset[at] + r0 - start[at])
