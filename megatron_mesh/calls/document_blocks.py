@@ -110,13 +110,17 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     real = np.logical_or.reduceat((kind[order] == 1) & ~one_pair[order], first) & call_causal[first]
     row = call_block * local_len
     qs, ks = _CallSide(q, order, row), _CallSide(k, order, row)
+    stop = first + size
+    q_rows, k_rows = qs.rows_of(first, stop), ks.rows_of(first, stop)
+    one_kind = kind[order[first]].astype(bool).tolist()
     calls: dict[int, list[Block]] = {}
-    for n, (c0, c1) in enumerate(zip(first.tolist(), (first + size).tolist())):
+    for n, (c0, c1, b, is_real) in enumerate(zip(first.tolist(), stop.tolist(),
+                                                 call_block[first].tolist(), real.tolist())):
         if c1 - c0 == 1:  # one document: a plain call, full or a causal square
-            call = Block(qs.rows_of(c0, c1), ks.rows_of(c0, c1), causal=bool(kind[order[c0]]))
+            call = Block(q_rows[n], k_rows[n], causal=one_kind[n])
         else:
-            call = _documents_call(qs, ks, c0, c1, bool(real[n]), device)
-        calls.setdefault(int(call_block[c0]), []).append(call)
+            call = _documents_call(qs, ks, c0, c1, q_rows[n], k_rows[n], is_real, device)
+        calls.setdefault(b, []).append(call)
     several = [b for b, made in calls.items() if len(made) > 1]
     q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
                                                                        local_len)
@@ -312,13 +316,16 @@ class _CallSide:
         """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
         return self.cum[c0:c1 + 1] - self.cum[c0]
 
-    def rows_of(self, c0: int, c1: int) -> slice | torch.Tensor:
-        """The call's rows: a slice where its pieces follow one another, else an index."""
-        p0, p1 = int(self.at[c0]), int(self.at[c1])
-        if self.gaps[p1 - 1] - self.gaps[p0] == 0:
-            return slice(int(self.start[p0]), int(self.end[p1 - 1]))
-        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
-
+    def rows_of(self, first: np.ndarray, stop: np.ndarray) -> list[slice | torch.Tensor]:
+        """Each call's rows (groups first[n] .. stop[n] - 1): a slice where its pieces
+        follow one another, else an index."""
+        p0, p1 = self.at[first], self.at[stop]
+        whole = (self.gaps[p1 - 1] == self.gaps[p0]).tolist()
+        a, b = self.start[p0].tolist(), self.end[p1 - 1].tolist()
+        ra, rb = self.rows_at[p0].tolist(), self.rows_at[p1].tolist()
+        rows = self.rows
+        return [slice(a[n], b[n]) if whole[n] else torch.from_numpy(rows[ra[n]:rb[n]])
+                for n in range(len(whole))]
 
     def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
              ) -> dict[int, slice | torch.Tensor]:
@@ -339,10 +346,10 @@ class _CallSide:
         return out
 
 
-def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, causal: bool,
-                    device: torch.device) -> Block:
+def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, q_rows, k_rows,
+                    causal: bool, device: torch.device) -> Block:
     """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
-    order)."""
+    order, on `q_rows` x `k_rows`)."""
     tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
-    return Block(q.rows_of(c0, c1), k.rows_of(c0, c1), causal=tile.causal, slices=tile,
+    return Block(q_rows, k_rows, causal=tile.causal, slices=tile,
                  doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))
