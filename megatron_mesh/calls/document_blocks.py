@@ -144,9 +144,16 @@ def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
                 ) -> tuple[RunArrays, np.ndarray]:
     """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
     blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
-    row, first, inside = np.unique(runs.row[take] + shift, return_index=True,
-                                   return_inverse=True)
-    return RunArrays(row, runs.pos[take][first], runs.count[take][first]), inside
+    row = runs.row[take] + shift
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = row[1:] != row[:-1]
+    if len(row) > 1 and not (row[1:] >= row[:-1]).all():
+        row, first, inside = np.unique(row, return_index=True, return_inverse=True)
+    else:  # in row order already (block after block, runs in order): no sort
+        first = np.flatnonzero(new)
+        row, inside = row[first], np.cumsum(new) - 1
+    first = take[first]
+    return RunArrays(row, runs.pos[first], runs.count[first]), inside
 
 
 def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int):
