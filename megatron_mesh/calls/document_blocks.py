@@ -225,7 +225,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
     seg_start = a[new]
     seg_first = np.flatnonzero(new)
-    seg_end = np.maximum.reduceat(b, seg_first)
+    seg_end = reach[np.append(seg_first[1:], len(a)) - 1]  # the reach at a segment's last
     run_of = inside[order]  # runs are sorted by row: a segment's first and last run
     seg_group = g[new]
     run_row, run_pos = runs.row, runs.pos
@@ -253,12 +253,13 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
     group_start = np.flatnonzero(new_group)  # every group has a piece
-    group_rows = np.add.reduceat(size, group_start)
+    group_rows = np.zeros(len(group_start), dtype=np.int64)
+    np.add.at(group_rows, group, size)
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
     placed = np.empty(len(by_pos), dtype=np.int64)
     placed[by_pos] = np.arange(len(by_pos))
-    seg = np.cumsum(new) - 1
+    seg = np.cumsum(new) - 1  # each part's segment
     part = np.empty(len(order), dtype=np.int64)
     part[order] = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
     at = placed[part]
