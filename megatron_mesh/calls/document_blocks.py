@@ -225,7 +225,8 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
     seg_start = a[new]
     seg_first = np.flatnonzero(new)
-    seg_end = reach[np.append(seg_first[1:], len(a)) - 1]  # the reach at a segment's last
+    seg_last = np.append(seg_first[1:], len(a)) - 1
+    seg_end = reach[seg_last]  # the reach at a segment's last part
     run_of = inside[order]  # runs are sorted by row: a segment's first and last run
     seg_group = g[new]
     run_row, run_pos = runs.row, runs.pos
@@ -235,14 +236,14 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     if (seg_end <= run_end[first]).all():  # each segment within its first part's run
         start, end, group, n = seg_start, seg_end, seg_group, first
     else:
-        last = np.maximum.reduceat(run_of, seg_first)
-        count = last - first + 1
+        count = run_of[seg_last] - first + 1  # the runs each meets
         ri = np.repeat(np.arange(len(seg_start)), count)
         n = spans(first, count)
         start = np.maximum(seg_start[ri], run_row[n])
         end = np.minimum(seg_end[ri], run_end[n])
-        if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0),
-                                              np.cumsum(count) - count), seg_end - seg_start):
+        covered = np.zeros(len(seg_start), dtype=np.int64)
+        np.add.at(covered, ri, np.maximum(end - start, 0))
+        if not np.array_equal(covered, seg_end - seg_start):
             return None  # rows outside the runs: the general path decides
         group = seg_group[ri]
     pos = run_pos[n] + start - run_row[n]
