@@ -218,8 +218,10 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     each group's union of ranges, cut at the runs' bounds (`runs` sorted by row; `inside`:
     the run each part lies in), sorted by position."""
     span = int(r1.max()) + 1
-    order = np.argsort(comp * span + r0, kind="stable")
-    g, a, b = comp[order], r0[order], r1[order]
+    key = comp * span + r0
+    order = None if (key[1:] >= key[:-1]).all() else np.argsort(key, kind="stable")
+    g, a, b, run_of = (comp, r0, r1, inside) if order is None else (
+        comp[order], r0[order], r1[order], inside[order])
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
@@ -227,7 +229,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     seg_first = np.flatnonzero(new)
     seg_last = np.append(seg_first[1:], len(a)) - 1
     seg_end = reach[seg_last]  # the reach at a segment's last part
-    run_of = inside[order]  # runs are sorted by row: a segment's first and last run
+    # run_of: each part's run (runs are sorted by row: a segment's first and last run)
     seg_group = g[new]
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
@@ -247,8 +249,10 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
             return None  # rows outside the runs: the general path decides
         group = seg_group[ri]
     pos = run_pos[n] + start - run_row[n]
-    by_pos = np.argsort(group * (int(pos.max()) + 1) + pos, kind="stable")
-    start, end, group = start[by_pos], end[by_pos], group[by_pos]
+    key = group * (int(pos.max()) + 1) + pos
+    by_pos = None if (key[1:] >= key[:-1]).all() else np.argsort(key, kind="stable")
+    if by_pos is not None:
+        start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
     before = np.cumsum(size) - size
     new_group = np.ones(len(group), dtype=bool)
@@ -258,12 +262,15 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     np.add.at(group_rows, group, size)
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
-    placed = np.empty(len(by_pos), dtype=np.int64)
-    placed[by_pos] = np.arange(len(by_pos))
     seg = np.cumsum(new) - 1  # each part's segment
-    part = np.empty(len(order), dtype=np.int64)
-    part[order] = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
-    at = placed[part]
+    at = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    if order is not None:
+        part, at = at, np.empty(len(order), dtype=np.int64)
+        at[order] = part
+    if by_pos is not None:
+        placed = np.empty(len(by_pos), dtype=np.int64)
+        placed[by_pos] = np.arange(len(by_pos))
+        at = placed[at]
     return _Side(start, end, group_start, group_rows, start[group_start],
                  offset[at] + r0 - start[at])
 
