@@ -192,11 +192,14 @@ def _components(parts: PartArrays) -> np.ndarray:
 
 def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """int64 [n]: each range's cluster of overlapping ranges [start, end)."""
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
+    in_order = bool((start[1:] >= start[:-1]).all())
+    order = None if in_order else np.argsort(start, kind="stable")
+    s, e = (start, end) if in_order else (start[order], end[order])
     reach = np.maximum.accumulate(e)
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] >= reach[:-1]
+    if in_order:
+        return np.cumsum(new) - 1
     out = np.empty(len(s), dtype=np.int64)
     out[order] = np.cumsum(new) - 1
     return out
