@@ -310,10 +310,15 @@ class _CallSide:
 
     def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
         ends = np.append(side.group_start[1:], len(side.start))
-        count = ends[order] - side.group_start[order]
-        index = spans(side.group_start[order], count)
-        shift = np.repeat(row, count)
-        self.start, self.end = side.start[index] - shift, side.end[index] - shift
+        if len(order) == len(side.count) and (order[1:] > order[:-1]).all():  # every group
+            count = ends - side.group_start  # in order: the pieces as they are
+            shift = np.repeat(row, count)
+            self.start, self.end = side.start - shift, side.end - shift
+        else:
+            count = ends[order] - side.group_start[order]
+            index = spans(side.group_start[order], count)
+            shift = np.repeat(row, count)
+            self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(count, out=self.at[1:])
         self.count = side.count[order]
