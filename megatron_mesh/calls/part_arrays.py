@@ -168,7 +168,10 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     block, entry = block[by_block], entry[by_block]
     qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
     k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
-    k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
+    if (t.lo == NO_LO).all():  # k0 is the slice's first key: its first run from the table
+        k_first = at[kr, si]
+    else:
+        k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
     count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
     ki = spans(k_first, count)
     qi, si, block = np.repeat(qi, count), np.repeat(si, count), np.repeat(block, count)
