@@ -50,8 +50,12 @@ def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.d
     # are where it keeps their pairs and they fill its rows
     lo = np.where(lo <= k0 - (q1 - 1), NO_LO, lo)
     hi = np.where(hi >= k1 - 1 - q0, NO_HI, hi)
-    pairs = np.add.reduceat(pair_counts(*parts), first)
-    same = ~bounded & (pair_counts(q0, q1, k0, k1, lo, hi) == pairs)
+    merged = pair_counts(q0, q1, k0, k1, lo, hi)
+    # the parts' pairs are at most their boxes': where those are fewer, not one slice
+    same = ~bounded & (np.add.reduceat((parts.q1 - parts.q0) * (parts.k1 - parts.k0), first)
+                       >= merged)
+    if same.any():
+        same &= np.add.reduceat(pair_counts(*parts), first) == merged
     rest = []
     for b in np.flatnonzero(~bounded).tolist():
         whole = False
