@@ -296,13 +296,21 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
     np.minimum.at(first_k, comp, k0)
     full = top >= k_count - 1
     causal = ~full & (top == 0) & (q_count == k_count)
-    zero = np.zeros_like(q_count)
-    want = np.where(full, q_count * k_count, pair_counts(
-        zero, q_count, zero, k_count, np.full_like(top, NO_LO), np.where(full, NO_HI, top)))
-    got = np.zeros(groups, dtype=np.int64)
-    np.add.at(got, comp, pair_counts(q0, q1, k0, k1, np.full_like(hi, NO_LO), hi))
-    ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
-          & (want == got))
+    ok = (first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
+    # the pairs a group's parts keep against its slice's: a group of one part is its slice
+    # where the checks above hold, so only groups of several parts are counted
+    several = np.bincount(comp, minlength=groups) > 1
+    g = np.flatnonzero(several & ok)
+    if len(g):
+        p = np.flatnonzero((several & ok)[comp])
+        got = np.zeros(groups, dtype=np.int64)
+        np.add.at(got, comp[p], pair_counts(q0[p], q1[p], k0[p], k1[p],
+                                            np.full(len(p), NO_LO), hi[p]))
+        qc, kc, full_g = q_count[g], k_count[g], full[g]
+        zero = np.zeros_like(qc)
+        want = np.where(full_g, qc * kc, pair_counts(
+            zero, qc, zero, kc, np.full(len(g), NO_LO), np.where(full_g, NO_HI, top[g])))
+        ok[g] = want == got[g]
     return causal.astype(np.int8), ok
 
 
