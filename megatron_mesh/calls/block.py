@@ -69,10 +69,14 @@ class SideRuns:
         at = self.at.tolist()
         return tuple(tuple(pairs[a:b]) for a, b in zip(at, at[1:]))
 
+    @functools.cached_property
+    def key(self) -> tuple[bytes, bytes, bytes]:
+        """The runs' bytes (int64 start, end, at): equal runs, equal keys (a dict key)."""
+        return tuple(np.ascontiguousarray(a, dtype=np.int64).tobytes()
+                     for a in (self.start, self.end, self.at))
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, SideRuns) and all(
-            np.array_equal(a, b) for a, b in ((self.start, other.start),
-                                              (self.end, other.end), (self.at, other.at)))
+        return isinstance(other, SideRuns) and (self is other or self.key == other.key)
 
     __hash__ = object.__hash__
 

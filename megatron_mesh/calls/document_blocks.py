@@ -50,8 +50,12 @@ def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.d
     # are where it keeps their pairs and they fill its rows
     lo = np.where(lo <= k0 - (q1 - 1), NO_LO, lo)
     hi = np.where(hi >= k1 - 1 - q0, NO_HI, hi)
-    pairs = np.add.reduceat(pair_counts(*parts), first)
-    same = ~bounded & (pair_counts(q0, q1, k0, k1, lo, hi) == pairs)
+    merged = pair_counts(q0, q1, k0, k1, lo, hi)
+    # the parts' pairs are at most their boxes': where those are fewer, not one slice
+    same = ~bounded & (np.add.reduceat((parts.q1 - parts.q0) * (parts.k1 - parts.k0), first)
+                       >= merged)
+    if same.any():
+        same &= np.add.reduceat(pair_counts(*parts), first) == merged
     rest = []
     for b in np.flatnonzero(~bounded).tolist():
         whole = False
@@ -110,13 +114,17 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     real = np.logical_or.reduceat((kind[order] == 1) & ~one_pair[order], first) & call_causal[first]
     row = call_block * local_len
     qs, ks = _CallSide(q, order, row), _CallSide(k, order, row)
+    stop = first + size
+    q_rows, k_rows = qs.rows_of(first, stop), ks.rows_of(first, stop)
+    one_kind = kind[order[first]].astype(bool).tolist()
     calls: dict[int, list[Block]] = {}
-    for n, (c0, c1) in enumerate(zip(first.tolist(), (first + size).tolist())):
+    for n, (c0, c1, b, is_real) in enumerate(zip(first.tolist(), stop.tolist(),
+                                                 call_block[first].tolist(), real.tolist())):
         if c1 - c0 == 1:  # one document: a plain call, full or a causal square
-            call = Block(qs.rows_of(c0, c1), ks.rows_of(c0, c1), causal=bool(kind[order[c0]]))
+            call = Block(q_rows[n], k_rows[n], causal=one_kind[n])
         else:
-            call = _documents_call(qs, ks, c0, c1, bool(real[n]), device)
-        calls.setdefault(int(call_block[c0]), []).append(call)
+            call = _documents_call(qs, ks, c0, c1, q_rows[n], k_rows[n], is_real, device)
+        calls.setdefault(b, []).append(call)
     several = [b for b, made in calls.items() if len(made) > 1]
     q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
                                                                        local_len)
@@ -140,9 +148,16 @@ def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
                 ) -> tuple[RunArrays, np.ndarray]:
     """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
     blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
-    row, first, inside = np.unique(runs.row[take] + shift, return_index=True,
-                                   return_inverse=True)
-    return RunArrays(row, runs.pos[take][first], runs.count[take][first]), inside
+    row = runs.row[take] + shift
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = row[1:] != row[:-1]
+    if len(row) > 1 and not (row[1:] >= row[:-1]).all():
+        row, first, inside = np.unique(row, return_index=True, return_inverse=True)
+    else:  # in row order already (block after block, runs in order): no sort
+        first = np.flatnonzero(new)
+        row, inside = row[first], np.cumsum(new) - 1
+    first = take[first]
+    return RunArrays(row, runs.pos[first], runs.count[first]), inside
 
 
 def _whole(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int):
@@ -181,11 +196,14 @@ def _components(parts: PartArrays) -> np.ndarray:
 
 def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """int64 [n]: each range's cluster of overlapping ranges [start, end)."""
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
+    in_order = bool((start[1:] >= start[:-1]).all())
+    order = None if in_order else np.argsort(start, kind="stable")
+    s, e = (start, end) if in_order else (start[order], end[order])
     reach = np.maximum.accumulate(e)
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] >= reach[:-1]
+    if in_order:
+        return np.cumsum(new) - 1
     out = np.empty(len(s), dtype=np.int64)
     out[order] = np.cumsum(new) - 1
     return out
@@ -207,46 +225,59 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     each group's union of ranges, cut at the runs' bounds (`runs` sorted by row; `inside`:
     the run each part lies in), sorted by position."""
     span = int(r1.max()) + 1
-    order = np.argsort(comp * span + r0, kind="stable")
-    g, a, b = comp[order], r0[order], r1[order]
+    key = comp * span + r0
+    order = None if (key[1:] >= key[:-1]).all() else np.argsort(key, kind="stable")
+    g, a, b, run_of = (comp, r0, r1, inside) if order is None else (
+        comp[order], r0[order], r1[order], inside[order])
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
     seg_start = a[new]
     seg_first = np.flatnonzero(new)
-    seg_end = np.maximum.reduceat(b, seg_first)
-    run_of = inside[order]  # runs are sorted by row: a segment's first and last run
+    seg_last = np.append(seg_first[1:], len(a)) - 1
+    seg_end = reach[seg_last]  # the reach at a segment's last part
+    # run_of: each part's run (runs are sorted by row: a segment's first and last run)
     seg_group = g[new]
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
     first = run_of[seg_first]
-    last = np.maximum.reduceat(run_of, seg_first)
-    count = last - first + 1
-    ri = np.repeat(np.arange(len(seg_start)), count)
-    n = spans(first, count)
-    start = np.maximum(seg_start[ri], run_row[n])
-    end = np.minimum(seg_end[ri], run_end[n])
-    if not np.array_equal(np.add.reduceat(np.maximum(end - start, 0), np.cumsum(count) - count),
-                          seg_end - seg_start):
-        return None  # rows outside the runs: the general path decides
+    count = None
+    if (seg_end <= run_end[first]).all():  # each segment within its first part's run
+        start, end, group, n = seg_start, seg_end, seg_group, first
+    else:
+        count = run_of[seg_last] - first + 1  # the runs each meets
+        ri = np.repeat(np.arange(len(seg_start)), count)
+        n = spans(first, count)
+        start = np.maximum(seg_start[ri], run_row[n])
+        end = np.minimum(seg_end[ri], run_end[n])
+        covered = np.zeros(len(seg_start), dtype=np.int64)
+        np.add.at(covered, ri, np.maximum(end - start, 0))
+        if not np.array_equal(covered, seg_end - seg_start):
+            return None  # rows outside the runs: the general path decides
+        group = seg_group[ri]
     pos = run_pos[n] + start - run_row[n]
-    group = seg_group[ri]
-    by_pos = np.argsort(group * (int(pos.max()) + 1) + pos, kind="stable")
-    start, end, group = start[by_pos], end[by_pos], group[by_pos]
+    key = group * (int(pos.max()) + 1) + pos
+    by_pos = None if (key[1:] >= key[:-1]).all() else np.argsort(key, kind="stable")
+    if by_pos is not None:
+        start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
     before = np.cumsum(size) - size
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
     group_start = np.flatnonzero(new_group)  # every group has a piece
-    group_rows = np.add.reduceat(size, group_start)
+    group_rows = np.zeros(len(group_start), dtype=np.int64)
+    np.add.at(group_rows, group, size)
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
-    placed = np.empty(len(by_pos), dtype=np.int64)
-    placed[by_pos] = np.arange(len(by_pos))
-    seg = np.cumsum(new) - 1
-    part = np.empty(len(order), dtype=np.int64)
-    part[order] = (np.cumsum(count) - count)[seg] + run_of - first[seg]
-    at = placed[part]
+    seg = np.cumsum(new) - 1  # each part's segment
+    at = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    if order is not None:
+        part, at = at, np.empty(len(order), dtype=np.int64)
+        at[order] = part
+    if by_pos is not None:
+        placed = np.empty(len(by_pos), dtype=np.int64)
+        placed[by_pos] = np.arange(len(by_pos))
+        at = placed[at]
     return _Side(start, end, group_start, group_rows, start[group_start],
                  offset[at] + r0 - start[at])
 
@@ -265,13 +296,21 @@ def _documents(q0, q1, k0, k1, hi, comp, q_count, k_count) -> tuple[np.ndarray, 
     np.minimum.at(first_k, comp, k0)
     full = top >= k_count - 1
     causal = ~full & (top == 0) & (q_count == k_count)
-    zero = np.zeros_like(q_count)
-    want = np.where(full, q_count * k_count, pair_counts(
-        zero, q_count, zero, k_count, np.full_like(top, NO_LO), np.where(full, NO_HI, top)))
-    got = np.zeros(groups, dtype=np.int64)
-    np.add.at(got, comp, pair_counts(q0, q1, k0, k1, np.full_like(hi, NO_LO), hi))
-    ok = ((first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
-          & (want == got))
+    ok = (first_q == 0) & (first_k == 0) & (lo_least <= 1 - q_count) & (full | causal)
+    # the pairs a group's parts keep against its slice's: a group of one part is its slice
+    # where the checks above hold, so only groups of several parts are counted
+    several = np.bincount(comp, minlength=groups) > 1
+    g = np.flatnonzero(several & ok)
+    if len(g):
+        p = np.flatnonzero((several & ok)[comp])
+        got = np.zeros(groups, dtype=np.int64)
+        np.add.at(got, comp[p], pair_counts(q0[p], q1[p], k0[p], k1[p],
+                                            np.full(len(p), NO_LO), hi[p]))
+        qc, kc, full_g = q_count[g], k_count[g], full[g]
+        zero = np.zeros_like(qc)
+        want = np.where(full_g, qc * kc, pair_counts(
+            zero, qc, zero, kc, np.full(len(g), NO_LO), np.where(full_g, NO_HI, top[g])))
+        ok[g] = want == got[g]
     return causal.astype(np.int8), ok
 
 
@@ -283,10 +322,15 @@ class _CallSide:
 
     def __init__(self, side: _Side, order: np.ndarray, row: np.ndarray) -> None:
         ends = np.append(side.group_start[1:], len(side.start))
-        count = ends[order] - side.group_start[order]
-        index = spans(side.group_start[order], count)
-        shift = np.repeat(row, count)
-        self.start, self.end = side.start[index] - shift, side.end[index] - shift
+        if len(order) == len(side.count) and (order[1:] > order[:-1]).all():  # every group
+            count = ends - side.group_start  # in order: the pieces as they are
+            shift = np.repeat(row, count)
+            self.start, self.end = side.start - shift, side.end - shift
+        else:
+            count = ends[order] - side.group_start[order]
+            index = spans(side.group_start[order], count)
+            shift = np.repeat(row, count)
+            self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(count, out=self.at[1:])
         self.count = side.count[order]
@@ -308,13 +352,16 @@ class _CallSide:
         """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
         return self.cum[c0:c1 + 1] - self.cum[c0]
 
-    def rows_of(self, c0: int, c1: int) -> slice | torch.Tensor:
-        """The call's rows: a slice where its pieces follow one another, else an index."""
-        p0, p1 = int(self.at[c0]), int(self.at[c1])
-        if self.gaps[p1 - 1] - self.gaps[p0] == 0:
-            return slice(int(self.start[p0]), int(self.end[p1 - 1]))
-        return torch.from_numpy(self.rows[self.rows_at[p0]:self.rows_at[p1]])
-
+    def rows_of(self, first: np.ndarray, stop: np.ndarray) -> list[slice | torch.Tensor]:
+        """Each call's rows (groups first[n] .. stop[n] - 1): a slice where its pieces
+        follow one another, else an index."""
+        p0, p1 = self.at[first], self.at[stop]
+        whole = (self.gaps[p1 - 1] == self.gaps[p0]).tolist()
+        a, b = self.start[p0].tolist(), self.end[p1 - 1].tolist()
+        ra, rb = self.rows_at[p0].tolist(), self.rows_at[p1].tolist()
+        rows = self.rows
+        return [slice(a[n], b[n]) if whole[n] else torch.from_numpy(rows[ra[n]:rb[n]])
+                for n in range(len(whole))]
 
     def used(self, group_block: np.ndarray, blocks: list[int], local_len: int
              ) -> dict[int, slice | torch.Tensor]:
@@ -335,10 +382,10 @@ class _CallSide:
         return out
 
 
-def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, causal: bool,
-                    device: torch.device) -> Block:
+def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, q_rows, k_rows,
+                    causal: bool, device: torch.device) -> Block:
     """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
-    order)."""
+    order, on `q_rows` x `k_rows`)."""
     tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
-    return Block(q.rows_of(c0, c1), k.rows_of(c0, c1), causal=tile.causal, slices=tile,
+    return Block(q_rows, k_rows, causal=tile.causal, slices=tile,
                  doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))

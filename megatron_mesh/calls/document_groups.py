@@ -123,20 +123,17 @@ class _Group:
         self.docs = _Docs(SideRuns(*(np.zeros(0, dtype=np.int64),) * 2,
                                    np.zeros(1, dtype=np.int64)))
         self._last: tuple[SideRuns, np.ndarray] | None = None
-        # runs matched against the documents as they are, by (documents, runs): a call with
-        # the same runs as one of them has its match (found by comparing arrays, not
-        # document by document); forgotten when documents join
-        self._known: dict[tuple[int, int], list[tuple[SideRuns, np.ndarray]]] = {}
+        # runs matched against the documents as they are, by their bytes (`SideRuns.key`):
+        # a call with the same runs as one of them has its match (no document-by-document
+        # search); forgotten when documents join
+        self._known: dict[tuple[bytes, ...], np.ndarray] = {}
         self._verdicts: dict[int, bool] = {}  # `takes` of the known matches, by their ids
 
     def _match(self, runs: SideRuns) -> np.ndarray:
         if self._last is None or self._last[0] is not runs:
-            key = (len(runs.at), len(runs.start))
-            known = self._known.setdefault(key, [])
-            found = next((ids for seen, ids in known if seen == runs), None)
+            found = self._known.get(runs.key)
             if found is None:
-                found = self.docs.match(runs)
-                known.append((runs, found))
+                found = self._known[runs.key] = self.docs.match(runs)
             self._last = runs, found
         return self._last[1]
 
@@ -152,8 +149,7 @@ class _Group:
     def add(self, member: Member, runs: SideRuns) -> None:
         docs, ids = self.docs.joined(runs, self._match(runs))
         if docs is not self.docs:  # new documents: a match made before may differ now
-            self.docs, self._known, self._verdicts = docs, {}, {}
-            self._known[(len(runs.at), len(runs.start))] = [(runs, ids)]
+            self.docs, self._known, self._verdicts = docs, {runs.key: ids}, {}
         self._last = None
         self.members.append(member)
         self.ids.append(ids)
@@ -188,7 +184,7 @@ def with_member(group: _Group, member: Member) -> _Group:
     """`group` with `member` added last (its documents matched, new ones numbered after)."""
     out = _Group(group.shared, group.side)
     out.members, out.ids, out.docs = list(group.members), list(group.ids), group.docs
-    out._known = {key: list(known) for key, known in group._known.items()}
+    out._known = dict(group._known)
     out.add(member, member.call.doc_runs.side(group.side))
     return out
 

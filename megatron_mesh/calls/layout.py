@@ -76,6 +76,14 @@ class AttentionMask:
     window: Window | None = None  # sliding window on global positions (`window.py`)
     placement: DocumentPlacement | None = None  # documents placed over the `ranks` shares
     slices: SliceMask | None = None  # a user's slices (`slices.py`), over the same positions
+    def __hash__(self) -> int:
+        """Hashed once (every block and call cache lookup of a micro-batch hashes it)."""
+        value = self.__dict__.get("_hash")
+        if value is None:
+            value = hash((self.causal, self.documents, self.ranks, self.window, self.placement,
+                          self.slices))
+            object.__setattr__(self, "_hash", value)
+        return value
 
     @property
     def packing(self) -> Documents | DocumentPlacement | SliceMask | tuple | None:

@@ -168,7 +168,10 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     block, entry = block[by_block], entry[by_block]
     qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
     k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
-    k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
+    if (t.lo == NO_LO).all():  # k0 is the slice's first key: its first run from the table
+        k_first = at[kr, si]
+    else:
+        k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
     count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
     ki = spans(k_first, count)
     qi, si, block = np.repeat(qi, count), np.repeat(si, count), np.repeat(block, count)
@@ -177,16 +180,13 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     c = np.maximum(t.k0[si], k.pos[ki])
     e = np.minimum(t.k1[si], k_end[ki])
     parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
-    index = np.flatnonzero(parts.valid) // 2
-    dq = (q.row - q.pos)[qi][index]
-    dk = (k.row - k.pos)[ki][index]
-    valid = parts.valid
-    lo, hi = parts.lo[valid], parts.hi[valid]
-    qi, ki = qi[index], ki[index]
-    return TileParts(PartArrays(parts.q0[valid] + dq, parts.q1[valid] + dq,
-                                parts.k0[valid] + dk, parts.k1[valid] + dk,
+    qi, ki = qi[parts.cut], ki[parts.cut]
+    dq = q.row[qi] - q.pos[qi]
+    dk = k.row[ki] - k.pos[ki]
+    lo, hi = parts.lo, parts.hi
+    return TileParts(PartArrays(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk,
                                 np.where(lo == NO_LO, NO_LO, lo + dk - dq),
-                                np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[index],
+                                np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[parts.cut],
                      RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
                      RunArrays(k.row[ki], k.pos[ki], k.count[ki]))
 
@@ -241,7 +241,8 @@ def _stacked(runs: list[RunArrays]) -> tuple[_Stacked, np.ndarray]:
 
 
 class _Pieces(NamedTuple):
-    """Two slots of pieces per cut ([cuts, 2] each) and which hold one."""
+    """The pieces of the cuts, int64 [pieces] each, in order of their cuts (a cut's causal
+    piece before its full one), and the cut each comes from."""
 
     q0: np.ndarray
     q1: np.ndarray
@@ -249,7 +250,7 @@ class _Pieces(NamedTuple):
     k1: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
-    valid: np.ndarray
+    cut: np.ndarray
 
 
 def _pair(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -260,19 +261,18 @@ def _pair(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _pieces(a, b, c, e, lo, hi) -> _Pieces:
-    """`slices.pieces` of every cut at once, as bounds (lo, hi) of the pieces' rules: slot 0
-    the band, the full slice or the causal piece; slot 1 the full piece after a causal one."""
-    has_lo, has_hi = lo != NO_LO, hi != NO_HI
-    none = has_lo & has_hi & (lo > hi)
-    a = np.where(has_hi, np.maximum(a, c - hi), a)
-    e = np.where(has_hi, np.minimum(e, b + hi), e)
-    b = np.where(has_lo, np.minimum(b, e - lo), b)
-    c = np.where(has_lo, np.maximum(c, a + lo), c)
-    some = ~none & (a < b) & (c < e)
-    band = has_lo & (c - (b - 1) < lo)
-    fits = ~has_hi | (e - 1 - a <= hi)  # every row sees every key under the upper bound
-    right = np.where(fits, -1, hi - (e - b))
-    band_hi = np.where(right >= 0, hi, NO_HI)
+    """`slices.pieces` of every cut at once, as bounds (lo, hi) of the pieces' rules: a
+    cut's first piece the band, the full slice or the causal piece; its second the full
+    piece after a causal one."""
+    # an unbounded side's NO_LO / NO_HI bind nothing below (no bound checks needed)
+    a = np.maximum(a, c - hi)
+    e = np.minimum(e, b + hi)
+    b = np.minimum(b, e - lo)
+    c = np.maximum(c, a + lo)
+    some = (lo <= hi) & (a < b) & (c < e)
+    band = c - (b - 1) < lo
+    fits = e - 1 - a <= hi  # every row sees every key under the upper bound
+    band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
     split = np.minimum(np.maximum(e - hi, a), b)
     cut = ~band & ~fits  # a causal piece and a full one
     first_q1 = np.where(cut, split, b)
@@ -280,6 +280,12 @@ def _pieces(a, b, c, e, lo, hi) -> _Pieces:
     first_lo = np.where(band, lo, NO_LO)
     first = some & (~cut | (split > a))
     second = some & cut & (split < b)
-    return _Pieces(_pair(a, split), _pair(first_q1, b), _pair(c, c), _pair(e, e),
-                   _pair(first_lo, np.full_like(lo, NO_LO)),
-                   _pair(first_hi, np.full_like(hi, NO_HI)), _pair(first, second))
+    if not second.any():  # one piece per cut at most
+        at = np.flatnonzero(first)
+        return _Pieces(a[at], first_q1[at], c[at], e[at], first_lo[at], first_hi[at], at)
+    valid = _pair(first, second)
+    at = np.flatnonzero(valid)
+    return _Pieces(*(x[valid] for x in (
+        _pair(a, split), _pair(first_q1, b), _pair(c, c), _pair(e, e),
+        _pair(first_lo, np.full_like(lo, NO_LO)), _pair(first_hi, np.full_like(hi, NO_HI)))),
+        at // 2)

@@ -90,27 +90,28 @@ def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], r
     padded = np.diff(cu)
     piece = padded // (2 * ranks) if ranks > 1 else padded
     held = np.array([held_pieces(ranks, r) for r in of], dtype=np.int64)  # [ranks, h]
-    n, h, docs = len(of), held.shape[1], len(padded)
-    # each held piece of each document of each rank, in row order: its first row, position,
-    # valid rows (int64 [n, docs, h])
-    size = np.broadcast_to(piece[None, :, None], (n, docs, h))
-    index = np.broadcast_to(held[:, None, :], (n, docs, h))
-    row = (np.cumsum(padded // ranks) - padded // ranks)[None, :, None] + (
-        np.arange(h)[None, None, :] * size)
-    pos = cu[:-1][None, :, None] + index * size
-    count = np.clip(np.array(lengths, dtype=np.int64)[None, :, None] - index * size, 0, size)
-    rank = np.broadcast_to(np.arange(n)[:, None, None], (n, docs, h))
-    some = count > 0
-    row, pos, count, rank = row[some], pos[some], count[some], rank[some]
+    n = len(of)
+    length = np.array(lengths, dtype=np.int64)
+    # each held piece of each document of each rank that holds a valid row, in row order
+    # (rank, document, piece): its first row, position, valid rows (int64 each)
+    rank, doc, slot = np.nonzero(length[None, :, None] > held[:, None, :] * piece[None, :, None])
+    size = piece[doc]
+    offset = held[rank, slot] * size  # the piece's first row in its document
+    row = (np.cumsum(padded // ranks) - padded // ranks)[doc] + slot * size
+    pos = cu[doc] + offset
+    count = np.minimum(length[doc] - offset, size)
     # a piece goes on the run before it where it follows it in rows and positions
     new = np.ones(len(row), dtype=bool)
     new[1:] = ((row[1:] != row[:-1] + count[:-1]) | (pos[1:] != pos[:-1] + count[:-1])
                | (rank[1:] != rank[:-1]))
     starts = np.flatnonzero(new)
-    total = np.add.reduceat(count, starts) if len(starts) else count[:0]
+    total = np.zeros(len(starts), dtype=np.int64)  # (ufunc.at: faster than reduceat here)
+    np.add.at(total, np.cumsum(new) - 1, count)
     row, pos, rank = row[starts], pos[starts], rank[starts]
-    order = np.lexsort((pos, rank))
-    row, pos, total, rank = row[order], pos[order], total[order], rank[order]
+    key = rank * (int(cu[-1]) + 1) + pos  # by rank, then position (zigzag: already so)
+    if len(key) > 1 and not (key[1:] > key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        row, pos, total, rank = row[order], pos[order], total[order], rank[order]
     bounds = np.searchsorted(rank, np.arange(n + 1)).tolist()
     return [RunArrays(row[a:b], pos[a:b], total[a:b]) for a, b in zip(bounds, bounds[1:])]
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 KEEP_DOCUMENTS = 4  # micro-batches whose blocks are kept
+_MISSING = object()
 _CACHES: list[PerDocuments | BytesLRU] = []
 
 
@@ -56,11 +57,12 @@ class PerDocuments:
     def __call__(self, *args: Hashable) -> Any:
         documents = self.documents_of(*args)
         table = self._table(documents)
-        if args in table:
-            if documents is None:
-                self.dense.move_to_end(args)
-            return table[args]
-        return self.put(self.fn(*args), *args)
+        value = table.get(args, _MISSING)
+        if value is _MISSING:
+            return self.put(self.fn(*args), *args)
+        if documents is None:
+            self.dense.move_to_end(args)
+        return value
 
     def holds(self, *args: Hashable) -> bool:
         """Whether fn(*args) is kept."""
@@ -140,6 +142,8 @@ def _bytes(value: Any, seen: set[tuple[str, int]]) -> int:
         return storage.nbytes()
     if isinstance(value, np.ndarray):  # a block's runs and slices as arrays
         return value.nbytes
+    if isinstance(value, bytes):  # a call's runs as bytes (`SideRuns.key`)
+        return len(value)
     if isinstance(value, (tuple, list)):
         return sum(_bytes(v, seen) if not isinstance(v, int) else 8 for v in value)
     if isinstance(value, dict):  # e.g. a call's bias per device (`TileSlices`)
