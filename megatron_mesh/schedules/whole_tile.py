@@ -96,18 +96,29 @@ def _tile_mask(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], lo
 
 
 def _square(block, local_len: int, device: torch.device) -> torch.Tensor:
-    """bool [local_len, local_len]: the pairs of a block's calls, in its chunks' rows."""
+    """bool [local_len, local_len]: the pairs of a block's calls, in its chunks' rows (a
+    call's rows and keys as slices, or gathered and put back by index: no index tensor of
+    the call's rows x keys)."""
     seen = torch.zeros(local_len, local_len, dtype=torch.bool, device=device)
     for call in block.calls:
-        rows, keys = _index(call.q_rows, device), _index(call.kv_rows, device)
-        seen[rows[:, None], keys[None, :]] |= call.seen().to(device)
+        kept, rows = call.seen().to(device), call.q_rows
+        if isinstance(rows, slice):
+            _or_keys(seen[rows], call.kv_rows, kept)
+        else:
+            rows = rows.to(device)
+            part = seen.index_select(0, rows)
+            _or_keys(part, call.kv_rows, kept)
+            seen.index_copy_(0, rows, part)
     return seen
 
 
-def _index(rows: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(rows, slice):
-        return torch.arange(rows.start, rows.stop, device=device)
-    return rows.to(device)
+def _or_keys(part: torch.Tensor, keys: slice | torch.Tensor, kept: torch.Tensor) -> None:
+    """part[:, keys] |= kept, in place (keys a slice or an index of columns)."""
+    if isinstance(keys, slice):
+        part[:, keys] |= kept
+        return
+    keys = keys.to(part.device)
+    part.index_copy_(1, keys, part.index_select(1, keys) | kept)
 
 
 def joined(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
