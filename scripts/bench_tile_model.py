@@ -16,6 +16,7 @@ MODEL (the profile's fit, not a measurement); the goal column is 90 / 85 / 75% a
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_mesh.cost_models.memory import extra_memory
 from megatron_mesh.layer_plan import grid_shapes, heads_sizes
@@ -68,8 +69,13 @@ def tile_row(profile, backend: str, workload: Workload, cp_size: int, grid: tupl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    profile = load_profile(args.profile)
-    backend = args.backend or profile.backend
+    try:
+        profile = load_profile(args.profile)
+        backend = args.backend or profile.backend
+        profile.fit("forward", backend)
+    except ValueError as exc:  # a profile or backend it does not have: one line, exit 2
+        print(f"bench_tile_model: {exc}", file=sys.stderr)
+        return 2
     print(f"MODEL, not measured: {profile.describe()}")
     print(f"backend {backend}, bf16, {'causal' if args.causal else 'full'}, head dim "
           f"{args.head_dim}; ratio = one fused call / the tile (fwd + bwd)")
