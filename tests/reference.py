@@ -280,3 +280,35 @@ def block_pairs(mask, q_rank: int, kv_rank: int, local_len: int) -> torch.Tensor
     return sees(mask_slices(mask, local_len), global_positions(mask, q_rank, local_len),
                 global_positions(mask, kv_rank, local_len))
 
+
+
+def seen_of_slices(slices, shape: tuple[int, int]) -> torch.Tensor:
+    """bool [sq, sk] from the definition of slices (q0, q1, k0, k1, lo, hi): some slice has
+    q0 <= i < q1, k0 <= j < k1 and lo <= j - i <= hi (None: unbounded)."""
+    sq, sk = shape
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    seen = torch.zeros(sq, sk, dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in slices:
+        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if lo is not None:
+            inside &= j - i >= lo
+        if hi is not None:
+            inside &= j - i <= hi
+        seen |= inside
+    return seen
+
+
+def fp64_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          dout: torch.Tensor, seen: torch.Tensor, scale: float):
+    """out, lse, dq, dk, dv in fp64 of softmax attention of q [sq, b, hq, d] against
+    k, v [sk, b, hkv, d] under bool `seen` [sq, sk] (rows seeing nothing: out 0, lse -inf,
+    no gradient)."""
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in x[1:])
+    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * scale
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhij,jbhd->ibhd", p, vv)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), *(t.grad for t in x)

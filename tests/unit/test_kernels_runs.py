@@ -20,37 +20,9 @@ from megatron_mesh.kernels.run_calls import BAND_ROWS, SMALL_BIAS_BYTES
 from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 from megatron_mesh.kernels.varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
+from reference import fp64_masked_attention, seen_of_slices
+
 SCALE = 0.3
-
-
-def seen_of(slices, shape) -> torch.Tensor:
-    """bool [sq, sk] from the definition."""
-    sq, sk = shape
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    seen = torch.zeros(sq, sk, dtype=torch.bool)
-    for q0, q1, k0, k1, lo, hi in slices:
-        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
-        if lo is not None:
-            inside &= j - i >= lo
-        if hi is not None:
-            inside &= j - i <= hi
-        seen |= inside
-    return seen
-
-
-def reference(q, k, v, dout, seen):
-    """out, lse, dq, dk, dv in fp64 of softmax attention under `seen` (rows seeing nothing:
-    0, -inf, no gradient)."""
-    x = [t.double().requires_grad_() for t in (q, k, v)]
-    groups = q.shape[2] // k.shape[2]
-    kk, vv = (t.repeat_interleave(groups, 2) for t in x[1:])
-    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * SCALE
-    scores = scores.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhij,jbhd->ibhd", p, vv)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), *(t.grad for t in x)
 
 
 def random_slices(rng: random.Random, sq: int, sk: int, count: int) -> list[tuple]:
@@ -138,8 +110,8 @@ def test_runs_are_exact(batch, heads, dv, name):
     k = torch.randn(sk, batch, heads[1], 8)
     v = torch.randn(sk, batch, heads[1], dv)
     dout = torch.randn(sq, batch, heads[0], dv)
-    seen = seen_of(slices.slices, slices.shape)
-    want = reference(q, k, v, dout, seen)
+    seen = seen_of_slices(slices.slices, slices.shape)
+    want = fp64_masked_attention(q, k, v, dout, seen, SCALE)
     kernel = TorchFlashKernel()
     with AttentionOps() as ops:
         out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
@@ -268,7 +240,8 @@ def test_runs_as_varlen_packs_are_exact(name):
     torch.manual_seed(sq + sk)
     q, k, v = torch.randn(sq, 2, 4, 8), torch.randn(sk, 2, 2, 8), torch.randn(sk, 2, 2, 8)
     dout = torch.randn(sq, 2, 4, 8)
-    want = reference(q, k, v, dout, seen_of(slices.slices, slices.shape))
+    want = fp64_masked_attention(q, k, v, dout, seen_of_slices(slices.slices, slices.shape),
+                                 SCALE)
     packs = packs_of(slices.runs)
     tensors = [p.tensors(torch.device("cpu")) for p in packs]
     out, lse = varlen_runs_forward(q, k, v, SCALE, packs, tensors, emulated_varlen)
@@ -299,12 +272,12 @@ def test_runs_on_the_gpu_match_the_fp64_formula(kernel_name, name):
     device = torch.device("cuda")
     slices = cases(device)[name]
     sq, sk = slices.shape
-    seen = seen_of(slices.slices, slices.shape).to(device)
+    seen = seen_of_slices(slices.slices, slices.shape).to(device)
     for dtype in dtypes:
         torch.manual_seed(sq * sk)
         q, k, v, dout = (torch.randn(s, 2, h, 64).to(dtype).to(device)
                          for s, h in ((sq, 4), (sk, 2), (sk, 2), (sq, 4)))
-        want = reference(q, k, v, dout, seen)
+        want = fp64_masked_attention(q, k, v, dout, seen, SCALE)
         kernel = make()
         out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
         grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
@@ -370,7 +343,8 @@ def test_equal_documents_are_one_call_and_their_calls_are_made_once(monkeypatch)
     slices = documents((16,) * 8, True)
     torch.manual_seed(1)
     q, k, v, dout = (torch.randn(128, 1, 2, 8) for _ in range(4))
-    want = reference(q, k, v, dout, seen_of(slices.slices, slices.shape))
+    want = fp64_masked_attention(q, k, v, dout, seen_of_slices(slices.slices, slices.shape),
+                                 SCALE)
     kernel = TorchFlashKernel()
     for _ in range(2):  # two layers
         with AttentionOps() as fwd:

@@ -49,6 +49,8 @@ from megatron_mesh.kernels.te_runs import (
 from megatron_mesh.kernels.varlen_runs import Pack, packs_of
 from megatron_mesh.masks.slices import SliceMask
 
+from reference import fp64_masked_attention, seen_of_slices
+
 SCALE = 0.3
 CPU = torch.device("cpu")
 WINDOWS_FROM = tuple(int(x) for x in WINDOW_ALIGNMENT_FROM.split("."))
@@ -260,34 +262,6 @@ def _stand_in_te(release: str, per_token: bool) -> te_fused._TE:
                         lambda: (9, 10, 0))
 
 
-def _seen(slices: TileSlices) -> torch.Tensor:
-    """bool [sq, sk] from the definition: some slice has q0 <= i < q1, k0 <= j < k1 and
-    lo <= j - i <= hi."""
-    sq, sk = slices.shape
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    seen = torch.zeros(sq, sk, dtype=torch.bool)
-    for q0, q1, k0, k1, lo, hi in slices.slices:
-        inside = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
-        if lo is not None:
-            inside &= j - i >= lo
-        if hi is not None:
-            inside &= j - i <= hi
-        seen |= inside
-    return seen
-
-
-def _formula(q, k, v, dout, seen):
-    """out, lse, dq, dk, dv in fp64 of softmax attention of the whole call under `seen`."""
-    x = [t.double().requires_grad_() for t in (q, k, v)]
-    kk, vv = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in x[1:])
-    scores = torch.einsum("ibhd,jbhd->bhij", x[0], kk) * SCALE
-    scores = scores.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    out = torch.einsum("bhij,jbhd->ibhd", torch.exp(scores - lse[..., None]), vv)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), *(t.grad for t in x)
-
-
 def _prefix(sq: int, prefix: int) -> SliceMask:
     return SliceMask([(0, prefix, 0, prefix, "full"), (prefix, sq, 0, sq, "causal")], sq)
 
@@ -338,7 +312,8 @@ def test_runs_on_te_thd_calls_are_exact(release: str, per_token: bool):
         torch.manual_seed(sq * sk)
         q, k, v = torch.randn(sq, 2, 4, 8), torch.randn(sk, 2, 2, 8), torch.randn(sk, 2, 2, 8)
         dout = torch.randn(sq, 2, 4, 8)
-        want = _formula(q, k, v, dout, _seen(slices))
+        want = fp64_masked_attention(q, k, v, dout,
+                                     seen_of_slices(slices.slices, slices.shape), SCALE)
         out, lse = te_fused.runs_forward(te, q, k, v, SCALE, plan, per_token)
         grads = te_fused.runs_backward(te, dout, q, k, v, out, lse, SCALE, plan, per_token)
         for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
@@ -381,7 +356,8 @@ def test_kernel_runs_windows_on_te_and_falls_back_once(monkeypatch, caplog):
     slices = TileSlices.band(20, 29, 3, 2)
     torch.manual_seed(0)
     q, k, v = torch.randn(20, 1, 4, 8), torch.randn(29, 1, 2, 8), torch.randn(29, 1, 2, 8)
-    want = _formula(q, k, v, torch.ones_like(q), _seen(slices))
+    want = fp64_masked_attention(q, k, v, torch.ones_like(q),
+                                 seen_of_slices(slices.slices, slices.shape), SCALE)
     asked = _stand_in_kernel(monkeypatch, "2.20.2")
     te = TEFusedKernel(deterministic=False)
     for _ in range(2):  # the second call asks nothing
@@ -419,7 +395,7 @@ def test_documents_of_more_keys_run_bottom_right_on_te(monkeypatch):
     out, lse = kernel.forward(q, k, v, True, SCALE, slices=docs)
     grads = kernel.backward(dout, q, k, v, out, lse, True, SCALE, slices=docs)
     assert [p.attn_mask_type for p in asked] == ["padding_causal_bottom_right"]
-    want = _formula(q, k, v, dout, _seen(docs))
+    want = fp64_masked_attention(q, k, v, dout, seen_of_slices(docs.slices, docs.shape), SCALE)
     for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
         assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (what, (got - ref).abs().max())
     for release in ("2.10.0", "2.20.2"):
@@ -464,7 +440,9 @@ def test_te_window_and_slice_mask_tiles_match_fp64(heads):
         plan = kernel._runs_plan(q, k, v, slices)
         if plan is None:
             pytest.skip(f"{name}: TE {te_fused.te_version()} does not take it here (logged)")
-        want = _formula(q, k, v, dout, _seen(slices).to(device))
+        want = fp64_masked_attention(q, k, v, dout,
+                                     seen_of_slices(slices.slices, slices.shape).to(device),
+                                     SCALE)
         out, lse = kernel.forward(q, k, v, False, SCALE, slices=slices)
         grads = kernel.backward(dout, q, k, v, out, lse, False, SCALE, slices=slices)
         for got, ref, what in zip((out, lse, *grads), want, ("out", "lse", "dq", "dk", "dv")):
