@@ -277,7 +277,9 @@ def whole_tile_calls(m: _Chunk, r: int, c: int, schedule: str) -> _Chunk:
     block's: forward, backward, and backward but the diagonal on its own."""
     shapes = {phase: call_shapes(r, c, True, schedule, phase, whole_tile=True)
               for phase in ("forward", "backward")}
-    q_view = schedule == "streamed_kv" and not Schedule(schedule).runs_gathered(r, c)
+    # the query chunks lie in the gathered row's buffer: streamed_kv's steps, the gathered
+    # whole tile
+    q_view = schedule == "streamed_kv" or Schedule(schedule).runs_gathered(r, c)
     diagonal = replace(DIAGONAL, diagonal=True)
     off = [m.whole_backward_call(call) for call in shapes["backward"] if call != diagonal]
     return replace(m, call_forward=max(m.whole_forward_call(call, q_view)
@@ -297,6 +299,19 @@ def _gathered_backward(m: _Chunk, r: int, c: int) -> int:
         return held + 2 * m.dq_exchange + m.stand_in
     sent = (1 + (m.dq_exchange < m.fq)) * m.dq_exchange + m.o  # the one partial, sent last
     return held + max(m.stand_in, sent)
+
+
+def _whole_gathered_backward(m: _Chunk, r: int, c: int) -> int:
+    """The gathered backward's peak on a kernel taking whole tiles, C > 1 (module
+    docstring): the diagonal while the row and the column are gathered, then the tile but
+    the diagonal in one call with the C - 1 stand-in outputs and dQ partials, then the
+    partials leaving on the row ring one after another."""
+    base = r * m.kv + r * m.fkv + m.fq if r > 1 else m.fkv + m.fq  # column K/V, dK/dV, own dQ
+    rows = c * (m.q + m.o + 2 * m.lse)  # the row's (Q, dO), (lse, D)
+    held = base + rows + (c - 1) * (m.o + m.fq)  # with the stand-ins and the dQ partials
+    making = m.fo + (m.o if m.e < FP32 else 0) + 3 * m.lse  # a stand-in while it is made
+    ring = base + (c - 1) * m.fq + 2 * m.dq_exchange
+    return max(held + max(making, m.block_backward_off_diagonal), ring)
 
 
 def _streamed_kv_backward(m: _Chunk, r: int, c: int) -> int:
@@ -424,6 +439,10 @@ def _peaks(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool = False,
     elif grouping(grouped):
         m = grouped_calls(m, r, c, schedule, bottom_right, limit)
     # the schedule has no ring to run here: the gathered code runs
+    if Schedule(schedule).runs_gathered(r, c) and whole_tile and c > 1:  # the whole tile
+        return {"forward": max(row_q + col_kv + c * m.acc + m.block_forward,
+                               c * (m.acc + m.o + m.lse), m.merge(c)),
+                "backward": _whole_gathered_backward(m, r, c)}
     if Schedule(schedule).runs_gathered(r, c):
         partials = c * (m.o + m.lse) if c > 1 else 0  # one column: the accumulator is the row's
         return {"forward": max(row_q + col_kv + partials + m.acc + m.block_forward,

@@ -31,7 +31,9 @@ whole column's K/V). The value is where the H200 profile (`planner/profiles`) pu
 
 A kernel that takes whole tiles (`kernels.caps.KernelCaps.whole_tile`, FlexAttention's)
 makes one call of each group, whatever the mask (`whole_tile=True`): the group's chunks
-concatenated, whole, against a block mask, uncapped.
+concatenated, whole, against a block mask, uncapped. The gathered schedule then hands it the
+whole tile (C > 1): forward the row's C query chunks against the column in one call;
+backward the diagonal alone (while the gathers run), then the tile but the diagonal in one.
 
 A ring of one rank runs the gathered code (`Schedule.runs_gathered`). Counts are per rank;
 the functions give the most over the ranks of the mesh (the rank that makes the most calls
@@ -227,11 +229,24 @@ def _groups(rows: int, cols: int, schedule: Schedule, rank: int, phase: str
     return groups
 
 
+def _whole_gathered_tile(rows: int, cols: int, causal: bool, phase: str
+                         ) -> dict[CallShape, int]:
+    """The gathered schedule's calls on a kernel taking whole tiles (C > 1), on every rank:
+    forward the row's C query chunks against the column's R in one call; backward the
+    diagonal alone, then the tile but the diagonal in one call (`gathered.backward`)."""
+    tile = CallShape((2,) * cols, (2,) * rows, causal and phase == "forward")
+    if phase == "forward":
+        return {tile: 1}
+    return {CallShape((2,), (2,), causal): 1, tile: 1}
+
+
 def _rank_calls(rows: int, cols: int, causal: bool, schedule: Schedule, phase: str,
                 bottom_right: bool, rank: int, limit: int | None,
                 whole_tile: bool = False) -> dict[CallShape, int]:
     """The calls of one rank's pass, grouped (one a group where `whole_tile`): how many of
     each shape (empty groups make none)."""
+    if whole_tile and schedule is Schedule.GATHERED and cols > 1:
+        return _whole_gathered_tile(rows, cols, causal, phase)
     calls: dict[CallShape, int] = {}
     for g, n in _groups(rows, cols, schedule, rank, phase):
         if n and (g.lower or g.higher or g.diagonal):

@@ -2,7 +2,10 @@
 
 Forward gathers first and computes after. Backward starts the gathers in the background
 and computes the diagonal block meanwhile, and sends dQ around the row ring behind the
-blocks (`backward`)."""
+blocks (`backward`). A kernel taking whole tiles (`whole_tile.takes_whole_tiles`,
+FlexAttention's) gets the row's C query chunks against the column in one call: forward the
+whole tile, backward the tile but the diagonal; its dQ partials then go around the row ring
+one after another (`whole_tile_backward`)."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +21,7 @@ from .blocks import backward_tile, forward_tile, kv_grad_buffer, split_kv_grads
 from .chunks import column_grad_keys, column_keys, diagonal_backward
 from .delta import out_with_delta
 from .rings import TrailingPartial
+from .whole_tile import takes_whole_tiles
 
 
 def finish_row_partials(accs: list, grid: MeshGrid, dtype: torch.dtype):
@@ -61,10 +65,16 @@ def forward(q, k, v, grid: MeshGrid, mask: AttentionMask, scale: float, kernel: 
     kv_col = comm.all_gather_stacked([k, v], grid.col_group, "forward", COLUMN,
                                     grid.col_order)
 
+    column = column_keys(grid, kv_col)
+    if grid.cols > 1 and takes_whole_tiles(kernel):  # the whole tile: one call
+        accs = [empty_accumulators(s, b, hq, dv, q.device) for _ in range(grid.cols)]
+        forward_tile(kernel, [(x, q_row[j], *accs[j]) for j, x in enumerate(grid.row_mesh_ranks)],
+                     column, mask, scale)
+        del q_row, kv_col, column  # used up: the partials do not hold them
+        return finish_row_partials(accs, grid, q.dtype)
     if grid.cols > 1:  # partials of the other members' rows, sent in the input dtype
         partial_out = q.new_empty(grid.cols, s, b, hq, dv)
         partial_lse = torch.empty(grid.cols, b, hq, s, dtype=torch.float32, device=q.device)
-    column = column_keys(grid, kv_col)
     for j, x in enumerate(grid.row_mesh_ranks):  # a query chunk against the column: few calls
         out_acc, lse_acc = empty_accumulators(s, b, hq, dv, q.device)
         forward_tile(kernel, [(x, q_row[j], out_acc, lse_acc)], column, mask, scale)
@@ -103,6 +113,22 @@ def row_order(grid: MeshGrid) -> list[int]:
     return [(me - t) % grid.cols for t in range(1, grid.cols)] + [me]
 
 
+def whole_tile_backward(kernel: TileKernel, own: tuple, qdo, stats, column, grid: MeshGrid,
+                        mask: AttentionMask, scale: float) -> list[torch.Tensor]:
+    """The row's query chunks against the column but the diagonal block, in one call of a
+    kernel taking whole tiles; own = (dout, q, out, lse, dq_own) of this rank's chunk, qdo /
+    stats the row's gathered inputs (`start_row_grads_inputs`) -> the dQ partials of the
+    row's chunks (fp32 [s, b, hq, d] each; this rank's own is dq_own)."""
+    me = grid.col_index
+    dq = [own[4] if j == me else torch.zeros_like(own[4]) for j in range(grid.cols)]
+    outs = stand_in_outputs(qdo, stats, own[2], grid)
+    queries = [(grid.mesh_rank, *own) if j == me
+               else (x, qdo[j][1], qdo[j][0], outs[j], stats[j][0], dq[j])
+               for j, x in enumerate(grid.row_mesh_ranks)]
+    backward_tile(kernel, queries, column, mask, scale, skip=((grid.mesh_rank,) * 2,))
+    return dq
+
+
 def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask, scale: float,
              kernel: TileKernel, grad_dtypes: GradDtypes = FP32_GRADS):
     """Gradients dq [s, b, hq, d], dk [s, b, hkv, d], dv [s, b, hkv, dv] in the inputs'
@@ -111,8 +137,8 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     The diagonal block runs while the row's and the column's chunks are gathered; then
     each other query chunk's R blocks, whose dQ partial goes on around the row ring (one hop
     behind, `rings.TrailingPartial`) while the next chunk's blocks run; the own chunk's
-    other blocks run last, while its own dQ partial travels; dK, dV are reduce-scattered
-    over the column at the end."""
+    other blocks run last, while its own dQ partial travels (a kernel taking whole tiles:
+    `whole_tile_backward`); dK, dV are reduce-scattered over the column at the end."""
     dout = dout.contiguous()
     me, my_row = grid.mesh_rank, grid.row_index
     qdo, stats, row_pending = start_row_grads_inputs(dout, q, delta, lse, grid)
@@ -127,18 +153,25 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     row_pending.wait()
     trailing = TrailingPartial(*grid.row_neighbors(), grid.row_group, "backward", ROW)
     column = column_grad_keys(grid, kv_col, dkv_part, k, v)
-    for j in row_order(grid)[:-1]:  # each query chunk against the column: few calls
-        x = grid.row_mesh_ranks[j]
+    if grid.cols > 1 and takes_whole_tiles(kernel):  # the tile but the diagonal: one call
+        dq = whole_tile_backward(kernel, (dout, q, out, lse, dq_own), qdo, stats, column, grid,
+                                 mask, scale)
+        qdo = stats = None  # the row's inputs: used up
+        for j in row_order(grid)[:-1]:  # each partial one hop behind the one before
+            trailing.pass_on((dq[j],), grad_dtypes.dq)  # the send holds what it needs
+            dq[j] = None
+    for j in row_order(grid)[:-1] if qdo is not None else ():
+        x = grid.row_mesh_ranks[j]  # each query chunk against the column: few calls
         dq = torch.zeros_like(dq_own)
         out_x = out_with_delta(qdo[j][1], stats[j][1])
         backward_tile(kernel, [(x, qdo[j][1], qdo[j][0], out_x, stats[j][0], dq)], column, mask,
                       scale)
         trailing.pass_on((dq,), grad_dtypes.dq)  # the send holds what it needs
         dq = out_x = None  # not held while the next ones are made
-    del qdo, stats  # the row's inputs: used up
-    # the own chunk's other blocks
-    backward_tile(kernel, [(me, dout, q, out, lse, dq_own)], column, mask, scale,
-                  skip=((me, me),))
+    if qdo is not None:  # the own chunk's other blocks
+        del qdo, stats  # the row's inputs: used up
+        backward_tile(kernel, [(me, dout, q, out, lse, dq_own)], column, mask, scale,
+                      skip=((me, me),))
     del kv_col, column  # used up: the reduction does not hold it
     dkv, dkv_pending = comm.reduce_scatter_async(dkv_part.to(grad_dtypes.dkv), grid.col_group,
                                                  "backward", COLUMN, grid.col_order)

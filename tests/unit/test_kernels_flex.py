@@ -218,9 +218,12 @@ def test_the_cuda_backward_call_fits_the_op_on_meta() -> None:
     # whole column, diagonal included (1 call); backward the diagonal alone while the
     # column's K/V arrive, then the other blocks (2)
     ("streamed_q", 4, 1, 1, 2),
-    # 2 x 2 gathered: each query chunk of the row against the column (2); backward the
-    # diagonal, the other chunk, the own chunk's other block (3)
-    ("gathered", 2, 2, 2, 3),
+    # 2 x 2 gathered: the whole tile, the row's query chunks against the column (1);
+    # backward the diagonal, then the tile but the diagonal (2)
+    ("gathered", 2, 2, 1, 2),
+    # 1 x 4 gathered: the row's four query chunks against the one K/V chunk (1); backward
+    # the diagonal, then the three others (2)
+    ("gathered", 1, 4, 1, 2),
 ])
 def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backward) -> None:
     """A kernel taking whole tiles: one call a group on hand, causal or not, grouped or not,
