@@ -156,20 +156,21 @@ def backward(dout, q, k, v, out, lse, delta, grid: MeshGrid, mask: AttentionMask
     if grid.cols > 1 and takes_whole_tiles(kernel):  # the tile but the diagonal: one call
         dq = whole_tile_backward(kernel, (dout, q, out, lse, dq_own), qdo, stats, column, grid,
                                  mask, scale)
-        qdo = stats = None  # the row's inputs: used up
+        del qdo, stats  # the row's inputs: used up
         for j in row_order(grid)[:-1]:  # each partial one hop behind the one before
             trailing.pass_on((dq[j],), grad_dtypes.dq)  # the send holds what it needs
             dq[j] = None
-    for j in row_order(grid)[:-1] if qdo is not None else ():
-        x = grid.row_mesh_ranks[j]  # each query chunk against the column: few calls
-        dq = torch.zeros_like(dq_own)
-        out_x = out_with_delta(qdo[j][1], stats[j][1])
-        backward_tile(kernel, [(x, qdo[j][1], qdo[j][0], out_x, stats[j][0], dq)], column, mask,
-                      scale)
-        trailing.pass_on((dq,), grad_dtypes.dq)  # the send holds what it needs
-        dq = out_x = None  # not held while the next ones are made
-    if qdo is not None:  # the own chunk's other blocks
+    else:
+        for j in row_order(grid)[:-1]:  # each query chunk against the column: few calls
+            x = grid.row_mesh_ranks[j]
+            dq = torch.zeros_like(dq_own)
+            out_x = out_with_delta(qdo[j][1], stats[j][1])
+            backward_tile(kernel, [(x, qdo[j][1], qdo[j][0], out_x, stats[j][0], dq)], column,
+                          mask, scale)
+            trailing.pass_on((dq,), grad_dtypes.dq)  # the send holds what it needs
+            dq = out_x = None  # not held while the next ones are made
         del qdo, stats  # the row's inputs: used up
+        # the own chunk's other blocks
         backward_tile(kernel, [(me, dout, q, out, lse, dq_own)], column, mask, scale,
                       skip=((me, me),))
     del kv_col, column  # used up: the reduction does not hold it
