@@ -144,6 +144,12 @@ def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torc
     fills, `BATCH` pieces at a time, straight into `partial` (copied once more only where
     some of them turn out full)."""
     sq, sk = shape
+    outside = (pieces.q0 < 0) | (pieces.q1 > sq) | (pieces.k0 < 0) | (pieces.k1 > sk)
+    if bool(outside.any()):
+        n = int(outside.nonzero()[0])
+        raise ValueError(f"piece {n} (rows {int(pieces.q0[n])}..{int(pieces.q1[n])}, keys "
+                         f"{int(pieces.k0[n])}..{int(pieces.k1[n])}) is outside the tile "
+                         f"{sq} x {sk}: rows and keys must lie in [0, sq) and [0, sk)")
     nq, nk = -(-sq // block), -(-sk // block)
     # each piece against the block rows it spans, and there the block columns its band meets
     at, row = _expand(pieces.q0 // block, (pieces.q1 - 1) // block - pieces.q0 // block + 1)
@@ -174,22 +180,24 @@ def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torc
                          (p.lo - c0 + r0).clamp(-block, block),
                          (p.hi - c0 + r0).clamp(-block, block)], 1)
     slots = slot[cell]
-    filled = _filled(slots, local, len(made_ids), block, device)
+    filled, empty = _filled(slots, local, len(made_ids), block, device)
     kinds = full.to(torch.int32)
     kinds[made_ids[filled]] = 1
-    count = len(made_ids) - int(filled.sum())
-    kinds[made_ids[~filled]] = 2 + torch.arange(count, dtype=torch.int32)
-    renumber = torch.cumsum(~filled, 0) - 1
-    keep = ~filled[slots]
+    partial = ~filled & ~empty
+    count = int(partial.sum())
+    kinds[made_ids[partial]] = 2 + torch.arange(count, dtype=torch.int32)
+    renumber = torch.cumsum(partial, 0) - 1
+    keep = partial[slots]
     return (kinds.view(nq, nk).to(device),
             _made(renumber[slots[keep]], local[keep], count, block, device))
 
 
 def _filled(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
-            device: torch.device) -> torch.Tensor:
-    """bool [count]: which blocks the pieces local[n] (`_made`) in block slots[n] fill
-    together. A block whose pieces hold fewer pairs than it has is not filled; the others
-    (pieces meeting or overlapping there) are made, `BATCH` blocks at a time, and read."""
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [count] twice: which blocks the pieces local[n] (`_made`) in block slots[n]
+    fill together, and which they leave empty (pieces of no pairs). A block whose pieces
+    hold fewer pairs than it has is not filled; the others (pieces meeting or overlapping
+    there) are made, `BATCH` blocks at a time, and read."""
     rows = torch.arange(block)
     r0, r1, c0, c1, lo, hi = local[:, :, None].unbind(1)  # [n, 1] each
     width = ((c1.minimum(rows + hi + 1) - c0.maximum(rows + lo)).clamp(min=0)
@@ -207,7 +215,7 @@ def _filled(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
         made = _made(torch.searchsorted(group, slots[at]), local[at], len(group), block,
                      device)
         filled[group] = made[2:2 + len(group)].view(len(group), -1).all(1).cpu()
-    return filled
+    return filled, pairs == 0
 
 
 def bucket(n: int) -> int:

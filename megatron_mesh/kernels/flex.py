@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch._higher_order_ops.flex_attention import create_fw_bw_graph
@@ -60,7 +59,7 @@ class TileMask:
     [q blocks, kv blocks] (EMPTY, FULL, or 2 + the index of a partial block) and `partial`
     bool [a power of two >= 2 + partial blocks, BLOCK, BLOCK] (entry 0 all False, entry 1
     all True, then the partial blocks' pairs); `shape` (sq, sk). Build with `of_pieces`
-    (no mask of sq x sk made), `of_slices`, or `of` / `of_regions` from bools."""
+    or `of_slices` (no mask of sq x sk made), or `of` a bool mask (checks)."""
 
     shape: tuple[int, int]
     kinds: torch.Tensor
@@ -69,7 +68,8 @@ class TileMask:
 
     @classmethod
     def of(cls, seen: torch.Tensor) -> TileMask:
-        """The mask of bool `seen` [sq, sk] (True: query i sees key j)."""
+        """The mask of bool `seen` [sq, sk] (True: query i sees key j; for checks: the
+        driver's masks come from pieces)."""
         kinds, some = _blocks_of(seen)
         return cls(tuple(seen.shape), kinds, _partial(some, seen.device))
 
@@ -91,27 +91,6 @@ class TileMask:
         pieces = call_pieces([slice_table(slices, shape, causal)], [row_runs(0, sq)],
                              [row_runs(0, sk)])
         return cls.of_pieces(shape, pieces, device)
-
-    @classmethod
-    def of_regions(cls, shape: tuple[int, int], step: int,
-                   regions: Iterable[tuple[tuple[int, int], torch.Tensor]],
-                   device: torch.device) -> TileMask:
-        """The mask of `shape` (sq, sk) whose pairs lie in squares of `step` rows and keys
-        (a multiple of `BLOCK`): each ((a, c), bool [step, step]) of `regions` (each (a, c)
-        once) holds query rows a * step on against keys c * step on; the other squares keep
-        none. No mask of sq x sk is made: each square is cut into blocks as it comes."""
-        if step % BLOCK:
-            raise ValueError(f"step {step} is not a multiple of the block size {BLOCK}")
-        nq, nk = -(-shape[0] // BLOCK), -(-shape[1] // BLOCK)
-        kinds = torch.zeros(nq, nk, dtype=torch.int32, device=device)
-        parts, r = [], step // BLOCK
-        for (a, c), seen in regions:
-            sub, some = _blocks_of(seen.to(device))
-            kinds[a * r:(a + 1) * r, c * r:(c + 1) * r] = sub.where(sub < 2, sub + sum(
-                len(p) for p in parts))
-            parts.append(some)
-        some = torch.cat(parts) if parts else kinds.new_zeros(0, BLOCK, BLOCK, dtype=torch.bool)
-        return cls(tuple(shape), kinds, _partial(some, device))
 
     @property
     def empty(self) -> bool:
