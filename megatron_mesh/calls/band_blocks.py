@@ -236,13 +236,13 @@ def _made(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
     slots, local = slots[order], local[order]
     first = torch.searchsorted(slots, slots)  # each one's rank among its block's pieces
     rank = torch.arange(len(slots)) - first
-    i = torch.arange(block, device=device)
+    i = torch.arange(block, dtype=torch.int16, device=device)
     diagonal = i[None, :] - i[:, None]  # [block, block]: key - row
     for r in range(int(rank.max()) + 1):  # one piece a block at a time: unique slots
         chosen = (rank == r).nonzero().flatten()
         for n in range(0, len(chosen), BATCH):
             at = chosen[n:n + BATCH]
-            bounds = local[at].to(device)[:, :, None, None].unbind(1)
+            bounds = local[at].to(device, torch.int16)[:, :, None, None].unbind(1)
             if r == 0:  # each block's first piece: blocks in a row, still empty
                 first = int(slots[at[0]]) + 2
                 _keep(made[first:first + len(at)], i, diagonal, *bounds)

@@ -12,12 +12,12 @@ import torch
 from torch.nn.attention import flex_attention as flex_api
 
 import megatron_mesh as mm
-from megatron_mesh.calls.band_blocks import Pieces
+from megatron_mesh.calls.band_blocks import BATCH, Pieces
 from megatron_mesh.calls.layout import AttentionMask
 from megatron_mesh.calls.needed_rows import needed_rows
 from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.merge import empty_accumulators, merge_into
-from megatron_mesh.cost_models.memory import FLEX_BLOCK, _Chunk
+from megatron_mesh.cost_models.memory import FLEX_BLOCK, FLEX_BUILD_BATCH, _Chunk
 from megatron_mesh.cost_models.tile_calls import (
     CallShape,
     backward_calls,
@@ -338,16 +338,24 @@ def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backwa
                                    ((3,), (0, 1, 2, 3))])
 def test_the_memory_model_counts_a_whole_tile_masks_bytes(xs, ys) -> None:
     """A whole-tile call's mask on 4 ranks of 256-token chunks, causal (`TileMask` and the
-    BlockMask made of it): its storages hold the bytes `memory.py` counts for the call."""
+    BlockMask made of it): its storages hold the bytes `memory.py` counts for the call, and
+    the CPU tensors held while it is made (the blocks' calls made before) are within 10% of
+    what it counts for the making."""
     s, cpu = 256, torch.device("cpu")
-    made = tile_mask(AttentionMask(True, ranks=4), xs, ys, s, cpu)
+    mask = AttentionMask(True, ranks=4)
+    tile_mask(mask, xs, ys, s, cpu)  # the blocks' calls, made and kept
+    whole_tile._tile_mask.cache_clear()
+    with CpuPeakMemory() as mem:
+        made = tile_mask(mask, xs, ys, s, cpu)
     tensors = [made.kinds, made.partial,
                *(t for t in made.block_mask(cpu).as_tuple() if isinstance(t, torch.Tensor))]
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in tensors}.values())
     chunk = _Chunk.of(mm.AttentionShape(4 * s, 1, 8, 2, 32, 4), 4, GradDtype.MIXED)
     call = CallShape((2,) * len(xs), (2,) * len(ys), diagonal=bool(set(xs) & set(ys)))
-    assert FLEX_BLOCK == BLOCK and chunk.tile_mask(call) == held
+    assert FLEX_BLOCK == BLOCK and FLEX_BUILD_BATCH == BATCH and chunk.tile_mask(call) == held
+    assert 0.9 <= mem.peak_bytes / chunk.tile_mask_build(call) <= 1.1, (
+        f"made holding {mem.peak_bytes} B, the model counts {chunk.tile_mask_build(call)} B")
 
 
 @pytest.mark.gpu
