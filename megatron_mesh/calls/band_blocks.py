@@ -21,7 +21,7 @@ import torch
 from .tile_slices import DOCUMENTS, TileSlices
 
 RowMap = "int | torch.Tensor"  # a call's rows at positions start + i, or int64 [rows] (-1: dropped)
-BATCH = 32  # pieces made at once (three transient bools of BATCH x block x block)
+BATCH = 32  # pieces made at once (one transient bool of BATCH x block x block)
 _KEY = 1 << 40  # a call's number times this plus a row: runs of all calls in one order
 
 
@@ -180,7 +180,7 @@ def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torc
                          (p.lo - c0 + r0).clamp(-block, block),
                          (p.hi - c0 + r0).clamp(-block, block)], 1)
     slots = slot[cell]
-    filled, empty = _filled(slots, local, len(made_ids), block, device)
+    filled, empty = _filled(slots, local, len(made_ids), block)
     kinds = full.to(torch.int32)
     kinds[made_ids[filled]] = 1
     partial = ~filled & ~empty
@@ -192,12 +192,12 @@ def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torc
             _made(renumber[slots[keep]], local[keep], count, block, device))
 
 
-def _filled(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _filled(slots: torch.Tensor, local: torch.Tensor, count: int, block: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [count] twice: which blocks the pieces local[n] (`_made`) in block slots[n]
     fill together, and which they leave empty (pieces of no pairs). A block whose pieces
     hold fewer pairs than it has is not filled; the others (pieces meeting or overlapping
-    there) are made, `BATCH` blocks at a time, and read."""
+    there) are made on the CPU, `BATCH` blocks at a time, and read."""
     rows = torch.arange(block)
     r0, r1, c0, c1, lo, hi = local[:, :, None].unbind(1)  # [n, 1] each
     width = ((c1.minimum(rows + hi + 1) - c0.maximum(rows + lo)).clamp(min=0)
@@ -213,8 +213,8 @@ def _filled(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
             torch.searchsorted(slots, group).tolist(),
             torch.searchsorted(slots, group, right=True).tolist())])
         made = _made(torch.searchsorted(group, slots[at]), local[at], len(group), block,
-                     device)
-        filled[group] = made[2:2 + len(group)].view(len(group), -1).all(1).cpu()
+                     torch.device("cpu"))
+        filled[group] = made[2:2 + len(group)].view(len(group), -1).all(1)
     return filled, pairs == 0
 
 
@@ -258,7 +258,8 @@ def _keep(out: torch.Tensor, i: torch.Tensor, diagonal: torch.Tensor, r0, r1, c0
     """out [n, block, block] = the pieces' pairs (bounds [n, 1, 1] each), in place."""
     torch.ge(diagonal, lo, out=out)
     out &= diagonal <= hi
-    out &= (i[:, None] >= r0) & (i[:, None] < r1) & (i >= c0) & (i < c1)
+    out &= (i[:, None] >= r0) & (i[:, None] < r1)  # [n, block, 1]: its rows
+    out &= (i >= c0) & (i < c1)  # [n, 1, block]: its keys
     return out
 
 

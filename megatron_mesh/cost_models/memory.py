@@ -38,7 +38,7 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         s / 128 where a half chunk is whole blocks; else every block counted partial, a
         bound), and the BlockMask's indices (16 nq nk + 8 (nq + nk)); while it is made,
         before the call's other buffers, its partial blocks, about 64 bytes a block of
-        marks and index arithmetic and two bools of up to 32 blocks (the pieces made a
+        marks and index arithmetic and a bool of up to 32 blocks (the pieces made a
         batch at a time: nothing of the call's rows x keys). It is counted with its call: a layer keeps a
         micro-batch's masks for its later layers and the backward, which then hold them
         all (made once, counted nowhere here). What runs
@@ -226,11 +226,12 @@ class _Chunk:
     def tile_mask_build(self, call: CallShape) -> int:
         """While a whole-tile call's mask is made (`calls/band_blocks.py`, before the
         call's other buffers): its partial blocks, about 64 bytes a block of marks and
-        index arithmetic, and, where some block is partial, two bools of a batch of pieces
-        being made (`FLEX_BUILD_BATCH` blocks at most) and their key - row table (int16)."""
+        index arithmetic, and, where some block is partial, a bool of a batch of pieces
+        being made (`FLEX_BUILD_BATCH` blocks at most; they are made in the mask's own
+        buffer) and their key - row table (int16)."""
         nq, nk, partial = self._mask_blocks(call)
         kept = 1 << (1 + partial).bit_length()
-        made = 2 * min(FLEX_BUILD_BATCH, partial) + 2 if partial else 0
+        made = min(FLEX_BUILD_BATCH, partial) + 2 if partial else 0
         return 64 * nq * nk + (kept + made) * FLEX_BLOCK ** 2
 
     def whole_forward_call(self, call: CallShape, q_view: bool) -> int:
