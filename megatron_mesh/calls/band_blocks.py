@@ -130,8 +130,8 @@ def _meeting(call: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
     a = torch.cat([r[0] for r in runs]) + owner * _KEY
     b = torch.cat([r[1] for r in runs]) + owner * _KEY
     first = torch.searchsorted(b, call * _KEY + start, right=True)
-    last = torch.searchsorted(a, call * _KEY + end.maximum(start))
-    return _expand(first, last - first)
+    last = torch.searchsorted(a, call * _KEY + end)
+    return _expand(first, torch.where(end > start, last - first, 0))
 
 
 def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torch.device
@@ -151,6 +151,8 @@ def block_kinds(pieces: Pieces, shape: tuple[int, int], block: int, device: torc
                          f"{int(pieces.k0[n])}..{int(pieces.k1[n])}) is outside the tile "
                          f"{sq} x {sk}: rows and keys must lie in [0, sq) and [0, sk)")
     nq, nk = -(-sq // block), -(-sk // block)
+    pieces = pieces.take((pieces.q1 > pieces.q0) & (pieces.k1 > pieces.k0)
+                         & (pieces.lo <= pieces.hi))  # those that keep some pair
     # each piece against the block rows it spans, and there the block columns its band meets
     at, row = _expand(pieces.q0 // block, (pieces.q1 - 1) // block - pieces.q0 // block + 1)
     p = pieces.take(at)
