@@ -8,7 +8,9 @@ its own rows (`TileSlices`), become pieces through the map of its rows to tile p
 each run of rows the map sends to consecutive positions is the slice shifted
 (`call_pieces`); rows the map drops (-1) keep nothing. Everything is index arithmetic on
 arrays of pieces, runs and blocks; only the blocks a piece touches in part are made, as
-`block` x `block` bools.
+`block` x `block` bools. A slice gives one piece per row run it spans and key run its band
+meets there: a call's rows come in runs (documents, gathered ranges, a window's kept rows),
+so pieces are about as many as slices; rows kept one by one at random would multiply them.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from .tile_slices import DOCUMENTS, TileSlices
 
-RowMap = "int | torch.Tensor"  # a call's rows at positions start + i, or int64 [rows] (-1: dropped)
+RowMap = int | torch.Tensor  # a call's rows at positions start + i, or int64 [rows] (-1: dropped)
 BATCH = 32  # pieces made at once (one transient bool of BATCH x block x block)
 _KEY = 1 << 40  # a call's number times this plus a row: runs of all calls in one order
 

@@ -9,7 +9,8 @@ left out. No call per query chunk, no copy of keys per query chunk.
 The mask is kept at FlexAttention's block granularity (`BLOCK` rows x `BLOCK` keys): each
 block empty, full, or partial, and only the partial blocks' pairs are stored (a causal
 tile's diagonals, documents' edges, a window's borders), so a tile's mask grows with its
-edges, not with its area.
+edges, not with its area. It is made so too, from the calls' slices at their rows' places
+(`TileMask.of_pieces`, `calls/band_blocks.py`): no mask of the call's rows x keys.
 
 Forward: `flex_attention` with the log-sum-exp the merge needs (`AuxRequest(lse=True)`).
 Backward: FlexAttention's backward op given the WHOLE row's out and lse (`base.TileKernel`):
