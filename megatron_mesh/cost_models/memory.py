@@ -35,8 +35,9 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         grouped call's. The mask (`kernels.flex.TileMask` and the BlockMask made of it,
         at 128 x 128 blocks, nq x nk of the call): kinds int32 [nq, nk], the partial
         blocks bool [a power of two >= 2 + n, 128, 128] (n: the causal diagonal's
-        s / 128 where a half chunk is whole blocks; else every block counted partial, a
-        bound), and the BlockMask's indices (16 nq nk + 8 (nq + nk)); while it is made,
+        s / 128 where a half chunk is whole blocks; else a bound: the blocks holding a
+        half chunk's edge, nk a query half and nq a key half, and s / 128 + 4 on the
+        diagonal), and the BlockMask's indices (16 nq nk + 8 (nq + nk)); while it is made,
         before the call's other buffers, its partial blocks, about 64 bytes a block of
         marks and index arithmetic and a bool of up to 32 blocks (the pieces made a
         batch at a time: nothing of the call's rows x keys). It is counted with its call: a layer keeps a
@@ -212,8 +213,11 @@ class _Chunk:
         nq, nk = (-(-sum(pieces) * half // FLEX_BLOCK) for pieces in (call.q, call.kv))
         if half % FLEX_BLOCK == 0:
             partial = self.tokens // FLEX_BLOCK if call.diagonal else 0
-        else:  # a block may hold parts of several chunks: every block counted
-            partial = nq * nk
+        else:  # blocks holding a half chunk's edge (its last block row or column), and the
+            # diagonal's (s / 128 + 4 at most): a bound
+            edges = sum(call.q) * nk + sum(call.kv) * nq
+            partial = min(nq * nk, edges + (self.tokens // FLEX_BLOCK + 4 if call.diagonal
+                                            else 0))
         return nq, nk, partial
 
     def tile_mask(self, call: CallShape) -> int:

@@ -358,6 +358,24 @@ def test_the_memory_model_counts_a_whole_tile_masks_bytes(xs, ys) -> None:
         f"made holding {mem.peak_bytes} B, the model counts {chunk.tile_mask_build(call)} B")
 
 
+def test_the_memory_model_bounds_a_mask_of_chunks_not_whole_blocks() -> None:
+    """Chunks of 300 and 2100 tokens (halves not whole 128-row blocks), causal, the calls of
+    4 ranks' tiles: the mask's storages hold no more than `memory.py` counts for the call,
+    and at least a quarter of it (a bound, rounded up to a power of two like the mask: not
+    every block counted partial)."""
+    cpu = torch.device("cpu")
+    mask = AttentionMask(True, ranks=4)
+    for s in (300, 2100):
+        chunk = _Chunk.of(mm.AttentionShape(4 * s, 1, 8, 2, 32, 4), 4, GradDtype.MIXED)
+        for xs, ys in (((1,), (0, 1, 3)), ((2,), (0, 3)), ((0, 2), (1,)), ((3,), (0, 1, 2, 3))):
+            made = tile_mask(mask, xs, ys, s, cpu)
+            held = sum(t.untyped_storage().nbytes() for t in (made.kinds, made.partial))
+            call = CallShape((2,) * len(xs), (2,) * len(ys), diagonal=bool(set(xs) & set(ys)))
+            counted = chunk.tile_mask(call) - 16 * made.kinds.numel() - 8 * sum(
+                made.kinds.shape)  # the BlockMask's indices aside
+            assert held <= counted <= 4 * held, (s, xs, ys, held, counted)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["causal", "documents", "slices"])
