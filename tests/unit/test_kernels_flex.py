@@ -224,7 +224,8 @@ def test_a_whole_tiles_mask_is_the_definitions(local, left) -> None:
     (and a window of `left` keys), block (2, 3) left out, chunks of 300 rows (not whole
     128-row blocks) or 256: whole, or some held packed (random rows kept: many runs and
     gaps, `KeptRows`): `tile_mask` is `TileMask.of` the mask of the definition on the held
-    rows' positions, built here (same kinds, partial blocks numbered alike)."""
+    rows' positions, built here (same kinds, partial blocks numbered alike); made on meta
+    tensors (CUDA's placement) its blocks lie there, as many."""
     mask = AttentionMask(True, ranks=4, window=None if left is None else Window(left, 0))
     g = torch.Generator().manual_seed(local + (left or 0))
     xs, ys, cpu = (1, 2), (0, 1, 3), torch.device("cpu")
@@ -248,6 +249,10 @@ def test_a_whole_tiles_mask_is_the_definitions(local, left) -> None:
         seen &= ~((qc[:, None] == 2) & (kc[None, :] == 3))
         want = TileMask.of(seen)
         assert torch.equal(made.kinds, want.kinds) and torch.equal(made.partial, want.partial)
+        meta = torch.device("meta")  # CUDA's placement: the blocks made on the tensors' device
+        on_meta = tile_mask(mask, xs, ys, local, meta, {(2, 3)}, q_kept, kv_kept)
+        assert on_meta.kinds.device == on_meta.partial.device == meta
+        assert on_meta.partial.shape == made.partial.shape
 
 
 def test_a_whole_tiles_mask_is_made_without_a_mask_of_its_size() -> None:
