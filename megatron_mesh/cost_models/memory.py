@@ -35,10 +35,14 @@ g = bytes of the gradient exchange (dQ: g_q, dK/dV: g_kv, `layer_plan.GradDtype`
         grouped call's. The mask (`kernels.flex.TileMask` and the BlockMask made of it,
         at 128 x 128 blocks, nq x nk of the call): kinds int32 [nq, nk], the partial
         blocks bool [a power of two >= 2 + n, 128, 128] (n: the causal diagonal's
-        s / 128 where a half chunk is whole blocks; else every block counted partial, a
-        bound), and the BlockMask's indices (16 nq nk + 8 (nq + nk)). It is counted with
-        its call: a layer keeps a micro-batch's masks for its later layers and the
-        backward, which then hold them all (made once, counted nowhere here). What runs
+        s / 128 where a half chunk is whole blocks; else a bound: the blocks holding a
+        half chunk's edge, nk a query half and nq a key half, and s / 128 + 4 on the
+        diagonal), and the BlockMask's indices (16 nq nk + 8 (nq + nk)); while it is made,
+        before the call's other buffers, its partial blocks, about 64 bytes a block of
+        marks and index arithmetic and a bool of up to 32 blocks (the pieces made a
+        batch at a time: nothing of the call's rows x keys). It is counted with its call: a layer keeps a
+        micro-batch's masks for its later layers and the backward, which then hold them
+        all (made once, counted nowhere here). What runs
         inside the kernel is not counted (the compiled kernel's work buffers; on the CPU,
         the eager op's dense [sq, sk] scores, which the CUDA kernel never makes)
     merge of C > 1 partials = 2 C (Q + L) (sent and received) + acc + max(2 L, Q if e < 4)
@@ -203,17 +207,36 @@ class _Chunk:
                   + (keys * self.kv if len(call.kv) > 1 else 0))
         return (copies + rows * self.q + keys * self.kv) // 2
 
-    def tile_mask(self, call: CallShape) -> int:
-        """The mask of a whole-tile call: `TileMask`'s kinds and partial blocks and its
-        BlockMask's indices (module docstring)."""
+    def _mask_blocks(self, call: CallShape) -> tuple[int, int, int]:
+        """(nq, nk, partial blocks) of a whole-tile call's mask (module docstring)."""
         half = self.tokens // 2
         nq, nk = (-(-sum(pieces) * half // FLEX_BLOCK) for pieces in (call.q, call.kv))
         if half % FLEX_BLOCK == 0:
             partial = self.tokens // FLEX_BLOCK if call.diagonal else 0
-        else:  # a block may hold parts of several chunks: every block counted
-            partial = nq * nk
+        else:  # blocks holding a half chunk's edge (its last block row or column), and the
+            # diagonal's (s / 128 + 4 at most): a bound
+            edges = sum(call.q) * nk + sum(call.kv) * nq
+            partial = min(nq * nk, edges + (self.tokens // FLEX_BLOCK + 4 if call.diagonal
+                                            else 0))
+        return nq, nk, partial
+
+    def tile_mask(self, call: CallShape) -> int:
+        """The mask of a whole-tile call: `TileMask`'s kinds and partial blocks and its
+        BlockMask's indices (module docstring)."""
+        nq, nk, partial = self._mask_blocks(call)
         kept = 1 << (1 + partial).bit_length()  # the least power of two >= 2 + partial
         return 4 * nq * nk + kept * FLEX_BLOCK ** 2 + 16 * nq * nk + 8 * (nq + nk)
+
+    def tile_mask_build(self, call: CallShape) -> int:
+        """While a whole-tile call's mask is made (`calls/band_blocks.py`, before the
+        call's other buffers): its partial blocks, about 64 bytes a block of marks and
+        index arithmetic, and, where some block is partial, a bool of a batch of pieces
+        being made (`FLEX_BUILD_BATCH` blocks at most; they are made in the mask's own
+        buffer) and their key - row table (int16)."""
+        nq, nk, partial = self._mask_blocks(call)
+        kept = 1 << (1 + partial).bit_length()
+        made = min(FLEX_BUILD_BATCH, partial) + 2 if partial else 0
+        return 64 * nq * nk + (kept + made) * FLEX_BLOCK ** 2
 
     def whole_forward_call(self, call: CallShape, q_view: bool) -> int:
         """One whole-tile forward call: its out and lse with its mask, and its
@@ -222,12 +245,14 @@ class _Chunk:
         rows = sum(call.q)
         copies = ((rows * self.q if len(call.q) > 1 and not q_view else 0)
                   + (sum(call.kv) * self.kv if len(call.kv) > 1 else 0)) // 2
-        return (rows * (self.o + self.lse) // 2 + self.tile_mask(call)
-                + max(copies, max(call.q) * self.lse))
+        return max(self.tile_mask_build(call),
+                   rows * (self.o + self.lse) // 2 + self.tile_mask(call)
+                   + max(copies, max(call.q) * self.lse))
 
     def whole_backward_call(self, call: CallShape) -> int:
-        """One whole-tile backward call: a grouped call's buffers and its mask."""
-        return self.backward_call(call) + self.tile_mask(call)
+        """One whole-tile backward call: a grouped call's buffers and its mask, or the
+        mask while it is made."""
+        return max(self.tile_mask_build(call), self.backward_call(call) + self.tile_mask(call))
 
     @property
     def stand_in(self) -> int:
@@ -255,6 +280,7 @@ class _Chunk:
 
 DIAGONAL = CallShape((2,), (2,))  # a causal diagonal block on its own
 FLEX_BLOCK = 128  # FlexAttention's block of rows and keys (`kernels.flex.BLOCK`)
+FLEX_BUILD_BATCH = 32  # pieces a whole-tile mask makes at once (`calls.band_blocks.BATCH`)
 
 
 def grouped_calls(m: _Chunk, r: int, c: int, schedule: str, bottom_right: bool,

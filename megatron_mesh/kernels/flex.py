@@ -9,7 +9,8 @@ left out. No call per query chunk, no copy of keys per query chunk.
 The mask is kept at FlexAttention's block granularity (`BLOCK` rows x `BLOCK` keys): each
 block empty, full, or partial, and only the partial blocks' pairs are stored (a causal
 tile's diagonals, documents' edges, a window's borders), so a tile's mask grows with its
-edges, not with its area.
+edges, not with its area. It is made so too, from the calls' slices at their rows' places
+(`TileMask.of_pieces`, `calls/band_blocks.py`): no mask of the call's rows x keys.
 
 Forward: `flex_attention` with the log-sum-exp the merge needs (`AuxRequest(lse=True)`).
 Backward: FlexAttention's backward op given the WHOLE row's out and lse (`base.TileKernel`):
@@ -25,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch._higher_order_ops.flex_attention import create_fw_bw_graph
@@ -33,6 +33,14 @@ from torch._higher_order_ops.flex_attention import flex_attention as forward_op
 from torch._higher_order_ops.flex_attention import flex_attention_backward as backward_op
 from torch.nn.attention import flex_attention as flex_api
 
+from ..calls.band_blocks import (
+    Pieces,
+    block_kinds,
+    bucket,
+    call_pieces,
+    row_runs,
+    slice_table,
+)
 from ..calls.tile_slices import TileSlices
 from .base import check_call, dense_last_dim
 from .caps import KernelCaps
@@ -51,8 +59,8 @@ class TileMask:
     """The pairs one call keeps, at FlexAttention's block granularity: `kinds` int32
     [q blocks, kv blocks] (EMPTY, FULL, or 2 + the index of a partial block) and `partial`
     bool [a power of two >= 2 + partial blocks, BLOCK, BLOCK] (entry 0 all False, entry 1
-    all True, then the partial blocks' pairs); `shape` (sq, sk). Build with `of` or
-    `of_regions`."""
+    all True, then the partial blocks' pairs); `shape` (sq, sk). Build with `of_pieces`
+    or `of_slices` (no mask of sq x sk made), or `of` a bool mask (checks)."""
 
     shape: tuple[int, int]
     kinds: torch.Tensor
@@ -61,30 +69,29 @@ class TileMask:
 
     @classmethod
     def of(cls, seen: torch.Tensor) -> TileMask:
-        """The mask of bool `seen` [sq, sk] (True: query i sees key j)."""
+        """The mask of bool `seen` [sq, sk] (True: query i sees key j; for checks: the
+        driver's masks come from pieces)."""
         kinds, some = _blocks_of(seen)
         return cls(tuple(seen.shape), kinds, _partial(some, seen.device))
 
     @classmethod
-    def of_regions(cls, shape: tuple[int, int], step: int,
-                   regions: Iterable[tuple[tuple[int, int], torch.Tensor]],
-                   device: torch.device) -> TileMask:
-        """The mask of `shape` (sq, sk) whose pairs lie in squares of `step` rows and keys
-        (a multiple of `BLOCK`): each ((a, c), bool [step, step]) of `regions` (each (a, c)
-        once) holds query rows a * step on against keys c * step on; the other squares keep
-        none. No mask of sq x sk is made: each square is cut into blocks as it comes."""
-        if step % BLOCK:
-            raise ValueError(f"step {step} is not a multiple of the block size {BLOCK}")
-        nq, nk = -(-shape[0] // BLOCK), -(-shape[1] // BLOCK)
-        kinds = torch.zeros(nq, nk, dtype=torch.int32, device=device)
-        parts, r = [], step // BLOCK
-        for (a, c), seen in regions:
-            sub, some = _blocks_of(seen.to(device))
-            kinds[a * r:(a + 1) * r, c * r:(c + 1) * r] = sub.where(sub < 2, sub + sum(
-                len(p) for p in parts))
-            parts.append(some)
-        some = torch.cat(parts) if parts else kinds.new_zeros(0, BLOCK, BLOCK, dtype=torch.bool)
-        return cls(tuple(shape), kinds, _partial(some, device))
+    def of_pieces(cls, shape: tuple[int, int], pieces: Pieces, device: torch.device
+                  ) -> TileMask:
+        """The mask of `shape` (sq, sk) keeping the union of band `pieces` (tile positions,
+        `calls.band_blocks`): each block decided from the pieces' bounds, only the partial
+        ones made (no tensor of sq x sk)."""
+        return cls(tuple(shape), *block_kinds(pieces, tuple(shape), BLOCK,
+                                              torch.device(device)))
+
+    @classmethod
+    def of_slices(cls, slices: TileSlices | None, shape: tuple[int, int], causal: bool,
+                  device: torch.device) -> TileMask:
+        """The mask of one call of `shape`: its `slices`, else all pairs or `causal` at the
+        bottom right."""
+        sq, sk = shape
+        pieces = call_pieces([slice_table(slices, shape, causal)], [row_runs(0, sq)],
+                             [row_runs(0, sk)])
+        return cls.of_pieces(shape, pieces, device)
 
     @property
     def empty(self) -> bool:
@@ -139,15 +146,10 @@ def _partial(some: torch.Tensor, device: torch.device) -> torch.Tensor:
     and 1 (all), the n blocks, unused ones up to a power of two (the compiled kernel sees
     few shapes of it, each a compile, whatever the mask)."""
     n = len(some)
-    partial = torch.zeros(_bucket(2 + n), BLOCK, BLOCK, dtype=torch.bool, device=device)
+    partial = torch.zeros(bucket(2 + n), BLOCK, BLOCK, dtype=torch.bool, device=device)
     partial[1] = True
     partial[2:2 + n] = some
     return partial
-
-
-def _bucket(n: int) -> int:
-    """The least power of two >= n."""
-    return 1 << (n - 1).bit_length()
 
 
 def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +163,7 @@ def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.lru_cache(maxsize=64)
 def plain_mask(sq: int, sk: int, causal: bool) -> TileMask:
     """A call without slices: all pairs, or causal aligned at the bottom right."""
-    return TileMask.of(TileSlices.band(sq, sk, -1, 0 if causal else -1).seen())
+    return TileMask.of_slices(None, (sq, sk), causal, torch.device("cpu"))
 
 
 def call_mask(q: torch.Tensor, k: torch.Tensor, causal: bool,
@@ -170,7 +172,8 @@ def call_mask(q: torch.Tensor, k: torch.Tensor, causal: bool,
     plain."""
     if slices is None:
         return plain_mask(q.shape[0], k.shape[0], causal)
-    return slices.made_on("flex", torch.device("cpu"), lambda _: TileMask.of(slices.seen()))
+    return slices.made_on("flex", torch.device("cpu"), lambda cpu: TileMask.of_slices(
+        slices, slices.shape, False, cpu))
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,12 @@
 `whole_tile` (`kernels/flex.py`): the query chunks concatenated against the K/V chunks
 concatenated (a view where the chunks lie one after another in one buffer, as a gathered
 column does; else one copy of each), with the tile's mask (`flex.TileMask`) made from the
-blocks' own calls (`calls.layout.blocks_for`: every mask kind), block by block where a
-chunk is a whole number of FlexAttention's blocks (else through a mask of the tile's size),
-and kept per micro-batch like the grouped calls (`blocks._tile_calls`). Blocks in `skip`
-are left out of the mask. A chunk held in part (the sparse exchange's packed rows,
-`KeptRows`) takes its kept rows of the blocks' squares (the mask then made at the packed
-tile's size, which holds only the rows the blocks use).
+blocks' own calls (`calls.layout.blocks_for`: every mask kind): each call's slices put at
+its rows' places in the tile and cut into FlexAttention's blocks from their bounds
+(`calls/band_blocks.py`: only the partial blocks made, no mask of the tile's size, any
+chunk length), kept per micro-batch like the grouped calls (`blocks._tile_calls`). Blocks
+in `skip` are left out of the mask. A chunk held in part (the sparse exchange's packed
+rows, `KeptRows`) places only its kept rows (the mask then at the packed tile's size).
 
 Forward: the call's out and lse split per query chunk and merged into its accumulators;
 backward: its dq, dk, dv split per chunk and added into theirs.
@@ -18,11 +18,12 @@ from typing import Collection, Sequence
 
 import torch
 
+from ..calls.band_blocks import call_pieces, row_runs, slice_table
 from ..calls.layout import AttentionMask, blocks_for
 from ..common.caches import per_documents
 from ..common.merge import merge_into
 from ..kernels.caps import caps_of
-from ..kernels.flex import BLOCK, TileMask
+from ..kernels.flex import TileMask
 from .kept_rows import KeptRows
 
 Kept = Sequence[KeptRows | None] | None
@@ -39,15 +40,8 @@ def tile_mask(mask: AttentionMask, xs: Sequence[int], ys: Sequence[int], local_l
     """The pairs of query chunks `xs` (concatenated, `local_len` rows each, or their kept
     rows packed where `q_kept` names them) against key chunks `ys` (likewise) the blocks
     (x, y) not in `skip` keep."""
-    device = torch.device(device)
-    if _packed(q_kept, kv_kept):
-        return _packed_mask(mask, tuple(xs), tuple(ys), local_len, device, frozenset(skip),
-                            _rows(q_kept, len(xs)), _rows(kv_kept, len(ys)))
-    return _tile_mask(mask, tuple(xs), tuple(ys), local_len, device, frozenset(skip))
-
-
-def _packed(*kepts: Kept) -> bool:
-    return any(held is not None for kept in kepts for held in kept or ())
+    return _tile_mask(mask, tuple(xs), tuple(ys), local_len, torch.device(device),
+                      frozenset(skip), _rows(q_kept, len(xs)), _rows(kv_kept, len(ys)))
 
 
 def _rows(kept: Kept, n: int) -> tuple[tuple[int, ...] | None, ...]:
@@ -56,69 +50,54 @@ def _rows(kept: Kept, n: int) -> tuple[tuple[int, ...] | None, ...]:
 
 
 @per_documents(lambda mask, *_: mask.packing)
-def _packed_mask(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], local_len: int,
-                 device: torch.device, skip: frozenset, q_rows: tuple, kv_rows: tuple
-                 ) -> TileMask:
-    def index(rows):
-        return (torch.arange(local_len, device=device) if rows is None
-                else torch.tensor(rows, dtype=torch.int64, device=device))
-    q_index, kv_index = [index(r) for r in q_rows], [index(r) for r in kv_rows]
-    q_at = [0] + [int(t.numel()) for t in q_index]
-    kv_at = [0] + [int(t.numel()) for t in kv_index]
-    for at in (q_at, kv_at):
-        for i in range(1, len(at)):
-            at[i] += at[i - 1]
-    pairs = [(qi, ki) for qi, x in enumerate(xs) for ki, y in enumerate(ys)
-             if (x, y) not in skip]
-    made = blocks_for([(xs[qi], ys[ki]) for qi, ki in pairs], local_len, mask, device)
-    seen = torch.zeros(q_at[-1], kv_at[-1], dtype=torch.bool, device=device)
-    for (qi, ki), block in zip(pairs, made):
-        square = _square(block, local_len, device)
-        seen[q_at[qi]:q_at[qi + 1], kv_at[ki]:kv_at[ki + 1]] = \
-            square.index_select(0, q_index[qi]).index_select(1, kv_index[ki])
-    return TileMask.of(seen)
-
-
-@per_documents(lambda mask, *_: mask.packing)
 def _tile_mask(mask: AttentionMask, xs: tuple[int, ...], ys: tuple[int, ...], local_len: int,
-               device: torch.device, skip: frozenset) -> TileMask:
+               device: torch.device, skip: frozenset, q_rows: tuple, kv_rows: tuple
+               ) -> TileMask:
+    """`tile_mask` from the blocks' calls: each call's slices through its rows' places in
+    the tile (`band_blocks.call_pieces`), cut into FlexAttention's blocks from their bounds
+    (`TileMask.of_pieces`)."""
     pairs = [(qi, ki) for qi, x in enumerate(xs) for ki, y in enumerate(ys)
              if (x, y) not in skip]
     made = blocks_for([(xs[qi], ys[ki]) for qi, ki in pairs], local_len, mask, device)
-    shape = (len(xs) * local_len, len(ys) * local_len)
-    regions = ((pair, _square(block, local_len, device)) for pair, block in zip(pairs, made))
-    if local_len % BLOCK == 0:  # each block's square on its own: no mask of the tile's size
-        return TileMask.of_regions(shape, local_len, regions, device)
-    seen = torch.zeros(shape, dtype=torch.bool, device=device)
-    for (qi, ki), square in regions:
-        seen[qi * local_len:(qi + 1) * local_len, ki * local_len:(ki + 1) * local_len] = square
-    return TileMask.of(seen)
+    (q_places, sq), (kv_places, sk) = _places(q_rows, local_len), _places(kv_rows, local_len)
+    tables, q_runs, kv_runs = [], [], []
+    for (qi, ki), block in zip(pairs, made):
+        for call in block.calls:
+            shape = (_count(call.q_rows), _count(call.kv_rows))
+            tables.append(slice_table(call.slices, shape, call.causal))
+            q_runs.append(row_runs(_at(q_places[qi], call.q_rows), shape[0]))
+            kv_runs.append(row_runs(_at(kv_places[ki], call.kv_rows), shape[1]))
+    return TileMask.of_pieces((sq, sk), call_pieces(tables, q_runs, kv_runs), device)
 
 
-def _square(block, local_len: int, device: torch.device) -> torch.Tensor:
-    """bool [local_len, local_len]: the pairs of a block's calls, in its chunks' rows (a
-    call's rows and keys as slices, or gathered and put back by index: no index tensor of
-    the call's rows x keys)."""
-    seen = torch.zeros(local_len, local_len, dtype=torch.bool, device=device)
-    for call in block.calls:
-        kept, rows = call.seen().to(device), call.q_rows
-        if isinstance(rows, slice):
-            _or_keys(seen[rows], call.kv_rows, kept)
-        else:
-            rows = rows.to(device)
-            part = seen.index_select(0, rows)
-            _or_keys(part, call.kv_rows, kept)
-            seen.index_copy_(0, rows, part)
-    return seen
+Places = int | torch.Tensor  # a chunk's row r at start + r, or at places[r] (-1: not held)
 
 
-def _or_keys(part: torch.Tensor, keys: slice | torch.Tensor, kept: torch.Tensor) -> None:
-    """part[:, keys] |= kept, in place (keys a slice or an index of columns)."""
-    if isinstance(keys, slice):
-        part[:, keys] |= kept
-        return
-    keys = keys.to(part.device)
-    part.index_copy_(1, keys, part.index_select(1, keys) | kept)
+def _places(rows: tuple, local_len: int) -> tuple[list[Places], int]:
+    """Where each chunk's rows lie in the tile's (chunks one after another, a packed one
+    its kept rows only), and the tile's rows."""
+    places, at = [], 0
+    for kept in rows:
+        if kept is None:
+            places.append(at)
+            at += local_len
+            continue
+        table = torch.full((local_len,), -1, dtype=torch.int64)
+        table[torch.tensor(kept, dtype=torch.int64)] = torch.arange(at, at + len(kept))
+        places.append(table)
+        at += len(kept)
+    return places, at
+
+
+def _at(places: Places, rows: slice | torch.Tensor) -> int | torch.Tensor:
+    """The tile places of a call's chunk rows `rows` (an int: consecutive from there)."""
+    if isinstance(places, int):
+        return places + rows.start if isinstance(rows, slice) else places + rows.cpu()
+    return places[rows] if isinstance(rows, slice) else places[rows.cpu()]
+
+
+def _count(rows: slice | torch.Tensor) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 def joined(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

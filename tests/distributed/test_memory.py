@@ -6,8 +6,8 @@ one chunk's keys or query rows, MESH_GROUP_TOKENS): streamed_kv holds two K/V
 chunks instead of R, streamed_q two Q chunks instead of C, "streamed" picks the one that
 holds less, and the model stays close to measurement. FlexAttention's whole tiles
 (backend='flex', one call a group on hand) against `extra_memory(..., whole_tile=True)`:
-the schedule's buffers, the calls' joined copies, masks and results, the kernel's own work
-unseen (`peak_memory.untracked`: on the CPU the eager op scores every pair, which the
+the schedule's buffers, the calls' joined copies, masks (and their making) and results,
+the kernel's own work unseen (`peak_memory.untracked`: on the CPU the eager op scores every pair, which the
 compiled CUDA kernel never holds)."""
 from __future__ import annotations
 
@@ -188,20 +188,20 @@ def block_mask_tensors(mask, device) -> list[torch.Tensor]:
     return [t for t in mask.block_mask(device).as_tuple() if isinstance(t, torch.Tensor)]
 
 
-def masks_per_call(make):
-    """`whole_tile.tile_mask` for the measurement: each call's mask made for it (none kept
-    for later calls) and counted from when it is made; its making (the
-    blocks' [s, s] squares, once per shape and micro-batch where masks are kept) unseen."""
-    def tile_mask(*args, **kwargs):
-        return untracked(lambda: make(*args, **kwargs), lambda m: (m.kinds, m.partial))
-    return tile_mask
+def blocks_unseen(make):
+    """`whole_tile.blocks_for` for the measurement: the blocks' calls (made once per shape
+    and micro-batch, for every backend, and kept) unseen; the masks made of them seen,
+    each made for its call (none kept for later calls): the making and the mask."""
+    def blocks_for(*args, **kwargs):
+        return untracked(lambda: make(*args, **kwargs))
+    return blocks_for
 
 
 def flex_worker(rank: int, world: int) -> dict:
     s, b, hq, hkv, d = FLEX_SIZE.values()
     shape = mm.AttentionShape(s * world, b, hq, hkv, d, 4)
-    make, kept = whole_tile.tile_mask, whole_tile._tile_mask.dense_size
-    whole_tile.tile_mask, whole_tile._tile_mask.dense_size = masks_per_call(make), 0
+    make, kept = whole_tile.blocks_for, whole_tile._tile_mask.dense_size
+    whole_tile.blocks_for, whole_tile._tile_mask.dense_size = blocks_unseen(make), 0
     results = {}
     try:
         for rows, cols in FLEX_GRIDS:
@@ -217,7 +217,7 @@ def flex_worker(rank: int, world: int) -> dict:
                 results[rows, cols, schedule] = {phase: (measured[phase], model[phase])
                                                  for phase in measured}
     finally:
-        whole_tile.tile_mask, whole_tile._tile_mask.dense_size = make, kept
+        whole_tile.blocks_for, whole_tile._tile_mask.dense_size = make, kept
     return results
 
 

@@ -12,10 +12,12 @@ import torch
 from torch.nn.attention import flex_attention as flex_api
 
 import megatron_mesh as mm
+from megatron_mesh.calls.band_blocks import BATCH, Pieces
 from megatron_mesh.calls.layout import AttentionMask
+from megatron_mesh.calls.needed_rows import needed_rows
 from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.common.merge import empty_accumulators, merge_into
-from megatron_mesh.cost_models.memory import FLEX_BLOCK, _Chunk
+from megatron_mesh.cost_models.memory import FLEX_BLOCK, FLEX_BUILD_BATCH, _Chunk
 from megatron_mesh.cost_models.tile_calls import (
     CallShape,
     backward_calls,
@@ -34,9 +36,15 @@ from megatron_mesh.kernels import (
 )
 from megatron_mesh.kernels.flex import BLOCK, TileMask
 from megatron_mesh.layer_plan import GradDtype
+from megatron_mesh.masks.window import Window
 from megatron_mesh.planner import Workload
 from megatron_mesh.planner.pricing.tiles import mesh_calls
+from megatron_mesh.runtime.peak_memory import CpuPeakMemory
+from megatron_mesh.schedules import whole_tile
+from megatron_mesh.schedules.kept_rows import KeptRows
 from megatron_mesh.schedules.whole_tile import tile_mask
+
+from reference import seen_of_slices
 
 SQ, SK, B, HQ, HKV, D = 40, 56, 2, 4, 2, 16
 
@@ -162,22 +170,112 @@ def test_tile_mask_keeps_edges_not_area() -> None:
     assert TileMask.of(torch.zeros(5, 300, dtype=torch.bool)).empty
 
 
-def test_a_tile_mask_made_square_by_square_is_the_same() -> None:
-    """A 2 x 3 tile of 256-row squares (some absent, one causal, one random, one full) cut
-    into blocks square by square (`of_regions`) keeps the pairs of the whole mask (`of`),
-    each block empty, full or partial alike; a square not of whole blocks is refused."""
-    g = torch.Generator().manual_seed(2)
-    squares = {(0, 0): torch.ones(256, 256, dtype=torch.bool).tril(),
-               (0, 2): torch.rand(256, 256, generator=g) < 0.5,
-               (1, 1): torch.ones(256, 256, dtype=torch.bool)}
-    whole = torch.zeros(512, 768, dtype=torch.bool)
-    for (a, c), square in squares.items():
-        whole[a * 256:(a + 1) * 256, c * 256:(c + 1) * 256] = square
-    made = TileMask.of_regions((512, 768), 256, squares.items(), torch.device("cpu"))
-    assert torch.equal(made.seen(), whole)  # partial blocks numbered in another order:
-    assert torch.equal(made.kinds.clamp(max=2), TileMask.of(whole).kinds.clamp(max=2))
-    with pytest.raises(ValueError, match="step 100 is not a multiple of the block size 128"):
-        TileMask.of_regions((200, 200), 100, [], torch.device("cpu"))
+def test_a_tile_mask_made_from_pieces_is_the_whole_masks() -> None:
+    """Band pieces over a 700 x 900 tile (a causal square, a window, full rectangles that
+    meet inside a block and fill it together, one overlapping another, one off the block
+    grid) cut into blocks from their bounds (`of_pieces`) are the mask of the definition
+    built here (`of`): the same kinds, partial blocks numbered alike; 100 random slices of
+    random calls likewise (`of_slices`); a piece outside the tile is refused."""
+    rects = [(0, 256, 0, 256, -300, 0), (256, 700, 100, 900, -40, 30),
+             (0, 200, 300, 450, -999, 999), (0, 200, 450, 600, -999, 999),
+             (100, 150, 350, 500, -999, 999), (601, 653, 5, 77, -999, 999)]
+    i, j = torch.arange(700)[:, None], torch.arange(900)[None, :]
+    whole = torch.zeros(700, 900, dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in rects:
+        whole |= (i >= q0) & (i < q1) & (j >= k0) & (j < k1) & (j - i >= lo) & (j - i <= hi)
+    pieces = Pieces(*torch.tensor(rects).T)
+    made, want = TileMask.of_pieces((700, 900), pieces, torch.device("cpu")), TileMask.of(whole)
+    assert torch.equal(made.kinds, want.kinds) and torch.equal(made.partial, want.partial)
+    assert made.kinds[0, 3] == 1  # rows 0..127 x keys 384..511: two pieces fill it
+    g = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        sq, sk = (int(n) for n in torch.randint(1, 400, (2,), generator=g))
+        slices = []
+        for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+            q0, q1 = sorted(int(n) for n in torch.randint(0, sq + 1, (2,), generator=g))
+            k0, k1 = sorted(int(n) for n in torch.randint(0, sk + 1, (2,), generator=g))
+            lo, hi = (None if int(b) < 0 else int(b) - 300
+                      for b in torch.randint(-100, 600, (2,), generator=g))
+            slices.append((q0, max(q1, q0 + 1), k0, max(k1, k0 + 1), lo, hi))
+        slices = [s for s in slices if s[1] <= sq and s[3] <= sk]
+        call = TileSlices((sq, sk), tuple(slices), "slices")
+        made = TileMask.of_slices(call, (sq, sk), False, torch.device("cpu"))
+        want = TileMask.of(seen_of_slices(slices, (sq, sk)))
+        assert torch.equal(made.kinds, want.kinds) and torch.equal(made.partial, want.partial)
+    with pytest.raises(ValueError, match=r"piece 1 \(rows 256..700, keys 100..900\) is "
+                       "outside the tile 700 x 800"):
+        TileMask.of_pieces((700, 800), pieces, torch.device("cpu"))
+
+
+def zigzag_positions(rank: int, ranks: int, local: int) -> torch.Tensor:
+    """The global positions of a rank's zigzag share: halves rank and 2 ranks - 1 - rank."""
+    h = local // 2
+    return torch.cat([torch.arange(h * rank, h * (rank + 1)),
+                      torch.arange(h * (2 * ranks - 1 - rank), h * (2 * ranks - rank))])
+
+
+def held(kept: KeptRows | None, local: int) -> torch.Tensor:
+    return torch.arange(local) if kept is None else torch.tensor(kept.kept, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("local,left", [(300, None), (300, 70), (256, 100)])
+def test_a_whole_tiles_mask_is_the_definitions(local, left) -> None:
+    """Query chunks (1, 2) against key chunks (0, 1, 3) of 4 ranks' zigzag shares, causal
+    (and a window of `left` keys), block (2, 3) left out, chunks of 300 rows (not whole
+    128-row blocks) or 256: whole, or some held packed (random rows kept: many runs and
+    gaps, `KeptRows`): `tile_mask` is `TileMask.of` the mask of the definition on the held
+    rows' positions, built here (same kinds, partial blocks numbered alike); made on meta
+    tensors (CUDA's placement) its blocks lie there, as many."""
+    mask = AttentionMask(True, ranks=4, window=None if left is None else Window(left, 0))
+    g = torch.Generator().manual_seed(local + (left or 0))
+    xs, ys, cpu = (1, 2), (0, 1, 3), torch.device("cpu")
+
+    def some_rows() -> KeptRows:
+        return KeptRows(tuple((torch.rand(local, generator=g) < 0.7).nonzero().flatten()
+                              .tolist()), local)
+
+    for q_kept, kv_kept in ((None, None), ([None, some_rows()], [some_rows(), None,
+                                                                  some_rows()])):
+        made = tile_mask(mask, xs, ys, local, cpu, {(2, 3)}, q_kept, kv_kept)
+        q_rows = [held(None if q_kept is None else q_kept[n], local) for n in range(2)]
+        kv_rows = [held(None if kv_kept is None else kv_kept[n], local) for n in range(3)]
+        qp = torch.cat([zigzag_positions(x, 4, local)[r] for x, r in zip(xs, q_rows)])
+        kp = torch.cat([zigzag_positions(y, 4, local)[r] for y, r in zip(ys, kv_rows)])
+        qc = torch.cat([torch.full((len(r),), x) for x, r in zip(xs, q_rows)])
+        kc = torch.cat([torch.full((len(r),), y) for y, r in zip(ys, kv_rows)])
+        seen = kp[None, :] <= qp[:, None]
+        if left is not None:
+            seen &= qp[:, None] - kp[None, :] <= left
+        seen &= ~((qc[:, None] == 2) & (kc[None, :] == 3))
+        want = TileMask.of(seen)
+        assert torch.equal(made.kinds, want.kinds) and torch.equal(made.partial, want.partial)
+        meta = torch.device("meta")  # CUDA's placement: the blocks made on the tensors' device
+        on_meta = tile_mask(mask, xs, ys, local, meta, {(2, 3)}, q_kept, kv_kept)
+        assert on_meta.kinds.device == on_meta.partial.device == meta
+        assert on_meta.partial.shape == made.partial.shape
+
+
+def test_a_whole_tiles_mask_is_made_without_a_mask_of_its_size() -> None:
+    """A causal tile of 4000-row chunks (query chunks 2, 3 against all 4: 8000 x 16000
+    pairs, not whole 128-row blocks) and a window's packed tile (rank 0 of a 2 x 2 mesh,
+    4096-row chunks, a window of 7000: a peer's rows kept as the sparse exchange keeps
+    them): while `tile_mask` makes it (the blocks' calls made before), the CPU tensors it
+    holds never exceed the mask's own bytes (kinds, partial blocks) by more than 2 MiB, far
+    below a bool of its rows x keys."""
+    cpu = torch.device("cpu")
+    window = AttentionMask(True, ranks=4, window=Window(7000, 0))
+    kept = KeptRows(needed_rows(window, 2, 2, 4096, 0, 2, "kv"), 4096)
+    assert 0 < len(kept) < 4096
+    for args in ((AttentionMask(True, ranks=4), (2, 3), (0, 1, 2, 3), 4000, cpu),
+                 (window, (0, 1), (0, 2), 4096, cpu, (), None, [None, kept])):
+        tile_mask(*args)  # the blocks' calls, made and kept
+        whole_tile._tile_mask.cache_clear()
+        with CpuPeakMemory() as mem:
+            made = tile_mask(*args)
+        sq, sk = made.shape
+        own = made.kinds.untyped_storage().nbytes() + made.partial.untyped_storage().nbytes()
+        assert mem.peak_bytes <= own + (2 << 20) and mem.peak_bytes < sq * sk / 4, (
+            f"{sq} x {sk}: held {mem.peak_bytes} B making a mask of {own} B")
 
 
 def test_flex_is_chosen_by_name_only() -> None:
@@ -248,16 +346,42 @@ def test_the_model_counts_one_call_a_group(schedule, rows, cols, forward, backwa
                                    ((3,), (0, 1, 2, 3))])
 def test_the_memory_model_counts_a_whole_tile_masks_bytes(xs, ys) -> None:
     """A whole-tile call's mask on 4 ranks of 256-token chunks, causal (`TileMask` and the
-    BlockMask made of it): its storages hold the bytes `memory.py` counts for the call."""
+    BlockMask made of it): its storages hold the bytes `memory.py` counts for the call, and
+    the CPU tensors held while it is made (the blocks' calls made before) are within 10% of
+    what it counts for the making."""
     s, cpu = 256, torch.device("cpu")
-    made = tile_mask(AttentionMask(True, ranks=4), xs, ys, s, cpu)
+    mask = AttentionMask(True, ranks=4)
+    tile_mask(mask, xs, ys, s, cpu)  # the blocks' calls, made and kept
+    whole_tile._tile_mask.cache_clear()
+    with CpuPeakMemory() as mem:
+        made = tile_mask(mask, xs, ys, s, cpu)
     tensors = [made.kinds, made.partial,
                *(t for t in made.block_mask(cpu).as_tuple() if isinstance(t, torch.Tensor))]
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in tensors}.values())
     chunk = _Chunk.of(mm.AttentionShape(4 * s, 1, 8, 2, 32, 4), 4, GradDtype.MIXED)
     call = CallShape((2,) * len(xs), (2,) * len(ys), diagonal=bool(set(xs) & set(ys)))
-    assert FLEX_BLOCK == BLOCK and chunk.tile_mask(call) == held
+    assert FLEX_BLOCK == BLOCK and FLEX_BUILD_BATCH == BATCH and chunk.tile_mask(call) == held
+    assert 0.9 <= mem.peak_bytes / chunk.tile_mask_build(call) <= 1.1, (
+        f"made holding {mem.peak_bytes} B, the model counts {chunk.tile_mask_build(call)} B")
+
+
+def test_the_memory_model_bounds_a_mask_of_chunks_not_whole_blocks() -> None:
+    """Chunks of 300 and 2100 tokens (halves not whole 128-row blocks), causal, the calls of
+    4 ranks' tiles: the mask's storages hold no more than `memory.py` counts for the call,
+    and at least a quarter of it (a bound, rounded up to a power of two like the mask: not
+    every block counted partial)."""
+    cpu = torch.device("cpu")
+    mask = AttentionMask(True, ranks=4)
+    for s in (300, 2100):
+        chunk = _Chunk.of(mm.AttentionShape(4 * s, 1, 8, 2, 32, 4), 4, GradDtype.MIXED)
+        for xs, ys in (((1,), (0, 1, 3)), ((2,), (0, 3)), ((0, 2), (1,)), ((3,), (0, 1, 2, 3))):
+            made = tile_mask(mask, xs, ys, s, cpu)
+            held = sum(t.untyped_storage().nbytes() for t in (made.kinds, made.partial))
+            call = CallShape((2,) * len(xs), (2,) * len(ys), diagonal=bool(set(xs) & set(ys)))
+            counted = chunk.tile_mask(call) - 16 * made.kinds.numel() - 8 * sum(
+                made.kinds.shape)  # the BlockMask's indices aside
+            assert held <= counted <= 4 * held, (s, xs, ys, held, counted)
 
 
 @pytest.mark.gpu
