@@ -284,6 +284,9 @@ SCHEDULE_NAMES = (STREAMED,) + tuple(s.value for s in Schedule)  # what users ma
 DEFAULT_SCHEDULE = STREAMED
 GRAD_DTYPE_NAMES = tuple(g.value for g in GradDtype)
 DEFAULT_GRAD_DTYPE = GradDtype.MIXED.value
+# the tile kernels by name (`kernels.BACKEND_KERNELS`; 'auto': `kernels.choice`)
+BACKEND_NAMES = ("auto", "torch", "cudnn", "te", "flex")
+DEFAULT_BACKEND = "auto"
 
 
 def one_of(name: str, value: object, valid: tuple[str, ...]) -> str:

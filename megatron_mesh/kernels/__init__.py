@@ -7,7 +7,8 @@ from typing import Iterable
 
 import torch
 
-from .base import TileKernel, folds_diagonal
+from ..layer_plan import BACKEND_NAMES
+from .base import TileKernel, folds_diagonal, log_once
 from .caps import WINDOWS, KernelCaps, caps_of, kernel_name, what
 from .choice import Choice, DeviceFacts, choose, log_skips
 from .cudnn import CudnnKernel
@@ -15,7 +16,7 @@ from .flex import FlexTileKernel
 from .te_fused import TEFusedKernel
 from .torch_flash import TorchFlashKernel
 
-BACKENDS = ("auto", "torch", "cudnn", "te", "flex")
+BACKENDS = BACKEND_NAMES
 # The kernel each named backend builds; its class's `caps` are what the name takes. 'flex'
 # (FlexAttention, a whole tile in one call) is taken by name only: 'auto' never builds it.
 BACKEND_KERNELS = {"torch": TorchFlashKernel, "cudnn": CudnnKernel, "te": TEFusedKernel,
@@ -133,8 +134,11 @@ def _kernel_for(backend: str, device: torch.device, dtype: torch.dtype | None,
                 head_dim: int | None, v_head_dim: int | None = None) -> TileKernel:
     facts = DeviceFacts.of(device, want_te=backend in ("auto", "te"))
     chosen = choose(backend, facts, dtype, head_dim, v_head_dim)
-    log_skips(chosen, f"backend={backend!r} on {device}")
-    return build(chosen)
+    where = f"backend={backend!r} on {device}"
+    log_skips(chosen, where)
+    kernel = build(chosen)
+    log_once(f"tile kernel for {where}, {dtype}, head dim {head_dim}: {kernel.name}")
+    return kernel
 
 
 def build(chosen: Choice) -> TileKernel:

@@ -13,6 +13,8 @@ import logging
 from typing import Any
 
 from megatron_mesh.layer_plan import (
+    BACKEND_NAMES,
+    DEFAULT_BACKEND,
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     GRAD_DTYPE_NAMES,
@@ -136,8 +138,10 @@ def no_rope_pattern(text: str | int | list | None) -> int | list[int] | None:
 
 def mesh_spec_options(args: Any) -> dict[str, Any]:
     """What the mesh core attention spec takes from the flags (`use_mesh_core_attention`,
-    `get_gpt_layer_spec` keywords): schedule, gradient dtypes, chunked attention."""
-    return {"schedule": getattr(args, "mesh_schedule", None),
+    `get_gpt_layer_spec` keywords): tile kernel, schedule, gradient dtypes, chunked
+    attention."""
+    return {"backend": getattr(args, "mesh_kernel", None) or DEFAULT_BACKEND,
+            "schedule": getattr(args, "mesh_schedule", None),
             "grad_reduce_dtype": getattr(args, "mesh_grad_reduce_dtype", None),
             "attention_chunk_size": getattr(args, "attention_chunk_size", None)}
 
@@ -230,7 +234,7 @@ def check_mask_args(args: Any, packed_documents: bool = False) -> None:
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add --context-parallel-algo, --mesh-shape, --mesh-heads, --mesh-schedule,
-    --mesh-grad-reduce-dtype, --mesh-gpu-profile and the mask flags (`add_mask_args`) to
+    --mesh-grad-reduce-dtype, --mesh-kernel, --mesh-gpu-profile and the mask flags (`add_mask_args`) to
     `parser` (idempotent); returns it."""
     if "--context-parallel-algo" in parser._option_string_actions:
         return parser
@@ -296,6 +300,18 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="dtypes in which the mesh's gradient partials travel: mixed (dK, dV in the input "
         "dtype, as Transformer Engine's ring sends them, dQ in fp32), fp32 (all), or input "
         "(all in bf16 / fp16 with such inputs).",
+    )
+    group.add_argument(
+        "--mesh-kernel",
+        dest="mesh_kernel",
+        choices=BACKEND_NAMES,
+        default=DEFAULT_BACKEND,
+        help="The kernel each mesh tile's calls run on: auto (on CUDA Transformer Engine's "
+        "fused attention where its backend query takes the tile, else torch's cuDNN, flash or "
+        "memory-efficient op; torch's ops on the CPU), torch, cudnn, te, or flex "
+        "(FlexAttention: the blocks on hand in one call with a block mask, compiled on CUDA; "
+        "the gathered schedule's whole tile in one call). A named kernel that cannot run the "
+        "tile raises.",
     )
     group.add_argument(
         "--mesh-gpu-profile",

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.dtypes import flag_dtype_name
-from megatron_mesh.layer_plan import DTYPE_BYTES, STREAMED, AttentionShape
+from megatron_mesh.layer_plan import DEFAULT_BACKEND, DTYPE_BYTES, STREAMED, AttentionShape
 from megatron_mesh.megatron.arguments import is_mesh, mesh_active
 from megatron_mesh.megatron.cpu import megatron_on_cpu
 from megatron_mesh.megatron.placed_documents import placed_rope
@@ -66,11 +66,15 @@ def _cp_label(args: TrainingConfig, mesh: str) -> str:
 
 
 def _attention_label(args: TrainingConfig) -> str:
-    """Which core attention the layers run (`model.attention_algo`)."""
+    """Which core attention the layers run (`model.attention_algo`), the mesh's with the
+    tile kernel --mesh-kernel names."""
     algo = attention_algo(args, use_transformer_engine(args))
     if algo is None:
         return "megatron-core local (unfused)"
-    return "mesh tile kernel" if is_mesh(algo) else f"Transformer Engine ({algo})"
+    if not is_mesh(algo):
+        return f"Transformer Engine ({algo})"
+    kernel = args.mesh.mesh_kernel
+    return "mesh tile kernel" + ("" if kernel == DEFAULT_BACKEND else f" {kernel}")
 
 
 def _heads_label(args: TrainingConfig) -> str:

@@ -280,6 +280,21 @@ def test_mesh_2x2_matches_cp1_and_loss_falls(cp1_run: Run, mesh_run: Run) -> Non
         assert float(fields["peak memory RSS (MiB)"]) > 0
 
 
+def test_the_flex_kernel_trains_as_cp1(cp1_run: Run, data_args: list[str]) -> None:
+    """--mesh-kernel flex (FlexAttention, eager on the CPU) with the gathered schedule, whose
+    tile it takes in one call: the 2x2 mesh trains to CP = 1's losses; the banner names it
+    and the layers' kernel log says they built it."""
+    run = launch(4, [*data_args, *MESH, "--mesh-kernel", "flex", "--mesh-schedule", "gathered",
+                     "--train-iters", "3", "--lr-decay-iters", str(ITERS)])
+    assert run.returncode == 0, run.output[-3000:]
+    assert "mesh tile kernel flex" in run.output, run.output[-3000:]  # the banner
+    assert "tile kernel for backend='flex' on cpu" in run.output  # what the layers built
+    ref, got = cp1_run.losses(), run.losses()
+    assert sorted(got) == [1, 2, 3]
+    for it, loss in got.items():
+        assert loss == pytest.approx(ref[it], rel=2e-5), (it, ref, got)
+
+
 def test_host_staged_collectives_train_as_without(mesh_run: Run, data_args: list[str]) -> None:
     """--mesh-host-staged-collectives (several CP ranks on one GPU, for checking), here on
     gloo over the CPU: the 2x2 mesh's collectives run on host copies and train to the same

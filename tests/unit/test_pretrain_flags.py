@@ -128,6 +128,23 @@ def test_mask_flags_reach_the_config_and_the_spec() -> None:
         layer_spec(plain).submodules.self_attention.submodules.core_attention.params)
 
 
+def test_mesh_kernel_reaches_the_spec_and_the_banner() -> None:
+    """--mesh-kernel names the tile kernel of the mesh's core attention (its spec's
+    `backend`, as Megatron-LM's patch passes it too: `mesh_spec_options`); auto leaves the
+    choice to the kernels and is not written."""
+    from megatron_mesh.megatron import mesh_spec_options
+    from megatron_mesh.training.model.gpt import layer_spec
+    from megatron_mesh.training.run import _attention_label
+
+    common = ["--config", TINY, "--context-parallel-size", "4", "--cp-comm-type", "mesh"]
+    for flags, backend in (([], "auto"), (["--mesh-kernel", "flex"], "flex")):
+        args = parse_args(common + flags)
+        params = layer_spec(args).submodules.self_attention.submodules.core_attention.params
+        assert params.get("backend", "auto") == backend
+        assert mesh_spec_options(args.mesh)["backend"] == backend
+        assert _attention_label(args) == "mesh tile kernel" + (" flex" if flags else "")
+
+
 def test_pipeline_stages_share_the_world() -> None:
     """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches, and
     the default wandb run name says PP."""
@@ -268,6 +285,8 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
      "has no function 'PREFIX_SHARE' (it is a int)"),
     ([*G8, *MESH1, "--mesh-mask-builder", f"{BUILDERS}:prefix_lm", "--attention-backend",
       "local"], "--attention-chunk-size / --mesh-mask-builder with --attention-backend local"),
+    ([*G8, *MESH1, "--mesh-kernel", "fast"],
+     "argument --mesh-kernel: invalid choice: 'fast'"),
     ([*G8, "--no-rope-freq", "3"], "--no-rope-freq 3 must divide --num-layers 2"),
     ([*G8, "--no-rope-freq", "[0,1,1]"], "--no-rope-freq gives 3 layers, --num-layers is 2"),
     ([*G8, "--no-rope-freq", "__import__('os')"],

@@ -109,7 +109,8 @@ def generate(args: TrainingConfig, gen: GenerateConfig, model: GPTModel,
     else:
         prompt = Padded.of(prompts, cp, rank, eod, device)
     layout = CacheLayout(cp, rank, prompt.total, gen.max_new_tokens)
-    session = InferenceSession(layout, lengths, group, options={"schedule": args.mesh_schedule},
+    options = {"schedule": args.mesh_schedule, "backend": getattr(args, "mesh_kernel", "auto")}
+    session = InferenceSession(layout, lengths, group, options=options,
                                exchange=gen.decode_exchange, placement=prompt.placement)
     attach(model, session)
     runner = Runner.of(model, max(prompt.total, longest + gen.max_new_tokens),

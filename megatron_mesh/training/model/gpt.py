@@ -150,7 +150,8 @@ def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
     from megatron_mesh.megatron.spec import get_gpt_layer_spec
 
     return get_gpt_layer_spec(context_parallel_algo=algo, grid=grid,
-                              use_te=use_te, schedule=args.mesh.mesh_schedule,
+                              use_te=use_te, backend=args.mesh.mesh_kernel,
+                              schedule=args.mesh.mesh_schedule,
                               grad_reduce_dtype=args.mesh.mesh_grad_reduce_dtype,
                               attention_chunk_size=args.masks.attention_chunk_size,
                               normalization=args.model.normalization,
