@@ -18,23 +18,34 @@ import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
+from .part_arrays import (
+    NO_HI,
+    NO_LO,
+    PartArrays,
+    RunArrays,
+    TileParts,
+    cumsum,
+    pair_counts,
+    spans,
+)
 from .slice_blocks import _block, _one_slice
 from .tile_slices import TileSlices
 
 
-def document_block(tile: TileParts, local_len: int, device: torch.device) -> Block | None:
+def document_block(tile: TileParts, local_len: int, device: torch.device,
+                   squares: bool = False) -> Block | None:
     """The block of `tile`'s parts (one block, non-empty, no window) as
     `slice_blocks.block_calls` makes it, or None where the fast path does not apply (module
-    docstring)."""
-    return document_blocks(tile, 1, local_len, device)[0]
+    docstring; `squares` as in `document_blocks`)."""
+    return document_blocks(tile, 1, local_len, device, squares)[0]
 
 
-def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device
-                    ) -> list[Block | None]:
+def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device,
+                    squares: bool = False) -> list[Block | None]:
     """`document_block` of `count` blocks in one pass: block b's parts are those where
     tile.block == b (consecutive, non-empty); None for a block the fast path does not
-    take."""
+    take. `squares`: the mask's slices are document squares apart from one another
+    (`part_arrays.document_arrays`), so a block's parts of one slice are one group."""
     parts, block = tile.parts, tile.block
     out: list[Block | None] = [None] * count
     first = np.searchsorted(block, np.arange(count), side="left")
@@ -68,11 +79,11 @@ def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.d
         else:
             rest.append(b)
     if rest:
-        _documents_of(tile, first, size, rest, local_len, device, out)
+        _documents_of(tile, first, size, rest, local_len, device, out, squares)
     return out
 
 
-def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
+def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> None:
     """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
     at rows b x local_len on, so one pass finds every block's groups."""
     take = spans(first[rest], size[rest])
@@ -82,7 +93,9 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
                        parts.lo, parts.hi)
     q_all, q_in = _laid_apart(tile.q_run, take, shift)
     k_all, k_in = _laid_apart(tile.k_run, take, shift)
-    comp = _components(parts)
+    comp = _squares(block, tile.slice[take]) if squares else None
+    if comp is None:
+        comp = _components(parts)
     q = _gathered(parts.q0, parts.q1, comp, q_all, q_in)
     k = _gathered(parts.k0, parts.k1, comp, k_all, k_in)
     if q is None or k is None:
@@ -155,7 +168,7 @@ def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
         row, first, inside = np.unique(row, return_index=True, return_inverse=True)
     else:  # in row order already (block after block, runs in order): no sort
         first = np.flatnonzero(new)
-        row, inside = row[first], np.cumsum(new) - 1
+        row, inside = row[first], cumsum(new) - 1
     first = take[first]
     return RunArrays(row, runs.pos[first], runs.count[first]), inside
 
@@ -194,6 +207,19 @@ def _components(parts: PartArrays) -> np.ndarray:
     return number[label]
 
 
+def _squares(block: np.ndarray, slice_of: np.ndarray) -> np.ndarray | None:
+    """`_components` of parts cut from document squares apart from one another: a block's
+    parts of one square share its first key row's run (causal) or every row of a side
+    (full), so they are one group, and parts of two squares share no row. None where the
+    parts are not in order of (block, square) (`_components` then numbers them)."""
+    key = block * (int(slice_of.max()) + 1) + slice_of
+    if not (key[1:] >= key[:-1]).all():
+        return None
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    return cumsum(new) - 1
+
+
 def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """int64 [n]: each range's cluster of overlapping ranges [start, end)."""
     in_order = bool((start[1:] >= start[:-1]).all())
@@ -203,9 +229,9 @@ def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] >= reach[:-1]
     if in_order:
-        return np.cumsum(new) - 1
+        return cumsum(new) - 1
     out = np.empty(len(s), dtype=np.int64)
-    out[order] = np.cumsum(new) - 1
+    out[order] = cumsum(new) - 1
     return out
 
 
@@ -232,12 +258,12 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
-    seg_start = a[new]
+    seg_start = a.compress(new)
     seg_first = np.flatnonzero(new)
     seg_last = np.append(seg_first[1:], len(a)) - 1
     seg_end = reach[seg_last]  # the reach at a segment's last part
     # run_of: each part's run (runs are sorted by row: a segment's first and last run)
-    seg_group = g[new]
+    seg_group = g.compress(new)
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
     first = run_of[seg_first]
@@ -261,7 +287,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     if by_pos is not None:
         start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
-    before = np.cumsum(size) - size
+    before = cumsum(size) - size
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
     group_start = np.flatnonzero(new_group)  # every group has a piece
@@ -269,8 +295,8 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     np.add.at(group_rows, group, size)
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
-    seg = np.cumsum(new) - 1  # each part's segment
-    at = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    seg = cumsum(new) - 1  # each part's segment
+    at = seg if count is None else (cumsum(count) - count)[seg] + run_of - first[seg]
     if order is not None:
         part, at = at, np.empty(len(order), dtype=np.int64)
         at[order] = part
@@ -332,16 +358,16 @@ class _CallSide:
             shift = np.repeat(row, count)
             self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(count, out=self.at[1:])
+        self.at[1:] = cumsum(count)
         self.count = side.count[order]
         self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
-        np.cumsum(self.count, out=self.cum[1:])
+        self.cum[1:] = cumsum(self.count)
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
-        self.gaps = np.cumsum(self.gap)
+        self.gaps = cumsum(self.gap)
         self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
         self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
-        np.cumsum(self.end - self.start, out=self.rows_at[1:])
+        self.rows_at[1:] = cumsum(self.end - self.start)
 
     def runs(self, c0: int, c1: int) -> SideRuns:
         """Groups c0 .. c1 - 1 as one call's documents' runs."""
@@ -373,7 +399,7 @@ class _CallSide:
         edges = np.zeros((int(group_block.max()) + 1) * local_len + 1, dtype=np.int64)
         np.add.at(edges, pieces + self.start, 1)
         np.add.at(edges, pieces + self.end, -1)
-        mark = np.cumsum(edges[:-1]) > 0  # rows inside some piece
+        mark = cumsum(edges[:-1]) > 0  # rows inside some piece
         out = {}
         for b in blocks:
             rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])

@@ -141,7 +141,7 @@ def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: i
     renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
     fast = document_blocks(tile._replace(block=renumber[tile.block]), len(full), local_len,
-                           device) if len(full) else []
+                           device, _squares(mask)) if len(full) else []
     out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
     for n, b in enumerate(full.tolist()):
         x, y = pairs[b]
@@ -159,7 +159,7 @@ def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     if len(tile.parts) == 0:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     if mask.window is None:
-        block = document_block(tile, local_len, device)
+        block = document_block(tile, local_len, device, _squares(mask))
         if block is not None:
             return block
     return _general(mask, q_rank, kv_rank, local_len, device, tile.parts)
@@ -225,11 +225,16 @@ def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
     return mask.value.sequence_slices(local_len * mask.ranks)
 
 
+def _squares(mask: AttentionMask) -> bool:
+    """Whether `mask_arrays` are THD documents' squares (`part_arrays.document_arrays`)."""
+    return mask.documents is not None and mask.window is None and mask.slices is None
+
+
 @per_documents(lambda mask, *_: mask.packing)
 def mask_arrays(mask: AttentionMask, local_len: int) -> SliceArrays:
     """`mask_slices` as arrays (`part_arrays.slice_arrays`); packed documents without a
     window straight from their lengths."""
-    if mask.documents is not None and mask.window is None and mask.slices is None:
+    if _squares(mask):
         return document_arrays(mask.documents.cu_padded, mask.documents.lengths, mask.causal)
     return slice_arrays(mask_slices(mask, local_len))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ..masks.slices import SliceMask
 
@@ -100,10 +101,22 @@ def document_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], causal
     return SliceArrays(start, end, start.copy(), end.copy(), lo, hi, end.copy())
 
 
+# from this many elements on, `cumsum` runs through torch (numpy's int64 cumsum goes element
+# by element: several times slower on the tens of thousands of parts a tile plans)
+_TORCH_CUMSUM = 2048
+
+
+def cumsum(a: np.ndarray) -> np.ndarray:
+    """int64 [n]: the running sums of `a` (int64 or bool [n]), as np.cumsum gives them."""
+    if len(a) < _TORCH_CUMSUM:
+        return np.cumsum(a, dtype=np.int64)
+    return torch.cumsum(torch.from_numpy(np.ascontiguousarray(a)), 0).numpy()
+
+
 def spans(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     """first[n] + 0 .. count[n] - 1 for every n, concatenated (int64)."""
     total = int(count.sum())
-    starts = np.cumsum(count) - count
+    starts = cumsum(count) - count
     return np.arange(total, dtype=np.int64) - np.repeat(starts - first, count)
 
 
@@ -117,12 +130,14 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
 
 class TileParts(NamedTuple):
     """The parts of several blocks (block after block), int64 [parts] the block of each,
-    and the query run and key run each part lies in (`RunArrays` of [parts])."""
+    the query run and key run each part lies in (`RunArrays` of [parts]) and the mask's
+    slice each part is cut from (int64 [parts])."""
 
     parts: PartArrays
     block: np.ndarray
     q_run: RunArrays
     k_run: RunArrays
+    slice: np.ndarray
 
 
 def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: list[RunArrays]
@@ -141,7 +156,7 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     qi = np.repeat(np.arange(len(q_lo)), count)
     si = spans(first, count)
     keep = t.q1[si] > q_lo[qi]
-    qi, si = qi[keep], si[keep]
+    qi, si = qi.compress(keep), si.compress(keep)
     # the key runs of block b's key rank meeting each slice where the query run sees them
     # (keys from q_lo + lo to q_hi - 1 + hi: runs outside give no part): first, per (key
     # rank, slice), the rank's first key at or after the slice's first; a block without one
@@ -163,7 +178,8 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
         raise ValueError(f"tile_parts takes each block once, got {len(q_of)} blocks of "
                          f"{int((blocks >= 0).sum())} distinct (query, key) runs")
     block = blocks[q.rank[qi[entry]], kr]
-    entry, block = entry[block >= 0], block[block >= 0]
+    kept = block >= 0
+    entry, block = entry.compress(kept), block.compress(kept)
     by_block = np.argsort(block * len(qi) + entry, kind="stable")
     block, entry = block[by_block], entry[by_block]
     qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
@@ -188,7 +204,7 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
                                 np.where(lo == NO_LO, NO_LO, lo + dk - dq),
                                 np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[parts.cut],
                      RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
-                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]))
+                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]), si[parts.cut])
 
 
 def pair_counts(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
@@ -237,7 +253,7 @@ def _stacked(runs: list[RunArrays]) -> tuple[_Stacked, np.ndarray]:
                     np.concatenate([r.pos for r in distinct]),
                     np.concatenate([r.count for r in distinct]),
                     np.repeat(np.arange(len(distinct)), sizes),
-                    np.cumsum(sizes) - sizes), of
+                    cumsum(sizes) - sizes), of
 
 
 class _Pieces(NamedTuple):
