@@ -171,7 +171,9 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
                          side="right").reshape(len(ranks), -1)
     inside = np.append(k.rank, -1)[at] == ranks[:, None]
     first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], t.k0[None, :]), NO_HI)
-    kr, entry = np.nonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs]
+    meets = np.flatnonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs], flat
+    kr = meets // len(si)
+    entry = meets - kr * len(si)
     blocks = np.full((len(q.first), len(ranks)), -1, dtype=np.int64)
     blocks[q_of, k_of] = np.arange(len(q_of))
     if (blocks >= 0).sum() < len(q_of):
@@ -283,25 +285,33 @@ def _pieces(a, b, c, e, lo, hi) -> _Pieces:
     # an unbounded side's NO_LO / NO_HI bind nothing below (no bound checks needed)
     a = np.maximum(a, c - hi)
     e = np.minimum(e, b + hi)
-    b = np.minimum(b, e - lo)
-    c = np.maximum(c, a + lo)
-    some = (lo <= hi) & (a < b) & (c < e)
-    band = c - (b - 1) < lo
+    if (lo == NO_LO).all():  # no cut bounded below (documents): no band, lo <= hi
+        some = (a < b) & (c < e)
+        band = None
+    else:
+        b = np.minimum(b, e - lo)
+        c = np.maximum(c, a + lo)
+        some = (lo <= hi) & (a < b) & (c < e)
+        band = c - (b - 1) < lo
     fits = e - 1 - a <= hi  # every row sees every key under the upper bound
-    band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
     split = np.minimum(np.maximum(e - hi, a), b)
-    cut = ~band & ~fits  # a causal piece and a full one
+    if band is None:
+        cut = ~fits  # a causal piece and a full one
+        first_hi = np.where(cut, e - split, NO_HI)
+        first_lo = lo
+    else:
+        band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
+        cut = ~band & ~fits
+        first_hi = np.where(band, band_hi, np.where(cut, e - split, NO_HI))
+        first_lo = np.where(band, lo, NO_LO)
     first_q1 = np.where(cut, split, b)
-    first_hi = np.where(band, band_hi, np.where(cut, e - split, NO_HI))
-    first_lo = np.where(band, lo, NO_LO)
     first = some & (~cut | (split > a))
     second = some & cut & (split < b)
     if not second.any():  # one piece per cut at most
         at = np.flatnonzero(first)
         return _Pieces(a[at], first_q1[at], c[at], e[at], first_lo[at], first_hi[at], at)
-    valid = _pair(first, second)
-    at = np.flatnonzero(valid)
-    return _Pieces(*(x[valid] for x in (
+    at = np.flatnonzero(_pair(first, second))
+    return _Pieces(*(x.ravel()[at] for x in (
         _pair(a, split), _pair(first_q1, b), _pair(c, c), _pair(e, e),
         _pair(first_lo, np.full_like(lo, NO_LO)), _pair(first_hi, np.full_like(hi, NO_HI)))),
         at // 2)
