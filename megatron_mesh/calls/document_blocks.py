@@ -108,10 +108,10 @@ def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> N
     comp_block = np.zeros(groups, dtype=np.int64)
     comp_block[comp] = block
     good = np.ones(len(out), dtype=bool)
-    np.logical_and.at(good, comp_block, ok)
+    good[comp_block[~ok]] = False  # a block with a group of neither kind
     one_pair = (q.count == 1) & (k.count == 1)
     has_causal = np.zeros(len(out), dtype=bool)
-    np.logical_or.at(has_causal, comp_block, kind == 1)
+    has_causal[comp_block[kind == 1]] = True
     # a document of one query and one key is causal as well as full
     causal = (kind == 1) | (one_pair & has_causal[comp_block])
     taken = np.flatnonzero(good[comp_block])
@@ -130,13 +130,17 @@ def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> N
     stop = first + size
     q_rows, k_rows = qs.rows_of(first, stop), ks.rows_of(first, stop)
     one_kind = kind[order[first]].astype(bool).tolist()
+    several_docs = size > 1
+    q_docs = iter(qs.documents(first[several_docs], stop[several_docs]))
+    k_docs = iter(ks.documents(first[several_docs], stop[several_docs]))
     calls: dict[int, list[Block]] = {}
-    for n, (c0, c1, b, is_real) in enumerate(zip(first.tolist(), stop.tolist(),
-                                                 call_block[first].tolist(), real.tolist())):
-        if c1 - c0 == 1:  # one document: a plain call, full or a causal square
+    for n, (many, b, is_real) in enumerate(zip(several_docs.tolist(),
+                                               call_block[first].tolist(), real.tolist())):
+        if not many:  # one document: a plain call, full or a causal square
             call = Block(q_rows[n], k_rows[n], causal=one_kind[n])
         else:
-            call = _documents_call(qs, ks, c0, c1, q_rows[n], k_rows[n], is_real, device)
+            call = _documents_call(next(q_docs), next(k_docs), q_rows[n], k_rows[n], is_real,
+                                   device)
         calls.setdefault(b, []).append(call)
     several = [b for b, made in calls.items() if len(made) > 1]
     q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
@@ -272,8 +276,9 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
         start, end, group, n = seg_start, seg_end, seg_group, first
     else:
         count = run_of[seg_last] - first + 1  # the runs each meets
+        cut_at = cumsum(count) - count  # each segment's first piece
         ri = np.repeat(np.arange(len(seg_start)), count)
-        n = spans(first, count)
+        n = np.arange(len(ri)) - (cut_at - first)[ri]  # spans(first, count)
         start = np.maximum(seg_start[ri], run_row[n])
         end = np.minimum(seg_end[ri], run_end[n])
         covered = np.zeros(len(seg_start), dtype=np.int64)
@@ -287,16 +292,16 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     if by_pos is not None:
         start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
-    before = cumsum(size) - size
+    total = cumsum(size)
+    before = total - size
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
-    group_start = np.flatnonzero(new_group)  # every group has a piece
-    group_rows = np.zeros(len(group_start), dtype=np.int64)
-    np.add.at(group_rows, group, size)
+    group_start = np.flatnonzero(new_group)  # every group has a piece, in group order
+    group_rows = total[np.append(group_start[1:], len(group)) - 1] - before[group_start]
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
     seg = cumsum(new) - 1  # each part's segment
-    at = seg if count is None else (cumsum(count) - count)[seg] + run_of - first[seg]
+    at = seg if count is None else cut_at[seg] + run_of - first[seg]
     if order is not None:
         part, at = at, np.empty(len(order), dtype=np.int64)
         at[order] = part
@@ -369,14 +374,23 @@ class _CallSide:
         self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
         self.rows_at[1:] = cumsum(self.end - self.start)
 
-    def runs(self, c0: int, c1: int) -> SideRuns:
-        """Groups c0 .. c1 - 1 as one call's documents' runs."""
-        p0, p1 = int(self.at[c0]), int(self.at[c1])
-        return SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0)
-
-    def cu(self, c0: int, c1: int) -> np.ndarray:
-        """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
-        return self.cum[c0:c1 + 1] - self.cum[c0]
+    def documents(self, first: np.ndarray, stop: np.ndarray
+                  ) -> list[tuple[np.ndarray, SideRuns]]:
+        """Per call of groups first[n] .. stop[n] - 1: int64 [groups + 1] the rows before
+        each of its groups, and all, and its documents' runs (`SideRuns`); in one pass."""
+        size = stop - first + 1
+        index = spans(first, size)
+        lead = np.repeat(first, size)
+        cu, at = self.cum[index] - self.cum[lead], self.at[index] - self.at[lead]
+        ends = cumsum(size).tolist()
+        p0, p1 = self.at[first].tolist(), self.at[stop].tolist()
+        out = []
+        b = 0
+        for n, e in enumerate(ends):
+            out.append((cu[b:e], SideRuns(self.start[p0[n]:p1[n]], self.end[p0[n]:p1[n]],
+                                          at[b:e])))
+            b = e
+        return out
 
     def rows_of(self, first: np.ndarray, stop: np.ndarray) -> list[slice | torch.Tensor]:
         """Each call's rows (groups first[n] .. stop[n] - 1): a slice where its pieces
@@ -408,10 +422,9 @@ class _CallSide:
         return out
 
 
-def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, q_rows, k_rows,
-                    causal: bool, device: torch.device) -> Block:
-    """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
-    order, on `q_rows` x `k_rows`)."""
-    tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
-    return Block(q_rows, k_rows, causal=tile.causal, slices=tile,
-                 doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))
+def _documents_call(q: tuple[np.ndarray, SideRuns], k: tuple[np.ndarray, SideRuns], q_rows,
+                    k_rows, causal: bool, device: torch.device) -> Block:
+    """`slice_blocks.gathered_call` of several documents (`_CallSide.documents` of a call,
+    on `q_rows` x `k_rows`)."""
+    tile = TileSlices.documents(q[0], k[0], causal, device)
+    return Block(q_rows, k_rows, causal=tile.causal, slices=tile, doc_runs=DocRuns(q[1], k[1]))
