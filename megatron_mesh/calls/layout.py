@@ -121,18 +121,21 @@ def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask
     device = torch.device(device)
     missing = list(dict.fromkeys((x, y) for x, y in pairs
                                  if not _block.holds(mask, x, y, local_len, device)))
+    made: dict[tuple[int, int], Block] = {}
     if len(missing) > 1 and mask.window is None:
         for (x, y), block in zip(missing, _pair_blocks(mask, missing, local_len, device)):
-            _block.put(block, mask, x, y, local_len, device)
-    return [_block(mask, x, y, local_len, device) for x, y in pairs]
+            made[x, y] = _block.put(block, mask, x, y, local_len, device)
+    return [made.get((x, y)) or _block(mask, x, y, local_len, device) for x, y in pairs]
 
 
 def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
                  device: torch.device) -> list[Block]:
     """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
-    _plan_runs(mask, [r for pair in pairs for r in pair], local_len)
-    q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
-    k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
+    ranks = list(dict.fromkeys(r for pair in pairs for r in pair))
+    _plan_runs(mask, ranks, local_len)
+    runs = {r: run_arrays(mask, r, local_len) for r in ranks}
+    q_runs = [runs[x] for x, _ in pairs]
+    k_runs = [runs[y] for _, y in pairs]
     tile = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
     count = len(pairs)
     first = np.searchsorted(tile.block, np.arange(count), side="left")

@@ -188,9 +188,11 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
     if (t.lo == NO_LO).all():  # k0 is the slice's first key: its first run from the table
         k_first = at[kr, si]
+        count = _runs_before(base + k.pos, k_first, kr * span + k1)
     else:
         k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
-    count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
+        count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first,
+                           0)
     ki = spans(k_first, count)
     qi, si, block = np.repeat(qi, count), np.repeat(si, count), np.repeat(block, count)
     a = np.maximum(t.q0[si], q_lo[qi])
@@ -207,6 +209,23 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
                                 np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[parts.cut],
                      RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
                      RunArrays(k.row[ki], k.pos[ki], k.count[ki]), si[parts.cut])
+
+
+def _runs_before(start: np.ndarray, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """int64 [n]: how many of the runs first[n], first[n] + 1, ... start before stop[n]
+    (`start` sorted; run first[n] does): np.searchsorted(start, stop) - first, stepping
+    run by run where few meet (a document's pair meets one key run or two), searched past
+    a few steps."""
+    ahead = np.append(start, np.iinfo(np.int64).max)  # no run starts before past the last
+    count = np.ones(len(first), dtype=np.int64)
+    live = np.flatnonzero(ahead[first + 1] < stop)
+    for _ in range(3):
+        if len(live) == 0:
+            return count
+        count[live] += 1
+        live = live[ahead[first[live] + count[live]] < stop[live]]
+    count[live] = np.searchsorted(start, stop[live], side="left") - first[live]
+    return count
 
 
 def pair_counts(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
