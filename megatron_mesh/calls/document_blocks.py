@@ -86,7 +86,8 @@ def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.d
 def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> None:
     """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
     at rows b x local_len on, so one pass finds every block's groups."""
-    take = spans(first[rest], size[rest])
+    # every block: all the parts, in order (no copy)
+    take = slice(None) if len(rest) == len(first) else spans(first[rest], size[rest])
     parts, block = tile.parts.take(take), tile.block[take]
     shift = block * local_len
     parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
@@ -161,10 +162,11 @@ def _on_device(item, device: torch.device):
     return item if isinstance(item, slice) else item.to(device)
 
 
-def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
+def _laid_apart(runs: RunArrays, take: np.ndarray | slice, shift: np.ndarray
                 ) -> tuple[RunArrays, np.ndarray]:
-    """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
-    blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
+    """The runs parts `take` (an index, or slice(None): all) lie in, each once, their rows
+    moved by `shift` (the parts' blocks laid apart), sorted by row; and int64 [parts] the
+    run each part lies in."""
     row = runs.row[take] + shift
     new = np.ones(len(row), dtype=bool)
     new[1:] = row[1:] != row[:-1]
@@ -173,7 +175,8 @@ def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
     else:  # in row order already (block after block, runs in order): no sort
         first = np.flatnonzero(new)
         row, inside = row[first], cumsum(new) - 1
-    first = take[first]
+    if not isinstance(take, slice):
+        first = take[first]
     return RunArrays(row, runs.pos[first], runs.count[first]), inside
 
 

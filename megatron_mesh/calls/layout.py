@@ -143,8 +143,10 @@ def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: i
     full = np.flatnonzero(end > first)
     renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
-    fast = document_blocks(tile._replace(block=renumber[tile.block]), len(full), local_len,
-                           device, _squares(mask)) if len(full) else []
+    if len(full) < count:  # blocks without parts: the others numbered on
+        tile = tile._replace(block=renumber[tile.block])
+    fast = document_blocks(tile, len(full), local_len, device, _squares(mask)
+                           ) if len(full) else []
     out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
     for n, b in enumerate(full.tolist()):
         x, y = pairs[b]
