@@ -119,13 +119,15 @@ def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask
     """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet in one pass over
     their parts (`part_arrays.tile_parts`, `document_blocks.document_blocks`)."""
     device = torch.device(device)
-    missing = list(dict.fromkeys((x, y) for x, y in pairs
-                                 if not _block.holds(mask, x, y, local_len, device)))
+    kept = [_block.kept(mask, x, y, local_len, device) for x, y in pairs]
+    missing = list(dict.fromkeys(pair for pair, block in zip(pairs, kept) if block is None))
     made: dict[tuple[int, int], Block] = {}
     if len(missing) > 1 and mask.window is None:
         for (x, y), block in zip(missing, _pair_blocks(mask, missing, local_len, device)):
             made[x, y] = _block.put(block, mask, x, y, local_len, device)
-    return [made.get((x, y)) or _block(mask, x, y, local_len, device) for x, y in pairs]
+    return [block if block is not None else made.get((x, y)) or _block(mask, x, y, local_len,
+                                                                        device)
+            for (x, y), block in zip(pairs, kept)]
 
 
 def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
