@@ -185,11 +185,12 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     by_block = np.argsort(block * len(qi) + entry, kind="stable")
     block, entry = block[by_block], entry[by_block]
     qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
-    k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
-    if (t.lo == NO_LO).all():  # k0 is the slice's first key: its first run from the table
+    unbounded_below = bool((t.lo == NO_LO).all())
+    if unbounded_below:  # k0 is the slice's first key: its first run from the table
         k_first = at[kr, si]
         count = _runs_before(base + k.pos, k_first, kr * span + k1)
     else:
+        k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
         k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
         count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first,
                            0)
@@ -201,14 +202,15 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     e = np.minimum(t.k1[si], k_end[ki])
     parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
     qi, ki = qi[parts.cut], ki[parts.cut]
-    dq = q.row[qi] - q.pos[qi]
-    dk = k.row[ki] - k.pos[ki]
+    q_run = RunArrays(q.row[qi], q.pos[qi], q.count[qi])
+    k_run = RunArrays(k.row[ki], k.pos[ki], k.count[ki])
+    dq, dk = q_run.row - q_run.pos, k_run.row - k_run.pos
     lo, hi = parts.lo, parts.hi
     return TileParts(PartArrays(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk,
-                                np.where(lo == NO_LO, NO_LO, lo + dk - dq),
+                                lo if unbounded_below else np.where(lo == NO_LO, NO_LO,
+                                                                    lo + dk - dq),
                                 np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[parts.cut],
-                     RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
-                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]), si[parts.cut])
+                     q_run, k_run, si[parts.cut])
 
 
 def _runs_before(start: np.ndarray, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
