@@ -18,15 +18,7 @@ import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import (
-    NO_HI,
-    NO_LO,
-    PartArrays,
-    RunArrays,
-    TileParts,
-    pair_counts,
-    spans,
-)
+from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
 from .slice_blocks import _block, _one_slice
 from .tile_slices import TileSlices
 
@@ -93,7 +85,7 @@ def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> N
                        parts.lo, parts.hi)
     q_all, q_in = _laid_apart(tile.q_run, take, shift)
     k_all, k_in = _laid_apart(tile.k_run, take, shift)
-    comp = _squares(block, tile.slice[take]) if squares else None
+    comp = _squares(block, tile.slice_of[take]) if squares else None
     if comp is None:
         comp = _components(parts)
     q = _gathered(parts.q0, parts.q1, comp, q_all, q_in)
@@ -365,16 +357,16 @@ class _CallSide:
             shift = np.repeat(row, count)
             self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
-        self.at[1:] = np.cumsum(count)
+        np.cumsum(count, out=self.at[1:])
         self.count = side.count[order]
         self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
-        self.cum[1:] = np.cumsum(self.count)
+        np.cumsum(self.count, out=self.cum[1:])
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
         self.gaps = np.cumsum(self.gap)
         self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
         self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
-        self.rows_at[1:] = np.cumsum(self.end - self.start)
+        np.cumsum(self.end - self.start, out=self.rows_at[1:])
 
     def documents(self, first: np.ndarray, stop: np.ndarray
                   ) -> list[tuple[np.ndarray, SideRuns]]:

@@ -124,7 +124,7 @@ class TileParts(NamedTuple):
     block: np.ndarray
     q_run: RunArrays
     k_run: RunArrays
-    slice: np.ndarray
+    slice_of: np.ndarray
 
 
 def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: list[RunArrays]
