@@ -18,7 +18,16 @@ import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
+from .part_arrays import (
+    NO_HI,
+    NO_LO,
+    PartArrays,
+    RunArrays,
+    TileParts,
+    cumsum,
+    pair_counts,
+    spans,
+)
 from .slice_blocks import _block, _one_slice
 from .tile_slices import TileSlices
 
@@ -165,7 +174,7 @@ def _laid_apart(runs: RunArrays, take: np.ndarray | slice, shift: np.ndarray
         row, first, inside = np.unique(row, return_index=True, return_inverse=True)
     else:  # in row order already (block after block, runs in order): no sort
         first = np.flatnonzero(new)
-        row, inside = row[first], np.cumsum(new) - 1
+        row, inside = row[first], cumsum(new) - 1
     if not isinstance(take, slice):
         first = take[first]
     return RunArrays(row, runs.pos[first], runs.count[first]), inside
@@ -215,7 +224,7 @@ def _squares(block: np.ndarray, slice_of: np.ndarray) -> np.ndarray | None:
         return None
     new = np.ones(len(key), dtype=bool)
     new[1:] = key[1:] != key[:-1]
-    return np.cumsum(new) - 1
+    return cumsum(new) - 1
 
 
 def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -227,9 +236,9 @@ def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] >= reach[:-1]
     if in_order:
-        return np.cumsum(new) - 1
+        return cumsum(new) - 1
     out = np.empty(len(s), dtype=np.int64)
-    out[order] = np.cumsum(new) - 1
+    out[order] = cumsum(new) - 1
     return out
 
 
@@ -270,7 +279,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
         start, end, group, n = seg_start, seg_end, seg_group, first
     else:
         count = run_of[seg_last] - first + 1  # the runs each meets
-        cut_at = np.cumsum(count) - count  # each segment's first piece
+        cut_at = cumsum(count) - count  # each segment's first piece
         ri = np.repeat(np.arange(len(seg_start)), count)
         n = np.arange(len(ri)) - (cut_at - first)[ri]  # spans(first, count)
         start = np.maximum(seg_start[ri], run_row[n])
@@ -286,7 +295,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     if by_pos is not None:
         start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
-    total = np.cumsum(size)
+    total = cumsum(size)
     before = total - size
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
@@ -294,7 +303,7 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     group_rows = total[np.append(group_start[1:], len(group)) - 1] - before[group_start]
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
-    seg = np.cumsum(new) - 1  # each part's segment
+    seg = cumsum(new) - 1  # each part's segment
     at = seg if count is None else cut_at[seg] + run_of - first[seg]
     if order is not None:
         part, at = at, np.empty(len(order), dtype=np.int64)
@@ -357,16 +366,16 @@ class _CallSide:
             shift = np.repeat(row, count)
             self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(count, out=self.at[1:])
+        self.at[1:] = cumsum(count)
         self.count = side.count[order]
         self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
-        np.cumsum(self.count, out=self.cum[1:])
+        self.cum[1:] = cumsum(self.count)
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
-        self.gaps = np.cumsum(self.gap)
+        self.gaps = cumsum(self.gap)
         self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
         self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
-        np.cumsum(self.end - self.start, out=self.rows_at[1:])
+        self.rows_at[1:] = cumsum(self.end - self.start)
 
     def documents(self, first: np.ndarray, stop: np.ndarray
                   ) -> list[tuple[np.ndarray, SideRuns]]:
@@ -376,7 +385,7 @@ class _CallSide:
         index = spans(first, size)
         lead = np.repeat(first, size)
         cu, at = self.cum[index] - self.cum[lead], self.at[index] - self.at[lead]
-        ends = np.cumsum(size).tolist()
+        ends = cumsum(size).tolist()
         p0, p1 = self.at[first].tolist(), self.at[stop].tolist()
         out = []
         b = 0
@@ -407,7 +416,7 @@ class _CallSide:
         edges = np.zeros((int(group_block.max()) + 1) * local_len + 1, dtype=np.int64)
         np.add.at(edges, pieces + self.start, 1)
         np.add.at(edges, pieces + self.end, -1)
-        mark = np.cumsum(edges[:-1]) > 0  # rows inside some piece
+        mark = cumsum(edges[:-1]) > 0  # rows inside some piece
         out = {}
         for b in blocks:
             rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])

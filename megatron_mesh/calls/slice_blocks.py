@@ -40,7 +40,7 @@ import torch
 from ..masks.slices import Slice, SliceMask, pieces
 from ..masks.zigzag import held_pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import RunArrays
+from .part_arrays import RunArrays, cumsum
 from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -99,7 +99,7 @@ def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], r
     rank, doc = valid // len(length), valid % len(length)
     size = piece[doc]
     offset = held[rank, slot] * size  # the piece's first row in its document
-    row = (np.cumsum(padded // ranks) - padded // ranks)[doc] + slot * size
+    row = (cumsum(padded // ranks) - padded // ranks)[doc] + slot * size
     pos = cu[doc] + offset
     count = np.minimum(length[doc] - offset, size)
     # a piece goes on the run before it where it follows it in rows and positions
@@ -107,7 +107,7 @@ def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], r
     new[1:] = ((row[1:] != row[:-1] + count[:-1]) | (pos[1:] != pos[:-1] + count[:-1])
                | (rank[1:] != rank[:-1]))
     starts = np.flatnonzero(new)
-    running = np.cumsum(count)  # each run's rows: the running sum at its last piece less before
+    running = cumsum(count)  # each run's rows: the running sum at its last piece less before
     total = (running[np.append(starts[1:], len(count)) - 1] - running[starts] + count[starts]
              if len(starts) else running)
     row, pos, rank = row[starts], pos[starts], rank[starts]
