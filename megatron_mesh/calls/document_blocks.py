@@ -380,7 +380,13 @@ class _CallSide:
     def documents(self, first: np.ndarray, stop: np.ndarray
                   ) -> list[tuple[np.ndarray, SideRuns]]:
         """Per call of groups first[n] .. stop[n] - 1: int64 [groups + 1] the rows before
-        each of its groups, and all, and its documents' runs (`SideRuns`); in one pass."""
+        each of its groups, and all, and its documents' runs (`SideRuns`); in one pass
+        where there are many calls."""
+        if len(first) < 8:  # a few calls: each its own slices
+            return [(self.cum[c0:c1 + 1] - self.cum[c0],
+                     SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0))
+                    for c0, c1 in zip(first.tolist(), stop.tolist())
+                    for p0, p1 in ((int(self.at[c0]), int(self.at[c1])),)]
         size = stop - first + 1
         index = spans(first, size)
         lead = np.repeat(first, size)

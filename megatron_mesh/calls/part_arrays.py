@@ -219,6 +219,8 @@ def _runs_before(start: np.ndarray, first: np.ndarray, stop: np.ndarray) -> np.n
     (`start` sorted; run first[n] does): np.searchsorted(start, stop) - first, stepping
     run by run where few meet (a document's pair meets one key run or two), searched past
     a few steps."""
+    if len(first) < 512:  # few pairs: one search costs less than the steps' calls
+        return np.searchsorted(start, stop, side="left") - first
     ahead = np.append(start, np.iinfo(np.int64).max)  # no run starts before past the last
     count = np.ones(len(first), dtype=np.int64)
     live = np.flatnonzero(ahead[first + 1] < stop)
