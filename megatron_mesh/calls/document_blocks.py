@@ -18,23 +18,34 @@ import torch
 
 from ..masks.slices import pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import NO_HI, NO_LO, PartArrays, RunArrays, TileParts, pair_counts, spans
+from .part_arrays import (
+    NO_HI,
+    NO_LO,
+    PartArrays,
+    RunArrays,
+    TileParts,
+    cumsum,
+    pair_counts,
+    spans,
+)
 from .slice_blocks import _block, _one_slice
 from .tile_slices import TileSlices
 
 
-def document_block(tile: TileParts, local_len: int, device: torch.device) -> Block | None:
+def document_block(tile: TileParts, local_len: int, device: torch.device,
+                   squares: bool = False) -> Block | None:
     """The block of `tile`'s parts (one block, non-empty, no window) as
     `slice_blocks.block_calls` makes it, or None where the fast path does not apply (module
-    docstring)."""
-    return document_blocks(tile, 1, local_len, device)[0]
+    docstring; `squares` as in `document_blocks`)."""
+    return document_blocks(tile, 1, local_len, device, squares)[0]
 
 
-def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device
-                    ) -> list[Block | None]:
+def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.device,
+                    squares: bool = False) -> list[Block | None]:
     """`document_block` of `count` blocks in one pass: block b's parts are those where
     tile.block == b (consecutive, non-empty); None for a block the fast path does not
-    take."""
+    take. `squares`: the mask's slices are document squares apart from one another
+    (`part_arrays.document_arrays`), so a block's parts of one slice are one group."""
     parts, block = tile.parts, tile.block
     out: list[Block | None] = [None] * count
     first = np.searchsorted(block, np.arange(count), side="left")
@@ -68,21 +79,24 @@ def document_blocks(tile: TileParts, count: int, local_len: int, device: torch.d
         else:
             rest.append(b)
     if rest:
-        _documents_of(tile, first, size, rest, local_len, device, out)
+        _documents_of(tile, first, size, rest, local_len, device, out, squares)
     return out
 
 
-def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
+def _documents_of(tile, first, size, rest, local_len, device, out, squares) -> None:
     """Blocks `rest` as documents where each is (into `out`): their rows laid apart, block b
     at rows b x local_len on, so one pass finds every block's groups."""
-    take = spans(first[rest], size[rest])
+    # every block: all the parts, in order (no copy)
+    take = slice(None) if len(rest) == len(first) else spans(first[rest], size[rest])
     parts, block = tile.parts.take(take), tile.block[take]
     shift = block * local_len
     parts = PartArrays(parts.q0 + shift, parts.q1 + shift, parts.k0 + shift, parts.k1 + shift,
                        parts.lo, parts.hi)
     q_all, q_in = _laid_apart(tile.q_run, take, shift)
     k_all, k_in = _laid_apart(tile.k_run, take, shift)
-    comp = _components(parts)
+    comp = _squares(block, tile.slice_of[take]) if squares else None
+    if comp is None:
+        comp = _components(parts)
     q = _gathered(parts.q0, parts.q1, comp, q_all, q_in)
     k = _gathered(parts.k0, parts.k1, comp, k_all, k_in)
     if q is None or k is None:
@@ -95,10 +109,10 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     comp_block = np.zeros(groups, dtype=np.int64)
     comp_block[comp] = block
     good = np.ones(len(out), dtype=bool)
-    np.logical_and.at(good, comp_block, ok)
+    good[comp_block[~ok]] = False  # a block with a group of neither kind
     one_pair = (q.count == 1) & (k.count == 1)
     has_causal = np.zeros(len(out), dtype=bool)
-    np.logical_or.at(has_causal, comp_block, kind == 1)
+    has_causal[comp_block[kind == 1]] = True
     # a document of one query and one key is causal as well as full
     causal = (kind == 1) | (one_pair & has_causal[comp_block])
     taken = np.flatnonzero(good[comp_block])
@@ -117,13 +131,17 @@ def _documents_of(tile, first, size, rest, local_len, device, out) -> None:
     stop = first + size
     q_rows, k_rows = qs.rows_of(first, stop), ks.rows_of(first, stop)
     one_kind = kind[order[first]].astype(bool).tolist()
+    several_docs = size > 1
+    q_docs = iter(qs.documents(first[several_docs], stop[several_docs]))
+    k_docs = iter(ks.documents(first[several_docs], stop[several_docs]))
     calls: dict[int, list[Block]] = {}
-    for n, (c0, c1, b, is_real) in enumerate(zip(first.tolist(), stop.tolist(),
-                                                 call_block[first].tolist(), real.tolist())):
-        if c1 - c0 == 1:  # one document: a plain call, full or a causal square
+    for n, (many, b, is_real) in enumerate(zip(several_docs.tolist(),
+                                               call_block[first].tolist(), real.tolist())):
+        if not many:  # one document: a plain call, full or a causal square
             call = Block(q_rows[n], k_rows[n], causal=one_kind[n])
         else:
-            call = _documents_call(qs, ks, c0, c1, q_rows[n], k_rows[n], is_real, device)
+            call = _documents_call(next(q_docs), next(k_docs), q_rows[n], k_rows[n], is_real,
+                                   device)
         calls.setdefault(b, []).append(call)
     several = [b for b, made in calls.items() if len(made) > 1]
     q_used, k_used = qs.used(call_block, several, local_len), ks.used(call_block, several,
@@ -144,10 +162,11 @@ def _on_device(item, device: torch.device):
     return item if isinstance(item, slice) else item.to(device)
 
 
-def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
+def _laid_apart(runs: RunArrays, take: np.ndarray | slice, shift: np.ndarray
                 ) -> tuple[RunArrays, np.ndarray]:
-    """The runs parts `take` lie in, each once, their rows moved by `shift` (the parts'
-    blocks laid apart), sorted by row; and int64 [parts] the run each part lies in."""
+    """The runs parts `take` (an index, or slice(None): all) lie in, each once, their rows
+    moved by `shift` (the parts' blocks laid apart), sorted by row; and int64 [parts] the
+    run each part lies in."""
     row = runs.row[take] + shift
     new = np.ones(len(row), dtype=bool)
     new[1:] = row[1:] != row[:-1]
@@ -155,8 +174,9 @@ def _laid_apart(runs: RunArrays, take: np.ndarray, shift: np.ndarray
         row, first, inside = np.unique(row, return_index=True, return_inverse=True)
     else:  # in row order already (block after block, runs in order): no sort
         first = np.flatnonzero(new)
-        row, inside = row[first], np.cumsum(new) - 1
-    first = take[first]
+        row, inside = row[first], cumsum(new) - 1
+    if not isinstance(take, slice):
+        first = take[first]
     return RunArrays(row, runs.pos[first], runs.count[first]), inside
 
 
@@ -194,6 +214,19 @@ def _components(parts: PartArrays) -> np.ndarray:
     return number[label]
 
 
+def _squares(block: np.ndarray, slice_of: np.ndarray) -> np.ndarray | None:
+    """`_components` of parts cut from document squares apart from one another: a block's
+    parts of one square share its first key row's run (causal) or every row of a side
+    (full), so they are one group, and parts of two squares share no row. None where the
+    parts are not in order of (block, square) (`_components` then numbers them)."""
+    key = block * (int(slice_of.max()) + 1) + slice_of
+    if not (key[1:] >= key[:-1]).all():
+        return None
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    return cumsum(new) - 1
+
+
 def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """int64 [n]: each range's cluster of overlapping ranges [start, end)."""
     in_order = bool((start[1:] >= start[:-1]).all())
@@ -203,9 +236,9 @@ def _clusters(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] >= reach[:-1]
     if in_order:
-        return np.cumsum(new) - 1
+        return cumsum(new) - 1
     out = np.empty(len(s), dtype=np.int64)
-    out[order] = np.cumsum(new) - 1
+    out[order] = cumsum(new) - 1
     return out
 
 
@@ -232,12 +265,12 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     reach = np.maximum.accumulate(g * span + b) - g * span
     new = np.ones(len(a), dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (a[1:] > reach[:-1])
-    seg_start = a[new]
+    seg_start = a.compress(new)
     seg_first = np.flatnonzero(new)
     seg_last = np.append(seg_first[1:], len(a)) - 1
     seg_end = reach[seg_last]  # the reach at a segment's last part
     # run_of: each part's run (runs are sorted by row: a segment's first and last run)
-    seg_group = g[new]
+    seg_group = g.compress(new)
     run_row, run_pos = runs.row, runs.pos
     run_end = run_row + runs.count
     first = run_of[seg_first]
@@ -246,8 +279,9 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
         start, end, group, n = seg_start, seg_end, seg_group, first
     else:
         count = run_of[seg_last] - first + 1  # the runs each meets
+        cut_at = cumsum(count) - count  # each segment's first piece
         ri = np.repeat(np.arange(len(seg_start)), count)
-        n = spans(first, count)
+        n = np.arange(len(ri)) - (cut_at - first)[ri]  # spans(first, count)
         start = np.maximum(seg_start[ri], run_row[n])
         end = np.minimum(seg_end[ri], run_end[n])
         covered = np.zeros(len(seg_start), dtype=np.int64)
@@ -261,16 +295,16 @@ def _gathered(r0: np.ndarray, r1: np.ndarray, comp: np.ndarray, runs: RunArrays,
     if by_pos is not None:
         start, end, group = start[by_pos], end[by_pos], group[by_pos]
     size = end - start
-    before = np.cumsum(size) - size
+    total = cumsum(size)
+    before = total - size
     new_group = np.ones(len(group), dtype=bool)
     new_group[1:] = group[1:] != group[:-1]
-    group_start = np.flatnonzero(new_group)  # every group has a piece
-    group_rows = np.zeros(len(group_start), dtype=np.int64)
-    np.add.at(group_rows, group, size)
+    group_start = np.flatnonzero(new_group)  # every group has a piece, in group order
+    group_rows = total[np.append(group_start[1:], len(group)) - 1] - before[group_start]
     offset = before - before[group_start][group]  # rows before the piece in its group
     # each part's piece: its segment's first piece and as many on as runs (then by position)
-    seg = np.cumsum(new) - 1  # each part's segment
-    at = seg if count is None else (np.cumsum(count) - count)[seg] + run_of - first[seg]
+    seg = cumsum(new) - 1  # each part's segment
+    at = seg if count is None else cut_at[seg] + run_of - first[seg]
     if order is not None:
         part, at = at, np.empty(len(order), dtype=np.int64)
         at[order] = part
@@ -332,25 +366,40 @@ class _CallSide:
             shift = np.repeat(row, count)
             self.start, self.end = side.start[index] - shift, side.end[index] - shift
         self.at = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(count, out=self.at[1:])
+        self.at[1:] = cumsum(count)
         self.count = side.count[order]
         self.cum = np.zeros(len(order) + 1, dtype=np.int64)  # rows before each group
-        np.cumsum(self.count, out=self.cum[1:])
+        self.cum[1:] = cumsum(self.count)
         self.gap = np.ones(len(self.start), dtype=bool)
         self.gap[1:] = self.start[1:] != self.end[:-1]
-        self.gaps = np.cumsum(self.gap)
+        self.gaps = cumsum(self.gap)
         self.rows = spans(self.start, self.end - self.start)  # every piece's rows, in order
         self.rows_at = np.zeros(len(self.start) + 1, dtype=np.int64)
-        np.cumsum(self.end - self.start, out=self.rows_at[1:])
+        self.rows_at[1:] = cumsum(self.end - self.start)
 
-    def runs(self, c0: int, c1: int) -> SideRuns:
-        """Groups c0 .. c1 - 1 as one call's documents' runs."""
-        p0, p1 = int(self.at[c0]), int(self.at[c1])
-        return SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0)
-
-    def cu(self, c0: int, c1: int) -> np.ndarray:
-        """int64 [c1 - c0 + 1]: the rows before each group of the call, and all."""
-        return self.cum[c0:c1 + 1] - self.cum[c0]
+    def documents(self, first: np.ndarray, stop: np.ndarray
+                  ) -> list[tuple[np.ndarray, SideRuns]]:
+        """Per call of groups first[n] .. stop[n] - 1: int64 [groups + 1] the rows before
+        each of its groups, and all, and its documents' runs (`SideRuns`); in one pass
+        where there are many calls."""
+        if len(first) < 8:  # a few calls: each its own slices
+            return [(self.cum[c0:c1 + 1] - self.cum[c0],
+                     SideRuns(self.start[p0:p1], self.end[p0:p1], self.at[c0:c1 + 1] - p0))
+                    for c0, c1 in zip(first.tolist(), stop.tolist())
+                    for p0, p1 in ((int(self.at[c0]), int(self.at[c1])),)]
+        size = stop - first + 1
+        index = spans(first, size)
+        lead = np.repeat(first, size)
+        cu, at = self.cum[index] - self.cum[lead], self.at[index] - self.at[lead]
+        ends = cumsum(size).tolist()
+        p0, p1 = self.at[first].tolist(), self.at[stop].tolist()
+        out = []
+        b = 0
+        for n, e in enumerate(ends):
+            out.append((cu[b:e], SideRuns(self.start[p0[n]:p1[n]], self.end[p0[n]:p1[n]],
+                                          at[b:e])))
+            b = e
+        return out
 
     def rows_of(self, first: np.ndarray, stop: np.ndarray) -> list[slice | torch.Tensor]:
         """Each call's rows (groups first[n] .. stop[n] - 1): a slice where its pieces
@@ -373,7 +422,7 @@ class _CallSide:
         edges = np.zeros((int(group_block.max()) + 1) * local_len + 1, dtype=np.int64)
         np.add.at(edges, pieces + self.start, 1)
         np.add.at(edges, pieces + self.end, -1)
-        mark = np.cumsum(edges[:-1]) > 0  # rows inside some piece
+        mark = cumsum(edges[:-1]) > 0  # rows inside some piece
         out = {}
         for b in blocks:
             rows = np.flatnonzero(mark[b * local_len:(b + 1) * local_len])
@@ -382,10 +431,9 @@ class _CallSide:
         return out
 
 
-def _documents_call(q: _CallSide, k: _CallSide, c0: int, c1: int, q_rows, k_rows,
-                    causal: bool, device: torch.device) -> Block:
-    """`slice_blocks.gathered_call` of several documents (groups c0 .. c1 - 1 of the calls'
-    order, on `q_rows` x `k_rows`)."""
-    tile = TileSlices.documents(q.cu(c0, c1), k.cu(c0, c1), causal, device)
-    return Block(q_rows, k_rows, causal=tile.causal, slices=tile,
-                 doc_runs=DocRuns(q.runs(c0, c1), k.runs(c0, c1)))
+def _documents_call(q: tuple[np.ndarray, SideRuns], k: tuple[np.ndarray, SideRuns], q_rows,
+                    k_rows, causal: bool, device: torch.device) -> Block:
+    """`slice_blocks.gathered_call` of several documents (`_CallSide.documents` of a call,
+    on `q_rows` x `k_rows`)."""
+    tile = TileSlices.documents(q[0], k[0], causal, device)
+    return Block(q_rows, k_rows, causal=tile.causal, slices=tile, doc_runs=DocRuns(q[1], k[1]))

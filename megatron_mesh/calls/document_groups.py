@@ -52,9 +52,14 @@ class _Docs:
 
     def __init__(self, runs: SideRuns) -> None:
         self.runs = runs
-        self.by_low = np.argsort(runs.low, kind="stable")
-        self.low_sorted = runs.low[self.by_low]
-        self.high_sorted = runs.high[self.by_low]
+        low = runs.low
+        if len(low) < 2 or (low[1:] > low[:-1]).all():  # in order already (a call's are)
+            self.by_low = np.arange(len(low))
+            self.low_sorted, self.high_sorted = low, runs.high
+        else:
+            self.by_low = np.argsort(low, kind="stable")
+            self.low_sorted = low[self.by_low]
+            self.high_sorted = runs.high[self.by_low]
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -120,8 +125,7 @@ class _Group:
         self.shared, self.side = shared, side
         self.members: list[Member] = []
         self.ids: list[np.ndarray] = []
-        self.docs = _Docs(SideRuns(*(np.zeros(0, dtype=np.int64),) * 2,
-                                   np.zeros(1, dtype=np.int64)))
+        self.docs = _NO_DOCS
         self._last: tuple[SideRuns, np.ndarray] | None = None
         # runs matched against the documents as they are, by their bytes (`SideRuns.key`):
         # a call with the same runs as one of them has its match (no document-by-document
@@ -147,12 +151,18 @@ class _Group:
         return verdict
 
     def add(self, member: Member, runs: SideRuns) -> None:
-        docs, ids = self.docs.joined(runs, self._match(runs))
+        if len(self.docs) == 0:  # the first member: its documents are the group's
+            docs, ids = _Docs(runs), np.arange(len(runs))
+        else:
+            docs, ids = self.docs.joined(runs, self._match(runs))
         if docs is not self.docs:  # new documents: a match made before may differ now
             self.docs, self._known, self._verdicts = docs, {runs.key: ids}, {}
         self._last = None
         self.members.append(member)
         self.ids.append(ids)
+
+
+_NO_DOCS = _Docs(SideRuns(*(np.zeros(0, dtype=np.int64),) * 2, np.zeros(1, dtype=np.int64)))
 
 
 def groups_of(members: list[Member], side: str) -> list[_Group]:
@@ -230,8 +240,11 @@ def join(group: _Group, members: list[int], causal_last: bool, device: torch.dev
     np.cumsum(docs.counts[order], out=cu_shared[1:])
     cu_q, cu_kv = (cu_shared, cu_joined) if side == "q" else (cu_joined, cu_shared)
     slices = TileSlices.documents(cu_q, cu_kv, causal_last, device)
-    pieces = spans(docs.at[order], np.diff(docs.at)[order])
-    shared_rows = rows_of(docs.start[pieces], docs.end[pieces])
+    if len(order) == len(docs) and (order[1:] > order[:-1]).all():  # every one, in order
+        shared_rows = rows_of(docs.start, docs.end)
+    else:
+        pieces = spans(docs.at[order], np.diff(docs.at)[order])
+        shared_rows = rows_of(docs.start[pieces], docs.end[pieces])
     chunks = tuple((group.members[n].other, group.members[n].call.kv_rows if side == "q"
                     else group.members[n].call.q_rows) for n in members)
     rows = spans(start[by_doc], size[by_doc])  # the concatenation's row at each place

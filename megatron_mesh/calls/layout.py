@@ -119,20 +119,25 @@ def blocks_for(pairs: list[tuple[int, int]], local_len: int, mask: AttentionMask
     """`block_for` of each (q_rank, kv_rank) in `pairs`: those not made yet in one pass over
     their parts (`part_arrays.tile_parts`, `document_blocks.document_blocks`)."""
     device = torch.device(device)
-    missing = list(dict.fromkeys((x, y) for x, y in pairs
-                                 if not _block.holds(mask, x, y, local_len, device)))
+    kept = [_block.kept(mask, x, y, local_len, device) for x, y in pairs]
+    missing = list(dict.fromkeys(pair for pair, block in zip(pairs, kept) if block is None))
+    made: dict[tuple[int, int], Block] = {}
     if len(missing) > 1 and mask.window is None:
         for (x, y), block in zip(missing, _pair_blocks(mask, missing, local_len, device)):
-            _block.put(block, mask, x, y, local_len, device)
-    return [_block(mask, x, y, local_len, device) for x, y in pairs]
+            made[x, y] = _block.put(block, mask, x, y, local_len, device)
+    return [block if block is not None else made.get((x, y)) or _block(mask, x, y, local_len,
+                                                                        device)
+            for (x, y), block in zip(pairs, kept)]
 
 
 def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: int,
                  device: torch.device) -> list[Block]:
     """Blocks (x, y) of `pairs`, their parts cut and their documents found in one pass."""
-    _plan_runs(mask, [r for pair in pairs for r in pair], local_len)
-    q_runs = [run_arrays(mask, x, local_len) for x, _ in pairs]
-    k_runs = [run_arrays(mask, y, local_len) for _, y in pairs]
+    ranks = list(dict.fromkeys(r for pair in pairs for r in pair))
+    _plan_runs(mask, ranks, local_len)
+    runs = {r: run_arrays(mask, r, local_len) for r in ranks}
+    q_runs = [runs[x] for x, _ in pairs]
+    k_runs = [runs[y] for _, y in pairs]
     tile = tile_parts(mask_arrays(mask, local_len), q_runs, k_runs)
     count = len(pairs)
     first = np.searchsorted(tile.block, np.arange(count), side="left")
@@ -140,8 +145,10 @@ def _pair_blocks(mask: AttentionMask, pairs: list[tuple[int, int]], local_len: i
     full = np.flatnonzero(end > first)
     renumber = np.zeros(count, dtype=np.int64)
     renumber[full] = np.arange(len(full))
-    fast = document_blocks(tile._replace(block=renumber[tile.block]), len(full), local_len,
-                           device) if len(full) else []
+    if len(full) < count:  # blocks without parts: the others numbered on
+        tile = tile._replace(block=renumber[tile.block])
+    fast = document_blocks(tile, len(full), local_len, device, _squares(mask)
+                           ) if len(full) else []
     out = [Block(slice(0, 0), slice(0, 0), tiles=())] * count
     for n, b in enumerate(full.tolist()):
         x, y = pairs[b]
@@ -159,7 +166,7 @@ def _block(mask: AttentionMask, q_rank: int, kv_rank: int, local_len: int,
     if len(tile.parts) == 0:
         return Block(slice(0, 0), slice(0, 0), tiles=())
     if mask.window is None:
-        block = document_block(tile, local_len, device)
+        block = document_block(tile, local_len, device, _squares(mask))
         if block is not None:
             return block
     return _general(mask, q_rank, kv_rank, local_len, device, tile.parts)
@@ -225,11 +232,16 @@ def mask_slices(mask: AttentionMask, local_len: int) -> SliceMask:
     return mask.value.sequence_slices(local_len * mask.ranks)
 
 
+def _squares(mask: AttentionMask) -> bool:
+    """Whether `mask_arrays` are THD documents' squares (`part_arrays.document_arrays`)."""
+    return mask.documents is not None and mask.window is None and mask.slices is None
+
+
 @per_documents(lambda mask, *_: mask.packing)
 def mask_arrays(mask: AttentionMask, local_len: int) -> SliceArrays:
     """`mask_slices` as arrays (`part_arrays.slice_arrays`); packed documents without a
     window straight from their lengths."""
-    if mask.documents is not None and mask.window is None and mask.slices is None:
+    if _squares(mask):
         return document_arrays(mask.documents.cu_padded, mask.documents.lengths, mask.causal)
     return slice_arrays(mask_slices(mask, local_len))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ..masks.slices import SliceMask
 
@@ -100,10 +101,23 @@ def document_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], causal
     return SliceArrays(start, end, start.copy(), end.copy(), lo, hi, end.copy())
 
 
+# from this many elements on, `cumsum` runs through torch: numpy's int64 cumsum goes element
+# by element, several times slower on the tens of thousands of parts and rows a tile plans
+# (with it the plan measured about 1.5 ms slower at 8x8, 1000 documents)
+_TORCH_CUMSUM = 2048
+
+
+def cumsum(a: np.ndarray) -> np.ndarray:
+    """int64 [n]: the running sums of `a` (int64 or bool [n]), as np.cumsum gives them."""
+    if len(a) < _TORCH_CUMSUM:
+        return np.cumsum(a, dtype=np.int64)
+    return torch.cumsum(torch.from_numpy(np.ascontiguousarray(a)), 0).numpy()
+
+
 def spans(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     """first[n] + 0 .. count[n] - 1 for every n, concatenated (int64)."""
     total = int(count.sum())
-    starts = np.cumsum(count) - count
+    starts = cumsum(count) - count
     return np.arange(total, dtype=np.int64) - np.repeat(starts - first, count)
 
 
@@ -117,12 +131,14 @@ def part_arrays(mask: SliceMask | SliceArrays, q_runs: RunArrays, k_runs: RunArr
 
 class TileParts(NamedTuple):
     """The parts of several blocks (block after block), int64 [parts] the block of each,
-    and the query run and key run each part lies in (`RunArrays` of [parts])."""
+    the query run and key run each part lies in (`RunArrays` of [parts]) and the mask's
+    slice each part is cut from (int64 [parts])."""
 
     parts: PartArrays
     block: np.ndarray
     q_run: RunArrays
     k_run: RunArrays
+    slice_of: np.ndarray
 
 
 def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: list[RunArrays]
@@ -141,7 +157,7 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     qi = np.repeat(np.arange(len(q_lo)), count)
     si = spans(first, count)
     keep = t.q1[si] > q_lo[qi]
-    qi, si = qi[keep], si[keep]
+    qi, si = qi.compress(keep), si.compress(keep)
     # the key runs of block b's key rank meeting each slice where the query run sees them
     # (keys from q_lo + lo to q_hi - 1 + hi: runs outside give no part): first, per (key
     # rank, slice), the rank's first key at or after the slice's first; a block without one
@@ -156,23 +172,29 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
                          side="right").reshape(len(ranks), -1)
     inside = np.append(k.rank, -1)[at] == ranks[:, None]
     first_key = np.where(inside, np.maximum(np.append(k.pos, 0)[at], t.k0[None, :]), NO_HI)
-    kr, entry = np.nonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs]
+    meets = np.flatnonzero(first_key[:, si] < k1[None, :])  # [key ranks, pairs], flat
+    kr = meets // len(si)
+    entry = meets - kr * len(si)
     blocks = np.full((len(q.first), len(ranks)), -1, dtype=np.int64)
     blocks[q_of, k_of] = np.arange(len(q_of))
     if (blocks >= 0).sum() < len(q_of):
         raise ValueError(f"tile_parts takes each block once, got {len(q_of)} blocks of "
                          f"{int((blocks >= 0).sum())} distinct (query, key) runs")
     block = blocks[q.rank[qi[entry]], kr]
-    entry, block = entry[block >= 0], block[block >= 0]
+    kept = block >= 0
+    entry, block = entry.compress(kept), block.compress(kept)
     by_block = np.argsort(block * len(qi) + entry, kind="stable")
     block, entry = block[by_block], entry[by_block]
     qi, si, kr, k1 = qi[entry], si[entry], k_of[block], k1[entry]
-    k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
-    if (t.lo == NO_LO).all():  # k0 is the slice's first key: its first run from the table
+    unbounded_below = bool((t.lo == NO_LO).all())
+    if unbounded_below:  # k0 is the slice's first key: its first run from the table
         k_first = at[kr, si]
+        count = _runs_before(base + k.pos, k_first, kr * span + k1)
     else:
+        k0 = np.maximum(t.k0[si], q_lo[qi] + t.lo[si])
         k_first = np.searchsorted(base + k_end, kr * span + k0, side="right")  # ends past k0
-    count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first, 0)
+        count = np.maximum(np.searchsorted(base + k.pos, kr * span + k1, side="left") - k_first,
+                           0)
     ki = spans(k_first, count)
     qi, si, block = np.repeat(qi, count), np.repeat(si, count), np.repeat(block, count)
     a = np.maximum(t.q0[si], q_lo[qi])
@@ -181,14 +203,34 @@ def tile_parts(mask: SliceMask | SliceArrays, q_runs: list[RunArrays], k_runs: l
     e = np.minimum(t.k1[si], k_end[ki])
     parts = _pieces(a, b, c, e, t.lo[si], t.hi[si])
     qi, ki = qi[parts.cut], ki[parts.cut]
-    dq = q.row[qi] - q.pos[qi]
-    dk = k.row[ki] - k.pos[ki]
+    q_run = RunArrays(q.row[qi], q.pos[qi], q.count[qi])
+    k_run = RunArrays(k.row[ki], k.pos[ki], k.count[ki])
+    dq, dk = q_run.row - q_run.pos, k_run.row - k_run.pos
     lo, hi = parts.lo, parts.hi
     return TileParts(PartArrays(parts.q0 + dq, parts.q1 + dq, parts.k0 + dk, parts.k1 + dk,
-                                np.where(lo == NO_LO, NO_LO, lo + dk - dq),
+                                lo if unbounded_below else np.where(lo == NO_LO, NO_LO,
+                                                                    lo + dk - dq),
                                 np.where(hi == NO_HI, NO_HI, hi + dk - dq)), block[parts.cut],
-                     RunArrays(q.row[qi], q.pos[qi], q.count[qi]),
-                     RunArrays(k.row[ki], k.pos[ki], k.count[ki]))
+                     q_run, k_run, si[parts.cut])
+
+
+def _runs_before(start: np.ndarray, first: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """int64 [n]: how many of the runs first[n], first[n] + 1, ... start before stop[n]
+    (`start` sorted; run first[n] does): np.searchsorted(start, stop) - first, stepping
+    run by run where few meet (a document's pair meets one key run or two), searched past
+    a few steps."""
+    if len(first) < 512:  # few pairs: one search costs less than the steps' calls
+        return np.searchsorted(start, stop, side="left") - first
+    ahead = np.append(start, np.iinfo(np.int64).max)  # no run starts before past the last
+    count = np.ones(len(first), dtype=np.int64)
+    live = np.flatnonzero(ahead[first + 1] < stop)
+    for _ in range(3):
+        if len(live) == 0:
+            return count
+        count[live] += 1
+        live = live[ahead[first[live] + count[live]] < stop[live]]
+    count[live] = np.searchsorted(start, stop[live], side="left") - first[live]
+    return count
 
 
 def pair_counts(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
@@ -237,7 +279,7 @@ def _stacked(runs: list[RunArrays]) -> tuple[_Stacked, np.ndarray]:
                     np.concatenate([r.pos for r in distinct]),
                     np.concatenate([r.count for r in distinct]),
                     np.repeat(np.arange(len(distinct)), sizes),
-                    np.cumsum(sizes) - sizes), of
+                    cumsum(sizes) - sizes), of
 
 
 class _Pieces(NamedTuple):
@@ -267,25 +309,33 @@ def _pieces(a, b, c, e, lo, hi) -> _Pieces:
     # an unbounded side's NO_LO / NO_HI bind nothing below (no bound checks needed)
     a = np.maximum(a, c - hi)
     e = np.minimum(e, b + hi)
-    b = np.minimum(b, e - lo)
-    c = np.maximum(c, a + lo)
-    some = (lo <= hi) & (a < b) & (c < e)
-    band = c - (b - 1) < lo
+    if (lo == NO_LO).all():  # no cut bounded below (documents): no band, lo <= hi
+        some = (a < b) & (c < e)
+        band = None
+    else:
+        b = np.minimum(b, e - lo)
+        c = np.maximum(c, a + lo)
+        some = (lo <= hi) & (a < b) & (c < e)
+        band = c - (b - 1) < lo
     fits = e - 1 - a <= hi  # every row sees every key under the upper bound
-    band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
     split = np.minimum(np.maximum(e - hi, a), b)
-    cut = ~band & ~fits  # a causal piece and a full one
+    if band is None:
+        cut = ~fits  # a causal piece and a full one
+        first_hi = np.where(cut, e - split, NO_HI)
+        first_lo = lo
+    else:
+        band_hi = np.where(~fits & (hi >= e - b), hi, NO_HI)
+        cut = ~band & ~fits
+        first_hi = np.where(band, band_hi, np.where(cut, e - split, NO_HI))
+        first_lo = np.where(band, lo, NO_LO)
     first_q1 = np.where(cut, split, b)
-    first_hi = np.where(band, band_hi, np.where(cut, e - split, NO_HI))
-    first_lo = np.where(band, lo, NO_LO)
     first = some & (~cut | (split > a))
     second = some & cut & (split < b)
     if not second.any():  # one piece per cut at most
         at = np.flatnonzero(first)
         return _Pieces(a[at], first_q1[at], c[at], e[at], first_lo[at], first_hi[at], at)
-    valid = _pair(first, second)
-    at = np.flatnonzero(valid)
-    return _Pieces(*(x[valid] for x in (
+    at = np.flatnonzero(_pair(first, second))
+    return _Pieces(*(x.ravel()[at] for x in (
         _pair(a, split), _pair(first_q1, b), _pair(c, c), _pair(e, e),
         _pair(first_lo, np.full_like(lo, NO_LO)), _pair(first_hi, np.full_like(hi, NO_HI)))),
         at // 2)

@@ -40,7 +40,7 @@ import torch
 from ..masks.slices import Slice, SliceMask, pieces
 from ..masks.zigzag import held_pieces
 from .block import Block, DocRuns, SideRuns
-from .part_arrays import RunArrays
+from .part_arrays import RunArrays, cumsum
 from .tile_slices import BAND, DOCUMENTS, Bound, TileSlices, slice_pairs
 
 Run = tuple[int, int, int]  # (first local row, its position, rows) of contiguous positions
@@ -94,10 +94,12 @@ def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], r
     length = np.array(lengths, dtype=np.int64)
     # each held piece of each document of each rank that holds a valid row, in row order
     # (rank, document, piece): its first row, position, valid rows (int64 each)
-    rank, doc, slot = np.nonzero(length[None, :, None] > held[:, None, :] * piece[None, :, None])
+    valid = np.flatnonzero(length[None, :, None] > held[:, None, :] * piece[None, :, None])
+    slot, valid = valid % held.shape[1], valid // held.shape[1]  # (np.nonzero, in one pass)
+    rank, doc = valid // len(length), valid % len(length)
     size = piece[doc]
     offset = held[rank, slot] * size  # the piece's first row in its document
-    row = (np.cumsum(padded // ranks) - padded // ranks)[doc] + slot * size
+    row = (cumsum(padded // ranks) - padded // ranks)[doc] + slot * size
     pos = cu[doc] + offset
     count = np.minimum(length[doc] - offset, size)
     # a piece goes on the run before it where it follows it in rows and positions
@@ -105,8 +107,9 @@ def documents_run_arrays(cu_padded: tuple[int, ...], lengths: tuple[int, ...], r
     new[1:] = ((row[1:] != row[:-1] + count[:-1]) | (pos[1:] != pos[:-1] + count[:-1])
                | (rank[1:] != rank[:-1]))
     starts = np.flatnonzero(new)
-    total = np.zeros(len(starts), dtype=np.int64)  # (ufunc.at: faster than reduceat here)
-    np.add.at(total, np.cumsum(new) - 1, count)
+    running = cumsum(count)  # each run's rows: the running sum at its last piece less before
+    total = (running[np.append(starts[1:], len(count)) - 1] - running[starts] + count[starts]
+             if len(starts) else running)
     row, pos, rank = row[starts], pos[starts], rank[starts]
     key = rank * (int(cu[-1]) + 1) + pos  # by rank, then position (zigzag: already so)
     if len(key) > 1 and not (key[1:] > key[:-1]).all():

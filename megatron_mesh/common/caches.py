@@ -64,6 +64,14 @@ class PerDocuments:
             self.dense.move_to_end(args)
         return value
 
+    def kept(self, *args: Hashable) -> Any:
+        """fn(*args) where it is kept (as a call finds it), else None; nothing is made."""
+        documents = self.documents_of(*args)
+        value = self._table(documents).get(args)
+        if value is not None and documents is None:
+            self.dense.move_to_end(args)
+        return value
+
     def holds(self, *args: Hashable) -> bool:
         """Whether fn(*args) is kept."""
         documents = self.documents_of(*args)

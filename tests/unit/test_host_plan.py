@@ -27,6 +27,7 @@ from megatron_mesh.calls.part_arrays import (
     NO_HI,
     NO_LO,
     RunArrays,
+    _runs_before,
     document_arrays,
     pair_counts,
     part_arrays,
@@ -284,6 +285,38 @@ def test_pair_counts_equal_the_slices_closed_form():
                            NO_HI if r[5] is None else r[5]) for r in chosen], dtype=np.int64)
         got = pair_counts(*table.T)
         assert got.tolist() == [slice_pairs(*r) for r in chosen]
+
+
+def test_key_runs_counted_by_steps_equal_their_definition():
+    """A pair's key runs (`part_arrays._runs_before`, stepping run by run, a search past a
+    few steps or for few pairs) are the runs from its first on that start before its stop."""
+    rng = np.random.default_rng(4)
+    for pairs in (20, 3000):
+        start = np.sort(rng.integers(0, 4000, 600))
+        first = rng.integers(0, len(start), pairs)
+        stop = start[first] + 1 + rng.integers(0, 40, pairs)
+        want = [sum(1 for j in range(f, len(start)) if start[j] < e)
+                for f, e in zip(first.tolist(), stop.tolist())]
+        assert max(want) > 4 or pairs == 20  # some pairs past the steps
+        assert _runs_before(start, first, stop).tolist() == want
+
+
+def test_many_documents_blocks_equal_the_per_part_blocks():
+    """A tile of many THD documents (one pass over many pairs and calls) is the
+    reference's, block by block."""
+    rng = random.Random(21)
+    ranks = 4
+    sizes = [2 * ranks * rng.randint(1, 3) for _ in range(200)]
+    lengths = [rng.choice([n, n, n - rng.randrange(n), 1]) for n in sizes]
+    docs = Documents(tuple(np.cumsum([0, *sizes]).tolist()), tuple(lengths))
+    for causal in (True, False):
+        mask = AttentionMask(causal, docs, ranks)
+        local = docs.total // ranks
+        pairs = [(x, y) for x in range(ranks) for y in range(ranks)]
+        for cache in _CACHES:
+            cache.cache_clear()
+        for (x, y), got in zip(pairs, blocks_for(pairs, local, mask)):
+            assert same_block(got, reference_block(mask, x, y, local)), (causal, x, y)
 
 
 def test_document_arrays_equal_the_documents_slices():
