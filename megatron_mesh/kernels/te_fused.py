@@ -47,7 +47,7 @@ from .te_kwargs import (
     thd_bwd_kwargs,
     thd_fwd_kwargs,
 )
-from .te_runs import RunMask, RunsPlan, documents_mask, run_mask
+from .te_runs import RunMask, RunsPlan, documents_mask, fit_runs, run_mask
 from .te_stats import lse_from_te, lse_to_te, packed_stats, rows_from_te, rows_to_te, stats_rows
 from .torch_flash import TorchFlashKernel
 from .varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
@@ -531,7 +531,7 @@ class TEFusedKernel:
         te = _load()
         params = _parameters(te.fused_attn.fused_attn_fwd)[0]
         plan = slices.made_on("te runs", q.device,
-                              lambda d: RunsPlan.of(packs_of(slices.runs), params, d))
+                              lambda d: RunsPlan.of(packs_of(fit_runs(slices.runs)), params, d))
         why = plan.refusal
         if why is None:
             capturing = _capturing(q)

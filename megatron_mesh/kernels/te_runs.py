@@ -15,7 +15,10 @@ TE's `fused_attn_fwd` / `_bwd` take "padding_causal_bottom_right" in every relea
 functions take `bottom_right_diagonal` (TE 2.12 on; before, TE's cuDNN graph set the band's
 left bound alone, aligned by the mask): windows need it. A sequence of more queries than
 keys under a causal mask or a window is left to the fallback (TE's fused attention turns
-sliding windows with s_q > s_kv down; bottom-right causal needs s_q <= s_kv). Whatever TE's
+sliding windows with s_q > s_kv down; bottom-right causal needs s_q <= s_kv), unless it can
+be cut: a window run of more queries than keys goes to TE as parts of its rows, each against
+the keys its rows see, no longer than them, with the band re-aligned to each part
+(`fit_runs`; a window as wide as a chunk leaves such runs at the chunks' edges). Whatever TE's
 own backend query then turns down (cuDNN and GPU rules: thd windows need cuDNN 9.6,
 bottom-right causal thd cuDNN 9.6) is asked per pack shape by the kernel (`te_fused`).
 """
@@ -26,6 +29,7 @@ from typing import Collection
 
 import torch
 
+from ..calls.tile_runs import WINDOW, Run
 from .varlen_runs import Pack
 
 PADDING, PADDING_CAUSAL, PADDING_CAUSAL_BOTTOM_RIGHT = (
@@ -72,6 +76,45 @@ def documents_mask(causal: bool, bottom_right: bool) -> RunMask:
     if not causal:
         return FULL_MASK
     return BOTTOM_RIGHT_MASK if bottom_right else CAUSAL_MASK
+
+
+def fit_runs(runs: tuple[Run, ...]) -> tuple[Run, ...]:
+    """`runs` with each window run of more queries than keys (one key range) cut, from its
+    last row up, into parts of at most that many rows, each against the keys its rows see
+    and its band re-aligned at its own bottom right; a run whose parts a flash window cannot
+    say (a bounded side that would become -1, or a part still taller than its keys) is kept
+    whole (TE then refuses it: `pack_refusal`)."""
+    out: list[Run] = []
+    for run in runs:
+        parts = _window_parts(run) if run.rule == WINDOW and run.sq > run.sk else None
+        out.extend(parts or (run,))
+    return tuple(sorted(out, key=lambda r: (r.q0, r.q1)))
+
+
+def _window_parts(run: Run) -> list[Run] | None:
+    """`fit_runs`'s parts of one window run, or None."""
+    if len(run.keys) != 1:
+        return None
+    k0, (left, right) = run.keys[0][0], run.window
+    sq, sk = run.sq, run.sk
+    shift = sk - sq  # row i sees key j iff shift - left <= j - i <= shift + right
+    parts, b = [], sq
+    while b > 0:
+        a = max(0, b - sk)
+        lo = 0 if left < 0 else max(0, a + shift - left)  # the keys rows [a, b) see
+        hi = sk if right < 0 else min(sk, b - 1 + shift + right + 1)
+        m, n = b - a, hi - lo
+        # in the part's own rows i' = i - a and keys j' = j - lo: shift' - left' <= j' - i'
+        # <= shift' + right', shift' = n - m
+        moved = (n - m) - (shift + a - lo)
+        part_left = -1 if left < 0 else left + moved
+        part_right = -1 if right < 0 else right - moved
+        if m > n or (left >= 0 and part_left < 0) or (right >= 0 and part_right < 0):
+            return None
+        parts.append(Run(run.q0 + a, run.q0 + b, ((k0 + lo, k0 + hi),), WINDOW,
+                         (part_left, part_right)))
+        b = a
+    return parts
 
 
 RELEASE, SHAPE = "release", "shape"  # the kinds of refusal (each logged once per kind)
@@ -126,4 +169,4 @@ class RunsPlan:
 
 
 __all__ = ["BOTTOM_RIGHT_MASK", "CAUSAL_MASK", "FULL_MASK", "RunMask", "RunsPlan",
-           "documents_mask", "pack_refusal", "run_mask"]
+           "documents_mask", "fit_runs", "pack_refusal", "run_mask"]

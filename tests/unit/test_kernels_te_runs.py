@@ -15,6 +15,8 @@ fp64 SDPA.
 """
 from __future__ import annotations
 
+import random
+
 import inspect
 import logging
 import types
@@ -43,6 +45,7 @@ from megatron_mesh.kernels.te_runs import (
     RELEASE,
     SHAPE,
     RunsPlan,
+    fit_runs,
     pack_refusal,
     run_mask,
 )
@@ -133,6 +136,47 @@ def test_pack_refusals_and_masks():
     assert run_mask(False, (-1, -1)) == run_mask(False, None) == FULL_MASK
     with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
         run_mask(False, (-2, 0))
+
+
+def _run_pairs(run) -> set:
+    """(row, key) pairs of a run, from flash-attention's bottom-right window: key j of the
+    concatenated keys (sk) for row i (of sq) iff -left <= j - i - (sk - sq) <= right."""
+    keys = [k for c, e in run.keys for k in range(c, e)]
+    left, right = run.window
+    out = set()
+    for i in range(run.sq):
+        for j, key in enumerate(keys):
+            d = j - i - (run.sk - run.sq)
+            if (left < 0 or d >= -left) and (right < 0 or d <= right):
+                out.add((run.q0 + i, key))
+    return out
+
+
+def test_tall_window_runs_are_cut_into_parts_te_takes():
+    """`fit_runs` on window runs of more queries than keys (random bands over earlier keys
+    and within a square): the parts cover the run's rows once, keep exactly its pairs, and
+    each is a window no taller than its keys that `pack_refusal` lets through."""
+    rng = random.Random(3)
+    params = frozenset({"bottom_right_diagonal"})
+    cut = 0
+    for _ in range(200):
+        sq, sk = rng.randrange(2, 40), rng.randrange(1, 20)
+        lo = rng.randrange(-sq, sk)
+        hi = None if rng.random() < 0.5 else rng.randrange(lo, sk + 1)
+        slices = TileSlices.of([(0, sq, 0, sk, lo, hi)], (sq, sk), CPU)
+        for run in slices.runs:
+            if run.rule != "window" or run.sq <= run.sk:
+                continue
+            parts = fit_runs((run,))
+            assert sorted((p.q0, p.q1) for p in parts) == [(p.q0, p.q1) for p in parts]
+            assert [(parts[0].q0, parts[-1].q1)] == [(run.q0, run.q1)]
+            assert all(a.q1 == b.q0 for a, b in zip(parts, parts[1:]))
+            assert set().union(*map(_run_pairs, parts)) == _run_pairs(run)
+            if len(parts) > 1:
+                cut += 1
+                for part in parts:
+                    assert pack_refusal(packs_of((part,))[0], params) is None, part
+    assert cut >= 20, cut
 
 
 @pytest.mark.parametrize("release", sorted(ATTENTION_PARAMS))
@@ -284,7 +328,9 @@ CASES = {
     "two causal on a row": TileSlices.of(
         [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
         (10, 22), CPU),
+    # more queries than keys: cut into parts of rows no taller than the keys they see
     "window taller than its keys": TileSlices.of([(0, 7, 0, 4, -3, 0)], (7, 4), CPU),
+    "window over earlier keys, taller": TileSlices.of([(0, 9, 0, 4, -5, None)], (9, 4), CPU),
 }
 
 
@@ -299,13 +345,12 @@ def test_runs_on_te_thd_calls_are_exact(release: str, per_token: bool):
     params = te_fused._parameters(te.fused_attn.fused_attn_fwd)[0]
     ran = set()
     for name, slices in CASES.items():
-        plan = RunsPlan.of(packs_of(slices.runs), params, CPU)
+        if "taller" in name:  # refused as they are
+            assert any(pack_refusal(p, params) for p in packs_of(slices.runs)), name
+        plan = RunsPlan.of(packs_of(fit_runs(slices.runs)), params, CPU)
         windows = any(p.window not in (None, (-1, 0)) for p in plan.packs)
         if windows and _minor(release) < WINDOWS_FROM:
             assert plan.refusal[0] == RELEASE, name
-            continue
-        if name == "window taller than its keys":
-            assert plan.refusal[0] == SHAPE, name
             continue
         assert plan.refusal is None, (name, plan.refusal)
         sq, sk = slices.shape
@@ -322,6 +367,7 @@ def test_runs_on_te_thd_calls_are_exact(release: str, per_token: bool):
                 name, what, (got.double() - ref).abs().max())
         ran.add(name)
     assert {"prefix-LM", "two causal on a row", "causal, more keys"} <= ran
+    assert ("window taller than its keys" in ran) == (_minor(release) >= WINDOWS_FROM)
     assert ("window (3, 2), more keys" in ran) == (_minor(release) >= WINDOWS_FROM)
 
 
