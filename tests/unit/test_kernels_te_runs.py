@@ -15,10 +15,9 @@ fp64 SDPA.
 """
 from __future__ import annotations
 
-import random
-
 import inspect
 import logging
+import random
 import types
 
 import pytest
