@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..masks.seen import Bounds, keeps
 from .tile_slices import DOCUMENTS, TileSlices
 
 RowMap = int | torch.Tensor  # a call's rows at positions start + i, or int64 [rows] (-1: dropped)
@@ -241,7 +242,6 @@ def _made(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
     first = torch.searchsorted(slots, slots)  # each one's rank among its block's pieces
     rank = torch.arange(len(slots)) - first
     i = torch.arange(block, dtype=torch.int16, device=device)
-    diagonal = i[None, :] - i[:, None]  # [block, block]: key - row
     for r in range(int(rank.max()) + 1):  # one piece a block at a time: unique slots
         chosen = (rank == r).nonzero().flatten()
         for n in range(0, len(chosen), BATCH):
@@ -249,22 +249,18 @@ def _made(slots: torch.Tensor, local: torch.Tensor, count: int, block: int,
             bounds = local[at].to(device, torch.int16)[:, :, None, None].unbind(1)
             if r == 0:  # each block's first piece: blocks in a row, still empty
                 first = int(slots[at[0]]) + 2
-                _keep(made[first:first + len(at)], i, diagonal, *bounds)
+                _keep(made[first:first + len(at)], i, *bounds)
             else:
                 made[slots[at].to(device) + 2] |= _keep(
                     torch.empty(len(at), block, block, dtype=torch.bool, device=device),
-                    i, diagonal, *bounds)
+                    i, *bounds)
     return made
 
 
-def _keep(out: torch.Tensor, i: torch.Tensor, diagonal: torch.Tensor, r0, r1, c0, c1, lo,
-          hi) -> torch.Tensor:
-    """out [n, block, block] = the pieces' pairs (bounds [n, 1, 1] each), in place."""
-    torch.ge(diagonal, lo, out=out)
-    out &= diagonal <= hi
-    out &= (i[:, None] >= r0) & (i[:, None] < r1)  # [n, block, 1]: its rows
-    out &= (i >= c0) & (i < c1)  # [n, 1, block]: its keys
-    return out
+def _keep(out: torch.Tensor, i: torch.Tensor, r0, r1, c0, c1, lo, hi) -> torch.Tensor:
+    """out [n, block, block] = the pieces' pairs (bounds [n, 1, 1] each, in the block's
+    rows i and keys i: `masks.seen.keeps`)."""
+    return keeps(Bounds(r0, r1, c0, c1, lo, hi), i[:, None], i, out=out)
 
 
 __all__ = ["BATCH", "Pieces", "block_kinds", "bucket", "call_pieces", "row_runs", "slice_table"]

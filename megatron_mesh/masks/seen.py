@@ -35,11 +35,20 @@ class Bounds:
     hi: torch.Tensor | int = UNBOUNDED
 
 
-def keeps(bounds: Bounds, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """bool, broadcast of i and j: the slice(s) `bounds` keep the pair (query i, key j)."""
+def keeps(bounds: Bounds, i: torch.Tensor, j: torch.Tensor,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """bool, broadcast of i and j (and the bounds): the slice(s) `bounds` keep the pair
+    (query i, key j); written into `out` (of the broadcast shape) where given, with no
+    temporary of that shape but one."""
     delta = j - i
-    return ((i >= bounds.q_start) & (i < bounds.q_end) & (j >= bounds.k_start)
-            & (j < bounds.k_end) & (delta >= bounds.lo) & (delta <= bounds.hi))
+    if out is None:
+        return ((i >= bounds.q_start) & (i < bounds.q_end) & (j >= bounds.k_start)
+                & (j < bounds.k_end) & (delta >= bounds.lo) & (delta <= bounds.hi))
+    torch.ge(delta, bounds.lo, out=out)
+    out &= delta <= bounds.hi
+    out &= (i >= bounds.q_start) & (i < bounds.q_end)
+    out &= (j >= bounds.k_start) & (j < bounds.k_end)
+    return out
 
 
 def band(left: int, right: int) -> Bounds:

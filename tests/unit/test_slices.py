@@ -668,3 +668,24 @@ def test_overlap_sweep_on_strips_and_their_last_overlap():
         SliceMask(strips + [(5, 6, 99_999, 100_001, "full")])
     assert len(SliceMask([(0, 4, 0, 4, "full"), (4, 8, 0, 4, "full"), (0, 8, 4, 5, "causal"),
                           (2, 3, 5, 6, "full")])) == 4
+
+
+def test_keeps_written_in_place_is_the_rule() -> None:
+    """`seen.keeps` with `out` (the flex mask's blocks are made so) and without it: per pair,
+    i in [q_start, q_end), j in [k_start, k_end) and lo <= j - i <= hi, checked here pair by
+    pair for random bounds of a batch of slices."""
+    from megatron_mesh.masks.seen import Bounds, keeps
+
+    g = torch.Generator().manual_seed(7)
+    n, size = 5, 12
+    q0, k0 = (torch.randint(0, size, (n, 1, 1), generator=g) for _ in range(2))
+    q1, k1 = q0 + torch.randint(0, size, (n, 1, 1), generator=g), k0 + 6
+    lo = torch.randint(-size, size, (n, 1, 1), generator=g)
+    hi = lo + torch.randint(0, size, (n, 1, 1), generator=g)
+    bounds, i = Bounds(q0, q1, k0, k1, lo, hi), torch.arange(size)
+    out = torch.ones(n, size, size, dtype=torch.bool)
+    assert keeps(bounds, i[:, None], i, out=out) is out
+    want = torch.tensor([[[bool(q0[m] <= r < q1[m] and k0[m] <= c < k1[m]
+                                and lo[m] <= c - r <= hi[m]) for c in range(size)]
+                          for r in range(size)] for m in range(n)])
+    assert torch.equal(out, want) and torch.equal(keeps(bounds, i[:, None], i), want)
