@@ -129,17 +129,26 @@ def _sizes(chunks: Sequence[tuple], at: int, dim: int = 0) -> list[int]:
     return [c[at].shape[dim] for c in chunks]
 
 
+def _call_mask(queries: Sequence[tuple], keys: Sequence[tuple], at: int, mask: AttentionMask,
+               skip: Collection[tuple[int, int]], q_kept: Kept, kv_kept: Kept
+               ) -> TileMask | None:
+    """The one call's mask (`tile_mask`; queries hold their q tensor at `at`), or None where
+    it keeps no pair (no call)."""
+    if not queries or not keys:
+        return None
+    s = _local_len(queries, at, q_kept, kv_kept)
+    tm = tile_mask(mask, [c[0] for c in queries], [c[0] for c in keys], s,
+                   queries[0][at].device, skip, q_kept, kv_kept)
+    return None if tm.empty else tm
+
+
 def forward(kernel, queries: Sequence[tuple], keys: Sequence[tuple], mask: AttentionMask,
             scale: float, skip: Collection[tuple[int, int]] = (), q_kept: Kept = None,
             kv_kept: Kept = None) -> None:
     """`blocks.forward_tile` in one call: queries (x, q_x, out_acc, lse_acc), keys
     (y, k_y, v_y); q_kept / kv_kept as there."""
-    if not queries or not keys:
-        return
-    s = _local_len(queries, 1, q_kept, kv_kept)
-    tm = tile_mask(mask, [c[0] for c in queries], [c[0] for c in keys], s,
-                   queries[0][1].device, skip, q_kept, kv_kept)
-    if tm.empty:
+    tm = _call_mask(queries, keys, 1, mask, skip, q_kept, kv_kept)
+    if tm is None:
         return
     q = joined([c[1] for c in queries])
     k, v = (joined([c[i] for c in keys]) for i in (1, 2))
@@ -155,12 +164,8 @@ def backward(kernel, queries: Sequence[tuple], keys: Sequence[tuple], mask: Atte
              kv_kept: Kept = None) -> None:
     """`blocks.backward_tile` in one call: queries (x, dout_x, q_x, out_x, lse_x, dq_acc),
     keys (y, k_y, v_y, (dk_acc, dv_acc)); q_kept / kv_kept as there."""
-    if not queries or not keys:
-        return
-    s = _local_len(queries, 2, q_kept, kv_kept)
-    tm = tile_mask(mask, [c[0] for c in queries], [c[0] for c in keys], s,
-                   queries[0][2].device, skip, q_kept, kv_kept)
-    if tm.empty:
+    tm = _call_mask(queries, keys, 2, mask, skip, q_kept, kv_kept)
+    if tm is None:
         return
     dout, q, out = (joined([c[i] for c in queries]) for i in (1, 2, 3))
     lse = joined([c[4] for c in queries], -1)
