@@ -400,6 +400,29 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     return chosen
 
 
+def check_mesh_kernel(args: Any) -> None:
+    """ValueError naming --mesh-kernel where the kernel it names cannot run on this
+    machine's device (CUDA where there is one, else the CPU) for the run's dtype and head
+    dims (`kernels.choose`, the one decision, asked here before any group exists instead of
+    at the first layer); 'auto' always runs."""
+    backend = getattr(args, "mesh_kernel", None) or DEFAULT_BACKEND
+    if backend == DEFAULT_BACKEND:
+        return
+    import torch
+
+    from megatron_mesh.kernels import DeviceFacts, choose
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_attention_dtype(args),
+                                                               torch.float32)
+    qk, v = attention_head_dims(args)
+    try:
+        choose(backend, DeviceFacts.of(device, want_te=backend == "te"), dtype, qk,
+               None if v == qk else v)
+    except ValueError as e:
+        raise ValueError(f"--mesh-kernel {backend}: {e}") from None
+
+
 def validate_mesh_args(args: Any, packed_documents: bool = False
                        ) -> tuple[int, int, int] | None:
     """Check the algorithm, CP size, sequence length, mesh shape and heads (and, for the
@@ -436,6 +459,7 @@ def validate_mesh_args(args: Any, packed_documents: bool = False
             f"{named} does not implement attention dropout "
             f"(--attention-dropout {dropout}); pass --attention-dropout 0"
         )
+    check_mesh_kernel(args)
     heads, groups = _head_counts(args)
     tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
     # how the planner prices attention, decided here once (the device read only for auto)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from preloaded import Job, job_env
 
 from megatron_mesh.pretrain_gpt import main
@@ -287,6 +288,10 @@ def test_help_lists_megatron_flags(capsys: pytest.CaptureFixture) -> None:
       "local"], "--attention-chunk-size / --mesh-mask-builder with --attention-backend local"),
     ([*G8, *MESH1, "--mesh-kernel", "fast"],
      "argument --mesh-kernel: invalid choice: 'fast'"),
+    # a kernel this machine cannot run: refused with the flags, not at the first layer
+    *([([*G8, *MESH1, "--mesh-kernel", "te"],
+        "--mesh-kernel te: backend='te' cannot run here: tensors are on cpu")]
+      if not torch.cuda.is_available() else []),
     ([*G8, "--no-rope-freq", "3"], "--no-rope-freq 3 must divide --num-layers 2"),
     ([*G8, "--no-rope-freq", "[0,1,1]"], "--no-rope-freq gives 3 layers, --num-layers is 2"),
     ([*G8, "--no-rope-freq", "__import__('os')"],
