@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from megatron_mesh.layer_plan import (
+    BACKEND_NAMES,
+    DEFAULT_BACKEND,
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     DTYPE_BYTES,
@@ -160,6 +162,11 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="mesh schedule: which ring's traffic overlaps compute (streamed_kv: "
                    "column, streamed_q: row, streamed: the one it picks for the shape, "
                    "gathered: none; default %(default)s)")
+    p.add_argument("--mesh-kernel", choices=BACKEND_NAMES, default=DEFAULT_BACKEND,
+                   help="with --gpu: the tile kernel whose calls are priced (auto: the "
+                   "profile's; torch or cudnn by its own fit; te and flex by their own calls "
+                   "at the profile's kernel time a call, MODEL: no fit of theirs; default "
+                   "%(default)s)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="price every transfer as exposed (compute + comm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -191,7 +198,7 @@ def _plan(args: argparse.Namespace, cp_size: int, window: Window | None = None) 
     shape = tp.attention_shape(args.seq_length, args.batch, args.head_dim, args.dtype)
     workload = Workload.from_shape(shape, Mask(args.causal, window=window), args.documents,
                                    args.dtype, args.mesh_schedule, args.mesh_grad_reduce_dtype)
-    gpu = None if args.gpu is None else load_profile(args.gpu)
+    gpu = None if args.gpu is None else load_profile(args.gpu).for_kernel(args.mesh_kernel)
     cluster = Cluster(cp_size, tp.cp_per_node, args.intra_node_bw, args.inter_node_bw,
                       args.attention_tflops or hardware.DEFAULT_ATTENTION_TFLOPS, gpu)
     return search(workload, cluster, args.overlap)
@@ -329,6 +336,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.gpu is not None and args.attention_tflops is not None:
         parser.error(f"--gpu {args.gpu} prices attention by its profile of kernel calls; "
                      f"--attention-tflops {args.attention_tflops:g} is a flat rate: give one")
+    if args.gpu is None and args.mesh_kernel != DEFAULT_BACKEND:
+        parser.error(f"--mesh-kernel {args.mesh_kernel} names the kernel whose calls a GPU "
+                     "profile prices: give --gpu (h100 or h200) with it")
     if args.inference and args.window_attn_skip_freq is not None:
         parser.error(f"--window-attn-skip-freq {args.window_attn_skip_freq}: --inference prices "
                      "one layer (prefill and a decode step), not a mix of windowed and global "

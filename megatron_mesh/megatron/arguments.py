@@ -463,7 +463,8 @@ def validate_mesh_args(args: Any, packed_documents: bool = False
     heads, groups = _head_counts(args)
     tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
     # how the planner prices attention, decided here once (the device read only for auto)
-    pricing = (launch_pricing(getattr(args, "mesh_gpu_profile", None) or AUTO)
+    pricing = (launch_pricing(getattr(args, "mesh_gpu_profile", None) or AUTO,
+                              getattr(args, "mesh_kernel", None) or DEFAULT_BACKEND)
                if mesh_shape is None and cp_size > 1 else None)
     shape, automatic, per_node = launched_mesh_shape(
         cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads, num_attention_heads=heads,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron_mesh.layer_plan import (
+    DEFAULT_BACKEND,
     DEFAULT_GRAD_DTYPE,
     DEFAULT_SCHEDULE,
     DTYPE_BYTES,
@@ -57,21 +58,27 @@ class MeshPricing:
 
     def describe(self) -> str:
         """The log line's words, e.g. "MODEL: attention priced by GPU profile h200
-        (measured kernel calls; --mesh-gpu-profile auto: CUDA device 'NVIDIA H200')"."""
+        (measured cudnn kernel calls; --mesh-gpu-profile auto: CUDA device 'NVIDIA H200')"."""
         if self.gpu is None:
             how, notes = f"at the flat {DEFAULT_ATTENTION_TFLOPS:g} TFLOP/s", [self.reason]
         else:
-            kind = "measured" if self.gpu.measured else "SCALED, not measured"
-            how, notes = f"by GPU profile {self.gpu.name}", [f"{kind} kernel calls", self.reason]
+            gpu = self.gpu
+            kind = "measured" if gpu.measured else "SCALED, not measured"
+            calls = (f"{kind} {gpu.backend} kernel calls" if gpu.calls_backend == gpu.backend
+                     else f"{gpu.kernel} kernel calls at the {kind} {gpu.backend} time a call, "
+                     f"no {gpu.kernel} fit")
+            how, notes = f"by GPU profile {gpu.name}", [calls, self.reason]
         said = "; ".join(n for n in notes if n)
         return f"MODEL: attention priced {how}" + (f" ({said})" if said else "")
 
 
-def mesh_pricing(choice: str = AUTO, device_name: str | None = None) -> MeshPricing:
+def mesh_pricing(choice: str = AUTO, device_name: str | None = None,
+                 kernel: str = DEFAULT_BACKEND) -> MeshPricing:
     """The pricing --mesh-gpu-profile `choice` (one of `MESH_GPU_PROFILES`) means on a
-    device called `device_name` (None: no CUDA device): a profile by name, flat, or auto:
-    the profile the device names (`gpu_profile.profile_for_device`), else flat. Pure; the
-    driver passes `cuda_device_name()`. ValueError naming the valid choices otherwise."""
+    device called `device_name` (None: no CUDA device) for the tile kernel `kernel`
+    (--mesh-kernel: `GpuProfile.for_kernel`): a profile by name, flat, or auto: the profile
+    the device names (`gpu_profile.profile_for_device`), else flat. Pure; the driver passes
+    `cuda_device_name()`. ValueError naming the valid choices otherwise."""
     if choice not in MESH_GPU_PROFILES:
         raise ValueError(f"--mesh-gpu-profile {choice!r} is not one of "
                          f"{', '.join(MESH_GPU_PROFILES)}")
@@ -79,10 +86,11 @@ def mesh_pricing(choice: str = AUTO, device_name: str | None = None) -> MeshPric
     if choice == FLAT:
         return MeshPricing(None, flag)
     if choice != AUTO:
-        return MeshPricing(load_profile(choice), flag)
+        return MeshPricing(load_profile(choice).for_kernel(kernel), flag)
     name = profile_for_device(device_name)
     if name is not None:
-        return MeshPricing(load_profile(name), f"{flag}: CUDA device {device_name!r}")
+        return MeshPricing(load_profile(name).for_kernel(kernel),
+                           f"{flag}: CUDA device {device_name!r}")
     why = "no CUDA device" if not device_name else f"no profile for {device_name!r}"
     return MeshPricing(None, f"{flag}: {why}")
 
@@ -94,9 +102,10 @@ def cuda_device_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def launch_pricing(choice: str = AUTO) -> MeshPricing:
-    """`mesh_pricing(choice)` on this process's CUDA device (read only for auto)."""
-    return mesh_pricing(choice, cuda_device_name() if choice == AUTO else None)
+def launch_pricing(choice: str = AUTO, kernel: str = DEFAULT_BACKEND) -> MeshPricing:
+    """`mesh_pricing(choice, kernel=kernel)` on this process's CUDA device (read only for
+    auto)."""
+    return mesh_pricing(choice, cuda_device_name() if choice == AUTO else None, kernel)
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:

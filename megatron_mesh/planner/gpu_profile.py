@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from megatron_mesh.layer_plan import BACKWARD_FLOPS_RATIO, attention_flops
+from megatron_mesh.layer_plan import BACKEND_NAMES, BACKWARD_FLOPS_RATIO, attention_flops
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 GPU_PROFILES = ("h100", "h200")  # --gpu names: profiles/<name>.json
@@ -85,7 +85,9 @@ def check_phase(phase: str) -> None:
 class GpuProfile:
     """A GPU's fitted kernel time: `fits` ((backend, pass, PassFit), ...), the backend the
     planner prices (`backend`: what backend 'auto' runs there without Transformer Engine),
-    dtype rate factors ((dtype, factor), ...), and where the numbers come from."""
+    dtype rate factors ((dtype, factor), ...), and where the numbers come from; `kernel`:
+    the tile kernel whose calls the planner counts where it is not `backend` (one without a
+    fit here, priced at `backend`'s fitted time: `for_kernel`)."""
 
     name: str
     machine: str
@@ -98,10 +100,29 @@ class GpuProfile:
     dtype_rate: tuple[tuple[str, float], ...]
     fits: tuple[tuple[str, str, PassFit], ...]
     max_rel_error: float
+    kernel: str | None = None
 
     @property
     def backends(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b for b, _, _ in self.fits))
+
+    @property
+    def calls_backend(self) -> str:
+        """The tile kernel whose calls are counted (`kernel`, else `backend`)."""
+        return self.kernel or self.backend
+
+    def for_kernel(self, kernel: str) -> GpuProfile:
+        """This profile pricing the tile kernel `kernel` (`layer_plan.BACKEND_NAMES`, e.g.
+        --mesh-kernel): 'auto' as it is; a kernel with a fit here by that fit; any other by its
+        own calls (`pricing.tiles.KernelCalls`: flex takes a group on hand in one call) at
+        `backend`'s fitted time a call (MODEL: it is not measured; `describe` says so)."""
+        if kernel not in BACKEND_NAMES:
+            raise ValueError(f"tile kernel {kernel!r} is not one of {', '.join(BACKEND_NAMES)}")
+        if kernel == "auto":
+            return self
+        if kernel in self.backends:
+            return replace(self, backend=kernel, kernel=None)
+        return replace(self, kernel=kernel)
 
     def fit(self, phase: str, backend: str | None = None) -> PassFit:
         """The fit of `backend` (default: the profile's) in `phase`."""
@@ -163,7 +184,10 @@ class GpuProfile:
         """One line for people: the profile, its kernels and where its numbers come from."""
         versions = ", ".join(f"{k} {v}" for k, v in self.versions)
         how = "measured" if self.measured else "SCALED, not measured"
-        return (f"GPU profile {self.name} ({how}): {self.backend} kernels, {self.machine}, "
+        kernels = (f"{self.backend} kernels" if self.calls_backend == self.backend else
+                   f"{self.kernel} calls at {self.backend}'s fitted time a call (no "
+                   f"{self.kernel} fit: MODEL)")
+        return (f"GPU profile {self.name} ({how}): {kernels}, {self.machine}, "
                 f"{versions}, {self.date}" + (f"; {self.note}" if self.note else ""))
 
 

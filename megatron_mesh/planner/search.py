@@ -149,7 +149,7 @@ def search(workload: Workload, cluster: Cluster, overlap: bool = True) -> Plan:
     unavailable, with the reason."""
     p = cluster.gpus
     workload.check_cp_size(p)
-    backend = None if cluster.gpu is None else cluster.gpu.backend
+    backend = None if cluster.gpu is None else cluster.gpu.calls_backend
 
     def priced(method: str, label: str, transfers, calls, shape=None, heads=1) -> Estimate:
         """`calls`: (function, its arguments) of the method's kernel calls, counted only

@@ -173,6 +173,8 @@ def test_cli_gpu_selects_the_profile_and_says_when_it_is_scaled(capsys):
     (["--gpu", "h300"], "argument --gpu: invalid choice: 'h300' (choose from 'h100', 'h200')"),
     (["--gpu", "h200", "--attention-tflops", "300"], "--gpu h200 prices attention by its "
      "profile of kernel calls; --attention-tflops 300 is a flat rate: give one"),
+    (["--mesh-kernel", "flex"], "--mesh-kernel flex names the kernel whose calls a GPU "
+     "profile prices: give --gpu (h100 or h200) with it"),
 ])
 def test_cli_bad_gpu_exits_2_naming_the_valid_ones(capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
@@ -243,3 +245,29 @@ def test_published_case_the_profile_moves_the_choice_to_fewer_larger_calls(kv_he
     chosen_flat = next(e for e in priced.estimates if e.label == flat.best_grid.label)
     assert priced.best_grid.calls.forward < chosen_flat.calls.forward
     assert priced.best_mesh.total_s > flat.best_mesh.total_s  # 2D meshes pay for their calls
+
+
+def test_a_profile_prices_the_named_kernel_by_its_fit_or_its_calls_saying_so(capsys):
+    """--mesh-kernel: a kernel the profile fits is priced by that fit; one it does not fit
+    (flex, te) by its own calls at the profile's kernel time a call, said to be a MODEL; the
+    calls counted follow the kernel (flex: a gathered tile in 1 call forward, 2 backward)."""
+    h200 = load_profile("h200")
+    assert h200.for_kernel("auto") is h200 and h200.calls_backend == "cudnn"
+    torch_fit = h200.for_kernel("torch")
+    assert (torch_fit.backend, torch_fit.calls_backend) == ("torch", "torch")
+    assert torch_fit.fit("forward") == h200.fit("forward", "torch")
+    flex = h200.for_kernel("flex")
+    assert (flex.backend, flex.calls_backend) == ("cudnn", "flex")
+    assert "flex calls at cudnn's fitted time a call (no flex fit: MODEL)" in flex.describe()
+    assert load_profile("h100").for_kernel("flex").calls_backend == "flex"
+    with pytest.raises(ValueError, match="tile kernel 'cuda' is not one of auto, torch, cudnn"):
+        h200.for_kernel("cuda")
+    model = ["plan", "--gpus", "8", "--seq-length", str(16 * K), "--head-dim", "128",
+             "--num-heads", "16", "--mesh-schedule", "gathered", "--gpu", "h200", "--json"]
+    calls = {}
+    for kernel in ("auto", "flex"):
+        assert main([*model, "--mesh-kernel", kernel]) == 0
+        data = json.loads(capsys.readouterr().out)
+        calls[kernel] = {e["label"]: e["calls"] for e in data["estimates"]}
+    assert calls["flex"]["mesh 2x4"]["forward"] == 1 and calls["flex"]["mesh 2x4"]["backward"] == 2
+    assert calls["auto"]["mesh 2x4"]["forward"] > 1

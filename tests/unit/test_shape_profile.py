@@ -62,10 +62,10 @@ def _args(profile: str, **over) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("profile, shape, said", [
-    ("h200", (8, 8, 1), "MODEL: attention priced by GPU profile h200 (measured kernel calls; "
-     "--mesh-gpu-profile h200)"),
+    ("h200", (8, 8, 1), "MODEL: attention priced by GPU profile h200 (measured cudnn kernel "
+     "calls; --mesh-gpu-profile h200)"),
     ("h100", (8, 8, 1), "MODEL: attention priced by GPU profile h100 (SCALED, not measured "
-     "kernel calls; --mesh-gpu-profile h100)"),
+     "cudnn kernel calls; --mesh-gpu-profile h100)"),
     ("flat", (4, 16, 1), "MODEL: attention priced at the flat 400 TFLOP/s "
      "(--mesh-gpu-profile flat)"),
 ])
@@ -84,6 +84,22 @@ def test_flag_check_prices_by_the_flag_and_logs_one_line_saying_so(
         assert validate_mesh_args(_args(profile, mesh_shape=(8, 8))) == (1, 8, 8)
     assert "8x8 grid of 64 CP ranks (as given)\n" in caplog.text + "\n"
     assert "priced" not in caplog.text
+
+
+def test_flag_check_prices_the_calls_of_the_kernel_the_run_uses(monkeypatch, caplog) -> None:
+    """--mesh-kernel reaches the planner: on the gathered schedule flex runs a tile in 1 call
+    forward and 2 backward, so it takes another grid than cuDNN's calls would; the line says
+    its calls are priced at cuDNN's time a call (no flex fit)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    chosen = {}
+    for kernel in ("auto", "flex"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_mesh"):
+            chosen[kernel] = validate_mesh_args(_args("h200", mesh_kernel=kernel,
+                                                      mesh_schedule="gathered"))
+    assert chosen == {"auto": (32, 2, 1), "flex": (8, 8, 1)}
+    assert ("MODEL: attention priced by GPU profile h200 (flex kernel calls at the measured "
+            "cudnn time a call, no flex fit; --mesh-gpu-profile h200)") in caplog.text
 
 
 def test_the_shape_is_priced_in_the_dtype_the_run_trains_in(monkeypatch) -> None:

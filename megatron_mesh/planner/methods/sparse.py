@@ -115,7 +115,7 @@ def mask_estimate(workload: Workload, cluster: Cluster, mask: Mask, rows: int, c
     calls = None if cluster.gpu is None else mesh_calls(  # what a GPU profile prices
         workload, cluster.gpus, rows, cols, heads, blocks=max(
             mesh_totals({k: 1 for k, n in block.items() if n}, rows, cols)),
-        backend=cluster.gpu.backend)
+        backend=cluster.gpu.calls_backend)
     return price("mesh", label, transfers, workload, cluster, overlap, (rows, cols), heads,
                  flops={"forward": fwd, "backward": BACKWARD_FLOPS_RATIO * fwd},
                  own_block_flops={"forward": own, "backward": BACKWARD_FLOPS_RATIO * own},
