@@ -8,10 +8,13 @@ one call / tile (forward + backward) is the tile's efficiency; beside it the mem
 extra bytes per rank of that plan (`cost_models.memory.extra_memory`, for the backend's
 calls: the diagonal folded where it folds it, one call a group for 'flex'). Every number is
 MODEL (the profile's fit, not a measurement); the goal column is 90 / 85 / 75% at
-8K / 4K / 2K tokens a chunk.
+8K / 4K / 2K tokens a chunk. --backend names the tile kernel (`GpuProfile.for_kernel`): one
+the profile fits by its fit; 'flex' and 'te', which it does not fit, by their own calls at
+the profile kernel's time a call (what such a kernel would give at that speed).
 
     python scripts/bench_tile_model.py                             # P = 8..64, MHA and GQA
     python scripts/bench_tile_model.py --cp-sizes 8 --chunks 2048 --backend torch
+    python scripts/bench_tile_model.py --backend flex --schedule gathered
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="h200", help="planner/profiles/<name>.json")
-    p.add_argument("--backend", default=None,
-                   help="the profile's backend to price (default: the one 'auto' runs there)")
+    p.add_argument("--backend", default="auto",
+                   help="the tile kernel to price: auto (the profile's), torch, cudnn, te, flex")
     p.add_argument("--cp-sizes", default="8,16,32,64", help="P, comma-separated")
     p.add_argument("--chunks", default="2048,4096,8192", help="tokens a chunk, comma-separated")
     p.add_argument("--heads", default="16/16,32/8", help="query/kv heads, comma-separated")
@@ -44,10 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tile_row(profile, backend: str, workload: Workload, cp_size: int, grid: tuple[int, int, int]
-             ) -> dict:
-    """The tile's and one call's seconds (forward, backward) and the plan's extra bytes."""
+def tile_row(profile, workload: Workload, cp_size: int, grid: tuple[int, int, int]) -> dict:
+    """The tile's and one call's seconds (forward, backward) and the plan's extra bytes, for
+    the calls of `profile.calls_backend` at `profile.backend`'s time a call."""
     a, r, c = grid
+    backend = profile.calls_backend
     calls = mesh_calls(workload, cp_size, r, c, a, backend=backend)
     chunk = workload.seq_length * a // cp_size
     flops = {"forward": workload.forward_flops() / cp_size,
@@ -55,9 +59,9 @@ def tile_row(profile, backend: str, workload: Workload, cp_size: int, grid: tupl
     tile = one = 0.0
     for phase in ("forward", "backward"):
         tile += profile.tile_seconds(phase, flops[phase], calls.count(phase), calls.rows,
-                                     calls.heads, calls.batch, calls.dtype, backend)
+                                     calls.heads, calls.batch, calls.dtype)
         one += profile.tile_seconds(phase, flops[phase], 1, c * chunk, calls.heads,
-                                    calls.batch, calls.dtype, backend)
+                                    calls.batch, calls.dtype)
     kernel = KernelCalls.of(backend, workload.dtype)
     extra = extra_memory(workload.attention_shape(), workload.mesh_plan(r, c, a),
                          bottom_right=kernel.bottom_right, whole_tile=kernel.whole_tile)
@@ -70,14 +74,12 @@ def tile_row(profile, backend: str, workload: Workload, cp_size: int, grid: tupl
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        profile = load_profile(args.profile)
-        backend = args.backend or profile.backend
-        profile.fit("forward", backend)
+        profile = load_profile(args.profile).for_kernel(args.backend)
     except ValueError as exc:  # a profile or backend it does not have: one line, exit 2
         print(f"bench_tile_model: {exc}", file=sys.stderr)
         return 2
     print(f"MODEL, not measured: {profile.describe()}")
-    print(f"backend {backend}, bf16, {'causal' if args.causal else 'full'}, head dim "
+    print(f"backend {profile.calls_backend}, bf16, {'causal' if args.causal else 'full'}, head dim "
           f"{args.head_dim}; ratio = one fused call / the tile (fwd + bwd)")
     print(f"{'heads':>6} {'chunk':>6} {'P':>3} {'grid':>8} {'schedule':>11} {'calls f/b':>9} {'tile ms':>8} "
           f"{'1 call ms':>9} {'ratio':>6} {'goal':>5} {'extra MiB':>9}")
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                     workload = Workload(seq_length=chunk * cp_size // a, num_heads=hq,
                                         num_kv_heads=hkv, head_dim=args.head_dim,
                                         causal=args.causal, **schedule)
-                    row = tile_row(profile, backend, workload, cp_size, grid)
+                    row = tile_row(profile, workload, cp_size, grid)
                     name = f"{r}x{c}" if a == 1 else f"{a}x{r}x{c}"
                     meets = "" if goal is None else ("ok" if row["ratio"] >= goal else "SHORT")
                     if meets == "SHORT":

@@ -3,6 +3,7 @@ and stays within its stated error of every measured row, and the planner and the
 cluster pricing kernel calls with it (`planner.gpu_profile`, `planner.profile_fit`)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -271,3 +272,22 @@ def test_a_profile_prices_the_named_kernel_by_its_fit_or_its_calls_saying_so(cap
         calls[kernel] = {e["label"]: e["calls"] for e in data["estimates"]}
     assert calls["flex"]["mesh 2x4"]["forward"] == 1 and calls["flex"]["mesh 2x4"]["backward"] == 2
     assert calls["auto"]["mesh 2x4"]["forward"] > 1
+
+
+def test_tile_model_prices_the_named_kernel_and_says_it_is_a_model(capsys) -> None:
+    """scripts/bench_tile_model.py --backend flex: flex's calls (gathered: 1 forward, 2
+    backward) at the profile's time a call, every line marked MODEL; an unknown kernel exits
+    2 naming the valid ones."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_tile_model.py"
+    spec = importlib.util.spec_from_file_location("bench_tile_model", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = ["--cp-sizes", "8", "--chunks", "2048", "--heads", "16/16", "--schedule", "gathered"]
+    assert bench.main([*run, "--backend", "flex"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("MODEL, not measured: GPU profile h200 (measured): flex calls at "
+                          "cudnn's fitted time a call (no flex fit: MODEL)")
+    rows = [line.split() for line in out.splitlines() if line.startswith(" 16/16")]
+    assert len(rows) == 10 and all(r[5] == "1/2" for r in rows if r[3].count("x") == 1)
+    assert bench.main([*run, "--backend", "cuda"]) == 2
+    assert "tile kernel 'cuda' is not one of auto" in capsys.readouterr().err
