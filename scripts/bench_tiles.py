@@ -240,6 +240,8 @@ def bench(args: argparse.Namespace, backend: str, s: int, calls_mode: str = "gro
                      else "cpu", "dtype": str(dtype).removeprefix("torch."), "cp_size": p,
                      "heads": hq, "kv_heads": hkv, "head_dim": d, "causal": args.causal,
                      "merge": merge, "calls": calls[name], "grouped": grouped,
+                     "pass_calls": {"forward": calls["forward"],
+                                    "backward": calls["backward"]},
                      "documents": docs,
                      "folded": grouped and folds_diagonal(kernel, q)})
     return rows

@@ -32,7 +32,8 @@ VERSION_KEYS = ("torch", "cudnn", "triton")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("tiles", metavar="TILES_JSONL", help="bench_tiles.py --json rows")
+    p.add_argument("tiles", metavar="TILES_JSONL", nargs="+",
+                   help="bench_tiles.py --json rows (several files: their rows together)")
     p.add_argument("--out", help="write the profile (JSON) here")
     p.add_argument("--name", help="profile name (default: from the device, e.g. h200)")
     p.add_argument("--backend", help="backend the planner prices (default: cudnn if measured, "
@@ -91,16 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
-    rows = read_rows(error, args.tiles)
+    rows = [row for path in args.tiles for row in read_rows(error, path)]
+    named = " + ".join(os.path.basename(path) for path in args.tiles)
     try:
         fits = fit_rows(rows)
     except ValueError as exc:
-        error(f"TILES_JSONL {args.tiles}: {exc}")
+        error(f"TILES_JSONL {named}: {exc}")
     backends = list(dict.fromkeys(b for b, _, _ in fits))
     backend = args.backend or ("cudnn" if "cudnn" in backends else backends[0])
     if backend not in backends:
         error(f"--backend {backend}: the rows measure {', '.join(backends)}")
-    date = args.date or (re.search(r"\d{4}-\d{2}-\d{2}", os.path.basename(args.tiles)) or
+    date = args.date or (re.search(r"\d{4}-\d{2}-\d{2}", os.path.basename(args.tiles[0])) or
                          [datetime.date.today().isoformat()])[0]
     res = residuals(fits, rows)
     worst = max(r.worst for r in res)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = GpuProfile(
         name=args.name or default_name(device), machine=device,
         versions=tuple(versions(args, rows, error).items()), date=date,
-        source=args.source or os.path.basename(args.tiles), measured=True, note=args.note,
+        source=args.source or named, measured=True, note=args.note,
         backend=backend, dtype_rate=tuple(DTYPE_RATE.items()), fits=fits,
         max_rel_error=math.ceil(worst * 20 - 1e-9) / 20)
     print(profile.describe())

@@ -12,7 +12,7 @@
 # Engine's kernel tests among them when TE imports, with the memory table), the tile
 # efficiency bench for MHA 16 x 128 and GQA 32 / 8 (2K / 4K / 8K tokens per chunk, bf16,
 # every backend; at 2K also with the torch merge, an A/B against the Triton one), the
-# FlexAttention tile (its gpu tests, then its tile at 2K beside torch's), the
+# FlexAttention tile (its gpu tests, then its tile at 2K / 4K / 8K), the
 # driver against Hugging Face GPT-2 at 4K and 16K tokens, CP = 4 trained on the one GPU
 # against CP = 1 (scripts/cp_on_one_gpu.py), and the GPU profile fitted to the tile rows
 # (scripts/fit_gpu_profile.py, when there). Writes OUT_DIR/steps.jsonl (one line a step:
@@ -41,8 +41,8 @@ rm -f "$OUT"/*.jsonl "$OUT"/*.json "$OUT"/*.log "$OUT/summary.txt"
 # to at most BUDGET_S, so that a rerun fits a 15-minute device lease beside the first run.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 RESERVE_S=30
-declare -A LIMITS=([gpu_tests]=90 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
-                   [tiles_documents]=10 [tiles_flex]=20 [driver_vs_hf_4k]=35
+declare -A LIMITS=([gpu_tests]=80 [tiles_mha]=35 [tiles_torch_merge]=10 [tiles_gqa]=35
+                   [tiles_documents]=10 [tiles_flex]=30 [driver_vs_hf_4k]=35
                    [driver_vs_hf_16k]=35 [cp_on_one_gpu]=50 [profile_fit]=10)
 total=$RESERVE_S
 for name in "${!LIMITS[@]}"; do total=$((total + LIMITS[$name])); done
@@ -159,18 +159,20 @@ else
 fi
 step tiles_mha "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 16 \
     --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
+# the torch merge's rows apart: the profile is fitted to one merge (the Triton one)
 MESH_TRITON_MERGE=0 step tiles_torch_merge "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 \
-    --heads 16 --head-dim 128 --dtype bf16 --backends torch --json "$OUT/tiles.jsonl"
+    --heads 16 --head-dim 128 --dtype bf16 --backends torch --json "$OUT/tiles_torch_merge.jsonl"
 step tiles_gqa "$PY" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 32 \
     --kv-heads 8 --head-dim 128 --dtype bf16 --json "$OUT/tiles.jsonl"
 step tiles_documents "$PY" scripts/bench_tiles.py --chunk 2048 --cp-size 8 --heads 16 \
     --head-dim 128 --dtype bf16 --backends torch --documents 16 --calls grouped,blocks \
     --json "$OUT/tiles_documents.jsonl"
-# FlexAttention's tile (compiled; its first calls compile): its gpu tests, then its tile at 2K
-# beside torch's, rows apart from the profile's
+# FlexAttention's tile (compiled; its first calls of a shape compile): its gpu tests, then
+# its tile at 2K / 4K / 8K (torch's and cuDNN's of the same shapes are in tiles.jsonl): the
+# rows of a flex fit, which the profile fit takes when all three chunks were timed
 step tiles_flex bash -c '"$0" -m pytest -q -x -p no:cacheprovider -m gpu tests/unit/test_kernels_flex.py \
-    && "$0" scripts/bench_tiles.py --chunk 2048 --cp-size 8 --heads 16 --head-dim 128 --dtype bf16 \
-    --backends torch,flex --iters 3 --json "$1"' "$PY" "$OUT/tiles_flex.jsonl"
+    && "$0" scripts/bench_tiles.py --chunk 2048,4096,8192 --cp-size 8 --heads 16 --head-dim 128 \
+    --dtype bf16 --backends flex --iters 3 --json "$1"' "$PY" "$OUT/tiles_flex.jsonl"
 if ! has megatron.core; then
     why="megatron-core does not import (carry its wheel in $WHEELS/: scripts/gpu_wheels.sh)"
     skip driver_vs_hf_4k "$why"; skip driver_vs_hf_16k "$why"; skip cp_on_one_gpu "$why"
@@ -188,7 +190,13 @@ else
         --json "$OUT/cp_on_one_gpu.json"
 fi
 if [ -f scripts/fit_gpu_profile.py ]; then
-    step profile_fit "$PY" scripts/fit_gpu_profile.py "$OUT/tiles.jsonl"
+    fit_rows=("$OUT/tiles.jsonl")
+    if "$PY" -c 'import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+sys.exit(len({r["chunk"] for r in rows if r["pass"] == "backward"}) < 3)' "$OUT/tiles_flex.jsonl" 2>/dev/null; then
+        fit_rows+=("$OUT/tiles_flex.jsonl")
+    fi
+    step profile_fit "$PY" scripts/fit_gpu_profile.py "${fit_rows[@]}"
 else
     skip profile_fit "scripts/fit_gpu_profile.py is not there (nothing fits the GPU profile yet)"
 fi
@@ -216,7 +224,8 @@ def tail(name, n=15):
     path = out / name
     return path.read_text().splitlines()[-n:] if path.exists() else []
 report = {"machine": load("machine.json"), "steps": lines("steps.jsonl"),
-          "tiles": lines("tiles.jsonl"), "tiles_documents": lines("tiles_documents.jsonl"),
+          "tiles": lines("tiles.jsonl") + lines("tiles_torch_merge.jsonl")
+          + lines("tiles_flex.jsonl"), "tiles_documents": lines("tiles_documents.jsonl"),
           "memory": lines("memory.jsonl"),
           "driver_vs_hf": {seq: load(f"driver_vs_hf_{seq}.json") for seq in ("4k", "16k")},
           "cp_on_one_gpu": load("cp_on_one_gpu.json"), "profile_fit": tail("profile_fit.log")}
@@ -235,7 +244,7 @@ if tiles:
     print("tile efficiency (fwd+bwd, single fused call time / tile time):")
 for r in tiles:
     print(f"  {r['backend']:>6} merge {r.get('merge', '?'):>6} heads {r['heads']}/{r['kv_heads']} "
-          f"chunk {r['chunk']:>5}: "
+          f"chunk {r['chunk']:>5}, {r.get('calls', '?'):>3} calls: "
           f"{100 * r['efficiency']:5.1f}%  tile peak {r.get('tile_peak_bytes', 0) / 2**20:.0f} MiB")
 documents = [r for r in report["tiles_documents"] if r.get("pass") == "fwd+bwd"]
 if documents:

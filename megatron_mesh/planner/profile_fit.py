@@ -3,10 +3,15 @@
 Each row times, for one backend, pass and chunk s (P blocks per tile, heads, head dim):
 
     single  one call: s query rows against P s / 2 keys (P s when not causal), no mask
-    tile    P calls, one per rank-block of the middle rank x = P // 2 (`bench_calls`):
-            causal: the diagonal block (s x s, causal), x blocks below it (s rows against
-            s / 2 keys) and P - 1 - x above it (s / 2 rows against s keys); full: P s x s
-            blocks; each call's partial merged (forward) or added in fp32 (backward)
+    tile    the rank-blocks of the middle rank x = P // 2 (`bench_calls`): causal, the
+            diagonal block (s x s, causal), x blocks below it (s rows against s / 2 keys)
+            and P - 1 - x above it (s / 2 rows against s keys); full, P s x s blocks; each
+            call's partial merged (forward) or added in fp32 (backward). Rows of
+            `--calls blocks` (and those written before the bench grouped its calls, which
+            have no `grouped` field) ran one call per block; grouped rows, and a kernel
+            taking whole tiles (flex), ran the calls their `pass_calls` count, the tile's
+            FLOPs shared evenly by them over s query rows each, as the planner prices a
+            tile (`GpuProfile.tile_seconds`)
 
 Per backend and pass (`gpu_profile` for the model):
 1. latency, rate, fill from the single calls: for each fill on a log grid, least squares
@@ -45,9 +50,19 @@ def bench_calls(row: dict, phase: str) -> tuple[Calls, Calls]:
 
     single = [call(s, p * s // 2 if causal else p * s)]
     if not causal:
-        return single, [call(s, s)] * p
-    x = p // 2
-    return single, [call(s, s, True)] + [call(s, s // 2)] * x + [call(s // 2, s)] * (p - 1 - x)
+        blocks = [call(s, s)] * p
+    else:
+        x = p // 2
+        blocks = [call(s, s, True)] + [call(s, s // 2)] * x + [call(s // 2, s)] * (p - 1 - x)
+    if "pass_calls" not in row:
+        if row.get("grouped", False):
+            raise ValueError(f"a grouped row (chunk {s}, {row['pass']}) without 'pass_calls': "
+                             "rerun scripts/bench_tiles.py, whose rows count each pass's calls")
+        return single, blocks
+    n = int(row["pass_calls"][phase])
+    if n == len(blocks) and not row.get("grouped", False):
+        return single, blocks
+    return single, [(sum(f for f, _ in blocks) / n, float(b * heads * s))] * n
 
 
 def _single_fit(singles: Sequence[tuple[Calls, float]]) -> tuple[float, float, float]:
@@ -110,9 +125,17 @@ def check_rows(rows: Sequence[dict]) -> None:
         if missing:
             raise ValueError(f"row {i + 1} lacks {', '.join(missing)} (bench_tiles.py --json "
                              "rows have them)")
+        if row.get("documents"):
+            raise ValueError(f"row {i + 1} times {row['documents']} packed documents: the "
+                             "profile is fitted to dense tiles (bench_tiles.py without "
+                             "--documents)")
         if row["pass"] not in (*PASSES, BOTH):
             raise ValueError(f"row {i + 1}: pass {row['pass']!r} is not one of "
                              f"{', '.join((*PASSES, BOTH))}")
+    merges = sorted({r["merge"] for r in rows if "merge" in r})
+    if len(merges) > 1:
+        raise ValueError(f"rows of several merges ({', '.join(merges)}): the profile prices "
+                         "one merge; fit the rows of one")
     devices = sorted({r["device"] for r in rows})
     if len(devices) > 1:
         raise ValueError(f"rows of several devices ({', '.join(devices)}): fit one at a time")

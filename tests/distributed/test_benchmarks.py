@@ -79,6 +79,8 @@ def test_bench_tiles_reports_every_pass_and_why_cudnn_and_te_are_skipped(tmp_pat
     # against the later chunks
     assert [(r["calls"], r["grouped"], r["folded"]) for r in rows[:3]] == [
         (3, True, False), (3, True, False), (6, True, False)]
+    # each row counts both passes' calls: what the profile fit reads (`profile_fit.bench_calls`)
+    assert all(r["pass_calls"] == {"forward": 3, "backward": 3} for r in rows)
 
 
 def test_bench_tiles_of_packed_documents_joins_their_calls(tmp_path) -> None:

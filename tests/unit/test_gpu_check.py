@@ -122,7 +122,10 @@ def test_dry_run_goes_through_every_step(tmp_path) -> None:
     assert "--kv-heads 8" in steps["tiles_gqa"]["note"]
     assert "--documents 16 --calls grouped,blocks" in steps["tiles_documents"]["note"], log
     assert "test_kernels_flex.py" in steps["tiles_flex"]["note"], log
-    assert "--backends torch,flex" in steps["tiles_flex"]["note"], log
+    assert "--chunk 2048,4096,8192" in steps["tiles_flex"]["note"], log  # a flex fit's rows
+    assert "--backends flex" in steps["tiles_flex"]["note"], log
+    # the torch merge's A/B rows apart from the rows the profile is fitted to
+    assert "tiles_torch_merge.jsonl" in steps["tiles_torch_merge"]["note"], log
     for name in ("driver_vs_hf_4k", "driver_vs_hf_16k"):
         assert steps[name]["note"] == "skipped: transformers does not import", log
     assert "cp_on_one_gpu.py" in steps["cp_on_one_gpu"]["note"], log

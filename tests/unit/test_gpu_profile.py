@@ -23,6 +23,7 @@ from megatron_mesh.planner.gpu_profile import (
     GPU_PROFILES,
     PASSES,
     PROFILE_DIR,
+    PassFit,
     call_flops,
     load_profile,
 )
@@ -90,6 +91,36 @@ def test_bench_tile_is_the_blocks_of_one_call_of_the_same_flops():
     assert len(single) == 1 and len(tile) == row["cp_size"]
     assert sum(f for f, _ in tile) == pytest.approx(single[0][0])
     assert sorted({u for _, u in tile}) == [16 * 1024, 16 * 2048]
+
+
+def test_grouped_rows_are_fitted_by_the_calls_they_ran():
+    """A grouped row (bench_tiles.py's default) ran the calls its `pass_calls` count, not
+    one per block: rows made from a known fit with 3 calls a tile give that fit back (read
+    as 8 calls a tile they would give another host and merge); a grouped row without the
+    count, or a row of packed documents, is refused."""
+    truth = PassFit(45e-6, 600.0, 9000.0, 120e-6, 40e-6)
+    made = []
+    for chunk in (1024, 2048, 4096, 8192):
+        row = dict(rows()[0], chunk=chunk, grouped=True,
+                   pass_calls={"forward": 3, "backward": 3}, single_ms=0.0, tile_ms=0.0)
+        for phase in ("forward", "backward"):
+            one, calls = bench_calls(dict(row, **{"pass": phase}), phase)
+            assert len(calls) == 3
+            assert sum(f for f, _ in calls) == pytest.approx(one[0][0])
+            made.append(dict(row, **{"pass": phase, "single_ms": 1e3 * truth.calls_seconds(one),
+                                     "tile_ms": 1e3 * truth.calls_seconds(calls)}))
+    fitted = dict(((b, p), f) for b, p, f in fit_rows(made))[(row["backend"], "forward")]
+    assert fitted.host_s == pytest.approx(truth.host_s, abs=1.5e-6)
+    assert fitted.merge_s == pytest.approx(truth.merge_s, abs=1.5e-6)
+    as_blocks = [dict(r, grouped=False, pass_calls={"forward": 8, "backward": 8}) for r in made]
+    wrong = dict(((b, p), f) for b, p, f in fit_rows(as_blocks))[(row["backend"], "forward")]
+    assert abs(wrong.host_s - truth.host_s) > 20e-6
+    with pytest.raises(ValueError, match="grouped row .* without 'pass_calls'"):
+        bench_calls(dict(rows()[0], grouped=True), "forward")
+    with pytest.raises(ValueError, match="row 1 times 16 packed documents"):
+        fit_rows([dict(r, documents=16) for r in made])
+    with pytest.raises(ValueError, match=r"rows of several merges \(torch, triton\)"):
+        fit_rows([dict(r, merge="torch" if i == 0 else "triton") for i, r in enumerate(made)])
 
 
 def test_at_2k_token_chunks_a_tile_of_more_calls_costs_more_than_the_flat_rate():
@@ -186,10 +217,17 @@ def test_cli_bad_gpu_exits_2_naming_the_valid_ones(capsys, extra, message):
 
 
 def test_fit_script_refits_and_writes_the_profile(tmp_path):
+    """The stored rows, given as two files (torch's, cuDNN's: as a GPU check writes flex's
+    beside the others), give the stored profile back."""
     out = tmp_path / "h200.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fit_gpu_profile.py"), str(ROWS),
-                           "--out", str(out), "--versions", "torch=2.11.0+cu130,cudnn=9.19,"
-                           "triton=3.6", "--date", "2026-11-27"],
+    parts = []
+    for backend in ("torch", "cudnn"):
+        parts.append(tmp_path / f"h200-tiles-2026-11-27-{backend}.jsonl")
+        parts[-1].write_text("".join(json.dumps(r) + "\n" for r in rows()
+                                     if r["backend"] == backend))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fit_gpu_profile.py"),
+                           *map(str, parts), "--out", str(out), "--versions",
+                           "torch=2.11.0+cu130,cudnn=9.19,triton=3.6"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "worst 45.5%: stored bound 50%" in proc.stdout
