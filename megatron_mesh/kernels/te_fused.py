@@ -34,7 +34,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from ..calls.tile_slices import DOCUMENTS, TileSlices
-from .base import check_call, log_once
+from .base import check_call, folds_diagonal, log_once
 from .caps import KernelCaps, caps_of
 from .te_kwargs import (
     QKV_LAYOUT,
@@ -229,7 +229,9 @@ def _spec_mask(spec: TileSpec) -> tuple[str, tuple[int, int], bool]:
     if spec.documents > 0 and spec.mask is not None:
         m = spec.mask
         return m.attn_mask_type, m.window_size, m.bottom_right_diagonal
-    return (*_mask(spec.causal, documents=spec.documents > 0), False)
+    m = _mask(spec.causal, documents=spec.documents > 0,
+              bottom_right=spec.causal and spec.sq != spec.sk)
+    return m.attn_mask_type, m.window_size, m.bottom_right_diagonal
 
 
 def attention_params(fields: Collection[str], spec: TileSpec) -> dict[str, Any]:
@@ -343,6 +345,12 @@ def _stats_per_token(device: torch.device) -> bool:
                         tuple(torch.cuda.get_device_capability(device)))
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_band(sq: int, sk: int) -> TileSlices:
+    """The bottom-right causal band of sq x sk (a tile's few shapes: kept)."""
+    return TileSlices.band(sq, sk, -1, 0)
+
+
 def _uses_te(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in TE_DTYPES
 
@@ -449,14 +457,20 @@ class TEFusedKernel:
     shape); other such calls go to `fallback` (as runs: `run_calls`), the reason logged
     once per kind.
 
+    A causal tile of more keys than queries (a grouped tile's diagonal after the full keys
+    before it, `calls.groups`) runs as one "causal_bottom_right" call; one TE turns down
+    runs on `fallback`, as its band where that has no bottom-right causal.
+
     `caps`: packed documents where `documents_fallback` takes them, V's own head dim where
     both fallbacks do (a tile TE turns down runs on them), windows and masks given as slices
-    where `fallback` takes them (the calls TE cannot take run there). The class's `caps`
-    are those with torch's ops as the fallbacks.
+    where `fallback` takes them (the calls TE cannot take run there), bottom-right causal
+    where `fallback` takes it or its band. The class's `caps` are those with torch's ops as
+    the fallbacks.
     """
 
     name = "te"
-    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True)
+    caps = KernelCaps(documents=True, tile_mask=True, window=True, v_head_dim=True,
+                      bottom_right=True)
 
     def __init__(self, deterministic: bool | None = None, fallback: Any = None,
                  documents_fallback: Any = None) -> None:
@@ -472,10 +486,30 @@ class TEFusedKernel:
         self.caps = KernelCaps(documents=fallbacks[1].documents,
                                tile_mask=fallbacks[0].tile_mask,
                                window=fallbacks[0].window or fallbacks[0].tile_mask,
-                               v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim)
+                               v_head_dim=fallbacks[0].v_head_dim and fallbacks[1].v_head_dim,
+                               bottom_right=(fallbacks[0].bottom_right or fallbacks[0].window
+                                             or fallbacks[0].tile_mask))
         self._takes: dict[tuple, bool] = {}
         self._asked: dict[tuple, str | None] = {}  # a pack shape -> why TE's query refuses it
         self._told: set[tuple] = set()  # (heads, dims, dtype, mask, documents?) logged once
+
+    def bottom_right_mask_free(self, q: torch.Tensor) -> bool:
+        """Whether a causal call of more keys than queries on tensors like q [sq, b, hq, d]
+        runs as one call without a mask of sq x sk (`base.folds_diagonal`): on TE's tensors
+        ("causal_bottom_right"; one TE's query turns down runs on `fallback`, `_on_fallback`),
+        elsewhere where `fallback` folds it."""
+        return _uses_te(q) or folds_diagonal(self._fallback, q)
+
+    def _on_fallback(self, q: torch.Tensor, k: torch.Tensor, causal: bool
+                     ) -> tuple[bool, TileSlices | None]:
+        """(causal, slices) of a dense tile TE does not run, for `fallback`: as it is, or a
+        causal tile of more keys than queries, where `fallback` has no bottom-right causal,
+        as its band (-1, 0), which it splits into a full call and a causal square
+        (`run_calls`)."""
+        sq, sk = q.shape[0], k.shape[0]
+        if causal and sq != sk and not caps_of(self._fallback).bottom_right:
+            return False, _causal_band(sq, sk)
+        return causal, None
 
     def _te_takes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   docs: TileSlices | None = None) -> bool:
@@ -589,7 +623,8 @@ class TEFusedKernel:
             return self._slices_fallback(slices).forward(q, k, v, causal, softmax_scale,
                                                          slices=slices)
         if not self._te_takes(q, k, v, causal):
-            return self._fallback.forward(q, k, v, causal, softmax_scale)
+            causal, band = self._on_fallback(q, k, causal)
+            return self._fallback.forward(q, k, v, causal, softmax_scale, slices=band)
         te = _load()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         sq, b, hq, _ = q.shape
@@ -638,7 +673,9 @@ class TEFusedKernel:
             return self._slices_fallback(slices).backward(dout, q, k, v, out, lse, causal,
                                                           softmax_scale, slices=slices)
         if not self._te_takes(q, k, v, causal):
-            return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale)
+            causal, band = self._on_fallback(q, k, causal)
+            return self._fallback.backward(dout, q, k, v, out, lse, causal, softmax_scale,
+                                           slices=band)
         te = _load()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, dout = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()

@@ -19,20 +19,28 @@ THD_LAYOUT = "thd_thd_thd"
 THD_FORMAT = "thd"
 
 
-def _mask(causal: bool, documents: bool = False) -> tuple[str, tuple[int, int]]:
-    """attn_mask_type and the window_size TE pairs with it (top-left causal, or none);
-    packed documents take the padding masks (each document its own sequence)."""
+NO_MASK = RunMask("no_mask", (-1, -1), False)
+CAUSAL = RunMask("causal", (-1, 0), False)  # top-left: square tiles
+CAUSAL_BOTTOM_RIGHT = RunMask("causal_bottom_right", (-1, 0), True)
+
+
+def _mask(causal: bool, documents: bool = False, bottom_right: bool = False) -> RunMask:
+    """TE's mask of a dense tile: none, causal top-left, or causal at the bottom right
+    (`bottom_right`: a tile of more keys than queries, a causal diagonal after full keys,
+    query i seeing key j <= i + sk - sq); packed documents take the padding masks (each
+    document its own sequence, `te_runs.documents_mask`)."""
     if documents:
-        return ("padding_causal", (-1, 0)) if causal else ("padding", (-1, -1))
-    return ("causal", (-1, 0)) if causal else ("no_mask", (-1, -1))
+        return documents_mask(causal, bottom_right)
+    if not causal:
+        return NO_MASK
+    return CAUSAL_BOTTOM_RIGHT if bottom_right else CAUSAL
 
 
 # Keyword arguments passed only where the installed function has the parameter (each was
 # added in some 2.x release, see docs/kernels.md), with the value that keeps the default
-# behaviour of the releases before it.
+# behaviour of the releases before it (`bottom_right_diagonal`: the mask's own alignment).
 _OPTIONAL_COMMON = {
     "softmax_type": "vanilla",
-    "bottom_right_diagonal": False,  # top-left causal
     "o_format": FORMAT,
 }
 
@@ -50,8 +58,9 @@ def _common_kwargs(
     cuda_graph: bool,
 ) -> dict[str, Any]:
     """The keyword arguments fused_attn_fwd and fused_attn_bwd share, for a function whose
-    parameter names are `params`."""
-    mask, window = _mask(causal)
+    parameter names are `params`; a causal tile of more keys than queries is aligned at
+    the bottom right (`_mask`)."""
+    mask = _mask(causal, bottom_right=causal and q.shape[0] != k.shape[0])
     kw: dict[str, Any] = dict(
         max_seqlen_q=q.shape[0],
         max_seqlen_kv=k.shape[0],
@@ -66,10 +75,12 @@ def _common_kwargs(
         dropout=0.0,
         qkv_layout=QKV_LAYOUT,
         attn_bias_type="no_bias",
-        attn_mask_type=mask,
-        window_size=window,
+        attn_mask_type=mask.attn_mask_type,
+        window_size=mask.window_size,
     )
     kw.update((n, val) for n, val in _OPTIONAL_COMMON.items() if n in params)
+    if "bottom_right_diagonal" in params:
+        kw["bottom_right_diagonal"] = mask.bottom_right_diagonal
     if "cuda_graph" in params:
         kw["cuda_graph"] = cuda_graph
     return kw

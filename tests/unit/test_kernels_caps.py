@@ -33,7 +33,8 @@ TABLE = {  # docs/kernels.md's caps table
     "torch": (TorchFlashKernel(), ("documents", "tile_mask", "window", "v_head_dim",
                                    "bottom_right")),
     "cudnn": (CudnnKernel(), ("documents", "tile_mask", "window", "v_head_dim")),
-    "te": (TEFusedKernel(), ("documents", "tile_mask", "window", "v_head_dim")),
+    "te": (TEFusedKernel(), ("documents", "tile_mask", "window", "v_head_dim",
+                             "bottom_right")),
     "emulated": (EmulatedKernel(1e12), ("documents", "tile_mask", "window", "v_head_dim")),
 }
 
@@ -120,7 +121,9 @@ def test_te_caps_follow_its_fallbacks() -> None:
     te = TEFusedKernel(fallback=plain)  # documents go to torch's ops, dv != d to `plain`
     assert te.caps == KernelCaps(documents=True)
     te = TEFusedKernel(fallback=CudnnKernel(), documents_fallback=plain)
-    assert te.caps == KernelCaps(tile_mask=True, window=True, v_head_dim=False)
+    # bottom-right causal: TE's own, or the fallback's band (cuDNN's causal is top-left)
+    assert te.caps == KernelCaps(tile_mask=True, window=True, v_head_dim=False,
+                                 bottom_right=True)
     q, k, v = _tile(CPU)
     with pytest.raises(ValueError, match="tile kernel 'te' does not take packed documents"):
         te.forward(q, k, v, True, 0.25,
@@ -234,13 +237,15 @@ def test_wrapper_declaring_caps_runs_windows_and_documents_exactly(window, packe
 def test_torch_folds_the_diagonal_only_where_no_mask_is_made(device, dtype, flash, band,
                                                              folds) -> None:
     """A grouped tile folds the causal diagonal into a bottom-right call where the kernel
-    takes it without a mask of sq x sk (`folds_diagonal`); cuDNN's and TE's causal is
-    top-left (no `bottom_right`): never; a kernel declaring `bottom_right` without saying
-    more takes it as declared."""
+    takes it without a mask of sq x sk (`folds_diagonal`); cuDNN's causal is top-left (no
+    `bottom_right`): never; TE's on its own tensors (CUDA fp16 / bf16: "causal_bottom_right"),
+    elsewhere as its fallback; a kernel declaring `bottom_right` without saying more takes it
+    as declared."""
     q = torch.empty(64, 1, 4, 16, dtype=dtype, device=device)
     kernel = TorchFlashKernel(flash=flash, band_bottom_right=band)
     assert folds_diagonal(kernel, q) is folds
-    assert not folds_diagonal(CudnnKernel(), q) and not folds_diagonal(TEFusedKernel(), q)
+    assert not folds_diagonal(CudnnKernel(), q)
+    assert folds_diagonal(TEFusedKernel(fallback=kernel), q) is folds  # not TE's tensors
     declared = Wrapper(CudnnKernel())
     declared.caps = KernelCaps(bottom_right=True)
     assert folds_diagonal(declared, q)

@@ -9,6 +9,7 @@ Part 2 needs CUDA and TE: TEFusedKernel against torch SDPA (out, lse, dq, dk, dv
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -73,7 +74,8 @@ def test_kwargs_values(release: str):
     fwd, bwd, (q, k, v, aux) = _build(release, causal=True)
     for kw in (fwd, bwd):
         assert kw["qkv_layout"] == "sbhd_sbhd_sbhd"
-        assert kw["attn_mask_type"] == "causal" and kw["window_size"] == (-1, 0)
+        # causal with sq != sk: aligned at the bottom right, as every tile kernel's causal
+        assert kw["attn_mask_type"] == "causal_bottom_right" and kw["window_size"] == (-1, 0)
         assert kw["attn_bias_type"] == "no_bias" and kw["dropout"] == 0.0
         assert kw["attn_scale"] == 0.25 and kw["fused_attention_backend"] is BACKEND
         assert (kw["max_seqlen_q"], kw["max_seqlen_kv"]) == (8, 4)
@@ -95,9 +97,13 @@ def test_kwargs_values(release: str):
         assert bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
         assert bwd["o_format"] == bwd["do_format"] == fwd["o_format"] == "sbhd"
     if "bottom_right_diagonal" in fwd:
-        assert fwd["bottom_right_diagonal"] is False and bwd["bottom_right_diagonal"] is False
+        assert fwd["bottom_right_diagonal"] is True and bwd["bottom_right_diagonal"] is True
     nomask, _, _ = _build(release, causal=False)
     assert nomask["attn_mask_type"] == "no_mask" and nomask["window_size"] == (-1, -1)
+    assert nomask.get("bottom_right_diagonal", False) is False
+    square = fwd_kwargs(SIGNATURES[sig][0], q, q, q, *[torch.arange(0, 24, 8, dtype=torch.int32)] * 2,
+                        True, 0.25, BACKEND)
+    assert square["attn_mask_type"] == "causal" and square.get("bottom_right_diagonal", False) is False
 
 
 def test_version_parsing():
@@ -118,7 +124,7 @@ def test_kwargs_follow_the_signature_not_the_version():
     assert set(fwd) <= set(fwd_params) and set(bwd) <= set(bwd_params)
     assert "return_max_logit" not in fwd and "o_format" not in fwd
     assert "dqkv_dtype" not in bwd and bwd["dqkv_layout"] == "sbhd_sbhd_sbhd"
-    assert bwd["do_format"] == "sbhd" and bwd["bottom_right_diagonal"] is False
+    assert bwd["do_format"] == "sbhd" and bwd["bottom_right_diagonal"] is True  # 8 x 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,10 +160,13 @@ def test_backend_query_params_match_real_fields(release: str, causal: bool):
     assert (kw["num_heads"], kw["num_gqa_groups"], kw["head_dim_qk"]) == (16, 4, 128)
     assert (kw["max_seqlen_q"], kw["max_seqlen_kv"], kw["batch_size"]) == (2048, 1024, 2)
     assert kw["qkv_layout"] == "sbhd_sbhd_sbhd" and kw["qkv_dtype"] == torch.bfloat16
-    assert (kw["attn_mask_type"], kw["window_size"]) == (
-        ("causal", (-1, 0)) if causal else ("no_mask", (-1, -1)))
+    assert (kw["attn_mask_type"], kw["window_size"]) == (  # 2048 x 1024: bottom right
+        ("causal_bottom_right", (-1, 0)) if causal else ("no_mask", (-1, -1)))
     if "bottom_right_diagonal" in fields:
-        assert kw["bottom_right_diagonal"] is False
+        assert kw["bottom_right_diagonal"] is causal
+    square = te_fused.attention_params(fields, dataclasses.replace(spec, sk=2048))
+    assert square["attn_mask_type"] == ("causal" if causal else "no_mask")
+    assert square.get("bottom_right_diagonal", False) is False
 
 
 def test_fused_backend_read_from_both_result_shapes():

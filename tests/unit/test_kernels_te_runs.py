@@ -252,6 +252,36 @@ def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.double().repeat_interleave(heads // t.shape[1], 1)
 
 
+# A dense (sbhd) call's masks are those of its b sequences as thd ones (TE's definition)
+DENSE_AS_THD = {"no_mask": "padding", "causal": "padding_causal",
+                "causal_bottom_right": "padding_causal_bottom_right"}
+
+
+def _dense_as_thd(kw: dict) -> dict:
+    """The kwargs of a dense sbhd call as the thd call of its batch's b sequences."""
+    sq, b = kw["q"].shape[:2]
+    sk = kw["k"].shape[0]
+    assert kw["max_seqlen_q"] == sq and kw["max_seqlen_kv"] == sk
+
+    def cu(n: int) -> torch.Tensor:
+        return torch.arange(b + 1, dtype=torch.int32) * n
+
+    assert kw["cu_seqlens_q"].tolist() == cu(sq).tolist()
+    assert kw["cu_seqlens_kv"].tolist() == cu(sk).tolist()
+    thd = dict(kw, qkv_layout="thd_thd_thd", attn_mask_type=DENSE_AS_THD[kw["attn_mask_type"]],
+               cu_seqlens_q=cu(sq), cu_seqlens_kv=cu(sk), cu_seqlens_q_padded=cu(sq),
+               cu_seqlens_kv_padded=cu(sk))
+    for name in ("q", "k", "v", "o", "d_o"):
+        if name in kw:
+            thd[name] = kw[name].transpose(0, 1).reshape(-1, *kw[name].shape[2:])
+    return thd
+
+
+def _thd_as_dense(t: torch.Tensor, b: int) -> torch.Tensor:
+    """[b * s, h, d] -> [s, b, h, d]."""
+    return t.reshape(b, -1, *t.shape[1:]).transpose(0, 1)
+
+
 def _stand_in_te(release: str, per_token: bool) -> te_fused._TE:
     """TE's pieces with fused_attn_fwd / _bwd of `release`'s parameters computing each
     sequence by the definition; softmax stats per token ([t, h, 1], rows rounded as the
@@ -259,6 +289,26 @@ def _stand_in_te(release: str, per_token: bool) -> te_fused._TE:
     fwd_names, bwd_names, bwd_required = SIGNATURES[RELEASES[release]]
 
     def fused_attn_fwd(**kw):
+        if kw["qkv_layout"] == "sbhd_sbhd_sbhd":  # a dense batch: b sequences of sq rows
+            b, sq = kw["q"].shape[1], kw["q"].shape[0]
+            out, (stats, rng) = thd_fwd(**_dense_as_thd(kw))
+            per_row = stats[:b * sq, :, 0] if per_token else stats[..., 0].transpose(1, 2)
+            return (_thd_as_dense(out, b),
+                    [per_row.reshape(b, sq, -1).transpose(1, 2)[..., None], rng])
+        return thd_fwd(**kw)
+
+    def fused_attn_bwd(**kw):
+        if kw["qkv_layout"] == "sbhd_sbhd_sbhd":
+            b, sq = kw["q"].shape[1], kw["q"].shape[0]
+            stats, rng = kw["aux_ctx_tensors"]
+            rows = stats[..., 0].transpose(1, 2)  # [b, sq, h]
+            stats = (rows.reshape(b * sq, -1)[..., None] if per_token
+                     else rows.reshape(b, sq, -1).transpose(1, 2)[..., None])
+            grads = thd_bwd(**dict(_dense_as_thd(kw), aux_ctx_tensors=[stats, rng]))
+            return tuple(_thd_as_dense(g, b) for g in grads[:3]) + grads[3:]
+        return thd_bwd(**kw)
+
+    def thd_fwd(**kw):
         q, k, v = kw["q"], kw["k"], kw["v"]
         heads, sequences = q.shape[1], len(kw["cu_seqlens_q"]) - 1
         out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
@@ -278,7 +328,7 @@ def _stand_in_te(release: str, per_token: bool) -> te_fused._TE:
                 stats[n, :, :lse.shape[1], 0] = lse.float()
         return out.to(q.dtype), [stats, torch.zeros(2, dtype=torch.int64)]
 
-    def fused_attn_bwd(**kw):
+    def thd_bwd(**kw):
         q, k, v, o, do = kw["q"], kw["k"], kw["v"], kw["o"], kw["d_o"]
         stats, heads, scale = kw["aux_ctx_tensors"][0], q.shape[1], kw["attn_scale"]
         assert stats.dim() == (3 if per_token else 4)
@@ -453,6 +503,93 @@ def test_documents_of_more_keys_run_bottom_right_on_te(monkeypatch):
         kw = te_kwargs.thd_fwd_kwargs(fwd_params, q[:, 0], q[:, 0], q[:, 0], square, True,
                                      0.3, BACKEND)
         assert kw["attn_mask_type"] == "padding_causal"
+
+
+def test_te_folds_the_causal_diagonal_into_one_bottom_right_call(monkeypatch):
+    """A grouped tile on TE takes its causal diagonal with the full keys before it as one
+    "causal_bottom_right" call (query i sees key j <= i + sk - sq), as torch's flash op
+    does: a P = 4 zigzag column in 2 calls a pass instead of 3, exact against the fp64
+    formula of the zigzag positions (batch 2, GQA), forward and backward. TE's query is
+    asked with that mask (the band aligned at the bottom right from 2.12, which has the
+    argument); a tile it turns down runs on the fallback, still one call. The planner counts
+    it the same way. A fallback with a top-left causal (cuDNN's) gets the call as its band,
+    which it splits. Off TE's tensors TE folds where its fallback does."""
+    import dataclasses
+
+    from megatron_mesh.calls.layout import AttentionMask
+    from megatron_mesh.common.merge import empty_accumulators
+    from megatron_mesh.kernels import backend_folds_diagonal
+    from megatron_mesh.kernels.base import folds_diagonal
+    from megatron_mesh.kernels.torch_flash import TorchFlashKernel
+    from megatron_mesh.planner.pricing.tiles import KernelCalls
+    from megatron_mesh.schedules.blocks import backward_tile, forward_tile, kv_grads
+
+    p, s, x = 4, 8, 2  # P chunks of s rows; the query chunk of rank x
+    half = s // 2
+
+    def positions(c: int) -> torch.Tensor:  # zigzag: halves c and 2P - 1 - c
+        return torch.cat([torch.arange(c * half, (c + 1) * half),
+                          torch.arange((2 * p - 1 - c) * half, (2 * p - c) * half)])
+
+    torch.manual_seed(3)
+    q, dout = torch.randn(s, 2, 4, 8), torch.randn(s, 2, 4, 8)
+    kv = [(torch.randn(s, 2, 2, 8), torch.randn(s, 2, 2, 8)) for _ in range(p)]
+    keys = torch.cat([positions(y) for y in range(p)])
+    seen = keys[None, :] <= positions(x)[:, None]
+    want = fp64_masked_attention(q, torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]),
+                                 dout, seen, SCALE)
+    top_left = TorchFlashKernel()  # a fallback whose causal is top-left, as cuDNN's
+    top_left.caps = dataclasses.replace(TorchFlashKernel.caps, bottom_right=False)
+    cases = (("2.20.2", False, TorchFlashKernel(band_bottom_right=True)),
+             ("2.10.0", False, TorchFlashKernel(band_bottom_right=True)),
+             ("2.20.2", True, TorchFlashKernel(band_bottom_right=True)),
+             ("2.20.2", True, top_left))  # the folded call to it as its band: 2 calls
+    for release, refuse, fallback in cases:
+        asked = _stand_in_kernel(monkeypatch, release,
+                                 lambda prm: refuse and "bottom_right" in prm.attn_mask_type)
+        te = te_fused._load()
+        ran = []
+        fwd, bwd = te.fused_attn.fused_attn_fwd, te.fused_attn.fused_attn_bwd
+
+        def counted(fn, name):
+            def call(**kw):
+                ran.append((name, kw["attn_mask_type"], kw.get("bottom_right_diagonal")))
+                return fn(**kw)
+            call.__signature__ = fn.__signature__
+            return call
+
+        te.fused_attn.fused_attn_fwd = counted(fwd, "fwd")
+        te.fused_attn.fused_attn_bwd = counted(bwd, "bwd")
+        kernel = TEFusedKernel(deterministic=False, fallback=fallback)
+        assert folds_diagonal(kernel, q)
+        out, lse = empty_accumulators(s, 2, 4, 8, CPU)
+        mask = AttentionMask(True, ranks=p)
+        column = [(y, k, v) for y, (k, v) in enumerate(kv)]
+        forward_tile(kernel, [(x, q, out, lse)], column, mask, SCALE, grouped=True)
+        dq = torch.zeros(s, 2, 4, 8)
+        dkv = torch.zeros(p, 2 * s * 2 * 2 * 8)
+        backward_tile(kernel, [(x, dout, q, out.to(q.dtype), lse, dq)],
+                      [(y, k, v, kv_grads(dkv[y], k, v)) for y, k, v in column], mask, SCALE,
+                      grouped=True)
+        dk = torch.cat([dkv[y].view(2, s, 2, 2, 8)[0] for y in range(p)])
+        dv = torch.cat([dkv[y].view(2, s, 2, 2, 8)[1] for y in range(p)])
+        for got, ref, what in zip((out, lse, dq, dk, dv), want, ("out", "lse", "dq", "dk", "dv")):
+            assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-5), (
+                release, refuse, what, (got.double() - ref).abs().max())
+        bottom_right = [a for a in asked if a.attn_mask_type == "causal_bottom_right"]
+        assert len(bottom_right) == 1 and bottom_right[0].max_seqlen_kv > s
+        assert bottom_right[0].bottom_right_diagonal is True
+        if refuse:  # the folded call on the fallback, the calls after it on TE
+            assert [r[0] for r in ran] == ["fwd", "bwd"]
+            continue
+        assert [r[0] for r in ran] == ["fwd", "fwd", "bwd", "bwd"], ran
+        aligned = True if release == "2.20.2" else None  # no such argument before 2.12
+        assert ("fwd", "causal_bottom_right", aligned) in ran, ran
+        assert ("bwd", "causal_bottom_right", aligned) in ran, ran
+    monkeypatch.undo()  # TE's tensors are CUDA's again: on the CPU, as torch's kernel
+    assert not folds_diagonal(TEFusedKernel(deterministic=False), q)
+    assert backend_folds_diagonal("te", torch.bfloat16) and KernelCalls.of("te", "bf16").bottom_right
+    assert not backend_folds_diagonal("te", torch.float32)
 
 
 # ---------------------------------------------------------------- part 2: CUDA + TE

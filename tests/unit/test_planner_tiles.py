@@ -21,7 +21,8 @@ def test_mesh_calls_fold_the_diagonal_where_the_kernel_does(backend, dtype) -> N
     rows, cols = 4, 1
     workload = Workload(seq_length=8192, num_heads=8, num_kv_heads=8, head_dim=64,
                         dtype=dtype, mesh_schedule="gathered")
-    folds = (backend or "torch") == "torch" and dtype != "fp32"
+    # torch's flash op and TE ("causal_bottom_right") in fp16 / bf16; not cuDNN's top-left
+    folds = (backend or "torch") in ("torch", "te") and dtype != "fp32"
     q = torch.empty(64, 1, 8, 64, dtype=DTYPES[dtype], device="meta")  # not the CPU
     if (backend or "torch") == "torch":
         assert folds_diagonal(TorchFlashKernel(), q) is folds  # the tiles' own rule
