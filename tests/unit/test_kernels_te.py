@@ -286,8 +286,9 @@ def _reference(q, k, v, causal: bool, scale: float):
     g = q.shape[2] // k.shape[2]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, _expand(k, g), _expand(v, g)))
     scores = scale * qb @ kb.transpose(-1, -2)
-    if causal:
-        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+    if causal:  # aligned at the bottom right: query i sees key j <= i + sk - sq
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(
+            k.shape[0] - q.shape[0])
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ vb
@@ -298,9 +299,12 @@ def _sdpa(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     """torch SDPA on [s, b, h, d] in q's dtype (GQA by expanding K/V)."""
     g = q.shape[2] // k.shape[2]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, _expand(k, g), _expand(v, g)))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qb, kb, vb, is_causal=causal, scale=scale
-    )
+    keep = None
+    if causal:  # bottom right, as `_reference`
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(
+            k.shape[0] - q.shape[0])
+    out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep,
+                                                           scale=scale)
     return out.permute(2, 0, 1, 3)
 
 
@@ -355,7 +359,8 @@ def _cuda_tile(sq, sk, b, hq, hkv, d, dtype, seed=0, dv=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("causal,sq,sk,d", [(True, 256, 256, 64), (False, 256, 128, 64),
-                                             (False, 128, 256, 128), (True, 128, 128, 128)])
+                                             (False, 128, 256, 128), (True, 128, 128, 128),
+                                             (True, 128, 384, 64)])  # causal_bottom_right
 def test_te_matches_sdpa(dtype, heads, causal, sq, sk, d):
     hq, hkv = heads
     q, k, v, dout = _cuda_tile(sq, sk, 2, hq, hkv, d, dtype)
