@@ -308,6 +308,7 @@ def test_a_profile_prices_the_named_kernel_by_its_fit_or_its_calls_saying_so(cap
         assert main([*model, "--mesh-kernel", kernel]) == 0
         data = json.loads(capsys.readouterr().out)
         calls[kernel] = {e["label"]: e["calls"] for e in data["estimates"]}
+        assert data["cluster"]["gpu"]["kernel"] == ("cudnn" if kernel == "auto" else kernel)
     assert calls["flex"]["mesh 2x4"]["forward"] == 1 and calls["flex"]["mesh 2x4"]["backward"] == 2
     assert calls["auto"]["mesh 2x4"]["forward"] > 1
 

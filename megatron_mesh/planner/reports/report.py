@@ -175,7 +175,8 @@ def _cluster_dict(plan: Plan) -> dict[str, Any]:
     out = vars(plan.cluster).copy()
     g = plan.cluster.gpu
     out["gpu"] = None if g is None else {"name": g.name, "measured": g.measured,
-                                         "backend": g.backend, "describe": g.describe()}
+                                         "backend": g.backend, "kernel": g.calls_backend,
+                                         "describe": g.describe()}
     return out
 
 
