@@ -155,6 +155,16 @@ def choose(backend: str, facts: DeviceFacts, dtype: torch.dtype | None,
     return Choice(tuple(ops), tuple(skipped))
 
 
+# The --mesh-kernel name (`layer_plan.BACKEND_NAMES`) of each op a choice may start with
+OP_BACKENDS = {"te": "te", "cudnn": "cudnn", "flash": "torch", "efficient": "torch",
+               "cpu": "torch", "flex": "flex"}
+
+
+def backend_of(choice: Choice) -> str:
+    """The backend name of the op `choice` runs first (torch's ops: 'torch')."""
+    return OP_BACKENDS[choice.first]
+
+
 def log_skips(choice: Choice, what: str) -> None:
     """Logs each (op, reason) of `choice.skipped` once per process."""
     for op, why in choice.skipped:

@@ -400,27 +400,31 @@ def resolve_context_parallel_algo(args: Any) -> str | None:
     return chosen
 
 
-def check_mesh_kernel(args: Any) -> None:
+def check_mesh_kernel(args: Any) -> str:
     """ValueError naming --mesh-kernel where the kernel it names cannot run on this
     machine's device (CUDA where there is one, else the CPU) for the run's dtype and head
     dims (`kernels.choose`, the one decision, asked here before any group exists instead of
-    at the first layer); 'auto' always runs."""
+    at the first layer); 'auto' always runs. Returns the kernel whose calls the planner
+    prices: the one named, or the one 'auto' runs on this CUDA device (te, cudnn or torch:
+    `choice.backend_of`); 'auto' without one (the GPU profile's own kernel)."""
     backend = getattr(args, "mesh_kernel", None) or DEFAULT_BACKEND
-    if backend == DEFAULT_BACKEND:
-        return
     import torch
 
+    if backend == DEFAULT_BACKEND and not torch.cuda.is_available():
+        return backend
     from megatron_mesh.kernels import DeviceFacts, choose
+    from megatron_mesh.kernels.choice import backend_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_attention_dtype(args),
                                                                torch.float32)
     qk, v = attention_head_dims(args)
     try:
-        choose(backend, DeviceFacts.of(device, want_te=backend == "te"), dtype, qk,
-               None if v == qk else v)
+        chosen = choose(backend, DeviceFacts.of(device, want_te=backend in ("te", "auto")),
+                        dtype, qk, None if v == qk else v)
     except ValueError as e:
         raise ValueError(f"--mesh-kernel {backend}: {e}") from None
+    return backend_of(chosen) if backend == DEFAULT_BACKEND else backend
 
 
 def validate_mesh_args(args: Any, packed_documents: bool = False
@@ -459,12 +463,11 @@ def validate_mesh_args(args: Any, packed_documents: bool = False
             f"{named} does not implement attention dropout "
             f"(--attention-dropout {dropout}); pass --attention-dropout 0"
         )
-    check_mesh_kernel(args)
+    kernel = check_mesh_kernel(args)
     heads, groups = _head_counts(args)
     tp_size = getattr(args, "tensor_model_parallel_size", None) or 1
     # how the planner prices attention, decided here once (the device read only for auto)
-    pricing = (launch_pricing(getattr(args, "mesh_gpu_profile", None) or AUTO,
-                              getattr(args, "mesh_kernel", None) or DEFAULT_BACKEND)
+    pricing = (launch_pricing(getattr(args, "mesh_gpu_profile", None) or AUTO, kernel)
                if mesh_shape is None and cp_size > 1 else None)
     shape, automatic, per_node = launched_mesh_shape(
         cp_size, mesh_shape, tp_size, mesh_heads=mesh_heads, num_attention_heads=heads,

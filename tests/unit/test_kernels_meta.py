@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_mesh.common.merge import empty_accumulators, merge_into
 from megatron_mesh.kernels import CudnnKernel, TorchFlashKernel, build
-from megatron_mesh.kernels.choice import Choice, DeviceFacts, choose
+from megatron_mesh.kernels.choice import Choice, DeviceFacts, backend_of, choose
 
 HEADS = {"MHA": (8, 8), "GQA": (8, 2), "MQA": (8, 1)}
 VIEWS = {"view", "permute", "unsqueeze", "reshape", "expand", "slice", "select", "as_strided",
@@ -250,6 +250,8 @@ def _with_te(facts: DeviceFacts, te: str | None) -> DeviceFacts:
 def test_auto_choice(facts: DeviceFacts, dtype: torch.dtype, d: int, ops: tuple) -> None:
     chosen = choose("auto", facts, dtype, d)
     assert chosen.ops == ops
+    # the kernel the planner prices for 'auto' on that GPU (--mesh-kernel's names)
+    assert backend_of(chosen) == {"te": "te", "cudnn": "cudnn"}.get(ops[0], "torch")
     skipped = dict(chosen.skipped)
     assert set(skipped) | set(ops) >= {"cudnn", "flash", "efficient"}
     if facts.capability < (8, 0):

@@ -15,6 +15,7 @@ from megatron_mesh.cost_models.memory import extra_memory
 from megatron_mesh.cost_models.plan import resolve_plan
 from megatron_mesh.layer_plan import AttentionShape, Schedule
 from megatron_mesh.megatron import add_mesh_args, validate_mesh_args
+from megatron_mesh.megatron.arguments import check_mesh_kernel
 from megatron_mesh.megatron.shape import (
     MESH_GPU_PROFILES,
     auto_mesh_shape,
@@ -98,6 +99,9 @@ def test_flag_check_prices_the_calls_of_the_kernel_the_run_uses(monkeypatch, cap
             chosen[kernel] = validate_mesh_args(_args("h200", mesh_kernel=kernel,
                                                       mesh_schedule="gathered"))
     assert chosen == {"auto": (32, 2, 1), "flex": (8, 8, 1)}
+    # the kernel priced: the one named; 'auto' what it runs on this CUDA device, none here
+    assert check_mesh_kernel(_args("h200", mesh_kernel="flex")) == "flex"
+    assert check_mesh_kernel(_args("h200")) == "auto" and not torch.cuda.is_available()
     assert ("MODEL: attention priced by GPU profile h200 (flex kernel calls at the measured "
             "cudnn time a call, no flex fit; --mesh-gpu-profile h200)") in caplog.text
 
