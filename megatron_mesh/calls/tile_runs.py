@@ -10,13 +10,13 @@ right of the concatenation as flash-attention aligns it:
 
 Every slice (`TileSlices`, `lo <= j - i <= hi` on a rectangle) is cut at every query
 boundary of the call (`masks.slices.pieces`: full, bottom-right causal or band pieces whose
-rows each see a key; again at the boundaries cutting makes, `_on_stretches`); on each stretch of rows the full pieces' keys and one causal piece's
-(last) make one run, other causal pieces and each band a run of their own. Consecutive
-stretches whose runs continue each other are joined again. A row in several runs is merged
-by log-sum-exp; its backward runs per run with the whole row's lse. Documents are one run
-each; a call under a bidirectional prefix two (the prefix against itself, then the other
-rows causal against all keys). Plain ints, no tensors: made once per call
-(`TileSlices.runs`).
+rows each see a key; again at the boundaries cutting makes, `_on_stretches`); on each
+stretch of rows the full pieces' keys and one causal piece's (last) make one run, other
+causal pieces and each band a run of their own. Consecutive stretches whose runs continue
+each other are joined again. A row in several runs is merged by log-sum-exp; its backward
+runs per run with the whole row's lse. Documents are one run each; a call under a
+bidirectional prefix two (the prefix against itself, then the other rows causal against all
+keys). Plain ints, no tensors: made once per call (`TileSlices.runs`).
 """
 from __future__ import annotations
 
