@@ -10,13 +10,13 @@ right of the concatenation as flash-attention aligns it:
 
 Every slice (`TileSlices`, `lo <= j - i <= hi` on a rectangle) is cut at every query
 boundary of the call (`masks.slices.pieces`: full, bottom-right causal or band pieces whose
-rows each see a key); on each stretch of rows the full pieces' keys and one causal piece's
-(last) make one run, other causal pieces and each band a run of their own. Consecutive
-stretches whose runs continue each other are joined again. A row in several runs is merged
-by log-sum-exp; its backward runs per run with the whole row's lse. Documents are one run
-each; a call under a bidirectional prefix two (the prefix against itself, then the other
-rows causal against all keys). Plain ints, no tensors: made once per call
-(`TileSlices.runs`).
+rows each see a key; again at the boundaries cutting makes, `_on_stretches`); on each
+stretch of rows the full pieces' keys and one causal piece's (last) make one run, other
+causal pieces and each band a run of their own. Consecutive stretches whose runs continue
+each other are joined again. A row in several runs is merged by log-sum-exp; its backward
+runs per run with the whole row's lse. Documents are one run each; a call under a
+bidirectional prefix two (the prefix against itself, then the other rows causal against all
+keys). Plain ints, no tensors: made once per call (`TileSlices.runs`).
 """
 from __future__ import annotations
 
@@ -91,20 +91,34 @@ def _continues(first: Run, then: Run) -> Run | None:
     return None
 
 
+def _on_stretches(parts: list) -> tuple[list, list[int]]:
+    """`parts` (`masks.slices.Slice`) cut at every query boundary of any of them, and those
+    boundaries: each part then spans exactly one stretch of rows between two cuts. A band
+    cut to a stretch can come back as a causal piece over its first rows and a full one
+    below (`pieces`), a boundary no part had: cut again until none is new."""
+    while True:
+        cuts = sorted({x for p in parts for x in (p.q_start, p.q_end)})
+        out, cut = [], False
+        for p in parts:
+            first, last = bisect.bisect_left(cuts, p.q_start), bisect.bisect_left(cuts, p.q_end)
+            if last == first + 1:
+                out.append(p)
+                continue
+            cut = True
+            for n in range(first, last):
+                out += pieces(cuts[n], cuts[n + 1], p.k_start, p.k_end, *p.bounds)
+        if not cut:
+            return out, cuts
+        parts = out
+
+
 def runs_of(slices: tuple, shape: tuple[int, int]) -> tuple[Run, ...]:
     """The runs of a call's slices ((q0, q1, k0, k1, lo, hi), lo <= j - i <= hi, None:
     unbounded) over `shape` (sq, sk) rows, ordered by q0 (module docstring)."""
-    parts = [p for s in slices for p in pieces(*s)]
-    cuts = sorted({x for p in parts for x in (p.q_start, p.q_end)})
+    parts, cuts = _on_stretches([p for s in slices for p in pieces(*s)])
     stretches: dict[int, list] = {}
     for p in parts:
-        first, last = bisect.bisect_left(cuts, p.q_start), bisect.bisect_left(cuts, p.q_end)
-        if last == first + 1:
-            stretches.setdefault(first, []).append(p)
-            continue
-        for n in range(first, last):
-            a, b = cuts[n], cuts[n + 1]
-            stretches.setdefault(n, []).extend(pieces(a, b, p.k_start, p.k_end, *p.bounds))
+        stretches.setdefault(bisect.bisect_left(cuts, p.q_start), []).append(p)
     out: list[Run] = []
     open_: list[Run] = []  # the previous stretch's runs, which the next may continue
     for n in sorted(stretches):

@@ -17,6 +17,7 @@ from megatron_mesh.calls.tile_runs import runs_of
 from megatron_mesh.calls.tile_slices import TileSlices
 from megatron_mesh.kernels.cudnn import CudnnKernel
 from megatron_mesh.kernels.run_calls import BAND_ROWS, SMALL_BIAS_BYTES
+from megatron_mesh.kernels.te_runs import fit_runs
 from megatron_mesh.kernels.torch_flash import TorchFlashKernel
 from megatron_mesh.kernels.varlen_runs import packs_of, varlen_runs_backward, varlen_runs_forward
 
@@ -83,6 +84,12 @@ def cases(device: torch.device = torch.device("cpu")) -> dict[str, TileSlices]:
         "two causal on a row": TileSlices.of(
             [(0, 10, 0, 10, None, 0), (0, 10, 12, 20, None, 10), (4, 10, 20, 22, None, None)],
             (10, 22), device),
+        # a band whose rows another slice cuts where its lower bound binds for none of them:
+        # there it is a causal piece over its first rows and a full one below
+        "band cut by another slice's rows": TileSlices.of(
+            [(1, 16, 6, 10, -8, 1), (0, 15, 0, 5, None, None)], (20, 10), device),
+        "window cut by another slice's rows": TileSlices.of(  # a 4-rank block's call
+            [(0, 12, 1, 6, -8, 1), (10, 12, 0, 1, None, None)], (12, 6), device),
     }
     for n in range(6):
         sq, sk = rng.randint(8, 40), rng.randint(8, 40)
@@ -139,6 +146,61 @@ def test_documents_and_prefix_lm_are_runs_without_masks():
         (0, 11, ((0, 11),), "full"), (11, 30, ((0, 30),), "causal")]
     assert [(r.keys, r.rule) for r in TileSlices.band(9, 30, -1, 0).runs] == [
         (((0, 30),), "causal")]
+
+
+def _run_counts(runs, shape: tuple[int, int]) -> torch.Tensor:
+    """int [sq, sk]: how many runs keep each (query, key) pair, each run read by its rule's
+    definition on its concatenated keys (full; causal j <= i + sk - sq; window -left <=
+    j - i - (sk - sq) <= right, -1 unbounded)."""
+    counts = torch.zeros(shape, dtype=torch.int64)
+    for run in runs:
+        keys = torch.tensor([j for c, e in run.keys for j in range(c, e)], dtype=torch.int64)
+        i = torch.arange(run.sq)[:, None]
+        delta = torch.arange(run.sk)[None, :] - i - (run.sk - run.sq)
+        keep = torch.ones(run.sq, run.sk, dtype=torch.bool)
+        if run.rule == "causal":
+            keep &= delta <= 0
+        elif run.rule == "window":
+            left, right = run.window
+            keep &= (delta >= -left) if left >= 0 else keep
+            keep &= (delta <= right) if right >= 0 else keep
+        assert bool(keep.any(1).all()), run  # every row of a run sees a key
+        counts[run.q0:run.q1].index_add_(1, keys, keep.long())
+    return counts
+
+
+def test_runs_keep_each_pair_of_random_slices_once():
+    """The runs of random calls (up to five slices: full, causal, bands bounded on one side
+    or both, one slice's rows cutting another's anywhere) keep each pair of the slices'
+    definition exactly once and nothing else, and so do TE's cut runs (`fit_runs`)."""
+    rng = random.Random(5)
+    cut = 0
+    for _ in range(400):
+        sq, sk = rng.randint(1, 30), rng.randint(1, 30)
+        found: list[tuple] = []
+        for _ in range(20):
+            q0, k0 = rng.randrange(sq), rng.randrange(sk)
+            q1, k1 = rng.randint(q0 + 1, sq), rng.randint(k0 + 1, sk)
+            bound = lambda: (None if rng.random() < 0.4  # noqa: E731
+                             else rng.randint(k0 - q1 - 3, k1 - q0 + 3))
+            lo, hi = bound(), bound()
+            if lo is not None and hi is not None and lo > hi:
+                lo, hi = hi, lo
+            box = (q0, q1, k0, k1, lo, hi)
+            if seen_of_slices([box], (sq, sk)).any() and not any(
+                    a < q1 and q0 < b and c < k1 and k0 < e for a, b, c, e, *_ in found):
+                found.append(box)
+            if len(found) == 5:
+                break
+        if not found:
+            continue
+        slices = TileSlices.of(found, (sq, sk), torch.device("cpu"))
+        want = seen_of_slices(slices.slices, slices.shape).long()
+        assert torch.equal(_run_counts(slices.runs, (sq, sk)), want), (found, slices.runs)
+        fitted = fit_runs(slices.runs)
+        assert torch.equal(_run_counts(fitted, (sq, sk)), want), (found, fitted)
+        cut += len(fitted) > len(slices.runs)
+    assert cut >= 20, cut
 
 
 META_KERNELS = {  # CUDA branch: (kernel, dtype, the ops a call's runs may dispatch)

@@ -380,6 +380,9 @@ CASES = {
     # more queries than keys: cut into parts of rows no taller than the keys they see
     "window taller than its keys": TileSlices.of([(0, 7, 0, 4, -3, 0)], (7, 4), CPU),
     "window over earlier keys, taller": TileSlices.of([(0, 9, 0, 4, -5, None)], (9, 4), CPU),
+    # a band another slice's rows cut where it is a causal piece and a full one
+    "window cut by another slice's rows": TileSlices.of(
+        [(0, 12, 1, 6, -8, 1), (10, 12, 0, 1, None, None)], (12, 6), CPU),
 }
 
 

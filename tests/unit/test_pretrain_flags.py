@@ -146,6 +146,27 @@ def test_mesh_kernel_reaches_the_spec_and_the_banner() -> None:
         assert _attention_label(args) == "mesh tile kernel" + (" flex" if flags else "")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal; a GPU may run them")
+def test_mesh_kernel_is_checked_wherever_the_mesh_attention_runs() -> None:
+    """Without Transformer Engine layers the layers run the mesh's core attention under any
+    algorithm (here the default at CP = 1): a kernel the CPU cannot run is refused with the
+    flags there too, not at the first layer; megatron-core's local attention reads no
+    --mesh-kernel and is not refused."""
+    from megatron_mesh.training.config.arguments import ConfigError
+    from megatron_mesh.training.model.gpt import attention_algo, use_transformer_engine
+
+    for kernel in ("cudnn", "te"):
+        flags = ["--config", TINY, "--global-batch-size", "8", "--mesh-kernel", kernel]
+        with pytest.raises(ConfigError, match=f"--mesh-kernel {kernel}: backend='{kernel}' "
+                                              "cannot run here: tensors are on cpu"):
+            parse_args(flags)
+        local = parse_args(flags + ["--attention-backend", "local"])
+        assert attention_algo(local, use_transformer_engine(local)) is None
+    flex = parse_args(["--config", TINY, "--global-batch-size", "8", "--mesh-kernel", "flex"])
+    assert flex.context_parallel_algo != "mesh"
+    assert attention_algo(flex, use_transformer_engine(flex)) == "mesh"
+
+
 def test_pipeline_stages_share_the_world() -> None:
     """PP 2 x CP 2 on 4 ranks leaves DP 1; the batch is still split into micro-batches, and
     the default wandb run name says PP."""

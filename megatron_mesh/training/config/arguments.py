@@ -18,8 +18,10 @@ import torch
 
 from megatron_mesh.dtypes import flag_dtype_name
 from megatron_mesh.megatron.arguments import (
+    MESH,
     add_mesh_args,
     attention_head_dims,
+    check_mesh_kernel,
     is_mesh,
     validate_mesh_args,
 )
@@ -37,6 +39,7 @@ from megatron_mesh.training.job.staged_cp_ranks import (
     check_host_staging,
     default_backend,
 )
+from megatron_mesh.training.model.core_attention import core_attention, te_layers
 from megatron_mesh.training.model.moe import add_moe_args, check_moe_args
 
 DEFAULT_TRAIN_ITERS = 10
@@ -564,6 +567,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--context-parallel-algo {args.context_parallel_algo} with --context-parallel-size "
               f"{cp} needs Transformer Engine, which is not installed; use "
               "--context-parallel-algo mesh (works without it) or install transformer-engine")
+    if not is_mesh(args.context_parallel_algo):  # validate_mesh_args checked the mesh's kernel
+        try:  # the mesh's core attention runs under other algorithms too (no TE layers, ...)
+            if core_attention(args.attention_backend, args.context_parallel_algo, cp,
+                              te_layers(args.transformer_impl)) == MESH:
+                check_mesh_kernel(args)
+        except (ValueError, RuntimeError) as e:
+            _fail(str(e))
     if args.attention_backend == "local" and (args.attention_chunk_size or args.mesh_mask_builder):
         _fail("--attention-chunk-size / --mesh-mask-builder with --attention-backend local: "
               "megatron-core's local attention takes no such mask; use --attention-backend auto")

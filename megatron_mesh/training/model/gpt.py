@@ -10,10 +10,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_mesh.dtypes import flag_dtype
-from megatron_mesh.megatron.arguments import MESH, is_mesh, te_cp_comm_type
-from megatron_mesh.megatron.compat import have_transformer_engine
+from megatron_mesh.megatron.arguments import te_cp_comm_type
 from megatron_mesh.training.job.device import has_cuda
 from megatron_mesh.training.job.distributed import print_rank0
+from megatron_mesh.training.model.core_attention import core_attention, te_layers
 from megatron_mesh.training.model.moe import moe_config, moe_spec
 from megatron_mesh.training.model.pipeline import varies_in_length
 
@@ -106,34 +106,16 @@ def _cp_comm_type(args: TrainingConfig) -> str | None:
 
 
 def use_transformer_engine(args: TrainingConfig) -> bool:
-    """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is there."""
-    if args.parallel.transformer_impl == "local":
-        return False
-    te = have_transformer_engine()
-    if args.parallel.transformer_impl == "transformer_engine" and not te:
-        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
-                           "installed; use --transformer-impl local")
-    return te and has_cuda()
+    """Transformer Engine layers when asked, or with ``auto`` when TE imports and CUDA is
+    there (`core_attention.te_layers`)."""
+    return te_layers(args.parallel.transformer_impl)
 
 
 def attention_algo(args: TrainingConfig, use_te: bool) -> str | None:
-    """The core attention the layers use: a context-parallel algorithm of our spec's
-    `MeshDotProductAttention` ('mesh' or one of TE's), or None for megatron-core's local
-    (unfused, S x S scores) attention.
-
-    --attention-backend local asks for the latter; 'auto' for TE's attention with TE layers,
-    else the mesh tile kernel; 'flash' for the mesh tile kernel also with TE layers at CP = 1.
-    At CP = 1 the mesh is a 1 x 1 grid: one fused call over the whole sequence, whatever the
-    algorithm's name; without TE, CP > 1 runs only the mesh (arguments.py).
-    """
-    if args.parallel.attention_backend == "local":
-        return None
-    algo = args.mesh.context_parallel_algo
-    if is_mesh(algo) or not use_te:
-        return MESH
-    if args.parallel.attention_backend == "flash" and args.parallel.context_parallel_size == 1:
-        return MESH
-    return algo
+    """The core attention the layers use (`core_attention.core_attention`): 'mesh' or one
+    of TE's context-parallel algorithms, or None for megatron-core's local attention."""
+    return core_attention(args.parallel.attention_backend, args.mesh.context_parallel_algo,
+                          args.parallel.context_parallel_size, use_te)
 
 
 def layer_spec(args: TrainingConfig, grid: MeshGrid | None = None):
