@@ -340,6 +340,24 @@ def test_the_block_lists_cuda_reads_are_the_masks_pairs() -> None:
             assert torch.equal(times, (mask.kinds != 0).long()), mask.shape
 
 
+def test_a_mask_of_other_rows_is_refused() -> None:
+    """A call whose mask (or slices) is not of its q rows x k rows is refused, naming both,
+    forward and backward: fewer rows would read the mask's first rows (wrong pairs, no
+    error), more would index past its blocks."""
+    x = inputs()
+    kernel, seen = FlexTileKernel(), definition("band")
+    out, lse = kernel.forward(x["q"], x["k"], x["v"], False, 0.3, slices=slices_of("band"))
+    for rows in (SQ - 10, SQ + 200):
+        q = torch.randn(rows, B, HQ, D)
+        with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK} .* q has {rows} rows"):
+            kernel.forward(q, x["k"], x["v"], False, 0.3, slices=slices_of("band"))
+        with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK} .* q has {rows} rows"):
+            kernel.tile_forward(q, x["k"], x["v"], TileMask.of(seen), 0.3)
+    with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK - 8} .* k {SK}"):
+        kernel.tile_backward(x["dout"], x["q"], x["k"], x["v"], out, lse,
+                             TileMask.of(seen[:, 8:]), 0.3)
+
+
 def test_flex_is_chosen_by_name_only() -> None:
     """backend='flex' builds the FlexAttention kernel (it takes windows, documents, V's own
     head dim); 'auto' and 'torch' never choose it, on the CPU or for CUDA's calls."""
