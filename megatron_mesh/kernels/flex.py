@@ -93,9 +93,10 @@ class TileMask:
                              [row_runs(0, sk)])
         return cls.of_pieces(shape, pieces, device)
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
-        """No query sees any key."""
+        """No query sees any key (read once: on a GPU a wait for the device, not one a
+        call)."""
         return not bool((self.kinds != EMPTY).any())
 
     def seen(self) -> torch.Tensor:
