@@ -93,9 +93,10 @@ class TileMask:
                              [row_runs(0, sk)])
         return cls.of_pieces(shape, pieces, device)
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
-        """No query sees any key."""
+        """No query sees any key (read once: on a GPU a wait for the device, not one a
+        call)."""
         return not bool((self.kinds != EMPTY).any())
 
     def seen(self) -> torch.Tensor:
@@ -174,6 +175,15 @@ def call_mask(q: torch.Tensor, k: torch.Tensor, causal: bool,
         return plain_mask(q.shape[0], k.shape[0], causal)
     return slices.made_on("flex", torch.device("cpu"), lambda cpu: TileMask.of_slices(
         slices, slices.shape, False, cpu))
+
+
+def check_mask_shape(mask: TileMask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """ValueError unless `mask` is of q's rows x k's rows (a mask of other rows would be
+    read at the wrong pairs, or past its blocks)."""
+    if mask.shape != (q.shape[0], k.shape[0]):
+        raise ValueError(f"the call's mask is of {mask.shape[0]} x {mask.shape[1]} (rows x "
+                         f"keys) but q has {q.shape[0]} rows and k {k.shape[0]}; a call's "
+                         "mask (or slices) must be of its q rows x k rows")
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -267,7 +277,8 @@ class FlexTileKernel:
                      softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One call of q [sq, b, hq, d] against k, v [sk, b, hkv, d|dv] keeping `mask`'s
         pairs: out [sq, b, hq, dv] in q's dtype (0 on rows that see no key), lse [b, hq, sq]
-        fp32 (-inf there)."""
+        fp32 (-inf there). ValueError where `mask` is not of sq x sk."""
+        check_mask_shape(mask, q, k)
         out, lse = _forward(_bhsd(q).detach(), _bhsd(k).detach(), _bhsd(v).detach(),
                             mask.block_mask(q.device), softmax_scale)
         return _sbhd(out), lse.float()
@@ -277,10 +288,12 @@ class FlexTileKernel:
                       softmax_scale: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq [sq, b, hq, d], dk [sk, b, hkv, d], dv [sk, b, hkv, dv] of `tile_forward`'s
-        call; out and lse [b, hq, sq] fp32 are the whole row's."""
+        call; out and lse [b, hq, sq] fp32 are the whole row's. ValueError where `mask` is
+        not of sq x sk."""
+        check_mask_shape(mask, q, k)
         dq, dk, dv = _backward(*(_bhsd(t).detach() for t in (dout, q, k, v, out)),
                                lse.contiguous(), mask.block_mask(q.device), softmax_scale)
         return _sbhd(dq), _sbhd(dk), _sbhd(dv)
 
 
-__all__ = ["BLOCK", "FlexTileKernel", "TileMask", "call_mask", "plain_mask"]
+__all__ = ["BLOCK", "FlexTileKernel", "TileMask", "call_mask", "check_mask_shape", "plain_mask"]

@@ -278,6 +278,86 @@ def test_a_whole_tiles_mask_is_made_without_a_mask_of_its_size() -> None:
             f"{sq} x {sk}: held {mem.peak_bytes} B making a mask of {own} B")
 
 
+def block_sparse_reading(block_mask: flex_api.BlockMask, shape: tuple[int, int]
+                         ) -> tuple[torch.Tensor, ...]:
+    """What a block-sparse kernel (CUDA's compiled FlexAttention) computes from `block_mask`,
+    read here from its block lists: each listed partial block through its mask_mod, each
+    listed full block whole, nothing else; forward by the kv blocks of each q block,
+    backward by the q blocks of each kv block -> (forward pairs, backward pairs) bool
+    [sq, sk], and how often each pass lists each block (partial and full lists together)
+    int64 [q blocks, kv blocks] twice. The CPU's eager ops read the mask_mod alone, so the
+    exactness tests do not see these lists."""
+    sq, sk = shape
+    bm = block_mask
+    nq, nk = -(-sq // BLOCK), -(-sk // BLOCK)
+
+    def listed(count: torch.Tensor, index: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        taken = torch.arange(cols)[None, :] < count[0, 0, :, None].long()  # [rows, cols]
+        hits = torch.zeros(rows, cols, dtype=torch.int64)
+        return hits.scatter_add_(1, index[0, 0].long(), taken.long())
+
+    i, j = torch.arange(nq * BLOCK)[:, None], torch.arange(nk * BLOCK)[None, :]
+    pairs = bm.mask_mod(torch.tensor(0), torch.tensor(0), i, j).view(nq, BLOCK, nk, BLOCK)
+
+    def reading(partial: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        got = (pairs & (partial > 0)[:, None, :, None]) | (full > 0)[:, None, :, None]
+        return got.reshape(nq * BLOCK, nk * BLOCK)[:sq, :sk]
+
+    fwd = (listed(bm.kv_num_blocks, bm.kv_indices, nq, nk),
+           listed(bm.full_kv_num_blocks, bm.full_kv_indices, nq, nk))
+    bwd = (listed(bm.q_num_blocks, bm.q_indices, nk, nq).T,
+           listed(bm.full_q_num_blocks, bm.full_q_indices, nk, nq).T)
+    return reading(*fwd), reading(*bwd), sum(fwd), sum(bwd)
+
+
+def test_the_block_lists_cuda_reads_are_the_masks_pairs() -> None:
+    """The BlockMask's lists of partial and full blocks (what CUDA's block-sparse kernels
+    visit, forward by kv blocks and backward by q blocks; the CPU's eager ops never read
+    them) give exactly the mask's pairs, each block that keeps a pair listed once a pass (a
+    block both partial and full would be added twice): masks of the definition (`of`), of random
+    slices (`of_slices`), and whole tiles with packed chunks (`tile_mask`)."""
+    g = torch.Generator().manual_seed(7)
+    masks = []
+    for sq, sk in ((127, 129), (256, 384), (300, 1000), (129, 128)):
+        seen = torch.rand(sq, sk, generator=g) < 0.5
+        seen[:, :BLOCK // 2] = True  # some full blocks, some empty ones
+        seen[sq // 2:, sk // 2:] = False
+        masks.append(TileMask.of(seen))
+        masks.append(TileMask.of(torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)))
+    masks.append(TileMask.of_slices(TileSlices((700, 900), ((0, 256, 0, 256, None, 0),
+                                                            (256, 700, 100, 900, -40, 30),
+                                                            (0, 200, 300, 600, None, None)),
+                                               "slices"), (700, 900), False, torch.device("cpu")))
+    window = AttentionMask(True, ranks=4, window=Window(70, 0))
+    kept = KeptRows(tuple(range(0, 300, 3)), 300)
+    masks.append(tile_mask(window, (1, 2), (0, 1, 3), 300, torch.device("cpu"), {(2, 3)},
+                           [None, kept], [kept, None, None]))
+    for mask in masks:
+        forward, backward, *listed = block_sparse_reading(mask.block_mask("cpu"), mask.shape)
+        seen = mask.seen()
+        assert torch.equal(forward, seen) and torch.equal(backward, seen), mask.shape
+        for times in listed:  # every block that keeps a pair, once a pass
+            assert torch.equal(times, (mask.kinds != 0).long()), mask.shape
+
+
+def test_a_mask_of_other_rows_is_refused() -> None:
+    """A call whose mask (or slices) is not of its q rows x k rows is refused, naming both,
+    forward and backward: fewer rows would read the mask's first rows (wrong pairs, no
+    error), more would index past its blocks."""
+    x = inputs()
+    kernel, seen = FlexTileKernel(), definition("band")
+    out, lse = kernel.forward(x["q"], x["k"], x["v"], False, 0.3, slices=slices_of("band"))
+    for rows in (SQ - 10, SQ + 200):
+        q = torch.randn(rows, B, HQ, D)
+        with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK} .* q has {rows} rows"):
+            kernel.forward(q, x["k"], x["v"], False, 0.3, slices=slices_of("band"))
+        with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK} .* q has {rows} rows"):
+            kernel.tile_forward(q, x["k"], x["v"], TileMask.of(seen), 0.3)
+    with pytest.raises(ValueError, match=f"mask is of {SQ} x {SK - 8} .* k {SK}"):
+        kernel.tile_backward(x["dout"], x["q"], x["k"], x["v"], out, lse,
+                             TileMask.of(seen[:, 8:]), 0.3)
+
+
 def test_flex_is_chosen_by_name_only() -> None:
     """backend='flex' builds the FlexAttention kernel (it takes windows, documents, V's own
     head dim); 'auto' and 'torch' never choose it, on the CPU or for CUDA's calls."""
