@@ -475,3 +475,16 @@ def test_gpu_flex_compiled_matches_the_formula(kind: str, dtype: torch.dtype) ->
     got = in_two_calls(FlexTileKernel(), x, kind == "causal", 0.3, slices_of(kind), seen)
     tol = 1e-4 if dtype == torch.float32 else 0.05
     check(got, formula(x, seen, 0.3), tol)
+
+
+@pytest.mark.gpu
+def test_gpu_flex_two_masks_of_one_shape_in_a_row() -> None:
+    """On CUDA, one kernel given two different masks of the same shape one after the other
+    (a compiled kernel must not keep the first's blocks), then the first again: each equals
+    the fp64 formula of its own definition, rows that see nothing included."""
+    x = inputs(device="cuda", dtype=torch.float32)
+    kernel = FlexTileKernel()
+    for kind in ("documents", "slices", "documents"):
+        seen = definition(kind)
+        got = in_two_calls(kernel, x, False, 0.3, slices_of(kind), seen)
+        check(got, formula(x, seen, 0.3), 1e-4)
