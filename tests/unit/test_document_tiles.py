@@ -167,6 +167,8 @@ def random_slices(cu_padded: list[int], rng: random.Random) -> list[tuple]:
 
 
 def test_every_ranks_tile_keeps_each_pair_of_the_documents_once():
+    """The union of every rank's grouped calls, and of its whole-tile masks, is the
+    definition's mask, each pair once (module docstring)."""
     rng = random.Random(0)
     for rows, cols, picked in ((2, 2, None), (1, 4, None), (2, 4, None), (4, 2, (0, 2, 8, 10)),
                                (4, 4, (0, 1, 4, 6, 10))):
