@@ -5,9 +5,10 @@ query chunks against its column's K/V chunks (their parts, kernel calls and `Til
 made ahead of the first layer (`schedules.blocks.plan_blocks`, as the driver calls it), then
 grouped into the tile's calls (`schedules.blocks.tile_calls`: one query chunk against the
 column, as the gathered schedule asks for it). Each measurement starts from empty caches
-(a new micro-batch). The micro-batch: `--tokens` tokens in N documents of random lengths,
-given as packed documents (THD, `cu_seqlens`) and as the same mask given as slices
-(`SliceMask`, dense zigzag layout). Beside it, MODEL (H200 profile): the planner's GPU
+and new mask values, as a new micro-batch does (no table kept by a value's identity serves
+it). The micro-batch: `--tokens` tokens in N documents of random lengths, given as packed
+documents (THD, `cu_seqlens`) and as the same mask given as slices (`SliceMask`, dense
+zigzag layout). Beside it, MODEL (H200 profile): the planner's GPU
 profile (`planner/profiles/h200.json`, its backend) pricing the plan's calls, forward and
 backward, bf16, `--heads` x `--head-dim` (the heads a rank computes: hq / A).
 
@@ -89,6 +90,14 @@ def clear_caches() -> None:
         cache.cache_clear()
 
 
+def new_micro_batch(docs: Documents, ranks: int, kind: str) -> AttentionMask:
+    """The mask of `kind` as a new micro-batch brings it, with the caches emptied: new values
+    (documents, slices) equal to the last run's, so that nothing kept by a value's identity
+    (`part_arrays.slice_arrays`' table of a mask's slices) serves the next run either."""
+    clear_caches()
+    return masks(Documents(docs.cu_padded, docs.lengths), ranks, [kind])[kind]
+
+
 def plan(mask: AttentionMask, grid: MeshGrid, local_len: int, fold: bool):
     """The calls of the grid's rank's tile as the driver makes them: its blocks ahead of
     the first layer (`plan_blocks`), then each of its row's query chunks against its
@@ -137,10 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         grid = MeshGrid(rows, cols, args.rank * a, tuple(range(p)), None, None, heads=a)
         for count in (int(n) for n in args.documents.split(",")):
             docs = documents(args.tokens, count, p, args.seed)
-            for kind, mask in masks(docs, rows * cols, kinds).items():
+            for kind in kinds:
                 times, calls = [], []
                 for _ in range(args.repeat):
-                    clear_caches()
+                    mask = new_micro_batch(docs, rows * cols, kind)
                     start = time.perf_counter()
                     calls = plan(mask, grid, local_len, args.fold)
                     times.append(time.perf_counter() - start)
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{grid_text:>8} {p:>3} {count:>5} {kind:>6} {len(calls):>6} "
                       f"{1e3 * min(times):>9.2f} | {fwd:>26.2f} {bwd:>7.2f}", flush=True)
                 if args.profile:
-                    clear_caches()
+                    mask = new_micro_batch(docs, rows * cols, kind)
                     profiler = cProfile.Profile()
                     profiler.runcall(plan, mask, grid, local_len, args.fold)
                     pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
