@@ -315,18 +315,20 @@ def _call(fn: Callable, kwargs: dict[str, Any], version: str) -> Any:
     return fn(**kwargs)
 
 
-_CU_SEQLENS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 _RNG_STATE: dict[torch.device, torch.Tensor] = {}
+CU_SEQLENS_KEPT = 256  # (device, b, s) whose cu_seqlens are kept: a layer's tile shapes
 
 
 def cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """[0, s, 2s, ..., b*s] int32 (b full-length sequences), made once per (device, b, s)."""
-    key = (torch.device(device), batch, seqlen)
-    t = _CU_SEQLENS.get(key)
-    if t is None:
-        t = _CU_SEQLENS[key] = torch.arange(0, (batch + 1) * seqlen, seqlen,
-                                            dtype=torch.int32, device=device)
-    return t
+    """[0, s, 2s, ..., b*s] int32 (b full-length sequences), kept for the last
+    `CU_SEQLENS_KEPT` (device, b, s): calls of lengths new every micro-batch (packed
+    documents, windows) do not grow it."""
+    return _cu_seqlens(torch.device(device), batch, seqlen)
+
+
+@functools.lru_cache(maxsize=CU_SEQLENS_KEPT)
+def _cu_seqlens(device: torch.device, batch: int, seqlen: int) -> torch.Tensor:
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

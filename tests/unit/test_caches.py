@@ -36,3 +36,18 @@ def test_band_masks_kept_within_their_byte_bound() -> None:
     assert made.count((1024, 1024)) == 1 and (1024, 1024) not in {k[0] for k in kept.entries}
     assert isinstance(tile_slices._band_bias, caches.BytesLRU)
     assert tile_slices._band_bias.max_bytes == tile_slices.BAND_MASK_BYTES == 64 << 20
+
+
+def test_te_cu_seqlens_kept_for_a_bounded_number_of_lengths() -> None:
+    """TE's dense calls' cu_seqlens [0, s, .., b s]: calls of a new length every micro-batch
+    keep at most `CU_SEQLENS_KEPT` of them; a kept one is reused."""
+    from megatron_mesh.kernels import te_fused
+
+    cpu = torch.device("cpu")
+    te_fused._cu_seqlens.cache_clear()
+    for n in range(3 * te_fused.CU_SEQLENS_KEPT):
+        got = te_fused.cu_seqlens(2, 100 + n, cpu)
+        assert got.tolist() == [0, 100 + n, 2 * (100 + n)] and got.dtype == torch.int32
+    assert te_fused._cu_seqlens.cache_info().currsize == te_fused.CU_SEQLENS_KEPT
+    assert te_fused.cu_seqlens(2, 99 + 3 * te_fused.CU_SEQLENS_KEPT, cpu) is te_fused.cu_seqlens(
+        2, 99 + 3 * te_fused.CU_SEQLENS_KEPT, cpu)
