@@ -56,6 +56,10 @@ class InferenceSession:
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
     _agreement: DecodeAgreement = field(default_factory=DecodeAgreement, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.attention_mask is not None:  # here, before any layer's collective
+            as_attention_mask(self.attention_mask).check_one_sequence("attention_mask")
+
     @property
     def batch(self) -> int:
         return int(self.lengths.numel())

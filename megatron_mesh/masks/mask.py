@@ -107,11 +107,22 @@ class Mask:
         whole generated sequence): the user's slices cut there (`SliceMask.leading`)."""
         return self if self.slices is None else replace(self, slices=self.slices.leading(length))
 
+    def check_one_sequence(self, what: str) -> None:
+        """ValueError, naming `what`, where the mask packs documents: its rows are then not
+        rows over one sequence's positions, which decode reads (`row`)."""
+        if self.packing is not None:
+            raise ValueError(
+                f"{what} ({self.describe()}) packs documents: decode reads a token's row over "
+                "one sequence's positions; give the model's mask over one document's "
+                "positions, and pack the prompts as documents with a placement instead")
+
     def row(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """bool [b, n]: which keys at positions k_pos [b, n] the query at q_pos [b] sees: its
         row of the mask over one dense sequence (decode: a generated token's, over the
         cached keys; `seen.one_row` for causal and the window, `seen.sees` for the slices).
-        Keys at negative positions (empty slots) are never seen."""
+        Keys at negative positions (empty slots) are never seen. ValueError for a mask of
+        packed documents (`check_one_sequence`)."""
+        self.check_one_sequence("the mask")
         left = None if self.window is None else self.window.left
         right = 0 if self.causal else -1 if self.window is None else self.window.right
         seen = keeps(one_row(q_pos, left, right), q_pos[:, None], k_pos)
