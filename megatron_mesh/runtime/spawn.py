@@ -31,8 +31,9 @@ def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, drawn below the kernel's ephemeral range where it
     has one: a port the kernel hands out itself (binding port 0) is freed on return, and any
     socket the kernel numbers meanwhile (gloo's connections, a client's) may take it before
-    the job's store binds it; below that range only another job's draw can."""
-    low = _ephemeral_low()
+    the job's store binds it; below that range only another job's draw can. Below
+    `PORTS_TO` too: the Slurm scripts' rendezvous ports (20000 + job id) lie above it."""
+    low = min(_ephemeral_low(), PORTS_TO)
     draw = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(64 if low > PORTS_FROM + 1024 else 0):
         port = draw.randrange(PORTS_FROM, low)
@@ -48,6 +49,7 @@ def free_port() -> int:
 
 
 PORTS_FROM = 10000  # the first port `free_port` draws
+PORTS_TO = 20000  # the first it does not: scripts/slurm/common.sh derives ports from here
 
 
 def _ephemeral_low() -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 
-from megatron_mesh.runtime.spawn import PORTS_FROM, _ephemeral_low, free_port
+from megatron_mesh.runtime.spawn import PORTS_FROM, PORTS_TO, _ephemeral_low, free_port
 
 
 def test_ports_are_free_and_below_the_ephemeral_range() -> None:
-    low = _ephemeral_low()
+    """... and below the Slurm scripts' rendezvous ports (20000 + job id), which a test's
+    Slurm job binds while driver tests draw theirs."""
+    low = min(_ephemeral_low(), PORTS_TO)
     ports = [free_port() for _ in range(20)]
     for port in ports:
         with socket.socket() as s:  # free: it binds
