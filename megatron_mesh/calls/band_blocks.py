@@ -14,13 +14,13 @@ so pieces are about as many as slices; rows kept one by one at random would mult
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..masks.seen import Bounds, keeps
+from .part_arrays import PartArrays
 from .tile_slices import DOCUMENTS, TileSlices
 
 RowMap = int | torch.Tensor  # a call's rows at positions start + i, or int64 [rows] (-1: dropped)
@@ -28,24 +28,10 @@ BATCH = 32  # pieces made at once (one transient bool of BATCH x block x block)
 _KEY = 1 << 40  # a call's number times this plus a row: runs of all calls in one order
 
 
-@dataclass(frozen=True)
-class Pieces:
-    """n band pieces in a tile's positions, int64 [n] each on the CPU: rows [q0, q1) x keys
-    [k0, k1), lo <= key - row <= hi (bounds that limit nothing held at the rectangle's
-    reach)."""
-
-    q0: torch.Tensor
-    q1: torch.Tensor
-    k0: torch.Tensor
-    k1: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.q0)
-
-    def take(self, index: torch.Tensor) -> Pieces:
-        return Pieces(*(getattr(self, f.name)[index] for f in fields(self)))
+Pieces = PartArrays
+"""n band pieces in a tile's positions: `part_arrays.PartArrays` of int64 [n] CPU tensors,
+rows [q0, q1) x keys [k0, k1), lo <= key - row <= hi (bounds that limit nothing held at the
+rectangle's reach)."""
 
 
 def slice_table(slices: TileSlices | None, shape: tuple[int, int], causal: bool

@@ -32,14 +32,15 @@ class RunArrays(NamedTuple):
 
 
 class PartArrays(NamedTuple):
-    """Slices of local rows, int64 [parts] each (module docstring)."""
+    """Slices of local rows, int64 [parts] each (module docstring): numpy arrays when
+    planning, CPU tensors as a flex mask's pieces (`band_blocks.Pieces`)."""
 
-    q0: np.ndarray
-    q1: np.ndarray
-    k0: np.ndarray
-    k1: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
+    q0: np.ndarray | torch.Tensor
+    q1: np.ndarray | torch.Tensor
+    k0: np.ndarray | torch.Tensor
+    k1: np.ndarray | torch.Tensor
+    lo: np.ndarray | torch.Tensor
+    hi: np.ndarray | torch.Tensor
 
     def __len__(self) -> int:
         return len(self.q0)
